@@ -1,0 +1,26 @@
+"""Test-session setup shared by `unit_tests/` and `test/`.
+
+Without a CUDA device, Triton kernels can only run in Triton's CPU interpreter. The interpreter is chosen when a
+kernel is *defined* (at import of the module holding it), so the flag is set here, before any test module imports
+lightllm. On a CUDA machine nothing is set and kernels compile for the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; none is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

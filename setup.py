@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="lightllm",
+    version="0.1.0",
+    description="Inference server for hybrid linear-attention LLMs (Gated DeltaNet, Kimi Delta Attention)",
+    packages=find_packages(include=["lightllm", "lightllm.*"]),
+    package_data={"lightllm": ["**/*.json", "**/*.md"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.11,<=2.14.1",
+        "triton>=3.6,<3.7",
+        "numpy<2.4",
+        "transformers>=5.17,<6",
+        "safetensors",
+        "tokenizers",
+        "fla-core==0.6.0",
+        "einops",
+        "fastapi",
+        "uvicorn",
+        "pyzmq",
+        "rpyc",
+        "pydantic>=2",
+        "prometheus-client",
+        "msgspec",
+        "tqdm",
+        "jinja2",
+    ],
+    extras_require={"test": ["pytest", "pytest-timeout", "openai", "httpx", "ruff"]},
+)
