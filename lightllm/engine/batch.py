@@ -1,0 +1,76 @@
+"""What the engine hands the model runner for one forward, and what comes back.
+
+A batch describes itself by data: per-row query lengths and whether a row is a prefill chunk or a decode/verify
+window. Rows are ordered: prefill rows first, then decode rows. A decode row of width W carries the last accepted
+token followed by W - 1 draft tokens (W = 1 is plain decode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    # runner-side request handles (from `ModelRunner.add_request`), one per row
+    req_handles: list[int]
+    # tokens this step per row (prefill chunk length, or verify width W)
+    query_lens: list[int]
+    # tokens of the row already in its KV cache / linear state before this step
+    num_cached_tokens: list[int]
+    # number of leading rows that are prefill chunks; the rest are decode/verify rows
+    num_prefill_rows: int
+    # [sum(query_lens)] int64, all rows' tokens flattened in row order
+    input_ids: torch.Tensor
+    # per prefill row: True if this chunk ends the prompt (its last position gets logits)
+    prefill_is_last_chunk: list[bool] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.req_handles)
+
+    @property
+    def num_decode_rows(self) -> int:
+        return self.num_rows - self.num_prefill_rows
+
+
+@dataclass
+class ForwardOutput:
+    # [num_logit_tokens, vocab] fp32: the last token of each prefill row that ends its prompt, then every token of
+    # every decode row (row-major, W_i tokens per row)
+    logits: torch.Tensor
+    # [num_logit_tokens, hidden] final hidden states at the same positions (input of the MTP head), or None
+    hidden: torch.Tensor | None = None
+
+
+class ModelRunnerProtocol(Protocol):
+    """The engine's view of a model: memory pools + forward. Implemented in `lightllm.models.runner`."""
+
+    vocab_size: int
+    # largest verify width the state was sized for (mtp_step + 1 or spec_ngram + 1)
+    max_width: int
+    # number of MTP draft steps the checkpoint supports (0 = none)
+    num_mtp_steps: int
+
+    def add_request(self) -> int:
+        """Reserve a linear-state slot and a KV slot table row; returns the request handle."""
+
+    def free_request(self, handle: int) -> None:
+        """Release every KV token and the state slot of a request."""
+
+    def num_free_requests(self) -> int: ...
+
+    def num_free_kv_tokens(self) -> int: ...
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Allocate KV slots for the new tokens, run the model, return logits (KV of all new tokens is kept)."""
+
+    def accept(self, handles: list[int], num_accepted: list[int]) -> None:
+        """After a step with decode rows: keep the first `num_accepted[i]` tokens of each decode row's window
+        (linear state via `LinearAttState.accept`, KV beyond them released). Every decode row must be listed."""
+
+    def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """MTP head: chained greedy drafts `[num_rows, num_steps]` from the main model's hidden states."""
