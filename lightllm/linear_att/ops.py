@@ -54,6 +54,13 @@ def _triton_impl(module: str, name: str):
     return fn
 
 
+def _impl(backend: str | None, like: torch.Tensor, triton_module: str, torch_module: str, name: str):
+    """`kernels.<triton_module>.<name>_triton` or `torch_ops.<torch_module>.<name>`, by backend / device of `like`."""
+    if _use_triton(backend, like):
+        return _triton_impl(triton_module, f"{name}_triton")
+    return getattr(importlib.import_module(f"lightllm.linear_att.torch_ops.{torch_module}"), name)
+
+
 def activate_gates(
     graw: torch.Tensor,
     braw: torch.Tensor,
@@ -91,12 +98,8 @@ def causal_conv_prefill(
     In place: writes the last `Kc - 1` inputs of each row's `[history | x]` back at the same columns (rows with
     no tokens write nothing). Returns `y [T, C]` in the dtype of `x`.
     """
-    if _use_triton(backend, x):
-        fn = _triton_impl("conv", "causal_conv_prefill_triton")
-        return fn(x, conv, conv_offset, slots, cu_seqlens, weight, bias, has_initial_state)
-    from lightllm.linear_att.torch_ops import conv as impl
-
-    return impl.causal_conv_prefill(x, conv, conv_offset, slots, cu_seqlens, weight, bias, has_initial_state)
+    fn = _impl(backend, x, "conv", "conv", "causal_conv_prefill")
+    return fn(x, conv, conv_offset, slots, cu_seqlens, weight, bias, has_initial_state)
 
 
 def causal_conv_decode(
@@ -116,12 +119,8 @@ def causal_conv_decode(
     In place: rewrites `conv[slot, :, 0 : Kc - 2 + W]` as `[history[1:] | x_0 .. x_{W-1}]` (W = widths[i]);
     `accept(a)` later sets `conv_offset[slot] = a - 1`. Rows with width 0 write nothing and get zeros.
     """
-    if _use_triton(backend, x):
-        fn = _triton_impl("conv", "causal_conv_decode_triton")
-        return fn(x, conv, conv_offset, slots, widths, weight, bias)
-    from lightllm.linear_att.torch_ops import conv as impl
-
-    return impl.causal_conv_decode(x, conv, conv_offset, slots, widths, weight, bias)
+    fn = _impl(backend, x, "conv", "conv", "causal_conv_decode")
+    return fn(x, conv, conv_offset, slots, widths, weight, bias)
 
 
 def native_verify(
@@ -146,14 +145,8 @@ def native_verify(
     Reads `ssm[slot, ssm_index[slot]]`; in place: writes the state after window token s into `ssm[slot, s]` for
     s < W (rounded to the state dtype after every token). Returns o `[N, Wmax, HV, V]`.
     """
-    if _use_triton(backend, q):
-        fn = _triton_impl("native_verify", "native_verify_triton")
-        return fn(q, k, v, graw, braw, A_log, dt_bias, ssm, ssm_index, slots, widths, scale=scale,
-                  lower_bound=lower_bound)
-    from lightllm.linear_att.torch_ops import verify as impl
-
-    return impl.native_verify(q, k, v, graw, braw, A_log, dt_bias, ssm, ssm_index, slots, widths, scale=scale,
-                              lower_bound=lower_bound)
+    fn = _impl(backend, q, "native_verify", "verify", "native_verify")
+    return fn(q, k, v, graw, braw, A_log, dt_bias, ssm, ssm_index, slots, widths, scale=scale, lower_bound=lower_bound)
 
 
 def compact_verify(
@@ -183,14 +176,25 @@ def compact_verify(
     win_g `[S, Wmax, HV, GK]` and win_beta `[S, Wmax, HV]` (fp32 activated gate and beta), tokens s < W only.
     Returns o `[N, Wmax, HV, V]`.
     """
-    if _use_triton(backend, q):
-        fn = _triton_impl("compact", "compact_verify_triton")
-        return fn(q, k, v, graw, braw, A_log, dt_bias, ssm, win_k, win_v, win_g, win_beta, slots, widths,
-                  scale=scale, lower_bound=lower_bound)
-    from lightllm.linear_att.torch_ops import verify as impl
-
-    return impl.compact_verify(q, k, v, graw, braw, A_log, dt_bias, ssm, win_k, win_v, win_g, win_beta, slots,
-                               widths, scale=scale, lower_bound=lower_bound)
+    fn = _impl(backend, q, "compact", "verify", "compact_verify")
+    return fn(
+        q,
+        k,
+        v,
+        graw,
+        braw,
+        A_log,
+        dt_bias,
+        ssm,
+        win_k,
+        win_v,
+        win_g,
+        win_beta,
+        slots,
+        widths,
+        scale=scale,
+        lower_bound=lower_bound,
+    )
 
 
 def compact_commit(
@@ -212,12 +216,8 @@ def compact_commit(
     `accepted[i]` window tokens, replayed with native's op order and per-token rounding (so compact == native
     bitwise). Rows with width 0 are skipped.
     """
-    if _use_triton(backend, ssm):
-        fn = _triton_impl("compact", "compact_commit_triton")
-        return fn(ssm, win_k, win_v, win_g, win_beta, slots, widths, accepted)
-    from lightllm.linear_att.torch_ops import verify as impl
-
-    return impl.compact_commit(ssm, win_k, win_v, win_g, win_beta, slots, widths, accepted)
+    fn = _impl(backend, ssm, "compact", "verify", "compact_commit")
+    return fn(ssm, win_k, win_v, win_g, win_beta, slots, widths, accepted)
 
 
 def replay_verify(
@@ -255,14 +255,27 @@ def replay_verify(
     """
     if projection not in ("inline", "precompute"):
         raise ValueError(f"projection must be 'inline' or 'precompute', got {projection!r}")
-    if _use_triton(backend, q):
-        fn = _triton_impl("replay", "replay_verify_triton")
-        return fn(q, k, v, graw, braw, A_log, dt_bias, ssm, hist_k, hist_u, hist_g, cursor, parity, slots, widths,
-                  projection=projection, scale=scale, lower_bound=lower_bound)
-    from lightllm.linear_att.torch_ops import replay as impl
-
-    return impl.replay_verify(q, k, v, graw, braw, A_log, dt_bias, ssm, hist_k, hist_u, hist_g, cursor, parity,
-                              slots, widths, scale=scale, lower_bound=lower_bound)
+    fn = _impl(backend, q, "replay", "replay", "replay_verify")
+    return fn(
+        q,
+        k,
+        v,
+        graw,
+        braw,
+        A_log,
+        dt_bias,
+        ssm,
+        hist_k,
+        hist_u,
+        hist_g,
+        cursor,
+        parity,
+        slots,
+        widths,
+        projection=projection,
+        scale=scale,
+        lower_bound=lower_bound,
+    )
 
 
 def replay_accept(
@@ -281,12 +294,8 @@ def replay_accept(
     cursor, parity, conv_offset `[S]` int32, in place; slots, widths, accepted `[N]` int32. For rows with W > 0:
     fold (`h + W > capacity`) -> `cursor = a`, `parity ^= 1`; else `cursor = h + a`; and `conv_offset = a - 1`.
     """
-    if _use_triton(backend, cursor):
-        fn = _triton_impl("replay", "replay_accept_triton")
-        return fn(cursor, parity, conv_offset, slots, widths, accepted, capacity)
-    from lightllm.linear_att.torch_ops import replay as impl
-
-    return impl.replay_accept(cursor, parity, conv_offset, slots, widths, accepted, capacity)
+    fn = _impl(backend, cursor, "replay", "replay", "replay_accept")
+    return fn(cursor, parity, conv_offset, slots, widths, accepted, capacity)
 
 
 def replay_fold(
@@ -308,12 +317,8 @@ def replay_fold(
     caller clears them once for all layers). With `out [NL, n, HV, K, V]` (n = len(slots)), writes the folded
     states there and leaves `ssm` untouched (checkpoint export).
     """
-    if _use_triton(backend, ssm):
-        fn = _triton_impl("replay", "replay_fold_triton")
-        return fn(ssm, hist_k, hist_u, hist_g, cursor, parity, slots, out=out)
-    from lightllm.linear_att.torch_ops import replay as impl
-
-    return impl.replay_fold(ssm, hist_k, hist_u, hist_g, cursor, parity, slots, out=out)
+    fn = _impl(backend, ssm, "replay", "replay", "replay_fold")
+    return fn(ssm, hist_k, hist_u, hist_g, cursor, parity, slots, out=out)
 
 
 def chunk_delta_rule(
