@@ -82,7 +82,12 @@ class LinearAttState(Protocol):
         """Zero conv and SSM state of `slots` and clear their history, cursor, parity and offsets."""
 
     def prefill(
-        self, layer: int, rows: PrefillRows, mixed_qkv: torch.Tensor, graw: torch.Tensor, braw: torch.Tensor,
+        self,
+        layer: int,
+        rows: PrefillRows,
+        mixed_qkv: torch.Tensor,
+        graw: torch.Tensor,
+        braw: torch.Tensor,
         params: LayerParams,
     ) -> torch.Tensor:
         """Run conv + chunked recurrence over `mixed_qkv [T, C]` (pre-conv), `graw [T, HV, GK]`, `braw [T, HV]`;
@@ -90,7 +95,12 @@ class LinearAttState(Protocol):
         Returns `o [T, HV, V]` in the activation dtype."""
 
     def decode(
-        self, layer: int, rows: DecodeRows, mixed_qkv: torch.Tensor, graw: torch.Tensor, braw: torch.Tensor,
+        self,
+        layer: int,
+        rows: DecodeRows,
+        mixed_qkv: torch.Tensor,
+        graw: torch.Tensor,
+        braw: torch.Tensor,
         params: LayerParams,
     ) -> torch.Tensor:
         """Verify windows `mixed_qkv [N, Wmax, C]`, `graw [N, Wmax, HV, GK]`, `braw [N, Wmax, HV]`.

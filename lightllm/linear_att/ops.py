@@ -72,9 +72,9 @@ def activate_gates(
 
     The torch twins and prefill call this one function, so every torch path sees bitwise identical gates.
     """
-    from lightllm.linear_att.torch_ops import gates
+    from lightllm.linear_att.torch_ops import prep
 
-    return gates.activate(graw, braw, A_log, dt_bias, lower_bound)
+    return prep.activate_gates(graw, braw, A_log, dt_bias, lower_bound)
 
 
 def causal_conv_prefill(

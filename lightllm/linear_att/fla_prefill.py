@@ -1,0 +1,31 @@
+"""CUDA prefill through fla-core's chunk kernels (the GPU path of `ops.chunk_delta_rule`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def chunk_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, *, scale=None):
+    """See `lightllm.linear_att.ops.chunk_delta_rule`. fla takes `[1, T, ...]` with `cu_seqlens` for varlen."""
+    init = None if initial_state is None else initial_state.float().contiguous()
+    common = dict(
+        scale=scale,
+        initial_state=init,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens.long(),
+    )
+    q, k, v = (t.contiguous()[None] for t in (q, k, v))
+    beta = beta.float().contiguous()[None]
+    if g.shape[-1] == 1:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        # beta by keyword: fla's positional order differs between its entry points
+        o, final = chunk_gated_delta_rule(q, k, v, g=g[..., 0].float().contiguous()[None], beta=beta, **common)
+    else:
+        from fla.ops.kda import chunk_kda
+
+        o, final = chunk_kda(q, k, v, g=g.float().contiguous()[None], beta=beta, **common)
+    if final is None:
+        final = torch.zeros(cu_seqlens.numel() - 1, *v.shape[2:3], q.shape[-1], v.shape[-1], device=v.device)
+    return o[0], final
