@@ -57,12 +57,51 @@ class StateConfig:
     replay_capacity: int = 8
     projection: str = "inline"
     device: torch.device | str = "cpu"
+    # operator backend: None = by device (Triton on CUDA, torch on CPU); "triton" / "torch" force one (tests)
+    backend: str | None = None
+
+
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def validate_state_config(spec: LinearAttSpec, config: StateConfig) -> None:
+    """Raise ValueError (expected vs actual) for a combination no state class supports."""
+    mode = StateMode(config.mode)
+    if spec.algo not in ("gdn", "kda"):
+        raise ValueError(f"algo must be 'gdn' or 'kda', got {spec.algo!r}")
+    if spec.num_v_heads % spec.num_k_heads:
+        raise ValueError(f"num_v_heads ({spec.num_v_heads}) must be a multiple of num_k_heads ({spec.num_k_heads})")
+    if spec.conv_kernel_size < 2:
+        raise ValueError(f"conv_kernel_size must be >= 2, got {spec.conv_kernel_size}")
+    if spec.gate_lower_bound is not None and (spec.algo != "kda" or spec.gate_lower_bound >= 0):
+        raise ValueError(f"gate_lower_bound must be a negative float and only for kda, got {spec.gate_lower_bound}")
+    if config.max_requests < 1 or config.max_width < 1:
+        raise ValueError(f"max_requests and max_width must be >= 1, got {config.max_requests}, {config.max_width}")
+    if config.state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {config.state_dtype}")
+    if mode is StateMode.COMPACT and config.max_width < 2:
+        raise ValueError(
+            f"ssm_state_mode=compact needs speculative decoding (max_width >= 2), got max_width={config.max_width}"
+        )
+    if mode is StateMode.REPLAY:
+        if config.replay_capacity not in REPLAY_CAPACITIES:
+            raise ValueError(f"replay_capacity must be one of {REPLAY_CAPACITIES}, got {config.replay_capacity}")
+        if config.replay_capacity < config.max_width:
+            raise ValueError(
+                f"replay_capacity ({config.replay_capacity}) must be >= max_width ({config.max_width}): "
+                "a verify window must fit in the history"
+            )
+        if config.projection not in ("inline", "precompute"):
+            raise ValueError(f"projection must be 'inline' or 'precompute', got {config.projection!r}")
+    elif config.projection != "inline":
+        raise ValueError(f"projection={config.projection!r} is a replay option; ssm_state_mode is {mode.value}")
 
 
 def create_state(spec: LinearAttSpec, config: StateConfig) -> LinearAttState:
     """Build the state object for `spec.algo` in `config.mode` (validated here, not by callers)."""
     from lightllm.linear_att.registry import state_class
 
+    validate_state_config(spec, config)
     return state_class(spec.algo, config.mode)(spec, config)
 
 
@@ -77,4 +116,5 @@ __all__ = [
     "StateConfig",
     "StateMode",
     "create_state",
+    "validate_state_config",
 ]

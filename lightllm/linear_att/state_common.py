@@ -1,0 +1,165 @@
+"""What every state mode shares: slots, the conv window, the prefill path and the checkpoint conv part.
+
+A mode subclass owns its SSM tensors and implements the `_ssm_*` hooks; it never re-implements conv or
+slot bookkeeping. Storage layouts are those of README.md in this package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightllm.linear_att import ops
+from lightllm.linear_att.base import Checkpoint, DecodeRows, LayerParams, PrefillRows
+from lightllm.linear_att.slots import SlotAllocator
+
+
+class StateCommon:
+    """Conv window + slots + prefill for all layers; subclasses add the SSM storage of their mode."""
+
+    def __init__(self, spec, config):
+        self.spec = spec
+        self.config = config
+        self._slots = SlotAllocator(config.max_requests)
+        self.num_slots = self._slots.num_slots
+        self.hold_slot = self._slots.hold_slot
+        self.max_width = config.max_width
+        self.device = torch.device(config.device)
+        self.backend = config.backend
+        self.conv_hist_len = spec.conv_kernel_size - 1
+        conv_cols = self.conv_hist_len + config.max_width - 1
+        self.conv = torch.zeros(
+            spec.num_layers, self.num_slots, spec.conv_dim, conv_cols, dtype=config.act_dtype, device=self.device
+        )
+        self.conv_offset = torch.zeros(self.num_slots, dtype=torch.int32, device=self.device)
+
+    # slots -----------------------------------------------------------------------------------------------
+    def alloc(self) -> int:
+        slot = self._slots.alloc()
+        self.reset(torch.tensor([slot], dtype=torch.int32, device=self.device))
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._slots.free(slot)
+
+    def num_free_slots(self) -> int:
+        return self._slots.num_free()
+
+    def reset(self, slots: torch.Tensor) -> None:
+        sl = slots.long()
+        self.conv[:, sl] = 0
+        self.conv_offset[sl] = 0
+        self._ssm_reset(sl)
+
+    def bytes_per_request(self) -> int:
+        """Exact: every per-slot tensor's bytes divided by its slot count (conv, SSM, history / scratch, scalars)."""
+        total = 0
+        for tensor, slot_dim in self._per_slot_tensors():
+            total += tensor.numel() * tensor.element_size() // tensor.shape[slot_dim]
+        return total
+
+    def _per_slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        return [(self.conv, 1), (self.conv_offset, 0)] + self._ssm_tensors()
+
+    # helpers ---------------------------------------------------------------------------------------------
+    def _live_widths(self, rows: DecodeRows) -> torch.Tensor:
+        """Row widths with the HOLD slot forced to 0 (it must never be written)."""
+        widths = rows.widths.to(torch.int32)
+        return torch.where(rows.slots == self.hold_slot, torch.zeros_like(widths), widths)
+
+    def _split_qkv(self, y: torch.Tensor):
+        s = self.spec
+        key_dim = s.num_k_heads * s.head_k_dim
+        q, k, v = torch.split(y, [key_dim, key_dim, s.num_v_heads * s.head_v_dim], dim=-1)
+        lead = y.shape[:-1]
+        return (
+            q.reshape(*lead, s.num_k_heads, s.head_k_dim),
+            k.reshape(*lead, s.num_k_heads, s.head_k_dim),
+            v.reshape(*lead, s.num_v_heads, s.head_v_dim),
+        )
+
+    def _decode_inputs(self, layer: int, rows: DecodeRows, mixed_qkv: torch.Tensor, params: LayerParams):
+        widths = self._live_widths(rows)
+        y = ops.causal_conv_decode(
+            mixed_qkv,
+            self.conv[layer],
+            self.conv_offset,
+            rows.slots,
+            widths,
+            params.conv_weight,
+            params.conv_bias,
+            backend=self.backend,
+        )
+        return widths, *self._split_qkv(y)
+
+    # prefill ---------------------------------------------------------------------------------------------
+    def prefill(
+        self,
+        layer: int,
+        rows: PrefillRows,
+        mixed_qkv: torch.Tensor,
+        graw: torch.Tensor,
+        braw: torch.Tensor,
+        params: LayerParams,
+    ) -> torch.Tensor:
+        """See `LinearAttState.prefill`."""
+        y = ops.causal_conv_prefill(
+            mixed_qkv,
+            self.conv[layer],
+            self.conv_offset,
+            rows.slots,
+            rows.cu_seqlens,
+            params.conv_weight,
+            params.conv_bias,
+            rows.has_initial_state,
+            backend=self.backend,
+        )
+        q, k, v = self._split_qkv(y)
+        g, beta = ops.activate_gates(graw, braw, params.A_log, params.dt_bias, self.spec.gate_lower_bound)
+        init = self._ssm_prefill_initial(layer, rows.slots).float()
+        init = torch.where(rows.has_initial_state.to(torch.bool)[:, None, None, None], init, torch.zeros_like(init))
+        # prefill follows the device (fla on CUDA, torch on CPU) even when tests force the Triton decode kernels
+        o, final = ops.chunk_delta_rule(q, k, v, g, beta, init, rows.cu_seqlens)
+        lens = rows.cu_seqlens[1:] - rows.cu_seqlens[:-1]
+        live = lens > 0
+        self._ssm_prefill_write(layer, rows.slots[live], final[live])
+        return o
+
+    def finish_prefill(self, slots: torch.Tensor) -> None:
+        self._ssm_finish_prefill(slots.long())
+
+    # checkpoints -----------------------------------------------------------------------------------------
+    def export_checkpoint(self, slots: torch.Tensor) -> Checkpoint:
+        sl = slots.long()
+        cols = self.conv_offset[sl].long()[:, None] + torch.arange(self.conv_hist_len, device=self.device)
+        window = self.conv[:, sl]  # [NL, n, C, Kc - 1 + Wmax - 1]
+        conv = torch.gather(window, 3, cols[None, :, None, :].expand(*window.shape[:3], self.conv_hist_len))
+        return Checkpoint(conv=conv, ssm=self._ssm_export(sl))
+
+    def import_checkpoint(self, slots: torch.Tensor, checkpoint: Checkpoint) -> None:
+        sl = slots.long()
+        self.conv[:, sl] = 0
+        self.conv[:, sl, :, : self.conv_hist_len] = checkpoint.conv.to(self.conv.dtype)
+        self.conv_offset[sl] = 0
+        self._ssm_import(sl, checkpoint.ssm)
+
+    # hooks -----------------------------------------------------------------------------------------------
+    def _ssm_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        raise NotImplementedError
+
+    def _ssm_reset(self, slots: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _ssm_prefill_initial(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _ssm_prefill_write(self, layer: int, slots: torch.Tensor, state: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _ssm_finish_prefill(self, slots: torch.Tensor) -> None:
+        pass
+
+    def _ssm_export(self, slots: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _ssm_import(self, slots: torch.Tensor, ssm: torch.Tensor) -> None:
+        raise NotImplementedError
