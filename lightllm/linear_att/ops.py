@@ -255,7 +255,7 @@ def replay_verify(
     """
     if projection not in ("inline", "precompute"):
         raise ValueError(f"projection must be 'inline' or 'precompute', got {projection!r}")
-    fn = _impl(backend, q, "replay", "replay", "replay_verify")
+    fn = _impl(backend, q, "replay_verify", "replay", "replay_verify")
     return fn(
         q,
         k,
@@ -294,7 +294,7 @@ def replay_accept(
     cursor, parity, conv_offset `[S]` int32, in place; slots, widths, accepted `[N]` int32. For rows with W > 0:
     fold (`h + W > capacity`) -> `cursor = a`, `parity ^= 1`; else `cursor = h + a`; and `conv_offset = a - 1`.
     """
-    fn = _impl(backend, cursor, "replay", "replay", "replay_accept")
+    fn = _impl(backend, cursor, "cursor", "replay", "replay_accept")
     return fn(cursor, parity, conv_offset, slots, widths, accepted, capacity)
 
 
@@ -317,7 +317,7 @@ def replay_fold(
     caller clears them once for all layers). With `out [NL, n, HV, K, V]` (n = len(slots)), writes the folded
     states there and leaves `ssm` untouched (checkpoint export).
     """
-    fn = _impl(backend, ssm, "replay", "replay", "replay_fold")
+    fn = _impl(backend, ssm, "replay_fold", "replay", "replay_fold")
     return fn(ssm, hist_k, hist_u, hist_g, cursor, parity, slots, out=out)
 
 

@@ -1,0 +1,130 @@
+"""Shared `@triton.jit` building blocks of the linear-attention kernels (GDN and KDA alike).
+
+Every kernel calls these, so the preprocessing (l2norm, gate, beta) and the per-token delta-rule step are the same
+instructions in every mode: native, compact verify and compact commit are bitwise equal because they share
+`delta_rule_step`, and replay's in-kernel fold and the standalone fold share `history_weights` / `fold_state`.
+
+Gate width `BG` is 1 for GDN (one gate per value head, broadcast over the K rows) and `BK` for KDA.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def softplus(x):
+    # threshold 20 like torch.nn.functional.softplus; clamp the exp argument so the unused lane cannot overflow
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def l2norm(b_x):
+    """`x / sqrt(sum(x^2) + 1e-6)` of a 1-D fp32 block."""
+    return b_x / tl.sqrt(tl.sum(b_x * b_x, 0) + 1e-6)
+
+
+@triton.jit
+def l2norm_rows(b_x):
+    """Row-wise `l2norm` of a 2-D fp32 block `[rows, BK]`."""
+    return b_x / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
+
+
+@triton.jit
+def gate_activation(b_graw, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND: tl.constexpr):
+    """Log decay g <= 0 from the raw gate logits (fp32, any block shape broadcastable with `b_dt_bias`)."""
+    b_x = b_graw + b_dt_bias
+    if USE_LOWER_BOUND:
+        # KDA's bounded ("safe") gate: g in (lower_bound, 0)
+        return lower_bound * sigmoid(tl.exp(b_a_log) * b_x)
+    else:
+        return -tl.exp(b_a_log) * softplus(b_x)
+
+
+@triton.jit
+def delta_rule_step(b_s, b_k, b_v, b_decay, b_beta):
+    """One token of the gated delta rule on a `[BK, BV]` fp32 state tile.
+
+    `b_k [BK]` normalised key, `b_v [BV]`, `b_decay` = e^g (`[1]` for GDN, `[BK]` for KDA), `b_beta` scalar.
+    S <- diag(e^g) S;  u = beta (v - S^T k);  S <- S + k u^T.  Returns the new tile (not rounded).
+    """
+    b_s = b_s * b_decay[:, None]
+    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
+    return b_s + b_k[:, None] * b_u[None, :]
+
+
+@triton.jit
+def load_token(
+    p_q,
+    p_k,
+    p_v,
+    p_graw,
+    p_braw,
+    b_a_log,
+    b_dt_bias,
+    lower_bound,
+    scale,
+    o_k,
+    m_k,
+    o_v,
+    m_v,
+    o_g,
+    m_g,
+    USE_LOWER_BOUND: tl.constexpr,
+):
+    """Load and preprocess one window token: returns (q_hat * scale, k_hat, v, g, beta, k_raw) in fp32.
+
+    `p_*` point at the token's head rows; `k_raw` is the key as given (compact stores it for the commit).
+    """
+    b_q = tl.load(p_q + o_k, mask=m_k, other=0).to(tl.float32)  # [BK]
+    b_kr = tl.load(p_k + o_k, mask=m_k, other=0)  # [BK] input dtype
+    b_v = tl.load(p_v + o_v, mask=m_v, other=0).to(tl.float32)  # [BV]
+    b_graw = tl.load(p_graw + o_g, mask=m_g, other=0).to(tl.float32)  # [BG]
+    b_g = gate_activation(b_graw, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND)
+    b_beta = sigmoid(tl.load(p_braw).to(tl.float32))
+    b_q = l2norm(b_q) * scale
+    b_k = l2norm(b_kr.to(tl.float32))
+    return b_q, b_k, b_v, b_g, b_beta, b_kr
+
+
+@triton.jit
+def history_weights(b_hk, b_hg, m_l, h):
+    """Forward-decayed committed keys of one replay history.
+
+    b_hk `[BL, BK]` k_hat_j, b_hg `[BL, BG]` cumulative gates G_j, m_l `[BL]` committed-record mask, h the count.
+    Returns (K~ `[BL, BK]` = e^{G_h - G_j} * k_hat_j (zero past h), G_h `[BG]`, zero when h == 0). Every weight is
+    e^{<= 0}: the forward form never overflows.
+    """
+    o_l = tl.arange(0, b_hk.shape[0])
+    b_gh = tl.sum(tl.where((o_l == h - 1)[:, None], b_hg, 0.0), 0)  # [BG]
+    b_w = tl.exp(tl.where(m_l[:, None], b_gh[None, :] - b_hg, 0.0))  # [BL, BG]
+    return tl.where(m_l[:, None], b_hk * b_w, 0.0), b_gh
+
+
+@triton.jit
+def fold_state(b_s, b_hkw, b_hu, b_gh, PRECISION: tl.constexpr):
+    """S_h = diag(e^{G_h}) S_0 + K~^T U: one weighted rank-h update of a `[BK, BV]` fp32 tile.
+
+    b_hkw `[BL, BK]` from `history_weights`, b_hu `[BL, BV]` fp32 u_j (zero past h). The dot feeds the state,
+    so `PRECISION` must be "ieee" or "tf32x3" (plain tf32 drifts over many folds).
+    """
+    return b_s * tl.exp(b_gh)[:, None] + tl.dot(tl.trans(b_hkw), b_hu, input_precision=PRECISION)
+
+
+__all__ = [
+    "delta_rule_step",
+    "fold_state",
+    "gate_activation",
+    "history_weights",
+    "l2norm",
+    "l2norm_rows",
+    "load_token",
+    "sigmoid",
+    "softplus",
+]

@@ -1,0 +1,154 @@
+"""Standalone replay fold, all layers in one launch: S_h = e^{G_h} S0 + K~^T U (for prefill and export).
+
+Same helpers as the fold inside `replay_verify_kernel`, so a standalone fold and an in-kernel fold of the same
+history agree. In place (`out=None`) rows with an empty history are left untouched; with `out` every row is
+written (an exact copy when h = 0) and `ssm` is only read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightllm.linear_att.kernels.common import fold_state, history_weights
+
+
+@triton.heuristics({"HAS_OUT": lambda args: args["out"] is not None})
+@triton.jit
+def replay_fold_kernel(
+    ssm,
+    hist_k,
+    hist_u,
+    hist_g,
+    cursor,
+    parity,
+    slots,
+    out,
+    stride_ssm_l,
+    stride_ssm_s,
+    stride_out_l,
+    stride_out_n,
+    stride_hk_l,
+    stride_hk_s,
+    stride_hk_b,
+    stride_hk_j,
+    stride_hu_l,
+    stride_hu_s,
+    stride_hu_b,
+    stride_hu_j,
+    stride_hg_l,
+    stride_hg_s,
+    stride_hg_b,
+    stride_hg_j,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    L: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BG: tl.constexpr,
+    BL: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_v, i_n, i_lhv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    i_l, i_hv = i_lhv // HV, i_lhv % HV
+    i_h = i_hv // (HV // H)
+    slot = tl.load(slots + i_n).to(tl.int64)
+    h = tl.minimum(tl.load(cursor + slot), L)
+    par = tl.load(parity + slot).to(tl.int64)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_g = tl.arange(0, BG)
+    o_l = tl.arange(0, BL)
+    m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
+    m_kv = m_k[:, None] & m_v[None, :]
+    m_l = o_l < h
+
+    p_hk = hist_k + i_l * stride_hk_l + slot * stride_hk_s + par * stride_hk_b + i_h * K
+    b_hk = tl.load(p_hk + o_l[:, None] * stride_hk_j + o_k[None, :], mask=m_l[:, None] & m_k[None, :], other=0)
+    p_hg = hist_g + i_l * stride_hg_l + slot * stride_hg_s + par * stride_hg_b + i_hv * GK
+    b_hg = tl.load(p_hg + o_l[:, None] * stride_hg_j + o_g[None, :], mask=m_l[:, None] & m_g[None, :], other=0)
+    p_hu = hist_u + i_l * stride_hu_l + slot * stride_hu_s + par * stride_hu_b + i_hv * V
+    b_hu = tl.load(p_hu + o_l[:, None] * stride_hu_j + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0)
+    b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK], [BG]
+
+    o_kv = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    p_s = ssm + i_l * stride_ssm_l + slot * stride_ssm_s + o_kv
+    if HAS_OUT:
+        b_s = tl.load(p_s, mask=m_kv, other=0).to(tl.float32)  # [BK, BV]
+        b_s = fold_state(b_s, b_hkw, b_hu, b_gh, PRECISION)
+        p_out = out + i_l * stride_out_l + i_n * stride_out_n + o_kv
+        tl.store(p_out, b_s.to(p_out.dtype.element_ty), mask=m_kv)
+    else:
+        # an empty history leaves the state as it is: skip both the read and the write
+        b_s = tl.load(p_s, mask=m_kv & (h > 0), other=0).to(tl.float32)
+        b_s = fold_state(b_s, b_hkw, b_hu, b_gh, PRECISION)
+        tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_kv & (h > 0))
+
+
+def replay_fold_triton(
+    ssm: torch.Tensor,
+    hist_k: torch.Tensor,
+    hist_u: torch.Tensor,
+    hist_g: torch.Tensor,
+    cursor: torch.Tensor,
+    parity: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config=None,
+) -> None:
+    """Fold the committed history of `slots` into the canonical state, all layers (see `ops.replay_fold`).
+
+    ssm `[NL, S, HV, K, V]`; hist_k `[NL, S, 2, L, H, K]`, hist_u `[NL, S, 2, L, HV, V]`, hist_g
+    `[NL, S, 2, L, HV, GK]` fp32; cursor / parity `[S]` int32 (read only; the caller clears them); slots `[n]` int32.
+    out=None: in place `ssm[:, slot] <- S_h` (rounded once). out `[NL, n, HV, K, V]`: written instead, ssm read only.
+    """
+    from lightllm.linear_att.kernels.launch import fold_config
+    from lightllm.linear_att.kernels.replay_verify import _check_history, block_v
+
+    NL, _, HV, K, V = ssm.shape
+    H, L, GK = hist_k.shape[4], hist_k.shape[3], hist_g.shape[-1]
+    n = slots.shape[0]
+    assert ssm.stride(2) == K * V and ssm.stride(3) == V and ssm.stride(4) == 1
+    _check_history(hist_k, hist_u, hist_g, H, HV, K, V, GK, leading=2)
+    if out is not None:
+        assert out.shape == (NL, n, HV, K, V) and out.stride(2) == K * V and out.stride(4) == 1 and out.stride(3) == V
+    if n == 0 or NL == 0:
+        return
+    cfg = config or fold_config(ssm.dtype, H, HV, K, V, GK, L, ssm.device)
+    BV = block_v(cfg, V, ssm.device)
+    replay_fold_kernel[(triton.cdiv(V, BV), n, NL * HV)](
+        ssm,
+        hist_k,
+        hist_u,
+        hist_g,
+        cursor,
+        parity,
+        slots,
+        out,
+        ssm.stride(0),
+        ssm.stride(1),
+        *((out.stride(0), out.stride(1)) if out is not None else (0, 0)),
+        *hist_k.stride()[:4],
+        *hist_u.stride()[:4],
+        *hist_g.stride()[:4],
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        GK=GK,
+        L=L,
+        BK=triton.next_power_of_2(K),
+        BV=BV,
+        BG=triton.next_power_of_2(GK),
+        BL=max(16, triton.next_power_of_2(L)),
+        PRECISION="ieee",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
