@@ -1,0 +1,260 @@
+"""The engine loop: schedule → forward → sample/verify → accept → emit. Transport-free and text-free.
+
+Keep this file minimal: features (speculation strategies, scheduling policy, sampling) live in their own modules
+and are chosen at start-up. The engine never looks at the state mode; every state decision goes through the
+runner (`forward`, `accept`, `free_request`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lightllm.engine.batch import ForwardBatch, ForwardOutput, ModelRunnerProtocol
+from lightllm.engine.messages import EngineOutput, EngineStats, Finished, NewRequest, TokenChunk
+from lightllm.engine.request import Request, Status
+from lightllm.engine.sampler import RowContext, Sampler, compute_logprobs
+from lightllm.engine.scheduler import SchedulePlan, Scheduler
+from lightllm.engine.speculative import create_speculator
+from lightllm.engine.speculative.verify import WindowResult, verify_window
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunnerProtocol,
+        *,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        max_req_total_len: int,
+        mtp_step: int = 0,
+        spec_ngram: int = 0,
+        seed: int = 0,
+    ):
+        self.runner = runner
+        self.max_req_total_len = max_req_total_len
+        self.speculator = create_speculator(mtp_step, spec_ngram)
+        max_width = min(runner.max_width, self.speculator.num_drafts + 1)
+        self.scheduler = Scheduler(runner, max_running_requests, chunked_prefill_size, max_width)
+        self.sampler = Sampler(seed)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats(accepted_length_counts=[0] * max_width)
+        if max_req_total_len > self.scheduler.kv_capacity:
+            raise ValueError(
+                f"max_req_total_len={max_req_total_len} exceeds the KV cache ({self.scheduler.kv_capacity} tokens): "
+                "lower --max_req_total_len or give the KV cache more memory (--max_total_token_num / --mem_fraction)"
+            )
+
+    def capacity_report(self) -> str:
+        """How many requests can run at once and which resource limits it."""
+        limits = {
+            "linear-state slots": self.runner.num_free_requests(),
+            "--max_running_requests": self.scheduler.max_running_requests,
+            f"KV tokens ({self.scheduler.kv_capacity}) / max_req_total_len ({self.max_req_total_len})": (
+                self.scheduler.kv_capacity // self.max_req_total_len
+            ),
+        }
+        binding = min(limits, key=limits.get)
+        parts = ", ".join(f"{k}: {v}" for k, v in limits.items())
+        return (
+            f"up to {min(limits['linear-state slots'], limits['--max_running_requests'])} concurrent requests "
+            f"({parts}); {limits[binding]} full-length requests fit at once, limited by {binding}; "
+            "shorter requests share the KV cache and are preempted (recomputed) if it runs out"
+        )
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def add_request(self, msg: NewRequest) -> list[EngineOutput]:
+        """Queue a request. Invalid ones finish at once with reason "error" (the front-end validates first)."""
+        error = self._check(msg)
+        if error is not None:
+            return [Finished(msg.req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=error)]
+        params = msg.params
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(msg.eos_token_ids))
+        max_new = self.max_req_total_len - len(msg.prompt_ids)
+        if params.max_tokens is not None:
+            max_new = min(max_new, params.max_tokens)
+        req = Request(msg.req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new)
+        self.requests[req.req_id] = req
+        self.scheduler.add(req)
+        return []
+
+    def abort(self, req_id: str) -> list[EngineOutput]:
+        req = self.requests.get(req_id)
+        return self._finish(req, "abort") if req is not None else []
+
+    def step(self) -> list[EngineOutput]:
+        """Run one model step over the scheduled batch; returns the tokens and finishes it produced."""
+        self.speculator.propose([r for r in self.scheduler.running if not r.is_prefilling])
+        plan = self.scheduler.schedule()
+        outputs: list[EngineOutput] = []
+        for req in plan.unfittable:
+            outputs += self._finish(req, "error", error=f"{req.num_tokens} tokens do not fit in the KV cache")
+        if plan.is_empty:
+            return outputs
+        self.stats.num_steps += 1
+        try:
+            fwd = self.runner.forward(self._build_batch(plan))
+            outputs += self._process(plan, fwd)
+        except Exception as exc:
+            # the failure cannot be pinned on one row: every request of the batch finishes, the loop goes on
+            logger.exception("engine step failed; finishing %d requests with an error", len(plan.rows))
+            for row in plan.rows:
+                if not row.req.is_finished:
+                    outputs += self._finish(row.req, "error", error=f"{type(exc).__name__}: {exc}")
+        return outputs
+
+    def snapshot(self) -> EngineStats:
+        s = self.stats
+        s.num_waiting, s.num_running = len(self.scheduler.waiting), len(self.scheduler.running)
+        s.num_free_kv_tokens = self.runner.num_free_kv_tokens()
+        s.num_free_state_slots = self.runner.num_free_requests()
+        s.num_preemptions = self.scheduler.num_preemptions
+        runner_stats = getattr(self.runner, "stats", None)
+        if callable(runner_stats):
+            extra = runner_stats()
+            s.state_pool_bytes = dict(extra.get("state_pool_bytes", {}))
+            s.num_folds = extra.get("num_folds")
+        return s
+
+    def _check(self, msg: NewRequest) -> str | None:
+        n = len(msg.prompt_ids)
+        if msg.req_id in self.requests:
+            return f"duplicate request id {msg.req_id!r}"
+        if n == 0:
+            return "empty prompt"
+        if n >= self.max_req_total_len:
+            return f"prompt has {n} tokens; max_req_total_len={self.max_req_total_len} leaves no room to generate"
+        if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= self.runner.vocab_size:
+            return f"prompt token ids must be in [0, {self.runner.vocab_size})"
+        return None
+
+    def _build_batch(self, plan: SchedulePlan) -> ForwardBatch:
+        ids: list[int] = []
+        for row in plan.prefill:
+            start = row.req.num_computed_tokens
+            ids += row.req.all_ids[start : start + row.num_tokens]
+        for row in plan.decode:
+            ids += [row.req.all_ids[-1], *row.draft_ids]
+        rows = plan.rows
+        return ForwardBatch(
+            req_handles=[row.req.handle for row in rows],
+            query_lens=[row.num_tokens for row in rows],
+            num_cached_tokens=[row.req.num_computed_tokens for row in rows],
+            num_prefill_rows=len(plan.prefill),
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            prefill_is_last_chunk=[
+                row.req.num_computed_tokens + row.num_tokens == row.req.num_prefill_tokens for row in plan.prefill
+            ],
+        )
+
+    def _process(self, plan: SchedulePlan, fwd: ForwardOutput) -> list[EngineOutput]:
+        # (request, first logits row, window width, drafts) for every row that produces tokens this step
+        windows: list[tuple[Request, int, int, list[int]]] = []
+        num_logit_rows = 0
+        for row in plan.prefill:
+            row.req.num_computed_tokens += row.num_tokens
+            if not row.req.is_prefilling:
+                windows.append((row.req, num_logit_rows, 1, []))
+                num_logit_rows += 1
+        num_prefill_windows = len(windows)
+        for row in plan.decode:
+            windows.append((row.req, num_logit_rows, row.num_tokens, row.draft_ids))
+            num_logit_rows += row.num_tokens
+        logits = fwd.logits
+        assert logits.shape[0] == num_logit_rows, (
+            f"runner gave {logits.shape[0]} logits rows, expected {num_logit_rows}"
+        )
+        results = self._verify(windows, logits)
+        if plan.decode:
+            decode = list(zip(windows[num_prefill_windows:], results[num_prefill_windows:]))
+            accepted = [result.num_accepted if result is not None else 1 for _, result in decode]
+            self.runner.accept([req.handle for (req, *_), _ in decode], accepted)
+            for ((req, *_), _), num in zip(decode, accepted):
+                req.num_computed_tokens += num
+        outputs: list[EngineOutput] = []
+        hidden_rows: list[tuple[Request, int]] = []
+        for i, ((req, start, _, drafts), result) in enumerate(zip(windows, results)):
+            if result is None:
+                outputs += self._finish(req, "error", error="the model produced NaN logits")
+                continue
+            if i >= num_prefill_windows and self.speculator.num_drafts:
+                self._record_window(len(drafts), result)
+            outputs += self._emit(req, result.token_ids, logits[start : start + result.num_accepted])
+            hidden_rows.append((req, start + result.num_accepted - 1))
+        self.speculator.after_step(self.runner, hidden_rows, fwd.hidden)
+        return outputs
+
+    def _verify(
+        self, windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor
+    ) -> list[WindowResult | None]:
+        """Tokens per window; None for a window whose logits hold a NaN (that request fails alone)."""
+        if not windows:
+            return []
+        contexts = [self._context(req, drafts[:j], logits.device) for req, _, w, drafts in windows for j in range(w)]
+        probs = self.sampler.target_probs(logits, contexts)
+        has_nan = torch.isnan(logits).any(dim=-1).tolist()
+        results: list[WindowResult | None] = []
+        for _, start, width, drafts in windows:
+            if any(has_nan[start : start + width]):
+                results.append(None)
+            else:
+                results.append(verify_window(self.sampler, probs[start : start + width], drafts, contexts[start]))
+        return results
+
+    def _context(self, req: Request, drafts: list[int], device: torch.device) -> RowContext:
+        if req.params.seed is not None and req.generator is None:
+            req.generator = torch.Generator(device=device).manual_seed(req.params.seed)
+        output = req.output_ids + drafts if req.params.has_penalties else []
+        return RowContext(req.params, req.prompt_ids, output, req.generator)
+
+    def _record_window(self, num_drafts: int, result: WindowResult) -> None:
+        s = self.stats
+        if num_drafts:
+            s.num_spec_windows += 1
+            s.num_draft_tokens += num_drafts
+            s.num_accepted_draft_tokens += result.num_accepted_drafts
+        index = min(result.num_accepted, len(s.accepted_length_counts)) - 1
+        s.accepted_length_counts[index] += 1
+
+    def _emit(self, req: Request, token_ids: list[int], logits: torch.Tensor) -> list[EngineOutput]:
+        """Append tokens until a stop token or the length cap, and report them."""
+        emitted: list[int] = []
+        reason = None
+        for token in token_ids:
+            req.output_ids.append(token)
+            emitted.append(token)
+            if token in req.stop_ids:
+                req.stop_token_id, reason = token, "stop"
+                break
+            if req.num_remaining_tokens <= 0:
+                reason = "length"
+                break
+        chunk = TokenChunk(req.req_id, emitted)
+        if req.params.logprobs is not None:
+            chunk.logprobs, chunk.top_logprobs = compute_logprobs(logits[: len(emitted)], emitted, req.params.logprobs)
+        outputs: list[EngineOutput] = [chunk]
+        if reason is not None:
+            outputs += self._finish(req, reason)
+        return outputs
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> list[EngineOutput]:
+        if req.is_finished:
+            return []
+        self.scheduler.remove(req)
+        req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
+        self.requests.pop(req.req_id, None)
+        return [
+            Finished(
+                req.req_id,
+                reason,
+                num_prompt_tokens=len(req.prompt_ids),
+                num_output_tokens=len(req.output_ids),
+                stop_token_id=req.stop_token_id,
+                error=error,
+            )
+        ]

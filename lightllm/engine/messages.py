@@ -1,0 +1,70 @@
+"""Typed messages between a front-end (HTTP process or offline `LLM`) and the engine.
+
+Front-end → engine: `NewRequest`, `Abort`. Engine → front-end: `TokenChunk`, `Finished` (per request) and
+`EngineStats` (periodic). All are msgspec structs so they cross zmq as msgpack without pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from lightllm.engine.sampling_params import SamplingParams
+
+
+class NewRequest(msgspec.Struct, tag=True):
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    # token ids that end the request unless params.ignore_eos (the model's end-of-sequence ids)
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class Abort(msgspec.Struct, tag=True):
+    req_id: str
+
+
+class TokenChunk(msgspec.Struct, tag=True):
+    """Tokens a request produced in one engine step (one, or several when drafts were accepted)."""
+
+    req_id: str
+    token_ids: list[int]
+    # per token: log-probability of the chosen token (only when params.logprobs is not None)
+    logprobs: list[float] | None = None
+    # per token: [(token_id, logprob), ...] most likely alternatives, most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Finished(msgspec.Struct, tag=True):
+    req_id: str
+    # "stop" (stop/eos token), "length" (max_tokens or max_req_total_len), "abort", "error"
+    reason: str
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    # the stop or eos token that ended the request (it is the last of the output ids, not rendered as text)
+    stop_token_id: int | None = None
+    error: str | None = None
+
+
+class EngineStats(msgspec.Struct, tag=True):
+    """A snapshot of the engine for health checks and /metrics."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_kv_tokens: int = 0
+    num_free_state_slots: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    # speculative decoding: windows verified, draft tokens proposed and accepted
+    num_spec_windows: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    # decode windows by accepted tokens per step: histogram[k] = windows that produced k+1 tokens
+    accepted_length_counts: list[int] = msgspec.field(default_factory=list)
+    # state memory by mode, e.g. {"native": 1048576}; filled from the runner when it reports it
+    state_pool_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    # replay folds performed so far (None when the runner does not expose it)
+    num_folds: int | None = None
+
+
+EngineInput = NewRequest | Abort
+EngineOutput = TokenChunk | Finished | EngineStats

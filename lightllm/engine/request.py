@@ -1,0 +1,65 @@
+"""A request is data: ids, progress counters, drafts, settings and status. The scheduler and engine mutate it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from lightllm.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    # token ids that finish the request (eos unless ignore_eos, plus params.stop_token_ids)
+    stop_ids: frozenset[int]
+    # hard cap on generated tokens (max_tokens clipped so prompt + output <= max_req_total_len)
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+    # runner handle while RUNNING (state slot + KV row), None otherwise
+    handle: int | None = None
+    # tokens of `all_ids` already in the runner's KV cache / linear state
+    num_computed_tokens: int = 0
+    # tokens to prefill before the first sample of this admission (prompt, or prompt + output after preemption)
+    num_prefill_tokens: int = 0
+    # draft tokens proposed for the next decode window
+    draft_ids: list[int] = field(default_factory=list)
+    # admission order, used to pick preemption victims (latest first)
+    admit_seq: int = 0
+    num_preemptions: int = 0
+    # seeded requests draw every random number from their own generator, so batching cannot change them
+    generator: torch.Generator | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

@@ -1,0 +1,56 @@
+"""Decide how much of a draft window the target model keeps.
+
+A decode window is `[last, d_1, ..., d_k]`; the target distribution at window position j, `p_j`, is the model's
+next-token distribution given everything up to and including the window's token j. Drafts here (n-gram lookup
+or greedy MTP chains) are deterministic, so the draft distribution is a point mass on `d_{j+1}` and the
+rejection test reduces to: accept `d_{j+1}` with probability `p_j(d_{j+1})`; on rejection draw from `p_j` with
+`d_{j+1}` removed and renormalised. The emitted tokens are then distributed exactly as if each had been sampled
+from the target one at a time. Greedy rows (one-hot `p_j`) accept exactly the drafts that equal the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightllm.engine.sampler import RowContext, Sampler
+
+
+@dataclass
+class WindowResult:
+    # tokens emitted by this window: accepted drafts, then one corrected or bonus token
+    token_ids: list[int]
+
+    @property
+    def num_accepted(self) -> int:
+        """Window tokens whose state is kept: the last accepted token plus every accepted draft."""
+        return len(self.token_ids)
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return len(self.token_ids) - 1
+
+
+def verify_window(sampler: Sampler, probs: torch.Tensor, draft_ids: list[int], row: RowContext) -> WindowResult:
+    """Verify one window. `probs` [W, V] are the target distributions, `draft_ids` the W - 1 drafts."""
+    assert probs.shape[0] == len(draft_ids) + 1, f"{probs.shape[0]} distributions for {len(draft_ids)} drafts"
+    tokens: list[int] = []
+    for j, draft in enumerate(draft_ids):
+        p = probs[j]
+        if row.params.greedy:
+            accepted = int(torch.argmax(p)) == draft
+        else:
+            accepted = sampler.uniform(row, p.device) < float(p[draft])
+        if accepted:
+            tokens.append(draft)
+            continue
+        residual = p.clone()
+        residual[draft] = 0.0
+        total = residual.sum()
+        # p was a point mass on the draft (never rejected then); keep the guard for rounding
+        residual = residual / total if total > 0 else p
+        tokens.append(sampler.draw(residual, row))
+        return WindowResult(tokens)
+    tokens.append(sampler.draw(probs[len(draft_ids)], row))
+    return WindowResult(tokens)

@@ -1,0 +1,162 @@
+"""A deterministic stand-in for `ModelRunner`: a tiny torch "model" whose logits depend on the whole history.
+
+The next-token logits depend on the last two tokens *and* the sum of every token so far, so a wrong
+`num_cached_tokens`, a rejected draft left in the cache, or rows mixed up between requests all change the
+generated text. The KV cache is the token history itself, so the runner can check the engine's bookkeeping:
+`forward` asserts each row's cached length and free KV, `accept` asserts every decode row is listed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from lightllm.engine.batch import ForwardBatch, ForwardOutput
+
+NUM_SUM_BUCKETS = 7
+
+
+class FakeRunner:
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        *,
+        max_requests: int = 8,
+        kv_tokens: int = 512,
+        max_width: int = 1,
+        num_mtp_steps: int = 4,
+        seed: int = 0,
+        fail_token: int | None = None,
+        nan_token: int | None = None,
+    ):
+        self.vocab_size = vocab_size
+        self.max_width = max_width
+        self.num_mtp_steps = num_mtp_steps
+        self.kv_tokens = kv_tokens
+        # a prompt holding fail_token makes the whole forward raise; nan_token gives its row NaN logits
+        self.fail_token, self.nan_token = fail_token, nan_token
+        g = torch.Generator().manual_seed(seed)
+        dim = 16
+        self.emb_last = torch.randn(vocab_size, dim, generator=g)
+        self.emb_prev = torch.randn(vocab_size, dim, generator=g)
+        self.emb_sum = torch.randn(NUM_SUM_BUCKETS, dim, generator=g)
+        self.out = torch.randn(dim, vocab_size, generator=g) * 2.0
+        self._free_handles = list(range(max_requests - 1, -1, -1))
+        self.cache: dict[int, list[int]] = {}
+        self._window_start: dict[int, int] = {}
+        self.num_forwards = 0
+        self.batches: list[ForwardBatch] = []
+
+    # -- the model -------------------------------------------------------------------------------------------------
+    def next_logits(self, history: list[int]) -> torch.Tensor:
+        prev = history[-2] if len(history) > 1 else 0
+        h = self.emb_last[history[-1]] + 0.5 * self.emb_prev[prev] + self.emb_sum[sum(history) % NUM_SUM_BUCKETS]
+        return h @ self.out
+
+    def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
+        """Reference greedy continuation, one token at a time with no batching."""
+        ids = list(prompt)
+        for _ in range(num_tokens):
+            ids.append(int(torch.argmax(self.next_logits(ids))))
+        return ids[len(prompt) :]
+
+    @staticmethod
+    def _hidden(history: list[int]) -> torch.Tensor:
+        return torch.tensor([float(sum(history)), float(history[-1])])
+
+    # -- ModelRunnerProtocol ---------------------------------------------------------------------------------------
+    def add_request(self) -> int:
+        assert self._free_handles, "add_request without a free slot"
+        handle = self._free_handles.pop()
+        self.cache[handle] = []
+        return handle
+
+    def free_request(self, handle: int) -> None:
+        assert handle in self.cache, f"double free of handle {handle}"
+        del self.cache[handle]
+        self._window_start.pop(handle, None)
+        self._free_handles.append(handle)
+
+    def num_free_requests(self) -> int:
+        return len(self._free_handles)
+
+    def num_free_kv_tokens(self) -> int:
+        return self.kv_tokens - sum(len(c) for c in self.cache.values())
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        self.num_forwards += 1
+        self.batches.append(batch)
+        need = sum(batch.query_lens)
+        assert need <= self.num_free_kv_tokens(), f"forward needs {need} KV tokens, {self.num_free_kv_tokens()} free"
+        assert self._window_start == {}, "accept() was not called after the previous decode step"
+        ids = batch.input_ids.tolist()
+        if self.fail_token is not None and self.fail_token in ids:
+            raise RuntimeError("fake runner failure")
+        logits, hidden, offset = [], [], 0
+        for row, (handle, n, cached) in enumerate(zip(batch.req_handles, batch.query_lens, batch.num_cached_tokens)):
+            cache = self.cache[handle]
+            assert cached == len(cache), f"row {row}: engine says {cached} cached tokens, runner holds {len(cache)}"
+            new = ids[offset : offset + n]
+            offset += n
+            is_prefill = row < batch.num_prefill_rows
+            if not is_prefill:
+                self._window_start[handle] = len(cache)
+            cache.extend(new)
+            positions = [len(cache) - 1] if is_prefill else range(len(cache) - n, len(cache))
+            if is_prefill and not batch.prefill_is_last_chunk[row]:
+                positions = []
+            for p in positions:
+                row_logits = self.next_logits(cache[: p + 1])
+                if self.nan_token is not None and self.nan_token in cache:
+                    row_logits = torch.full_like(row_logits, float("nan"))
+                logits.append(row_logits)
+                hidden.append(self._hidden(cache[: p + 1]))
+        if not logits:
+            return ForwardOutput(torch.empty(0, self.vocab_size), torch.empty(0, 2))
+        return ForwardOutput(torch.stack(logits), torch.stack(hidden))
+
+    def accept(self, handles: list[int], num_accepted: list[int]) -> None:
+        assert sorted(handles) == sorted(self._window_start), "accept must list every decode row of the step"
+        for handle, n in zip(handles, num_accepted):
+            start = self._window_start.pop(handle)
+            assert 1 <= n <= len(self.cache[handle]) - start, (
+                f"accepted {n} of a {len(self.cache[handle]) - start} window"
+            )
+            del self.cache[handle][start + n :]
+
+    def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, num_steps: int):
+        """Greedy chain from (history sum, last token) with a wrong guess whenever (position + step) % 3 == 0."""
+        rows = []
+        for (total, prev), token, pos in zip(hidden.tolist(), next_tokens.tolist(), positions.tolist()):
+            hist = [int(prev), token]
+            total = int(total) + token
+            drafts = []
+            for step in range(num_steps):
+                h = self.emb_last[hist[-1]] + 0.5 * self.emb_prev[hist[-2]] + self.emb_sum[total % NUM_SUM_BUCKETS]
+                guess = int(torch.argmax(h @ self.out))
+                if (pos + step) % 3 == 0:
+                    guess = (guess + 1) % self.vocab_size
+                drafts.append(guess)
+                hist.append(guess)
+                total += guess
+            rows.append(drafts)
+        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), num_steps)
+
+
+def create_fake_runner(args, model_info) -> FakeRunner:
+    """Runner factory with the server's signature: sizes come from ServerArgs and the checkpoint's config.
+
+    A checkpoint's config.json may name `fake_fail_token` / `fake_nan_token` to inject failures.
+    """
+    with open(os.path.join(args.model_dir, "config.json")) as f:
+        config = json.load(f)
+    return FakeRunner(
+        model_info.vocab_size,
+        max_requests=args.max_running_requests,
+        kv_tokens=args.max_total_token_num or 4096,
+        max_width=max(args.mtp_step, args.spec_ngram) + 1,
+        fail_token=config.get("fake_fail_token"),
+        nan_token=config.get("fake_nan_token"),
+    )

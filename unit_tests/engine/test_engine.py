@@ -1,0 +1,192 @@
+"""Engine.step end to end against the fake runner: batching, chunking, speculation, stops, aborts, failures."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightllm.engine.messages import NewRequest
+from lightllm.engine.sampling_params import SamplingParams
+from unit_tests.engine.fake_runner import FakeRunner
+from unit_tests.engine.helpers import make_engine, run
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(num: int, seed: int = 1, vocab: int = 64) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"r{i}": [rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for i in range(num)}
+
+
+def test_engine_greedy_single_request_matches_reference():
+    runner = FakeRunner()
+    tokens, finished = run(make_engine(runner), {"a": [3, 1, 4, 1, 5]}, GREEDY)
+    assert tokens["a"] == FakeRunner().greedy([3, 1, 4, 1, 5], 24)
+    assert finished["a"].reason == "length" and finished["a"].num_output_tokens == 24
+
+
+@pytest.mark.parametrize(
+    "spec", [{}, {"spec_ngram": 3}, {"mtp_step": 2}, {"mtp_step": 4}], ids=["plain", "ngram3", "mtp2", "mtp4"]
+)
+@pytest.mark.parametrize("budget", [7, 64], ids=["chunk7", "chunk64"])
+def test_engine_batched_equals_one_by_one(spec, budget):
+    prompts = _prompts(12)
+    ref = FakeRunner()
+    expected = {rid: ref.greedy(ids, 24) for rid, ids in prompts.items()}
+    width = max(spec.values(), default=0) + 1
+    runner = FakeRunner(max_requests=5, kv_tokens=600, max_width=width)
+    engine = make_engine(runner, chunked_prefill_size=budget, **spec)
+    tokens, finished = run(engine, prompts, GREEDY)
+    assert tokens == expected
+    assert all(f.reason == "length" for f in finished.values())
+    assert runner.num_free_requests() == 5 and runner.num_free_kv_tokens() == 600
+    if spec:
+        assert engine.stats.num_accepted_draft_tokens > 0
+        assert engine.stats.num_accepted_draft_tokens < engine.stats.num_draft_tokens
+
+
+def test_engine_speculation_reduces_steps():
+    # the fake model falls into a 7-token cycle right away from this prompt, so n-gram drafts hit
+    prompts = {"a": [5, 6, 7]}
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    plain = make_engine(FakeRunner())
+    run(plain, prompts, params)
+    spec = make_engine(FakeRunner(max_width=5), spec_ngram=4)
+    tokens, _ = run(spec, prompts, params)
+    assert tokens["a"] == FakeRunner().greedy(prompts["a"], 60)
+    assert plain.stats.num_steps == 60
+    assert spec.stats.num_steps < 30
+
+
+def test_engine_preemption_recomputes_exactly():
+    prompts = _prompts(6, seed=3)
+    expected = {rid: FakeRunner().greedy(ids, 40) for rid, ids in prompts.items()}
+    # 6 requests of up to 80 tokens in 200 KV tokens: decode growth forces preemption
+    runner = FakeRunner(max_requests=6, kv_tokens=200, max_width=3)
+    engine = make_engine(runner, max_req_total_len=100, spec_ngram=2)
+    tokens, _ = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert engine.scheduler.num_preemptions > 0
+    assert tokens == expected
+    assert runner.num_free_kv_tokens() == 200
+
+
+def test_engine_stop_token_and_eos():
+    prompt = [5, 6, 7]
+    ref = FakeRunner().greedy(prompt, 24)
+    stop = ref[5]
+    first = ref.index(stop)
+    engine = make_engine(FakeRunner())
+    tokens, finished = run(engine, {"a": prompt}, SamplingParams(temperature=0, max_tokens=24), eos=[stop])
+    assert tokens["a"] == ref[: first + 1]
+    assert finished["a"].reason == "stop" and finished["a"].stop_token_id == stop
+    tokens, finished = run(
+        engine, {"b": prompt}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), eos=[stop]
+    )
+    assert tokens["b"] == ref and finished["b"].reason == "length"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop])
+    tokens, finished = run(engine, {"c": prompt}, params)
+    assert tokens["c"] == ref[: first + 1] and finished["c"].reason == "stop"
+
+
+def test_engine_stop_token_inside_accepted_window():
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    ref = FakeRunner().greedy(prompt, 24)
+    stop = ref[10]
+    engine = make_engine(FakeRunner(max_width=5), spec_ngram=4)
+    tokens, finished = run(engine, {"a": prompt}, SamplingParams(temperature=0, max_tokens=24), eos=[stop])
+    assert tokens["a"] == ref[: ref.index(stop) + 1]
+    assert finished["a"].reason == "stop"
+
+
+def test_engine_max_req_total_len_caps_output():
+    engine = make_engine(FakeRunner(), max_req_total_len=20)
+    tokens, finished = run(engine, {"a": list(range(15))}, SamplingParams(temperature=0, max_tokens=100))
+    assert len(tokens["a"]) == 5 and finished["a"].reason == "length"
+
+
+def test_engine_abort_returns_every_slot():
+    runner = FakeRunner(max_requests=4, kv_tokens=300, max_width=3)
+    engine = make_engine(runner, spec_ngram=2)
+    for i in range(6):
+        engine.add_request(NewRequest(f"r{i}", [i + 1] * 10, SamplingParams(temperature=0, max_tokens=50)))
+    for _ in range(5):
+        engine.step()
+    assert runner.num_free_requests() == 0
+    finished = [out for rid in ["r0", "r1", "r2", "r3", "r4", "r5"] for out in engine.abort(rid)]
+    assert [f.reason for f in finished] == ["abort"] * 6
+    assert not engine.has_work()
+    assert runner.num_free_requests() == 4 and runner.num_free_kv_tokens() == 300
+    assert engine.abort("r0") == []
+
+
+def test_engine_forward_failure_finishes_batch_with_error_and_continues():
+    expected = FakeRunner().greedy([1, 2], 24)
+    fail_token = min(set(range(64)) - set(expected) - {1, 2})
+    runner = FakeRunner(fail_token=fail_token)
+    engine = make_engine(runner)
+    tokens, finished = run(engine, {"bad": [fail_token, 1, 2]}, GREEDY)
+    assert finished["bad"].reason == "error" and "fake runner failure" in finished["bad"].error
+    assert runner.num_free_requests() == 8
+    tokens, finished = run(engine, {"good": [1, 2]}, GREEDY)
+    assert tokens["good"] == expected
+
+
+def test_engine_nan_logits_fail_only_that_request():
+    expected = FakeRunner().greedy([1, 2, 1, 2], 24)
+    nan_token = min(set(range(64)) - set(expected) - {1, 2})
+    runner = FakeRunner(nan_token=nan_token, max_width=3)
+    engine = make_engine(runner, spec_ngram=2)
+    tokens, finished = run(engine, {"bad": [nan_token, 1], "good": [1, 2, 1, 2]}, GREEDY)
+    assert finished["bad"].reason == "error" and "NaN" in finished["bad"].error
+    assert tokens["good"] == expected
+    assert runner.num_free_requests() == 8
+
+
+def test_engine_rejects_invalid_requests():
+    engine = make_engine(FakeRunner(), max_req_total_len=10)
+    bad = {"empty": [], "long": list(range(10)), "vocab": [64]}
+    _, finished = run(engine, bad, GREEDY)
+    assert {rid: f.reason for rid, f in finished.items()} == {"empty": "error", "long": "error", "vocab": "error"}
+    out = engine.add_request(NewRequest("dup", [1], GREEDY)) + engine.add_request(NewRequest("dup", [1], GREEDY))
+    assert len(out) == 1 and "duplicate" in out[0].error
+
+
+def test_engine_refuses_max_req_total_len_beyond_kv():
+    with pytest.raises(ValueError, match="max_req_total_len"):
+        make_engine(FakeRunner(kv_tokens=100), max_req_total_len=200)
+
+
+@pytest.mark.parametrize("spec", [{}, {"spec_ngram": 3}], ids=["plain", "ngram3"])
+def test_engine_seeded_sampling_independent_of_batching(spec):
+    width = max(spec.values(), default=0) + 1
+    params = SamplingParams(temperature=0.8, top_k=20, seed=1234, max_tokens=20, ignore_eos=True)
+    alone, _ = run(make_engine(FakeRunner(max_width=width), **spec), {"a": [1, 2, 3]}, params)
+    crowd = {"a": [1, 2, 3], **{f"x{i}": [i + 4, i] for i in range(5)}}
+    unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    engine = make_engine(FakeRunner(max_width=width), **spec)
+    for rid, ids in crowd.items():
+        engine.add_request(NewRequest(rid, ids, params if rid == "a" else unseeded))
+    tokens = []
+    while engine.has_work():
+        tokens += [t for out in engine.step() if out.req_id == "a" for t in getattr(out, "token_ids", [])]
+    assert tokens == alone["a"]
+
+
+def test_engine_logprobs_are_raw_model_logprobs():
+    import torch
+
+    runner = FakeRunner()
+    engine = make_engine(runner)
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True)
+    engine.add_request(NewRequest("a", [1, 2], params))
+    chunks = []
+    while engine.has_work():
+        chunks += [o for o in engine.step() if hasattr(o, "logprobs")]
+    history = [1, 2]
+    for chunk in chunks:
+        for token, lp, top in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs):
+            expected = torch.log_softmax(runner.next_logits(history), -1)
+            assert lp == pytest.approx(float(expected[token]), abs=1e-5)
+            assert [t for t, _ in top] == torch.topk(expected, 2).indices.tolist()
+            history.append(token)
