@@ -295,3 +295,19 @@ def run_mtp(
         if poison:
             poison_dead(state)
     return run, slots
+
+
+# the operator backends the state-mode tests run; kernel tests may call the drivers with "triton"
+BACKENDS = ["torch"]
+
+
+def max_output_error(spec, params, streams, run: Run, round_state_to=None) -> float:
+    """Largest relative error of any (layer, request) accepted-output stream against the fp32 oracle."""
+    from unit_tests.helpers.asserts import relative_error
+
+    worst = 0.0
+    for layer in range(spec.num_layers):
+        for req, n in enumerate(run.positions):
+            ref = reference_outputs(spec, params, streams, layer, req, n, round_state_to)
+            worst = max(worst, relative_error(run.stacked(layer, req), ref))
+    return worst
