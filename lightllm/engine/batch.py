@@ -25,7 +25,7 @@ class ForwardBatch:
     num_prefill_rows: int
     # [sum(query_lens)] int64, all rows' tokens flattened in row order
     input_ids: torch.Tensor
-    # per prefill row: True if this chunk ends the prompt (its last position gets logits)
+    # per prefill row: True if this chunk ends the prompt (its last position gets logits); empty = all True
     prefill_is_last_chunk: list[bool] = field(default_factory=list)
 
     @property
@@ -66,11 +66,18 @@ class ModelRunnerProtocol(Protocol):
     def num_free_kv_tokens(self) -> int: ...
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        """Allocate KV slots for the new tokens, run the model, return logits (KV of all new tokens is kept)."""
+        """Allocate KV slots for the new tokens, run the model, return logits (KV of all new tokens is kept).
+        Prefill tokens are committed at once; decode rows stay pending until `accept`, which must be called
+        before the next `forward` whenever the step had decode rows (also for plain decode: accept 1)."""
 
     def accept(self, handles: list[int], num_accepted: list[int]) -> None:
         """After a step with decode rows: keep the first `num_accepted[i]` tokens of each decode row's window
         (linear state via `LinearAttState.accept`, KV beyond them released). Every decode row must be listed."""
 
-    def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, num_steps: int) -> torch.Tensor:
-        """MTP head: chained greedy drafts `[num_rows, num_steps]` from the main model's hidden states."""
+    def draft(self, handles: list[int], next_tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """MTP head: chained greedy drafts `[len(handles), num_steps]` int64.
+
+        Call after `forward` (and `accept`, for decode rows) with each request's newly sampled token: the
+        runner keeps the main model's hidden states of the accepted tokens itself, commits them with their
+        following tokens into the MTP layer's KV, then drafts `num_steps` tokens greedily. The drafts form the
+        next verify window `[next_token, *drafts]` (width num_steps + 1)."""

@@ -1,0 +1,80 @@
+"""A hybrid model: embedding, decoder layers built from the checkpoint's layer types, final norm, lm_head.
+
+`forward` runs one step described by a StepContext and returns the final-normed hidden states of every new
+token; `logits` projects selected rows. The MTP head (Qwen) is a separate module sharing embedding and lm_head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightllm.models.config import ModelConfig
+from lightllm.models.context import StepContext
+from lightllm.models.layers.decoder import build_layer
+from lightllm.models.layers.norms import rms_norm
+from lightllm.models.layers.rotary import Rotary
+from lightllm.models.loader import WeightLoader
+from lightllm.models.mtp import MtpHead
+from lightllm.models.tp import TPInfo
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp or TPInfo()
+        a = cfg.attention
+        self.rotary = Rotary(a.rotary_dim, a.rope_theta, device) if a.kind == "gated" else None
+        counters = {"linear_attention": 0, "full_attention": 0}
+        layers = []
+        for layer_type, ffn_type in zip(cfg.layer_types, cfg.ffn_types):
+            layers.append(build_layer(cfg, layer_type, ffn_type, counters[layer_type], self.rotary, self.tp))
+            counters[layer_type] += 1
+        self.layers = nn.ModuleList(layers)
+        self.mtp = MtpHead(cfg, self.rotary, self.tp) if cfg.num_mtp_layers > 0 else None
+
+    # loading ---------------------------------------------------------------------------------------------
+    def skips(self, name: str) -> bool:
+        """Checkpoint tensors this model ignores: MTP weights when the config declares no MTP layer, and a
+        stored lm_head of a tied model."""
+        if name.startswith("mtp.") and self.mtp is None:
+            return True
+        return name == "lm_head.weight" and self.cfg.tie_word_embeddings
+
+    def checkpoint_names(self, available: set[str] | None = None) -> list[str]:
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.cfg.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            names += layer.checkpoint_names(f"model.layers.{i}.", available)
+        if self.mtp is not None:
+            names += self.mtp.checkpoint_names(available)
+        return names
+
+    def load(self, w: WeightLoader) -> None:
+        self.register_buffer("embed", w.get("model.embed_tokens.weight"))
+        self.register_buffer("norm", w.get("model.norm.weight"))
+        head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+        # vocab-parallel head: each rank scores its slice of the vocabulary
+        self.register_buffer("lm_head", w.tp.shard(self.embed, 0) if head != "lm_head.weight" else w.get(head, 0))
+        for i, layer in enumerate(self.layers):
+            layer.load(w, f"model.layers.{i}.")
+        if self.mtp is not None:
+            self.mtp.load(w)
+
+    # forward ---------------------------------------------------------------------------------------------
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """`input_ids [T]` -> final-normed hidden `[T, hidden]` (the lm_head input and the MTP head's input)."""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, ctx)
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden [n, hidden]` -> fp32 `[n, vocab]`."""
+        return self.tp.all_gather_last(F.linear(hidden, self.lm_head)).float()

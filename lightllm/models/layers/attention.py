@@ -1,0 +1,71 @@
+"""Qwen gated full attention: per-head output gate, zero-centred q/k RMSNorm, partial RoPE, GQA.
+
+`q_proj` rows are per head `[q_h | gate_h]`; the output is `o_proj(attn · sigmoid(gate))`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightllm.models.config import AttentionConfig
+from lightllm.models.context import StepContext
+from lightllm.models.layers.norms import rms_norm
+from lightllm.models.layers.paged_attention import attend
+from lightllm.models.layers.rotary import Rotary
+from lightllm.models.loader import WeightLoader
+
+
+class GatedAttention(nn.Module):
+    """Weights (local shards): `q_proj [2·Hq·D, H]` per-head interleaved, `k_proj, v_proj [Hkv·D, H]`,
+    `o_proj [H, Hq·D]`, `q_norm, k_norm [D]`. Output is a TP partial sum."""
+
+    def __init__(self, cfg: AttentionConfig, eps: float, kv_layer: int, rotary: Rotary, tp_size: int = 1):
+        super().__init__()
+        self.cfg = cfg
+        self.eps = eps
+        self.kv_layer = kv_layer
+        self.rotary = rotary
+        self.num_heads = max(cfg.num_heads // tp_size, 1)
+        self.num_kv_heads = max(cfg.num_kv_heads // tp_size, 1)
+
+    def checkpoint_names(self, prefix: str) -> list[str]:
+        prefix = f"{prefix}self_attn."
+        names = [f"{prefix}{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        if self.cfg.bias:
+            names += [f"{prefix}{n}.bias" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        return names
+
+    def load(self, w: WeightLoader, prefix: str) -> None:
+        c, prefix = self.cfg, f"{prefix}self_attn."
+        self.register_buffer("q_proj", w.get(f"{prefix}q_proj.weight", 0, c.num_heads))
+        self.register_buffer("k_proj", w.get(f"{prefix}k_proj.weight", 0, c.num_kv_heads))
+        self.register_buffer("v_proj", w.get(f"{prefix}v_proj.weight", 0, c.num_kv_heads))
+        self.register_buffer("o_proj", w.get(f"{prefix}o_proj.weight", 1, c.num_heads))
+        self.register_buffer("q_norm", w.get(f"{prefix}q_norm.weight"))
+        self.register_buffer("k_norm", w.get(f"{prefix}k_norm.weight"))
+        for n, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
+            bias = w.get(f"{prefix}{n}_proj.bias", 0, heads) if c.bias else None
+            self.register_buffer(f"{n}_bias", bias)
+        # row-parallel bias: added once, on rank 0
+        self.register_buffer("o_bias", w.get(f"{prefix}o_proj.bias") if c.bias and w.tp.rank == 0 else None)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        t, d = x.shape[0], self.cfg.head_dim
+        q, gate = F.linear(x, self.q_proj, self.q_bias).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
+        k = F.linear(x, self.k_proj, self.k_bias).view(t, self.num_kv_heads, d)
+        v = F.linear(x, self.v_proj, self.v_bias).view(t, self.num_kv_heads, d)
+        q = rms_norm(q, self.q_norm, self.eps, zero_centered=True)
+        k = rms_norm(k, self.k_norm, self.eps, zero_centered=True)
+        cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        ctx.kv.write(self.kv_layer, ctx.write_slots, k, v)
+
+        def load_kv(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = ctx.kv.gather(self.kv_layer, table)
+            return keys, values
+
+        o = attend(q, ctx.groups, load_kv, d**-0.5)
+        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return F.linear(o, self.o_proj, self.o_bias)

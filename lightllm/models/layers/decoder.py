@@ -1,0 +1,69 @@
+"""One decoder layer: pre-norm mixer (linear or full attention) + pre-norm FFN (dense or MoE), residuals."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightllm.models.config import FULL, MOE, ModelConfig
+from lightllm.models.context import StepContext
+from lightllm.models.layers.attention import GatedAttention
+from lightllm.models.layers.gdn import GatedDeltaNet
+from lightllm.models.layers.kda import KimiDeltaAttention
+from lightllm.models.layers.mla import LatentAttention
+from lightllm.models.layers.mlp import SwiGLU
+from lightllm.models.layers.moe import MoE
+from lightllm.models.layers.norms import rms_norm
+from lightllm.models.layers.rotary import Rotary
+from lightllm.models.loader import WeightLoader
+from lightllm.models.tp import TPInfo
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, mixer: nn.Module, ffn: nn.Module, tp: TPInfo):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.zero_centered = cfg.zero_centered_norm
+        self.mixer = mixer
+        self.ffn = ffn
+        self.tp = tp
+
+    def checkpoint_names(self, prefix: str, available: set[str] | None = None) -> list[str]:
+        names = [f"{prefix}input_layernorm.weight", f"{prefix}post_attention_layernorm.weight"]
+        names += self.mixer.checkpoint_names(prefix)
+        if isinstance(self.ffn, MoE):
+            return names + self.ffn.checkpoint_names(f"{prefix}mlp.", available)
+        return names + self.ffn.checkpoint_names(f"{prefix}mlp.")
+
+    def load(self, w: WeightLoader, prefix: str) -> None:
+        self.register_buffer("input_norm", w.get(f"{prefix}input_layernorm.weight"))
+        self.register_buffer("post_norm", w.get(f"{prefix}post_attention_layernorm.weight"))
+        self.mixer.load(w, prefix)
+        self.ffn.load(w, f"{prefix}mlp.")
+
+    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = rms_norm(h, self.input_norm, self.eps, self.zero_centered)
+        h = h + self.tp.all_reduce(self.mixer(x, ctx))
+        x = rms_norm(h, self.post_norm, self.eps, self.zero_centered)
+        return h + self.tp.all_reduce(self.ffn(x))
+
+
+def build_layer(
+    cfg: ModelConfig, layer_type: str, ffn_type: str, index: int, rotary: Rotary | None, tp: TPInfo
+) -> DecoderLayer:
+    """`index` is the layer's position among layers of its kind: its KV layer for full attention, its state
+    layer for linear attention (the state and the KV cache number only their own layers)."""
+    if layer_type == FULL:
+        if cfg.attention.kind == "mla":
+            mixer = LatentAttention(cfg.attention, index, tp.size)
+        else:
+            mixer = GatedAttention(cfg.attention, cfg.rms_norm_eps, index, rotary, tp.size)
+    elif cfg.linear.algo == "kda":
+        mixer = KimiDeltaAttention(cfg.linear, cfg.rms_norm_eps, index, tp.size)
+    else:
+        mixer = GatedDeltaNet(cfg.linear, cfg.arch == "qwen3_next", cfg.rms_norm_eps, index, tp.size)
+    if ffn_type == MOE:
+        ffn = MoE(cfg.moe, kimi_names=cfg.arch == "kimi_linear")
+    else:
+        ffn = SwiGLU()
+    return DecoderLayer(cfg, mixer, ffn, tp)

@@ -1,0 +1,77 @@
+"""Gated DeltaNet mixer (Qwen3-Next / Qwen3.5 linear-attention layers).
+
+`x -> [q|k|v | z | b | a]` by one local GEMM (checkpoint projections regrouped at load), conv + recurrence
+through the state (`graw = a`, `braw = b`, gates activated inside the state operators), then the gated RMSNorm
+`w · norm(o) · silu(z)` per value head and `out_proj` (row-parallel: the output is a TP partial sum).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightllm.linear_att import LinearAttSpec
+from lightllm.linear_att.base import LayerParams
+from lightllm.models.context import StepContext
+from lightllm.models.layers.linear_state import run_linear_state
+from lightllm.models.layers.norms import gated_rms_norm_silu
+from lightllm.models.loader import WeightLoader
+from lightllm.models.qwen3_5 import weights as q35
+from lightllm.models.qwen3_next import weights as q3n
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, spec: LinearAttSpec, grouped_in_proj: bool, eps: float, linear_layer: int, tp_size: int = 1):
+        super().__init__()
+        self.spec = spec
+        self.grouped = grouped_in_proj
+        self.eps = eps
+        self.linear_layer = linear_layer
+        self.num_k_heads = spec.num_k_heads // tp_size
+        self.num_v_heads = spec.num_v_heads // tp_size
+        key_dim, value_dim = self.num_k_heads * spec.head_k_dim, self.num_v_heads * spec.head_v_dim
+        self.split_sizes = [2 * key_dim + value_dim, value_dim, self.num_v_heads, self.num_v_heads]
+
+    def checkpoint_names(self, prefix: str) -> list[str]:
+        proj = [q3n.QKVZ, q3n.BA] if self.grouped else [q35.QKV, q35.Z, q35.B, q35.A]
+        rest = ["conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight"]
+        return [prefix + p for p in proj] + [f"{prefix}linear_attn.{n}" for n in rest]
+
+    def _projections(self, w: WeightLoader, prefix: str) -> list[torch.Tensor]:
+        """Full (unsharded) q, k, v, z, b, a projection weights, head-major."""
+        if self.grouped:
+            q, k, v, z = q3n.split_qkvz(w.get(prefix + q3n.QKVZ), self.spec)
+            b, a = q3n.split_ba(w.get(prefix + q3n.BA), self.spec)
+        else:
+            q, k, v = q35.split_qkv(w.get(prefix + q35.QKV), self.spec)
+            z, b, a = (w.get(prefix + n) for n in (q35.Z, q35.B, q35.A))
+        return [q, k, v, z, b, a]
+
+    def load(self, w: WeightLoader, prefix: str) -> None:
+        s, tp = self.spec, w.tp
+        heads = [s.num_k_heads, s.num_k_heads, s.num_v_heads, s.num_v_heads, s.num_v_heads, s.num_v_heads]
+        parts = self._projections(w, prefix)
+        self.register_buffer("in_proj", torch.cat([tp.shard_heads(p, 0, n) for p, n in zip(parts, heads)]))
+        conv = w.get(f"{prefix}linear_attn.conv1d.weight").squeeze(1)
+        key_dim = s.num_k_heads * s.head_k_dim
+        conv_parts = conv.split([key_dim, key_dim, s.num_v_heads * s.head_v_dim])
+        conv = torch.cat([tp.shard_heads(p, 0, n) for p, n in zip(conv_parts, heads[:3])])
+        self.params = LayerParams(
+            conv_weight=conv,
+            conv_bias=None,
+            A_log=w.get(f"{prefix}linear_attn.A_log", 0),
+            dt_bias=w.get(f"{prefix}linear_attn.dt_bias", 0)[:, None],
+        )
+        self.register_buffer("conv_weight", self.params.conv_weight)
+        self.register_buffer("A_log", self.params.A_log)
+        self.register_buffer("dt_bias", self.params.dt_bias)
+        self.register_buffer("norm", w.get(f"{prefix}linear_attn.norm.weight"))
+        self.register_buffer("out_proj", w.get(f"{prefix}linear_attn.out_proj.weight", 1))
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        t, hv, dv = x.shape[0], self.num_v_heads, self.spec.head_v_dim
+        mixed_qkv, z, b, a = (p.contiguous() for p in F.linear(x, self.in_proj).split(self.split_sizes, dim=-1))
+        o = run_linear_state(ctx, self.linear_layer, mixed_qkv, a[:, :, None], b, self.params, hv, dv)
+        y = gated_rms_norm_silu(o, z.reshape(t, hv, dv), self.norm, self.eps)
+        return F.linear(y.reshape(t, hv * dv), self.out_proj)

@@ -1,0 +1,71 @@
+"""Kimi Delta Attention mixer (Kimi-Linear linear-attention layers).
+
+q/k/v projections with separate short convs (handed to the state as one depthwise conv over `[q|k|v]`),
+low-rank forget gate `f_b(f_a(x))` -> `graw [T, HV, K]` (softplus gate with per-channel `dt_bias`, applied in
+the state), `beta = sigmoid(b_proj(x))`, output `o_proj(w · norm(o) · sigmoid(g_b(g_a(x))))`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightllm.linear_att import LinearAttSpec
+from lightllm.linear_att.base import LayerParams
+from lightllm.models.context import StepContext
+from lightllm.models.layers.linear_state import run_linear_state
+from lightllm.models.layers.norms import gated_rms_norm_sigmoid
+from lightllm.models.loader import WeightLoader
+
+WEIGHTS = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj", "b_proj")
+WEIGHTS += ("g_a_proj", "g_b_proj", "o_norm", "o_proj")
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, spec: LinearAttSpec, eps: float, linear_layer: int, tp_size: int = 1):
+        super().__init__()
+        self.spec = spec
+        self.eps = eps
+        self.linear_layer = linear_layer
+        self.num_heads = spec.num_v_heads // tp_size
+        d = spec.head_k_dim
+        self.split_sizes = [3 * self.num_heads * d, self.num_heads]
+
+    def checkpoint_names(self, prefix: str) -> list[str]:
+        p = f"{prefix}self_attn."
+        return [f"{p}{n}.weight" for n in WEIGHTS] + [f"{p}A_log", f"{p}dt_bias"]
+
+    def load(self, w: WeightLoader, prefix: str) -> None:
+        p, h, d = f"{prefix}self_attn.", self.spec.num_v_heads, self.spec.head_k_dim
+        qkvb = [w.get(f"{p}{n}.weight", 0, h) for n in ("q_proj", "k_proj", "v_proj", "b_proj")]
+        self.register_buffer("in_proj", torch.cat(qkvb))
+        # f_a and g_a are replicated low-rank down-projections: one GEMM for both
+        self.register_buffer("gate_down", torch.cat([w.get(f"{p}f_a_proj.weight"), w.get(f"{p}g_a_proj.weight")]))
+        self.register_buffer("f_up", w.get(f"{p}f_b_proj.weight", 0, h))
+        self.register_buffer("g_up", w.get(f"{p}g_b_proj.weight", 0, h))
+        conv = torch.cat([w.get(f"{p}{n}_conv1d.weight", 0, h).squeeze(1) for n in "qkv"])
+        self.params = LayerParams(
+            conv_weight=conv,
+            conv_bias=None,
+            A_log=w.get(f"{p}A_log").reshape(h)[self._head_slice(w)].contiguous(),
+            dt_bias=w.get(f"{p}dt_bias", 0, h).view(-1, d),
+        )
+        self.register_buffer("conv_weight", conv)
+        self.register_buffer("A_log", self.params.A_log)
+        self.register_buffer("dt_bias", self.params.dt_bias)
+        self.register_buffer("o_norm", w.get(f"{p}o_norm.weight"))
+        self.register_buffer("o_proj", w.get(f"{p}o_proj.weight", 1, h))
+
+    def _head_slice(self, w: WeightLoader) -> slice:
+        start = w.tp.rank * self.num_heads if w.tp.size > 1 else 0
+        return slice(start, start + self.num_heads)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        t, h, d = x.shape[0], self.num_heads, self.spec.head_k_dim
+        mixed_qkv, braw = (p.contiguous() for p in F.linear(x, self.in_proj).split(self.split_sizes, dim=-1))
+        f_low, g_low = F.linear(x, self.gate_down).chunk(2, dim=-1)
+        graw = F.linear(f_low, self.f_up).view(t, h, d)
+        o = run_linear_state(ctx, self.linear_layer, mixed_qkv, graw, braw, self.params, h, d)
+        y = gated_rms_norm_sigmoid(o, F.linear(g_low, self.g_up).view(t, h, d), self.o_norm, self.eps)
+        return F.linear(y.reshape(t, h * d), self.o_proj)

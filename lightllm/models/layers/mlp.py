@@ -1,0 +1,33 @@
+"""Dense SwiGLU feed-forward: `down(silu(gate(x)) · up(x))`; gate/up column-parallel, down row-parallel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightllm.models.loader import WeightLoader
+
+
+class SwiGLU(nn.Module):
+    """Weights `gate_proj, up_proj [I, H]`, `down_proj [H, I]` (local shards). Output is a TP partial sum."""
+
+    NAMES = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, names: tuple[str, str, str] = NAMES):
+        super().__init__()
+        self.names = names
+
+    def checkpoint_names(self, prefix: str) -> list[str]:
+        return [f"{prefix}{n}.weight" for n in self.names]
+
+    def load(self, w: WeightLoader, prefix: str) -> None:
+        gate, up, down = self.names
+        self.register_buffer(
+            "gate_up", torch.cat([w.get(f"{prefix}{gate}.weight", 0), w.get(f"{prefix}{up}.weight", 0)])
+        )
+        self.register_buffer("down", w.get(f"{prefix}{down}.weight", 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)

@@ -1,0 +1,135 @@
+"""Mixture of experts: Qwen's softmax router with a sigmoid-gated shared expert, Kimi's biased sigmoid router.
+
+Experts are stored stacked (`gate_up [E, 2I, H]`, `down [E, H, I]`, TP shards of I) whatever the checkpoint
+layout: per-expert tensors (`experts.{e}.gate_proj` / Kimi's `w1, w3, w2`) or already fused
+(`experts.gate_up_proj`, `experts.down_proj`). The routed sum is computed expert by expert over the tokens that
+chose it (a grouped GEMM can replace the loop without changing the interface).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightllm.models.config import MoEConfig
+from lightllm.models.layers.mlp import SwiGLU
+from lightllm.models.loader import WeightLoader
+
+
+def route_softmax(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen: softmax over all experts (fp32), top-k, optional renormalisation. Returns (weights, ids) [T, k]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kimi/DeepSeek-V3: sigmoid scores; the choice uses score + bias, restricted to the best `topk_groups`
+    groups (a group scores the sum of its two best experts); weights are the unbiased scores, renormalised,
+    times `routed_scaling_factor`. fp32 throughout."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias
+    if cfg.num_groups > 1:
+        grouped = choice.view(-1, cfg.num_groups, cfg.num_experts // cfg.num_groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(cfg.num_experts // cfg.num_groups, dim=1), float("-inf"))
+    ids = torch.topk(choice, cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def run_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """`x [T, H]`, `ids, weights [T, k]` -> `sum_k weights · expert_ids(x)` as `[T, H]` in x's dtype."""
+    out = torch.zeros_like(x)
+    num_experts = gate_up.shape[0]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    top_k = ids.shape[1]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = order[start : start + n]
+        start += n
+        tokens = sel // top_k
+        g, u = F.linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, down[e]) * weights.flatten()[sel, None]
+        out.index_add_(0, tokens, y.to(x.dtype))
+    return out
+
+
+class MoE(nn.Module):
+    """Router + routed experts + shared expert(s). Output is a TP partial sum (experts sharded along I)."""
+
+    def __init__(self, cfg: MoEConfig, kimi_names: bool):
+        super().__init__()
+        self.cfg = cfg
+        # Kimi spells the expert projections w1 (gate), w3 (up), w2 (down) and its shared MLP `shared_experts`
+        self.expert_names = ("w1", "w3", "w2") if kimi_names else ("gate_proj", "up_proj", "down_proj")
+        self.shared_prefix = "shared_experts." if kimi_names else "shared_expert."
+        self.shared = SwiGLU() if cfg.shared_intermediate_size else None
+
+    def _fused(self, prefix: str, available: set[str] | None) -> bool:
+        return available is not None and f"{prefix}experts.gate_up_proj" in available
+
+    def checkpoint_names(self, prefix: str, available: set[str] | None = None) -> list[str]:
+        names = [f"{prefix}gate.weight"]
+        if self.cfg.score_correction_bias:
+            names.append(f"{prefix}gate.e_score_correction_bias")
+        if self._fused(prefix, available):
+            names += [f"{prefix}experts.gate_up_proj", f"{prefix}experts.down_proj"]
+        else:
+            names += [f"{prefix}experts.{e}.{n}.weight" for e in range(self.cfg.num_experts) for n in self.expert_names]
+        if self.shared is not None:
+            names += self.shared.checkpoint_names(prefix + self.shared_prefix)
+        if self.cfg.shared_expert_gate:
+            names.append(f"{prefix}shared_expert_gate.weight")
+        return names
+
+    def load(self, w: WeightLoader, prefix: str) -> None:
+        kimi = self.cfg.scoring == "sigmoid"
+        self.register_buffer("router", w.get(f"{prefix}gate.weight", fp32=kimi))
+        if self.cfg.score_correction_bias:
+            self.register_buffer("score_bias", w.get(f"{prefix}gate.e_score_correction_bias"))
+        if w.has(f"{prefix}experts.gate_up_proj"):
+            fused = w.get(f"{prefix}experts.gate_up_proj")
+            gate, up = fused.chunk(2, dim=1)
+            gate_up = torch.cat([w.tp.shard(gate, 1), w.tp.shard(up, 1)], dim=1)
+            down = w.get(f"{prefix}experts.down_proj", 2)
+        else:
+            g, u, d = self.expert_names
+            per = [
+                torch.cat([w.get(f"{prefix}experts.{e}.{g}.weight", 0), w.get(f"{prefix}experts.{e}.{u}.weight", 0)])
+                for e in range(self.cfg.num_experts)
+            ]
+            gate_up = torch.stack(per)
+            down = torch.stack([w.get(f"{prefix}experts.{e}.{d}.weight", 1) for e in range(self.cfg.num_experts)])
+        self.register_buffer("gate_up", gate_up.contiguous())
+        self.register_buffer("down", down.contiguous())
+        if self.shared is not None:
+            self.shared.load(w, prefix + self.shared_prefix)
+        if self.cfg.shared_expert_gate:
+            self.register_buffer("shared_gate", w.get(f"{prefix}shared_expert_gate.weight"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.scoring == "sigmoid":
+            weights, ids = route_sigmoid(F.linear(x.float(), self.router), self.score_bias, self.cfg)
+        else:
+            weights, ids = route_softmax(F.linear(x, self.router), self.cfg)
+        out = run_experts(x, self.gate_up, self.down, weights, ids)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.cfg.shared_expert_gate:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,55 @@
+"""Pick the architecture of a checkpoint by `model_type` and turn its `config.json` into a ModelConfig."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from lightllm.models.config import ModelConfig
+from lightllm.models.kimi_linear.config import map_config as map_kimi_linear
+from lightllm.models.qwen3_5.config import map_config as map_qwen3_5
+from lightllm.models.qwen3_next.config import map_config as map_qwen3_next
+
+CONFIG_MAPPERS: dict[str, Callable[[dict], ModelConfig]] = {
+    "qwen3_next": map_qwen3_next,
+    "qwen3_5": map_qwen3_5,
+    "qwen3_5_text": map_qwen3_5,
+    "qwen3_5_moe": map_qwen3_5,
+    "qwen3_5_moe_text": map_qwen3_5,
+    "kimi_linear": map_kimi_linear,
+}
+SUPPORTED_MODEL_TYPES = tuple(CONFIG_MAPPERS)
+
+
+def text_config(raw: dict) -> dict:
+    """The decoder's config: real Qwen3.5 checkpoints (the VLM layout) nest it under `text_config`.
+
+    Fields set only at the top level (vocabulary ids, embedding tying) are inherited by the nested config."""
+    nested = raw.get("text_config")
+    if not nested:
+        return raw
+    merged = dict(nested)
+    for key in ("tie_word_embeddings", "eos_token_id", "dtype", "torch_dtype"):
+        if key in raw and key not in nested:
+            merged[key] = raw[key]
+    merged.setdefault("model_type", raw.get("model_type"))
+    return merged
+
+
+def model_config_from_dict(raw: dict) -> ModelConfig:
+    """Map a parsed `config.json`; unknown `model_type` raises a ValueError listing the supported ones."""
+    outer_type = raw.get("model_type")
+    text = text_config(raw)
+    model_type = text.get("model_type") or outer_type
+    mapper = CONFIG_MAPPERS.get(model_type) or CONFIG_MAPPERS.get(outer_type)
+    if mapper is None:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (outer {outer_type!r}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return mapper(text)
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    with open(Path(model_dir) / "config.json") as f:
+        return model_config_from_dict(json.load(f))

@@ -1,0 +1,256 @@
+"""ModelRunner: the engine's handle on a model — weights, KV cache, linear-attention state, one forward per step.
+
+Implements `lightllm.engine.batch.ModelRunnerProtocol`. The runner never branches on the state mode: it creates
+the state through `create_state` and calls the protocol (prefill/decode inside the layers, then `accept` and
+`finish_prefill` once per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from lightllm.engine.batch import ForwardBatch, ForwardOutput
+from lightllm.engine.kv_cache import KVCache
+from lightllm.linear_att import StateConfig, StateMode, create_state
+from lightllm.linear_att.base import Checkpoint, DecodeRows
+from lightllm.models.context import build_context
+from lightllm.models.drafting import MtpDrafter
+from lightllm.models.hybrid import HybridModel
+from lightllm.models.loader import load_weights
+from lightllm.models.registry import load_model_config
+from lightllm.models.runner_config import RunnerConfig
+from lightllm.models.tp import TPInfo
+
+
+@dataclass
+class _Request:
+    state_slot: int
+    # tokens whose KV / linear state is committed
+    num_tokens: int = 0
+    # MTP: final hidden states not yet paired with their next token, and the tokens that follow them
+    mtp_hidden: list[torch.Tensor] = field(default_factory=list)
+    mtp_next_ids: list[int] = field(default_factory=list)
+    # MTP: committed (hidden, token) pairs in the MTP head's KV
+    mtp_len: int = 0
+
+
+@dataclass
+class _PendingVerify:
+    handles: list[int]
+    widths: list[int]
+    rows: DecodeRows
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig, tp_group: object | None = None):
+        self.config = config
+        self.model_config = cfg = load_model_config(config.model_dir)
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype(cfg.torch_dtype)
+        tp = TPInfo(config.tp_rank, config.tp_size, tp_group)
+        self.model = HybridModel(cfg, tp, self.device)
+        load_weights(self.model, config.model_dir, self.dtype, self.device, tp, config.show_progress)
+        self.vocab_size = cfg.vocab_size
+        self.max_width = config.verify_width
+        self.num_mtp_steps = config.mtp_step if self.model.mtp is not None else 0
+        if config.mtp_step and self.model.mtp is None:
+            raise ValueError(f"mtp_step={config.mtp_step} but {config.model_dir} has no MTP layer")
+        mode = StateMode(config.ssm_state_mode)
+        spec = dataclasses.replace(
+            cfg.linear, num_k_heads=cfg.linear.num_k_heads // tp.size, num_v_heads=cfg.linear.num_v_heads // tp.size
+        )
+        self.state = create_state(
+            spec,
+            StateConfig(
+                mode=mode,
+                max_requests=config.max_running_requests,
+                max_width=self.max_width,
+                state_dtype=config.state_dtype(),
+                act_dtype=self.dtype,
+                replay_capacity=config.replayssm_cache_len,
+                projection=config.replayssm_projection_mode if mode is StateMode.REPLAY else "inline",
+                device=self.device,
+                backend=config.state_backend,
+            ),
+        )
+        shapes = self._kv_token_shapes(tp.size)
+        self.kv = KVCache(
+            len(cfg.full_layer_ids),
+            shapes,
+            config.max_total_token_num,
+            config.max_running_requests,
+            config.max_req_total_len,
+            self.dtype,
+            self.device,
+        )
+        self.drafter = None
+        if self.num_mtp_steps:
+            mtp_kv = KVCache(
+                1,
+                shapes,
+                config.max_total_token_num + config.max_running_requests * (self.num_mtp_steps + 1),
+                config.max_running_requests,
+                config.max_req_total_len + self.num_mtp_steps + 1,
+                self.dtype,
+                self.device,
+            )
+            self.drafter = MtpDrafter(self.model, mtp_kv)
+        self._requests: dict[int, _Request] = {}
+        self._pending: _PendingVerify | None = None
+
+    def _kv_token_shapes(self, tp_size: int) -> tuple[tuple[int, ...], ...]:
+        a = self.model_config.attention
+        if a.kind == "mla":
+            return a.kv_cache_shapes
+        return ((max(a.num_kv_heads // tp_size, 1), a.head_dim),) * 2
+
+    # requests and memory ---------------------------------------------------------------------------------
+    def add_request(self) -> int:
+        """Reserve a state slot and a KV row; the handle is the KV row index."""
+        if self.kv.num_free_rows() == 0 or self.state.num_free_slots() == 0:
+            raise RuntimeError("no free request slot")
+        handle = self.kv.alloc_row()
+        self._requests[handle] = _Request(state_slot=self.state.alloc())
+        if self.drafter is not None:
+            self.drafter.kv.alloc_row()
+        return handle
+
+    def free_request(self, handle: int) -> None:
+        req = self._requests.pop(handle)
+        self.kv.free_row(handle)
+        self.state.free(req.state_slot)
+        if self.drafter is not None:
+            self.drafter.kv.free_row(handle)
+
+    def num_free_requests(self) -> int:
+        return min(self.kv.num_free_rows(), self.state.num_free_slots())
+
+    def num_free_kv_tokens(self) -> int:
+        return self.kv.num_free_tokens()
+
+    def bytes_per_request(self) -> int:
+        """Linear-attention state bytes of one request slot (all layers, this state mode)."""
+        return self.state.bytes_per_request()
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all full-attention layers (plus the MTP layer)."""
+        extra = self.drafter.kv.bytes_per_token() if self.drafter is not None else 0
+        return self.kv.bytes_per_token() + extra
+
+    def num_tokens(self, handle: int) -> int:
+        return self._requests[handle].num_tokens
+
+    # one step --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one step (see `ModelRunnerProtocol.forward`). A step with decode rows must be followed by
+        `accept` before the next forward."""
+        if self._pending is not None:
+            raise RuntimeError("accept() must be called after a step with decode rows before the next forward")
+        reqs = [self._requests[h] for h in batch.req_handles]
+        for h, req, cached in zip(batch.req_handles, reqs, batch.num_cached_tokens):
+            assert cached == req.num_tokens, (
+                f"request {h}: engine says {cached} cached tokens, runner has {req.num_tokens}"
+            )
+        for h, q in zip(batch.req_handles, batch.query_lens):
+            self.kv.extend(h, q)
+        np_ = batch.num_prefill_rows
+        ctx = build_context(
+            batch.query_lens,
+            batch.num_cached_tokens,
+            np_,
+            [self.kv.slots(h) for h in batch.req_handles],
+            self.kv,
+            self.state,
+            [r.state_slot for r in reqs],
+        )
+        input_ids = batch.input_ids.to(self.device)
+        hidden = self.model(input_ids, ctx)
+        if np_:
+            self.state.finish_prefill(ctx.prefill_rows.slots)
+        select = self._logit_rows(batch)
+        if self.drafter is not None:
+            self._remember_for_mtp(batch, reqs, hidden, input_ids)
+        # prefill tokens are committed now; decode rows commit in `accept`
+        for req, q in zip(reqs[:np_], batch.query_lens[:np_]):
+            req.num_tokens += q
+        if ctx.decode_rows is not None:
+            self._pending = _PendingVerify(batch.req_handles[np_:], batch.query_lens[np_:], ctx.decode_rows)
+        out_hidden = hidden[select]
+        return ForwardOutput(logits=self.model.logits(out_hidden), hidden=out_hidden)
+
+    def _logit_rows(self, batch: ForwardBatch) -> torch.Tensor:
+        rows, start = [], 0
+        for i, q in enumerate(batch.query_lens):
+            if i >= batch.num_prefill_rows:
+                rows += range(start, start + q)
+            elif not batch.prefill_is_last_chunk or batch.prefill_is_last_chunk[i]:
+                rows.append(start + q - 1)
+            start += q
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+
+    def _remember_for_mtp(self, batch, reqs, hidden, input_ids) -> None:
+        ids = input_ids.tolist()
+        start = 0
+        for req, q in zip(reqs, batch.query_lens):
+            tokens = ids[start : start + q]
+            if req.mtp_hidden:
+                req.mtp_next_ids.append(tokens[0])
+            req.mtp_next_ids += tokens[1:]
+            req.mtp_hidden.append(hidden[start : start + q])
+            start += q
+
+    @torch.inference_mode()
+    def accept(self, handles: list[int], num_accepted: list[int]) -> None:
+        """Keep the first `num_accepted[i]` tokens of each decode row of the last step (every row listed)."""
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("accept() without a preceding step with decode rows")
+        accepted = dict(zip(handles, num_accepted))
+        if sorted(accepted) != sorted(pending.handles):
+            raise ValueError(f"accept() must list exactly the decode rows {pending.handles}, got {handles}")
+        counts = [accepted[h] for h in pending.handles]
+        for h, w, a in zip(pending.handles, pending.widths, counts):
+            if not 1 <= a <= w:
+                raise ValueError(f"request {h}: num_accepted {a} outside [1, {w}]")
+        self.state.accept(pending.rows, torch.tensor(counts, dtype=torch.int32, device=self.device))
+        for h, w, a in zip(pending.handles, pending.widths, counts):
+            req = self._requests[h]
+            req.num_tokens += a
+            self.kv.truncate(h, req.num_tokens)
+            if self.drafter is not None and a < w:
+                self._drop_rejected_mtp(req, w - a)
+        self._pending = None
+
+    @staticmethod
+    def _drop_rejected_mtp(req: _Request, num_rejected: int) -> None:
+        req.mtp_hidden[-1] = req.mtp_hidden[-1][:-num_rejected]
+        del req.mtp_next_ids[len(req.mtp_next_ids) - num_rejected :]
+
+    # MTP -------------------------------------------------------------------------------------------------
+    def draft(self, handles: list[int], next_tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """Chained greedy MTP drafts `[len(handles), num_steps]` int64 after each request's `next_tokens`."""
+        return self.draft_with_logits(handles, next_tokens, num_steps)[0]
+
+    @torch.inference_mode()
+    def draft_with_logits(
+        self, handles: list[int], next_tokens: torch.Tensor, num_steps: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft` plus the fp32 logits of every draft step `[len(handles), num_steps, vocab]`."""
+        if self.drafter is None:
+            raise RuntimeError("this runner has no MTP head (mtp_step = 0 or no mtp.* weights)")
+        return self.drafter.draft(handles, [self._requests[h] for h in handles], next_tokens.tolist(), num_steps)
+
+    # checkpoints (prefix cache, PD) ----------------------------------------------------------------------
+    def export_checkpoint(self, handles: list[int]) -> Checkpoint:
+        return self.state.export_checkpoint(self._state_slots(handles))
+
+    def import_checkpoint(self, handles: list[int], checkpoint: Checkpoint) -> None:
+        self.state.import_checkpoint(self._state_slots(handles), checkpoint)
+
+    def _state_slots(self, handles: list[int]) -> torch.Tensor:
+        slots = [self._requests[h].state_slot for h in handles]
+        return torch.tensor(slots, dtype=torch.int32, device=self.device)

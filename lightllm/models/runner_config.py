@@ -1,0 +1,54 @@
+"""Start-up options of a ModelRunner, named like the server flags they come from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_dir: str
+    # activations and weights: "bfloat16" | "float16" | "float32" | "auto" (the checkpoint's dtype)
+    data_type: str = "auto"
+    device: str = "cuda"
+    # linear-attention state: "native" | "compact" | "replay"
+    ssm_state_mode: str = "native"
+    linear_att_ssm_data_type: str = "float32"
+    # replay history capacity (tokens) and projection mode ("inline" | "precompute")
+    replayssm_cache_len: int = 8
+    replayssm_projection_mode: str = "inline"
+    # MTP draft steps per verify (0 = no MTP); the verify width is mtp_step + 1
+    mtp_step: int = 0
+    # largest verify width of any step; 0 = mtp_step + 1 (n-gram speculation sets it explicitly)
+    max_width: int = 0
+    max_running_requests: int = 8
+    # KV token slots of the full-attention layers (all requests together)
+    max_total_token_num: int = 4096
+    # longest request (prompt + output), sizes the per-request slot table
+    max_req_total_len: int = 4096
+    tp_rank: int = 0
+    tp_size: int = 1
+    # force the state operator backend ("torch" | "triton"); None = by device
+    state_backend: str | None = None
+    show_progress: bool = False
+
+    @property
+    def verify_width(self) -> int:
+        return self.max_width or self.mtp_step + 1
+
+    def torch_dtype(self, checkpoint_dtype: str) -> torch.dtype:
+        name = checkpoint_dtype if self.data_type == "auto" else self.data_type
+        if name not in DTYPES:
+            raise ValueError(f"data_type must be one of {tuple(DTYPES)} or 'auto', got {name!r}")
+        return DTYPES[name]
+
+    def state_dtype(self) -> torch.dtype:
+        if self.linear_att_ssm_data_type not in DTYPES:
+            raise ValueError(
+                f"linear_att_ssm_data_type must be one of {tuple(DTYPES)}, got {self.linear_att_ssm_data_type!r}"
+            )
+        return DTYPES[self.linear_att_ssm_data_type]
