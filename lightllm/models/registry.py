@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
 
+from safetensors import safe_open
+
 from lightllm.models.config import ModelConfig
 from lightllm.models.kimi_linear.config import map_config as map_kimi_linear
 from lightllm.models.qwen3_5.config import map_config as map_qwen3_5
+from lightllm.models.qwen3_next.config import MTP_DEPTH_KEYS
 from lightllm.models.qwen3_next.config import map_config as map_qwen3_next
 
 CONFIG_MAPPERS: dict[str, Callable[[dict], ModelConfig]] = {
@@ -51,5 +55,20 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read `config.json`; Qwen checkpoints whose config does not declare an MTP depth (Qwen3-Next's) get one
+    MTP layer when the checkpoint ships `mtp.*` tensors."""
     with open(Path(model_dir) / "config.json") as f:
-        return model_config_from_dict(json.load(f))
+        raw = json.load(f)
+    cfg = model_config_from_dict(raw)
+    declared = any(k in text_config(raw) for k in MTP_DEPTH_KEYS)
+    if cfg.arch != "kimi_linear" and not declared and _has_mtp_tensors(Path(model_dir)):
+        cfg = dataclasses.replace(cfg, num_mtp_layers=1)
+    return cfg
+
+
+def _has_mtp_tensors(model_dir: Path) -> bool:
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            if any(k.startswith("mtp.") for k in f.keys()):
+                return True
+    return False

@@ -65,8 +65,11 @@ def qwen_moe(raw: dict, norm_topk_prob: bool) -> MoEConfig:
     )
 
 
+MTP_DEPTH_KEYS = ("num_mtp_layers", "mtp_num_hidden_layers", "num_nextn_predict_layers")
+
+
 def num_mtp_layers(raw: dict) -> int:
-    return int(first_present(raw, "num_mtp_layers", "mtp_num_hidden_layers", "num_nextn_predict_layers", default=0))
+    return int(first_present(raw, *MTP_DEPTH_KEYS, default=0))
 
 
 def build_qwen_config(raw: dict, arch: str, ffn_types: tuple[str, ...], moe: MoEConfig | None) -> ModelConfig:
