@@ -246,6 +246,57 @@ def reference_state(spec, params, streams, layer, req, length) -> torch.Tensor:
     return s[0]
 
 
+def choose_round(gen, num_requests, r, max_width, policy):
+    """Widths and accepted counts of round `r` (see `run_mtp` for the policies)."""
+    widths, accepted = [], []
+    for _ in range(num_requests):
+        if policy == "decode":
+            w, a = 1, 1
+        else:
+            w = max_width if policy != "random" else int(torch.randint(0, max_width + 1, (1,), generator=gen))
+            if policy == "random" and r % 7 == 0:
+                w = max_width
+            if w == 0:
+                a = 0
+            elif policy == "all_accept" or (policy == "random" and r % 5 == 1):
+                a = w
+            elif policy == "all_reject" or (policy == "random" and r % 5 == 2):
+                a = 1
+            else:
+                a = int(torch.randint(1, w + 1, (1,), generator=gen))
+        widths.append(w)
+        accepted.append(a)
+    return widths, accepted
+
+
+def rounds(
+    state,
+    spec,
+    params,
+    streams,
+    slots,
+    run,
+    *,
+    num_rounds,
+    max_width,
+    seed=0,
+    policy="random",
+    poison=True,
+    act_dtype=torch.float32,
+    hold_rows=1,
+    on_round=None,
+) -> None:
+    """`num_rounds` verify rounds; `on_round(r)` runs after each accept (and poisoning)."""
+    gen = torch.Generator().manual_seed(seed)
+    for r in range(num_rounds):
+        widths, accepted = choose_round(gen, len(slots), r, max_width, policy)
+        verify_round(state, spec, params, streams, slots, widths, accepted, run, gen, act_dtype, hold_rows)
+        if poison:
+            poison_dead(state)
+        if on_round is not None:
+            on_round(r)
+
+
 def run_mtp(
     state,
     spec,
@@ -263,38 +314,34 @@ def run_mtp(
 ) -> tuple[Run, list[int]]:
     """Prefill every request, then `num_rounds` verify rounds with per-row widths and accepted counts.
 
-    policy: "random" (width in [1, Wmax] per row per round, some zero-width rows, accepted in [1, W], with
-    all-accept and all-reject rounds mixed in), "all_accept", "all_reject", "decode" (W = 1).
+    policy: "random" (width in [0, Wmax] per row per round, i.e. some zero-width rows; accepted in [1, W]; every
+    7th round full width, every 5th all-accept / all-reject), "all_accept", "all_reject", "decode" (W = 1).
     Returns the run and the allocated slots.
     """
-    gen = torch.Generator().manual_seed(seed)
-    num_requests = len(prompt_lens)
-    slots = [state.alloc() for _ in range(num_requests)]
-    run = new_run(spec, num_requests)
+    slots = [state.alloc() for _ in prompt_lens]
+    run = new_run(spec, len(prompt_lens))
     prefill(state, spec, params, streams, slots, prompt_lens, run, act_dtype)
-    for r in range(num_rounds):
-        widths, accepted = [], []
-        for _ in range(num_requests):
-            if policy == "decode":
-                w, a = 1, 1
-            else:
-                w = max_width if policy != "random" else int(torch.randint(0, max_width + 1, (1,), generator=gen))
-                if policy == "random" and r % 7 == 0:
-                    w = max_width
-                if w == 0:
-                    a = 0
-                elif policy == "all_accept" or (policy == "random" and r % 5 == 1):
-                    a = w
-                elif policy == "all_reject" or (policy == "random" and r % 5 == 2):
-                    a = 1
-                else:
-                    a = int(torch.randint(1, w + 1, (1,), generator=gen))
-            widths.append(w)
-            accepted.append(a)
-        verify_round(state, spec, params, streams, slots, widths, accepted, run, gen, act_dtype, hold_rows)
-        if poison:
-            poison_dead(state)
+    rounds(
+        state,
+        spec,
+        params,
+        streams,
+        slots,
+        run,
+        num_rounds=num_rounds,
+        max_width=max_width,
+        seed=seed,
+        policy=policy,
+        poison=poison,
+        act_dtype=act_dtype,
+        hold_rows=hold_rows,
+    )
     return run, slots
+
+
+def state_tensors(state) -> dict[str, torch.Tensor]:
+    """Every tensor attribute of a state object (for byte comparisons)."""
+    return {name: t for name, t in vars(state).items() if isinstance(t, torch.Tensor)}
 
 
 # the operator backends the state-mode tests run; kernel tests may call the drivers with "triton"
