@@ -24,3 +24,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# Session fixtures for tiny checkpoints (`tiny_model`, `hf_oracle`, `tiny_arch`, `tiny_arch_dir`).
+pytest_plugins = ["unit_tests.helpers.tiny_fixtures"]

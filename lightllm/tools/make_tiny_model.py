@@ -10,6 +10,7 @@ template. Same arguments give byte-identical files.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,8 +23,7 @@ from lightllm.tools.tiny_model.sizes import ARCHS, DTYPES, TinySizes
 from lightllm.tools.tiny_model.tokenizer import write_tokenizer
 from lightllm.tools.tiny_model.weights import write_weights
 
-# Bump when the generated files change for the same arguments, so cached builds are not reused.
-FORMAT_VERSION = 1
+_PACKAGE_DIR = Path(__file__).resolve().parent / "tiny_model"
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -58,15 +58,32 @@ def _cache_root() -> Path:
     return Path.home() / ".cache" / "lightllm" / "tiny"
 
 
+def _builder_fingerprint() -> str:
+    """Changes whenever the generator's code or transformers' version (which fixes the tensor layout) changes."""
+    import transformers
+
+    h = hashlib.sha256(transformers.__version__.encode())
+    for path in sorted([*_PACKAGE_DIR.glob("*.py"), Path(__file__).resolve()]):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def tiny_model_dir(
     arch: str, seed: int = 0, dtype: str = "float32", cache_dir: str | os.PathLike | None = None, **sizes
 ) -> Path:
     """Path of a cached tiny checkpoint for these arguments, built on first use.
 
-    Builds into a temporary sibling directory and renames it into place, so concurrent processes never see a
-    half-written checkpoint; a process that loses the rename race uses the winner's (identical) files.
+    The cache lives under `cache_dir` (default `~/.cache/lightllm/tiny`), keyed by the arguments and the generator's
+    fingerprint. Builds go into a temporary sibling directory that is renamed into place, so concurrent processes
+    never see a half-written checkpoint; a process that loses the rename race uses the winner's identical files.
     """
-    key = json.dumps({"v": FORMAT_VERSION, "arch": arch, "seed": seed, "dtype": dtype, "sizes": sizes}, sort_keys=True)
+    # Defaults spelled out or left implicit name the same checkpoint.
+    all_sizes = dataclasses.asdict(TinySizes(**sizes))
+    key = json.dumps(
+        {"fingerprint": _builder_fingerprint(), "arch": arch, "seed": seed, "dtype": dtype, "sizes": all_sizes},
+        sort_keys=True,
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else _cache_root()
     final = root / f"{arch}-{digest}"
@@ -76,6 +93,8 @@ def tiny_model_dir(
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-{digest}-", dir=root))
     try:
         make_tiny_model(arch, tmp, seed=seed, dtype=dtype, **sizes)
+        # mkdtemp creates the directory private; a cached checkpoint is ordinary readable data.
+        tmp.chmod(0o755)
         try:
             os.rename(tmp, final)
         except OSError:

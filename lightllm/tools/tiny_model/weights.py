@@ -18,8 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-# Router logits get this many units of spread so top-k margins are clear (no near-ties between experts).
-_ROUTER_SCALE = 4.0
+# Router logits get this much spread so top-k margins are clear (no near-ties between experts). Kimi routes on
+# sigmoid scores, which saturate (and so tie) for large logits, hence its smaller spread.
+_ROUTER_SCALE = {"kimi_linear": 1.5}
+_DEFAULT_ROUTER_SCALE = 4.0
 # Output logits spread: large enough that greedy decoding is not a near-uniform coin toss.
 _LM_HEAD_SCALE = 3.0
 # Residual-branch outputs are damped so the residual stream stays O(1) through the stack.
@@ -127,7 +129,7 @@ def init_tensor(arch: str, name: str, shape: tuple[int, ...], seed: int) -> torc
     elif name == "lm_head.weight":
         std *= _LM_HEAD_SCALE
     elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
-        std *= _ROUTER_SCALE
+        std *= _ROUTER_SCALE.get(arch, _DEFAULT_ROUTER_SCALE)
     elif name.endswith(_OUT_PROJ_SUFFIXES):
         std *= _OUT_PROJ_SCALE
     return std * randn()
