@@ -108,6 +108,13 @@ class Engine:
                     outputs += self._finish(row.req, "error", error=f"{type(exc).__name__}: {exc}")
         return outputs
 
+    def fail_all(self, error: str) -> list[EngineOutput]:
+        """Finish every queued and running request with an error (last resort after an unexpected fault)."""
+        outputs: list[EngineOutput] = []
+        for req in list(self.requests.values()):
+            outputs += self._finish(req, "error", error=error)
+        return outputs
+
     def snapshot(self) -> EngineStats:
         s = self.stats
         s.num_waiting, s.num_running = len(self.scheduler.waiting), len(self.scheduler.running)

@@ -1,0 +1,230 @@
+"""Server flags: one frozen `ServerArgs`, parsed once, with every "auto" resolved in `resolve`.
+
+`parse_args(argv)` gives the flags as typed; `load_server_args(argv)` adds the checkpoint (building the demo one
+when `--model_dir` is absent), resolves and validates. Nothing below this module reads configuration from the
+environment; the resolved `ServerArgs` is passed explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from lightllm.server.model_info import ModelInfo, read_model_info
+
+REPLAY_CAPACITIES = (4, 8, 16, 32, 64)
+# the demo checkpoint served without --model_dir: it has an MTP head, so every speculation mode works
+DEMO_ARCH = "qwen3_5"
+
+
+def _flag(default, help: str, choices: tuple | None = None, type=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "type": type})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_dir: str | None = _flag(
+        None, "checkpoint folder (config.json, safetensors, tokenizer); a tiny demo model when absent", type=str
+    )
+    served_model_name: str | None = _flag(
+        None, "model id in the OpenAI API (auto: the checkpoint folder's name)", type=str
+    )
+    host: str = _flag("127.0.0.1", "HTTP listen address", type=str)
+    port: int = _flag(8000, "HTTP listen port", type=int)
+    tp: int = _flag(1, "tensor-parallel ranks (only 1 is supported for now)", type=int)
+    run_mode: str = _flag(
+        "normal",
+        "process role; prefill, decode and pd_master are reserved",
+        ("normal", "prefill", "decode", "pd_master"),
+    )
+    device: str = _flag(
+        "auto", "where the model runs (auto: cuda when a GPU is visible, else cpu)", ("auto", "cpu", "cuda")
+    )
+    data_type: str = _flag(
+        "auto",
+        "weight and activation dtype (auto: the checkpoint's on cuda, float32 on cpu)",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    ssm_state_mode: str = _flag(
+        "native", "linear-attention state under speculation: native, compact or replay", ("native", "compact", "replay")
+    )
+    linear_att_ssm_data_type: str = _flag(
+        "float32", "storage dtype of the recurrent (SSM) state", ("float32", "bfloat16")
+    )
+    replayssm_cache_len: int | None = _flag(
+        None,
+        "replay history records per request before a fold (auto: 8, or the smallest capacity covering the verify width)",
+        REPLAY_CAPACITIES,
+        int,
+    )
+    replayssm_projection_mode: str | None = _flag(
+        None,
+        "replay: project the state per token (inline) or once per window (precompute); auto: inline",
+        ("inline", "precompute"),
+    )
+    mtp_step: int = _flag(0, "MTP draft tokens per step (needs a checkpoint with mtp.* weights)", type=int)
+    spec_ngram: int = _flag(0, "n-gram prompt-lookup draft tokens per step", type=int)
+    max_running_requests: int | None = _flag(
+        None, "most requests running at once = linear-state slots (auto: 256 on cuda, 16 on cpu)", type=int
+    )
+    max_total_token_num: int | None = _flag(None, "KV cache size in tokens (auto: sized from --mem_fraction)", type=int)
+    mem_fraction: float | None = _flag(
+        None,
+        "fraction of device memory for weights, state and KV (auto: 0.8; exclusive with --max_total_token_num)",
+        type=float,
+    )
+    chunked_prefill_size: int | None = _flag(
+        None,
+        "token budget of one engine step; longer prompts are prefilled in chunks (auto: 8192 on cuda, 512 on cpu)",
+        type=int,
+    )
+    max_req_total_len: int | None = _flag(
+        None,
+        "prompt + output tokens cap per request (auto: min(max_position_embeddings, 32768 cuda / 4096 cpu, KV size))",
+        type=int,
+    )
+
+    @property
+    def max_width(self) -> int:
+        """Largest verify window: the last accepted token plus the drafts."""
+        return max(self.mtp_step, self.spec_ngram) + 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightllm.server.api_server", description="OpenAI-compatible server"
+    )
+    for f in dataclasses.fields(ServerArgs):
+        meta = f.metadata
+        kwargs = {"default": f.default, "help": meta["help"]}
+        if meta["choices"] is not None:
+            kwargs["choices"] = meta["choices"]
+        kwargs["type"] = meta["type"] or str
+        parser.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    return ServerArgs(**vars(build_parser().parse_args(argv)))
+
+
+def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
+    """The one place where "auto" becomes a value; refuses invalid combinations with what to change (ValueError)."""
+    _refuse_unsupported(args)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if _cuda_available() else "cpu"
+    elif device == "cuda" and not _cuda_available():
+        raise ValueError("--device cuda: no CUDA device is visible; use --device cpu (or auto)")
+    on_cuda = device == "cuda"
+    data_type = args.data_type
+    if data_type == "auto":
+        saved = info.torch_dtype if info.torch_dtype in ("bfloat16", "float16") else "bfloat16"
+        data_type = saved if on_cuda else "float32"
+    replay = args.ssm_state_mode == "replay"
+    cache_len, projection = args.replayssm_cache_len, args.replayssm_projection_mode
+    if replay:
+        cache_len = cache_len or min(c for c in REPLAY_CAPACITIES if c >= max(8, args.max_width))
+        projection = projection or "inline"
+    max_req_total_len = args.max_req_total_len
+    if max_req_total_len is None:
+        caps = [32768 if on_cuda else 4096, info.max_position_embeddings, args.max_total_token_num]
+        max_req_total_len = min(c for c in caps if c)
+    resolved = dataclasses.replace(
+        args,
+        served_model_name=args.served_model_name or os.path.basename(os.path.normpath(info.model_dir)),
+        device=device,
+        data_type=data_type,
+        replayssm_cache_len=cache_len,
+        replayssm_projection_mode=projection,
+        max_running_requests=_auto(args.max_running_requests, 256 if on_cuda else 16),
+        mem_fraction=args.mem_fraction if args.mem_fraction is not None or args.max_total_token_num else 0.8,
+        chunked_prefill_size=_auto(args.chunked_prefill_size, 8192 if on_cuda else 512),
+        max_req_total_len=max_req_total_len,
+    )
+    validate(resolved, info)
+    return resolved
+
+
+def validate(args: ServerArgs, info: ModelInfo) -> None:
+    """Refuse combinations that cannot work; every message says which flag to change."""
+    if args.mtp_step < 0 or args.spec_ngram < 0:
+        raise ValueError("--mtp_step and --spec_ngram must be >= 0")
+    if args.mtp_step and args.spec_ngram:
+        raise ValueError("--mtp_step and --spec_ngram are exclusive: pick one speculation method")
+    if args.mtp_step and not info.has_mtp:
+        raise ValueError(
+            f"--mtp_step {args.mtp_step}: {info.model_dir} has no MTP weights (mtp.*); use --spec_ngram K instead"
+        )
+    if args.ssm_state_mode == "compact" and args.max_width == 1:
+        raise ValueError(
+            "--ssm_state_mode compact only differs from native under speculation: add --mtp_step N or --spec_ngram K, "
+            "or use --ssm_state_mode native"
+        )
+    if args.ssm_state_mode != "replay":
+        for name in ("replayssm_cache_len", "replayssm_projection_mode"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name} applies to --ssm_state_mode replay only; drop it or switch the mode")
+    elif args.replayssm_cache_len < args.max_width:
+        raise ValueError(
+            f"--replayssm_cache_len {args.replayssm_cache_len} is below the verify width {args.max_width} "
+            f"(drafts + 1): raise it to at least {min(c for c in REPLAY_CAPACITIES if c >= args.max_width)} "
+            "or draft fewer tokens"
+            if args.max_width <= REPLAY_CAPACITIES[-1]
+            else f"verify width {args.max_width} exceeds the largest replay capacity {REPLAY_CAPACITIES[-1]}: draft fewer tokens"
+        )
+    positive = ("port", "max_running_requests", "chunked_prefill_size", "max_req_total_len", "max_total_token_num")
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name} must be positive, got {value}")
+    if args.max_total_token_num is not None and args.mem_fraction is not None:
+        raise ValueError("--max_total_token_num and --mem_fraction both size the KV cache: give only one")
+    if args.mem_fraction is not None and not 0.0 < args.mem_fraction <= 1.0:
+        raise ValueError(f"--mem_fraction must be in (0, 1], got {args.mem_fraction}")
+    if info.max_position_embeddings and args.max_req_total_len > info.max_position_embeddings:
+        raise ValueError(
+            f"--max_req_total_len {args.max_req_total_len} exceeds the model's max_position_embeddings "
+            f"({info.max_position_embeddings}): lower it"
+        )
+    if args.max_total_token_num is not None and args.max_req_total_len > args.max_total_token_num:
+        raise ValueError(
+            f"--max_req_total_len {args.max_req_total_len} exceeds --max_total_token_num {args.max_total_token_num}: "
+            "one request must fit in the KV cache"
+        )
+
+
+def _auto(value, default):
+    return default if value is None else value
+
+
+def _refuse_unsupported(args: ServerArgs) -> None:
+    if args.run_mode != "normal":
+        raise ValueError(f"--run_mode {args.run_mode} is not yet supported; use --run_mode normal")
+    if args.tp != 1:
+        raise ValueError(f"--tp {args.tp} is not yet supported (one engine rank); use --tp 1")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def demo_model_dir() -> str:
+    """The cached tiny checkpoint served when no --model_dir is given (built on first use)."""
+    from lightllm.tools.make_tiny_model import tiny_model_dir
+
+    return str(tiny_model_dir(DEMO_ARCH))
+
+
+def load_server_args(argv: list[str] | None = None, **overrides) -> tuple[ServerArgs, ModelInfo]:
+    """Parse `argv` (flags given as `overrides` win), locate the checkpoint, resolve and validate."""
+    args = dataclasses.replace(parse_args(argv), **overrides)
+    model_dir = args.model_dir or demo_model_dir()
+    if args.model_dir is None and args.served_model_name is None:
+        args = dataclasses.replace(args, served_model_name=f"tiny-{DEMO_ARCH}")
+    info = read_model_info(model_dir)
+    return resolve(dataclasses.replace(args, model_dir=model_dir), info), info

@@ -1,0 +1,115 @@
+"""Front-end request handling shared by the OpenAI routes: validation, fan-out to engine requests, streaming of
+per-sequence deltas, aborts on stop strings and client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from lightllm.engine.messages import NewRequest
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.args import ServerArgs
+from lightllm.server.http.engine_client import EngineClient
+from lightllm.server.http.metrics import Metrics
+from lightllm.server.model_info import ModelInfo
+from lightllm.server.output import Delta, SequenceOutput
+from lightllm.server.tokenizer import Tokenizer
+
+DISCONNECT_POLL_S = 0.25
+
+
+class ApiError(Exception):
+    """A request problem reported as an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+@dataclass
+class Sequence:
+    """One generated sequence of an HTTP request: prompt index × n."""
+
+    index: int
+    prompt_index: int
+    req_id: str
+    output: SequenceOutput
+
+
+class Frontend:
+    def __init__(self, args: ServerArgs, info: ModelInfo, tokenizer: Tokenizer, client: EngineClient, metrics: Metrics):
+        self.args, self.info, self.tokenizer, self.client, self.metrics = args, info, tokenizer, client, metrics
+
+    def check_model(self, model: str) -> None:
+        if model != self.args.served_model_name:
+            raise ApiError(400, f"model {model!r} is not served here; use {self.args.served_model_name!r}", "model")
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        limit = self.args.max_req_total_len
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param)
+        if min(ids) < 0 or max(ids) >= self.info.vocab_size:
+            raise ApiError(400, f"token ids must be in [0, {self.info.vocab_size})", param)
+        if len(ids) >= limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; max_req_total_len is {limit}", param)
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise ApiError(
+                400,
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_req_total_len ({limit})",
+                "max_tokens",
+            )
+        if any(t < 0 or t >= self.info.vocab_size for t in params.stop_token_ids):
+            raise ApiError(400, f"stop_token_ids must be in [0, {self.info.vocab_size})", "stop_token_ids")
+
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, request=None
+    ) -> AsyncIterator[tuple[Sequence, Delta]]:
+        """Run `params.n` sequences per prompt; yields (sequence, delta) as tokens arrive, in arrival order."""
+        base = uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        seqs: dict[str, Sequence] = {}
+        for p, ids in enumerate(prompts):
+            for j in range(params.n):
+                index = p * params.n + j
+                # n sequences from one seed must differ, and stay reproducible
+                sub = msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+                seq = Sequence(
+                    index, p, f"{base}-{index}", SequenceOutput(self.tokenizer, sub, self.tokenizer.eos_token_ids)
+                )
+                seqs[seq.req_id] = seq
+                self.metrics.on_submit(seq.req_id)
+                await self.client.submit(NewRequest(seq.req_id, ids, sub, list(self.tokenizer.eos_token_ids)), queue)
+        pending = set(seqs)
+        try:
+            while pending:
+                msg = await self._next(queue, request)
+                seq = seqs[msg.req_id]
+                out = seq.output
+                delta = out.on_tokens(msg) if hasattr(msg, "token_ids") else out.on_finished(msg)
+                if out.finished:
+                    pending.discard(seq.req_id)
+                    self.client.release(seq.req_id)
+                    if out.stop_string_hit:
+                        await self.client.abort_now(seq.req_id)
+                    self.metrics.count_finished(out.finish_reason)
+                yield seq, delta
+        finally:
+            # the client went away (or the handler failed): every unfinished sequence gives its slot back
+            for req_id in pending:
+                await self.client.abort_now(req_id)
+                self.client.release(req_id)
+                self.metrics.count_finished("abort")
+
+    async def _next(self, queue: asyncio.Queue, request):
+        if request is None:
+            return await queue.get()
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError("client disconnected") from None

@@ -1,0 +1,75 @@
+"""Start and stop the engine process from the HTTP process (or a test)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from lightllm.server.args import ServerArgs
+from lightllm.server.engine_process import engine_main
+from lightllm.server.model_info import ModelInfo
+from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
+
+STARTUP_TIMEOUT_S = 900
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineHandle:
+    process: mp.Process
+    # front-end → engine and engine → front-end zmq addresses
+    input_addr: str
+    output_addr: str
+    capacity_report: str
+    socket_dir: str
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout_s)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def start_engine(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY) -> EngineHandle:
+    """Spawn the engine process and wait until its model is loaded; raises EngineStartError with the cause."""
+    socket_dir = tempfile.mkdtemp(prefix="lightllm-")
+    input_addr = f"ipc://{os.path.join(socket_dir, 'in')}"
+    output_addr = f"ipc://{os.path.join(socket_dir, 'out')}"
+    ctx = mp.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe(duplex=False)
+    process = ctx.Process(
+        target=engine_main,
+        args=(args, info, input_addr, output_addr, runner_factory, child_conn),
+        name="lightllm-engine",
+        daemon=True,
+    )
+    process.start()
+    child_conn.close()
+    handle = EngineHandle(process, input_addr, output_addr, "", socket_dir)
+    try:
+        if not parent_conn.poll(STARTUP_TIMEOUT_S):
+            raise EngineStartError(f"the engine did not start within {STARTUP_TIMEOUT_S} s")
+        status = parent_conn.recv()
+    except EOFError:
+        handle.stop()
+        raise EngineStartError(f"the engine process exited during start-up (exit code {process.exitcode})") from None
+    except EngineStartError:
+        handle.stop()
+        raise
+    if not status["ok"]:
+        handle.stop()
+        raise EngineStartError(f"{status['error']}\n{status['traceback']}")
+    handle.capacity_report = status["report"]
+    return handle

@@ -1,0 +1,78 @@
+"""Front-end side of one generated sequence: engine tokens in, text deltas out (detokenizer + stop strings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightllm.engine.messages import Finished, TokenChunk
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.detokenizer import IncrementalDetokenizer, StopMatcher
+
+
+@dataclass
+class Delta:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # per token id: (logprob, [(alt_id, logprob), ...]) when logprobs were requested
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class SequenceOutput:
+    """Accumulates one sequence. `stop_string_hit` tells the caller to abort the engine request."""
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: tuple[int, ...]):
+        self.params = params
+        # ids that end the sequence are reported in token_ids but never rendered as text
+        self.hidden_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.stops = StopMatcher(params.stop)
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens = 0
+        self.error: str | None = None
+
+    @property
+    def stop_string_hit(self) -> bool:
+        return self.stops.matched is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def on_tokens(self, chunk: TokenChunk) -> Delta:
+        if self.finished:
+            return Delta()
+        delta = Delta()
+        for i, token in enumerate(chunk.token_ids):
+            delta.token_ids.append(token)
+            if chunk.logprobs is not None:
+                delta.logprobs.append((chunk.logprobs[i], chunk.top_logprobs[i] if chunk.top_logprobs else []))
+            if token not in self.hidden_ids:
+                delta.text += self.stops.feed(self.detok.push([token]))
+            if self.stop_string_hit:
+                delta.finish_reason = "stop"
+                break
+        return self._apply(delta)
+
+    def on_finished(self, msg: Finished) -> Delta:
+        if self.finished:
+            return Delta()
+        self.num_prompt_tokens = msg.num_prompt_tokens
+        self.error = msg.error
+        delta = Delta(finish_reason=msg.reason)
+        if msg.reason != "error":
+            delta.text = self.stops.feed(self.detok.flush())
+            delta.text += self.stops.flush()
+        if self.stop_string_hit:
+            delta.finish_reason = "stop"
+        return self._apply(delta)
+
+    def _apply(self, delta: Delta) -> Delta:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.finish_reason = delta.finish_reason
+        return delta

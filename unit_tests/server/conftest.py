@@ -1,0 +1,23 @@
+"""One fake-runner server per test module (module-scoped fixtures in the test files build on this helper)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+
+
+def scrape(base_url: str, name: str) -> float:
+    """Value of an unlabeled Prometheus sample."""
+    text = httpx.get(f"{base_url}/metrics").text
+    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

@@ -1,0 +1,47 @@
+"""Run the real HTTP app and engine process on 127.0.0.1 (a free port) inside a test."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from lightllm.server.args import load_server_args
+from lightllm.server.http.app import create_app
+from lightllm.server.launcher import start_engine
+from lightllm.server.tokenizer import Tokenizer
+
+FAKE_RUNNER = "unit_tests.engine.fake_runner:create_fake_runner"
+
+
+class LiveServer:
+    def __init__(self, runner_factory: str = FAKE_RUNNER, **flags):
+        self.args, self.info = load_server_args([], **flags)
+        self.tokenizer = Tokenizer(self.info)
+        self.engine = start_engine(self.args, self.info, runner_factory)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        app = create_app(self.args, self.info, self.tokenizer, self.engine)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "HTTP server did not start"
+            time.sleep(0.02)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model(self) -> str:
+        return self.args.served_model_name
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.engine.stop()

@@ -1,0 +1,118 @@
+"""ServerArgs: CLI parsing, resolution of every "auto", and start-up refusals that say what to change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightllm.server.args import ServerArgs, build_parser, parse_args, resolve
+from lightllm.server.model_info import ModelInfo
+
+
+def _info(**kw) -> ModelInfo:
+    base = dict(
+        model_dir="/models/tiny-q35",
+        architecture="Qwen3_5ForConditionalGeneration",
+        model_type="qwen3_5",
+        vocab_size=512,
+        max_position_embeddings=8192,
+        torch_dtype="bfloat16",
+        num_mtp_layers=1,
+        eos_token_ids=(2,),
+    )
+    return ModelInfo(**{**base, **kw})
+
+
+def _resolve(*argv: str, info: ModelInfo | None = None) -> ServerArgs:
+    args = dataclasses.replace(parse_args(list(argv)), model_dir="/models/tiny-q35")
+    return resolve(args, info or _info())
+
+
+def test_parse_args_types_and_defaults():
+    args = parse_args(["--port", "9001", "--mtp_step", "3", "--mem_fraction", "0.5", "--ssm_state_mode", "replay"])
+    assert (args.port, args.mtp_step, args.mem_fraction, args.ssm_state_mode) == (9001, 3, 0.5, "replay")
+    assert (args.host, args.tp, args.run_mode, args.device) == ("127.0.0.1", 1, "normal", "auto")
+
+
+def test_parser_rejects_bad_choice():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--ssm_state_mode", "fancy"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--replayssm_cache_len", "12"])
+
+
+def test_resolve_cpu_defaults():
+    args = _resolve("--device", "cpu")
+    assert args.device == "cpu" and args.data_type == "float32"
+    assert args.served_model_name == "tiny-q35"
+    assert (args.max_running_requests, args.chunked_prefill_size, args.max_req_total_len) == (16, 512, 4096)
+    assert args.mem_fraction == 0.8 and args.max_total_token_num is None
+    assert args.replayssm_cache_len is None and args.replayssm_projection_mode is None
+
+
+def test_resolve_is_idempotent():
+    once = _resolve("--device", "cpu", "--ssm_state_mode", "replay", "--spec_ngram", "3")
+    assert resolve(once, _info()) == once
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        ((), 8),
+        (("--mtp_step", "3"), 8),
+        (("--spec_ngram", "9"), 16),
+        (("--mtp_step", "40"), 64),
+    ],
+    ids=["plain", "mtp3", "ngram9", "mtp40"],
+)
+def test_resolve_replay_capacity_covers_verify_width(argv, expected):
+    args = _resolve("--device", "cpu", "--ssm_state_mode", "replay", *argv)
+    assert args.replayssm_cache_len == expected and args.replayssm_projection_mode == "inline"
+
+
+def test_resolve_max_req_total_len_capped_by_model_and_kv():
+    assert _resolve("--device", "cpu", info=_info(max_position_embeddings=1024)).max_req_total_len == 1024
+    args = _resolve("--device", "cpu", "--max_total_token_num", "2000")
+    assert args.max_req_total_len == 2000 and args.mem_fraction is None
+
+
+@pytest.mark.parametrize(
+    "argv, info, message",
+    [
+        (("--run_mode", "pd_master"), None, "--run_mode pd_master is not yet supported"),
+        (("--run_mode", "prefill"), None, "not yet supported; use --run_mode normal"),
+        (("--tp", "2"), None, "--tp 2 is not yet supported"),
+        (("--ssm_state_mode", "compact"), None, "add --mtp_step N or --spec_ngram K"),
+        (("--replayssm_projection_mode", "precompute"), None, "applies to --ssm_state_mode replay only"),
+        (("--replayssm_cache_len", "16"), None, "applies to --ssm_state_mode replay only"),
+        (
+            ("--ssm_state_mode", "replay", "--replayssm_cache_len", "4", "--mtp_step", "5"),
+            None,
+            "raise it to at least 8",
+        ),
+        (("--mtp_step", "2"), _info(num_mtp_layers=0), "has no MTP weights"),
+        (("--mtp_step", "2", "--spec_ngram", "2"), None, "exclusive"),
+        (("--mtp_step", "-1"), None, "must be >= 0"),
+        (("--max_total_token_num", "4096", "--mem_fraction", "0.5"), None, "give only one"),
+        (("--mem_fraction", "1.5"), None, "must be in (0, 1]"),
+        (("--max_req_total_len", "9000"), None, "exceeds the model's max_position_embeddings"),
+        (("--max_req_total_len", "3000", "--max_total_token_num", "2000"), None, "one request must fit"),
+        (("--max_running_requests", "0"), None, "--max_running_requests must be positive"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_resolve_refusals(argv, info, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
+        _resolve("--device", "cpu", *argv, info=info)
+
+
+def test_compact_accepted_with_speculation():
+    assert _resolve("--device", "cpu", "--ssm_state_mode", "compact", "--spec_ngram", "2").max_width == 3
+
+
+def test_every_flag_is_documented():
+    with open("docs/server_args.md", encoding="utf-8") as f:
+        doc = f.read()
+    missing = [f.name for f in dataclasses.fields(ServerArgs) if f"`--{f.name}`" not in doc]
+    assert not missing, f"docs/server_args.md lacks {missing}"

@@ -1,0 +1,94 @@
+"""Incremental detokenization never splits UTF-8; stop strings are matched across token boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightllm.engine.messages import Finished, TokenChunk
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.args import load_server_args
+from lightllm.server.detokenizer import IncrementalDetokenizer, StopMatcher
+from lightllm.server.output import SequenceOutput
+from lightllm.server.tokenizer import Tokenizer
+
+TEXT = "héllo 你好, wörld 😀🎉 ok ✓ 日本語テキスト"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    _, info = load_server_args([])
+    return Tokenizer(info)
+
+
+def test_tokens_split_multibyte_characters(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    pieces = [tokenizer.decode([i]) for i in ids]
+    # the fixture is only meaningful if some single tokens are partial characters
+    assert any("\ufffd" in p for p in pieces)
+
+
+def test_incremental_detokenizer_token_by_token(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == TEXT
+
+
+@pytest.mark.parametrize("step", [2, 3, 5], ids=["by2", "by3", "by5"])
+def test_incremental_detokenizer_in_chunks(tokenizer, step):
+    ids = tokenizer.encode(TEXT)
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.push(ids[i : i + step]) for i in range(0, len(ids), step)) + detok.flush()
+    assert text == TEXT
+
+
+def test_incremental_detokenizer_flushes_invalid_bytes(tokenizer):
+    # a lone lead byte of a 3-byte character never completes: flush reports it as a replacement character
+    ids = tokenizer.encode("ab")
+    lead = tokenizer.encode("你")[0]
+    detok = IncrementalDetokenizer(tokenizer)
+    text = detok.push(ids) + detok.push([lead])
+    assert text == "ab"
+    assert detok.flush() == tokenizer.decode([lead])
+
+
+def test_stop_matcher_holds_back_possible_prefix():
+    m = StopMatcher(["STOP"])
+    assert m.feed("hello ST") == "hello "
+    assert m.feed("O") == ""
+    assert m.feed("x") == "STOx"
+    assert m.feed("STOP and more") == ""
+    assert m.matched == "STOP"
+    assert m.feed("x") == "" and m.flush() == ""
+
+
+def test_stop_matcher_releases_non_matching_prefix_on_flush():
+    m = StopMatcher(["STOP", "\n\n"])
+    assert m.feed("abc ST") == "abc "
+    assert m.flush() == "ST"
+
+
+def test_stop_matcher_first_occurrence_wins():
+    m = StopMatcher(["b", "cd"])
+    assert m.feed("acdb") == "a"
+    assert m.matched == "cd"
+
+
+def test_sequence_output_stop_string_truncates_tokens_and_text(tokenizer):
+    ids = tokenizer.encode("one two three four")
+    out = SequenceOutput(tokenizer, SamplingParams(stop=["thr"]), eos_token_ids=())
+    delta = out.on_tokens(TokenChunk("r", ids))
+    assert out.text == "one two " and delta.finish_reason == "stop" and out.stop_string_hit
+    # tokens up to the one completing the stop string are kept
+    assert tokenizer.decode(out.token_ids).startswith("one two thr")
+    assert out.on_finished(Finished("r", "abort")).text == "" and out.finish_reason == "stop"
+
+
+def test_sequence_output_hides_eos_but_reports_it(tokenizer):
+    ids = tokenizer.encode("hi there")
+    eos = tokenizer.eos_token_ids[0]
+    out = SequenceOutput(tokenizer, SamplingParams(), eos_token_ids=(eos,))
+    out.on_tokens(TokenChunk("r", ids + [eos]))
+    out.on_finished(Finished("r", "stop", stop_token_id=eos))
+    assert out.text == "hi there" and out.token_ids[-1] == eos and out.finish_reason == "stop"
