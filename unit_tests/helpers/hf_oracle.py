@@ -73,6 +73,19 @@ def torch_paths():
             setattr(module, name, value)
 
 
+@contextlib.contextmanager
+def _reference_mode():
+    """torch paths, on one intra-op thread: tiny shapes gain nothing from threads, and on a busy machine
+    multi-threaded small kernels slow down by 10-50x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch_paths():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _as_batch(ids) -> torch.Tensor:
     t = torch.as_tensor(ids, dtype=torch.long)
     return t[None] if t.dim() == 1 else t
@@ -125,7 +138,7 @@ class HFOracle:
         import transformers
 
         self.model_dir = str(model_dir)
-        with torch_paths():
+        with _reference_mode():
             self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval()
         self.config = self.model.config
@@ -134,13 +147,13 @@ class HFOracle:
     @torch.no_grad()
     def prefill_logits(self, ids) -> torch.Tensor:
         """Logits [B, T, V] of one full forward over `ids` ([T] or [B, T])."""
-        with torch_paths():
+        with _reference_mode():
             return self.model(input_ids=_as_batch(ids)).logits.float()
 
     @torch.no_grad()
     def hidden_states(self, ids) -> torch.Tensor:
         """Final-normed last hidden states [B, T, H] (what the LM head and the MTP head consume)."""
-        with torch_paths():
+        with _reference_mode():
             out = self.model(input_ids=_as_batch(ids), output_hidden_states=True)
         return out.hidden_states[-1].float()
 
@@ -149,7 +162,7 @@ class HFOracle:
         """Logits [B, T, V]: a prefill of the first `prefill_len` tokens, then one cached decode step per token."""
         ids = _as_batch(ids)
         assert 1 <= prefill_len <= ids.shape[1]
-        with torch_paths():
+        with _reference_mode():
             out = self.model(input_ids=ids[:, :prefill_len], use_cache=True)
             logits, cache = [out.logits], out.past_key_values
             for t in range(prefill_len, ids.shape[1]):
@@ -165,7 +178,7 @@ class HFOracle:
         assert ids.shape[0] == 1, "greedy() takes one prompt"
         stop = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         generated: list[int] = []
-        with torch_paths():
+        with _reference_mode():
             out = self.model(input_ids=ids, use_cache=True)
             for _ in range(max_new_tokens):
                 token = int(out.logits[0, -1].argmax())
@@ -210,7 +223,7 @@ class HFOracle:
         next_ids = ids[:, 1:]
         if position_ids is None:
             position_ids = torch.arange(next_ids.shape[1])[None].expand(ids.shape[0], -1)
-        with torch_paths():
+        with _reference_mode():
             embeds = mtp.embed_tokens(next_ids)
             masks = mtp.create_masks_for_mtp_layer(0, embeds, None, position_ids)
             rope = mtp.rotary_emb(embeds, position_ids=position_ids)
