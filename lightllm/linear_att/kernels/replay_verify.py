@@ -262,8 +262,10 @@ def replay_verify_triton(
         return o
     BV = block_v(cfg, V, ssm.device)
     precompute = projection == "precompute"
-    # tensor-core dots need 16 rows; the inline schedule keeps the window block minimal
-    BW = max(16, triton.next_power_of_2(WMAX)) if precompute else triton.next_power_of_2(WMAX)
+    # tensor-core dots need 16 rows on the GPU; the inline schedule (and the interpreter) keep the block minimal
+    BW = triton.next_power_of_2(WMAX)
+    if precompute and ssm.is_cuda:
+        BW = max(16, BW)
     replay_verify_kernel[(triton.cdiv(V, BV), N, HV)](
         q,
         k,
