@@ -50,9 +50,16 @@ class StepContext:
 
 
 def _group(
-    token_starts: list[int], q_lens: list[int], cached: list[int], slots: list[torch.Tensor], hold: int, device
+    token_starts: list[int],
+    q_lens: list[int],
+    cached: list[int],
+    slots: list[torch.Tensor],
+    hold: int,
+    device,
+    pad_width: int = 0,
 ) -> AttentionGroup:
-    n, wq, ctx = len(q_lens), max(q_lens), max(c + q for c, q in zip(cached, q_lens))
+    n, wq = len(q_lens), max(max(q_lens), pad_width)
+    ctx = max(c + q for c, q in zip(cached, q_lens)) + wq - max(q_lens)
     cols = torch.arange(wq)
     token_index = torch.tensor(token_starts)[:, None] + torch.minimum(cols[None, :], torch.tensor(q_lens)[:, None] - 1)
     valid = cols[None, :] < torch.tensor(q_lens)[:, None]
@@ -75,9 +82,12 @@ def build_context(
     state: LinearAttState | None = None,
     state_slots: list[int] | None = None,
     position_offset: int = 0,
+    decode_width: int = 0,
 ) -> StepContext:
     """Describe one step. `row_slots[i]`: host int64 KV slots of row i's whole context (cached + new tokens);
-    `state_slots[i]`: the row's linear-state slot (None for models/heads without linear layers)."""
+    `state_slots[i]`: the row's linear-state slot (None for models/heads without linear layers);
+    `decode_width`: pad decode windows to at least this width (the state's max width, so every decode step
+    has the same token shape whatever its widths)."""
     device = kv.device
     starts = [0]
     for q in q_lens:
@@ -97,7 +107,9 @@ def build_context(
         state=state,
     )
     if len(q_lens) > np_:
-        dec = _group(starts[np_:-1], q_lens[np_:], cached_lens[np_:], row_slots[np_:], kv.hold_slot, device)
+        dec = _group(
+            starts[np_:-1], q_lens[np_:], cached_lens[np_:], row_slots[np_:], kv.hold_slot, device, decode_width
+        )
         groups.append(dec)
         ctx.decode_index = dec.token_index - starts[np_]
         ctx.decode_valid = dec.valid
@@ -113,6 +125,6 @@ def build_context(
             ctx.decode_rows = DecodeRows(
                 slots=torch.tensor(state_slots[np_:], **i32),
                 widths=torch.tensor(q_lens[np_:], **i32),
-                max_width=max(q_lens[np_:]),
+                max_width=dec.token_index.shape[1],
             )
     return ctx

@@ -166,6 +166,7 @@ class ModelRunner:
             self.kv,
             self.state,
             [r.state_slot for r in reqs],
+            decode_width=self.max_width,
         )
         input_ids = batch.input_ids.to(self.device)
         hidden = self.model(input_ids, ctx)
