@@ -19,7 +19,7 @@ import contextlib
 import functools
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -148,18 +148,35 @@ class ConfigTable:
 
     def __init__(self) -> None:
         self.entries: dict[str, KernelConfig] = {}
+        # lookups resolved so far (launch wrappers call `lookup` on every launch); cleared on every change
+        self._resolved: dict[TuneKey, KernelConfig] = {}
 
     def put(self, key: TuneKey, config: KernelConfig) -> None:
         self.entries[key.to_str()] = config
+        self._resolved.clear()
 
     def get(self, key: TuneKey) -> KernelConfig | None:
         return self.entries.get(key.to_str())
 
     def lookup(self, key: TuneKey) -> KernelConfig:
-        return self.entries.get(key.to_str()) or default_config(key)
+        """Exact entry, else the entry of the nearest tuned width (and capacity) of the same shape, else default."""
+        hit = self._resolved.get(key) or self.entries.get(key.to_str())
+        if hit is not None:
+            return hit
+        best, best_dist = None, None
+        for k, cfg in self.entries.items():
+            other = TuneKey.from_str(k)
+            if replace(other, width=key.width, capacity=key.capacity) != key:
+                continue
+            dist = (abs(other.width - key.width), abs(other.capacity - key.capacity))
+            if best_dist is None or dist < best_dist:
+                best, best_dist = cfg, dist
+        self._resolved[key] = best or default_config(key)
+        return self._resolved[key]
 
     def update(self, other: ConfigTable) -> None:
         self.entries.update(other.entries)
+        self._resolved.clear()
 
     def to_json(self, extra: dict[str, dict] | None = None) -> dict:
         out = {}
@@ -217,6 +234,141 @@ def using(configs: dict[TuneKey, KernelConfig]) -> Iterator[None]:
         yield
     finally:
         TABLE.entries = saved
+        TABLE._resolved.clear()
+
+
+def candidates(family: str) -> list[KernelConfig]:
+    """The search space. BV >= 16 for the replay families (tensor-core dots); the serial family also tries the
+    narrow tiles that give small batches more programs."""
+    block_vs = (8, 16, 32) if family == "serial" else (16, 32, 64)
+    warps = (1, 2, 4) if family == "serial" else (2, 4, 8)
+    return [KernelConfig(bv, nw, ns) for bv in block_vs for nw in warps for ns in (1, 2)]
+
+
+@dataclass(frozen=True)
+class TuneCase:
+    """One shape to tune: the families "serial" (native/compact), "replay" (per projection) and "replay_fold"."""
+
+    algo: str
+    H: int
+    HV: int
+    K: int
+    V: int
+    state_dtype: torch.dtype
+    act_dtype: torch.dtype
+    width: int
+    capacity: int
+    lower_bound: float | None = None
+
+    @property
+    def GK(self) -> int:
+        return 1 if self.algo == "gdn" else self.K
+
+
+def _scratch_inputs(case: TuneCase, num_rows: int, device, gen):
+    W, H, HV, K, V, GK = case.width, case.H, case.HV, case.K, case.V, case.GK
+
+    def rnd(*size, dtype=torch.float32):
+        return torch.randn(*size, generator=gen, device=device).to(dtype)
+
+    args = (
+        rnd(num_rows, W, H, K, dtype=case.act_dtype),
+        rnd(num_rows, W, H, K, dtype=case.act_dtype),
+        rnd(num_rows, W, HV, V, dtype=case.act_dtype),
+        rnd(num_rows, W, HV, GK),
+        rnd(num_rows, W, HV),
+        rnd(HV) * 0.5,
+        rnd(HV, GK) * 0.5,
+    )
+    slots = torch.arange(num_rows, device=device, dtype=torch.int32)
+    widths = torch.full((num_rows,), W, device=device, dtype=torch.int32)
+    return args, slots, widths
+
+
+def _time_configs(family: str, run, log) -> tuple[KernelConfig, dict[str, float]]:
+    import triton.testing
+
+    best, best_us = None, float("inf")
+    for cfg in candidates(family):
+        try:
+            us = 1e3 * float(triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=30, return_mode="median"))
+        except Exception as err:  # a config that does not compile or fit is skipped, not fatal
+            log(f"  {family} {cfg}: skipped ({type(err).__name__})")
+            continue
+        if us < best_us:
+            best, best_us = cfg, us
+    if best is None:
+        raise RuntimeError(f"no {family} configuration ran")
+    return best, {"us": best_us}
+
+
+def tune(cases: list[TuneCase], *, num_rows: int = 256, device="cuda", log=print) -> tuple[ConfigTable, dict]:
+    """Search the launch configurations of every family for `cases` on freshly allocated scratch buffers.
+
+    Returns the table and per-entry timings (µs, median of `triton.testing.do_bench`). Serving state is never
+    touched: every buffer here is allocated for the search and dropped afterwards.
+    """
+    table, extra = ConfigTable(), {}
+    for case in cases:
+        for key, cfg, info in _tune_case(case, num_rows, torch.device(device), log):
+            table.put(key, cfg)
+            extra[key.to_str()] = info
+    return table, extra
+
+
+def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log):
+    from lightllm.linear_att.kernels.native_verify import native_verify_triton
+    from lightllm.linear_att.kernels.replay_fold import replay_fold_triton
+    from lightllm.linear_att.kernels.replay_verify import replay_verify_triton
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    args, slots, widths = _scratch_inputs(case, num_rows, device, gen)
+    W, H, HV, K, V, GK, L = case.width, case.H, case.HV, case.K, case.V, case.GK, case.capacity
+    shape = (case.state_dtype, case.act_dtype, H, HV, K, V, GK)
+    results = []
+
+    native = torch.zeros(num_rows, W, HV, K, V, device=device, dtype=case.state_dtype)
+    index = torch.zeros(num_rows, device=device, dtype=torch.int32)
+    key = make_key("serial", device, *shape, W)
+    log(f"tuning {key.to_str()}")
+    best, info = _time_configs(
+        "serial",
+        lambda cfg: native_verify_triton(*args, native, index, slots, widths, lower_bound=case.lower_bound, config=cfg),
+        log,
+    )
+    results.append((key, best, info))
+
+    ssm = torch.zeros(num_rows, HV, K, V, device=device, dtype=case.state_dtype)
+    hist = (
+        torch.randn(num_rows, 2, L, H, K, device=device, generator=gen) * 0.1,
+        torch.randn(num_rows, 2, L, HV, V, device=device, generator=gen) * 0.1,
+        -torch.rand(num_rows, 2, L, HV, GK, device=device, generator=gen).cumsum(2),
+    )
+    # cursors spread over the whole cycle so the timed mix holds the amortised share of folding rows
+    cursor = torch.randint(0, L + 1, (num_rows,), device=device, dtype=torch.int32, generator=gen)
+    parity = torch.zeros(num_rows, device=device, dtype=torch.int32)
+    for projection in ("inline", "precompute"):
+        key = make_key("replay", device, *shape, W, L, projection)
+        log(f"tuning {key.to_str()}")
+
+        def run(cfg, projection=projection):
+            replay_verify_triton(
+                *args, ssm, *hist, cursor, parity, slots, widths, projection=projection,
+                lower_bound=case.lower_bound, config=cfg,
+            )  # fmt: skip
+
+        best, info = _time_configs("replay", run, log)
+        results.append((key, best, info))
+
+    key = make_key("replay_fold", device, case.state_dtype, torch.float32, H, HV, K, V, GK, 0, L)
+    full = torch.full_like(cursor, L)
+    stacked = (ssm[None], *(t[None] for t in hist))
+    log(f"tuning {key.to_str()}")
+    best, info = _time_configs(
+        "replay_fold", lambda cfg: replay_fold_triton(*stacked, full, parity, slots, config=cfg), log
+    )
+    results.append((key, best, info))
+    return results
 
 
 __all__ = [
@@ -224,11 +376,14 @@ __all__ = [
     "TABLE",
     "ConfigTable",
     "KernelConfig",
+    "TuneCase",
     "TuneKey",
+    "candidates",
     "default_config",
     "device_name",
     "load_tables",
     "lookup",
     "make_key",
+    "tune",
     "using",
 ]

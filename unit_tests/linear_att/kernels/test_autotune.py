@@ -1,0 +1,103 @@
+"""autotune: key format, JSON round trip, lookup (exact, nearest width, default), pinning. CPU only, no kernels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightllm.linear_att import autotune
+from lightllm.linear_att.autotune import ConfigTable, KernelConfig, TuneKey, make_key
+
+
+def _key(family="serial", width=4, capacity=0, projection="", state_dtype=torch.float32, gpu="NVIDIA H200"):
+    return TuneKey(family, gpu, "3.6.0", autotune.dtype_name(state_dtype), "bfloat16", 16, 32, 128, 128, 1, width,
+                   capacity, projection)  # fmt: skip
+
+
+def test_key_string_round_trip_names_every_field():
+    key = _key("replay", 4, 16, "precompute")
+    text = key.to_str()
+    for part in ("family=replay", "gpu=NVIDIA H200", "triton=3.6.0", "state_dtype=float32", "act_dtype=bfloat16",
+                 "num_k_heads=16", "num_v_heads=32", "head_k_dim=128", "head_v_dim=128", "gate_dim=1", "width=4",
+                 "capacity=16", "projection=precompute"):  # fmt: skip
+        assert part in text
+    assert TuneKey.from_str(text) == key
+
+
+def test_make_key_on_cpu_and_unknown_family():
+    key = make_key("replay", "cpu", torch.float32, torch.float16, 2, 4, 16, 16, 16, 2, 8, "inline")
+    assert key.gpu == "cpu" and key.state_dtype == "float32" and key.act_dtype == "float16"
+    assert key.triton == autotune.triton_version()
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        make_key("nope", "cpu", torch.float32, torch.float32, 1, 1, 16, 16, 1, 1)
+
+
+def test_table_json_round_trip(tmp_path):
+    table = ConfigTable()
+    table.put(_key(), KernelConfig(16, 2, 1))
+    table.put(_key("replay", 4, 16, "inline"), KernelConfig(32, 4, 2))
+    path = tmp_path / "tables" / "h200.json"
+    table.save(path, extra={_key().to_str(): {"us": 12.5}})
+    data = json.loads(path.read_text())
+    assert data["version"] == autotune.TABLE_VERSION
+    assert data["entries"][_key().to_str()] == {"block_v": 16, "num_warps": 2, "num_stages": 1, "us": 12.5}
+    loaded = ConfigTable.load(path)
+    assert loaded.entries == table.entries
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="version"):
+        ConfigTable.load(path)
+
+
+def test_lookup_exact_then_nearest_width_then_default():
+    table = ConfigTable()
+    table.put(_key(width=1), KernelConfig(8, 1, 1))
+    table.put(_key(width=4), KernelConfig(32, 4, 2))
+    assert table.lookup(_key(width=4)) == KernelConfig(32, 4, 2)
+    assert table.lookup(_key(width=3)) == KernelConfig(32, 4, 2)
+    assert table.lookup(_key(width=2)) == KernelConfig(8, 1, 1)  # width 1 is nearer than width 4
+    # another dtype, GPU or family never borrows an entry
+    assert table.lookup(_key(width=4, state_dtype=torch.bfloat16)) == autotune.default_config(_key(width=4))
+    assert table.lookup(_key(width=4, gpu="NVIDIA B200")) == autotune.default_config(_key(gpu="NVIDIA B200"))
+    # a later put is seen by lookups that were already resolved
+    table.put(_key(width=3), KernelConfig(64, 8, 3))
+    assert table.lookup(_key(width=3)) == KernelConfig(64, 8, 3)
+
+
+def test_default_on_the_interpreter_tiles_v():
+    key = make_key("serial", "cpu", torch.float32, torch.float32, 1, 1, 16, 16, 1, 1)
+    assert autotune.default_config(key).block_v == 8
+    gpu = _key()
+    for family in autotune.FAMILIES:
+        cfg = autotune.default_config(TuneKey(**{**gpu.__dict__, "family": family}))
+        assert cfg.block_v >= 16 and cfg.num_warps >= 1
+
+
+def test_using_pins_and_restores_the_process_table():
+    key = make_key("serial", "cpu", torch.float32, torch.float32, 1, 1, 16, 16, 1, 1)
+    before = autotune.lookup(key)
+    with autotune.using({key: KernelConfig(16, 1, 1)}):
+        assert autotune.lookup(key) == KernelConfig(16, 1, 1)
+    assert autotune.lookup(key) == before
+
+
+def test_load_tables_merges_files(tmp_path):
+    key = make_key("replay_fold", "cpu", torch.float32, torch.float32, 1, 2, 16, 16, 1, 0, 8)
+    table = ConfigTable()
+    table.put(key, KernelConfig(4, 1, 1))
+    path = tmp_path / "t.json"
+    table.save(path)
+    saved = dict(autotune.TABLE.entries)
+    try:
+        autotune.load_tables([path])
+        assert autotune.lookup(key) == KernelConfig(4, 1, 1)
+    finally:
+        autotune.TABLE.entries = saved
+        autotune.TABLE.update(ConfigTable())
+
+
+def test_candidates_respect_tensor_core_minimum():
+    assert all(c.block_v >= 16 for c in autotune.candidates("replay"))
+    assert any(c.block_v == 8 for c in autotune.candidates("serial"))
