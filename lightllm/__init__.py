@@ -1,0 +1,21 @@
+"""lightllm: an inference server for hybrid linear-attention LLMs (Qwen3-Next, Qwen3.5, Kimi-Linear).
+
+`from lightllm import LLM, SamplingParams` gives the offline API; both names are imported on first use so that
+`import lightllm` stays free of heavy imports and side effects.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from lightllm.server.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from lightllm.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'lightllm' has no attribute {name!r}")

@@ -9,6 +9,27 @@ from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.detokenizer import IncrementalDetokenizer, StopMatcher
 
 
+def prompt_problem(
+    ids: list[int], params: SamplingParams, vocab_size: int, max_req_total_len: int
+) -> tuple[str, str] | None:
+    """(reason, field) when a prompt cannot be served with these params, else None."""
+    if not ids:
+        return "the prompt is empty", "prompt"
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        return f"token ids must be in [0, {vocab_size})", "prompt"
+    if len(ids) >= max_req_total_len:
+        return f"the prompt has {len(ids)} tokens; max_req_total_len is {max_req_total_len}", "prompt"
+    if params.max_tokens is not None and len(ids) + params.max_tokens > max_req_total_len:
+        return (
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_req_total_len "
+            f"({max_req_total_len})",
+            "max_tokens",
+        )
+    if any(t < 0 or t >= vocab_size for t in params.stop_token_ids):
+        return f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids"
+    return None
+
+
 @dataclass
 class Delta:
     text: str = ""

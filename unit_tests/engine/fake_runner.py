@@ -62,10 +62,6 @@ class FakeRunner:
             ids.append(int(torch.argmax(self.next_logits(ids))))
         return ids[len(prompt) :]
 
-    @staticmethod
-    def _hidden(history: list[int]) -> torch.Tensor:
-        return torch.tensor([float(sum(history)), float(history[-1])])
-
     # -- ModelRunnerProtocol ---------------------------------------------------------------------------------------
     def add_request(self) -> int:
         assert self._free_handles, "add_request without a free slot"
@@ -112,7 +108,7 @@ class FakeRunner:
                 if self.nan_token is not None and self.nan_token in cache:
                     row_logits = torch.full_like(row_logits, float("nan"))
                 logits.append(row_logits)
-                hidden.append(self._hidden(cache[: p + 1]))
+                hidden.append(torch.tensor([float(sum(cache[: p + 1])), float(cache[p])]))
         if not logits:
             return ForwardOutput(torch.empty(0, self.vocab_size), torch.empty(0, 2))
         return ForwardOutput(torch.stack(logits), torch.stack(hidden))
@@ -126,21 +122,20 @@ class FakeRunner:
             )
             del self.cache[handle][start + n :]
 
-    def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, num_steps: int):
-        """Greedy chain from (history sum, last token) with a wrong guess whenever (position + step) % 3 == 0."""
+    def draft(self, handles: list[int], next_tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """Greedy chain after each request's accepted history, wrong whenever (position + step) % 3 == 0."""
+        assert self._window_start == {}, "draft() before accept()"
         rows = []
-        for (total, prev), token, pos in zip(hidden.tolist(), next_tokens.tolist(), positions.tolist()):
-            hist = [int(prev), token]
-            total = int(total) + token
+        for handle, token in zip(handles, next_tokens.tolist()):
+            history = [*self.cache[handle], token]
+            pos = len(history) - 1
             drafts = []
             for step in range(num_steps):
-                h = self.emb_last[hist[-1]] + 0.5 * self.emb_prev[hist[-2]] + self.emb_sum[total % NUM_SUM_BUCKETS]
-                guess = int(torch.argmax(h @ self.out))
+                guess = int(torch.argmax(self.next_logits(history)))
                 if (pos + step) % 3 == 0:
                     guess = (guess + 1) % self.vocab_size
                 drafts.append(guess)
-                hist.append(guess)
-                total += guess
+                history.append(guess)
             rows.append(drafts)
         return torch.tensor(rows, dtype=torch.long).reshape(len(rows), num_steps)
 

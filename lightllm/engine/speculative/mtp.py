@@ -19,16 +19,14 @@ class MtpSpeculator:
             req.draft_ids = req.draft_ids[: max(0, req.num_remaining_tokens - 1)]
 
     def after_step(self, runner, rows: list[tuple[Request, int]], hidden: torch.Tensor | None) -> None:
-        """`rows` pairs each request that just got a token with the index of its hidden state in `hidden`."""
-        live = [(req, idx) for req, idx in rows if not req.is_finished]
+        """Draft for every request that just got a token (after `accept`). The runner keeps the hidden states of
+        accepted tokens itself, so it must see every such request each step, even if its drafts go unused."""
+        live = [req for req, _ in rows if not req.is_finished]
         for req, _ in rows:
             req.draft_ids = []
-        if not live or hidden is None:
+        if not live:
             return
-        index = torch.tensor([idx for _, idx in live], device=hidden.device)
-        next_tokens = torch.tensor([req.output_ids[-1] for req, _ in live], dtype=torch.long, device=hidden.device)
-        # position of the newest token (0-based), the token the MTP head embeds next to the hidden state
-        positions = torch.tensor([req.num_tokens - 1 for req, _ in live], dtype=torch.long, device=hidden.device)
-        drafts = runner.draft(hidden[index], next_tokens, positions, self.num_drafts)
-        for (req, _), row in zip(live, drafts.tolist()):
+        next_tokens = torch.tensor([req.output_ids[-1] for req in live], dtype=torch.long)
+        drafts = runner.draft([req.handle for req in live], next_tokens, self.num_drafts)
+        for req, row in zip(live, drafts.tolist()):
             req.draft_ids = row

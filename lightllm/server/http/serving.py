@@ -16,7 +16,7 @@ from lightllm.server.args import ServerArgs
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.http.metrics import Metrics
 from lightllm.server.model_info import ModelInfo
-from lightllm.server.output import Delta, SequenceOutput
+from lightllm.server.output import Delta, SequenceOutput, prompt_problem
 from lightllm.server.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.25
@@ -49,21 +49,10 @@ class Frontend:
             raise ApiError(400, f"model {model!r} is not served here; use {self.args.served_model_name!r}", "model")
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
-        limit = self.args.max_req_total_len
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param)
-        if min(ids) < 0 or max(ids) >= self.info.vocab_size:
-            raise ApiError(400, f"token ids must be in [0, {self.info.vocab_size})", param)
-        if len(ids) >= limit:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; max_req_total_len is {limit}", param)
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise ApiError(
-                400,
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_req_total_len ({limit})",
-                "max_tokens",
-            )
-        if any(t < 0 or t >= self.info.vocab_size for t in params.stop_token_ids):
-            raise ApiError(400, f"stop_token_ids must be in [0, {self.info.vocab_size})", "stop_token_ids")
+        problem = prompt_problem(ids, params, self.info.vocab_size, self.args.max_req_total_len)
+        if problem is not None:
+            message, field = problem
+            raise ApiError(400, message, param if field == "prompt" else field)
 
     async def generate(
         self, prompts: list[list[int]], params: SamplingParams, request=None

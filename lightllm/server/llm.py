@@ -1,0 +1,104 @@
+"""Offline API: the same engine, in this process, without HTTP.
+
+from lightllm import LLM, SamplingParams
+llm = LLM("path/to/checkpoint", ssm_state_mode="replay", mtp_step=2)
+outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+outs[0].outputs[0].text
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+
+from lightllm.engine.messages import Finished, NewRequest, TokenChunk
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.args import load_server_args
+from lightllm.server.engine_process import build_engine
+from lightllm.server.output import SequenceOutput, prompt_problem
+from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
+from lightllm.server.tokenizer import Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    # "stop", "length", "abort" or "error"
+    finish_reason: str | None
+    # per token: (logprob, [(token_id, logprob), ...]) when SamplingParams.logprobs was set
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+class LLM:
+    """`LLM(model_dir=None, **flags)`: every server flag is accepted under its name (see docs/server_args.md);
+    without a model_dir the tiny demo checkpoint is used. `runner_factory` swaps the model runner (tests)."""
+
+    def __init__(self, model_dir: str | None = None, *, runner_factory: str = DEFAULT_RUNNER_FACTORY, **flags):
+        self.args, self.info = load_server_args([], model_dir=model_dir, **flags)
+        self.tokenizer = Tokenizer(self.info)
+        self.engine = build_engine(self.args, self.info, runner_factory)
+
+    def generate(
+        self, prompts: str | list[str] | list[int] | list[list[int]], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt (text or token ids), each with `params.n` outputs, in prompt order."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        results: list[RequestOutput] = []
+        seqs: dict[str, SequenceOutput] = {}
+        for prompt in prompts:
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+            problem = prompt_problem(ids, params, self.info.vocab_size, self.args.max_req_total_len)
+            if problem is not None:
+                raise ValueError(f"{problem[1]}: {problem[0]}")
+            results.append(RequestOutput(text, ids))
+        base = uuid.uuid4().hex
+        for p, result in enumerate(results):
+            for j in range(params.n):
+                sub = msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+                req_id = f"{base}-{p}-{j}"
+                seqs[req_id] = SequenceOutput(self.tokenizer, sub, self.tokenizer.eos_token_ids)
+                self._absorb(
+                    self.engine.add_request(
+                        NewRequest(req_id, result.prompt_token_ids, sub, list(self.tokenizer.eos_token_ids))
+                    ),
+                    seqs,
+                )
+        while any(not s.finished for s in seqs.values()):
+            self._absorb(self.engine.step(), seqs)
+        for p, result in enumerate(results):
+            for j in range(params.n):
+                out = seqs[f"{base}-{p}-{j}"]
+                logprobs = out.logprobs if params.logprobs is not None else None
+                result.outputs.append(CompletionOutput(j, out.text, out.token_ids, out.finish_reason, logprobs))
+        return results
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """Render `messages` with the checkpoint's chat template and generate the assistant's reply."""
+        return self.generate([self.tokenizer.encode_chat(messages)], sampling_params)[0]
+
+    def _absorb(self, outputs, seqs: dict[str, SequenceOutput]) -> None:
+        for out in outputs:
+            seq = seqs.get(getattr(out, "req_id", None))
+            if seq is None or seq.finished:
+                continue
+            if isinstance(out, TokenChunk):
+                seq.on_tokens(out)
+                if seq.stop_string_hit:
+                    # the engine's own Finished("abort") for it is ignored: the sequence already ended on "stop"
+                    self.engine.abort(out.req_id)
+            elif isinstance(out, Finished):
+                seq.on_finished(out)
