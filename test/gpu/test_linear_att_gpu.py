@@ -1,0 +1,237 @@
+"""GPU suite of the linear-attention Triton kernels at real shapes (skipped without CUDA).
+
+bf16 activations, fp32 and bf16 state; Qwen3-Next TP1 (GDN, H=16, HV=32, K=V=128) and Kimi-Linear TP1 (KDA,
+H=HV=32): Triton vs the torch twins, native == compact bitwise, CUDA-graph replay == eager across fold cycles,
+and a race check (many V tiles, grouped heads, folds every step) against a one-tile launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightllm.linear_att.autotune import KernelConfig
+from unit_tests.helpers.asserts import assert_rel_close
+
+pytestmark = pytest.mark.gpu
+
+QWEN3_NEXT = ("gdn", 16, 32, 128, 128)
+KIMI = ("kda", 32, 32, 128, 128)
+SHAPES = [pytest.param(QWEN3_NEXT, id="qwen3-next"), pytest.param(KIMI, id="kimi-linear")]
+STATE = [pytest.param(torch.float32, id="fp32-state"), pytest.param(torch.bfloat16, id="bf16-state")]
+
+
+def _inputs(shape, N, W, gen, act_dtype=torch.bfloat16):
+    algo, H, HV, K, V = shape
+    GK = 1 if algo == "gdn" else K
+
+    def rnd(*size, s=1.0):
+        return torch.randn(*size, generator=gen, device="cuda") * s
+
+    args = (
+        rnd(N, W, H, K).to(act_dtype),
+        rnd(N, W, H, K).to(act_dtype),
+        rnd(N, W, HV, V).to(act_dtype),
+        rnd(N, W, HV, GK),
+        rnd(N, W, HV),
+        torch.rand(HV, generator=gen, device="cuda") * 1.5 - 1.0,
+        rnd(HV, GK, s=0.5),
+    )
+    return args
+
+
+def _rows(N, W, gen, num_slots):
+    slots = torch.randperm(num_slots - 1, generator=gen, device="cuda")[:N].to(torch.int32)
+    widths = torch.randint(1, W + 1, (N,), generator=gen, device="cuda", dtype=torch.int32)
+    widths[::7] = W
+    widths[3::11] = 0  # padding rows (on a real slot: must stay untouched)
+    accepted = torch.minimum(torch.randint(1, W + 1, (N,), generator=gen, device="cuda", dtype=torch.int32), widths)
+    return slots, widths, accepted.clamp(min=1)
+
+
+class Replay:
+    def __init__(self, shape, num_slots, L, state_dtype, gen):
+        algo, H, HV, K, V = shape
+        GK = 1 if algo == "gdn" else K
+        self.ssm = (torch.randn(num_slots, HV, K, V, generator=gen, device="cuda") * 0.05).to(state_dtype)
+        self.hist = [
+            torch.full((num_slots, 2, L, H, K), float("nan"), device="cuda"),
+            torch.full((num_slots, 2, L, HV, V), float("nan"), device="cuda"),
+            torch.full((num_slots, 2, L, HV, GK), float("nan"), device="cuda"),
+        ]
+        self.cursor = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
+        self.parity = torch.zeros_like(self.cursor)
+        self.offset = torch.zeros_like(self.cursor)
+        self.L = L
+
+    def clone(self):
+        other = object.__new__(Replay)
+        other.__dict__ = {
+            k: (v.clone() if torch.is_tensor(v) else [t.clone() for t in v] if isinstance(v, list) else v)
+            for k, v in self.__dict__.items()
+        }
+        return other
+
+    def poison_dead(self):
+        num_slots, _, L = self.hist[0].shape[:3]
+        pos = torch.arange(L, device="cuda")
+        for t in self.hist:
+            dead_live = (pos[None, :] >= self.cursor[:, None].long()).view(num_slots, L, *([1] * (t.dim() - 3)))
+            live = t[torch.arange(num_slots, device="cuda"), self.parity.long()]
+            live.masked_fill_(dead_live, float("nan"))
+            t[torch.arange(num_slots, device="cuda"), self.parity.long()] = live
+            t[torch.arange(num_slots, device="cuda"), 1 - self.parity.long()] = float("nan")
+
+
+def _replay_step(rep, args, slots, widths, accepted, projection, lower_bound=None, config=None, backend="triton"):
+    from lightllm.linear_att import ops
+    from lightllm.linear_att.kernels.replay_verify import replay_verify_triton
+
+    if backend == "triton" and config is not None:
+        o = replay_verify_triton(*args, rep.ssm, *rep.hist, rep.cursor, rep.parity, slots, widths,
+                                 projection=projection, lower_bound=lower_bound, config=config)  # fmt: skip
+    else:
+        o = ops.replay_verify(*args, rep.ssm, *rep.hist, rep.cursor, rep.parity, slots, widths,
+                              projection=projection, lower_bound=lower_bound, backend=backend)  # fmt: skip
+    ops.replay_accept(rep.cursor, rep.parity, rep.offset, slots, widths, accepted, rep.L, backend=backend)
+    return o
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("state_dtype", STATE)
+def test_native_and_compact_match_twin_and_each_other(shape, state_dtype):
+    from lightllm.linear_att import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    _, H, HV, K, V = shape
+    N, W, num_slots = 96, 4, 128
+    args = _inputs(shape, N, W, gen)
+    slots, widths, accepted = _rows(N, W, gen, num_slots)
+    base = (torch.randn(num_slots, HV, K, V, generator=gen, device="cuda") * 0.05).to(state_dtype)
+    native = torch.zeros(num_slots, W, HV, K, V, device="cuda", dtype=state_dtype)
+    native[:, 0] = base
+    index = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
+    native_t = native.clone()
+    o = ops.native_verify(*args, native, index, slots, widths, backend="triton")
+    o_t = ops.native_verify(*args, native_t, index, slots, widths, backend="torch")
+    tol = 2e-2
+    assert_rel_close("native o", o, o_t, tol)
+    assert_rel_close("native states", native.float(), native_t.float(), tol)
+
+    GK = args[3].shape[-1]
+    ssm = base.clone()[None]
+    win = [
+        torch.zeros(1, num_slots, W, H, K, device="cuda", dtype=torch.bfloat16),
+        torch.zeros(1, num_slots, W, HV, V, device="cuda", dtype=torch.bfloat16),
+        torch.zeros(1, num_slots, W, HV, GK, device="cuda"),
+        torch.zeros(1, num_slots, W, HV, device="cuda"),
+    ]
+    o_c = ops.compact_verify(*args, ssm[0], *(t[0] for t in win), slots, widths, backend="triton")
+    assert torch.equal(o_c, o), "compact verify outputs != native outputs (bitwise)"
+    assert torch.equal(ssm[0], base), "compact verify wrote the state"
+    ops.compact_commit(ssm, *win, slots, widths, accepted, backend="triton")
+    expect = base.clone()
+    live = widths > 0
+    expect[slots[live].long()] = native[slots[live].long(), (accepted[live] - 1).long()]
+    assert torch.equal(ssm[0], expect), "compact commit != native state at the accepted token (bitwise)"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("projection", ["inline", "precompute"])
+@pytest.mark.parametrize("state_dtype", STATE)
+def test_replay_rounds_match_twin(shape, projection, state_dtype):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    N, W, L, num_slots = 64, 4, 8, 80
+    rep = Replay(shape, num_slots, L, state_dtype, gen)
+    twin = rep.clone()
+    slots, _, _ = _rows(N, W, gen, num_slots)
+    for r in range(7):
+        args = _inputs(shape, N, W, gen)
+        _, widths, accepted = _rows(N, W, gen, num_slots)
+        o = _replay_step(rep, args, slots, widths, accepted, projection)
+        o_t = _replay_step(twin, args, slots, widths, accepted, projection, backend="torch")
+        assert not o.isnan().any(), f"round {r}: NaN (a poisoned record leaked)"
+        assert_rel_close(f"round {r} o", o, o_t, 2e-2)
+        assert_rel_close(
+            f"round {r} ssm", rep.ssm.float(), twin.ssm.float(), 1e-2 if state_dtype != torch.float32 else 1e-4
+        )
+        assert torch.equal(rep.cursor, twin.cursor) and torch.equal(rep.parity, twin.parity)
+        rep.poison_dead()
+        twin.poison_dead()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cuda_graph_replay_equals_eager_over_fold_cycles(shape):
+    """verify + accept captured once; 12 replays (several folds per row) == 12 eager steps, bitwise."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    N, W, L, num_slots = 48, 4, 8, 64
+    rep = Replay(shape, num_slots, L, torch.float32, gen)
+    eager = rep.clone()
+    args = _inputs(shape, N, W, gen)
+    slots, widths, accepted = _rows(N, W, gen, num_slots)
+    lower_bound = None
+    outs_eager = [_replay_step(eager, args, slots, widths, accepted, "inline", lower_bound) for _ in range(12)]
+
+    graphed = rep.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    warm = rep.clone()
+    with torch.cuda.stream(stream):
+        _replay_step(warm, args, slots, widths, accepted, "inline")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static = _replay_step(graphed, args, slots, widths, accepted, "inline")
+    # capture recorded the launches without running them: the graphed state is still the initial one
+    for step in range(12):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o_static, outs_eager[step]), f"step {step}: graph output != eager"
+    assert torch.equal(graphed.ssm, eager.ssm) and torch.equal(graphed.cursor, eager.cursor)
+    assert torch.equal(graphed.parity, eager.parity)
+    for a, b in zip(graphed.hist, eager.hist):
+        assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+
+
+@pytest.mark.parametrize("projection", ["inline", "precompute"])
+def test_many_v_tiles_and_grouped_heads_are_race_free(projection):
+    """Folds every step (L = W), 8 V tiles, 4 value heads per key head, 256 rows: the records and states of a
+    tiled launch match a single-tile launch round after round (a cross-program race would corrupt them)."""
+    shape = ("gdn", 8, 32, 128, 128)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    N, W, L, num_slots = 256, 4, 4, 260
+    tiled = Replay(shape, num_slots, L, torch.float32, gen)
+    single = tiled.clone()
+    slots, _, _ = _rows(N, W, gen, num_slots)
+    for r in range(6):
+        args = _inputs(shape, N, W, gen, act_dtype=torch.float32)
+        widths = torch.full((N,), W, dtype=torch.int32, device="cuda")
+        accepted = torch.randint(1, W + 1, (N,), generator=gen, device="cuda", dtype=torch.int32)
+        o = _replay_step(tiled, args, slots, widths, accepted, projection, config=KernelConfig(16, 2, 1))
+        o1 = _replay_step(single, args, slots, widths, accepted, projection, config=KernelConfig(128, 8, 1))
+        assert_rel_close(f"round {r} o", o, o1, 2e-3)
+        assert_rel_close(f"round {r} ssm", tiled.ssm, single.ssm, 1e-5)
+        for name, a, b in zip("kug", tiled.hist, single.hist):
+            assert_rel_close(f"round {r} hist_{name}", torch.nan_to_num(a), torch.nan_to_num(b), 1e-5)
+
+
+def test_kda_safe_gate_and_fold_match_twin():
+    from lightllm.linear_att import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    N, W, L, num_slots = 32, 2, 4, 40
+    rep = Replay(KIMI, num_slots, L, torch.float32, gen)
+    twin = rep.clone()
+    slots, _, _ = _rows(N, W, gen, num_slots)
+    for _ in range(5):
+        args = _inputs(KIMI, N, W, gen)
+        _, widths, accepted = _rows(N, W, gen, num_slots)
+        o = _replay_step(rep, args, slots, widths, accepted, "inline", lower_bound=-5.0)
+        o_t = _replay_step(twin, args, slots, widths, accepted, "inline", lower_bound=-5.0, backend="torch")
+        assert_rel_close("o", o, o_t, 2e-2)
+    out = torch.empty(1, N, *rep.ssm.shape[1:], device="cuda")
+    out_t = torch.empty_like(out)
+    stacked = [rep.ssm[None], *(t[None] for t in rep.hist)]
+    ops.replay_fold(*stacked, rep.cursor, rep.parity, slots, out=out, backend="triton")
+    ops.replay_fold(*stacked, rep.cursor, rep.parity, slots, out=out_t, backend="torch")
+    assert_rel_close("export fold", out, out_t, 1e-4)
