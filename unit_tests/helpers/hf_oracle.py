@@ -226,7 +226,11 @@ class HFOracle:
         with _reference_mode():
             embeds = mtp.embed_tokens(next_ids)
             masks = mtp.create_masks_for_mtp_layer(0, embeds, None, position_ids)
-            rope = mtp.rotary_emb(embeds, position_ids=position_ids)
+            rope_positions = position_ids
+            if "mrope_section" in (getattr(mtp.config, "rope_parameters", None) or {}):
+                # Text-only M-RoPE: the three position streams are equal; 5.17's rotary wants them spelled out.
+                rope_positions = position_ids[None].expand(3, -1, -1)
+            rope = mtp.rotary_emb(embeds, position_ids=rope_positions)
             # Positional call: the cache keyword is `past_key_values` in 5.17 and `cache` in 5.24.
             out = mtp.layers[0](embeds, hidden, rope, masks.get("attention_mask"), position_ids, None)
             return mtp.shared_head(out).float()
