@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.helpers.hf_oracle import HFOracle
@@ -33,6 +34,15 @@ def case_oracle(case: str) -> HFOracle:
     if case not in _oracles:
         _oracles[case] = HFOracle(case_dir(case))
     return _oracles[case]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny GEMMs are dominated by thread hand-off on a busy 2-core box: one intra-op thread is ~6x faster."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,98 @@
+"""MTP drafting vs transformers' MTP module, and verify steps with forced partial acceptance.
+
+The reference chain runs transformers' MTP layer over the whole accepted sequence: row t pairs the main
+model's final hidden h_t with token t+1; a chained step appends the head's own output and its draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unit_tests.helpers.hf_oracle import torch_paths
+from unit_tests.models.conftest import MTP_CASES
+from unit_tests.models.drive import decode, make_runner, prefill, verify
+from unit_tests.models.test_parity import assert_logits, prompt
+
+
+@torch.no_grad()
+def hf_draft_chain(oracle, ids: list[int], next_token: int, steps: int) -> torch.Tensor:
+    """Draft logits [steps, V] of transformers' MTP head after `ids` + `next_token`, chained greedily."""
+    mtp = oracle._mtp_model()
+    hidden = oracle.hidden_states(ids)[0]
+    tokens = ids[1:] + [next_token]
+    logits = []
+    with torch_paths():
+        for _ in range(steps):
+            tok = torch.tensor([tokens])
+            pos = torch.arange(len(tokens))[None]
+            embeds = mtp.embed_tokens(tok)
+            masks = mtp.create_masks_for_mtp_layer(0, embeds, None, pos)
+            rope = mtp.rotary_emb(embeds, position_ids=pos)
+            out = mtp.layers[0](embeds, hidden[None], rope, masks.get("attention_mask"), pos, None)[0]
+            logits.append(mtp.shared_head(out[-1]).float())
+            hidden = torch.cat([hidden, out[-1:]])
+            tokens.append(int(logits[-1].argmax()))
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_chained_draft_logits_match_transformers(tiny, case):
+    model_dir, oracle = tiny(case)
+    ids = prompt(21, 23)
+    runner = make_runner(model_dir, mtp_step=3)
+    h = runner.add_request()
+    nxt = int(prefill(runner, h, ids, chunk=9).argmax())
+    drafts, logits = runner.draft_with_logits([h], torch.tensor([nxt]), 3)
+    expected = hf_draft_chain(oracle, ids, nxt, 3)
+    for s in range(3):
+        assert_logits(f"{case} draft step {s}", logits[0, s], expected[s])
+    assert drafts[0].tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("accept", [1, 2, 4], ids=lambda a: f"accept{a}")
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_draft_after_partial_acceptance_matches_transformers(tiny, case, accept):
+    """After a W=4 verify keeps `accept` tokens, the next drafts equal transformers' on the accepted text."""
+    model_dir, oracle = tiny(case)
+    ids = prompt(22, 15)
+    runner = make_runner(model_dir, mtp_step=3)
+    h = runner.add_request()
+    nxt = int(prefill(runner, h, ids).argmax())
+    window = [nxt] + runner.draft([h], torch.tensor([nxt]), 3)[0].tolist()
+    logits = verify(runner, h, window)
+    runner.accept([h], [accept])
+    bonus = int(logits[accept - 1].argmax())
+    _, got = runner.draft_with_logits([h], torch.tensor([bonus]), 2)
+    expected = hf_draft_chain(oracle, ids + window[:accept], bonus, 2)
+    for s in range(2):
+        assert_logits(f"{case} accept={accept} draft step {s}", got[0, s], expected[s])
+
+
+@pytest.mark.parametrize("mode", ["native", "compact", "replay"])
+@pytest.mark.parametrize("width,accept", [(2, 1), (4, 2), (4, 3)], ids=lambda v: str(v))
+@pytest.mark.parametrize("case", ["qwen3_next-hv4", "qwen3_5_moe-hv4"])
+def test_verify_with_partial_acceptance_equals_plain_decode(tiny, case, width, accept, mode):
+    """Verify `[next, drafts]` of width W, keep `accept` < W tokens: the following steps' logits equal those of
+    a runner that decoded only the accepted tokens one at a time."""
+    model_dir, oracle = tiny(case)
+    ids, tail = prompt(23, 17), prompt(24, 5)
+    spec = make_runner(model_dir, mode=mode, mtp_step=width - 1, replayssm_cache_len=4)
+    plain = make_runner(model_dir)
+    hs, hp = spec.add_request(), plain.add_request()
+    nxt = int(prefill(spec, hs, ids).argmax())
+    prefill(plain, hp, ids)
+    drafts = spec.draft([hs], torch.tensor([nxt]), width - 1)[0].tolist()
+    window = [nxt] + drafts
+    # make sure the rejected part differs from what the model would say (forced partial acceptance)
+    window[accept] = (window[accept] + 1) % 470
+    got = verify(spec, hs, window)
+    spec.accept([hs], [accept])
+    for i, tok in enumerate(window[:accept]):
+        assert_logits(f"{case}/{mode} verify row {i}", got[i], decode(plain, hp, tok))
+    last = None
+    for tok in tail:
+        last = decode(spec, hs, tok)
+        assert_logits(f"{case}/{mode} after accept", last, decode(plain, hp, tok))
+    assert spec.num_tokens(hs) == plain.num_tokens(hp) == len(ids) + accept + len(tail)
+    expected = oracle.prefill_logits(ids + window[:accept] + tail)[0, -1]
+    assert_logits(f"{case}/{mode} vs transformers", last, expected)
