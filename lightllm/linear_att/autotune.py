@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -242,7 +243,9 @@ def candidates(family: str) -> list[KernelConfig]:
     narrow tiles that give small batches more programs."""
     block_vs = (8, 16, 32) if family == "serial" else (16, 32, 64)
     warps = (1, 2, 4) if family == "serial" else (2, 4, 8)
-    return [KernelConfig(bv, nw, ns) for bv in block_vs for nw in warps for ns in (1, 2)]
+    # the fold has no loop to pipeline: one stage
+    stages = (1,) if family == "replay_fold" else (1, 2)
+    return [KernelConfig(bv, nw, ns) for bv in block_vs for nw in warps for ns in stages]
 
 
 @dataclass(frozen=True)
@@ -285,13 +288,22 @@ def _scratch_inputs(case: TuneCase, num_rows: int, device, gen):
     return args, slots, widths
 
 
-def _time_configs(family: str, run, log) -> tuple[KernelConfig, dict[str, float]]:
+def _time_us(fn, device: torch.device) -> float:
+    if device.type != "cuda":
+        # the interpreter: one timed call (plumbing checks, not a measurement)
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
     import triton.testing
 
+    return 1e3 * float(triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median"))
+
+
+def _time_configs(family: str, run, log, device: torch.device, configs=None) -> tuple[KernelConfig, dict[str, float]]:
     best, best_us = None, float("inf")
-    for cfg in candidates(family):
+    for cfg in configs or candidates(family):
         try:
-            us = 1e3 * float(triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=30, return_mode="median"))
+            us = _time_us(lambda cfg=cfg: run(cfg), device)
         except Exception as err:  # a config that does not compile or fit is skipped, not fatal
             log(f"  {family} {cfg}: skipped ({type(err).__name__})")
             continue
@@ -302,21 +314,24 @@ def _time_configs(family: str, run, log) -> tuple[KernelConfig, dict[str, float]
     return best, {"us": best_us}
 
 
-def tune(cases: list[TuneCase], *, num_rows: int = 256, device="cuda", log=print) -> tuple[ConfigTable, dict]:
+def tune(
+    cases: list[TuneCase], *, num_rows: int = 256, device="cuda", log=print, configs: list[KernelConfig] | None = None
+) -> tuple[ConfigTable, dict]:
     """Search the launch configurations of every family for `cases` on freshly allocated scratch buffers.
 
     Returns the table and per-entry timings (µs, median of `triton.testing.do_bench`). Serving state is never
-    touched: every buffer here is allocated for the search and dropped afterwards.
+    touched: every buffer here is allocated for the search and dropped afterwards. `configs` replaces the
+    search space (tests).
     """
     table, extra = ConfigTable(), {}
     for case in cases:
-        for key, cfg, info in _tune_case(case, num_rows, torch.device(device), log):
+        for key, cfg, info in _tune_case(case, num_rows, torch.device(device), log, configs):
             table.put(key, cfg)
             extra[key.to_str()] = info
     return table, extra
 
 
-def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log):
+def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log, configs):
     from lightllm.linear_att.kernels.native_verify import native_verify_triton
     from lightllm.linear_att.kernels.replay_fold import replay_fold_triton
     from lightllm.linear_att.kernels.replay_verify import replay_verify_triton
@@ -335,6 +350,8 @@ def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log):
         "serial",
         lambda cfg: native_verify_triton(*args, native, index, slots, widths, lower_bound=case.lower_bound, config=cfg),
         log,
+        device,
+        configs,
     )
     results.append((key, best, info))
 
@@ -357,7 +374,7 @@ def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log):
                 lower_bound=case.lower_bound, config=cfg,
             )  # fmt: skip
 
-        best, info = _time_configs("replay", run, log)
+        best, info = _time_configs("replay", run, log, device, configs)
         results.append((key, best, info))
 
     key = make_key("replay_fold", device, case.state_dtype, torch.float32, H, HV, K, V, GK, 0, L)
@@ -365,7 +382,7 @@ def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log):
     stacked = (ssm[None], *(t[None] for t in hist))
     log(f"tuning {key.to_str()}")
     best, info = _time_configs(
-        "replay_fold", lambda cfg: replay_fold_triton(*stacked, full, parity, slots, config=cfg), log
+        "replay_fold", lambda cfg: replay_fold_triton(*stacked, full, parity, slots, config=cfg), log, device, configs
     )
     results.append((key, best, info))
     return results

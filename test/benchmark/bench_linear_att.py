@@ -371,18 +371,26 @@ def ratio(a, b) -> str:
 
 
 def run_tune(args, shapes, state_dtypes, act_dtype, device) -> None:
+    """Tune case by case, saving after each one, so a run cut short still leaves a usable table."""
     from lightllm.linear_att import autotune
 
-    cases = []
-    for shape in shapes:
-        for dt in state_dtypes:
-            for W in [int(w) for w in args.ws.split(",")]:
-                cases.append(
-                    autotune.TuneCase(shape.algo, shape.H, shape.HV, shape.K, shape.V, dt, act_dtype, W, args.capacity)
-                )
+    cases = [
+        autotune.TuneCase(shape.algo, shape.H, shape.HV, shape.K, shape.V, dt, act_dtype, W, args.capacity)
+        for shape in shapes
+        for dt in state_dtypes
+        for W in [int(w) for w in args.ws.split(",")]
+    ]
     t0 = time.time()
-    table, extra = autotune.tune(cases, num_rows=256 if device.type == "cuda" else 2, device=device)
-    table.save(args.tune, extra)
+    table, extra = autotune.ConfigTable(), {}
+    for i, case in enumerate(cases):
+        if time.time() - t0 > args.budget_s:
+            print(f"time budget reached: {len(cases) - i} cases left untuned")
+            break
+        part, info = autotune.tune([case], num_rows=256 if device.type == "cuda" else 2, device=device)
+        table.update(part)
+        extra.update(info)
+        table.save(args.tune, extra)
+        print(f"[{time.time() - t0:.0f} s] case {i + 1}/{len(cases)} done: {case}", flush=True)
     print(f"wrote {len(table.entries)} tuned entries to {args.tune} in {time.time() - t0:.0f} s")
     for key, cfg in sorted(table.entries.items()):
         print(f"  {key}: {cfg} ({extra[key]['us']:.1f} us)")

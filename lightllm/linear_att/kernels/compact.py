@@ -17,7 +17,7 @@ from lightllm.linear_att.kernels.common import delta_rule_step, l2norm, load_tok
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
-@triton.jit(do_not_specialize=["scale", "lower_bound"])
+@triton.jit
 def compact_verify_kernel(
     q,
     k,

@@ -42,7 +42,7 @@ def _row(b_x, m_s):
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
-@triton.jit(do_not_specialize=["scale", "lower_bound"])
+@triton.jit
 def replay_verify_kernel(
     q,
     k,

@@ -101,3 +101,15 @@ def test_load_tables_merges_files(tmp_path):
 def test_candidates_respect_tensor_core_minimum():
     assert all(c.block_v >= 16 for c in autotune.candidates("replay"))
     assert any(c.block_v == 8 for c in autotune.candidates("serial"))
+
+
+def test_tune_plumbing_on_the_interpreter(tmp_path):
+    """The search runs every family on scratch buffers and returns one entry per key (one candidate here)."""
+    case = autotune.TuneCase("gdn", 1, 2, 16, 16, torch.float32, torch.float32, width=2, capacity=4)
+    table, extra = autotune.tune([case], num_rows=2, device="cpu", log=lambda _: None,
+                                 configs=[KernelConfig(16, 1, 1)])  # fmt: skip
+    families = sorted(TuneKey.from_str(k).family + TuneKey.from_str(k).projection for k in table.entries)
+    assert families == ["replay_fold", "replayinline", "replayprecompute", "serial"]
+    assert all(info["us"] > 0 for info in extra.values())
+    table.save(tmp_path / "t.json", extra)
+    assert ConfigTable.load(tmp_path / "t.json").entries == table.entries
