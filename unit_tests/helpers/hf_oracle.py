@@ -9,10 +9,11 @@ Only APIs present in both transformers 5.17 and 5.24 are used (caches are passed
 
     from unit_tests.helpers.hf_oracle import HFOracle
     oracle = HFOracle(model_dir)
-    oracle.prefill_logits(ids)            # [B, T, V]
-    oracle.decode_logits(ids, prefill_len) # [B, T, V]: prefill, then one token at a time through the cache
-    oracle.greedy(prompt, max_new_tokens)  # list[int]
-    oracle.mtp_draft_logits(ids)           # [B, T-1, V] (Qwen checkpoints with mtp.* weights)
+    oracle.prefill_logits(ids)              # [B, T, V] fp32; ids is [T] or [B, T]
+    oracle.decode_logits(ids, prefill_len)  # [B, T, V]: prefill, then one token at a time through the cache
+    oracle.hidden_states(ids)               # [B, T, H] final-normed
+    oracle.greedy(prompt, max_new_tokens)   # list[int], optional eos_token_id stops early
+    oracle.mtp_draft_logits(ids)            # [B, T-1, V] (Qwen checkpoints with mtp.* weights)
 """
 
 from __future__ import annotations

@@ -143,5 +143,8 @@ def write_weights(arch: str, model_dir: Path, seed: int, dtype: str, num_mtp_lay
         name: init_tensor(arch, name, shape, seed).to(torch_dtype).contiguous()
         for name, shape in sorted(layout.items())
     }
-    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    path = model_dir / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    # safetensors creates the file private; the other checkpoint files are world-readable.
+    path.chmod(0o644)
     return layout
