@@ -22,14 +22,13 @@ def attend(q: torch.Tensor, groups: list[AttentionGroup], load_kv: KVLoader, sca
     out = None
     for g in groups:
         k, v = load_kv(g.slot_table)
+        if k.shape[2] != q.shape[1]:
+            # explicit head expansion: every SDPA backend accepts it (enable_gqa is not honoured by all with masks)
+            group = q.shape[1] // k.shape[2]
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         qg = q[g.token_index].transpose(1, 2)  # [n, H, Wq, Dk]
         o = F.scaled_dot_product_attention(
-            qg,
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=g.mask,
-            scale=scale,
-            enable_gqa=k.shape[2] != q.shape[1],
+            qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale
         ).transpose(1, 2)  # [n, Wq, H, Dv]
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
