@@ -57,8 +57,7 @@ class CompactState(StateCommon):
             num_accepted,
             backend=self.backend,
         )
-        live = widths > 0
-        self.conv_offset[rows.slots.long()[live]] = (num_accepted[live] - 1).to(torch.int32)
+        self._set_live_slots(self.conv_offset, rows, widths > 0, num_accepted.to(torch.int32) - 1)
 
     def _ssm_tensors(self):
         return [(self.ssm, 1), (self.win_k, 1), (self.win_v, 1), (self.win_g, 1), (self.win_beta, 1)]

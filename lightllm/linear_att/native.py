@@ -46,10 +46,9 @@ class NativeState(StateCommon):
 
     def accept(self, rows: DecodeRows, num_accepted: torch.Tensor) -> None:
         live = self._live_widths(rows) > 0
-        sl = rows.slots.long()[live]
-        last = (num_accepted[live] - 1).to(torch.int32)
-        self.ssm_index[sl] = last
-        self.conv_offset[sl] = last
+        last = num_accepted.to(torch.int32) - 1
+        self._set_live_slots(self.ssm_index, rows, live, last)
+        self._set_live_slots(self.conv_offset, rows, live, last)
 
     def _ssm_tensors(self):
         return [(self.ssm, 1), (self.ssm_index, 0)]

@@ -66,6 +66,17 @@ class StateCommon:
         widths = rows.widths.to(torch.int32)
         return torch.where(rows.slots == self.hold_slot, torch.zeros_like(widths), widths)
 
+    def _set_live_slots(self, target: torch.Tensor, rows: DecodeRows, live: torch.Tensor, value: torch.Tensor) -> None:
+        """`target[slots[i]] = value[i]` for rows with `live[i]`, without a host sync (CUDA-graph safe).
+
+        A boolean-mask selection would sync on its data-dependent size; instead every row writes, and a dead row
+        is pointed at the HOLD slot with the HOLD slot's own value, so its bytes stay unchanged and it never races
+        a live row (live rows never use the HOLD slot; `_live_widths` makes it width 0).
+        """
+        hold = torch.full_like(rows.slots, self.hold_slot).long()
+        index = torch.where(live, rows.slots.long(), hold)
+        target[index] = torch.where(live, value.to(target.dtype), target[hold])
+
     def _split_qkv(self, y: torch.Tensor):
         s = self.spec
         key_dim = s.num_k_heads * s.head_k_dim
