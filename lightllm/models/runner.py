@@ -155,6 +155,8 @@ class ModelRunner:
             assert cached == req.num_tokens, (
                 f"request {h}: engine says {cached} cached tokens, runner has {req.num_tokens}"
             )
+        if sum(batch.query_lens) > self.kv.num_free_tokens():
+            raise RuntimeError(f"step needs {sum(batch.query_lens)} KV slots, {self.kv.num_free_tokens()} free")
         for h, q in zip(batch.req_handles, batch.query_lens):
             self.kv.extend(h, q)
         np_ = batch.num_prefill_rows
