@@ -62,6 +62,7 @@ class ModelRunner:
         spec = dataclasses.replace(
             cfg.linear, num_k_heads=cfg.linear.num_k_heads // tp.size, num_v_heads=cfg.linear.num_v_heads // tp.size
         )
+        self.linear_spec = spec
         self.state = create_state(
             spec,
             StateConfig(
@@ -246,6 +247,13 @@ class ModelRunner:
         if self.drafter is None:
             raise RuntimeError("this runner has no MTP head (mtp_step = 0 or no mtp.* weights)")
         return self.drafter.draft(handles, [self._requests[h] for h in handles], next_tokens.tolist(), num_steps)
+
+    def warmup(self, max_num_tokens: int, progress: bool = True) -> int:
+        """Compile/autotune the linear-attention prefill kernels at the serving shapes on scratch tensors (call
+        once at start-up, before serving; a no-op on CPU). Returns the number of warm-up calls."""
+        from lightllm.linear_att.warmup import warmup_prefill
+
+        return warmup_prefill(self.state, self.linear_spec, max_num_tokens=max_num_tokens, progress=progress)
 
     # checkpoints (prefix cache, PD) ----------------------------------------------------------------------
     def export_checkpoint(self, handles: list[int]) -> Checkpoint:
