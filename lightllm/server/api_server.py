@@ -8,6 +8,7 @@ also dies on its own if this process is killed.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from lightllm.server.args import ServerArgs, load_server_args
@@ -34,7 +35,14 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
         engine.stop()
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    # uvicorn re-raises the signal it caught once it has shut down; turning it into SystemExit lets the engine be
+    # stopped in serve()'s finally block and the process exit 0
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         args, info = load_server_args(argv)
@@ -47,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     except EngineStartError as exc:
         print(f"lightllm: the engine failed to start: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

@@ -1,0 +1,91 @@
+"""`python -m lightllm.server.api_server` as a user runs it: the demo checkpoint, start-up refusals, and a clean
+shutdown on SIGTERM / SIGINT that takes the engine process with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from unit_tests.server.conftest import wait_for
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server(*flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ssm_state_mode", "compact"], "add --mtp_step N or --spec_ngram K"),
+        (["--run_mode", "pd_master"], "not yet supported"),
+        (["--mtp_step", "2", "--spec_ngram", "2"], "exclusive"),
+        (["--ssm_state_mode", "native", "--replayssm_cache_len", "8"], "replay only"),
+    ],
+    ids=["compact-without-spec", "pd-master", "mtp-and-ngram", "replay-flag-outside-replay"],
+)
+def test_cli_refuses_bad_flags(flags, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightllm.server.api_server", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "refusing to start" in proc.stderr and message in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_cli_serves_demo_model_and_shuts_down(sig):
+    port = _free_port()
+    proc = _server("--port", str(port), "--device", "cpu", "--ssm_state_mode", "replay", "--mtp_step", "2")
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                return httpx.get(f"{base}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, timeout_s=180, what="server start")
+        models = httpx.get(f"{base}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["tiny-qwen3_5"]
+        body = {"model": "tiny-qwen3_5", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        engines = _children(proc.pid)
+        assert engines, "the engine process should be a child of the server"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 0
+        time.sleep(0.5)
+        assert not any(_alive(p) for p in engines), "engine process outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
