@@ -37,9 +37,10 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
 
 async def _watch_engine(engine: EngineHandle, client: EngineClient) -> None:
     """If the engine process dies, finish every waiting request with an error instead of hanging it."""
-    while engine.is_alive():
+    while True:
+        if not engine.is_alive():
+            client.fail_all("the engine process exited")
         await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
-    client.fail_all("the engine process exited")
 
 
 def create_app(args: ServerArgs, info: ModelInfo, tokenizer: Tokenizer, engine: EngineHandle) -> FastAPI:
@@ -51,7 +52,7 @@ def create_app(args: ServerArgs, info: ModelInfo, tokenizer: Tokenizer, engine: 
         metrics = Metrics(lambda: client.stats)
         client.observers.append(metrics.on_output)
         client.start()
-        app.state.frontend = Frontend(args, info, tokenizer, client, metrics)
+        app.state.frontend = Frontend(args, info, tokenizer, client, metrics, engine.is_alive)
         app.state.metrics = metrics
         watchdog = asyncio.get_running_loop().create_task(_watch_engine(engine, client))
         yield

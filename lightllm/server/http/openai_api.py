@@ -79,6 +79,7 @@ async def _collect(stream: AsyncIterator[tuple[Sequence, Delta]]) -> list[Sequen
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     fe = _frontend(request)
+    fe.check_engine()
     fe.check_model(body.model)
     if not fe.tokenizer.has_chat_template:
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -145,6 +146,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     fe = _frontend(request)
+    fe.check_engine()
     fe.check_model(body.model)
     params = body.to_sampling_params()
     raw = body.prompt

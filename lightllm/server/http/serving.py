@@ -41,8 +41,21 @@ class Sequence:
 
 
 class Frontend:
-    def __init__(self, args: ServerArgs, info: ModelInfo, tokenizer: Tokenizer, client: EngineClient, metrics: Metrics):
+    def __init__(
+        self,
+        args: ServerArgs,
+        info: ModelInfo,
+        tokenizer: Tokenizer,
+        client: EngineClient,
+        metrics: Metrics,
+        engine_alive=lambda: True,
+    ):
         self.args, self.info, self.tokenizer, self.client, self.metrics = args, info, tokenizer, client, metrics
+        self.engine_alive = engine_alive
+
+    def check_engine(self) -> None:
+        if not self.engine_alive():
+            raise ApiError(503, "the engine process is not running", kind="server_error")
 
     def check_model(self, model: str) -> None:
         if model != self.args.served_model_name:

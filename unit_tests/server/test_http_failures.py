@@ -1,0 +1,67 @@
+"""A runner failure finishes the affected requests with an error and the server keeps serving; a dead engine
+process turns /health to 503 and finishes waiting requests instead of hanging them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from lightllm.server.args import demo_model_dir
+from unit_tests.engine.fake_runner import FakeRunner
+from unit_tests.server.conftest import scrape, wait_for
+from unit_tests.server.live_server import LiveServer
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # a copy of the demo checkpoint whose config tells the fake runner which prompt tokens fail
+    model_dir = tmp_path_factory.mktemp("failing") / "ckpt"
+    shutil.copytree(demo_model_dir(), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(fake_fail_token=VOCAB - 1, fake_nan_token=VOCAB - 2)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    s = LiveServer(model_dir=str(model_dir), device="cpu", max_running_requests=4, max_total_token_num=512)
+    yield s
+    s.close()
+
+
+def _good_prompt(server) -> list[int]:
+    # a prompt whose continuation never touches the failure tokens
+    for start in range(1, 100):
+        prompt = [start, start + 1]
+        if not {VOCAB - 1, VOCAB - 2} & set(FakeRunner(VOCAB).greedy(prompt, 8)):
+            return prompt
+    raise AssertionError("no safe prompt")
+
+
+@pytest.mark.parametrize("token", [VOCAB - 1, VOCAB - 2], ids=["forward-raises", "nan-logits"])
+def test_runner_failure_gives_500_and_server_survives(server, token):
+    body = {"model": server.model, "prompt": [token, 3, 4], "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    good = client.completions.create(model=server.model, prompt=_good_prompt(server), max_tokens=8, temperature=0)
+    assert good.choices[0].finish_reason in ("length", "stop")
+    wait_for(lambda: scrape(server.base_url, "lightllm_free_state_slots") == 4, what="slots returned")
+
+
+def test_runner_failure_in_stream_reports_error_finish(server):
+    body = {"model": server.model, "prompt": [VOCAB - 2, 5], "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "error"
+
+
+def test_dead_engine_fails_requests_and_health(server):
+    server.engine.process.kill()
+    server.engine.process.join(10)
+    wait_for(lambda: httpx.get(f"{server.base_url}/health").status_code == 503, what="health to report the dead engine")
+    body = {"model": server.model, "prompt": "anyone there?", "max_tokens": 4}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
