@@ -33,8 +33,11 @@ class Engine:
         mtp_step: int = 0,
         spec_ngram: int = 0,
         seed: int = 0,
+        state_mode: str | None = None,
     ):
         self.runner = runner
+        # only labels the state-memory statistic; the engine never acts on the mode
+        self.state_mode = state_mode
         self.max_req_total_len = max_req_total_len
         self.speculator = create_speculator(mtp_step, spec_ngram)
         max_width = min(runner.max_width, self.speculator.num_drafts + 1)
@@ -59,6 +62,9 @@ class Engine:
         }
         binding = min(limits, key=limits.get)
         parts = ", ".join(f"{k}: {v}" for k, v in limits.items())
+        per_request = getattr(self.runner, "bytes_per_request", None)
+        if callable(per_request):
+            parts += f"; linear state {per_request() / 2**20:.2f} MiB per request ({self.state_mode or 'state'})"
         return (
             f"up to {min(limits['linear-state slots'], limits['--max_running_requests'])} concurrent requests "
             f"({parts}); {limits[binding]} full-length requests fit at once, limited by {binding}; "
@@ -121,11 +127,12 @@ class Engine:
         s.num_free_kv_tokens = self.runner.num_free_kv_tokens()
         s.num_free_state_slots = self.runner.num_free_requests()
         s.num_preemptions = self.scheduler.num_preemptions
+        per_request = getattr(self.runner, "bytes_per_request", None)
+        if self.state_mode and callable(per_request):
+            s.state_pool_bytes = {self.state_mode: per_request() * self.scheduler.max_running_requests}
         runner_stats = getattr(self.runner, "stats", None)
         if callable(runner_stats):
-            extra = runner_stats()
-            s.state_pool_bytes = dict(extra.get("state_pool_bytes", {}))
-            s.num_folds = extra.get("num_folds")
+            s.num_folds = runner_stats().get("num_folds")
         return s
 
     def _check(self, msg: NewRequest) -> str | None:

@@ -46,6 +46,7 @@ def build_engine(args: ServerArgs, info: ModelInfo, runner_factory: str) -> Engi
         max_req_total_len=args.max_req_total_len,
         mtp_step=args.mtp_step,
         spec_ngram=args.spec_ngram,
+        state_mode=args.ssm_state_mode,
     )
 
 

@@ -4,6 +4,7 @@ architecture × state mode × speculation, with chunked prefill and several requ
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
@@ -29,6 +30,15 @@ COMBOS = [
 def _ids(combo) -> str:
     mode, spec = combo
     return "-".join([mode, *(f"{k}{v}" for k, v in spec.items())]) if spec else f"{mode}-nospec"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny forwards on a shared CPU: OpenMP workers spin-waiting for busy cores cost far more than they give
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -86,3 +87,5 @@ def test_concurrent_streams_equal_one_by_one(served):
     assert asyncio.run(together()) == one_by_one
     wait_for(lambda: scrape(server.base_url, "lightllm_free_state_slots") == MAX_RUNNING, what="slots returned")
     assert scrape(server.base_url, "lightllm_free_kv_tokens") == 1024
+    mode = server.args.ssm_state_mode
+    assert f'lightllm_state_pool_bytes{{mode="{mode}"}}' in httpx.get(f"{server.base_url}/metrics").text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -16,8 +17,16 @@ from lightllm.server.tokenizer import Tokenizer
 FAKE_RUNNER = "unit_tests.engine.fake_runner:create_fake_runner"
 
 
+def single_threaded_env() -> dict[str, str]:
+    """Environment for processes started by tests: one OpenMP thread each. Tests run several torch processes on
+    few cores, and OpenMP workers spin-waiting on an oversubscribed CPU slow tiny forwards down a hundredfold."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 class LiveServer:
     def __init__(self, runner_factory: str = FAKE_RUNNER, **flags):
+        # the spawned engine process inherits this process's environment at start
+        os.environ["OMP_NUM_THREADS"] = "1"
         self.args, self.info = load_server_args([], **flags)
         self.tokenizer = Tokenizer(self.info)
         self.engine = start_engine(self.args, self.info, runner_factory)
