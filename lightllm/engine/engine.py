@@ -211,13 +211,16 @@ class Engine:
             return []
         contexts = [self._context(req, drafts[:j], logits.device) for req, _, w, drafts in windows for j in range(w)]
         probs = self.sampler.target_probs(logits, contexts)
+        # one host transfer for the whole batch: greedy rows verify from these, NaN rows fail alone
+        argmax = probs.argmax(dim=-1).tolist()
         has_nan = torch.isnan(logits).any(dim=-1).tolist()
         results: list[WindowResult | None] = []
         for _, start, width, drafts in windows:
             if any(has_nan[start : start + width]):
                 results.append(None)
-            else:
-                results.append(verify_window(self.sampler, probs[start : start + width], drafts, contexts[start]))
+                continue
+            window = probs[start : start + width]
+            results.append(verify_window(self.sampler, window, drafts, contexts[start], argmax[start : start + width]))
         return results
 
     def _context(self, req: Request, drafts: list[int], device: torch.device) -> RowContext:

@@ -82,17 +82,24 @@ class Sampler:
         return self._generators[device]
 
     def target_probs(self, logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
-        """The distribution each row samples from, [N, V] fp32. Greedy rows get a one-hot of the argmax."""
+        """The distribution each row samples from, [N, V] fp32. Greedy rows get a one-hot of the argmax.
+
+        Batched over rows; only rows that use penalties or top-k/top-p/min-p take a per-row path.
+        """
         logits = apply_penalties(logits.float().clone(), rows)
-        probs = torch.empty_like(logits)
+        device = logits.device
+        temps = torch.tensor([p.params.temperature or 1.0 for p in rows], dtype=torch.float32, device=device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
         for i, row in enumerate(rows):
             p = row.params
-            if p.greedy:
-                probs[i] = 0.0
-                probs[i, int(torch.argmax(logits[i]))] = 1.0
-                continue
-            dist = torch.softmax(logits[i] / p.temperature, dim=-1)
-            probs[i] = filter_probs(dist, p.top_k, p.top_p, p.min_p)
+            if not p.greedy and (0 < p.top_k < probs.shape[1] or p.top_p < 1.0 or p.min_p > 0.0):
+                probs[i] = filter_probs(probs[i], p.top_k, p.top_p, p.min_p)
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        if greedy:
+            index = torch.tensor(greedy, device=device)
+            one_hot = torch.zeros(len(greedy), probs.shape[1], device=device)
+            one_hot.scatter_(1, logits[index].argmax(dim=-1, keepdim=True), 1.0)
+            probs[index] = one_hot
         return probs
 
     def draw(self, probs: torch.Tensor, row: RowContext) -> int:

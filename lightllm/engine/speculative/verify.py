@@ -32,23 +32,31 @@ class WindowResult:
         return len(self.token_ids) - 1
 
 
-def verify_window(sampler: Sampler, probs: torch.Tensor, draft_ids: list[int], row: RowContext) -> WindowResult:
-    """Verify one window. `probs` [W, V] are the target distributions, `draft_ids` the W - 1 drafts."""
+def verify_window(
+    sampler: Sampler, probs: torch.Tensor, draft_ids: list[int], row: RowContext, argmax: list[int] | None = None
+) -> WindowResult:
+    """Verify one window. `probs` [W, V] are the target distributions, `draft_ids` the W - 1 drafts.
+
+    For a greedy row `argmax` (the W argmax tokens, computed for the whole batch at once) avoids a device sync
+    per position; it is derived from `probs` when not given.
+    """
     assert probs.shape[0] == len(draft_ids) + 1, f"{probs.shape[0]} distributions for {len(draft_ids)} drafts"
+    if row.params.greedy:
+        targets = argmax if argmax is not None else probs.argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < len(draft_ids) and draft_ids[accepted] == targets[accepted]:
+            accepted += 1
+        return WindowResult([*draft_ids[:accepted], targets[accepted]])
     tokens: list[int] = []
     for j, draft in enumerate(draft_ids):
         p = probs[j]
-        if row.params.greedy:
-            accepted = int(torch.argmax(p)) == draft
-        else:
-            accepted = sampler.uniform(row, p.device) < float(p[draft])
-        if accepted:
+        if sampler.uniform(row, p.device) < float(p[draft]):
             tokens.append(draft)
             continue
         residual = p.clone()
         residual[draft] = 0.0
         total = residual.sum()
-        # p was a point mass on the draft (never rejected then); keep the guard for rounding
+        # p was (almost) a point mass on the draft: a rounding-level rejection falls back to p itself
         residual = residual / total if total > 0 else p
         tokens.append(sampler.draw(residual, row))
         return WindowResult(tokens)
