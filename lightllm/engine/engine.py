@@ -44,6 +44,8 @@ class Engine:
         self.scheduler = Scheduler(runner, max_running_requests, chunked_prefill_size, max_width)
         self.sampler = Sampler(seed)
         self.requests: dict[str, Request] = {}
+        # True between a forward with decode rows and its accept (so a failure in between can settle the runner)
+        self._awaiting_accept = False
         self.stats = EngineStats(accepted_length_counts=[0] * max_width)
         if max_req_total_len > self.scheduler.kv_capacity:
             raise ValueError(
@@ -103,16 +105,29 @@ class Engine:
         if plan.is_empty:
             return outputs
         self.stats.num_steps += 1
+        self._awaiting_accept = False
         try:
             fwd = self.runner.forward(self._build_batch(plan))
+            self._awaiting_accept = bool(plan.decode)
             outputs += self._process(plan, fwd)
         except Exception as exc:
             # the failure cannot be pinned on one row: every request of the batch finishes, the loop goes on
             logger.exception("engine step failed; finishing %d requests with an error", len(plan.rows))
+            self._settle_runner(plan)
             for row in plan.rows:
                 if not row.req.is_finished:
                     outputs += self._finish(row.req, "error", error=f"{type(exc).__name__}: {exc}")
         return outputs
+
+    def _settle_runner(self, plan: SchedulePlan) -> None:
+        """After a failure between forward and accept, close the runner's pending verify so it can step again."""
+        if not self._awaiting_accept:
+            return
+        self._awaiting_accept = False
+        try:
+            self.runner.accept([row.req.handle for row in plan.decode], [1] * len(plan.decode))
+        except Exception:
+            logger.exception("could not settle the runner after a failed step")
 
     def fail_all(self, error: str) -> list[EngineOutput]:
         """Finish every queued and running request with an error (last resort after an unexpected fault)."""
@@ -188,6 +203,7 @@ class Engine:
             decode = list(zip(windows[num_prefill_windows:], results[num_prefill_windows:]))
             accepted = [result.num_accepted if result is not None else 1 for _, result in decode]
             self.runner.accept([req.handle for (req, *_), _ in decode], accepted)
+            self._awaiting_accept = False
             for ((req, *_), _), num in zip(decode, accepted):
                 req.num_computed_tokens += num
         outputs: list[EngineOutput] = []

@@ -190,3 +190,25 @@ def test_engine_logprobs_are_raw_model_logprobs():
             assert lp == pytest.approx(float(expected[token]), abs=1e-5)
             assert [t for t, _ in top] == torch.topk(expected, 2).indices.tolist()
             history.append(token)
+
+
+def test_engine_failure_between_forward_and_accept_leaves_runner_usable(monkeypatch):
+    runner = FakeRunner(max_width=3)
+    engine = make_engine(runner, spec_ngram=2)
+    engine.add_request(NewRequest("a", [5, 6, 7], GREEDY))
+    engine.step()
+    calls = {"n": 0}
+    real_verify = engine._verify
+
+    def failing_verify(windows, logits):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("sampler blew up")
+        return real_verify(windows, logits)
+
+    monkeypatch.setattr(engine, "_verify", failing_verify)
+    outputs = engine.step()
+    assert [o.reason for o in outputs if hasattr(o, "reason")] == ["error"]
+    tokens, finished = run(engine, {"b": [5, 6, 7]}, GREEDY)
+    assert tokens["b"] == FakeRunner().greedy([5, 6, 7], 24)
+    assert runner.num_free_requests() == 8
