@@ -230,13 +230,20 @@ class Engine:
         # one host transfer for the whole batch: greedy rows verify from these, NaN rows fail alone
         argmax = probs.argmax(dim=-1).tolist()
         has_nan = torch.isnan(logits).any(dim=-1).tolist()
+        # windows without drafts (prefill ends, plain decode) sample in one batched draw
+        single = [start for _, start, width, _ in windows if width == 1]
+        drawn = dict(zip(single, self.sampler.draw_many(probs[single], [contexts[i] for i in single])))
         results: list[WindowResult | None] = []
         for _, start, width, drafts in windows:
             if any(has_nan[start : start + width]):
                 results.append(None)
-                continue
-            window = probs[start : start + width]
-            results.append(verify_window(self.sampler, window, drafts, contexts[start], argmax[start : start + width]))
+            elif width == 1:
+                results.append(WindowResult([drawn[start]]))
+            else:
+                window = probs[start : start + width]
+                results.append(
+                    verify_window(self.sampler, window, drafts, contexts[start], argmax[start : start + width])
+                )
         return results
 
     def _context(self, req: Request, drafts: list[int], device: torch.device) -> RowContext:

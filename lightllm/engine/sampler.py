@@ -47,24 +47,34 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tenso
     return logits
 
 
+def filter_probs_batch(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, then top-p, then min-p on each row of `probs` [N, V] (per-row knobs [N]), renormalised.
+
+    One sort serves all three filters: each filter sees the renormalised survivors of the previous one, which in
+    sorted order are a prefix, so every mask is a prefix mask over the sorted row.
+    """
+    vocab = probs.shape[1]
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=probs.device)
+    keep = ranks[None, :] < torch.where(top_k > 0, top_k, vocab)[:, None]
+    kept = sorted_probs * keep
+    kept = kept / kept.sum(-1, keepdim=True)
+    # a token is kept while the mass before it is still short of top_p (the first token always stays)
+    keep &= (torch.cumsum(kept, -1) - kept) < top_p[:, None]
+    kept = sorted_probs * keep
+    kept = kept / kept.sum(-1, keepdim=True)
+    keep &= kept >= min_p[:, None] * kept[:, :1]
+    kept = sorted_probs * keep
+    kept = kept / kept.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, kept)
+
+
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Apply top-k, top-p and min-p to one distribution `probs` [V] and renormalise."""
-    if 0 < top_k < probs.numel():
-        kth = torch.topk(probs, top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # mass before each token; a token is kept while the mass before it is still short of top_p
-        mass_before = torch.cumsum(sorted_probs, 0) - sorted_probs
-        keep_sorted = mass_before < top_p
-        keep = torch.zeros_like(keep_sorted).scatter_(0, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    if min_p > 0.0:
-        probs = torch.where(probs >= min_p * probs.max(), probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    return probs
+    """`filter_probs_batch` for one distribution `probs` [V]."""
+    knobs = [torch.tensor([v], device=probs.device) for v in (top_k, top_p, min_p)]
+    return filter_probs_batch(probs[None], *knobs)[0]
 
 
 class Sampler:
@@ -75,8 +85,9 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def generator(self, row: RowContext, device: torch.device) -> torch.Generator:
-        if row.generator is not None:
-            return row.generator
+        return row.generator if row.generator is not None else self._shared(device)
+
+    def _shared(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
         return self._generators[device]
@@ -90,10 +101,18 @@ class Sampler:
         device = logits.device
         temps = torch.tensor([p.params.temperature or 1.0 for p in rows], dtype=torch.float32, device=device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
-        for i, row in enumerate(rows):
-            p = row.params
-            if not p.greedy and (0 < p.top_k < probs.shape[1] or p.top_p < 1.0 or p.min_p > 0.0):
-                probs[i] = filter_probs(probs[i], p.top_k, p.top_p, p.min_p)
+        filtered = [
+            i
+            for i, row in enumerate(rows)
+            if not row.params.greedy and (row.params.top_k > 0 or row.params.top_p < 1.0 or row.params.min_p > 0.0)
+        ]
+        if filtered:
+            index = torch.tensor(filtered, device=device)
+            knobs = [
+                torch.tensor([getattr(rows[i].params, k) for i in filtered], device=device)
+                for k in ("top_k", "top_p", "min_p")
+            ]
+            probs[index] = filter_probs_batch(probs[index], *knobs)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
             index = torch.tensor(greedy, device=device)
@@ -115,9 +134,24 @@ class Sampler:
     def uniform(self, row: RowContext, device: torch.device) -> float:
         return float(torch.rand((), generator=self.generator(row, device), device=device))
 
+    def draw_many(self, probs: torch.Tensor, rows: list[RowContext]) -> list[int]:
+        """One token per row of `probs` [N, V]: greedy rows take the argmax, unseeded rows share one batched draw,
+        seeded rows draw from their own generator."""
+        noise = torch.empty_like(probs)
+        shared = [i for i, row in enumerate(rows) if row.generator is None and not row.params.greedy]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
+                generator=self._shared(probs.device)
+            )
+        for i, row in enumerate(rows):
+            if row.generator is not None and not row.params.greedy:
+                noise[i] = torch.empty_like(probs[i]).exponential_(generator=row.generator)
+            elif row.params.greedy:
+                noise[i] = 1.0
+        return torch.argmax(probs / noise.clamp_min(torch.finfo(noise.dtype).tiny), dim=-1).tolist()
+
     def sample(self, logits: torch.Tensor, rows: list[RowContext]) -> list[int]:
-        probs = self.target_probs(logits, rows)
-        return [self.draw(probs[i], row) for i, row in enumerate(rows)]
+        return self.draw_many(self.target_probs(logits, rows), rows)
 
 
 def compute_logprobs(
