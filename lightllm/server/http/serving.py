@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from lightllm.engine.messages import NewRequest
+from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import ServerArgs
 from lightllm.server.http.engine_client import EngineClient
@@ -91,7 +91,7 @@ class Frontend:
                 msg = await self._next(queue, request)
                 seq = seqs[msg.req_id]
                 out = seq.output
-                delta = out.on_tokens(msg) if hasattr(msg, "token_ids") else out.on_finished(msg)
+                delta = out.on_tokens(msg) if isinstance(msg, TokenChunk) else out.on_finished(msg)
                 if out.finished:
                     pending.discard(seq.req_id)
                     self.client.release(seq.req_id)
