@@ -56,7 +56,7 @@ MODES = ("fla", "native", "compact", "replay-i", "replay-p")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="N in {1, 64, 256}, W in {1, 4}, fp32 state only")
+    p.add_argument("--quick", action="store_true", help="N in {1, 64, 128, 256}, W in {1, 4}, fp32 state only")
     p.add_argument("--tune", metavar="PATH", help="run the autotuner for the selected shapes, write JSON, exit")
     p.add_argument("--tables", nargs="*", default=[], help="extra tuned tables to load before benchmarking")
     p.add_argument("--shapes", default="qwen3-next-tp1,qwen3.5-tp1,kimi-linear-tp1")
@@ -69,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args(argv)
     if args.quick:
-        args.ns, args.ws, args.state_dtypes = "1,64,256", "1,4", "fp32"
+        args.ns, args.ws, args.state_dtypes = "1,64,128,256", "1,4", "fp32"
     if args.device == "cpu":
         args.shapes, args.ns, args.ws, args.state_dtypes, args.act_dtype = (
             "tiny-gdn,tiny-kda",

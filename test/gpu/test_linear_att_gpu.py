@@ -173,9 +173,11 @@ def test_cuda_graph_replay_equals_eager_over_fold_cycles(shape):
     outs_eager = [_replay_step(eager, args, slots, widths, accepted, "inline", lower_bound) for _ in range(12)]
 
     graphed = rep.clone()
+    # the warm-up copy is made before the side stream waits: otherwise the side stream can read its cursor and
+    # parity before the clone's copies land (garbage cursors address records far out of bounds)
+    warm = rep.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    warm = rep.clone()
     with torch.cuda.stream(stream):
         _replay_step(warm, args, slots, widths, accepted, "inline")
     torch.cuda.current_stream().wait_stream(stream)

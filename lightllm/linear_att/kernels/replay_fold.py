@@ -148,7 +148,7 @@ def replay_fold_triton(
         BV=BV,
         BG=triton.next_power_of_2(GK),
         BL=max(16, triton.next_power_of_2(L)),
-        PRECISION="ieee",
+        PRECISION="tf32x3",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -14,6 +14,10 @@ Fold, decided per row on the device: if `h + W > L`, S_h = e^{G_h} S0 + K~^T U (
 written to `ssm` (rounded once) and the window runs from it with an empty history, appending its records at
 0..W-1 of buffer `1 - p`; otherwise records go to h..h+W-1 of buffer `p`. Readers only ever read buffer `p` at
 positions < h, so no program overwrites a record another program of the same key group or V range still reads.
+The fold's dot runs on tensor cores in tf32x3 (fp32-grade for the state): an FMA ("ieee") dot of that shape sets
+the whole kernel's register count to 255 with spills, and occupancy is what this memory-bound kernel lives on.
+
+Plain decode (W = 1) has its own straight-line path: no window loop, no one-hot row extraction.
 
 Projection: "inline" contracts S0 per token in registers (no tensor cores); "precompute" contracts S0 with all
 window keys and queries up front as `tl.dot`s (the key side feeds u, hence the state: `STATE_PRECISION`; the
@@ -31,6 +35,7 @@ from lightllm.linear_att.kernels.common import (
     gate_activation,
     history_weights,
     l2norm_rows,
+    load_token,
     sigmoid,
 )
 
@@ -39,6 +44,18 @@ from lightllm.linear_att.kernels.common import (
 def _row(b_x, m_s):
     """Row `s` (given as the one-hot mask `m_s [BW]`) of a `[BW, X]` block."""
     return tl.sum(tl.where(m_s[:, None], b_x, 0.0), 0)
+
+
+@triton.jit
+def _history_project(b_s, b_hkw, b_hu, b_x, b_dx, b_rx):
+    """S_h^T (e^{g} x) for one contraction vector: S0^T (e^{G} x) + sum_j u_j (K~_j . e^{G - G_h} x).
+
+    b_s `[BK, BV]` S0 tile, b_hkw `[BL, BK]` K~ (zero past h), b_hu `[BL, BV]`, b_x `[BK]`, b_dx = e^{G} and
+    b_rx = e^{G - G_h} (`[BG]`, broadcast over K). Cost O(K BV + h (K + BV)): the history never builds a K x V tile.
+    """
+    b_y = tl.sum(b_s * (b_x * b_dx)[:, None], 0)  # [BV]
+    b_c = tl.sum(b_hkw * (b_x * b_rx)[None, :], 1)  # [BL]
+    return b_y + tl.sum(b_c[:, None] * b_hu, 0)
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
@@ -113,12 +130,13 @@ def replay_verify_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     o_g = tl.arange(0, BG)
     o_l = tl.arange(0, BL)
-    o_w = tl.arange(0, BW)
     m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
     m_kv = m_k[:, None] & m_v[None, :]
-    m_l = (o_l < h) & live
-    m_w = o_w < width
+    m_l = o_l < h
 
+    # the state tile is issued first: its DRAM latency overlaps the history and window loads
+    p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_kv & live, other=0).to(tl.float32)  # [BK, BV]
     # committed history of buffer `par`: records past h (rejected drafts, older generations) are never loaded
     p_hk = hist_k + slot * stride_hk_s + par * stride_hk_b + o_l[:, None] * stride_hk_l + i_h * K + o_k[None, :]
     b_hk = tl.load(p_hk, mask=m_l[:, None] & m_k[None, :], other=0)  # [BL, BK]
@@ -127,21 +145,86 @@ def replay_verify_kernel(
     p_hu = hist_u + slot * stride_hu_s + par * stride_hu_b + o_l[:, None] * stride_hu_l + i_hv * V + o_v[None, :]
     b_hu = tl.load(p_hu, mask=m_l[:, None] & m_v[None, :], other=0)  # [BL, BV]
     b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK], [BG]
-
-    p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(p_s, mask=m_kv & live, other=0).to(tl.float32)  # [BK, BV]
     if fold:
+        # the window continues from the stored (rounded) S_h with an empty history
         b_s = fold_state(b_s, b_hkw, b_hu, b_gh, FOLD_PRECISION).to(p_s.dtype.element_ty)
         tl.store(p_s, b_s, mask=m_kv)
-        # the window continues from the stored (rounded) S_h with an empty history
         b_s = b_s.to(tl.float32)
         b_hkw = tl.zeros([BL, BK], dtype=tl.float32)
         b_hu = tl.zeros([BL, BV], dtype=tl.float32)
         b_gh = tl.zeros([BG], dtype=tl.float32)
+    h = tl.where(fold, 0, h)
 
-    # the window's inputs as register blocks; rows s >= width are zero and never stored
     b_a_log = tl.load(A_log + i_hv).to(tl.float32)
     b_dt_bias = tl.load(dt_bias + i_hv * GK + o_g, mask=m_g, other=0).to(tl.float32)  # [BG]
+    # records of this window: positions h.. of buffer `par`, or 0.. of buffer `1 - par` after a fold
+    buf = tl.where(fold, 1 - par, par)
+    p_ru = hist_u + slot * stride_hu_s + buf * stride_hu_b + h * stride_hu_l + i_hv * V + o_v
+    p_rg = hist_g + slot * stride_hg_s + buf * stride_hg_b + h * stride_hg_l + i_hv * GK + o_g
+    p_rk = hist_k + slot * stride_hk_s + buf * stride_hk_b + h * stride_hk_l + i_h * K + o_k
+    # single writer per record: u per V tile, G per value head, k per key group
+    first_tile = i_v == 0
+    key_owner = first_tile & (i_hv % (HV // H) == 0)
+
+    if BW == 1:
+        # plain decode: one token, no window loop
+        b_q, b_k, b_v, b_g, b_beta, _ = load_token(
+            q + i_n * stride_q_n + i_h * K,
+            k + i_n * stride_q_n + i_h * K,
+            v + i_n * stride_v_n + i_hv * V,
+            graw + i_n * stride_g_n + i_hv * GK,
+            braw + i_n * stride_b_n + i_hv,
+            b_a_log,
+            b_dt_bias,
+            lower_bound,
+            scale,
+            o_k,
+            m_k,
+            o_v,
+            m_v,
+            o_g,
+            m_g,
+            USE_LOWER_BOUND,
+        )
+        b_G = b_gh + b_g  # [BG]
+        b_d, b_r = tl.exp(b_G), tl.exp(b_g)
+        b_ak = _history_project(b_s, b_hkw, b_hu, b_k, b_d, b_r)
+        b_aq = _history_project(b_s, b_hkw, b_hu, b_q, b_d, b_r)
+        b_u = b_beta * (b_v - b_ak)
+        b_o = tl.where(live, b_aq + b_u * tl.sum(b_k * b_q, 0), 0.0)
+        p_o = o + i_n * stride_o_n + i_hv * V + o_v
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
+        m_rec = live & (h < L)
+        tl.store(p_ru, b_u, mask=m_v & m_rec)
+        tl.store(p_rg, b_G, mask=m_g & m_rec & first_tile)
+        tl.store(p_rk, b_k, mask=m_k & m_rec & key_owner)
+    else:
+        _window(
+            b_s, b_hkw, b_hu, b_gh, q, k, v, graw, braw, o, b_a_log, b_dt_bias, scale, lower_bound, width, live, h,
+            i_n, i_h, i_hv, p_ru, p_rg, p_rk, first_tile, key_owner,
+            stride_q_n, stride_q_w, stride_v_n, stride_v_w, stride_g_n, stride_g_w, stride_b_n, stride_b_w,
+            stride_o_n, stride_o_w, stride_hu_l, stride_hg_l, stride_hk_l,
+            K, V, GK, L, WMAX, BK, BV, BG, BL, BW, PRECOMPUTE, USE_LOWER_BOUND, STATE_PRECISION, OUT_PRECISION,
+        )  # fmt: skip
+
+
+@triton.jit
+def _window(
+    b_s, b_hkw, b_hu, b_gh, q, k, v, graw, braw, o, b_a_log, b_dt_bias, scale, lower_bound, width, live, h,
+    i_n, i_h, i_hv, p_ru, p_rg, p_rk, first_tile, key_owner,
+    stride_q_n, stride_q_w, stride_v_n, stride_v_w, stride_g_n, stride_g_w, stride_b_n, stride_b_w,
+    stride_o_n, stride_o_w, stride_hu_l, stride_hg_l, stride_hk_l,
+    K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, L: tl.constexpr, WMAX: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BG: tl.constexpr, BL: tl.constexpr, BW: tl.constexpr, PRECOMPUTE: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, STATE_PRECISION: tl.constexpr, OUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """A verify window of `width` tokens as register blocks `[BW, X]` (rows >= width are zero, never stored)."""
+    o_k = tl.arange(0, BK)
+    o_v = tl.program_id(0) * BV + tl.arange(0, BV)
+    o_g = tl.arange(0, BG)
+    o_w = tl.arange(0, BW)
+    m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
+    m_w = o_w < width
     m_wk = m_w[:, None] & m_k[None, :]
     p_q = q + i_n * stride_q_n + o_w[:, None] * stride_q_w + i_h * K + o_k[None, :]
     b_q = l2norm_rows(tl.load(p_q, mask=m_wk, other=0).to(tl.float32)) * scale  # [BW, BK]
@@ -181,14 +264,9 @@ def replay_verify_kernel(
             b_ak = _row(b_yk, m_s)  # [BV]
             b_aq = _row(b_yq, m_s)  # [BV]
         else:
-            b_ds = tl.exp(b_Gs)
-            b_ak = tl.sum(b_s * (b_ks * b_ds)[:, None], 0)  # [BV]
-            b_aq = tl.sum(b_s * (b_qs * b_ds)[:, None], 0)  # [BV]
-            b_rs = tl.exp(b_Gs - b_gh)
-            b_ck = tl.sum(b_hkw * (b_ks * b_rs)[None, :], 1)  # [BL]
-            b_cq = tl.sum(b_hkw * (b_qs * b_rs)[None, :], 1)  # [BL]
-            b_ak += tl.sum(b_ck[:, None] * b_hu, 0)
-            b_aq += tl.sum(b_cq[:, None] * b_hu, 0)
+            b_ds, b_rs = tl.exp(b_Gs), tl.exp(b_Gs - b_gh)
+            b_ak = _history_project(b_s, b_hkw, b_hu, b_ks, b_ds, b_rs)
+            b_aq = _history_project(b_s, b_hkw, b_hu, b_qs, b_ds, b_rs)
         # in-window records s' <= s: weights e^{G_s - G_s'} <= 1; row s of b_u is still zero for the key side
         m_le = o_w <= s
         b_kw = tl.where(m_le[:, None], b_k * tl.exp(tl.where(m_le[:, None], b_Gs[None, :] - b_G, 0.0)), 0.0)
@@ -200,20 +278,10 @@ def replay_verify_kernel(
 
     p_o = o + i_n * stride_o_n + o_w[:, None] * stride_o_w + i_hv * V + o_v[None, :]
     tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=(o_w < WMAX)[:, None] & m_v[None, :])
-
-    # append the window's records: single writer per record (u per V tile, g per value head, k per key group)
-    base = tl.where(fold, 0, h)
-    buf = tl.where(fold, 1 - par, par)
-    o_pos = base + o_w
-    m_rec = m_w & (o_pos < L)
-    p_ru = hist_u + slot * stride_hu_s + buf * stride_hu_b + o_pos[:, None] * stride_hu_l + i_hv * V + o_v[None, :]
-    tl.store(p_ru, b_u, mask=m_rec[:, None] & m_v[None, :])
-    first_tile = i_v == 0
-    p_rg = hist_g + slot * stride_hg_s + buf * stride_hg_b + o_pos[:, None] * stride_hg_l + i_hv * GK + o_g[None, :]
-    tl.store(p_rg, b_G, mask=m_rec[:, None] & m_g[None, :] & first_tile)
-    key_owner = first_tile & (i_hv % (HV // H) == 0)
-    p_rk = hist_k + slot * stride_hk_s + buf * stride_hk_b + o_pos[:, None] * stride_hk_l + i_h * K + o_k[None, :]
-    tl.store(p_rk, b_k, mask=m_rec[:, None] & m_k[None, :] & key_owner)
+    m_rec = m_w & (h + o_w < L)
+    tl.store(p_ru[None, :] + o_w[:, None] * stride_hu_l, b_u, mask=m_rec[:, None] & m_v[None, :])
+    tl.store(p_rg[None, :] + o_w[:, None] * stride_hg_l, b_G, mask=m_rec[:, None] & m_g[None, :] & first_tile)
+    tl.store(p_rk[None, :] + o_w[:, None] * stride_hk_l, b_k, mask=m_rec[:, None] & m_k[None, :] & key_owner)
 
 
 def replay_verify_triton(
@@ -314,7 +382,7 @@ def replay_verify_triton(
         PRECOMPUTE=precompute,
         STATE_PRECISION="tf32x3",
         OUT_PRECISION="tf32",
-        FOLD_PRECISION="ieee",
+        FOLD_PRECISION="tf32x3",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,0 +1,98 @@
+"""Small hand-picked launch-config sweep of the decode / verify kernels; writes tuned tables.
+
+    python test/benchmark/sweep_linear_att.py --out-dir lightllm/linear_att   # writes gdn/tuned, kda/tuned
+
+The autotuner (`bench_linear_att.py --tune`) searches the full candidate grid; this sweep times a few configs
+around the known-good ones with the benchmark's own method (CUDA graph over pools rotated beyond L2, amortised
+over fold cycles), picks the fastest per kernel family and shape, and saves one JSON table per algorithm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import bench_linear_att as bench  # noqa: E402
+
+from lightllm.linear_att import autotune  # noqa: E402
+from lightllm.linear_att.autotune import KernelConfig  # noqa: E402
+
+SERIAL = [KernelConfig(16, 2, 1), KernelConfig(32, 4, 1), KernelConfig(32, 2, 1)]
+REPLAY = [KernelConfig(32, 4, 1), KernelConfig(16, 2, 1), KernelConfig(64, 8, 1)]
+
+
+def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log):
+    """Time each config of one family at one (shape, W, N); returns {config: µs}."""
+    act = torch.bfloat16
+    inp = bench.make_inputs(shape, N, W, act, device)
+    key_args = (device, torch.float32, act, shape.H, shape.HV, shape.K, shape.V, shape.GK, W)
+    if family == "serial":
+        key = autotune.make_key("serial", *key_args)
+        build = lambda: bench.native_steps(shape, inp, N, W, torch.float32, device)  # noqa: E731
+    else:
+        key = autotune.make_key("replay", *key_args, capacity, "inline")
+        build = lambda: bench.replay_steps(shape, inp, N, W, capacity, torch.float32, "inline", device)  # noqa: E731
+    out = {}
+    for cfg in configs:
+        try:
+            with autotune.using({key: cfg}):
+                steps = build()
+                out[cfg] = timer(steps)
+        except Exception as err:
+            log(f"  {shape.name} {family} W={W} N={N} {cfg}: {type(err).__name__}: {str(err)[:160]}")
+        finally:
+            steps = None
+            torch.cuda.empty_cache()
+        if cfg in out:
+            log(f"  {shape.name} {family} W={W} N={N} bv={cfg.block_v} nw={cfg.num_warps}: {out[cfg]:.1f} us")
+    return key, out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", default=None, help="package dir: writes <algo>/tuned/h200.json under it")
+    p.add_argument("--capacity", type=int, default=16)
+    p.add_argument("--shapes", default="qwen3-next-tp1,kimi-linear-tp1")
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    timer = bench.Timer(device, reps=max(24, 2 * args.capacity))
+    tables = {"gdn": autotune.ConfigTable(), "kda": autotune.ConfigTable()}
+    extra = {"gdn": {}, "kda": {}}
+    t0 = time.time()
+    for name in args.shapes.split(","):
+        shape = bench.SHAPES[name]
+        for family, configs in (("serial", SERIAL), ("replay", REPLAY)):
+            for W, N in ((1, 256), (4, 128)):
+                key, res = sweep_cell(shape, W, N, family, configs, args.capacity, device, timer, print)
+                if not res:
+                    continue
+                best = min(res, key=res.get)
+                tables[shape.algo].put(key, best)
+                extra[shape.algo][key.to_str()] = {"us": round(res[best], 2), "rows": N}
+                # precompute projection: same tiling as inline (its dots need BV >= 16, which every config has)
+                if family == "replay":
+                    pkey = autotune.make_key(
+                        "replay", device, torch.float32, torch.bfloat16, shape.H, shape.HV, shape.K, shape.V,
+                        shape.GK, W, args.capacity, "precompute",
+                    )  # fmt: skip
+                    tables[shape.algo].put(pkey, best)
+        print(f"[{time.time() - t0:.0f} s] {name} done", flush=True)
+    for algo, table in tables.items():
+        for key, cfg in sorted(table.entries.items()):
+            print(f"{key}: {cfg}")
+        if args.out_dir and table.entries:
+            path = os.path.join(args.out_dir, algo, "tuned", "h200.json")
+            table.save(path, extra[algo])
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
