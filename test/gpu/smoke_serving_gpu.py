@@ -103,12 +103,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default="qwen3_next,qwen3_5,qwen3_5_moe,kimi_linear")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--modes", default="native,compact,replay")
+    p.add_argument("--specs", default="none,ngram,mtp")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script without a GPU")
     args = p.parse_args()
     from lightllm.tools.make_tiny_model import tiny_model_dir
 
-    rows, failures = [], 0
+    failures = 0
+    print("\n| arch | mode | speculation | tokens equal to transformers | generate s | status |")
+    print("|---|---|---|---|---|---|", flush=True)
     for arch in args.archs.split(","):
         model_dir = str(tiny_model_dir(arch))
         specs = {"none": {}, "ngram": {"spec_ngram": 3}}
@@ -116,8 +120,8 @@ def main() -> int:
             specs["mtp"] = {"mtp_step": 2}
         expected = None
         for spec_name, spec in specs.items():
-            for mode in ("native", "compact", "replay"):
-                if mode == "compact" and not spec:
+            for mode in args.modes.split(","):
+                if (mode == "compact" and not spec) or spec_name not in args.specs.split(","):
                     continue
                 try:
                     ids, seconds, prompt_ids = _run_llm(model_dir, mode, spec, args.max_tokens, args.device)
@@ -130,10 +134,8 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001 - one failing cell must not hide the others
                     ok, seconds, match, total, status = False, 0.0, 0, 0, f"ERROR {exc!r}"[:120]
                 failures += not ok
-                rows.append(f"| {arch} | {mode} | {spec_name} | {match}/{total} | {seconds:.2f} | {status} |")
-    print("\n| arch | mode | speculation | tokens equal to transformers | generate s | status |")
-    print("|---|---|---|---|---|---|")
-    print("\n".join(rows))
+                # printed as it goes: a run cut short by its time limit still shows every finished cell
+                print(f"| {arch} | {mode} | {spec_name} | {match}/{total} | {seconds:.2f} | {status} |", flush=True)
     if not args.skip_http:
         result = _http_smoke(str(tiny_model_dir("qwen3_next")), args.device)
         print(f"\nHTTP server on CUDA (qwen3_next, replay, mtp_step=2): {result}")
