@@ -36,7 +36,10 @@ def create_runner(args: ServerArgs, info: ModelInfo) -> ModelRunnerProtocol:
         flags["max_total_token_num"] = min(args.max_running_requests * args.max_req_total_len, CPU_MAX_KV_TOKENS)
     elif args.max_total_token_num is None:
         flags["max_total_token_num"] = _kv_tokens_for_memory(ModelRunner, RunnerConfig, flags, args)
-    return ModelRunner(RunnerConfig(**flags))
+    runner = ModelRunner(RunnerConfig(**flags))
+    # fla's chunk kernels autotune on their first call per shape: pay it at start-up, not in a request (CPU: no-op)
+    runner.warmup(args.chunked_prefill_size, progress=True)
+    return runner
 
 
 def _kv_tokens_for_memory(runner_cls, config_cls, flags: dict, args: ServerArgs) -> int:
