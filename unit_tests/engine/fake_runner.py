@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -30,6 +31,7 @@ class FakeRunner:
         seed: int = 0,
         fail_token: int | None = None,
         nan_token: int | None = None,
+        step_delay_s: float = 0.0,
     ):
         self.vocab_size = vocab_size
         self.max_width = max_width
@@ -37,6 +39,8 @@ class FakeRunner:
         self.kv_tokens = kv_tokens
         # a prompt holding fail_token makes the whole forward raise; nan_token gives its row NaN logits
         self.fail_token, self.nan_token = fail_token, nan_token
+        # seconds each forward sleeps, so a test can act while a request is still running
+        self.step_delay_s = step_delay_s
         g = torch.Generator().manual_seed(seed)
         dim = 16
         self.emb_last = torch.randn(vocab_size, dim, generator=g)
@@ -84,6 +88,8 @@ class FakeRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         self.num_forwards += 1
         self.batches.append(batch)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         need = sum(batch.query_lens)
         assert need <= self.num_free_kv_tokens(), f"forward needs {need} KV tokens, {self.num_free_kv_tokens()} free"
         assert self._window_start == {}, "accept() was not called after the previous decode step"
@@ -143,7 +149,8 @@ class FakeRunner:
 def create_fake_runner(args, model_info) -> FakeRunner:
     """Runner factory with the server's signature: sizes come from ServerArgs and the checkpoint's config.
 
-    A checkpoint's config.json may name `fake_fail_token` / `fake_nan_token` to inject failures.
+    A checkpoint's config.json may set `fake_fail_token` / `fake_nan_token` to inject failures and
+    `fake_step_delay_s` to slow every step down.
     """
     with open(os.path.join(args.model_dir, "config.json")) as f:
         config = json.load(f)
@@ -154,4 +161,5 @@ def create_fake_runner(args, model_info) -> FakeRunner:
         max_width=max(args.mtp_step, args.spec_ngram) + 1,
         fail_token=config.get("fake_fail_token"),
         nan_token=config.get("fake_nan_token"),
+        step_delay_s=config.get("fake_step_delay_s", 0.0),
     )

@@ -9,9 +9,9 @@ import httpx
 
 
 def scrape(base_url: str, name: str) -> float:
-    """Value of an unlabeled Prometheus sample."""
+    """Value of a Prometheus sample, e.g. `lightllm_free_kv_tokens` or `lightllm_requests_total{finish_reason="abort"}`."""
     text = httpx.get(f"{base_url}/metrics").text
-    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 

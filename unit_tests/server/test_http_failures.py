@@ -1,5 +1,6 @@
-"""A runner failure finishes the affected requests with an error and the server keeps serving; a dead engine
-process turns /health to 503 and finishes waiting requests instead of hanging them."""
+"""Faults over HTTP, against a fake runner that fails on chosen tokens and sleeps a little every step: a runner
+failure finishes the affected requests with an error and the server keeps serving; a client that disconnects
+mid-request gives every slot back; a dead engine process turns /health to 503 and fails requests fast."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def server(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("failing") / "ckpt"
     shutil.copytree(demo_model_dir(), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(fake_fail_token=VOCAB - 1, fake_nan_token=VOCAB - 2)
+    config.update(fake_fail_token=VOCAB - 1, fake_nan_token=VOCAB - 2, fake_step_delay_s=0.01)
     (model_dir / "config.json").write_text(json.dumps(config))
     s = LiveServer(model_dir=str(model_dir), device="cpu", max_running_requests=4, max_total_token_num=512)
     yield s
@@ -56,6 +57,43 @@ def test_runner_failure_in_stream_reports_error_finish(server):
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] == "error"
+
+
+def test_abort_on_stream_disconnect_returns_every_slot(server):
+    body = {
+        "model": server.model,
+        "prompt": "long one",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    aborted = _num_aborted(server)
+    with httpx.Client(timeout=30) as http:
+        for _ in range(2):
+            with http.stream("POST", f"{server.base_url}/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(6)]
+                assert all(line.startswith("data: ") or line == "" for line in got)
+    wait_for(lambda: scrape(server.base_url, "lightllm_num_requests_running") == 0, what="aborted requests to leave")
+    wait_for(lambda: scrape(server.base_url, "lightllm_free_state_slots") == 4, what="slots returned")
+    assert scrape(server.base_url, "lightllm_free_kv_tokens") == 512
+    assert _num_aborted(server) == aborted + 2
+
+
+def test_abort_on_non_stream_disconnect(server):
+    body = {"model": server.model, "prompt": "long two", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    aborted = _num_aborted(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.3)
+    wait_for(lambda: scrape(server.base_url, "lightllm_num_requests_running") == 0, what="aborted request to leave")
+    assert scrape(server.base_url, "lightllm_free_state_slots") == 4
+    assert _num_aborted(server) == aborted + 1
+
+
+def _num_aborted(server) -> float:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return scrape(server.base_url, 'lightllm_requests_total{finish_reason="abort"}') if "abort" in text else 0.0
 
 
 def test_dead_engine_fails_requests_and_health(server):

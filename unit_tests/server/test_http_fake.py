@@ -160,34 +160,6 @@ def test_concurrent_streams_equal_one_by_one(server):
     assert scrape(server.base_url, "lightllm_free_kv_tokens") == KV_TOKENS
 
 
-def test_abort_on_stream_disconnect_returns_every_slot(server):
-    body = {
-        "model": server.model,
-        "prompt": "long one",
-        "max_tokens": 1000,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    with httpx.Client(timeout=30) as http:
-        for _ in range(3):
-            with http.stream("POST", f"{server.base_url}/v1/completions", json=body) as r:
-                lines = r.iter_lines()
-                got = [next(lines) for _ in range(6)]
-                assert all(line.startswith("data: ") or line == "" for line in got)
-    wait_for(lambda: scrape(server.base_url, "lightllm_num_requests_running") == 0, what="aborted requests to leave")
-    wait_for(lambda: scrape(server.base_url, "lightllm_free_state_slots") == MAX_RUNNING, what="slots returned")
-    assert scrape(server.base_url, "lightllm_free_kv_tokens") == KV_TOKENS
-
-
-def test_abort_on_non_stream_disconnect(server):
-    body = {"model": server.model, "prompt": "long two", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.3)
-    wait_for(lambda: scrape(server.base_url, "lightllm_num_requests_running") == 0, what="aborted request to leave")
-    assert scrape(server.base_url, "lightllm_free_state_slots") == MAX_RUNNING
-
-
 @pytest.mark.parametrize(
     "path, body, param, fragment",
     [

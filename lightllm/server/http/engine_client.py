@@ -26,6 +26,8 @@ class EngineClient:
         self._decoder = msgspec.msgpack.Decoder(list[EngineOutput])
         self._queues: dict[str, asyncio.Queue[TokenChunk | Finished]] = {}
         self._task: asyncio.Task | None = None
+        # in-flight abort sends (kept referenced until done)
+        self._sends: set[asyncio.Future] = set()
         self.stats = EngineStats()
         self.stats_time = 0.0
         # callbacks(req_id, msg) for metrics, run on every output
@@ -50,9 +52,14 @@ class EngineClient:
         self._queues[req.req_id] = queue
         await self._push.send(self._encoder.encode(req))
 
-    async def abort_now(self, req_id: str) -> None:
-        """Tell the engine to stop a request and return its slot (a no-op there if it already finished)."""
-        await self._push.send(self._encoder.encode(Abort(req_id)))
+    def abort(self, req_id: str) -> None:
+        """Tell the engine to stop a request and return its slot (a no-op there if it already finished).
+
+        Synchronous on purpose: it is called from cleanup code of cancelled handlers, where any await may be
+        cancelled again. zmq starts the send at once and returns a future, kept referenced until it is done."""
+        sent = self._push.send(self._encoder.encode(Abort(req_id)))
+        self._sends.add(sent)
+        sent.add_done_callback(self._sends.discard)
 
     def fail_all(self, error: str) -> None:
         for req_id, queue in list(self._queues.items()):

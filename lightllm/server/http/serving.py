@@ -4,6 +4,7 @@ per-sequence deltas, aborts on stop strings and client disconnects."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -86,9 +87,11 @@ class Frontend:
                 self.metrics.on_submit(seq.req_id)
                 await self.client.submit(NewRequest(seq.req_id, ids, sub, list(self.tokenizer.eos_token_ids)), queue)
         pending = set(seqs)
+        # time of the last disconnect check (a list so _next can update it)
+        checked = [time.monotonic()]
         try:
             while pending:
-                msg = await self._next(queue, request)
+                msg = await self._next(queue, request, checked)
                 seq = seqs[msg.req_id]
                 out = seq.output
                 delta = out.on_tokens(msg) if isinstance(msg, TokenChunk) else out.on_finished(msg)
@@ -96,22 +99,25 @@ class Frontend:
                     pending.discard(seq.req_id)
                     self.client.release(seq.req_id)
                     if out.stop_string_hit:
-                        await self.client.abort_now(seq.req_id)
+                        self.client.abort(seq.req_id)
                     self.metrics.count_finished(out.finish_reason)
                 yield seq, delta
         finally:
             # the client went away (or the handler failed): every unfinished sequence gives its slot back
+            # no await here: a cancelled handler may be cancelled again at any await, skipping the rest
             for req_id in pending:
-                await self.client.abort_now(req_id)
+                self.client.abort(req_id)
                 self.client.release(req_id)
                 self.metrics.count_finished("abort")
 
-    async def _next(self, queue: asyncio.Queue, request):
-        if request is None:
-            return await queue.get()
+    async def _next(self, queue: asyncio.Queue, request, checked: list[float]):
+        """Next engine message; every DISCONNECT_POLL_S (busy or idle) checks whether the client is still there."""
         while True:
+            if request is not None and time.monotonic() - checked[0] > DISCONNECT_POLL_S:
+                checked[0] = time.monotonic()
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError("client disconnected")
             try:
                 return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise asyncio.CancelledError("client disconnected") from None
+                continue
