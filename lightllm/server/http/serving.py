@@ -75,21 +75,23 @@ class Frontend:
         base = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         seqs: dict[str, Sequence] = {}
-        for p, ids in enumerate(prompts):
-            for j in range(params.n):
-                index = p * params.n + j
-                # n sequences from one seed must differ, and stay reproducible
-                sub = msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
-                seq = Sequence(
-                    index, p, f"{base}-{index}", SequenceOutput(self.tokenizer, sub, self.tokenizer.eos_token_ids)
-                )
-                seqs[seq.req_id] = seq
-                self.metrics.on_submit(seq.req_id)
-                await self.client.submit(NewRequest(seq.req_id, ids, sub, list(self.tokenizer.eos_token_ids)), queue)
-        pending = set(seqs)
+        # submitted and not finished; everything left here at exit is aborted
+        pending: set[str] = set()
         # time of the last disconnect check (a list so _next can update it)
         checked = [time.monotonic()]
         try:
+            for p, ids in enumerate(prompts):
+                for j in range(params.n):
+                    index = p * params.n + j
+                    # n sequences from one seed must differ, and stay reproducible
+                    sub = msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+                    output = SequenceOutput(self.tokenizer, sub, self.tokenizer.eos_token_ids)
+                    seq = seqs[f"{base}-{index}"] = Sequence(index, p, f"{base}-{index}", output)
+                    self.metrics.on_submit(seq.req_id)
+                    pending.add(seq.req_id)
+                    await self.client.submit(
+                        NewRequest(seq.req_id, ids, sub, list(self.tokenizer.eos_token_ids)), queue
+                    )
             while pending:
                 msg = await self._next(queue, request, checked)
                 seq = seqs[msg.req_id]
