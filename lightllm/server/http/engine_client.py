@@ -82,7 +82,11 @@ class EngineClient:
                     self.stats, self.stats_time = out, time.monotonic()
                     continue
                 for observe in self.observers:
-                    observe(out)
+                    try:
+                        observe(out)
+                    except Exception:
+                        # metrics must never stop the delivery of tokens
+                        logger.exception("output observer failed")
                 queue = self._queues.get(out.req_id)
                 if queue is not None:
                     queue.put_nowait(out)
