@@ -27,6 +27,10 @@ class AttentionGroup:
     slot_table: torch.Tensor
     # [n, 1, Wq, L] bool: query i of a row (absolute position cached + i) sees keys 0 .. cached + i
     mask: torch.Tensor
+    # [n] int32 varlen description of the same rows for kernels: first flat token, new tokens, cached prefix
+    query_start: torch.Tensor
+    query_len: torch.Tensor
+    num_cached: torch.Tensor
 
 
 @dataclass
@@ -70,7 +74,16 @@ def _group(
     limit = torch.tensor(cached)[:, None] + cols[None, :]
     ctx_len = torch.tensor([c + q for c, q in zip(cached, q_lens)])
     mask = (key[None, None, :] <= limit[:, :, None]) & (key[None, None, :] < ctx_len[:, None, None])
-    return AttentionGroup(token_index.to(device), valid.to(device), table.to(device), mask[:, None].to(device))
+    i32 = dict(dtype=torch.int32, device=device)
+    return AttentionGroup(
+        token_index.to(device),
+        valid.to(device),
+        table.to(device),
+        mask[:, None].to(device),
+        query_start=torch.tensor(token_starts, **i32),
+        query_len=torch.tensor(q_lens, **i32),
+        num_cached=torch.tensor(cached, **i32),
+    )
 
 
 def build_context(

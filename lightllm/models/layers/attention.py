@@ -29,6 +29,8 @@ class GatedAttention(nn.Module):
         self.rotary = rotary
         self.num_heads = max(cfg.num_heads // tp_size, 1)
         self.num_kv_heads = max(cfg.num_kv_heads // tp_size, 1)
+        # "torch" | "triton" forces the attention backend (tests); None = by device
+        self.attention_backend: str | None = None
 
     def checkpoint_names(self, prefix: str) -> list[str]:
         prefix = f"{prefix}self_attn."
@@ -66,6 +68,7 @@ class GatedAttention(nn.Module):
             keys, values = ctx.kv.gather(self.kv_layer, table)
             return keys, values
 
-        o = attend(q, ctx.groups, load_kv, d**-0.5)
+        pool = (ctx.kv.buffers[0][self.kv_layer], ctx.kv.buffers[1][self.kv_layer])
+        o = attend(q, ctx.groups, load_kv, d**-0.5, kv_pool=pool, backend=self.attention_backend)
         o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return F.linear(o, self.o_proj, self.o_bias)

@@ -27,6 +27,8 @@ class LatentAttention(nn.Module):
         self.cfg = cfg
         self.kv_layer = kv_layer
         self.num_heads = cfg.num_heads // tp_size
+        # "torch" | "triton" forces the attention backend (tests); None = by device
+        self.attention_backend: str | None = None
 
     def checkpoint_names(self, prefix: str) -> list[str]:
         names = ("q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
@@ -55,5 +57,6 @@ class LatentAttention(nn.Module):
             k_rot = cached[..., None, c.kv_lora_rank :].expand(n, length, h, c.qk_rope_head_dim)
             return torch.cat([k_nope, k_rot], dim=-1), v
 
-        o = attend(q, ctx.groups, load_kv, c.qk_head_dim**-0.5)
+        # the triton backend also runs on the expanded gathered KV (latent absorption is a later optimisation)
+        o = attend(q, ctx.groups, load_kv, c.qk_head_dim**-0.5, backend=self.attention_backend)
         return F.linear(o.reshape(t, h * c.v_head_dim), self.o_proj)

@@ -1,0 +1,192 @@
+"""Causal attention of new query tokens over a token-granular KV pool (Triton; flash-style online softmax).
+
+Each row `r` has `query_len[r]` new tokens at `q[query_start[r] :]` and a context of `num_cached[r] + query_len[r]`
+positions whose KV lives in the pool at `slot_table[r, position]` (the new tokens' KV is written to the pool before
+the call). Query `i` of the row sits at position `num_cached[r] + i` and sees positions `0 .. num_cached[r] + i`.
+The same kernel serves prefill chunks after a cached prefix and decode/verify windows of width W.
+
+Program `(i_m, i_r, i_kh)` handles a tile of `BT` consecutive query tokens of row `i_r` for *all* `GROUP` query
+heads sharing key head `i_kh`: the tile's `BT * GROUP` (token, head) pairs are the rows of one `[BM, BK]` query
+block, so every K/V block is loaded once per key head (not once per query head) and decode windows still fill
+the 16-row minimum of a tensor-core dot.
+
+Precision: scores, softmax statistics and the output accumulator are fp32. fp32 inputs use `ieee` dots (the fp32
+pools exist for parity tests; tf32 would cost ~1e-3 relative error); fp16/bf16 inputs run native tensor-core dots
+with fp32 accumulation, and the probabilities are cast to V's dtype for the P·V dot.
+
+The torch fallback (and the only CPU implementation) is the SDPA path in `lightllm.models.layers.paged_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# exp(x) == exp2(x * log2(e)); exp2 is the native instruction
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def paged_attention_kernel(
+    q,  # [T, H, DK]
+    k_pool,  # [S, HK, DK]
+    v_pool,  # [S, HK, DV]
+    o,  # [T, H, DV]
+    slot_table,  # [R, L] pool slot of each context position
+    query_start,  # [R] first flat token of the row
+    query_len,  # [R] new tokens of the row
+    num_cached,  # [R] cached prefix length of the row
+    qk_scale,  # softmax scale * log2(e)
+    stride_q_t,
+    stride_q_h,
+    stride_k_s,
+    stride_k_h,
+    stride_v_s,
+    stride_v_h,
+    stride_o_t,
+    stride_o_h,
+    stride_table_r,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_m, i_r, i_kh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_r64 = i_r.to(tl.int64)
+    n_q = tl.load(query_len + i_r64).to(tl.int64)
+    if i_m * BT >= n_q:
+        return
+    q0 = tl.load(query_start + i_r64).to(tl.int64)
+    n_c = tl.load(num_cached + i_r64).to(tl.int64)
+
+    # tile row j = (token i_m * BT + j // GROUP, query head i_kh * GROUP + j % GROUP)
+    o_j = tl.arange(0, BM)
+    o_tok = i_m * BT + (o_j // GROUP).to(tl.int64)  # [BM]
+    o_head = i_kh.to(tl.int64) * GROUP + (o_j % GROUP).to(tl.int64)  # [BM]
+    m_row = (o_j < BT * GROUP) & (o_tok < n_q)  # [BM]
+    o_dk = tl.arange(0, BK)
+    o_dv = tl.arange(0, BV)
+    m_dk = o_dk < DK
+    m_dv = o_dv < DV
+
+    p_q = q + (q0 + o_tok)[:, None] * stride_q_t + o_head[:, None] * stride_q_h + o_dk[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_dk[None, :], other=0.0)  # [BM, BK]
+
+    # last visible position of each tile row; keys past the tile's last real token are never needed
+    b_limit = n_c + o_tok  # [BM]
+    kv_end = n_c + tl.minimum((i_m + 1) * BT, n_q)
+
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, BV], dtype=tl.float32)
+    p_table = slot_table + i_r64 * stride_table_r
+    kh64 = i_kh.to(tl.int64)
+    for start in range(0, kv_end, BN):
+        o_n = start + tl.arange(0, BN).to(tl.int64)  # [BN] context positions
+        m_n = o_n < kv_end
+        b_slot = tl.load(p_table + o_n, mask=m_n, other=0).to(tl.int64)  # [BN]
+        p_k = k_pool + b_slot[None, :] * stride_k_s + kh64 * stride_k_h + o_dk[:, None]
+        b_kt = tl.load(p_k, mask=m_dk[:, None] & m_n[None, :], other=0.0)  # [BK, BN]
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
+        m_vis = (o_n[None, :] <= b_limit[:, None]) & m_n[None, :]
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        # padded tile rows see nothing; keep their running max finite so exp2 never sees (-inf) - (-inf)
+        b_m_new = tl.maximum(tl.maximum(b_m, tl.max(b_s, axis=1)), -1e30)
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_p = tl.exp2(b_s - b_m_new[:, None])  # [BM, BN]
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        p_v = v_pool + b_slot[:, None] * stride_v_s + kh64 * stride_v_h + o_dv[None, :]
+        b_v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BN, BV]
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        b_m = b_m_new
+
+    # every real row sees at least its own position, so l > 0 there; padded rows are masked on store
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    p_o = o + (q0 + o_tok)[:, None] * stride_o_t + o_head[:, None] * stride_o_h + o_dv[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
+
+
+def _tile(max_query_len: int, group: int, bk: int) -> tuple[int, int, int]:
+    """(BT tokens per tile, BM = padded BT * GROUP tile rows, BN keys per block)."""
+    # ~64 (token, head) rows per prefill tile; a decode window fits in one tile
+    bt = max(1, min(max_query_len, max(1, 64 // group)))
+    bm = max(16, triton.next_power_of_2(bt * group))
+    # large heads (Dk = 256) keep the [BK, BN] key block and [BM, BV] accumulator within registers
+    bn = 32 if bk > 128 else 64
+    return bt, bm, bn
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_table: torch.Tensor,
+    query_start: torch.Tensor,
+    query_len: torch.Tensor,
+    num_cached: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each row's new tokens over its cached prefix and itself, through the slot table.
+
+    q: `[T, H, Dk]` (flat tokens of all rows); k_pool `[S, Hk, Dk]`, v_pool `[S, Hk, Dv]` (pool slots; last dim
+    contiguous; same dtype as q: fp32, fp16 or bf16); `H % Hk == 0` (query head h reads key head `h // (H // Hk)`).
+    slot_table: `[R, L]` int32/int64, pool slot of each context position (`L >= num_cached + query_len`).
+    query_start, query_len, num_cached: `[R]` int32/int64 per row. `max_query_len`: host bound on `query_len`
+    (sizes the grid without a device sync). Returns `out` (`[T, H, Dv]`, q's dtype, allocated when None); only
+    the rows' tokens are written, in place.
+    """
+    t, h, dk = q.shape
+    _, hk, dv = v_pool.shape
+    assert k_pool.shape[1:] == (hk, dk) and h % hk == 0, f"q {tuple(q.shape)} k {tuple(k_pool.shape)}"
+    assert q.dtype == k_pool.dtype == v_pool.dtype, f"dtypes q {q.dtype} k {k_pool.dtype} v {v_pool.dtype}"
+    assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and slot_table.stride(-1) == 1
+    if out is None:
+        out = q.new_empty(t, h, dv)
+    rows = slot_table.shape[0]
+    if rows == 0 or max_query_len == 0:
+        return out
+    group = h // hk
+    # tensor-core dots need every dimension >= 16; padded head dims are masked on load and store
+    bk, bv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    bt, bm, bn = _tile(max_query_len, group, bk)
+    grid = (triton.cdiv(max_query_len, bt), rows, hk)
+    paged_attention_kernel[grid](
+        q,
+        k_pool,
+        v_pool,
+        out,
+        slot_table,
+        query_start,
+        query_len,
+        num_cached,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        out.stride(0),
+        out.stride(1),
+        slot_table.stride(0),
+        GROUP=group,
+        DK=dk,
+        DV=dv,
+        BT=bt,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        BV=bv,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if max(bk, bv) > 128 else 4,
+        num_stages=2,
+    )
+    return out
