@@ -1,0 +1,47 @@
+"""The Triton paged-attention kernel compiled on a CUDA device, at the real models' head dims, vs fp64 softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unit_tests.helpers.asserts import assert_rel_close
+from lightllm.kernels.paged_attention import paged_attention
+from unit_tests.kernels.test_paged_attention import reference, scattered_pool
+
+pytestmark = pytest.mark.gpu
+
+# (query heads, key heads, Dk, Dv): Qwen3-Next TP1 gated attention; Kimi-Linear MLA after kv_b_proj expansion
+SHAPES = {"qwen3-next": (16, 2, 256, 256), "kimi-mla": (32, 32, 192, 128)}
+MAX_REL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_paged_attention_on_gpu_matches_reference(shape, dtype):
+    heads, kv_heads, dk, dv = SHAPES[shape]
+    # a long prefill chunk after a prefix, a fresh prompt, and verify windows of width 1 and 4 in one launch
+    cached, q_lens = [700, 0, 1500, 33], [257, 190, 1, 4]
+    k_pool, v_pool, slots = scattered_pool(cached, q_lens, kv_heads, dk, dv, dtype, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(sum(q_lens), heads, dk, generator=gen).to(dtype)
+    scale = dk**-0.5
+    out = _run_on_cuda(q, k_pool, v_pool, slots, cached, q_lens, scale)
+    start = 0
+    for i, (c, n) in enumerate(zip(cached, q_lens)):
+        expected = reference(q[start : start + n], k_pool[slots[i]], v_pool[slots[i]], c, scale)
+        assert_rel_close(f"{shape} row {i}", out[start : start + n].cpu(), expected, MAX_REL[dtype])
+        start += n
+
+
+def _run_on_cuda(q, k_pool, v_pool, slots, cached, q_lens, scale):
+    table = torch.full((len(slots), max(s.numel() for s in slots) + 3), -1, dtype=torch.int64)
+    for i, s in enumerate(slots):
+        table[i, : s.numel()] = s
+    starts = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(torch.int32)
+    lens, prefix = torch.tensor(q_lens, dtype=torch.int32), torch.tensor(cached, dtype=torch.int32)
+    dev = "cuda"
+    out = torch.full((q.shape[0], q.shape[1], v_pool.shape[-1]), float("nan"), dtype=q.dtype, device=dev)
+    args = [t.to(dev) for t in (q, k_pool, v_pool, table, starts, lens, prefix)]
+    paged_attention(*args, scale, max(q_lens), out)
+    return out
