@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unit_tests.helpers.asserts import assert_rel_close
 from lightllm.kernels.paged_attention import paged_attention
+from unit_tests.helpers.asserts import assert_rel_close
 from unit_tests.kernels.test_paged_attention import reference, scattered_pool
 
 pytestmark = pytest.mark.gpu
