@@ -1,6 +1,6 @@
 """Standalone replay fold, all layers in one launch: S_h = e^{G_h} S0 + K~^T U (for prefill and export).
 
-Same helpers as the fold inside `replay_verify_kernel`, so a standalone fold and an in-kernel fold of the same
+Same helpers as the fold inside `replay_prepare_kernel`, so a standalone fold and an in-kernel fold of the same
 history agree. In place (`out=None`) rows with an empty history are left untouched; with `out` every row is
 written (an exact copy when h = 0) and `ssm` is only read.
 """

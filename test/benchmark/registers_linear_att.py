@@ -1,0 +1,107 @@
+"""Registers and spills of the replay kernels for sm_90, without a GPU: Triton compiles to PTX on the CPU and the
+`ptxas` bundled with Triton reports the allocation (`ptxas -v`).
+
+    python test/benchmark/registers_linear_att.py            # the Qwen3-Next / Kimi-Linear head shape, L in {16, 64}
+
+Occupancy is what the memory-bound forward lives on (65536 registers per SM: 64 registers x 128 threads allows 8
+programs per SM), so check a kernel change here before spending device time on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from lightllm.linear_att.kernels import replay_verify as rv  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+TARGET = GPUTarget("cuda", 90, 32)
+INT_PTRS = {"cursor", "parity", "slots", "widths"}
+ACT_PTRS = {"q", "k", "v", "graw", "braw", "o"}
+FP32_PTRS = {"A_log", "dt_bias", "ssm", "hist_k", "hist_u", "hist_g", "coef"}
+
+
+def ptxas_report(jit_fn, constants: dict, num_warps: int) -> str:
+    """Compile `jit_fn` (a `@triton.jit` function) with `constants` as constexprs; the `ptxas -v` summary."""
+    names = jit_fn.arg_names
+    sig, consts = {}, {}
+    for i, name in enumerate(names):
+        if name in constants:
+            sig[name] = "constexpr"
+            consts[(i,)] = constants[name]
+        elif name in INT_PTRS:
+            sig[name] = "*i32"
+        elif name in ACT_PTRS:
+            sig[name] = "*bf16"
+        elif name in FP32_PTRS:
+            sig[name] = "*fp32"
+        elif name == "scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i64"
+    kernel = triton.compile(
+        ASTSource(fn=jit_fn, signature=sig, constexprs=consts),
+        target=TARGET,
+        options={"num_warps": num_warps, "num_stages": 1},
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(kernel.asm["ptx"])
+        out = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull], capture_output=True, text=True)
+    regs = spill = "?"
+    for line in out.stderr.splitlines():
+        if "Used" in line and "registers" in line:
+            regs = line.split("Used")[1].split("registers")[0].strip()
+        if "spill stores" in line:
+            spill = line.split("bytes spill stores")[0].split(",")[-1].strip()
+    return f"{regs} | {spill}"
+
+
+def forward(W: int, L: int, BV: int, num_warps: int, precompute: bool) -> str:
+    pre = precompute and W > 1
+    c = dict(K=128, V=128, L=L, WMAX=W, BK=128, BV=BV, BL=max(16, L), PRECOMPUTE=pre, PRECISION="tf32x3")
+    c["BWV"] = max(16 if pre else 1, triton.next_power_of_2(W))
+    c["BR"] = max(16, triton.next_power_of_2(2 * W))
+    return ptxas_report(rv.replay_forward_kernel, c, num_warps)
+
+
+def prepare(W: int, L: int, GK: int, H: int, HV: int) -> str:
+    c = dict(H=H, HV=HV, K=128, V=128, GK=GK, L=L, WMAX=W, BK=128, BG=triton.next_power_of_2(GK), BL=max(16, L))
+    c.update(BW=triton.next_power_of_2(W), BVF=16, USE_LOWER_BOUND=False, FOLD_PRECISION="tf32x3", lower_bound=None)
+    return ptxas_report(rv.replay_prepare_kernel.fn, c, rv.prepare_num_warps(GK))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--capacities", default="16,64")
+    p.add_argument("--widths", default="1,2,4,8")
+    args = p.parse_args(argv)
+    Ls = [int(x) for x in args.capacities.split(",")]
+    Ws = [int(x) for x in args.widths.split(",")]
+    print(f"# sm_90 register allocation (ptxas -v), triton {triton.__version__}, K = V = 128\n")
+    print("| kernel | W | L | config | registers | spill stores (bytes) |\n|---|---|---|---|---|---|")
+    for L in Ls:
+        for W in Ws:
+            for algo, GK, H, HV in (("GDN", 1, 16, 32), ("KDA", 128, 32, 32)):
+                nw = rv.prepare_num_warps(GK)
+                print(f"| prepare {algo} | {W} | {L} | {nw} warps | {prepare(W, L, GK, H, HV)} |", flush=True)
+            modes = (False,) if W == 1 else (False, True)
+            for pre in modes:
+                for BV, nw in ((32, 4), (16, 2), (64, 8)):
+                    name = "forward" + ("" if W == 1 else (" precompute" if pre else " inline"))
+                    print(f"| {name} | {W} | {L} | BV={BV} {nw} warps | {forward(W, L, BV, nw, pre)} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
