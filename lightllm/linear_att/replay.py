@@ -24,6 +24,8 @@ class ReplayState(StateCommon):
         self.hist_g = torch.zeros(nl, ns, 2, cap, hv, spec.gate_dim, dtype=torch.float32, device=dev)
         self.cursor = torch.zeros(ns, dtype=torch.int32, device=dev)
         self.parity = torch.zeros(ns, dtype=torch.int32, device=dev)
+        # rows folded so far (one per row and step, all layers at once); on the device so accept never syncs
+        self.num_folds = torch.zeros((), dtype=torch.int64, device=dev)
 
     def decode(self, layer: int, rows: DecodeRows, mixed_qkv, graw, braw, params: LayerParams) -> torch.Tensor:
         widths, q, k, v = self._decode_inputs(layer, rows, mixed_qkv, params)
@@ -49,12 +51,16 @@ class ReplayState(StateCommon):
         )
 
     def accept(self, rows: DecodeRows, num_accepted: torch.Tensor) -> None:
+        widths = self._live_widths(rows)
+        # the verify kernels folded exactly the rows this predicate selects (README: one fold rule)
+        folded = (widths > 0) & (self.cursor[rows.slots.long()] + widths > self.capacity)
+        self.num_folds += folded.sum()
         ops.replay_accept(
             self.cursor,
             self.parity,
             self.conv_offset,
             rows.slots,
-            self._live_widths(rows),
+            widths,
             num_accepted,
             self.capacity,
             backend=self.backend,

@@ -132,6 +132,11 @@ class ModelRunner:
     def num_free_kv_tokens(self) -> int:
         return self.kv.num_free_tokens()
 
+    def stats(self) -> dict[str, int | None]:
+        """Counters for the metrics endpoint (read between steps: one device sync)."""
+        folds = getattr(self.state, "num_folds", None)
+        return {"num_folds": int(folds) if folds is not None else None}
+
     def bytes_per_request(self) -> int:
         """Linear-attention state bytes of one request slot (all layers, this state mode)."""
         return self.state.bytes_per_request()
