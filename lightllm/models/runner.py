@@ -8,6 +8,7 @@ the state through `create_state` and calls the protocol (prefill/decode inside t
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ from lightllm.models.context import build_context
 from lightllm.models.drafting import MtpDrafter
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.loader import load_weights
+from lightllm.models.memory import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
 from lightllm.models.registry import load_model_config
 from lightllm.models.runner_config import RunnerConfig
 from lightllm.models.tp import TPInfo
@@ -45,7 +47,15 @@ class _PendingVerify:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, tp_group: object | None = None):
+    """Weights, linear-attention state and KV cache of one model (one TP rank), allocated in that order.
+
+    With `config.max_total_token_num=None` the KV cache is sized after weights and state are in memory: from
+    `memory_probe` (default on CUDA: the device's free/total bytes) within `config.mem_fraction`, or on CPU
+    without a probe to every request slot at full length (capped). Raises ValueError when not even one
+    `max_req_total_len`-token request fits.
+    """
+
+    def __init__(self, config: RunnerConfig, tp_group: object | None = None, memory_probe: MemoryProbe | None = None):
         self.config = config
         self.model_config = cfg = load_model_config(config.model_dir)
         self.device = torch.device(config.device)
@@ -78,10 +88,11 @@ class ModelRunner:
             ),
         )
         shapes = self._kv_token_shapes(tp.size)
+        self.kv_tokens = self._size_kv(shapes, memory_probe)
         self.kv = KVCache(
             len(cfg.full_layer_ids),
             shapes,
-            config.max_total_token_num,
+            self.kv_tokens,
             config.max_running_requests,
             config.max_req_total_len,
             self.dtype,
@@ -92,7 +103,7 @@ class ModelRunner:
             mtp_kv = KVCache(
                 1,
                 shapes,
-                config.max_total_token_num + config.max_running_requests * (self.num_mtp_steps + 1),
+                self.kv_tokens + self._mtp_extra_tokens(),
                 config.max_running_requests,
                 config.max_req_total_len + self.num_mtp_steps + 1,
                 self.dtype,
@@ -101,6 +112,37 @@ class ModelRunner:
             self.drafter = MtpDrafter(self.model, mtp_kv)
         self._requests: dict[int, _Request] = {}
         self._pending: _PendingVerify | None = None
+
+    def _mtp_extra_tokens(self) -> int:
+        """The MTP head's KV holds the main KV's tokens plus one verify window per request."""
+        return self.config.max_running_requests * (self.num_mtp_steps + 1)
+
+    def _size_kv(self, shapes: tuple[tuple[int, ...], ...], probe: MemoryProbe | None) -> int:
+        """KV token slots to allocate (weights and state are already allocated)."""
+        c = self.config
+        if c.max_total_token_num is not None:
+            return c.max_total_token_num
+        if probe is None and self.device.type == "cpu":
+            return cpu_kv_tokens(c.max_running_requests, c.max_req_total_len)
+        if probe is None:
+            probe = cuda_memory_probe(self.device)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = sum(math.prod(s) for s in shapes) * itemsize
+        num_layers, mtp = len(self.model_config.full_layer_ids), 1 if self.num_mtp_steps else 0
+        # per layer: the hold slot (and on the MTP head its extra slots); per cache: an int64 slot table
+        fixed = per_layer * (num_layers + mtp * (1 + self._mtp_extra_tokens()))
+        fixed += (
+            8 * c.max_running_requests * (c.max_req_total_len + mtp * (c.max_req_total_len + self.num_mtp_steps + 1))
+        )
+        free, total = probe()
+        return kv_tokens_for_memory(
+            free,
+            total,
+            mem_fraction=c.mem_fraction,
+            bytes_per_token=per_layer * (num_layers + mtp),
+            fixed_bytes=fixed,
+            max_req_total_len=c.max_req_total_len,
+        )
 
     def _kv_token_shapes(self, tp_size: int) -> tuple[tuple[int, ...], ...]:
         a = self.model_config.attention

@@ -26,8 +26,11 @@ class RunnerConfig:
     # largest verify width of any step; 0 = mtp_step + 1 (n-gram speculation sets it explicitly)
     max_width: int = 0
     max_running_requests: int = 8
-    # KV token slots of the full-attention layers (all requests together)
-    max_total_token_num: int = 4096
+    # KV token slots of the full-attention layers (all requests together); None = sized by the runner after
+    # weights and state are loaded (CUDA: from mem_fraction; CPU: every request slot at full length, capped)
+    max_total_token_num: int | None = 4096
+    # fraction of device memory for weights, state and KV when max_total_token_num is None
+    mem_fraction: float = 0.8
     # longest request (prompt + output), sizes the per-request slot table
     max_req_total_len: int = 4096
     tp_rank: int = 0

@@ -1,0 +1,138 @@
+"""KV-cache sizing: the arithmetic of `lightllm.models.memory` and the runner sizing its KV cache after weights and
+state are loaded (one load), with a fake memory probe standing in for the device."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightllm.models.memory import ACTIVATION_RESERVE_BYTES, CPU_MAX_KV_TOKENS, cpu_kv_tokens, kv_tokens_for_memory
+from lightllm.models.runner import ModelRunner
+from lightllm.models.runner_config import RunnerConfig
+from lightllm.server.args import load_server_args
+from lightllm.server.runner_factory import create_runner
+from unit_tests.models.conftest import case_dir
+from unit_tests.models.drive import make_runner
+
+GIB = 1 << 30
+
+
+def test_cpu_rule_is_every_slot_at_full_length_capped():
+    assert cpu_kv_tokens(4, 512) == 2048
+    assert cpu_kv_tokens(16, 4096) == CPU_MAX_KV_TOKENS == 65536
+    assert cpu_kv_tokens(16, 8192) == 65536
+
+
+def test_memory_rule_counts_used_reserve_and_fixed_bytes_and_floors():
+    # 8 GiB x 0.75 = 6 GiB; 2 GiB in use, 1 GiB reserve, 1000 fixed bytes -> 3 GiB - 1000 bytes for 1024-byte tokens
+    tokens = kv_tokens_for_memory(
+        6 * GIB, 8 * GIB, mem_fraction=0.75, bytes_per_token=1024, fixed_bytes=1000, max_req_total_len=4096
+    )
+    assert tokens == 3 * 1024 * 1024 - 1  # (3 GiB - 1000) // 1024
+    assert ACTIVATION_RESERVE_BYTES == GIB
+    # a custom reserve
+    tokens = kv_tokens_for_memory(
+        6 * GIB, 8 * GIB, mem_fraction=0.75, bytes_per_token=1024, fixed_bytes=0, max_req_total_len=1, reserve_bytes=0
+    )
+    assert tokens == 4 * 1024 * 1024
+
+
+def test_memory_rule_accepts_exactly_one_max_length_request():
+    total, per_token, max_len = 4 * GIB, 512, 32768
+    used = total // 2 - GIB - per_token * max_len  # at 0.5 with the 1 GiB reserve: room for exactly max_len tokens
+    rule = dict(mem_fraction=0.5, bytes_per_token=per_token, fixed_bytes=0, max_req_total_len=max_len)
+    assert kv_tokens_for_memory(total - used, total, **rule) == max_len
+    with pytest.raises(ValueError) as err:
+        kv_tokens_for_memory(total - used - 1, total, **rule)
+    msg = str(err.value)
+    assert "room for 32767 KV tokens, fewer than one 32768-token request" in msg
+    for flag in ("--mem_fraction 0.5", "--max_req_total_len", "--max_running_requests"):
+        assert flag in msg
+
+
+def test_memory_rule_refuses_when_already_over_budget():
+    with pytest.raises(ValueError, match="room for 0 KV tokens"):
+        kv_tokens_for_memory(GIB, 8 * GIB, mem_fraction=0.9, bytes_per_token=256, fixed_bytes=0, max_req_total_len=1)
+
+
+class FakeProbe:
+    """`(free, total)` bytes as a device would report them; counts calls."""
+
+    def __init__(self, free: int, total: int):
+        self.free, self.total, self.calls = free, total, 0
+
+    def __call__(self) -> tuple[int, int]:
+        self.calls += 1
+        return self.free, self.total
+
+
+def _auto_config(mtp_step: int = 0) -> RunnerConfig:
+    """Tiny qwen3_next on CPU in fp32, KV size left to the runner (4 requests of up to 512 tokens)."""
+    return RunnerConfig(
+        model_dir=case_dir("qwen3_next-hv2"),
+        device="cpu",
+        data_type="float32",
+        mtp_step=mtp_step,
+        max_running_requests=4,
+        max_total_token_num=None,
+        max_req_total_len=512,
+        mem_fraction=0.5,
+    )
+
+
+def _kv_bytes(kv) -> int:
+    return sum(b.numel() * b.element_size() for b in kv.buffers) + kv.req_to_slot.numel() * 8
+
+
+@pytest.mark.parametrize(
+    "mtp_step, per_token, fixed, mtp_capacity",
+    [
+        # 1 full layer of (2 x 16) K + V fp32 = 256 bytes; hold slot 256 + slot table 4 x 512 x 8
+        (0, 256, 256 + 4 * 512 * 8, None),
+        # plus the MTP layer: 256 per token, hold slot + 4 x 2 extra slots, slot table 4 x (512 + 2) x 8
+        (1, 512, 256 + 256 * 9 + 4 * 512 * 8 + 4 * 514 * 8, 1008),
+    ],
+)
+def test_runner_sizes_kv_from_what_is_left_after_weights_and_state(mtp_step, per_token, fixed, mtp_capacity):
+    total = 4 * GIB
+    # at mem_fraction 0.5 with the 1 GiB reserve, 1 GiB is left for what is in use + fixed + KV: 1000 tokens and
+    # 100 bytes to spare
+    used = GIB - fixed - 1000 * per_token - 100
+    probe = FakeProbe(total - used, total)
+    runner = ModelRunner(_auto_config(mtp_step), memory_probe=probe)
+    assert probe.calls == 1
+    assert runner.kv_tokens == runner.kv.capacity == 1000
+    assert runner.kv_bytes_per_token() == per_token
+    allocated = _kv_bytes(runner.kv)
+    if mtp_capacity is not None:
+        assert runner.drafter.kv.capacity == mtp_capacity
+        allocated += _kv_bytes(runner.drafter.kv)
+    # the sizing accounts for every KV byte the runner then allocates
+    assert allocated == 1000 * per_token + fixed
+
+
+def test_runner_refuses_when_one_request_does_not_fit():
+    # room for 511 tokens: 1 GiB - fixed - 511 x 256 in use
+    probe = FakeProbe(4 * GIB - (GIB - (256 + 4 * 512 * 8) - 511 * 256), 4 * GIB)
+    with pytest.raises(ValueError, match=r"room for 511 KV tokens, fewer than one 512-token request: raise --mem"):
+        ModelRunner(_auto_config(), memory_probe=probe)
+
+
+def test_runner_on_cpu_without_probe_keeps_the_cpu_rule():
+    runner = make_runner(case_dir("qwen3_next-hv2"), max_total_token_num=None, max_running_requests=4)
+    assert runner.kv.capacity == 4 * 512
+
+
+def test_runner_honours_an_explicit_kv_size_without_probing():
+    probe = FakeProbe(0, 0)
+    cfg = RunnerConfig(model_dir=case_dir("qwen3_next-hv2"), device="cpu", max_total_token_num=300)
+    assert ModelRunner(cfg, memory_probe=probe).kv.capacity == 300
+    assert probe.calls == 0
+
+
+def test_create_runner_leaves_auto_kv_size_to_the_runner():
+    args, info = load_server_args(
+        [], model_dir=case_dir("qwen3_next-hv2"), device="cpu", max_running_requests=3, max_req_total_len=256
+    )
+    assert args.max_total_token_num is None
+    runner = create_runner(args, info)
+    assert runner.kv.capacity == 3 * 256
