@@ -340,8 +340,8 @@ def run_mtp(
 
 
 def state_tensors(state) -> dict[str, torch.Tensor]:
-    """Every tensor attribute of a state object (for byte comparisons)."""
-    return {name: t for name, t in vars(state).items() if isinstance(t, torch.Tensor)}
+    """Every per-slot tensor attribute of a state object (for byte comparisons); 0-dim counters are not per slot."""
+    return {name: t for name, t in vars(state).items() if isinstance(t, torch.Tensor) and t.dim() > 0}
 
 
 # the operator backends the state-mode tests run; kernel tests may call the drivers with "triton"
