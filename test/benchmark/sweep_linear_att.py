@@ -1,6 +1,9 @@
 """Small hand-picked launch-config sweep of the decode / verify kernels; writes tuned tables.
 
     python test/benchmark/sweep_linear_att.py --out-dir lightllm/linear_att   # writes gdn/tuned, kda/tuned
+    python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 --out-dir lightllm/linear_att
+
+Entries of an existing table that a sweep does not retime are kept.
 
 The autotuner (`bench_linear_att.py --tune`) searches the full candidate grid; this sweep times a few configs
 around the known-good ones with the benchmark's own method (CUDA graph over pools rotated beyond L2, amortised
@@ -10,6 +13,7 @@ over fold cycles), picks the fastest per kernel family and shape, and saves one 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -24,8 +28,15 @@ import bench_linear_att as bench  # noqa: E402
 from lightllm.linear_att import autotune  # noqa: E402
 from lightllm.linear_att.autotune import KernelConfig  # noqa: E402
 
-SERIAL = [KernelConfig(16, 2, 1), KernelConfig(32, 4, 1), KernelConfig(32, 2, 1)]
-REPLAY = [KernelConfig(32, 4, 1), KernelConfig(16, 2, 1), KernelConfig(64, 8, 1)]
+SERIAL = [KernelConfig(16, 2, 1), KernelConfig(32, 4, 1), KernelConfig(32, 2, 1), KernelConfig(64, 8, 1)]
+REPLAY = [
+    KernelConfig(32, 4, 1),
+    KernelConfig(16, 2, 1),
+    KernelConfig(32, 2, 1),
+    KernelConfig(64, 4, 1),
+    KernelConfig(64, 8, 1),
+    KernelConfig(128, 8, 1),
+]
 
 
 def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log):
@@ -60,6 +71,9 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=None, help="package dir: writes <algo>/tuned/h200.json under it")
     p.add_argument("--capacity", type=int, default=16)
     p.add_argument("--shapes", default="qwen3-next-tp1,kimi-linear-tp1")
+    p.add_argument("--families", default="serial,replay")
+    p.add_argument("--cells", default="1x256,4x128", help="WxN pairs to time, e.g. 1x256,4x128")
+    p.add_argument("--configs", default=None, help="BVxWARPS candidates instead of the built-in lists, e.g. 64x2,32x1")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     timer = bench.Timer(device, reps=max(24, 2 * args.capacity))
@@ -68,8 +82,13 @@ def main(argv=None) -> int:
     t0 = time.time()
     for name in args.shapes.split(","):
         shape = bench.SHAPES[name]
-        for family, configs in (("serial", SERIAL), ("replay", REPLAY)):
-            for W, N in ((1, 256), (4, 128)):
+        families = {"serial": SERIAL, "replay": REPLAY}
+        if args.configs:
+            custom = [KernelConfig(*(int(x) for x in c.split("x")), 1) for c in args.configs.split(",")]
+            families = {name: custom for name in families}
+        for family in args.families.split(","):
+            configs = families[family]
+            for W, N in (tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")):
                 key, res = sweep_cell(shape, W, N, family, configs, args.capacity, device, timer, print)
                 if not res:
                     continue
@@ -89,6 +108,12 @@ def main(argv=None) -> int:
             print(f"{key}: {cfg}")
         if args.out_dir and table.entries:
             path = os.path.join(args.out_dir, algo, "tuned", "h200.json")
+            if os.path.exists(path):  # entries this sweep did not retime stay as they were
+                with open(path) as f:
+                    for k, d in json.load(f)["entries"].items():
+                        if k not in table.entries:
+                            table.entries[k] = KernelConfig.from_dict(d)
+                            extra[algo][k] = {x: d[x] for x in ("us", "rows") if x in d}
             table.save(path, extra[algo])
             print(f"wrote {path}")
     return 0

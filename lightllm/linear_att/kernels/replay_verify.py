@@ -30,7 +30,7 @@ and the coefficients are taken relative to S_h with an empty history; the window
 positions < h, so no program overwrites a record another program (another V tile, another value head of the key
 group) still reads; the forward, a later launch, reads the S_h the prepare wrote.
 
-Projection (W > 1 only; plain decode W = 1 is one straight-line constexpr path, two reductions per operand):
+Plain decode (W = 1) skips both launches: `kernels/replay_decode.py` does it in one. Projection (W > 1):
 "inline" contracts the operands token by token as CUDA-core reductions (no tensor cores, no layout conversion
 of the state tile); "precompute" contracts all 2W coefficient rows at once as tensor-core dots (one 16-row dot
 covers W <= 8). Every contraction that can feed u (hence the state) runs in tf32x3 or fp32.
@@ -49,6 +49,7 @@ from lightllm.linear_att.kernels.common import (
     l2norm_rows,
     sigmoid,
 )
+from lightllm.linear_att.kernels.replay_decode import replay_decode_triton
 
 
 @triton.jit
@@ -289,13 +290,7 @@ def replay_forward_kernel(
     p_o = o + i_n * stride_o_n + i_hv * V + o_v
     p_ru = hist_u + slot * stride_hu_s + buf * stride_hu_b + h * stride_hu_l + i_hv * V + o_v
 
-    if WMAX == 1:
-        # plain decode: straight line, two coefficient rows
-        b_u = _contract(b_s, b_hu, b_v, p_c, o_k, m_k & live, o_l, m_l, o_w, m_w, K, L)
-        b_o = _contract(b_s, b_hu, b_v, p_c + stride_c_r, o_k, m_k & live, o_l, m_l, o_w, m_w, K, L)
-        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
-        tl.store(p_ru, b_u, mask=m_v & live)
-    elif PRECOMPUTE:
+    if PRECOMPUTE:
         # every row at once: [BR, K + L + W] coefficients x [S0; U; v] as tensor-core dots
         o_r = tl.arange(0, BR)
         i_t = tl.where(o_r < WMAX, o_r, o_r - WMAX)  # the token of row r
@@ -386,11 +381,35 @@ def replay_verify_triton(
     assert ssm.dim() == 4 and ssm.shape[1:] == (HV, K, V) and ssm.stride(1) == K * V and ssm.stride(3) == 1
     _check_history(hist_k, hist_u, hist_g, H, HV, K, V, GK, leading=1)
     cfg = config or replay_config(ssm.dtype, v.dtype, H, HV, K, V, GK, WMAX, L, projection, ssm.device)
+    BV = block_v(cfg, V, ssm.device)
+    scale = K**-0.5 if scale is None else scale
+    if WMAX == 1:
+        return replay_decode_triton(
+            q,
+            k,
+            v,
+            graw,
+            braw,
+            A_log,
+            dt_bias,
+            ssm,
+            hist_k,
+            hist_u,
+            hist_g,
+            cursor,
+            parity,
+            slots,
+            widths,
+            scale=scale,
+            lower_bound=lower_bound,
+            block_v=BV,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     o = torch.empty_like(v)
     if N == 0:
         return o
     coef = _coef_scratch(N, HV, WMAX, K, L, ssm.device)
-    BV = block_v(cfg, V, ssm.device)
     BK = triton.next_power_of_2(K)
     BL = max(16, triton.next_power_of_2(L))
     # tensor-core dots need 16 rows on the GPU; the interpreter keeps the blocks minimal
@@ -412,7 +431,7 @@ def replay_verify_triton(
         slots,
         widths,
         coef,
-        K**-0.5 if scale is None else scale,
+        scale,
         lower_bound,
         q.stride(0),
         q.stride(1),

@@ -91,6 +91,9 @@ FP16 = (torch.float16, torch.float16, 2e-3)
 CASES = [
     # (shape, max_width, capacity, projection, num_rounds, dtypes): every live row folds at least once
     pytest.param(SHAPES[1], 1, 4, "inline", 6, FP32, id="fp32-gdn-G2-W1-L4-inline"),
+    pytest.param(SHAPES[2], 1, 8, "inline", 10, FP32, id="fp32-gdn-G4-W1-L8"),
+    pytest.param(SHAPES[3], 1, 4, "inline", 6, FP32, id="fp32-kda-G1-W1-L4"),
+    pytest.param(SHAPES[4], 1, 4, "inline", 6, FP16, id="fp16-kdasafe-G2-W1-L4"),
     pytest.param(SHAPES[2], 2, 4, "precompute", 5, FP32, id="fp32-gdn-G4-W2-L4-precompute"),
     pytest.param(SHAPES[0], 4, 4, "inline", 3, FP32, id="fp32-gdn-G1-W4-L4-inline"),
     pytest.param(SHAPES[1], 4, 8, "precompute", 5, FP32, id="fp32-gdn-G2-W4-L8-precompute"),

@@ -1,0 +1,222 @@
+"""Replay plain decode (W = 1) in one launch: read the canonical state S0 and the committed history, write only the
+new record and, on a fold, the state tile this program owns.
+
+One program per (V tile, row, value head). With `h = cursor[slot]` committed records in buffer `p = parity[slot]`
+and the token's cumulative gate `G = G_h + g`:
+
+    u = beta (v - S0^T (e^G k_hat) - sum_j u_j c_j(k_hat)),    c_j(x) = (e^{G_h - G_j} k_hat_j) . (e^g x)
+    o = S0^T (e^G q_hat) + sum_j u_j c_j(q_hat) + u (k_hat . q_hat)
+
+so S0 is contracted with two vectors and never written, and the history adds `h` fp32 rows of the tile's columns.
+The per-(row, head) scalars (l2norm, gates, history weights) are recomputed by each V tile from L2: cheaper than
+a second launch and a coefficient round trip through memory.
+
+Fold, decided per row on the device (`h + 1 > L`): each program rebuilds S_h on its own `[K, BV]` columns as
+`e^{G_h} S0 + sum_j (e^{G_h - G_j} k_hat_j) u_j^T` (fp32 FMAs, records streamed one by one, so the fold costs no
+registers beyond the tile), writes it rounded to the state dtype and continues from the rounded value with an
+empty history. Only this program reads those columns, and the record goes to position 0 of buffer `1 - p`
+while every reader in the launch reads buffer `p`, so no program overwrites what another still reads. The
+cursor kernel applies the same predicate after the step (`kernels/cursor.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightllm.linear_att.kernels.common import gate_activation, history_weights, l2norm, sigmoid
+
+
+@triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
+@triton.jit
+def replay_decode_kernel(
+    q,
+    k,
+    v,
+    graw,
+    braw,
+    A_log,
+    dt_bias,
+    ssm,
+    hist_k,
+    hist_u,
+    hist_g,
+    cursor,
+    parity,
+    slots,
+    widths,
+    o,
+    scale,
+    lower_bound,
+    stride_q_n,
+    stride_v_n,
+    stride_g_n,
+    stride_b_n,
+    stride_o_n,
+    stride_ssm_s,
+    stride_hk_s,
+    stride_hk_b,
+    stride_hk_l,
+    stride_hu_s,
+    stride_hu_b,
+    stride_hu_l,
+    stride_hg_s,
+    stride_hg_b,
+    stride_hg_l,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    L: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BG: tl.constexpr,
+    BL: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
+    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    i_h = i_hv // (HV // H)
+    live = tl.load(widths + i_n) > 0
+    slot = tl.load(slots + i_n).to(tl.int64)
+    h = tl.load(cursor + slot, mask=live, other=0)
+    par = tl.load(parity + slot, mask=live, other=0).to(tl.int64)
+    fold = live & (h + 1 > L)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_g = tl.arange(0, BG)
+    o_l = tl.arange(0, BL)
+    m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
+    m_kv = m_k[:, None] & m_v[None, :]
+    m_l = live & (o_l < h)
+
+    p_hk = hist_k + slot * stride_hk_s + par * stride_hk_b + i_h * K
+    p_hu = hist_u + slot * stride_hu_s + par * stride_hu_b + i_hv * V
+    p_hg = hist_g + slot * stride_hg_s + par * stride_hg_b + i_hv * GK
+    b_hk = tl.load(p_hk + o_l[:, None] * stride_hk_l + o_k[None, :], mask=m_l[:, None] & m_k[None, :], other=0)
+    b_hg = tl.load(p_hg + o_l[:, None] * stride_hg_l + o_g[None, :], mask=m_l[:, None] & m_g[None, :], other=0)
+    b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] e^{G_h - G_j} k_hat_j, [BG] G_h
+    b_hu = tl.load(p_hu + o_l[:, None] * stride_hu_l + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0)
+
+    p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_kv & live, other=0).to(tl.float32)  # [BK, BV]
+    if fold:
+        # S_h on this tile's columns, rounded once; the window then starts from it with an empty history
+        b_s = b_s * tl.exp(b_gh)[:, None]
+        for j in range(0, h):
+            b_kj = tl.load(p_hk + j * stride_hk_l + o_k, mask=m_k, other=0)
+            b_gj = tl.load(p_hg + j * stride_hg_l + o_g, mask=m_g, other=0)
+            b_uj = tl.load(p_hu + j * stride_hu_l + o_v, mask=m_v, other=0)
+            b_s += (b_kj * tl.exp(b_gh - b_gj))[:, None] * b_uj[None, :]
+        b_sr = b_s.to(p_s.dtype.element_ty)
+        tl.store(p_s, b_sr, mask=m_kv)
+        b_s = b_sr.to(tl.float32)
+        b_hkw = tl.zeros([BL, BK], dtype=tl.float32)
+        b_hu = tl.zeros([BL, BV], dtype=tl.float32)
+        b_gh = tl.zeros([BG], dtype=tl.float32)
+    h = tl.where(fold, 0, h)
+    buf = tl.where(fold, 1 - par, par)
+
+    # the token
+    b_q = l2norm(tl.load(q + i_n * stride_q_n + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)) * scale
+    b_k = l2norm(tl.load(k + i_n * stride_q_n + i_h * K + o_k, mask=m_k, other=0).to(tl.float32))
+    b_v = tl.load(v + i_n * stride_v_n + i_hv * V + o_v, mask=m_v, other=0).to(tl.float32)
+    b_a_log = tl.load(A_log + i_hv).to(tl.float32)
+    b_dt_bias = tl.load(dt_bias + i_hv * GK + o_g, mask=m_g, other=0).to(tl.float32)
+    b_g = tl.load(graw + i_n * stride_g_n + i_hv * GK + o_g, mask=m_g, other=0).to(tl.float32)
+    b_g = tl.where(m_g, gate_activation(b_g, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND), 0.0)  # [BG]
+    b_beta = sigmoid(tl.load(braw + i_n * stride_b_n + i_hv).to(tl.float32))
+    b_G = b_gh + b_g  # cumulative gate since S0: what the record stores
+    b_eg, b_eG = tl.exp(b_g), tl.exp(b_G)
+
+    # S0 contracted with e^G k_hat and e^G q_hat, the history with its weights
+    b_yk = tl.sum(b_s * (b_k * b_eG)[:, None], 0) + tl.sum(b_hu * tl.sum(b_hkw * (b_k * b_eg)[None, :], 1)[:, None], 0)
+    b_u = b_beta * (b_v - b_yk)  # [BV]
+    b_yq = tl.sum(b_s * (b_q * b_eG)[:, None], 0) + tl.sum(b_hu * tl.sum(b_hkw * (b_q * b_eg)[None, :], 1)[:, None], 0)
+    b_o = b_yq + b_u * tl.sum(b_k * b_q, 0)
+
+    tl.store(o + i_n * stride_o_n + i_hv * V + o_v, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
+    # records (one writer each: u per V tile, G per value head, k_hat per key group)
+    tl.store(hist_u + slot * stride_hu_s + buf * stride_hu_b + h * stride_hu_l + i_hv * V + o_v, b_u, mask=m_v & live)
+    first_tile = live & (i_v == 0)
+    p_rg = hist_g + slot * stride_hg_s + buf * stride_hg_b + h * stride_hg_l + i_hv * GK + o_g
+    tl.store(p_rg, b_G, mask=m_g & first_tile)
+    key_owner = first_tile & (i_hv % (HV // H) == 0)
+    p_rk = hist_k + slot * stride_hk_s + buf * stride_hk_b + h * stride_hk_l + i_h * K + o_k
+    tl.store(p_rk, b_k, mask=m_k & key_owner)
+
+
+def replay_decode_triton(
+    q,
+    k,
+    v,
+    graw,
+    braw,
+    A_log,
+    dt_bias,
+    ssm,
+    hist_k,
+    hist_u,
+    hist_g,
+    cursor,
+    parity,
+    slots,
+    widths,
+    *,
+    scale: float,
+    lower_bound: float | None,
+    block_v: int,
+    num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:
+    """The W = 1 case of `replay_verify_triton` (inputs already checked there). Returns o `[N, 1, HV, V]`."""
+    N, _, H, K = q.shape
+    HV, V, GK = v.shape[2], v.shape[3], graw.shape[-1]
+    L = hist_k.shape[2]
+    o = torch.empty_like(v)
+    if N == 0:
+        return o
+    replay_decode_kernel[(triton.cdiv(V, block_v), N, HV)](
+        q,
+        k,
+        v,
+        graw,
+        braw,
+        A_log,
+        dt_bias,
+        ssm,
+        hist_k,
+        hist_u,
+        hist_g,
+        cursor,
+        parity,
+        slots,
+        widths,
+        o,
+        scale,
+        lower_bound,
+        q.stride(0),
+        v.stride(0),
+        graw.stride(0),
+        braw.stride(0),
+        o.stride(0),
+        ssm.stride(0),
+        *hist_k.stride()[:3],
+        *hist_u.stride()[:3],
+        *hist_g.stride()[:3],
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        GK=GK,
+        L=L,
+        BK=triton.next_power_of_2(K),
+        BV=block_v,
+        BG=triton.next_power_of_2(GK),
+        BL=triton.next_power_of_2(L),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return o
