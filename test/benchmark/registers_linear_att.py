@@ -21,6 +21,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from lightllm.linear_att.kernels import replay_decode as rd  # noqa: E402
 from lightllm.linear_att.kernels import replay_verify as rv  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -67,6 +68,12 @@ def ptxas_report(jit_fn, constants: dict, num_warps: int) -> str:
     return f"{regs} | {spill}"
 
 
+def decode(L: int, GK: int, H: int, HV: int, BV: int, num_warps: int) -> str:
+    c = dict(H=H, HV=HV, K=128, V=128, GK=GK, L=L, BK=128, BV=BV, BG=triton.next_power_of_2(GK), BL=L)
+    c.update(USE_LOWER_BOUND=False, lower_bound=None)
+    return ptxas_report(rd.replay_decode_kernel.fn, c, num_warps)
+
+
 def forward(W: int, L: int, BV: int, num_warps: int, precompute: bool) -> str:
     pre = precompute and W > 1
     c = dict(K=128, V=128, L=L, WMAX=W, BK=128, BV=BV, BL=max(16, L), PRECOMPUTE=pre, PRECISION="tf32x3")
@@ -91,6 +98,9 @@ def main(argv=None) -> int:
     print(f"# sm_90 register allocation (ptxas -v), triton {triton.__version__}, K = V = 128\n")
     print("| kernel | W | L | config | registers | spill stores (bytes) |\n|---|---|---|---|---|---|")
     for L in Ls:
+        for algo, GK, H, HV in (("GDN", 1, 16, 32), ("KDA", 128, 32, 32)):
+            for BV, nw in ((64, 2), (32, 2), (64, 4), (32, 4)):
+                print(f"| decode {algo} | 1 | {L} | BV={BV} {nw} warps | {decode(L, GK, H, HV, BV, nw)} |", flush=True)
         for W in Ws:
             for algo, GK, H, HV in (("GDN", 1, 16, 32), ("KDA", 128, 32, 32)):
                 nw = rv.prepare_num_warps(GK)

@@ -4,7 +4,10 @@
 
 For W > 1 a step is `replay_prepare_kernel` + `replay_forward_kernel` + the cursor kernel; this times the step,
 then the step with the forward launch left out, then with the prepare launch left out (the forward then reads
-the coefficients an earlier call left in the scratch buffer, which is the same work). Same method as
+the coefficients an earlier call left in the scratch buffer, which is the same work). For W = 1 (one launch,
+`replay_decode_kernel`) it times the step with the cursor cycling through fold cycles, then the kernel alone
+with the cursor pinned at 0 (no history, no fold) and at L - 1 (a full history, no fold); for W > 1 the same
+pinned rows come before the launch split. Same method as
 `bench_linear_att.py` (CUDA graphs over pools rotated beyond L2), so the rows add up to the benchmark's cells.
 """
 
@@ -32,10 +35,29 @@ class _Skipped:
         return lambda *args, **kwargs: None
 
 
+def pinned_rows(shape, inp, N, W, L, device, timer, floor, projection="inline") -> None:
+    """The amortised step, then the verify launches alone at a pinned cursor: 0 (no history, no fold) and L - W
+    (a full history, no fold)."""
+    cells = {"cycling": timer(bench.replay_steps(shape, inp, N, W, L, torch.float32, projection, device))}
+    for pinned in (0, L - W):
+        steps = []
+        for r in range(bench.num_pools(N * shape.HV * shape.K * shape.V * 4, device)):
+            ssm, hist, cursor, parity = bench.replay_buffers(shape, N, L, torch.float32, device, seed=r + 1)
+            cursor.fill_(pinned)
+            steps.append(
+                lambda ssm=ssm, hist=hist, cursor=cursor, parity=parity: rv.replay_verify_triton(
+                    *inp.args, ssm, *hist, cursor, parity, inp.slots, inp.widths, projection=projection
+                )
+            )
+        cells[f"h={pinned}"] = timer(steps)
+    text = " | ".join(f"{k} {v:.1f}" for k, v in cells.items())
+    print(f"| {shape.name} | {W} | {N} | {projection}, pinned | {text} | | {floor:.1f} |", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qwen3-next-tp1,kimi-linear-tp1")
-    p.add_argument("--ws", default="2,4")
+    p.add_argument("--ws", default="1,2,4")
     p.add_argument("--ns", default="128")
     p.add_argument("--capacity", type=int, default=16)
     p.add_argument("--projections", default="inline,precompute")
@@ -51,7 +73,11 @@ def main(argv=None) -> int:
             for N in (int(n) for n in args.ns.split(",")):
                 inp = bench.make_inputs(shape, N, W, torch.bfloat16, device)
                 floor = N * shape.HV * shape.K * shape.V * 4 / bw * 1e6
+                if W == 1:
+                    pinned_rows(shape, inp, N, W, args.capacity, device, timer, floor)
+                    continue
                 for projection in args.projections.split(","):
+                    pinned_rows(shape, inp, N, W, args.capacity, device, timer, floor, projection)
                     cell = (shape, inp, N, W, args.capacity, torch.float32, projection, device)
                     full = timer(bench.replay_steps(*cell))
                     with mock.patch.object(rv, "replay_forward_kernel", _Skipped()):
