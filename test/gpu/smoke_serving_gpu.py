@@ -5,7 +5,11 @@
 For each architecture it generates greedy text with the offline `LLM` API on CUDA (fp32 activations, fp32 state,
 ieee dots so the comparison is exact) in native / compact / replay, without speculation, with MTP (Qwen) and with
 n-gram drafts, and compares the token ids with transformers' greedy decoding on the CPU. Then it starts the HTTP
-server on CUDA in replay mode with MTP and sends one chat completion. Prints one table; exits 1 on any mismatch.
+server on CUDA in replay mode with MTP and sends one chat completion. `--real-width` adds a random-weight
+checkpoint at Qwen3-Next TP1 width (4 layers, bf16, the layout of `check_models_gpu.py`) served in each mode with
+MTP: 8 concurrent prompts of 300 tokens, 64 new tokens each; it checks that every request finishes with the
+requested length and reports tokens/s and the mean accepted length (random weights make the drafts poor, so the
+acceptance is low; text equality across modes is not expected in bf16). Prints one table; exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 # exact fp32 dots inside fla's chunk kernels for a token-exact comparison (set before fla is imported)
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
@@ -47,6 +52,40 @@ def _run_llm(model_dir: str, mode: str, spec: dict, max_tokens: int, device: str
     if close is not None:
         close()
     return ids, seconds, prompt_ids
+
+
+def _real_width_rows(root: str, modes: list[str], device: str) -> list[str]:
+    """Serve the real-width random-weight checkpoint in each mode with MTP (bf16); one table row per mode."""
+    from check_models_gpu import real_width_checkpoint
+
+    from lightllm import LLM, SamplingParams
+
+    model_dir = real_width_checkpoint(root)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 4000, (300,), generator=gen).tolist() for _ in range(8)]
+    rows = []
+    for mode in modes:
+        try:
+            llm = LLM(model_dir, device=device, data_type="bfloat16", ssm_state_mode=mode, mtp_step=2,
+                      max_total_token_num=16384, max_running_requests=8)  # fmt: skip
+            params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            seconds = time.perf_counter() - start
+            lengths = [len(o.outputs[0].token_ids) for o in outs]
+            st = llm.engine.stats
+            accepted = (st.num_accepted_draft_tokens + st.num_spec_windows) / max(1, st.num_spec_windows)
+            ok = lengths == [64] * len(prompts)
+            status = "ok" if ok else f"FAIL lengths {lengths}"
+            rows.append(f"| {mode} | {sum(lengths) / seconds:.0f} | {accepted:.2f} | {status} |")
+            close = getattr(llm, "shutdown", None) or getattr(llm, "close", None)
+            if close is not None:
+                close()
+        except Exception as exc:  # noqa: BLE001 - report every mode
+            rows.append(f"| {mode} | - | - | ERROR {exc!r} |"[:200])
+        print(rows[-1], flush=True)
+    return rows
 
 
 def _free_port() -> int:
@@ -106,6 +145,8 @@ def main() -> int:
     p.add_argument("--modes", default="native,compact,replay")
     p.add_argument("--specs", default="none,ngram,mtp")
     p.add_argument("--skip-http", action="store_true")
+    p.add_argument("--real-width", action="store_true", help="also serve a random-weight Qwen3-Next-width model")
+    p.add_argument("--skip-tiny", action="store_true")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script without a GPU")
     args = p.parse_args()
     from lightllm.tools.make_tiny_model import tiny_model_dir
@@ -113,7 +154,7 @@ def main() -> int:
     failures = 0
     print("\n| arch | mode | speculation | tokens equal to transformers | generate s | status |")
     print("|---|---|---|---|---|---|", flush=True)
-    for arch in args.archs.split(","):
+    for arch in [] if args.skip_tiny else args.archs.split(","):
         model_dir = str(tiny_model_dir(arch))
         specs = {"none": {}, "ngram": {"spec_ngram": 3}}
         if HAS_MTP[arch]:
@@ -136,6 +177,14 @@ def main() -> int:
                 failures += not ok
                 # printed as it goes: a run cut short by its time limit still shows every finished cell
                 print(f"| {arch} | {mode} | {spec_name} | {match}/{total} | {seconds:.2f} | {status} |", flush=True)
+    if args.real_width:
+        import tempfile
+
+        print("\n| real width, mode (mtp_step=2, bf16) | tokens/s | mean accepted length | status |")
+        print("|---|---|---|---|", flush=True)
+        with tempfile.TemporaryDirectory() as root:
+            rows = _real_width_rows(root, args.modes.split(","), args.device)
+        failures += sum("| ok |" not in r for r in rows)
     if not args.skip_http:
         result = _http_smoke(str(tiny_model_dir("qwen3_next")), args.device)
         print(f"\nHTTP server on CUDA (qwen3_next, replay, mtp_step=2): {result}")
