@@ -160,6 +160,39 @@ def test_replay_rounds_match_twin(shape, projection, state_dtype):
         twin.poison_dead()
 
 
+DECODE_SHAPES = [
+    *SHAPES,
+    pytest.param(("gdn", 2, 4, 16, 16), id="tiny-gdn"),
+    pytest.param(("kda", 2, 2, 16, 16), id="tiny-kda"),
+]
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+@pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16], ids=["fp32-act", "bf16-act"])
+@pytest.mark.parametrize("W", [1, 2, 4])
+def test_replay_short_windows_match_twin(shape, act_dtype, W):
+    """Plain decode (W = 1, the one-launch kernel) and short verify windows at capacity 4 (a fold every round or
+    two), small and real head shapes, against the torch twin."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    N, L, num_slots = 24, 4, 30
+    rep = Replay(shape, num_slots, L, torch.float32, gen)
+    twin = rep.clone()
+    slots, _, _ = _rows(N, W, gen, num_slots)
+    for r in range(11):
+        args = _inputs(shape, N, W, gen, act_dtype)
+        _, widths, accepted = _rows(N, W, gen, num_slots)
+        o = _replay_step(rep, args, slots, widths, accepted, "inline")
+        o_t = _replay_step(twin, args, slots, widths, accepted, "inline", backend="torch")
+        assert not o.isnan().any(), f"round {r}: NaN (a poisoned record leaked)"
+        assert_rel_close(f"round {r} o", o.float(), o_t.float(), 2e-2 if act_dtype == torch.bfloat16 else 1e-4)
+        assert_rel_close(f"round {r} ssm", rep.ssm, twin.ssm, 1e-5)
+        for name, a, b in zip(("hist_k", "hist_u", "hist_g"), rep.hist, twin.hist):
+            assert_rel_close(f"round {r} {name}", a.nan_to_num(), b.nan_to_num(), 1e-4)
+        assert torch.equal(rep.cursor, twin.cursor) and torch.equal(rep.parity, twin.parity)
+        rep.poison_dead()
+        twin.poison_dead()
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_cuda_graph_replay_equals_eager_over_fold_cycles(shape):
     """verify + accept captured once; 12 replays (several folds per row) == 12 eager steps, bitwise."""

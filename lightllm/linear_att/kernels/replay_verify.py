@@ -414,6 +414,9 @@ def replay_verify_triton(
     BL = max(16, triton.next_power_of_2(L))
     # tensor-core dots need 16 rows on the GPU; the interpreter keeps the blocks minimal
     pad = 16 if ssm.is_cuda else 1
+    # window blocks of at least 4 rows on the GPU: Triton 3.6 miscompiled the GDN prepare at 2 rows (K = 16, one
+    # gate per head; the test is test_replay_short_windows_match_twin); padded rows are masked like any row >= W
+    min_rows = 4 if ssm.is_cuda else 1
     precompute = projection == "precompute" and WMAX > 1
     replay_prepare_kernel[(N, HV)](
         q,
@@ -454,7 +457,7 @@ def replay_verify_triton(
         BK=BK,
         BG=triton.next_power_of_2(GK),
         BL=BL,
-        BW=triton.next_power_of_2(WMAX),
+        BW=max(min_rows, triton.next_power_of_2(WMAX)),
         BVF=16 if ssm.is_cuda else BV,
         FOLD_PRECISION="tf32x3",
         num_warps=prepare_num_warps(GK) if ssm.is_cuda else 1,
@@ -484,7 +487,7 @@ def replay_verify_triton(
         BK=BK,
         BV=BV,
         BL=BL,
-        BWV=max(pad if precompute else 1, triton.next_power_of_2(WMAX)),
+        BWV=max(pad if precompute else min_rows, triton.next_power_of_2(WMAX)),
         BR=max(pad, triton.next_power_of_2(2 * WMAX)),
         PRECOMPUTE=precompute,
         PRECISION="tf32x3",
