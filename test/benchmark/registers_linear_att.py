@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from lightllm.linear_att.kernels import replay_decode as rd  # noqa: E402
 from lightllm.linear_att.kernels import replay_verify as rv  # noqa: E402
+from lightllm.linear_att.kernels import replay_window as rw  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -74,17 +75,22 @@ def decode(L: int, GK: int, H: int, HV: int, BV: int, num_warps: int) -> str:
     return ptxas_report(rd.replay_decode_kernel.fn, c, num_warps)
 
 
-def forward(W: int, L: int, BV: int, num_warps: int, precompute: bool) -> str:
-    pre = precompute and W > 1
-    c = dict(K=128, V=128, L=L, WMAX=W, BK=128, BV=BV, BL=max(16, L), PRECOMPUTE=pre, PRECISION="tf32x3")
-    c["BWV"] = max(16 if pre else 1, triton.next_power_of_2(W))
-    c["BR"] = max(16, triton.next_power_of_2(2 * W))
+def window(W: int, L: int, GK: int, H: int, HV: int, BV: int, num_warps: int) -> str:
+    c = dict(H=H, HV=HV, K=128, V=128, GK=GK, L=L, WMAX=W, BK=128, BV=BV, BG=triton.next_power_of_2(GK))
+    c.update(BL=max(16, L), BW=max(8, W), USE_LOWER_BOUND=False, lower_bound=None, PRECISION="ieee")
+    return ptxas_report(rw.replay_window_kernel.fn, c, num_warps)
+
+
+def forward(W: int, L: int, BV: int, num_warps: int) -> str:
+    c = dict(K=128, V=128, L=L, WMAX=W, BK=128, BV=BV, BL=max(16, L), BWV=max(4, triton.next_power_of_2(W)))
     return ptxas_report(rv.replay_forward_kernel, c, num_warps)
 
 
 def prepare(W: int, L: int, GK: int, H: int, HV: int) -> str:
     c = dict(H=H, HV=HV, K=128, V=128, GK=GK, L=L, WMAX=W, BK=128, BG=triton.next_power_of_2(GK), BL=max(16, L))
-    c.update(BW=triton.next_power_of_2(W), BVF=16, USE_LOWER_BOUND=False, FOLD_PRECISION="tf32x3", lower_bound=None)
+    c.update(
+        BW=max(4, triton.next_power_of_2(W)), BVF=16, USE_LOWER_BOUND=False, FOLD_PRECISION="tf32x3", lower_bound=None
+    )
     return ptxas_report(rv.replay_prepare_kernel.fn, c, rv.prepare_num_warps(GK))
 
 
@@ -105,11 +111,14 @@ def main(argv=None) -> int:
             for algo, GK, H, HV in (("GDN", 1, 16, 32), ("KDA", 128, 32, 32)):
                 nw = rv.prepare_num_warps(GK)
                 print(f"| prepare {algo} | {W} | {L} | {nw} warps | {prepare(W, L, GK, H, HV)} |", flush=True)
-            modes = (False,) if W == 1 else (False, True)
-            for pre in modes:
-                for BV, nw in ((32, 4), (16, 2), (64, 8)):
-                    name = "forward" + ("" if W == 1 else (" precompute" if pre else " inline"))
-                    print(f"| {name} | {W} | {L} | BV={BV} {nw} warps | {forward(W, L, BV, nw, pre)} |", flush=True)
+            if W == 1:
+                continue  # plain decode is `decode` above
+            for BV, nw in ((32, 4), (16, 2), (64, 8)):
+                print(f"| forward inline | {W} | {L} | BV={BV} {nw} warps | {forward(W, L, BV, nw)} |", flush=True)
+            for algo, GK, H, HV in (("GDN", 1, 16, 32), ("KDA", 128, 32, 32)):
+                for BV, nw in ((32, 4), (64, 4), (64, 8), (32, 2), (16, 2)):
+                    regs = window(W, L, GK, H, HV, BV, nw)
+                    print(f"| window (precompute) {algo} | {W} | {L} | BV={BV} {nw} warps | {regs} |", flush=True)
     return 0
 
 

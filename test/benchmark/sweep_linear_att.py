@@ -28,19 +28,19 @@ import bench_linear_att as bench  # noqa: E402
 from lightllm.linear_att import autotune  # noqa: E402
 from lightllm.linear_att.autotune import KernelConfig  # noqa: E402
 
-SERIAL = [KernelConfig(16, 2, 1), KernelConfig(32, 4, 1), KernelConfig(32, 2, 1), KernelConfig(64, 8, 1)]
+SERIAL = [KernelConfig(64, 2, 1), KernelConfig(32, 4, 1), KernelConfig(32, 2, 1), KernelConfig(64, 4, 1)]
 REPLAY = [
     KernelConfig(32, 4, 1),
-    KernelConfig(16, 2, 1),
+    KernelConfig(64, 8, 1),
+    KernelConfig(64, 2, 1),
     KernelConfig(32, 2, 1),
     KernelConfig(64, 4, 1),
-    KernelConfig(64, 8, 1),
     KernelConfig(128, 8, 1),
 ]
 
 
-def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log):
-    """Time each config of one family at one (shape, W, N); returns {config: µs}."""
+def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, projection="inline"):
+    """Time each config of one family (and replay projection) at one (shape, W, N); returns {config: µs}."""
     act = torch.bfloat16
     inp = bench.make_inputs(shape, N, W, act, device)
     key_args = (device, torch.float32, act, shape.H, shape.HV, shape.K, shape.V, shape.GK, W)
@@ -48,8 +48,8 @@ def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log):
         key = autotune.make_key("serial", *key_args)
         build = lambda: bench.native_steps(shape, inp, N, W, torch.float32, device)  # noqa: E731
     else:
-        key = autotune.make_key("replay", *key_args, capacity, "inline")
-        build = lambda: bench.replay_steps(shape, inp, N, W, capacity, torch.float32, "inline", device)  # noqa: E731
+        key = autotune.make_key("replay", *key_args, capacity, projection)
+        build = lambda: bench.replay_steps(shape, inp, N, W, capacity, torch.float32, projection, device)  # noqa: E731
     out = {}
     for cfg in configs:
         try:
@@ -62,7 +62,8 @@ def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log):
             steps = None
             torch.cuda.empty_cache()
         if cfg in out:
-            log(f"  {shape.name} {family} W={W} N={N} bv={cfg.block_v} nw={cfg.num_warps}: {out[cfg]:.1f} us")
+            tag = f"{family} ({projection})" if family == "replay" and W > 1 else family
+            log(f"  {shape.name} {tag} W={W} N={N} bv={cfg.block_v} nw={cfg.num_warps}: {out[cfg]:.1f} us")
     return key, out
 
 
@@ -89,19 +90,22 @@ def main(argv=None) -> int:
         for family in args.families.split(","):
             configs = families[family]
             for W, N in (tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")):
-                key, res = sweep_cell(shape, W, N, family, configs, args.capacity, device, timer, print)
-                if not res:
-                    continue
-                best = min(res, key=res.get)
-                tables[shape.algo].put(key, best)
-                extra[shape.algo][key.to_str()] = {"us": round(res[best], 2), "rows": N}
-                # precompute projection: same tiling as inline (its dots need BV >= 16, which every config has)
-                if family == "replay":
-                    pkey = autotune.make_key(
-                        "replay", device, torch.float32, torch.bfloat16, shape.H, shape.HV, shape.K, shape.V,
-                        shape.GK, W, args.capacity, "precompute",
-                    )  # fmt: skip
-                    tables[shape.algo].put(pkey, best)
+                # plain decode has one kernel; for W > 1 "inline" (prepare + forward) and "precompute" (one launch)
+                # are different kernels, each tuned for itself
+                projections = ("inline", "precompute") if family == "replay" and W > 1 else ("inline",)
+                for projection in projections:
+                    key, res = sweep_cell(shape, W, N, family, configs, args.capacity, device, timer, print, projection)
+                    if not res:
+                        continue
+                    best = min(res, key=res.get)
+                    tables[shape.algo].put(key, best)
+                    extra[shape.algo][key.to_str()] = {"us": round(res[best], 2), "rows": N}
+                    if family == "replay" and W == 1:  # the same kernel under either projection name
+                        pkey = autotune.make_key(
+                            "replay", device, torch.float32, torch.bfloat16, shape.H, shape.HV, shape.K, shape.V,
+                            shape.GK, W, args.capacity, "precompute",
+                        )  # fmt: skip
+                        tables[shape.algo].put(pkey, best)
         print(f"[{time.time() - t0:.0f} s] {name} done", flush=True)
     for algo, table in tables.items():
         for key, cfg in sorted(table.entries.items()):

@@ -169,8 +169,10 @@ DECODE_SHAPES = [
 
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16], ids=["fp32-act", "bf16-act"])
-@pytest.mark.parametrize("W", [1, 2, 4])
-def test_replay_short_windows_match_twin(shape, act_dtype, W):
+@pytest.mark.parametrize(
+    ("W", "projection"), [(1, "inline"), (2, "inline"), (2, "precompute"), (4, "inline"), (4, "precompute")]
+)
+def test_replay_short_windows_match_twin(shape, act_dtype, W, projection):
     """Plain decode (W = 1, the one-launch kernel) and short verify windows at capacity 4 (a fold every round or
     two), small and real head shapes, against the torch twin."""
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -181,8 +183,8 @@ def test_replay_short_windows_match_twin(shape, act_dtype, W):
     for r in range(11):
         args = _inputs(shape, N, W, gen, act_dtype)
         _, widths, accepted = _rows(N, W, gen, num_slots)
-        o = _replay_step(rep, args, slots, widths, accepted, "inline")
-        o_t = _replay_step(twin, args, slots, widths, accepted, "inline", backend="torch")
+        o = _replay_step(rep, args, slots, widths, accepted, projection)
+        o_t = _replay_step(twin, args, slots, widths, accepted, projection, backend="torch")
         assert not o.isnan().any(), f"round {r}: NaN (a poisoned record leaked)"
         assert_rel_close(f"round {r} o", o.float(), o_t.float(), 2e-2 if act_dtype == torch.bfloat16 else 1e-4)
         assert_rel_close(f"round {r} ssm", rep.ssm, twin.ssm, 1e-5)

@@ -117,9 +117,26 @@ def fold_state(b_s, b_hkw, b_hu, b_gh, PRECISION: tl.constexpr):
     return b_s * tl.exp(b_gh)[:, None] + tl.dot(tl.trans(b_hkw), b_hu, input_precision=PRECISION)
 
 
+@triton.jit
+def fold_tile_from_records(
+    b_s, b_gh, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, o_k, m_k, o_g, m_g, o_v, m_v
+):
+    """S_h = diag(e^{G_h}) S_0 + sum_j (e^{G_h - G_j} k_hat_j) u_j^T on one `[BK, BV]` fp32 tile, streaming the `h`
+    records one by one (fp32 FMAs, no registers beyond the tile). `p_hk / p_hg / p_hu` point at record 0 of one
+    buffer (key head / value head / value head); `b_gh [BG]` is G_h."""
+    b_s = b_s * tl.exp(b_gh)[:, None]
+    for j in range(0, h):
+        b_kj = tl.load(p_hk + j * stride_l + o_k, mask=m_k, other=0)
+        b_gj = tl.load(p_hg + j * stride_gl + o_g, mask=m_g, other=0)
+        b_uj = tl.load(p_hu + j * stride_ul + o_v, mask=m_v, other=0)
+        b_s += (b_kj * tl.exp(b_gh - b_gj))[:, None] * b_uj[None, :]
+    return b_s
+
+
 __all__ = [
     "delta_rule_step",
     "fold_state",
+    "fold_tile_from_records",
     "gate_activation",
     "history_weights",
     "l2norm",

@@ -25,7 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from lightllm.linear_att.kernels.common import gate_activation, history_weights, l2norm, sigmoid
+from lightllm.linear_att.kernels.common import (
+    fold_tile_from_records,
+    gate_activation,
+    history_weights,
+    l2norm,
+    sigmoid,
+)
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
@@ -104,12 +110,9 @@ def replay_decode_kernel(
     b_s = tl.load(p_s, mask=m_kv & live, other=0).to(tl.float32)  # [BK, BV]
     if fold:
         # S_h on this tile's columns, rounded once; the window then starts from it with an empty history
-        b_s = b_s * tl.exp(b_gh)[:, None]
-        for j in range(0, h):
-            b_kj = tl.load(p_hk + j * stride_hk_l + o_k, mask=m_k, other=0)
-            b_gj = tl.load(p_hg + j * stride_hg_l + o_g, mask=m_g, other=0)
-            b_uj = tl.load(p_hu + j * stride_hu_l + o_v, mask=m_v, other=0)
-            b_s += (b_kj * tl.exp(b_gh - b_gj))[:, None] * b_uj[None, :]
+        b_s = fold_tile_from_records(
+            b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, o_k, m_k, o_g, m_g, o_v, m_v
+        )
         b_sr = b_s.to(p_s.dtype.element_ty)
         tl.store(p_s, b_sr, mask=m_kv)
         b_s = b_sr.to(tl.float32)

@@ -1,5 +1,5 @@
-"""Replay decode/verify as PREPARE + FORWARD: read the canonical state S0 and the committed history, never write
-S0 except on a fold.
+"""Replay decode/verify entry point, and the "inline" projection as PREPARE + FORWARD: read the canonical state S0
+and the committed history, never write S0 except on a fold.
 
 With `h = cursor[slot]` committed records in buffer `p = parity[slot]` (k_hat_j per key head, u_j per value head,
 cumulative gate G_j since S0, all fp32) and the window's cumulative gates G_s (through token s), token s needs
@@ -15,8 +15,8 @@ beta -- not on S0, U or v:
     u = M v - (M X_k) S0 - (M A_k) U,      M = (I + diag(beta) B_k)^{-1} diag(beta)
     o = (B_q M) v + (X_q - B_q M X_k) S0 + (A_q - B_q M A_k) U
 
-`replay_prepare_kernel` (one program per (row, value head)) computes those coefficients once -- l2norm, gates,
-cumulative decays, history weights, the triangular solve -- into an fp32 scratch `coef [N, HV, 2 Wmax, K + L +
+For the "inline" projection, `replay_prepare_kernel` (one program per (row, value head)) computes those
+coefficients once -- l2norm, gates, cumulative decays, history weights, the triangular solve -- into an fp32 scratch `coef [N, HV, 2 Wmax, K + L +
 Wmax]` (rows 0..Wmax-1: u_s, rows Wmax..2Wmax-1: o_s; columns: S0 rows | committed records | window v rows), and
 writes the window's k_hat (one writer per key group) and G records. `replay_forward_kernel` (one program per (V
 tile, row, value head)) is then a lean state read: contract the S0 tile, the u records and the v rows with the
@@ -30,10 +30,11 @@ and the coefficients are taken relative to S_h with an empty history; the window
 positions < h, so no program overwrites a record another program (another V tile, another value head of the key
 group) still reads; the forward, a later launch, reads the S_h the prepare wrote.
 
-Plain decode (W = 1) skips both launches: `kernels/replay_decode.py` does it in one. Projection (W > 1):
-"inline" contracts the operands token by token as CUDA-core reductions (no tensor cores, no layout conversion
-of the state tile); "precompute" contracts all 2W coefficient rows at once as tensor-core dots (one 16-row dot
-covers W <= 8). Every contraction that can feed u (hence the state) runs in tf32x3 or fp32.
+Which kernels run: plain decode (W = 1) is one launch, `kernels/replay_decode.py`, under either projection. For
+W > 1, "inline" is the prepare + forward pair below (the forward contracts the operands token by token as
+CUDA-core reductions, no layout conversion of the state tile), and "precompute" is one launch,
+`kernels/replay_window.py`, which builds the window's coefficient rows in registers and contracts the state with
+all of them at once as dots. Every contraction that can feed u (hence the state) runs in tf32x3 or fp32.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from lightllm.linear_att.kernels.common import (
     sigmoid,
 )
 from lightllm.linear_att.kernels.replay_decode import replay_decode_triton
+from lightllm.linear_att.kernels.replay_window import replay_window_triton
 
 
 @triton.jit
@@ -257,9 +259,6 @@ def replay_forward_kernel(
     BV: tl.constexpr,
     BL: tl.constexpr,
     BWV: tl.constexpr,
-    BR: tl.constexpr,
-    PRECOMPUTE: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     width = tl.load(widths + i_n)
@@ -290,33 +289,14 @@ def replay_forward_kernel(
     p_o = o + i_n * stride_o_n + i_hv * V + o_v
     p_ru = hist_u + slot * stride_hu_s + buf * stride_hu_b + h * stride_hu_l + i_hv * V + o_v
 
-    if PRECOMPUTE:
-        # every row at once: [BR, K + L + W] coefficients x [S0; U; v] as tensor-core dots
-        o_r = tl.arange(0, BR)
-        i_t = tl.where(o_r < WMAX, o_r, o_r - WMAX)  # the token of row r
-        m_r = (o_r < 2 * WMAX) & (i_t < width)
-        p_r = p_c + o_r[:, None] * stride_c_r
-        b_cs = tl.load(p_r + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)  # [BR, BK]
-        b_ch = tl.load(p_r + K + o_l[None, :], mask=m_r[:, None] & m_l[None, :], other=0)  # [BR, BL]
-        b_cv = tl.load(p_r + K + L + o_w[None, :], mask=m_r[:, None] & m_w[None, :], other=0)  # [BR, BWV]
-        b_y = tl.dot(b_cs, b_s, input_precision=PRECISION)
-        b_y += tl.dot(b_ch, b_hu, input_precision=PRECISION)
-        b_y += tl.dot(b_cv, b_v, input_precision=PRECISION)  # [BR, BV]
-        m_o = (o_r >= WMAX) & (o_r < 2 * WMAX)
-        tl.store(
-            p_o[None, :] + i_t[:, None] * stride_o_w, b_y.to(p_o.dtype.element_ty), mask=m_o[:, None] & m_v[None, :]
-        )
-        m_u = (o_r < WMAX) & m_r
-        tl.store(p_ru[None, :] + i_t[:, None] * stride_hu_l, b_y, mask=m_u[:, None] & m_v[None, :])
-    else:
-        # token by token: CUDA-core reductions, no window loop state
-        for s in range(0, width):
-            b_u = _contract(b_s, b_hu, b_v, p_c + s * stride_c_r, o_k, m_k, o_l, m_l, o_w, m_w, K, L)
-            b_o = _contract(b_s, b_hu, b_v, p_c + (WMAX + s) * stride_c_r, o_k, m_k, o_l, m_l, o_w, m_w, K, L)
-            tl.store(p_o + s * stride_o_w, b_o.to(p_o.dtype.element_ty), mask=m_v)
-            tl.store(p_ru + s * stride_hu_l, b_u, mask=m_v)
-        for s in range(width, WMAX):
-            tl.store(p_o + s * stride_o_w, tl.zeros([BV], dtype=p_o.dtype.element_ty), mask=m_v)
+    # token by token: CUDA-core reductions, no window loop state
+    for s in range(0, width):
+        b_u = _contract(b_s, b_hu, b_v, p_c + s * stride_c_r, o_k, m_k, o_l, m_l, o_w, m_w, K, L)
+        b_o = _contract(b_s, b_hu, b_v, p_c + (WMAX + s) * stride_c_r, o_k, m_k, o_l, m_l, o_w, m_w, K, L)
+        tl.store(p_o + s * stride_o_w, b_o.to(p_o.dtype.element_ty), mask=m_v)
+        tl.store(p_ru + s * stride_hu_l, b_u, mask=m_v)
+    for s in range(width, WMAX):
+        tl.store(p_o + s * stride_o_w, tl.zeros([BV], dtype=p_o.dtype.element_ty), mask=m_v)
 
 
 _SCRATCH: dict[tuple, torch.Tensor] = {}
@@ -383,8 +363,9 @@ def replay_verify_triton(
     cfg = config or replay_config(ssm.dtype, v.dtype, H, HV, K, V, GK, WMAX, L, projection, ssm.device)
     BV = block_v(cfg, V, ssm.device)
     scale = K**-0.5 if scale is None else scale
-    if WMAX == 1:
-        return replay_decode_triton(
+    one_launch = replay_decode_triton if WMAX == 1 else replay_window_triton if projection == "precompute" else None
+    if one_launch is not None:
+        return one_launch(
             q,
             k,
             v,
@@ -412,12 +393,9 @@ def replay_verify_triton(
     coef = _coef_scratch(N, HV, WMAX, K, L, ssm.device)
     BK = triton.next_power_of_2(K)
     BL = max(16, triton.next_power_of_2(L))
-    # tensor-core dots need 16 rows on the GPU; the interpreter keeps the blocks minimal
-    pad = 16 if ssm.is_cuda else 1
     # window blocks of at least 4 rows on the GPU: Triton 3.6 miscompiled the GDN prepare at 2 rows (K = 16, one
     # gate per head; the test is test_replay_short_windows_match_twin); padded rows are masked like any row >= W
     min_rows = 4 if ssm.is_cuda else 1
-    precompute = projection == "precompute" and WMAX > 1
     replay_prepare_kernel[(N, HV)](
         q,
         k,
@@ -487,10 +465,7 @@ def replay_verify_triton(
         BK=BK,
         BV=BV,
         BL=BL,
-        BWV=max(pad if precompute else min_rows, triton.next_power_of_2(WMAX)),
-        BR=max(pad, triton.next_power_of_2(2 * WMAX)),
-        PRECOMPUTE=precompute,
-        PRECISION="tf32x3",
+        BWV=max(min_rows, triton.next_power_of_2(WMAX)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
