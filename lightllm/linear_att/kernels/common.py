@@ -94,6 +94,20 @@ def load_token(
 
 
 @triton.jit
+def cumsum_rows(b_x):
+    """Inclusive prefix sum over the rows of a small `[BW, X]` block, one row at a time. `tl.cumsum` over a
+    `[BW, 1]` block (GDN's one gate per head) fails to lower on sm_90 with Triton 3.6 once the launch specialises
+    the pointers (`test/benchmark/registers_linear_att.py` compiles it), so the window kernels use this."""
+    o_w = tl.arange(0, b_x.shape[0])
+    b_acc = tl.zeros([b_x.shape[1]], dtype=tl.float32)
+    b_out = tl.zeros(b_x.shape, dtype=tl.float32)
+    for t in tl.static_range(b_x.shape[0]):
+        b_acc += tl.sum(tl.where((o_w == t)[:, None], b_x, 0.0), 0)
+        b_out = tl.where((o_w == t)[:, None], b_acc[None, :], b_out)
+    return b_out
+
+
+@triton.jit
 def history_weights(b_hk, b_hg, m_l, h):
     """Forward-decayed committed keys of one replay history.
 
@@ -134,6 +148,7 @@ def fold_tile_from_records(
 
 
 __all__ = [
+    "cumsum_rows",
     "delta_rule_step",
     "fold_state",
     "fold_tile_from_records",

@@ -86,9 +86,6 @@ def replay_decode_kernel(
     i_h = i_hv // (HV // H)
     live = tl.load(widths + i_n) > 0
     slot = tl.load(slots + i_n).to(tl.int64)
-    h = tl.load(cursor + slot, mask=live, other=0)
-    par = tl.load(parity + slot, mask=live, other=0).to(tl.int64)
-    fold = live & (h + 1 > L)
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -96,18 +93,31 @@ def replay_decode_kernel(
     o_l = tl.arange(0, BL)
     m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
     m_kv = m_k[:, None] & m_v[None, :]
-    m_l = live & (o_l < h)
 
+    # issued before the cursor: the state tile and the token are in flight while the cursor and the records come
+    p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s_raw = tl.load(p_s, mask=m_kv & live, other=0)  # [BK, BV] state dtype
+    b_qr = tl.load(q + i_n * stride_q_n + i_h * K + o_k, mask=m_k, other=0)
+    b_kr = tl.load(k + i_n * stride_q_n + i_h * K + o_k, mask=m_k, other=0)
+    b_vr = tl.load(v + i_n * stride_v_n + i_hv * V + o_v, mask=m_v, other=0)
+    b_gr = tl.load(graw + i_n * stride_g_n + i_hv * GK + o_g, mask=m_g, other=0)
+    b_br = tl.load(braw + i_n * stride_b_n + i_hv)
+    b_a_log = tl.load(A_log + i_hv).to(tl.float32)
+    b_dt_bias = tl.load(dt_bias + i_hv * GK + o_g, mask=m_g, other=0).to(tl.float32)
+
+    h = tl.load(cursor + slot, mask=live, other=0)
+    par = tl.load(parity + slot, mask=live, other=0).to(tl.int64)
+    fold = live & (h + 1 > L)
+    m_l = live & (o_l < h)
     p_hk = hist_k + slot * stride_hk_s + par * stride_hk_b + i_h * K
     p_hu = hist_u + slot * stride_hu_s + par * stride_hu_b + i_hv * V
     p_hg = hist_g + slot * stride_hg_s + par * stride_hg_b + i_hv * GK
     b_hk = tl.load(p_hk + o_l[:, None] * stride_hk_l + o_k[None, :], mask=m_l[:, None] & m_k[None, :], other=0)
     b_hg = tl.load(p_hg + o_l[:, None] * stride_hg_l + o_g[None, :], mask=m_l[:, None] & m_g[None, :], other=0)
-    b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] e^{G_h - G_j} k_hat_j, [BG] G_h
     b_hu = tl.load(p_hu + o_l[:, None] * stride_hu_l + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0)
+    b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] e^{G_h - G_j} k_hat_j, [BG] G_h
 
-    p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(p_s, mask=m_kv & live, other=0).to(tl.float32)  # [BK, BV]
+    b_s = b_s_raw.to(tl.float32)
     if fold:
         # S_h on this tile's columns, rounded once; the window then starts from it with an empty history
         b_s = fold_tile_from_records(
@@ -123,14 +133,11 @@ def replay_decode_kernel(
     buf = tl.where(fold, 1 - par, par)
 
     # the token
-    b_q = l2norm(tl.load(q + i_n * stride_q_n + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)) * scale
-    b_k = l2norm(tl.load(k + i_n * stride_q_n + i_h * K + o_k, mask=m_k, other=0).to(tl.float32))
-    b_v = tl.load(v + i_n * stride_v_n + i_hv * V + o_v, mask=m_v, other=0).to(tl.float32)
-    b_a_log = tl.load(A_log + i_hv).to(tl.float32)
-    b_dt_bias = tl.load(dt_bias + i_hv * GK + o_g, mask=m_g, other=0).to(tl.float32)
-    b_g = tl.load(graw + i_n * stride_g_n + i_hv * GK + o_g, mask=m_g, other=0).to(tl.float32)
-    b_g = tl.where(m_g, gate_activation(b_g, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND), 0.0)  # [BG]
-    b_beta = sigmoid(tl.load(braw + i_n * stride_b_n + i_hv).to(tl.float32))
+    b_q = l2norm(b_qr.to(tl.float32)) * scale
+    b_k = l2norm(b_kr.to(tl.float32))
+    b_v = b_vr.to(tl.float32)
+    b_g = tl.where(m_g, gate_activation(b_gr.to(tl.float32), b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND), 0.0)
+    b_beta = sigmoid(b_br.to(tl.float32))
     b_G = b_gh + b_g  # cumulative gate since S0: what the record stores
     b_eg, b_eG = tl.exp(b_g), tl.exp(b_G)
 

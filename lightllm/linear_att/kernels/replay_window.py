@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from lightllm.linear_att.kernels.common import (
+    cumsum_rows,
     fold_tile_from_records,
     gate_activation,
     history_weights,
@@ -158,7 +159,7 @@ def replay_window_kernel(
     p_g = graw + i_n * stride_g_n + o_w[:, None] * stride_g_w + i_hv * GK + o_g[None, :]
     b_g = gate_activation(tl.load(p_g, mask=m_wg, other=0).to(tl.float32), b_a_log, b_dt_bias[None, :], lower_bound,
                           USE_LOWER_BOUND)  # fmt: skip
-    b_gr = tl.cumsum(tl.where(m_wg, b_g, 0.0), 0)  # [BW, BG] r_s
+    b_gr = cumsum_rows(tl.where(m_wg, b_g, 0.0))  # [BW, BG] r_s
     b_beta = sigmoid(tl.load(braw + i_n * stride_b_n + o_w * stride_b_w + i_hv, mask=m_w, other=0).to(tl.float32))
     b_beta = tl.where(m_w, b_beta, 0.0)
 
