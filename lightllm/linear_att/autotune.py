@@ -205,8 +205,10 @@ class ConfigTable:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
-# The process-wide table every kernel launch consults; empty until `load_tables` runs at start-up.
+# The process-wide table every kernel launch consults; the shipped tables are merged in on the first lookup (or
+# by an explicit `load_tables`, which can add more).
 TABLE = ConfigTable()
+_shipped_loaded = False
 
 
 def shipped_table_paths() -> list[Path]:
@@ -215,19 +217,27 @@ def shipped_table_paths() -> list[Path]:
 
 
 def load_tables(paths: list[str | Path] | None = None) -> ConfigTable:
-    """Merge the shipped tables (and `paths`, later ones winning) into `TABLE`. Call once at start-up."""
+    """Merge the shipped tables (and `paths`, later ones winning) into `TABLE`."""
+    global _shipped_loaded
     for path in [*shipped_table_paths(), *(paths or [])]:
         TABLE.update(ConfigTable.load(path))
+    _shipped_loaded = True
     return TABLE
 
 
 def lookup(key: TuneKey) -> KernelConfig:
+    """The configuration a launch uses: the shipped tables are read on the first call, so every process (server,
+    tests, benchmarks) launches with the tuned tiles without having to remember to load them."""
+    if not _shipped_loaded:
+        load_tables()
     return TABLE.lookup(key)
 
 
 @contextlib.contextmanager
 def using(configs: dict[TuneKey, KernelConfig]) -> Iterator[None]:
     """Temporarily pin configurations (tests, the tuner's own trials); restores the table afterwards."""
+    if not _shipped_loaded:
+        load_tables()  # first, so the shipped entries cannot replace the pinned ones on a later first lookup
     saved = dict(TABLE.entries)
     try:
         for key, cfg in configs.items():

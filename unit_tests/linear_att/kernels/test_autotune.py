@@ -113,3 +113,19 @@ def test_tune_plumbing_on_the_interpreter(tmp_path):
     assert all(info["us"] > 0 for info in extra.values())
     table.save(tmp_path / "t.json", extra)
     assert ConfigTable.load(tmp_path / "t.json").entries == table.entries
+
+
+def test_first_lookup_reads_the_shipped_tables(monkeypatch):
+    """A process that never calls `load_tables` (the server, the GPU checks) still launches with the tuned tiles."""
+    import json
+
+    path = autotune.shipped_table_paths()[0]
+    key_str, entry = next(iter(json.loads(path.read_text())["entries"].items()))
+    monkeypatch.setattr(autotune, "TABLE", ConfigTable())
+    monkeypatch.setattr(autotune, "_shipped_loaded", False)
+    assert autotune.lookup(TuneKey.from_str(key_str)) == KernelConfig.from_dict(entry)
+    # a pinned entry survives the lazy load, whichever comes first
+    monkeypatch.setattr(autotune, "TABLE", ConfigTable())
+    monkeypatch.setattr(autotune, "_shipped_loaded", False)
+    with autotune.using({TuneKey.from_str(key_str): KernelConfig(8, 1, 1)}):
+        assert autotune.lookup(TuneKey.from_str(key_str)) == KernelConfig(8, 1, 1)

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements of this repository in stages, each sized for one 10-minute device command.
+#
+#   bash test/gpu/h200_stages.sh kernels    # GPU suites: state kernels vs torch twins, CUDA graphs, races; paged attention
+#   bash test/gpu/h200_stages.sh sweep      # launch-config sweep at the three benchmark shapes -> tuned tables
+#   bash test/gpu/h200_stages.sh bench      # the full benchmark grid (N 1..512, W 1/2/4, fp32 + bf16 state)
+#   bash test/gpu/h200_stages.sh models     # model parity vs transformers: Kimi-Linear fp32, every arch bf16
+#   bash test/gpu/h200_stages.sh serving    # serving smoke: Kimi-Linear (tiny), a random-weight Qwen3-Next-width model
+#
+# Extra packages come as wheels in .whl (see README.md here); outputs and tables are copied to $OUT when it is set,
+# so a stage's files come back even when it is cut short. Every stage prints as it goes.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        2>/dev/null || exit 1
+    export PYTHONPATH="$PWD:/tmp/site"
+else
+    export PYTHONPATH="$PWD"
+fi
+export PYTHONUNBUFFERED=1
+OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
+mkdir -p "$OUT_DIR"
+
+tables_out() {
+    mkdir -p "$OUT_DIR/gdn" "$OUT_DIR/kda"
+    cp lightllm/linear_att/gdn/tuned/h200.json "$OUT_DIR/gdn/"
+    cp lightllm/linear_att/kda/tuned/h200.json "$OUT_DIR/kda/"
+}
+
+case "${1:-}" in
+kernels)
+    python -m pytest -q -p no:cacheprovider test/gpu/test_linear_att_gpu.py test/gpu/test_paged_attention_gpu.py 2>&1 |
+        grep -v "Warning\|warn(" | tee "$OUT_DIR/kernels.log"
+    ;;
+sweep)
+    python test/benchmark/sweep_linear_att.py --families replay,serial --cells 1x256,4x128 \
+        --shapes qwen3-next-tp1,qwen3.5-tp1,kimi-linear-tp1 --out-dir lightllm/linear_att 2>&1 |
+        grep -v "Warning\|warn(" | tee "$OUT_DIR/sweep.log"
+    tables_out
+    ;;
+bench)
+    python test/benchmark/bench_linear_att.py --budget-s 480 2>&1 | grep -v "Warning\|warn(" | tee "$OUT_DIR/bench.log"
+    python test/benchmark/replay_phases.py --ns 128 --ws 1,4 2>&1 | tee "$OUT_DIR/phases.log"
+    ;;
+models)
+    python test/gpu/check_models_gpu.py --skip-real-width --archs kimi_linear --dtypes float32 2>&1 |
+        grep -E "True|False|ok,|failed|Error" | tee "$OUT_DIR/models_kimi.log"
+    python test/gpu/check_models_gpu.py --dtypes bfloat16 2>&1 |
+        grep -E "True|False|ok,|failed|Error|==" | tee "$OUT_DIR/models_bf16.log"
+    ;;
+serving)
+    python test/gpu/smoke_serving_gpu.py --archs kimi_linear --skip-http 2>&1 |
+        grep -E "^\||failures|Error" | tee "$OUT_DIR/serving_kimi.log"
+    python test/gpu/smoke_serving_gpu.py --skip-tiny --real-width 2>&1 |
+        grep -E "^\||HTTP|failures|Error" | tee "$OUT_DIR/serving_real_width.log"
+    ;;
+*)
+    sed -n '2,12p' "$0"
+    exit 2
+    ;;
+esac
