@@ -160,7 +160,8 @@ class ConfigTable:
         return self.entries.get(key.to_str())
 
     def lookup(self, key: TuneKey) -> KernelConfig:
-        """Exact entry, else the entry of the nearest tuned width (and capacity) of the same shape, else default."""
+        """Exact entry, else the entry of the nearest tuned width (and capacity) of the same shape (for replay, only
+        among W = 1 or only among W > 1 entries), else default."""
         hit = self._resolved.get(key) or self.entries.get(key.to_str())
         if hit is not None:
             return hit
@@ -169,6 +170,8 @@ class ConfigTable:
             other = TuneKey.from_str(k)
             if replace(other, width=key.width, capacity=key.capacity) != key:
                 continue
+            if key.family == "replay" and (other.width == 1) != (key.width == 1):
+                continue  # plain decode and window verify are different replay kernels: never borrow a tile
             dist = (abs(other.width - key.width), abs(other.capacity - key.capacity))
             if best_dist is None or dist < best_dist:
                 best, best_dist = cfg, dist

@@ -129,3 +129,17 @@ def test_first_lookup_reads_the_shipped_tables(monkeypatch):
     monkeypatch.setattr(autotune, "_shipped_loaded", False)
     with autotune.using({TuneKey.from_str(key_str): KernelConfig(8, 1, 1)}):
         assert autotune.lookup(TuneKey.from_str(key_str)) == KernelConfig(8, 1, 1)
+
+
+def test_replay_window_widths_never_borrow_the_decode_tile():
+    """W = 2 is nearer to W = 1 than to W = 4, but the replay decode (W = 1) is another kernel."""
+    table = ConfigTable()
+    args = ("cpu", torch.float32, torch.float32, 1, 2, 16, 16, 1)
+    table.put(make_key("replay", *args, 1, 16, "precompute"), KernelConfig(64, 2, 1))
+    table.put(make_key("replay", *args, 4, 16, "precompute"), KernelConfig(32, 4, 1))
+    assert table.lookup(make_key("replay", *args, 2, 16, "precompute")) == KernelConfig(32, 4, 1)
+    assert table.lookup(make_key("replay", *args, 1, 8, "precompute")) == KernelConfig(64, 2, 1)
+    # the serial family is one kernel at every width: the nearest width wins
+    table.put(make_key("serial", *args, 1), KernelConfig(64, 2, 1))
+    table.put(make_key("serial", *args, 4), KernelConfig(32, 2, 1))
+    assert table.lookup(make_key("serial", *args, 2)) == KernelConfig(64, 2, 1)
