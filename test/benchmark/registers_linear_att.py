@@ -91,9 +91,7 @@ def forward(W: int, L: int, BV: int, num_warps: int) -> str:
 
 def prepare(W: int, L: int, GK: int, H: int, HV: int) -> str:
     c = dict(H=H, HV=HV, K=128, V=128, GK=GK, L=L, WMAX=W, BK=128, BG=triton.next_power_of_2(GK), BL=max(16, L))
-    c.update(
-        BW=max(4, triton.next_power_of_2(W)), BVF=16, USE_LOWER_BOUND=False, FOLD_PRECISION="tf32x3", lower_bound=None
-    )
+    c.update(BW=max(4, triton.next_power_of_2(W)), BVF=16, USE_LOWER_BOUND=False, lower_bound=None)
     return ptxas_report(rv.replay_prepare_kernel.fn, c, rv.prepare_num_warps(GK))
 
 

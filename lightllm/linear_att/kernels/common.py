@@ -2,7 +2,7 @@
 
 Every kernel calls these, so the preprocessing (l2norm, gate, beta) and the per-token delta-rule step are the same
 instructions in every mode: native, compact verify and compact commit are bitwise equal because they share
-`delta_rule_step`, and replay's in-kernel fold and the standalone fold share `history_weights` / `fold_state`.
+`delta_rule_step`, and every replay fold (in the verify kernels and standalone) is `fold_tile_from_records`.
 
 Gate width `BG` is 1 for GDN (one gate per value head, broadcast over the K rows) and `BK` for KDA.
 """
@@ -122,16 +122,6 @@ def history_weights(b_hk, b_hg, m_l, h):
 
 
 @triton.jit
-def fold_state(b_s, b_hkw, b_hu, b_gh, PRECISION: tl.constexpr):
-    """S_h = diag(e^{G_h}) S_0 + K~^T U: one weighted rank-h update of a `[BK, BV]` fp32 tile.
-
-    b_hkw `[BL, BK]` from `history_weights`, b_hu `[BL, BV]` fp32 u_j (zero past h). The dot feeds the state,
-    so `PRECISION` must be "ieee" or "tf32x3" (plain tf32 drifts over many folds).
-    """
-    return b_s * tl.exp(b_gh)[:, None] + tl.dot(tl.trans(b_hkw), b_hu, input_precision=PRECISION)
-
-
-@triton.jit
 def fold_tile_from_records(
     b_s, b_gh, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, o_k, m_k, o_g, m_g, o_v, m_v
 ):
@@ -150,7 +140,6 @@ def fold_tile_from_records(
 __all__ = [
     "cumsum_rows",
     "delta_rule_step",
-    "fold_state",
     "fold_tile_from_records",
     "gate_activation",
     "history_weights",

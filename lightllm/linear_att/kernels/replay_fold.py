@@ -1,7 +1,8 @@
 """Standalone replay fold, all layers in one launch: S_h = e^{G_h} S0 + K~^T U (for prefill and export).
 
-Same helpers as the fold inside `replay_prepare_kernel`, so a standalone fold and an in-kernel fold of the same
-history agree. In place (`out=None`) rows with an empty history are left untouched; with `out` every row is
+Every fold -- this one and the ones inside the verify kernels -- is `fold_tile_from_records` (fp32 FMAs over the
+records in order, each state element on its own), so a standalone fold and an in-kernel fold of the same history
+give the same bytes whatever the tiling. In place (`out=None`) rows with an empty history are left untouched; with `out` every row is
 written (an exact copy when h = 0) and `ssm` is only read.
 """
 
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightllm.linear_att.kernels.common import fold_state, history_weights
+from lightllm.linear_att.kernels.common import fold_tile_from_records
 
 
 @triton.heuristics({"HAS_OUT": lambda args: args["out"] is not None})
@@ -50,9 +51,7 @@ def replay_fold_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     BG: tl.constexpr,
-    BL: tl.constexpr,
     HAS_OUT: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
     i_v, i_n, i_lhv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_l, i_hv = i_lhv // HV, i_lhv % HV
@@ -64,30 +63,29 @@ def replay_fold_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_g = tl.arange(0, BG)
-    o_l = tl.arange(0, BL)
     m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
     m_kv = m_k[:, None] & m_v[None, :]
-    m_l = o_l < h
 
     p_hk = hist_k + i_l * stride_hk_l + slot * stride_hk_s + par * stride_hk_b + i_h * K
-    b_hk = tl.load(p_hk + o_l[:, None] * stride_hk_j + o_k[None, :], mask=m_l[:, None] & m_k[None, :], other=0)
     p_hg = hist_g + i_l * stride_hg_l + slot * stride_hg_s + par * stride_hg_b + i_hv * GK
-    b_hg = tl.load(p_hg + o_l[:, None] * stride_hg_j + o_g[None, :], mask=m_l[:, None] & m_g[None, :], other=0)
     p_hu = hist_u + i_l * stride_hu_l + slot * stride_hu_s + par * stride_hu_b + i_hv * V
-    b_hu = tl.load(p_hu + o_l[:, None] * stride_hu_j + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0)
-    b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK], [BG]
+    b_gh = tl.load(p_hg + (h - 1) * stride_hg_j + o_g, mask=m_g & (h > 0), other=0)  # G_h [BG] (0 when h = 0)
 
     o_kv = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
     p_s = ssm + i_l * stride_ssm_l + slot * stride_ssm_s + o_kv
     if HAS_OUT:
         b_s = tl.load(p_s, mask=m_kv, other=0).to(tl.float32)  # [BK, BV]
-        b_s = fold_state(b_s, b_hkw, b_hu, b_gh, PRECISION)
+        b_s = fold_tile_from_records(
+            b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_j, stride_hg_j, stride_hu_j, h, o_k, m_k, o_g, m_g, o_v, m_v
+        )
         p_out = out + i_l * stride_out_l + i_n * stride_out_n + o_kv
         tl.store(p_out, b_s.to(p_out.dtype.element_ty), mask=m_kv)
     else:
         # an empty history leaves the state as it is: skip both the read and the write
         b_s = tl.load(p_s, mask=m_kv & (h > 0), other=0).to(tl.float32)
-        b_s = fold_state(b_s, b_hkw, b_hu, b_gh, PRECISION)
+        b_s = fold_tile_from_records(
+            b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_j, stride_hg_j, stride_hu_j, h, o_k, m_k, o_g, m_g, o_v, m_v
+        )
         tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_kv & (h > 0))
 
 
@@ -147,8 +145,6 @@ def replay_fold_triton(
         BK=triton.next_power_of_2(K),
         BV=BV,
         BG=triton.next_power_of_2(GK),
-        BL=max(16, triton.next_power_of_2(L)),
-        PRECISION="tf32x3",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -24,7 +24,7 @@ coefficient rows, write u records and o. The V tiles of a (row, head) no longer 
 and no program runs a serial window loop.
 
 Fold, decided per row on the device: if `h + W > L`, the prepare program of (row, head) writes S_h =
-e^{G_h} S0 + K~^T U into `ssm` (one tf32x3 dot per V chunk, rounded once; same helpers as the standalone fold)
+e^{G_h} S0 + K~^T U into `ssm` (fp32 FMAs per V chunk, rounded once; the helper every fold uses)
 and the coefficients are taken relative to S_h with an empty history; the window's records go to positions
 0..W-1 of buffer `1 - p`, otherwise to h..h+W-1 of buffer `p`. Readers in a launch only read buffer `p` at
 positions < h, so no program overwrites a record another program (another V tile, another value head of the key
@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from lightllm.linear_att.kernels.common import (
-    fold_state,
+    fold_tile_from_records,
     gate_activation,
     history_weights,
     l2norm_rows,
@@ -112,7 +112,6 @@ def replay_prepare_kernel(
     BW: tl.constexpr,
     BVF: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
-    FOLD_PRECISION: tl.constexpr,
 ):
     i_n, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_h = i_hv // (HV // H)
@@ -139,15 +138,18 @@ def replay_prepare_kernel(
     b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK], [BG]
     if fold:
         # S_h into `ssm` (rounded once); the window then starts from it with an empty history
-        p_hu = hist_u + slot * stride_hu_s + par * stride_hu_b + o_l[:, None] * stride_hu_l + i_hv * V
+        p_fk = hist_k + slot * stride_hk_s + par * stride_hk_b + i_h * K
+        p_fg = hist_g + slot * stride_hg_s + par * stride_hg_b + i_hv * GK
+        p_fu = hist_u + slot * stride_hu_s + par * stride_hu_b + i_hv * V
         p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V
         for i_v in range(0, tl.cdiv(V, BVF)):
             o_v = i_v * BVF + tl.arange(0, BVF)
             m_v = o_v < V
             m_kv = m_k[:, None] & m_v[None, :]
-            b_hu = tl.load(p_hu + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0)  # [BL, BVF]
             b_s = tl.load(p_s + o_v[None, :], mask=m_kv, other=0).to(tl.float32)
-            b_s = fold_state(b_s, b_hkw, b_hu, b_gh, FOLD_PRECISION)
+            b_s = fold_tile_from_records(
+                b_s, b_gh, p_fk, p_fg, p_fu, stride_hk_l, stride_hg_l, stride_hu_l, h, o_k, m_k, o_g, m_g, o_v, m_v
+            )
             tl.store(p_s + o_v[None, :], b_s.to(p_s.dtype.element_ty), mask=m_kv)
         b_hkw = tl.zeros([BL, BK], dtype=tl.float32)
         b_gh = tl.zeros([BG], dtype=tl.float32)
@@ -437,7 +439,6 @@ def replay_verify_triton(
         BL=BL,
         BW=max(min_rows, triton.next_power_of_2(WMAX)),
         BVF=16 if ssm.is_cuda else BV,
-        FOLD_PRECISION="tf32x3",
         num_warps=prepare_num_warps(GK) if ssm.is_cuda else 1,
         num_stages=1,
     )

@@ -215,11 +215,25 @@ def test_replay_fold_matches_twin_and_in_kernel_fold(shape, state_dtype):
     replay_fold_triton(inplace, *stacked[1:], cursor, parity, fold_slots, config=TILED)
     assert torch.equal(inplace[:, fold_slots.long()], out), "in-place fold != exported fold"
 
-    # the verify kernel folds slot 3 (h = 3, W = 2 > L - h) with the same helpers: same bytes
-    buf = layers[0]
-    _verify(buf, shape, params, make_window(shape, len(SLOTS), 2, torch.float32, gen),
-            torch.tensor([2, 0, 0], dtype=torch.int32), "inline")  # fmt: skip
-    assert torch.equal(buf.ssm[3], out[0, 0]), "in-kernel fold != standalone fold"
+    # every verify kernel folds slot 3 (h = 3, W = 2 > L - h) with the same helper: the same bytes as the standalone
+    # fold, whatever the kernel's tiling ("inline": the prepare kernel, "precompute": the one-launch window kernel)
+    window = make_window(shape, len(SLOTS), 2, torch.float32, gen)
+    for projection in ("inline", "precompute"):
+        buf = layers[0].clone()
+        _verify(buf, shape, params, window, torch.tensor([2, 0, 0], dtype=torch.int32), projection)
+        assert torch.equal(buf.ssm[3], out[0, 0]), f"in-kernel fold ({projection}) != standalone fold"
+
+    # plain decode (the one-launch W = 1 kernel) folds once the history is full: fill slot 0 to capacity first
+    buf = layers[0].clone()
+    one = torch.tensor([0, 0, 1], dtype=torch.int32)
+    while int(buf.cursor[0]) < capacity:
+        _verify(buf, shape, params, make_window(shape, len(SLOTS), 1, torch.float32, gen), one, "inline")
+        replay_accept_triton(buf.cursor, buf.parity, buf.conv_offset, slots, one, one, capacity)
+    full = poison_(torch.empty(1, 1, shape.HV, shape.K, shape.V, dtype=state_dtype))
+    replay_fold_triton(buf.ssm[None], *(t[None] for t in buf.history()), buf.cursor, buf.parity,
+                       torch.tensor([0], dtype=torch.int32), out=full, config=TILED)  # fmt: skip
+    _verify(buf, shape, params, make_window(shape, len(SLOTS), 1, torch.float32, gen), one, "inline")
+    assert torch.equal(buf.ssm[0], full[0, 0]), "decode kernel fold != standalone fold"
 
 
 def test_accept_kernels_match_twin():
