@@ -9,6 +9,12 @@
 #
 # Extra packages come as wheels in .whl (see README.md here); outputs and tables are copied to $OUT when it is set,
 # so a stage's files come back even when it is cut short. Every stage prints as it goes.
+#
+# Compiled kernels and autotuning results (ours and fla-core's, which autotunes its chunk kernels for minutes on a
+# fresh machine) are kept in a Triton cache under .cache/gpu (ignored by git). A stage starts from
+# .cache/gpu/triton.tgz when that file is there and ends by writing the cache back as $OUT/triton.tgz (if it fits
+# the 16 MiB a returned file may have); bring that file back into .cache/gpu/ and carry ".cache/gpu" with the
+# next command to skip the compiles and the autotuning.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ -d .whl ]; then
@@ -21,6 +27,19 @@ fi
 export PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
 mkdir -p "$OUT_DIR"
+export TRITON_CACHE_DIR="$PWD/.cache/gpu/triton" TRITON_CACHE_AUTOTUNING=1
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .cache/gpu/triton.tgz ] && tar -xzf .cache/gpu/triton.tgz -C "$TRITON_CACHE_DIR"
+
+save_cache() {
+    tar -czf /tmp/triton.tgz -C "$TRITON_CACHE_DIR" . &&
+        if [ "$(stat -c %s /tmp/triton.tgz)" -le $((16 * 1024 * 1024)) ]; then
+            cp /tmp/triton.tgz "$OUT_DIR/triton.tgz"
+        else
+            echo "Triton cache $(du -h /tmp/triton.tgz | cut -f1) is over 16 MiB: not returned"
+        fi
+}
+trap save_cache EXIT
 
 tables_out() {
     mkdir -p "$OUT_DIR/gdn" "$OUT_DIR/kda"
