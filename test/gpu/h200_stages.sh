@@ -75,7 +75,7 @@ serving)
         grep -E "^\||HTTP|failures|Error" | tee "$OUT_DIR/serving_real_width.log"
     ;;
 *)
-    sed -n '2,12p' "$0"
+    sed -n '2,/^set -uo/p' "$0" | grep '^#'
     exit 2
     ;;
 esac
