@@ -17,6 +17,13 @@
 # next command to skip the compiles and the autotuning.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+case "${1:-}" in
+kernels | sweep | bench | models | serving) ;;
+*)
+    sed -n '2,/^set -uo/p' "$0" | grep '^#'
+    exit 2
+    ;;
+esac
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         2>/dev/null || exit 1
@@ -73,9 +80,5 @@ serving)
         grep -E "^\||failures|Error" | tee "$OUT_DIR/serving_kimi.log"
     python test/gpu/smoke_serving_gpu.py --skip-tiny --real-width 2>&1 |
         grep -E "^\||HTTP|failures|Error" | tee "$OUT_DIR/serving_real_width.log"
-    ;;
-*)
-    sed -n '2,/^set -uo/p' "$0" | grep '^#'
-    exit 2
     ;;
 esac
