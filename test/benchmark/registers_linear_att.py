@@ -11,65 +11,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from lightllm.linear_att.kernels import replay_decode as rd  # noqa: E402
 from lightllm.linear_att.kernels import replay_verify as rv  # noqa: E402
 from lightllm.linear_att.kernels import replay_window as rw  # noqa: E402
-
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-TARGET = GPUTarget("cuda", 90, 32)
-INT_PTRS = {"cursor", "parity", "slots", "widths", "ssm_index"}
-ACT_PTRS = {"q", "k", "v", "graw", "braw", "o"}
-FP32_PTRS = {"A_log", "dt_bias", "ssm", "hist_k", "hist_u", "hist_g", "coef"}
+from unit_tests.helpers.sm90 import compile_sm90  # noqa: E402
 
 
 def ptxas_report(jit_fn, constants: dict, num_warps: int) -> str:
-    """Compile `jit_fn` (a `@triton.jit` function) with `constants` as constexprs; the `ptxas -v` summary."""
-    names = jit_fn.arg_names
-    sig, consts = {}, {}
-    for i, name in enumerate(names):
-        if name in constants:
-            sig[name] = "constexpr"
-            consts[(i,)] = constants[name]
-        elif name in INT_PTRS:
-            sig[name] = "*i32"
-        elif name in ACT_PTRS:
-            sig[name] = "*bf16"
-        elif name in FP32_PTRS:
-            sig[name] = "*fp32"
-        elif name == "scale":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i64"
-    # what a launch specialises on: 16-byte aligned pointers and strides that are multiples of 16 (all of them at
-    # these head sizes), without which no load is vectorised
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
-    kernel = triton.compile(
-        ASTSource(fn=jit_fn, signature=sig, constexprs=consts, attrs=attrs),
-        target=TARGET,
-        options={"num_warps": num_warps, "num_stages": 1},
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(kernel.asm["ptx"])
-        out = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull], capture_output=True, text=True)
-    regs = spill = "?"
-    for line in out.stderr.splitlines():
-        if "Used" in line and "registers" in line:
-            regs = line.split("Used")[1].split("registers")[0].strip()
-        if "spill stores" in line:
-            spill = line.split("bytes spill stores")[0].split(",")[-1].strip()
-    return f"{regs} | {spill}"
+    """`registers | spill store bytes` of `jit_fn` compiled for sm_90 (see `unit_tests/helpers/sm90.py`)."""
+    return str(compile_sm90(jit_fn, constants, num_warps))
 
 
 def decode(L: int, GK: int, H: int, HV: int, BV: int, num_warps: int) -> str:
