@@ -1,4 +1,10 @@
-"""Compact mode: one state per request plus a raw `Wmax`-token window; the state is written once, at accept."""
+"""Compact mode: one state per request plus two raw `Wmax`-token windows; the accepted tokens are merged lazily.
+
+`accept` only records how many tokens of the window just verified were accepted (`pending`) and flips `parity`
+(which window buffer holds them); the slot's next `decode` merges them into `ssm` in the same kernel that verifies
+the new window, so a step reads and writes the state once. `settle` merges them on demand; export merges into the
+checkpoint copy; prefill merges per layer before the chunk kernel reads the state.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +16,26 @@ from lightllm.linear_att.state_common import StateCommon
 
 
 class CompactState(StateCommon):
-    """`ssm [NL, S, HV, K, V]` plus `win_k`, `win_v` (activation dtype) and `win_g`, `win_beta` (fp32)."""
+    """`ssm [NL, S, HV, K, V]`, double-buffered `win_k`, `win_v [NL, S, 2, Wmax, ...]` (activation dtype) and
+    `win_g`, `win_beta` (fp32), `pending`, `parity [S]` int32.
+
+    The current state of a slot is `ssm` with the first `pending` tokens of window buffer `parity` applied.
+    """
 
     def __init__(self, spec, config):
         super().__init__(spec, config)
         nl, ns, w, dev = spec.num_layers, self.num_slots, config.max_width, self.device
         hv, kd, vd = spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
         self.ssm = torch.zeros(nl, ns, hv, kd, vd, dtype=config.state_dtype, device=dev)
-        self.win_k = torch.zeros(nl, ns, w, spec.num_k_heads, kd, dtype=config.act_dtype, device=dev)
-        self.win_v = torch.zeros(nl, ns, w, hv, vd, dtype=config.act_dtype, device=dev)
-        self.win_g = torch.zeros(nl, ns, w, hv, spec.gate_dim, dtype=torch.float32, device=dev)
-        self.win_beta = torch.zeros(nl, ns, w, hv, dtype=torch.float32, device=dev)
-        self._last_widths: torch.Tensor | None = None
+        self.win_k = torch.zeros(nl, ns, 2, w, spec.num_k_heads, kd, dtype=config.act_dtype, device=dev)
+        self.win_v = torch.zeros(nl, ns, 2, w, hv, vd, dtype=config.act_dtype, device=dev)
+        self.win_g = torch.zeros(nl, ns, 2, w, hv, spec.gate_dim, dtype=torch.float32, device=dev)
+        self.win_beta = torch.zeros(nl, ns, 2, w, hv, dtype=torch.float32, device=dev)
+        self.pending = torch.zeros(ns, dtype=torch.int32, device=dev)
+        self.parity = torch.zeros(ns, dtype=torch.int32, device=dev)
+
+    def _windows(self, layers=slice(None)):
+        return self.win_k[layers], self.win_v[layers], self.win_g[layers], self.win_beta[layers]
 
     def decode(self, layer: int, rows: DecodeRows, mixed_qkv, graw, braw, params: LayerParams) -> torch.Tensor:
         widths, q, k, v = self._decode_inputs(layer, rows, mixed_qkv, params)
@@ -34,10 +48,9 @@ class CompactState(StateCommon):
             params.A_log,
             params.dt_bias,
             self.ssm[layer],
-            self.win_k[layer],
-            self.win_v[layer],
-            self.win_g[layer],
-            self.win_beta[layer],
+            *self._windows(layer),
+            self.pending,
+            self.parity,
             rows.slots,
             widths,
             lower_bound=self.spec.gate_lower_bound,
@@ -46,33 +59,48 @@ class CompactState(StateCommon):
 
     def accept(self, rows: DecodeRows, num_accepted: torch.Tensor) -> None:
         widths = self._live_widths(rows)
-        ops.compact_commit(
-            self.ssm,
-            self.win_k,
-            self.win_v,
-            self.win_g,
-            self.win_beta,
-            rows.slots,
-            widths,
-            num_accepted,
-            backend=self.backend,
-        )
-        self._set_live_slots(self.conv_offset, rows, widths > 0, num_accepted.to(torch.int32) - 1)
+        live = widths > 0
+        accepted = num_accepted.to(torch.int32)
+        # the verify just merged the old pending tokens and wrote its window into buffer 1 - parity
+        self._set_live_slots(self.pending, rows, live, torch.minimum(accepted, widths))
+        self._set_live_slots(self.parity, rows, live, 1 - self.parity[rows.slots.long()])
+        self._set_live_slots(self.conv_offset, rows, live, accepted - 1)
+
+    def settle(self, slots: torch.Tensor) -> None:
+        """Merge the pending tokens of `slots` into `ssm` (all layers, one launch) and clear them: afterwards `ssm`
+        holds the same bytes as native's current state. Device-side, no host sync."""
+        ops.compact_commit(self.ssm, *self._windows(), self.pending, self.parity, slots, backend=self.backend)
+        self.pending[slots.long()] = 0
 
     def _ssm_tensors(self):
-        return [(self.ssm, 1), (self.win_k, 1), (self.win_v, 1), (self.win_g, 1), (self.win_beta, 1)]
+        return [(self.ssm, 1), *((t, 1) for t in self._windows()), (self.pending, 0), (self.parity, 0)]
 
     def _ssm_reset(self, slots):
         self.ssm[:, slots] = 0
+        self.pending[slots] = 0
+        self.parity[slots] = 0
 
     def _ssm_prefill_initial(self, layer, slots):
+        # the chunk kernel reads the merged state; pending is cleared once for all layers in finish_prefill
+        sel = slice(layer, layer + 1)
+        ops.compact_commit(self.ssm[sel], *self._windows(sel), self.pending, self.parity, slots, backend=self.backend)
         return self.ssm[layer, slots.long()]
 
     def _ssm_prefill_write(self, layer, slots, state):
         self.ssm[layer, slots.long()] = state.to(self.ssm.dtype)
 
+    def _ssm_finish_prefill(self, slots):
+        self.pending[slots] = 0
+
     def _ssm_export(self, slots):
-        return self.ssm[:, slots].clone()
+        # merge into gathered copies (rows 0..n-1) so the live state keeps its pending tokens and bytes
+        out = self.ssm[:, slots]
+        windows = [t[:, slots] for t in self._windows()]
+        rows = torch.arange(slots.numel(), dtype=torch.int32, device=self.device)
+        ops.compact_commit(out, *windows, self.pending[slots], self.parity[slots], rows, backend=self.backend)
+        return out
 
     def _ssm_import(self, slots, ssm):
         self.ssm[:, slots] = ssm.to(self.ssm.dtype)
+        self.pending[slots] = 0
+        self.parity[slots] = 0

@@ -162,6 +162,8 @@ def compact_verify(
     win_v: torch.Tensor,
     win_g: torch.Tensor,
     win_beta: torch.Tensor,
+    pending: torch.Tensor,
+    parity: torch.Tensor,
     slots: torch.Tensor,
     widths: torch.Tensor,
     *,
@@ -169,12 +171,17 @@ def compact_verify(
     lower_bound: float | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Compact verify of one layer: same outputs as `native_verify`, bitwise, but never writes the state.
+    """Compact verify of one layer: merge the previous window's accepted tokens, then verify like `native_verify`.
 
-    ssm `[S, HV, K, V]` (read only). In place: writes the raw window of each row for `compact_commit`:
-    win_k `[S, Wmax, H, K]` and win_v `[S, Wmax, HV, V]` (activation dtype, the k / v given here),
-    win_g `[S, Wmax, HV, GK]` and win_beta `[S, Wmax, HV]` (fp32 activated gate and beta), tokens s < W only.
-    Returns o `[N, Wmax, HV, V]`.
+    ssm `[S, HV, K, V]`; win_k `[S, 2, Wmax, H, K]` and win_v `[S, 2, Wmax, HV, V]` (activation dtype, raw k / v),
+    win_g `[S, 2, Wmax, HV, GK]` and win_beta `[S, 2, Wmax, HV]` (fp32 activated gate and beta): two window buffers
+    per slot; pending / parity `[S]` int32 (read only): the slot's accepted tokens not yet in `ssm` and the buffer
+    holding them. For each row with W > 0, in place:
+      1. `ssm[slot]` <- the state after the first `pending[slot]` tokens of buffer `parity[slot]`, with native's op
+         order and per-token rounding (written only when pending > 0; one read and at most one write of the state);
+      2. tokens s < W of the row go to buffer `1 - parity[slot]` (the buffer `accept` makes current next).
+    Rows with W = 0 touch nothing (their pending tokens stay pending). Returns o `[N, Wmax, HV, V]`, bitwise equal to
+    `native_verify`'s from the same (merged) state.
     """
     fn = _impl(backend, q, "compact", "verify", "compact_verify")
     return fn(
@@ -190,6 +197,8 @@ def compact_verify(
         win_v,
         win_g,
         win_beta,
+        pending,
+        parity,
         slots,
         widths,
         scale=scale,
@@ -203,21 +212,23 @@ def compact_commit(
     win_v: torch.Tensor,
     win_g: torch.Tensor,
     win_beta: torch.Tensor,
+    pending: torch.Tensor,
+    parity: torch.Tensor,
     slots: torch.Tensor,
-    widths: torch.Tensor,
-    accepted: torch.Tensor,
     *,
     backend: str | None = None,
 ) -> None:
-    """Commit the accepted prefix of every row, all layers in one call.
+    """Merge the pending tokens of the slots of `slots [N]` into the state, all layers in one call.
 
-    ssm `[NL, S, HV, K, V]`, win_* `[NL, S, Wmax, ...]` (any leading layer count: pass `[l : l + 1]` views for one
-    layer). accepted `[N]` int32 in [1, widths[i]]. In place: `ssm[:, slot]` <- the state after the first
-    `accepted[i]` window tokens, replayed with native's op order and per-token rounding (so compact == native
-    bitwise). Rows with width 0 are skipped.
+    ssm `[NL, S, HV, K, V]`, win_* `[NL, S, 2, Wmax, ...]` (any leading layer count: pass `[l : l + 1]` views for one
+    layer), pending / parity `[S]` int32. In place: `ssm[:, slot]` <- the state after the first `pending[slot]`
+    tokens of window buffer `parity[slot]`, replayed with native's op order and per-token rounding (the merge step of
+    `compact_verify`, so compact == native bitwise); slots with pending 0 are untouched. `pending` is not cleared
+    (the caller clears it once the merge is no longer needed). Pass gathered copies (slots `0..n-1`) to merge into
+    copies and leave the state alone (checkpoint export).
     """
     fn = _impl(backend, ssm, "compact", "verify", "compact_commit")
-    return fn(ssm, win_k, win_v, win_g, win_beta, slots, widths, accepted)
+    return fn(ssm, win_k, win_v, win_g, win_beta, pending, parity, slots)
 
 
 def replay_verify(

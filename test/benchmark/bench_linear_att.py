@@ -7,8 +7,8 @@
 
 First a short correctness pass (Triton vs the torch twins at each shape), then timings: every step is captured in
 a CUDA graph over state pools rotated beyond L2, one step per pool per replay, and the per-slot scalars advance
-inside the graph (native index, compact commit, replay cursor / parity), so replay runs through its full fold
-cycles and the time is the amortised cost of one step. fla-core's `fused_recurrent_gated_delta_rule` (GDN) and
+inside the graph (native index, replay cursor / parity), so replay runs through its full fold cycles and the time
+is the amortised cost of one step; compact is its one verify launch, merging W - 1 pending tokens every step. fla-core's `fused_recurrent_gated_delta_rule` (GDN) and
 `fused_recurrent_kda_fwd` with an in-place pool (KDA) run side by side, and the read+write / read-only floors
 come from a device-to-device copy timed in the same run. Failures are printed per cell; the table always
 finishes. `--device cpu` runs a tiny smoke version under the Triton interpreter (no graphs).
@@ -195,28 +195,32 @@ def native_steps(shape, inp, N, W, state_dtype, device):
 
 
 def compact_buffers(shape, N, W, state_dtype, act_dtype, device):
+    """State, two window buffers per slot, and every slot with W - 1 tokens pending (a typical round's merge)."""
     ssm = torch.randn(1, N, shape.HV, shape.K, shape.V, device=device).mul_(0.05).to(state_dtype)
     win = (
-        torch.zeros(1, N, W, shape.H, shape.K, device=device, dtype=act_dtype),
-        torch.zeros(1, N, W, shape.HV, shape.V, device=device, dtype=act_dtype),
-        torch.zeros(1, N, W, shape.HV, shape.GK, device=device),
-        torch.zeros(1, N, W, shape.HV, device=device),
+        torch.zeros(1, N, 2, W, shape.H, shape.K, device=device, dtype=act_dtype),
+        torch.zeros(1, N, 2, W, shape.HV, shape.V, device=device, dtype=act_dtype),
+        torch.zeros(1, N, 2, W, shape.HV, shape.GK, device=device),
+        torch.zeros(1, N, 2, W, shape.HV, device=device),
     )
-    return ssm, win
+    pending = torch.full((N,), max(1, W - 1), dtype=torch.int32, device=device)
+    parity = torch.zeros(N, dtype=torch.int32, device=device)
+    return ssm, win, pending, parity
 
 
 def compact_steps(shape, inp, N, W, state_dtype, device):
-    from lightllm.linear_att.kernels.compact import compact_commit_triton, compact_verify_triton
+    """One compact step is one verify launch (it merges the previous window's pending tokens); accept runs no
+    kernel, so pending / parity stay fixed here and every step merges W - 1 tokens from buffer 0."""
+    from lightllm.linear_att.kernels.compact import compact_verify_triton
 
     act_dtype = inp.args[0].dtype
     per_pool = N * shape.HV * shape.K * shape.V * state_dtype.itemsize
     steps = []
     for _ in range(num_pools(per_pool, device)):
-        ssm, win = compact_buffers(shape, N, W, state_dtype, act_dtype, device)
+        ssm, win, pending, parity = compact_buffers(shape, N, W, state_dtype, act_dtype, device)
 
-        def step(ssm=ssm, win=win):
-            compact_verify_triton(*inp.args, ssm[0], *(t[0] for t in win), inp.slots, inp.widths)
-            compact_commit_triton(ssm, *win, inp.slots, inp.widths, inp.accepted)
+        def step(ssm=ssm, win=win, pending=pending, parity=parity):
+            compact_verify_triton(*inp.args, ssm[0], *(t[0] for t in win), pending, parity, inp.slots, inp.widths)
 
         steps.append(step)
     return steps
@@ -328,12 +332,18 @@ def correctness(shape: Shape, state_dtype, act_dtype, L, device) -> list[str]:
     report("native o", rel(o, o_t))
     report("native states", rel(ssm.float(), ssm_t.float()))
 
-    base, win = compact_buffers(shape, N, W, state_dtype, act_dtype, device)
+    base, win, pending, parity = compact_buffers(shape, N, W, state_dtype, act_dtype, device)
+    pending.zero_()
     base_t, win_t = base.clone(), tuple(t.clone() for t in win)
-    o_c = compact_verify_triton(*inp.args, base[0], *(t[0] for t in win), inp.slots, inp.widths)
-    o_ct = verify_twin.compact_verify(*inp.args, base_t[0], *(t[0] for t in win_t), inp.slots, inp.widths)
-    compact_commit_triton(base, *win, inp.slots, inp.widths, inp.accepted)
-    verify_twin.compact_commit(base_t, *win_t, inp.slots, inp.widths, inp.accepted)
+    o_c = compact_verify_triton(*inp.args, base[0], *(t[0] for t in win), pending, parity, inp.slots, inp.widths)
+    o_ct = verify_twin.compact_verify(
+        *inp.args, base_t[0], *(t[0] for t in win_t), pending, parity, inp.slots, inp.widths
+    )
+    # accept: the window just written (buffer 1) holds the accepted tokens; commit merges them
+    pending[inp.slots.long()] = torch.where(inp.widths > 0, inp.accepted, 0)
+    parity.fill_(1)
+    compact_commit_triton(base, *win, pending, parity, inp.slots)
+    verify_twin.compact_commit(base_t, *win_t, pending, parity, inp.slots)
     report("compact o", rel(o_c, o_ct))
     report("compact state", rel(base.float(), base_t.float()))
 

@@ -121,19 +121,70 @@ def test_native_and_compact_match_twin_and_each_other(shape, state_dtype):
     GK = args[3].shape[-1]
     ssm = base.clone()[None]
     win = [
-        torch.zeros(1, num_slots, W, H, K, device="cuda", dtype=torch.bfloat16),
-        torch.zeros(1, num_slots, W, HV, V, device="cuda", dtype=torch.bfloat16),
-        torch.zeros(1, num_slots, W, HV, GK, device="cuda"),
-        torch.zeros(1, num_slots, W, HV, device="cuda"),
+        torch.zeros(1, num_slots, 2, W, H, K, device="cuda", dtype=torch.bfloat16),
+        torch.zeros(1, num_slots, 2, W, HV, V, device="cuda", dtype=torch.bfloat16),
+        torch.zeros(1, num_slots, 2, W, HV, GK, device="cuda"),
+        torch.zeros(1, num_slots, 2, W, HV, device="cuda"),
     ]
-    o_c = ops.compact_verify(*args, ssm[0], *(t[0] for t in win), slots, widths, backend="triton")
+    pending = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
+    parity = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
+    o_c = ops.compact_verify(*args, ssm[0], *(t[0] for t in win), pending, parity, slots, widths, backend="triton")
     assert torch.equal(o_c, o), "compact verify outputs != native outputs (bitwise)"
-    assert torch.equal(ssm[0], base), "compact verify wrote the state"
-    ops.compact_commit(ssm, *win, slots, widths, accepted, backend="triton")
-    expect = base.clone()
+    assert torch.equal(ssm[0], base), "compact verify with nothing pending wrote the state"
+    # what CompactState.accept does: the window just written (buffer 1) holds the pending tokens
     live = widths > 0
+    pending[slots[live].long()] = accepted[live]
+    parity[slots[live].long()] = 1
+    ops.compact_commit(ssm, *win, pending, parity, slots, backend="triton")
+    expect = base.clone()
     expect[slots[live].long()] = native[slots[live].long(), (accepted[live] - 1).long()]
     assert torch.equal(ssm[0], expect), "compact commit != native state at the accepted token (bitwise)"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_v", [16, 64], ids=["BV16", "BV64"])
+def test_compact_lazy_commit_matches_native_over_rounds(shape, block_v):
+    """Multi-round MTP: every compact verify merges the previous window's pending tokens (read from one buffer while
+    the key owners of the launch write the other; many V tiles, grouped heads), outputs equal native's bitwise every
+    round, and after a final commit the state equals native's current state byte for byte."""
+    from lightllm.linear_att.kernels.compact import compact_commit_triton, compact_verify_triton
+    from lightllm.linear_att.kernels.native_verify import native_verify_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    algo, H, HV, K, V = shape
+    GK = 1 if algo == "gdn" else K
+    N, W, num_slots = 64, 4, 80
+    cfg = KernelConfig(block_v=block_v, num_warps=4, num_stages=1)
+    base = (torch.randn(num_slots, HV, K, V, generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+    native = torch.zeros(num_slots, W, HV, K, V, device="cuda", dtype=torch.bfloat16)
+    native[:, 0] = base
+    index = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
+    ssm = base.clone()
+    win = [
+        torch.full((num_slots, 2, W, H, K), float("nan"), device="cuda", dtype=torch.bfloat16),
+        torch.full((num_slots, 2, W, HV, V), float("nan"), device="cuda", dtype=torch.bfloat16),
+        torch.full((num_slots, 2, W, HV, GK), float("nan"), device="cuda"),
+        torch.full((num_slots, 2, W, HV), float("nan"), device="cuda"),
+    ]
+    pending = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
+    parity = torch.zeros_like(pending)
+    slots = torch.randperm(num_slots - 1, generator=gen, device="cuda")[:N].to(torch.int32)
+    sl = slots.long()
+    for rnd in range(12):
+        args = _inputs(shape, N, W, gen)
+        _, widths, accepted = _rows(N, W, gen, num_slots)
+        if rnd % 4 == 1:
+            accepted = widths.clamp(min=1)
+        o = native_verify_triton(*args, native, index, slots, widths, config=cfg)
+        o_c = compact_verify_triton(*args, ssm, *win, pending, parity, slots, widths, config=cfg)
+        assert torch.equal(o_c, o), f"round {rnd}: compact outputs != native (bitwise)"
+        live = widths > 0
+        index[sl[live]] = accepted[live] - 1
+        pending[sl[live]] = accepted[live]
+        parity[sl[live]] = 1 - parity[sl[live]]
+    compact_commit_triton(ssm[None], *(t[None] for t in win), pending, parity, slots, config=cfg)
+    want = native[sl, index[sl].long()]
+    assert torch.equal(ssm[sl].view(torch.uint8), want.view(torch.uint8)), "settled compact state != native"
 
 
 @pytest.mark.parametrize("shape", SHAPES)

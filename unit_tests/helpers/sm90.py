@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
-INT_PTRS = {"cursor", "parity", "slots", "widths", "ssm_index", "accepted", "conv_offset"}
+INT_PTRS = {"cursor", "parity", "pending", "slots", "widths", "ssm_index", "accepted", "conv_offset"}
 ACT_PTRS = {"q", "k", "v", "graw", "braw", "o", "win_k", "win_v"}
 SCALARS = {"scale": "fp32", "lower_bound": "fp32"}
 

@@ -53,7 +53,8 @@ def cases(shape) -> list[tuple[str, object, dict, int]]:
         out.append((f"native_verify W={W}", native_verify.native_verify_kernel, c, nw))
         out.append((f"compact_verify W={W}", compact.compact_verify_kernel, c, nw))
     bv, nw = _tile(shape, wide=False)
-    out.append(("compact_commit", compact.compact_commit_kernel, {**_gates(shape, False), "BV": bv}, nw))
+    commit = {**_gates(shape, False), "WMAX": 4, "BV": bv}
+    out.append(("compact_commit W=4", compact.compact_commit_kernel, commit, nw))
     bv1, nw1 = _tile(shape, wide=True)
     decode = {**_gates(shape), "L": L, "BV": bv1, "BL": L}
     out.append(("replay_decode W=1", replay_decode.replay_decode_kernel, decode, nw1))

@@ -179,7 +179,8 @@ def new_run(spec, num_requests) -> Run:
 
 
 def poison_dead(state) -> None:
-    """NaN every byte the state must not read again: rejected/stale history, dead native slots, compact window."""
+    """NaN every byte the state must not read again: rejected/stale history, dead native slots, the compact window
+    buffer not holding pending tokens and the rejected tokens of the one that does."""
     mode = type(state).__name__
     if mode == "ReplayState":
         cap = state.capacity
@@ -190,8 +191,12 @@ def poison_dead(state) -> None:
                 if h < cap:
                     poison_(t[:, slot, p, h:])
     elif mode == "CompactState":
-        for t in (state.win_k, state.win_v, state.win_g, state.win_beta):
-            poison_(t)
+        # only the accepted, not yet merged tokens of the current buffer are live
+        for slot in range(state.num_slots):
+            a, p = int(state.pending[slot]), int(state.parity[slot])
+            for t in (state.win_k, state.win_v, state.win_g, state.win_beta):
+                poison_(t[:, slot, 1 - p])
+                poison_(t[:, slot, p, a:])
     elif mode == "NativeState":
         for slot in range(state.num_slots):
             cur = int(state.ssm_index[slot])

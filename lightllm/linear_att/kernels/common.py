@@ -1,8 +1,8 @@
 """Shared `@triton.jit` building blocks of the linear-attention kernels (GDN and KDA alike).
 
 Every kernel calls these, so the preprocessing (l2norm, gate, beta) and the per-token delta-rule step are the same
-instructions in every mode: native, compact verify and compact commit are bitwise equal because they share
-`delta_rule_step`, and every replay fold (in the verify kernels and standalone) is `fold_tile_from_records`.
+instructions in every mode: native, compact verify (with its merge of the pending tokens) and compact commit are
+bitwise equal because they share `delta_rule_step`, and every replay fold (in the verify kernels and standalone) is `fold_tile_from_records`.
 
 Gate width `BG` is 1 for GDN (one gate per value head, broadcast over the K rows) and `BK` for KDA.
 """

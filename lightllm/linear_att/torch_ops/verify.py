@@ -1,7 +1,8 @@
 """Torch twins of native verify, compact verify and compact commit (one window loop shared by all three).
 
 Vectorised over rows and heads; the only Python loop is over the <= Wmax window tokens. The running state is
-rounded to the storage dtype after every token, outputs are read before that rounding.
+rounded to the storage dtype after every token, outputs are read before that rounding. Compact verify first merges
+the slot's pending tokens (`_merged_states`, shared with compact commit), then verifies from the merged state.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def compact_verify(
     win_v,
     win_g,
     win_beta,
+    pending,
+    parity,
     slots,
     widths,
     *,
@@ -83,40 +86,43 @@ def compact_verify(
     num_rows, max_width, num_v_heads, head_v = v.shape
     sl, w = slots.long(), widths.long()
     q_hat, k_hat, vf, g, beta = _prepare(q, k, v, graw, braw, A_log, dt_bias, scale, lower_bound)
-    S = ssm[sl].float()
+    # padding rows neither merge nor verify: their pending tokens wait for the slot's next verify
+    num_pending = torch.where(w > 0, pending[sl].long().clamp(max=max_width), 0)
+    buf = parity[sl].long()
+    S = _merged_states(ssm, win_k, win_v, win_g, win_beta, sl, num_pending, buf)
     o = torch.zeros(num_rows, max_width, num_v_heads, head_v, dtype=v.dtype, device=v.device)
+    write_buf = 1 - buf
 
     def write(s, rows, S_rounded):
-        dst = sl[rows]
-        win_k[dst, s] = k[rows, s].to(win_k.dtype)
-        win_v[dst, s] = v[rows, s].to(win_v.dtype)
-        win_g[dst, s] = g[rows, s]
-        win_beta[dst, s] = beta[rows, s]
+        dst, b = sl[rows], write_buf[rows]
+        win_k[dst, b, s] = k[rows, s].to(win_k.dtype)
+        win_v[dst, b, s] = v[rows, s].to(win_v.dtype)
+        win_g[dst, b, s] = g[rows, s]
+        win_beta[dst, b, s] = beta[rows, s]
 
     _run_window(S, q_hat, k_hat, vf, g, beta, w, ssm.dtype, write, o, v.dtype)
     return o
 
 
-def compact_commit(ssm, win_k, win_v, win_g, win_beta, slots, widths, accepted):
+def _merged_states(ssm, win_k, win_v, win_g, win_beta, sl, num_pending, buf):
+    """fp32 states of slots `sl` after their `num_pending` tokens of window buffer `buf` (all `[n]`); one layer:
+    ssm `[S, HV, K, V]`, win_* `[S, 2, Wmax, ...]`. Writes the merged state back for the rows with pending tokens."""
+    S = ssm[sl].float()
+    k_hat = expand_heads(l2norm(win_k[sl, buf]), ssm.shape[1])
+    no_output = lambda s, rows, S_rounded: None  # noqa: E731
+    _run_window(S, None, k_hat, win_v[sl, buf].float(), win_g[sl, buf], win_beta[sl, buf], num_pending, ssm.dtype,
+                no_output)  # fmt: skip
+    merged = num_pending > 0
+    ssm[sl[merged]] = S[merged].to(ssm.dtype)
+    return S
+
+
+def compact_commit(ssm, win_k, win_v, win_g, win_beta, pending, parity, slots):
     """See `lightllm.linear_att.ops.compact_commit`."""
-    live = widths.long() > 0
-    sl = slots.long()[live]
-    acc = accepted.long()[live]
+    sl = slots.long()
     if sl.numel() == 0:
         return
-    num_v_heads = ssm.shape[2]
+    num_pending = pending[sl].long().clamp(max=win_k.shape[3])
+    buf = parity[sl].long()
     for layer in range(ssm.shape[0]):
-        S = ssm[layer, sl].float()
-        k_hat = expand_heads(l2norm(win_k[layer, sl]), num_v_heads)
-        _run_window(
-            S,
-            None,
-            k_hat,
-            win_v[layer, sl].float(),
-            win_g[layer, sl],
-            win_beta[layer, sl],
-            acc,
-            ssm.dtype,
-            lambda s, rows, S_rounded: None,
-        )
-        ssm[layer, sl] = S.to(ssm.dtype)
+        _merged_states(ssm[layer], win_k[layer], win_v[layer], win_g[layer], win_beta[layer], sl, num_pending, buf)

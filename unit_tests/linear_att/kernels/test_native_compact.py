@@ -71,69 +71,107 @@ def test_native_verify_matches_twin_and_reference(shape, max_width, state_dtype,
 
 
 def _compact_buffers(shape, max_width, state_dtype, act_dtype, num_layers, gen):
+    """State, two poisoned window buffers per slot (nothing may be read before it is written), random parity."""
     ssm = (torch.randn(num_layers, NUM_SLOTS, shape.HV, shape.K, shape.V, generator=gen) * 0.3).to(state_dtype)
+    lead = (num_layers, NUM_SLOTS, 2, max_width)
     win = (
-        poison_(torch.empty(num_layers, NUM_SLOTS, max_width, shape.H, shape.K, dtype=act_dtype)),
-        poison_(torch.empty(num_layers, NUM_SLOTS, max_width, shape.HV, shape.V, dtype=act_dtype)),
-        poison_(torch.empty(num_layers, NUM_SLOTS, max_width, shape.HV, shape.GK)),
-        poison_(torch.empty(num_layers, NUM_SLOTS, max_width, shape.HV)),
+        poison_(torch.empty(*lead, shape.H, shape.K, dtype=act_dtype)),
+        poison_(torch.empty(*lead, shape.HV, shape.V, dtype=act_dtype)),
+        poison_(torch.empty(*lead, shape.HV, shape.GK)),
+        poison_(torch.empty(*lead, shape.HV)),
     )
-    return ssm, win
+    pending = torch.zeros(NUM_SLOTS, dtype=torch.int32)
+    parity = torch.randint(0, 2, (NUM_SLOTS,), generator=gen, dtype=torch.int32)
+    return ssm, win, pending, parity
+
+
+def _accept(pending, parity, slots, widths, accepted):
+    """What `CompactState.accept` does to the per-slot scalars (live rows only)."""
+    for slot, width, a in zip(slots.tolist(), widths.tolist(), accepted.tolist()):
+        if width > 0:
+            pending[slot], parity[slot] = a, 1 - parity[slot]
 
 
 @pytest.mark.parametrize("shape", SHAPES[1:4], ids=str)
 @pytest.mark.parametrize("max_width", [2, 4])
 @pytest.mark.parametrize(("state_dtype", "act_dtype", "tol"), DTYPES)
 def test_compact_equals_native_bitwise(shape, max_width, state_dtype, act_dtype, tol, nan_outputs):
-    """Two layers: verify each with compact and native, commit both layers in one launch, compare bytes."""
+    """Two layers, two rounds: the second verify merges the first round's accepted tokens inside the kernel; then
+    the all-layer commit merges the second round's. Every output and state equals native's, byte for byte."""
     gen = torch.Generator().manual_seed(11 + max_width)
     num_layers = 2
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     widths = torch.tensor(_widths(max_width), dtype=torch.int32)
-    accepted = torch.tensor([max(1, max_width // 2), 1, max(1, max_width - 1)], dtype=torch.int32)
-    ssm, win = _compact_buffers(shape, max_width, state_dtype, act_dtype, num_layers, gen)
-    ssm_before = ssm.clone()
+    accepted = [
+        torch.tensor([max(1, max_width // 2), 1, max(1, max_width - 1)], dtype=torch.int32),
+        torch.tensor([max_width, 1, 1], dtype=torch.int32),
+    ]
+    ssm, win, pending, parity = _compact_buffers(shape, max_width, state_dtype, act_dtype, num_layers, gen)
     ssm_twin, win_twin = ssm.clone(), tuple(t.clone() for t in win)
-    expect = []
-    for layer in range(num_layers):
-        params = make_params(shape, gen)
-        w = make_window(shape, len(SLOTS), max_width, act_dtype, gen)
-        args = (w.q, w.k, w.v, w.graw, w.braw, params.A_log, params.dt_bias)
-        native = torch.zeros(NUM_SLOTS, max_width, shape.HV, shape.K, shape.V, dtype=state_dtype)
-        native[:, 0] = ssm[layer]
-        ssm_index = torch.zeros(NUM_SLOTS, dtype=torch.int32)
-        o_native = native_verify_triton(
-            *args, native, ssm_index, slots, widths, lower_bound=shape.lower_bound, config=TILED
-        )
-        layer_win = tuple(t[layer] for t in win)
-        o = compact_verify_triton(
-            *args, ssm[layer], *layer_win, slots, widths, lower_bound=shape.lower_bound, config=TILED
-        )
-        o_twin = twin.compact_verify(
-            *args, ssm_twin[layer], *(t[layer] for t in win_twin), slots, widths, lower_bound=shape.lower_bound
-        )
-        assert torch.equal(o, o_native), "compact verify outputs differ from native"
-        assert torch.equal(ssm, ssm_before), "compact verify wrote the state"
-        assert_rel_close("o vs twin", o, o_twin, tol)
-        for slot, width in zip(SLOTS, widths.tolist()):
-            if width == 0:
-                assert layer_win[0][slot].isnan().all(), "a padding row wrote its window"
-                continue
-            # raw k / v are copied bit for bit; the activated gates come from two implementations of one formula
-            twin_win = [t[layer][slot, :width] for t in win_twin]
-            assert torch.equal(layer_win[0][slot, :width], twin_win[0]), "window k differs from the twin"
-            assert torch.equal(layer_win[1][slot, :width], twin_win[1]), "window v differs from the twin"
-            assert_rel_close("window g", layer_win[2][slot, :width], twin_win[2], 1e-6)
-            assert_rel_close("window beta", layer_win[3][slot, :width], twin_win[3], 1e-6)
-        # what native holds after the accepted prefix (slot a-1); rows that did not run keep their state
-        committed = ssm[layer].clone()
-        for slot, width, a in zip(SLOTS, widths.tolist(), accepted.tolist()):
-            if width > 0:
-                committed[slot] = native[slot, a - 1]
-        expect.append(committed)
+    pending_twin, parity_twin = pending.clone(), parity.clone()
+    native = torch.zeros(num_layers, NUM_SLOTS, max_width, shape.HV, shape.K, shape.V, dtype=state_dtype)
+    native[:, :, 0] = ssm
+    ssm_index = torch.zeros(NUM_SLOTS, dtype=torch.int32)
+    params = [make_params(shape, gen) for _ in range(num_layers)]
+    for rnd in range(2):
+        for layer in range(num_layers):
+            w = make_window(shape, len(SLOTS), max_width, act_dtype, gen)
+            args = (w.q, w.k, w.v, w.graw, w.braw, params[layer].A_log, params[layer].dt_bias)
+            start = native[layer, torch.arange(NUM_SLOTS), ssm_index.long()].clone()
+            o_native = native_verify_triton(
+                *args, native[layer], ssm_index, slots, widths, lower_bound=shape.lower_bound, config=TILED
+            )
+            layer_win = tuple(t[layer] for t in win)
+            read_before = [t[layer][torch.arange(NUM_SLOTS), parity.long()].clone() for t in win]
+            o = compact_verify_triton(
+                *args, ssm[layer], *layer_win, pending, parity, slots, widths, lower_bound=shape.lower_bound,
+                config=TILED,
+            )  # fmt: skip
+            o_twin = twin.compact_verify(
+                *args, ssm_twin[layer], *(t[layer] for t in win_twin), pending_twin, parity_twin, slots, widths,
+                lower_bound=shape.lower_bound,
+            )  # fmt: skip
+            assert torch.equal(o, o_native), f"round {rnd}: compact verify outputs differ from native"
+            assert_rel_close("o vs twin", o, o_twin, tol)
+            for slot, width in zip(SLOTS, widths.tolist()):
+                if width > 0:
+                    # the merged state the window started from (round 0: nothing pending, the state as it was)
+                    want = start[slot].view(torch.uint8)
+                    assert torch.equal(ssm[layer, slot].view(torch.uint8), want), f"round {rnd}: merge != native"
+                    assert_rel_close("merged state vs twin", ssm[layer, slot], ssm_twin[layer, slot], tol)
+                _check_window_written(layer_win, win_twin, layer, slot, width, int(parity[slot]), read_before)
+        _accept(pending, parity, slots, widths, accepted[rnd])
+        _accept(pending_twin, parity_twin, slots, widths, accepted[rnd])
+        ssm_index = _native_index_after(ssm_index, slots, widths, accepted[rnd])
 
-    compact_commit_triton(ssm, *win, slots, widths, accepted, config=TILED)
-    twin.compact_commit(ssm_twin, *win_twin, slots, widths, accepted)
+    compact_commit_triton(ssm, *win, pending, parity, slots, config=TILED)
+    twin.compact_commit(ssm_twin, *win_twin, pending_twin, parity_twin, slots)
     for layer in range(num_layers):
-        assert torch.equal(ssm[layer].view(torch.uint8), expect[layer].view(torch.uint8)), "compact != native"
+        for slot in range(NUM_SLOTS):
+            want = native[layer, slot, int(ssm_index[slot])]
+            assert torch.equal(ssm[layer, slot].view(torch.uint8), want.view(torch.uint8)), f"slot {slot}: != native"
     assert_rel_close("committed state vs twin", ssm, ssm_twin, tol)
+
+
+def _native_index_after(index_before, slots, widths, accepted):
+    index = index_before.clone()
+    for slot, width, a in zip(slots.tolist(), widths.tolist(), accepted.tolist()):
+        if width > 0:
+            index[slot] = a - 1
+    return index
+
+
+def _check_window_written(layer_win, win_twin, layer, slot, width, parity, read_before):
+    """A verify writes tokens s < W of its row into buffer 1 - parity and leaves the buffer it read alone."""
+    for t, before in zip(layer_win, read_before):
+        assert torch.equal(t[slot, parity].nan_to_num(7.0), before[slot].nan_to_num(7.0)), "the read buffer changed"
+    written = [t[slot, 1 - parity] for t in layer_win]
+    if width == 0:
+        assert written[0].isnan().all(), "a padding row wrote its window"
+        return
+    # raw k / v are copied bit for bit; the activated gates come from two implementations of one formula
+    twin_win = [t[layer][slot, 1 - parity, :width] for t in win_twin]
+    assert torch.equal(written[0][:width], twin_win[0]), "window k differs from the twin"
+    assert torch.equal(written[1][:width], twin_win[1]), "window v differs from the twin"
+    assert_rel_close("window g", written[2][:width], twin_win[2], 1e-6)
+    assert_rel_close("window beta", written[3][:width], twin_win[3], 1e-6)
