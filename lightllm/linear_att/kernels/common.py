@@ -137,15 +137,42 @@ def fold_tile_from_records(
     return b_s
 
 
+@triton.jit
+def fold_if_full(fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, par,
+                 o_k, m_k, o_g, m_g, o_v, m_v):  # fmt: skip
+    """The one-launch replay kernels' on-device fold of one `[BK, BV]` tile. When `fold`, S_h replaces the tile in
+    registers and in `p_s` (rounded once to the state dtype; the window continues from the rounded value) and the
+    history becomes empty. Returns (tile, history weights `[BL, BK]`, history u `[BL, BV]`, G_h `[BG]`, the
+    cursor the window's records start at, the history buffer they go to)."""
+    if fold:
+        b_s = fold_tile_from_records(b_s, b_gh, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, o_k, m_k, o_g, m_g,
+                                     o_v, m_v)  # fmt: skip
+        b_sr = b_s.to(p_s.dtype.element_ty)
+        tl.store(p_s, b_sr, mask=m_kv)
+        b_s = b_sr.to(tl.float32)
+        b_hkw = tl.zeros(b_hkw.shape, dtype=tl.float32)
+        b_hu = tl.zeros(b_hu.shape, dtype=tl.float32)
+        b_gh = tl.zeros(b_gh.shape, dtype=tl.float32)
+    return b_s, b_hkw, b_hu, b_gh, tl.where(fold, 0, h), tl.where(fold, 1 - par, par)
+
+
+@triton.jit
+def row_of(b_x, m_s):
+    """Row `s` (the one-hot mask `m_s [BW]`) of a `[BW, X]` block."""
+    return tl.sum(tl.where(m_s[:, None], b_x, 0.0), 0)
+
+
 __all__ = [
     "cumsum_rows",
     "delta_rule_step",
+    "fold_if_full",
     "fold_tile_from_records",
     "gate_activation",
     "history_weights",
     "l2norm",
     "l2norm_rows",
     "load_token",
+    "row_of",
     "sigmoid",
     "softplus",
 ]

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from lightllm.linear_att.kernels.common import (
-    fold_tile_from_records,
+    fold_if_full,
     gate_activation,
     history_weights,
     l2norm,
@@ -118,19 +118,10 @@ def replay_decode_kernel(
     b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] e^{G_h - G_j} k_hat_j, [BG] G_h
 
     b_s = b_s_raw.to(tl.float32)
-    if fold:
-        # S_h on this tile's columns, rounded once; the window then starts from it with an empty history
-        b_s = fold_tile_from_records(
-            b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, o_k, m_k, o_g, m_g, o_v, m_v
-        )
-        b_sr = b_s.to(p_s.dtype.element_ty)
-        tl.store(p_s, b_sr, mask=m_kv)
-        b_s = b_sr.to(tl.float32)
-        b_hkw = tl.zeros([BL, BK], dtype=tl.float32)
-        b_hu = tl.zeros([BL, BV], dtype=tl.float32)
-        b_gh = tl.zeros([BG], dtype=tl.float32)
-    h = tl.where(fold, 0, h)
-    buf = tl.where(fold, 1 - par, par)
+    b_s, b_hkw, b_hu, b_gh, h, buf = fold_if_full(
+        fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, par,
+        o_k, m_k, o_g, m_g, o_v, m_v,
+    )  # fmt: skip
 
     # the token
     b_q = l2norm(b_qr.to(tl.float32)) * scale

@@ -48,16 +48,11 @@ from lightllm.linear_att.kernels.common import (
     gate_activation,
     history_weights,
     l2norm_rows,
+    row_of,
     sigmoid,
 )
 from lightllm.linear_att.kernels.replay_decode import replay_decode_triton
 from lightllm.linear_att.kernels.replay_window import replay_window_triton
-
-
-@triton.jit
-def _row(b_x, m_s):
-    """Row `s` (given as the one-hot mask `m_s [BW]`) of a `[BW, X]` block."""
-    return tl.sum(tl.where(m_s[:, None], b_x, 0.0), 0)
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
@@ -184,9 +179,9 @@ def replay_prepare_kernel(
     p_c = coef + i_n * stride_c_n + i_hv * stride_c_h
     for s in range(0, width):
         m_s = o_w == s
-        b_ks, b_qs = _row(b_k, m_s), _row(b_q, m_s)  # [BK]
-        b_grs, b_Gs = _row(b_gr, m_s), _row(b_G, m_s)  # [BG]
-        b_beta_s = _row(b_beta[:, None], m_s)  # [1]
+        b_ks, b_qs = row_of(b_k, m_s), row_of(b_q, m_s)  # [BK]
+        b_grs, b_Gs = row_of(b_gr, m_s), row_of(b_G, m_s)  # [BG]
+        b_beta_s = row_of(b_beta[:, None], m_s)  # [1]
         b_decay = tl.exp(tl.where((o_w <= s)[:, None], b_grs[None, :] - b_gr, 0.0))  # [BW, BG]
         b_kw = b_k * b_decay  # [BW, BK]
         b_bk = tl.where(o_w < s, tl.sum(b_kw * b_ks[None, :], 1), 0.0)  # [BW]

@@ -27,10 +27,11 @@ import triton.language as tl
 
 from lightllm.linear_att.kernels.common import (
     cumsum_rows,
-    fold_tile_from_records,
+    fold_if_full,
     gate_activation,
     history_weights,
     l2norm_rows,
+    row_of,
     sigmoid,
 )
 
@@ -39,12 +40,6 @@ from lightllm.linear_att.kernels.common import (
 def _stack(b_a, b_b):
     """`[R, X]` and `[R, X]` -> `[2 R, X]` (rows of `b_a`, then rows of `b_b`)."""
     return tl.reshape(tl.permute(tl.join(b_a, b_b), (2, 0, 1)), (2 * b_a.shape[0], b_a.shape[1]))
-
-
-@triton.jit
-def _row(b_x, m_s):
-    """Row `s` (the one-hot mask `m_s [BW]`) of a `[BW, X]` block."""
-    return tl.sum(tl.where(m_s[:, None], b_x, 0.0), 0)
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
@@ -133,18 +128,10 @@ def replay_window_kernel(
 
     p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
     b_s = tl.load(p_s, mask=m_kv & live, other=0).to(tl.float32)  # [BK, BV]
-    if fold:
-        b_s = fold_tile_from_records(
-            b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, o_k, m_k, o_g, m_g, o_v, m_v
-        )
-        b_sr = b_s.to(p_s.dtype.element_ty)
-        tl.store(p_s, b_sr, mask=m_kv)
-        b_s = b_sr.to(tl.float32)
-        b_hkw = tl.zeros([BL, BK], dtype=tl.float32)
-        b_hu = tl.zeros([BL, BV], dtype=tl.float32)
-        b_gh = tl.zeros([BG], dtype=tl.float32)
-    h = tl.where(fold, 0, h)
-    buf = tl.where(fold, 1 - par, par)
+    b_s, b_hkw, b_hu, b_gh, h, buf = fold_if_full(
+        fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, par,
+        o_k, m_k, o_g, m_g, o_v, m_v,
+    )  # fmt: skip
 
     # the window: q_hat, k_hat [BW, BK], v [BW, BV], gates [BW, BG], beta [BW]; rows >= width are zero
     m_wk = m_w[:, None] & m_k[None, :]
@@ -177,8 +164,8 @@ def replay_window_kernel(
     b_bq = tl.zeros([BW, BW], dtype=tl.float32)
     for r in range(0, width):
         m_r = o_w == r
-        b_kr = _row(b_k, m_r)  # [BK]
-        b_grr = _row(b_gr, m_r)  # [BG]
+        b_kr = row_of(b_k, m_r)  # [BK]
+        b_grr = row_of(b_gr, m_r)  # [BG]
         b_kd = b_kr[None, :] * tl.exp(tl.where((o_w >= r)[:, None], b_gr - b_grr[None, :], 0.0))  # [BW, BK]
         b_bk = tl.where(m_r[None, :], tl.where(o_w > r, tl.sum(b_k * b_kd, 1), 0.0)[:, None], b_bk)
         b_bq = tl.where(m_r[None, :], tl.where(o_w >= r, tl.sum(b_q * b_kd, 1), 0.0)[:, None], b_bq)
@@ -187,8 +174,8 @@ def replay_window_kernel(
     b_u = tl.zeros([BW, BV], dtype=tl.float32)
     for s in range(0, width):
         m_s = o_w == s
-        b_rhs = _row(b_vw, m_s) - _row(b_yk, m_s) - tl.sum(_row(b_bk, m_s)[:, None] * b_u, 0)
-        b_u = tl.where(m_s[:, None], (_row(b_beta[:, None], m_s) * b_rhs)[None, :], b_u)
+        b_rhs = row_of(b_vw, m_s) - row_of(b_yk, m_s) - tl.sum(row_of(b_bk, m_s)[:, None] * b_u, 0)
+        b_u = tl.where(m_s[:, None], (row_of(b_beta[:, None], m_s) * b_rhs)[None, :], b_u)
     b_o = b_yq + tl.sum(b_bq[:, :, None] * b_u[None, :, :], 1)  # [BW, BW, BV]: W^2 V FMAs per tile
 
     p_o = o + i_n * stride_o_n + o_w[:, None] * stride_o_w + i_hv * V + o_v[None, :]
