@@ -6,19 +6,21 @@
 #   bash test/gpu/h200_stages.sh bench      # the full benchmark grid (N 1..512, W 1/2/4, fp32 + bf16 state)
 #   bash test/gpu/h200_stages.sh models     # model parity vs transformers: Kimi-Linear fp32, every arch bf16
 #   bash test/gpu/h200_stages.sh serving    # serving smoke: Kimi-Linear (tiny), a random-weight Qwen3-Next-width model
+#   bash test/gpu/h200_stages.sh profile    # Nsight Compute on each decode / verify kernel (test/benchmark/profile_replay_ncu.py)
+#   bash test/gpu/h200_stages.sh STAGE 420  # stop the stage's programs after 420 s (default 540), then save the cache
 #
 # Extra packages come as wheels in .whl (see README.md here); outputs and tables are copied to $OUT when it is set,
 # so a stage's files come back even when it is cut short. Every stage prints as it goes.
 #
 # Compiled kernels and autotuning results (ours and fla-core's, which autotunes its chunk kernels for minutes on a
 # fresh machine) are kept in a Triton cache under .cache/gpu (ignored by git). A stage starts from
-# .cache/gpu/triton.tgz when that file is there and ends by writing the cache back as $OUT/triton.tgz (if it fits
-# the 16 MiB a returned file may have); bring that file back into .cache/gpu/ and carry ".cache/gpu" with the
-# next command to skip the compiles and the autotuning.
+# .cache/gpu/triton.tgz (or its parts triton.tgz.part-NN) when there and ends by writing the cache back to $OUT the
+# same way (parts of 15 MiB, the most a returned file may have); bring those files back into .cache/gpu/ and carry
+# ".cache/gpu" with the next command to skip the compiles and the autotuning.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 case "${1:-}" in
-kernels | sweep | bench | models | serving) ;;
+kernels | sweep | bench | models | serving | profile) ;;
 *)
     sed -n '2,/^set -uo/p' "$0" | grep '^#'
     exit 2
@@ -32,19 +34,27 @@ else
     export PYTHONPATH="$PWD"
 fi
 export PYTHONUNBUFFERED=1
+DEADLINE=$((SECONDS + ${2:-540}))
+# a stage's programs run through `py`, which stops them at the deadline so the cache is still written back
+py() { timeout $((DEADLINE - SECONDS > 1 ? DEADLINE - SECONDS : 1)) python "$@"; }
 OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
 mkdir -p "$OUT_DIR"
 export TRITON_CACHE_DIR="$PWD/.cache/gpu/triton" TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
-[ -f .cache/gpu/triton.tgz ] && tar -xzf .cache/gpu/triton.tgz -C "$TRITON_CACHE_DIR"
+# the cache travels as triton.tgz, or as triton.tgz.part-* when it is over the 16 MiB a returned file may have
+if ls .cache/gpu/triton.tgz* >/dev/null 2>&1; then
+    cat $(ls .cache/gpu/triton.tgz* | sort) | tar -xzf - -C "$TRITON_CACHE_DIR"
+fi
 
 save_cache() {
-    tar -czf /tmp/triton.tgz -C "$TRITON_CACHE_DIR" . &&
-        if [ "$(stat -c %s /tmp/triton.tgz)" -le $((16 * 1024 * 1024)) ]; then
-            cp /tmp/triton.tgz "$OUT_DIR/triton.tgz"
-        else
-            echo "Triton cache $(du -h /tmp/triton.tgz | cut -f1) is over 16 MiB: not returned"
-        fi
+    tar -czf /tmp/triton.tgz -C "$TRITON_CACHE_DIR" . || return
+    if [ "$(stat -c %s /tmp/triton.tgz)" -le $((15 * 1024 * 1024)) ]; then
+        cp /tmp/triton.tgz "$OUT_DIR/triton.tgz"
+    elif [ "$(stat -c %s /tmp/triton.tgz)" -le $((45 * 1024 * 1024)) ]; then
+        split -b 15M -d /tmp/triton.tgz "$OUT_DIR/triton.tgz.part-"
+    else
+        echo "Triton cache $(du -h /tmp/triton.tgz | cut -f1) is over 45 MiB: not returned"
+    fi
 }
 trap save_cache EXIT
 
@@ -56,29 +66,37 @@ tables_out() {
 
 case "${1:-}" in
 kernels)
-    python -m pytest -q -p no:cacheprovider test/gpu/test_linear_att_gpu.py test/gpu/test_paged_attention_gpu.py 2>&1 |
-        grep -v "Warning\|warn(" | tee "$OUT_DIR/kernels.log"
+    py -m pytest -q -p no:cacheprovider test/gpu/test_linear_att_gpu.py test/gpu/test_paged_attention_gpu.py 2>&1 |
+        grep --line-buffered -v "Warning\|warn(" | tee "$OUT_DIR/kernels.log"
     ;;
 sweep)
-    python test/benchmark/sweep_linear_att.py --families replay,serial --cells 1x256,4x128 \
+    py test/benchmark/sweep_linear_att.py --families replay,serial --cells 1x256,4x128 \
         --shapes qwen3-next-tp1,qwen3.5-tp1,kimi-linear-tp1 --out-dir lightllm/linear_att 2>&1 |
-        grep -v "Warning\|warn(" | tee "$OUT_DIR/sweep.log"
+        grep --line-buffered -v "Warning\|warn(" | tee "$OUT_DIR/sweep.log"
     tables_out
     ;;
 bench)
-    python test/benchmark/bench_linear_att.py --budget-s 480 2>&1 | grep -v "Warning\|warn(" | tee "$OUT_DIR/bench.log"
-    python test/benchmark/replay_phases.py --ns 128 --ws 1,4 2>&1 | tee "$OUT_DIR/phases.log"
+    py test/benchmark/bench_linear_att.py --budget-s 480 2>&1 | grep --line-buffered -v "Warning\|warn(" | tee "$OUT_DIR/bench.log"
+    py test/benchmark/replay_phases.py --ns 128 --ws 1,4 2>&1 | tee "$OUT_DIR/phases.log"
     ;;
 models)
-    python test/gpu/check_models_gpu.py --skip-real-width --archs kimi_linear --dtypes float32 2>&1 |
-        grep -E "True|False|ok,|failed|Error" | tee "$OUT_DIR/models_kimi.log"
-    python test/gpu/check_models_gpu.py --dtypes bfloat16 2>&1 |
-        grep -E "True|False|ok,|failed|Error|==" | tee "$OUT_DIR/models_bf16.log"
+    py test/gpu/check_models_gpu.py --skip-real-width --archs kimi_linear --dtypes float32 2>&1 |
+        tee "$OUT_DIR/models_kimi.log" | grep --line-buffered -E "True|False|ok,|failed|Error"
+    py test/gpu/check_models_gpu.py --dtypes bfloat16 2>&1 |
+        tee "$OUT_DIR/models_bf16.log" | grep --line-buffered -E "True|False|ok,|failed|Error|=="
     ;;
 serving)
-    python test/gpu/smoke_serving_gpu.py --archs kimi_linear --skip-http 2>&1 |
-        grep -E "^\||failures|Error" | tee "$OUT_DIR/serving_kimi.log"
-    python test/gpu/smoke_serving_gpu.py --skip-tiny --real-width 2>&1 |
-        grep -E "^\||HTTP|failures|Error" | tee "$OUT_DIR/serving_real_width.log"
+    py test/gpu/smoke_serving_gpu.py --archs kimi_linear --skip-http 2>&1 |
+        tee "$OUT_DIR/serving_kimi.log" | grep --line-buffered -E "^\||failures|Error"
+    py test/gpu/smoke_serving_gpu.py --skip-tiny --real-width 2>&1 |
+        tee "$OUT_DIR/serving_real_width.log" | grep --line-buffered -E "^\||HTTP|failures|Error"
+    ;;
+profile)
+    NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)"
+    timeout $((DEADLINE - SECONDS)) "$NCU" --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section MemoryWorkloadAnalysis -k 'regex:replay|native|compact' \
+        python test/benchmark/profile_replay_ncu.py >"$OUT_DIR/ncu.txt" 2>&1
+    grep --line-buffered -E "^  [a-z_]+kernel|^[a-z0-9.-]+ [a-z-]+ W=|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit (Reg|Shared)|Warp Cycles Per Issued|Dynamic Shared|Static Shared|Local Memory|Mem Busy|Max Bandwidth|L2 Hit" \
+        "$OUT_DIR/ncu.txt" | sed 's/  */ /g'
     ;;
 esac
