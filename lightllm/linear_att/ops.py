@@ -261,9 +261,9 @@ def replay_verify(
       h + W > L (fold): in place `ssm[slot] <- S_h` (fp32 math, rounded once), records of the window go to
       buffer `1 - p` at positions 0..W-1 (G restarting from 0);
       otherwise records go to buffer `p` at positions h..h+W-1.
-    projection: "inline" or "precompute", the Triton schedule for W > 1 (same math): a prepare launch and a forward
-    of per-token CUDA-core reductions, or one launch contracting the state with every coefficient row of the window
-    as dots (`kernels/replay_window.py`); plain decode (W = 1) has one path.
+    projection: "inline" or "precompute", the order of the Triton window kernel for W > 1 (same math, one launch,
+    `kernels/replay_window.py`): S0 and the history contracted per token inside the window loop, or for every
+    token of the window before it; plain decode (W = 1) has one path.
     Returns o `[N, Wmax, HV, V]`.
     """
     if projection not in ("inline", "precompute"):

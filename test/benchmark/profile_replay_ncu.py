@@ -20,11 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import bench_linear_att as bench  # noqa: E402
+
 from lightllm.linear_att.kernels.compact import compact_verify_triton  # noqa: E402
 from lightllm.linear_att.kernels.native_verify import native_verify_triton  # noqa: E402
 from lightllm.linear_att.kernels.replay_verify import replay_verify_triton  # noqa: E402
 
-KERNELS = ("replay-decode", "replay-window", "replay-inline", "native", "compact")
+KERNELS = ("replay-decode", "replay-inline", "replay-precompute", "native", "compact")
 
 
 def launches(name: str, shape, N: int, W: int, h: int, device) -> None:
@@ -40,7 +41,7 @@ def launches(name: str, shape, N: int, W: int, h: int, device) -> None:
             compact_verify_triton(*inp.args, ssm[0], *(t[0] for t in win), pending, parity, inp.slots, inp.widths)
     else:
         ssm, hist, cursor, parity = bench.replay_buffers(shape, N, 16, torch.float32, device)
-        projection = "inline" if name == "replay-inline" else "precompute"
+        projection = "inline" if name == "replay-decode" else name.removeprefix("replay-")
         for _ in range(2):
             cursor.fill_(h)
             replay_verify_triton(*inp.args, ssm, *hist, cursor, parity, inp.slots, inp.widths, projection=projection)

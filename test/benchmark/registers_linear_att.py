@@ -18,7 +18,6 @@ import triton
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from lightllm.linear_att.kernels import replay_decode as rd  # noqa: E402
-from lightllm.linear_att.kernels import replay_verify as rv  # noqa: E402
 from lightllm.linear_att.kernels import replay_window as rw  # noqa: E402
 from unit_tests.helpers.sm90 import compile_sm90  # noqa: E402
 
@@ -34,21 +33,10 @@ def decode(L: int, GK: int, H: int, HV: int, BV: int, num_warps: int) -> str:
     return ptxas_report(rd.replay_decode_kernel.fn, c, num_warps)
 
 
-def window(W: int, L: int, GK: int, H: int, HV: int, BV: int, num_warps: int) -> str:
+def window(W: int, L: int, GK: int, H: int, HV: int, BV: int, num_warps: int, precompute: bool) -> str:
     c = dict(H=H, HV=HV, K=128, V=128, GK=GK, L=L, WMAX=W, BK=128, BV=BV, BG=triton.next_power_of_2(GK))
-    c.update(BL=max(16, L), BW=max(8, W), USE_LOWER_BOUND=False, lower_bound=None, PRECISION="ieee")
-    return ptxas_report(rw.replay_window_kernel.fn, c, num_warps)
-
-
-def forward(W: int, L: int, BV: int, num_warps: int) -> str:
-    c = dict(K=128, V=128, L=L, WMAX=W, BK=128, BV=BV, BL=max(16, L), BWV=max(4, triton.next_power_of_2(W)))
-    return ptxas_report(rv.replay_forward_kernel, c, num_warps)
-
-
-def prepare(W: int, L: int, GK: int, H: int, HV: int) -> str:
-    c = dict(H=H, HV=HV, K=128, V=128, GK=GK, L=L, WMAX=W, BK=128, BG=triton.next_power_of_2(GK), BL=max(16, L))
-    c.update(BW=max(4, triton.next_power_of_2(W)), BVF=16, USE_LOWER_BOUND=False, lower_bound=None)
-    return ptxas_report(rv.replay_prepare_kernel.fn, c, rv.prepare_num_warps(GK))
+    c.update(BL=L, BW=max(4, triton.next_power_of_2(W)), USE_LOWER_BOUND=False, lower_bound=None)
+    return ptxas_report(rw.replay_window_kernel.fn, {**c, "PRECOMPUTE": precompute}, num_warps)
 
 
 def main(argv=None) -> int:
@@ -65,17 +53,13 @@ def main(argv=None) -> int:
             for BV, nw in ((64, 2), (32, 2), (64, 4), (32, 4)):
                 print(f"| decode {algo} | 1 | {L} | BV={BV} {nw} warps | {decode(L, GK, H, HV, BV, nw)} |", flush=True)
         for W in Ws:
-            for algo, GK, H, HV in (("GDN", 1, 16, 32), ("KDA", 128, 32, 32)):
-                nw = rv.prepare_num_warps(GK)
-                print(f"| prepare {algo} | {W} | {L} | {nw} warps | {prepare(W, L, GK, H, HV)} |", flush=True)
             if W == 1:
                 continue  # plain decode is `decode` above
-            for BV, nw in ((32, 4), (16, 2), (64, 8)):
-                print(f"| forward inline | {W} | {L} | BV={BV} {nw} warps | {forward(W, L, BV, nw)} |", flush=True)
             for algo, GK, H, HV in (("GDN", 1, 16, 32), ("KDA", 128, 32, 32)):
-                for BV, nw in ((32, 4), (64, 4), (64, 8), (32, 2), (16, 2)):
-                    regs = window(W, L, GK, H, HV, BV, nw)
-                    print(f"| window (precompute) {algo} | {W} | {L} | BV={BV} {nw} warps | {regs} |", flush=True)
+                for projection in ("inline", "precompute"):
+                    for BV, nw in ((32, 4), (64, 4), (32, 2)):
+                        regs = window(W, L, GK, H, HV, BV, nw, projection == "precompute")
+                        print(f"| window {projection} {algo} | {W} | {L} | BV={BV} {nw} warps | {regs} |", flush=True)
     return 0
 
 

@@ -1,14 +1,13 @@
-"""Where a replay verify step spends its time: the whole step against each of its launches alone.
+"""Where a replay step spends its time: the amortised step against the verify launch at a pinned cursor.
 
-    python test/benchmark/replay_phases.py [--shapes qwen3-next-tp1,kimi-linear-tp1] [--ws 2,4] [--ns 128]
+    python test/benchmark/replay_phases.py [--shapes qwen3-next-tp1,kimi-linear-tp1] [--ws 1,2,4] [--ns 128]
 
-For W > 1 a step is `replay_prepare_kernel` + `replay_forward_kernel` + the cursor kernel; this times the step,
-then the step with the forward launch left out, then with the prepare launch left out (the forward then reads
-the coefficients an earlier call left in the scratch buffer, which is the same work). For W = 1 (one launch,
-`replay_decode_kernel`) it times the step with the cursor cycling through fold cycles, then the kernel alone
-with the cursor pinned at 0 (no history, no fold) and at L - 1 (a full history, no fold); for W > 1 the same
-pinned rows come before the launch split. Same method as
-`bench_linear_att.py` (CUDA graphs over pools rotated beyond L2), so the rows add up to the benchmark's cells.
+A step is one launch (`replay_decode_kernel` for W = 1, `replay_window_kernel` for W > 1, either projection)
+plus the cursor kernel. This times the step with the cursor cycling through fold cycles, then the launch alone
+with the cursor pinned at 0 (no history, no fold) and at L - W (a full history, no fold): the difference between
+the pinned rows is the cost of the history, the one between the cycling step and the pinned rows that of the
+folds and the cursor kernel. Same method as `bench_linear_att.py` (CUDA graphs over pools rotated beyond L2), so
+the rows add up to the benchmark's cells.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from unittest import mock
 
 import torch
 
@@ -26,13 +24,6 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 import bench_linear_att as bench  # noqa: E402
 
 from lightllm.linear_att.kernels import replay_verify as rv  # noqa: E402
-
-
-class _Skipped:
-    """Stands in for a Triton kernel: `kernel[grid](...)` launches nothing."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
 
 
 def pinned_rows(shape, inp, N, W, L, device, timer, floor, projection="inline") -> None:
@@ -51,7 +42,7 @@ def pinned_rows(shape, inp, N, W, L, device, timer, floor, projection="inline") 
             )
         cells[f"h={pinned}"] = timer(steps)
     text = " | ".join(f"{k} {v:.1f}" for k, v in cells.items())
-    print(f"| {shape.name} | {W} | {N} | {projection}, pinned | {text} | | {floor:.1f} |", flush=True)
+    print(f"| {shape.name} | {W} | {N} | {projection} | {text} | {floor:.1f} |", flush=True)
 
 
 def main(argv=None) -> int:
@@ -64,8 +55,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device("cuda")
     timer = bench.Timer(device, reps=max(24, 2 * args.capacity))
-    print("| shape | W | N | projection | step µs | prepare only | forward only | read floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | W | N | projection | µs: cycling, pinned h=0, pinned h=L-W | read floor |")
+    print("|---|---|---|---|---|---|")
     bw = bench.copy_bandwidth(device)
     for name in args.shapes.split(","):
         shape = bench.SHAPES[name]
@@ -73,22 +64,8 @@ def main(argv=None) -> int:
             for N in (int(n) for n in args.ns.split(",")):
                 inp = bench.make_inputs(shape, N, W, torch.bfloat16, device)
                 floor = N * shape.HV * shape.K * shape.V * 4 / bw * 1e6
-                if W == 1:
-                    pinned_rows(shape, inp, N, W, args.capacity, device, timer, floor)
-                    continue
-                for projection in args.projections.split(","):
+                for projection in ["inline"] if W == 1 else args.projections.split(","):
                     pinned_rows(shape, inp, N, W, args.capacity, device, timer, floor, projection)
-                    cell = (shape, inp, N, W, args.capacity, torch.float32, projection, device)
-                    full = timer(bench.replay_steps(*cell))
-                    with mock.patch.object(rv, "replay_forward_kernel", _Skipped()):
-                        prepare = timer(bench.replay_steps(*cell))
-                    with mock.patch.object(rv, "replay_prepare_kernel", _Skipped()):
-                        forward = timer(bench.replay_steps(*cell))
-                    print(
-                        f"| {name} | {W} | {N} | {projection} | {full:.1f} | {prepare:.1f} | {forward:.1f} "
-                        f"| {floor:.1f} |",
-                        flush=True,
-                    )
     return 0
 
 

@@ -5,7 +5,7 @@
 Run without `TRITON_INTERPRET` (the interpreter replaces the JIT functions this compiles); the test
 `unit_tests/linear_att/kernels/test_sm90_lowering.py` runs it in a clean subprocess. Block sizes are the ones the
 wrappers pick on CUDA: BV = 64 x 2 warps for the W = 1 kernels and 32 x 4 otherwise (the shipped tables), 16 for
-the tiny heads; window blocks of at least 8 rows (window kernel) or 4 rows (prepare); history blocks of 16 rows.
+the tiny heads; window blocks of at least 4 rows; history blocks of 16 rows.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import traceback
 
 import triton
 
-from lightllm.linear_att.kernels import compact, native_verify, replay_decode, replay_fold, replay_verify, replay_window
+from lightllm.linear_att.kernels import compact, native_verify, replay_decode, replay_fold, replay_window
 from unit_tests.helpers.sm90 import compile_sm90
 
 # H, HV, K (= V), gate width, lower bound: the Qwen3-Next and Kimi-Linear TP1 heads and the tiny test models
@@ -45,7 +45,6 @@ def _tile(shape, wide: bool) -> tuple[int, int]:
 
 def cases(shape) -> list[tuple[str, object, dict, int]]:
     """(label, kernel, constexprs, num_warps) of every kernel at one head shape."""
-    D, GK = shape[2], shape[3]
     out = []
     for W in (1, 4):
         bv, nw = _tile(shape, wide=W == 1)
@@ -59,15 +58,11 @@ def cases(shape) -> list[tuple[str, object, dict, int]]:
     decode = {**_gates(shape), "L": L, "BV": bv1, "BL": L}
     out.append(("replay_decode W=1", replay_decode.replay_decode_kernel, decode, nw1))
     for W in (2, 3, 4, 8):
-        bw = max(8, triton.next_power_of_2(W))
-        c = {**_gates(shape), "L": L, "WMAX": W, "BV": bv, "BL": L, "BW": bw, "PRECISION": "ieee"}
-        out.append((f"replay_window W={W}", replay_window.replay_window_kernel, c, nw))
-    for W in (2, 4):
-        bw = max(4, triton.next_power_of_2(W))
-        prepare = {**_gates(shape), "L": L, "WMAX": W, "BL": L, "BW": bw, "BVF": 16}
-        out.append((f"replay_prepare W={W}", replay_verify.replay_prepare_kernel, prepare, 8 if GK > 1 else 4))
-        forward = dict(K=D, V=D, L=L, WMAX=W, BK=triton.next_power_of_2(D), BV=bv, BL=L, BWV=bw)
-        out.append((f"replay_forward W={W}", replay_verify.replay_forward_kernel, forward, nw))
+        for precompute in (False, True):
+            bw = max(4, triton.next_power_of_2(W))
+            c = {**_gates(shape), "L": L, "WMAX": W, "BV": bv, "BL": L, "BW": bw, "PRECOMPUTE": precompute}
+            label = f"replay_window W={W} {'precompute' if precompute else 'inline'}"
+            out.append((label, replay_window.replay_window_kernel, c, nw))
     for has_out in (False, True):
         fold = {**_gates(shape, False), "L": L, "BV": bv, "HAS_OUT": has_out}
         out.append((f"replay_fold out={has_out}", replay_fold.replay_fold_kernel, fold, nw))

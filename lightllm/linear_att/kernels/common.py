@@ -122,6 +122,16 @@ def history_weights(b_hk, b_hg, m_l, h):
 
 
 @triton.jit
+def project_token(b_s, b_hu, b_hkw, b_x, b_eG, b_er):
+    """`S_h^T (e^{r} x)` through the replay identity, without forming S_h: `S0^T (e^{G} x) + sum_j u_j (K~_j . e^{r} x)`
+    on one `[BK, BV]` tile. b_s the S0 tile, b_hu `[BL, BV]` committed u_j, b_hkw `[BL, BK]` K~_j (zero past h), b_x
+    `[BK]`, b_eG = e^{G_h + r} and b_er = e^{r} (`[BG]`: `[1]` for GDN, `[BK]` for KDA). fp32 FMAs, reductions over
+    the K rows. Returns `[BV]`."""
+    b_c = tl.sum(b_hkw * (b_x * b_er)[None, :], 1)  # [BL] weight of each committed record
+    return tl.sum(b_s * (b_x * b_eG)[:, None], 0) + tl.sum(b_hu * b_c[:, None], 0)
+
+
+@triton.jit
 def fold_tile_from_records(
     b_s, b_gh, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, o_k, m_k, o_g, m_g, o_v, m_v
 ):
@@ -172,6 +182,7 @@ __all__ = [
     "l2norm",
     "l2norm_rows",
     "load_token",
+    "project_token",
     "row_of",
     "sigmoid",
     "softplus",

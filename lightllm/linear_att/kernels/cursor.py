@@ -2,8 +2,8 @@
 
 One program covers `BLOCK` rows; every row touches only its own slot, so there is no cross-program hazard (slots
 of live rows are distinct; padding rows, width 0, write nothing). Runs once per model step after the last layer,
-entirely on the device (CUDA-graph safe). The fold predicate is the one `replay_prepare_kernel` and
-`replay_forward_kernel` used.
+entirely on the device (CUDA-graph safe). The fold predicate (`h + W > L`) is the one the replay
+decode and window kernels used.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from lightllm.linear_att.kernels.common import (
     gate_activation,
     history_weights,
     l2norm,
+    project_token,
     sigmoid,
 )
 
@@ -133,9 +134,8 @@ def replay_decode_kernel(
     b_eg, b_eG = tl.exp(b_g), tl.exp(b_G)
 
     # S0 contracted with e^G k_hat and e^G q_hat, the history with its weights
-    b_yk = tl.sum(b_s * (b_k * b_eG)[:, None], 0) + tl.sum(b_hu * tl.sum(b_hkw * (b_k * b_eg)[None, :], 1)[:, None], 0)
-    b_u = b_beta * (b_v - b_yk)  # [BV]
-    b_yq = tl.sum(b_s * (b_q * b_eG)[:, None], 0) + tl.sum(b_hu * tl.sum(b_hkw * (b_q * b_eg)[None, :], 1)[:, None], 0)
+    b_u = b_beta * (b_v - project_token(b_s, b_hu, b_hkw, b_k, b_eG, b_eg))  # [BV]
+    b_yq = project_token(b_s, b_hu, b_hkw, b_q, b_eG, b_eg)
     b_o = b_yq + b_u * tl.sum(b_k * b_q, 0)
 
     tl.store(o + i_n * stride_o_n + i_hv * V + o_v, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)

@@ -1,22 +1,26 @@
-"""Replay verify of a window (W > 1) in one launch, the "precompute" projection: every coefficient row of the
-window is built in registers and the state is contracted with all of them at once as tensor-core dots.
+"""Replay verify of a window (W > 1) in one launch: read the canonical state S0 and the committed history, write
+only the window's records and, on a fold, the state tile this program owns.
 
-One program per (V tile, row, value head), like `replay_decode.py` (the W = 1 case). With `h` committed records
-in buffer `p`, the window's within-window cumulative gates `r_s = g_1 + ... + g_s` and `G_s = G_h + r_s`:
+One program per (V tile, row, value head), the W = 1 kernel (`replay_decode.py`) unrolled over the window's
+tokens. With `h` committed records in buffer `p`, the window's cumulative gates `r_s = g_1 + ... + g_s` and
+`G_s = G_h + r_s`, token s needs the state after the tokens before it, decayed by its own gate:
 
-    a_s(x) = e^{r_s} x                                  (decays relative to S_h, <= 1)
-    Y(x)   = S0^T (e^{G_h} a_s(x)) + sum_j u_j (a_s(x) . K~_j),    K~_j = e^{G_h - G_j} k_hat_j
-    B[s, r](x) = (e^{r_s - r_r} k_hat_r) . x_s          (r < s for keys, r <= s for queries; forward decays only)
-    u_s = beta_s (v_s - Y(k_hat)_s - sum_{r<s} B_k[s, r] u_r)
-    o_s = Y(q_hat)_s + sum_{r<=s} B_q[s, r] u_r
+    Y_s(x) = S0^T (e^{G_s} x) + sum_j u_j (K~_j . e^{r_s} x) + sum_{r<s} u_r ((e^{r_s - r_r} k_hat_r) . x)
+    u_s    = beta_s (v_s - Y_s(k_hat_s)),        o_s = Y_s(q_hat_s) + u_s (k_hat_s . q_hat_s)
 
-`Y` for all window rows, keys and queries stacked, is one `[2 BW, K] x [K, BV]` dot against the S0 tile plus one
-`[2 BW, L] x [L, BV]` dot against the records; the history weights `a_s . K~_j` are one `[2 BW, K] x [K, L]` dot;
-the window pairs `B` are W passes over `[BW, K]` blocks (per-channel decays for KDA, so no `e^{-G}` is ever
-formed); the triangular solve for `u` is W steps on `[BV]` vectors, and `o` adds `B_q u` as W^2 V FMAs. Every dot that
-feeds `u` (hence the records and the state) runs at `PRECISION` ("tf32x3" or "ieee"). The fold (`h + W > L`) is
-the one of `replay_decode.py`: each program rebuilds S_h on its own columns, stores it rounded and continues from
-it with an empty history; records go to positions 0..W-1 of buffer `1 - p`, which no reader in the launch reads.
+with K~_j = e^{G_h - G_j} k_hat_j. Every weight is a forward decay e^{<= 0} (per channel for KDA): no e^{-G} is
+formed. All contractions are fp32 FMAs on registers (reductions over the tile's K rows, no `tl.dot`): an fp32
+`tl.dot` lowers to FMAs that read both operands from shared memory, which made the earlier dot-based window
+kernel L1-bound at 4% of DRAM bandwidth (Nsight, `test/benchmark/results/h200_second_session.md`).
+
+The projection mode only changes the order (MATH.md §2): "inline" contracts S0 and the committed history token
+by token inside the window loop; "precompute" contracts them for every window token first (2 W independent
+reductions of the S0 tile), then runs the loop over the window's own records.
+
+Tokens are loaded per row (`common.load_token`), so no row is ever extracted from a register block in the inline
+schedule. Rows past a row's width get g = 0 and beta = 0, write no record and store o = 0. The fold (`h + W > L`)
+is `common.fold_if_full`: each program rebuilds S_h on its own columns, stores it rounded and continues from it
+with an empty history; records go to positions 0..W-1 of buffer `1 - p`, which no reader in the launch reads.
 """
 
 from __future__ import annotations
@@ -26,20 +30,25 @@ import triton
 import triton.language as tl
 
 from lightllm.linear_att.kernels.common import (
-    cumsum_rows,
     fold_if_full,
-    gate_activation,
     history_weights,
-    l2norm_rows,
+    load_token,
+    project_token,
     row_of,
-    sigmoid,
 )
 
 
 @triton.jit
-def _stack(b_a, b_b):
-    """`[R, X]` and `[R, X]` -> `[2 R, X]` (rows of `b_a`, then rows of `b_b`)."""
-    return tl.reshape(tl.permute(tl.join(b_a, b_b), (2, 0, 1)), (2 * b_a.shape[0], b_a.shape[1]))
+def _token(q, k, v, graw, braw, b_a_log, b_dt_bias, lower_bound, scale, act, s, p_q0, p_v0, p_g0, p_b0,
+           stride_q_w, stride_v_w, stride_g_w, stride_b_w, o_k, m_k, o_v, m_v, o_g, m_g,
+           USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+    """Window token `s` of the program's row: (q_hat * scale, k_hat, v, g, beta), g and beta zero past the width."""
+    b_q, b_k, b_v, b_g, b_beta, _ = load_token(
+        q + p_q0 + s * stride_q_w, k + p_q0 + s * stride_q_w, v + p_v0 + s * stride_v_w, graw + p_g0 + s * stride_g_w,
+        braw + p_b0 + s * stride_b_w, b_a_log, b_dt_bias, lower_bound, scale, o_k, m_k, o_v, m_v, o_g, m_g,
+        USE_LOWER_BOUND,
+    )  # fmt: skip
+    return b_q, b_k, b_v, tl.where(act & m_g, b_g, 0.0), tl.where(act, b_beta, 0.0)
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
@@ -95,17 +104,14 @@ def replay_window_kernel(
     BG: tl.constexpr,
     BL: tl.constexpr,
     BW: tl.constexpr,
+    PRECOMPUTE: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_h = i_hv // (HV // H)
     width = tl.load(widths + i_n)
     live = width > 0
     slot = tl.load(slots + i_n).to(tl.int64)
-    h = tl.load(cursor + slot, mask=live, other=0)
-    par = tl.load(parity + slot, mask=live, other=0).to(tl.int64)
-    fold = live & (h + width > L)
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -114,82 +120,90 @@ def replay_window_kernel(
     o_w = tl.arange(0, BW)
     m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
     m_kv = m_k[:, None] & m_v[None, :]
-    m_l = live & (o_l < h)
-    m_w = o_w < width
 
-    # committed records of buffer `par` (never past h)
+    # issued before the cursor: the state tile is in flight while the cursor and the records come
+    p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s_raw = tl.load(p_s, mask=m_kv & live, other=0)  # [BK, BV] state dtype
+    b_a_log = tl.load(A_log + i_hv).to(tl.float32)
+    b_dt_bias = tl.load(dt_bias + i_hv * GK + o_g, mask=m_g, other=0).to(tl.float32)
+
+    h = tl.load(cursor + slot, mask=live, other=0)
+    par = tl.load(parity + slot, mask=live, other=0).to(tl.int64)
+    fold = live & (h + width > L)
+    m_l = live & (o_l < h)
     p_hk = hist_k + slot * stride_hk_s + par * stride_hk_b + i_h * K
     p_hu = hist_u + slot * stride_hu_s + par * stride_hu_b + i_hv * V
     p_hg = hist_g + slot * stride_hg_s + par * stride_hg_b + i_hv * GK
     b_hk = tl.load(p_hk + o_l[:, None] * stride_hk_l + o_k[None, :], mask=m_l[:, None] & m_k[None, :], other=0)
     b_hg = tl.load(p_hg + o_l[:, None] * stride_hg_l + o_g[None, :], mask=m_l[:, None] & m_g[None, :], other=0)
-    b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] K~_j, [BG] G_h
     b_hu = tl.load(p_hu + o_l[:, None] * stride_hu_l + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0)
+    b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] K~_j, [BG] G_h
 
-    p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(p_s, mask=m_kv & live, other=0).to(tl.float32)  # [BK, BV]
+    b_s = b_s_raw.to(tl.float32)
     b_s, b_hkw, b_hu, b_gh, h, buf = fold_if_full(
         fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, par,
         o_k, m_k, o_g, m_g, o_v, m_v,
     )  # fmt: skip
 
-    # the window: q_hat, k_hat [BW, BK], v [BW, BV], gates [BW, BG], beta [BW]; rows >= width are zero
-    m_wk = m_w[:, None] & m_k[None, :]
-    p_qk = i_n * stride_q_n + o_w[:, None] * stride_q_w + i_h * K + o_k[None, :]
-    b_q = l2norm_rows(tl.load(q + p_qk, mask=m_wk, other=0).to(tl.float32)) * scale
-    b_k = l2norm_rows(tl.load(k + p_qk, mask=m_wk, other=0).to(tl.float32))
-    p_vw = v + i_n * stride_v_n + o_w[:, None] * stride_v_w + i_hv * V + o_v[None, :]
-    b_vw = tl.load(p_vw, mask=m_w[:, None] & m_v[None, :], other=0).to(tl.float32)
-    b_a_log = tl.load(A_log + i_hv).to(tl.float32)
-    b_dt_bias = tl.load(dt_bias + i_hv * GK + o_g, mask=m_g, other=0).to(tl.float32)
-    m_wg = m_w[:, None] & m_g[None, :]
-    p_g = graw + i_n * stride_g_n + o_w[:, None] * stride_g_w + i_hv * GK + o_g[None, :]
-    b_g = gate_activation(tl.load(p_g, mask=m_wg, other=0).to(tl.float32), b_a_log, b_dt_bias[None, :], lower_bound,
-                          USE_LOWER_BOUND)  # fmt: skip
-    b_gr = cumsum_rows(tl.where(m_wg, b_g, 0.0))  # [BW, BG] r_s
-    b_beta = sigmoid(tl.load(braw + i_n * stride_b_n + o_w * stride_b_w + i_hv, mask=m_w, other=0).to(tl.float32))
-    b_beta = tl.where(m_w, b_beta, 0.0)
+    p_q0 = i_n * stride_q_n + i_h * K
+    p_v0 = i_n * stride_v_n + i_hv * V
+    p_g0 = i_n * stride_g_n + i_hv * GK
+    p_b0 = i_n * stride_b_n + i_hv
+    if PRECOMPUTE:
+        # S0 and the committed history against every window token first: 2 W independent reductions
+        b_yk_all = tl.zeros([BW, BV], dtype=tl.float32)
+        b_yq_all = tl.zeros([BW, BV], dtype=tl.float32)
+        b_r = tl.zeros([BG], dtype=tl.float32)
+        for s in tl.static_range(WMAX):
+            act = live & (s < width)
+            b_q, b_k, b_v, b_g, b_beta = _token(
+                q, k, v, graw, braw, b_a_log, b_dt_bias, lower_bound, scale, act, s, p_q0, p_v0, p_g0, p_b0,
+                stride_q_w, stride_v_w, stride_g_w, stride_b_w, o_k, m_k, o_v, m_v, o_g, m_g, USE_LOWER_BOUND,
+            )  # fmt: skip
+            b_r += b_g
+            b_eG, b_er = tl.exp(b_gh + b_r), tl.exp(b_r)
+            m_s = (o_w == s)[:, None]
+            b_yk_all = tl.where(m_s, project_token(b_s, b_hu, b_hkw, b_k, b_eG, b_er)[None, :], b_yk_all)
+            b_yq_all = tl.where(m_s, project_token(b_s, b_hu, b_hkw, b_q, b_eG, b_er)[None, :], b_yq_all)
 
-    # Y(k_hat), Y(q_hat): the S0 tile and the records against every window row at once, keys and queries stacked
-    # into one [2 BW, K] operand (16 rows cover W <= 8)
-    b_er = tl.exp(b_gr)
-    b_a = _stack(b_k * b_er, b_q * b_er)  # a_s(x) [2 BW, BK]
-    b_c = tl.dot(b_a, tl.trans(b_hkw), input_precision=PRECISION)  # [2 BW, BL] history weights
-    b_y = tl.dot(b_a * tl.exp(b_gh)[None, :], b_s, input_precision=PRECISION)
-    b_y += tl.dot(b_c, b_hu, input_precision=PRECISION)  # [2 BW, BV]
-    b_yk, b_yq = tl.split(tl.permute(tl.reshape(b_y, (2, BW, BV)), (1, 2, 0)))  # [BW, BV] each
-
-    # window pairs B_k (strictly lower) and B_q (lower), one column r per pass
-    b_bk = tl.zeros([BW, BW], dtype=tl.float32)
-    b_bq = tl.zeros([BW, BW], dtype=tl.float32)
-    for r in range(0, width):
-        m_r = o_w == r
-        b_kr = row_of(b_k, m_r)  # [BK]
-        b_grr = row_of(b_gr, m_r)  # [BG]
-        b_kd = b_kr[None, :] * tl.exp(tl.where((o_w >= r)[:, None], b_gr - b_grr[None, :], 0.0))  # [BW, BK]
-        b_bk = tl.where(m_r[None, :], tl.where(o_w > r, tl.sum(b_k * b_kd, 1), 0.0)[:, None], b_bk)
-        b_bq = tl.where(m_r[None, :], tl.where(o_w >= r, tl.sum(b_q * b_kd, 1), 0.0)[:, None], b_bq)
-
-    # u_s by forward substitution, then every o_s in one dot
-    b_u = tl.zeros([BW, BV], dtype=tl.float32)
-    for s in range(0, width):
-        m_s = o_w == s
-        b_rhs = row_of(b_vw, m_s) - row_of(b_yk, m_s) - tl.sum(row_of(b_bk, m_s)[:, None] * b_u, 0)
-        b_u = tl.where(m_s[:, None], (row_of(b_beta[:, None], m_s) * b_rhs)[None, :], b_u)
-    b_o = b_yq + tl.sum(b_bq[:, :, None] * b_u[None, :, :], 1)  # [BW, BW, BV]: W^2 V FMAs per tile
-
-    p_o = o + i_n * stride_o_n + o_w[:, None] * stride_o_w + i_hv * V + o_v[None, :]
-    tl.store(p_o, tl.where(m_w[:, None], b_o, 0.0).to(o.dtype.element_ty), mask=(o_w < WMAX)[:, None] & m_v[None, :])
-    # records of the window (one writer each: u per V tile, G per value head, k_hat per key group)
-    m_rec = live & m_w
-    p_ru = hist_u + slot * stride_hu_s + buf * stride_hu_b + (h + o_w[:, None]) * stride_hu_l + i_hv * V
-    tl.store(p_ru + o_v[None, :], b_u, mask=m_rec[:, None] & m_v[None, :])
+    # the window's own records (k_hat_r, r_r, u_r for r < s), kept in registers
+    b_wk = tl.zeros([BW, BK], dtype=tl.float32)
+    b_wr = tl.zeros([BW, BG], dtype=tl.float32)
+    b_wu = tl.zeros([BW, BV], dtype=tl.float32)
+    b_r = tl.zeros([BG], dtype=tl.float32)
+    p_o = o + i_n * stride_o_n + i_hv * V + o_v
+    p_ru = hist_u + slot * stride_hu_s + buf * stride_hu_b + h * stride_hu_l + i_hv * V + o_v
     first_tile = i_v == 0
-    p_rg = hist_g + slot * stride_hg_s + buf * stride_hg_b + (h + o_w[:, None]) * stride_hg_l + i_hv * GK
-    tl.store(p_rg + o_g[None, :], b_gh[None, :] + b_gr, mask=(m_rec & first_tile)[:, None] & m_g[None, :])
+    p_rg = hist_g + slot * stride_hg_s + buf * stride_hg_b + h * stride_hg_l + i_hv * GK + o_g
     key_owner = first_tile & (i_hv % (HV // H) == 0)
-    p_rk = hist_k + slot * stride_hk_s + buf * stride_hk_b + (h + o_w[:, None]) * stride_hk_l + i_h * K
-    tl.store(p_rk + o_k[None, :], b_k, mask=(m_rec & key_owner)[:, None] & m_k[None, :])
+    p_rk = hist_k + slot * stride_hk_s + buf * stride_hk_b + h * stride_hk_l + i_h * K + o_k
+    for s in tl.static_range(WMAX):
+        act = live & (s < width)
+        b_q, b_k, b_v, b_g, b_beta = _token(
+            q, k, v, graw, braw, b_a_log, b_dt_bias, lower_bound, scale, act, s, p_q0, p_v0, p_g0, p_b0,
+            stride_q_w, stride_v_w, stride_g_w, stride_b_w, o_k, m_k, o_v, m_v, o_g, m_g, USE_LOWER_BOUND,
+        )  # fmt: skip
+        b_r += b_g
+        m_s = o_w == s
+        if PRECOMPUTE:
+            b_yk, b_yq = row_of(b_yk_all, m_s), row_of(b_yq_all, m_s)
+        else:
+            b_eG, b_er = tl.exp(b_gh + b_r), tl.exp(b_r)
+            b_yk = project_token(b_s, b_hu, b_hkw, b_k, b_eG, b_er)
+            b_yq = project_token(b_s, b_hu, b_hkw, b_q, b_eG, b_er)
+        # window pairs r < s: (e^{r_s - r_r} k_hat_r) . x, per-channel forward decays
+        m_prev = (o_w < s)[:, None]
+        b_kd = tl.where(m_prev, b_wk * tl.exp(tl.where(m_prev, b_r[None, :] - b_wr, 0.0)), 0.0)  # [BW, BK]
+        b_u = b_beta * (b_v - b_yk - tl.sum(b_wu * tl.sum(b_kd * b_k[None, :], 1)[:, None], 0))
+        b_o = b_yq + tl.sum(b_wu * tl.sum(b_kd * b_q[None, :], 1)[:, None], 0) + b_u * tl.sum(b_k * b_q, 0)
+        tl.store(p_o + s * stride_o_w, tl.where(act, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
+        # records (one writer each: u per V tile, G per value head, k_hat per key group)
+        tl.store(p_ru + s * stride_hu_l, b_u, mask=m_v & act)
+        tl.store(p_rg + s * stride_hg_l, b_gh + b_r, mask=m_g & act & first_tile)
+        tl.store(p_rk + s * stride_hk_l, b_k, mask=m_k & act & key_owner)
+        b_wk = tl.where(m_s[:, None], b_k[None, :], b_wk)
+        b_wr = tl.where(m_s[:, None], b_r[None, :], b_wr)
+        b_wu = tl.where(m_s[:, None], b_u[None, :], b_wu)
 
 
 def replay_window_triton(
@@ -214,9 +228,9 @@ def replay_window_triton(
     block_v: int,
     num_warps: int,
     num_stages: int,
-    precision: str = "ieee",
+    projection: str,
 ) -> torch.Tensor:
-    """The W > 1 "precompute" case of `replay_verify_triton` (inputs already checked there). Returns o
+    """The W > 1 case of `replay_verify_triton` (inputs already checked there), either projection. Returns o
     `[N, Wmax, HV, V]`, zeros past each row's width."""
     N, WMAX, H, K = q.shape
     HV, V, GK = v.shape[2], v.shape[3], graw.shape[-1]
@@ -224,8 +238,9 @@ def replay_window_triton(
     o = torch.empty_like(v)
     if N == 0:
         return o
-    # tensor-core dots need 16 rows (2 BW) and 16 columns (BL) on the GPU; the interpreter keeps blocks minimal
-    least = 16 if ssm.is_cuda else 1
+    # window blocks of at least 4 rows on the GPU: Triton 3.6 miscompiled a 2-row window block of an earlier
+    # kernel (test_replay_short_windows_match_twin); the interpreter keeps blocks minimal
+    least_rows = 4 if ssm.is_cuda else 1
     replay_window_kernel[(triton.cdiv(V, block_v), N, HV)](
         q,
         k,
@@ -269,9 +284,9 @@ def replay_window_triton(
         BK=triton.next_power_of_2(K),
         BV=block_v,
         BG=triton.next_power_of_2(GK),
-        BL=max(least, triton.next_power_of_2(L)),
-        BW=max(least // 2, triton.next_power_of_2(WMAX)),
-        PRECISION=precision,
+        BL=triton.next_power_of_2(L),
+        BW=max(least_rows, triton.next_power_of_2(WMAX)),
+        PRECOMPUTE=projection == "precompute",
         num_warps=num_warps,
         num_stages=num_stages,
     )
