@@ -35,8 +35,9 @@ def decode(L: int, GK: int, H: int, HV: int, BV: int, num_warps: int) -> str:
 
 def window(W: int, L: int, GK: int, H: int, HV: int, BV: int, num_warps: int, precompute: bool) -> str:
     c = dict(H=H, HV=HV, K=128, V=128, GK=GK, L=L, WMAX=W, BK=128, BV=BV, BG=triton.next_power_of_2(GK))
-    c.update(BL=L, BW=max(4, triton.next_power_of_2(W)), USE_LOWER_BOUND=False, lower_bound=None)
-    return ptxas_report(rw.replay_window_kernel.fn, {**c, "PRECOMPUTE": precompute}, num_warps)
+    c.update(BL=max(16, L), BW=max(8 if precompute else 4, triton.next_power_of_2(W)), USE_LOWER_BOUND=False)
+    c.update(lower_bound=None, PRECOMPUTE=precompute, PRECISION="tf32x3" if precompute else "ieee")
+    return ptxas_report(rw.replay_window_kernel.fn, c, num_warps)
 
 
 def main(argv=None) -> int:

@@ -9,13 +9,18 @@ tokens. With `h` committed records in buffer `p`, the window's cumulative gates 
     u_s    = beta_s (v_s - Y_s(k_hat_s)),        o_s = Y_s(q_hat_s) + u_s (k_hat_s . q_hat_s)
 
 with K~_j = e^{G_h - G_j} k_hat_j. Every weight is a forward decay e^{<= 0} (per channel for KDA): no e^{-G} is
-formed. All contractions are fp32 FMAs on registers (reductions over the tile's K rows, no `tl.dot`): an fp32
-`tl.dot` lowers to FMAs that read both operands from shared memory, which made the earlier dot-based window
-kernel L1-bound at 4% of DRAM bandwidth (Nsight, `test/benchmark/results/h200_second_session.md`).
+formed.
 
-The projection mode only changes the order (MATH.md §2): "inline" contracts S0 and the committed history token
-by token inside the window loop; "precompute" contracts them for every window token first (2 W independent
-reductions of the S0 tile), then runs the loop over the window's own records.
+The projection mode picks how S0 and the committed history are contracted (MATH.md §2):
+- "inline": token by token inside the window loop, as fp32 FMAs on registers (reductions over the tile's K rows,
+  `common.project_token`, the decode kernel's code);
+- "precompute": for every window token before the loop, as tensor-core products: the window's key and query
+  rows stacked into one `[2 BW, K]` operand against the S0 tile and the records, in tf32x3 on the GPU (three
+  TF32 products, ~fp32 accuracy; plain TF32 would put 1e-3 errors into u and hence the state). An fp32 ("ieee")
+  `tl.dot` is no option: Triton lowers it to FMAs that read both operands from shared memory, which made an
+  earlier window kernel L1-bound at 4% of DRAM bandwidth (`test/benchmark/results/h200_second_session.md`).
+The window's own records (k_hat_r, r_r, u_r for r < s) stay in registers either way; the in-window pairs and
+the triangular solve are fp32 FMAs.
 
 Tokens are loaded per row (`common.load_token`), so no row is ever extracted from a register block in the inline
 schedule. Rows past a row's width get g = 0 and beta = 0, write no record and store o = 0. The fold (`h + W > L`)
@@ -30,12 +35,21 @@ import triton
 import triton.language as tl
 
 from lightllm.linear_att.kernels.common import (
+    cumsum_rows,
     fold_if_full,
+    gate_activation,
     history_weights,
+    l2norm_rows,
     load_token,
     project_token,
     row_of,
 )
+
+
+@triton.jit
+def _stack(b_a, b_b):
+    """`[R, X]` and `[R, X]` -> `[2 R, X]` (rows of `b_a`, then rows of `b_b`)."""
+    return tl.reshape(tl.permute(tl.join(b_a, b_b), (2, 0, 1)), (2 * b_a.shape[0], b_a.shape[1]))
 
 
 @triton.jit
@@ -105,6 +119,7 @@ def replay_window_kernel(
     BL: tl.constexpr,
     BW: tl.constexpr,
     PRECOMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
 ):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
@@ -150,21 +165,22 @@ def replay_window_kernel(
     p_g0 = i_n * stride_g_n + i_hv * GK
     p_b0 = i_n * stride_b_n + i_hv
     if PRECOMPUTE:
-        # S0 and the committed history against every window token first: 2 W independent reductions
-        b_yk_all = tl.zeros([BW, BV], dtype=tl.float32)
-        b_yq_all = tl.zeros([BW, BV], dtype=tl.float32)
-        b_r = tl.zeros([BG], dtype=tl.float32)
-        for s in tl.static_range(WMAX):
-            act = live & (s < width)
-            b_q, b_k, b_v, b_g, b_beta = _token(
-                q, k, v, graw, braw, b_a_log, b_dt_bias, lower_bound, scale, act, s, p_q0, p_v0, p_g0, p_b0,
-                stride_q_w, stride_v_w, stride_g_w, stride_b_w, o_k, m_k, o_v, m_v, o_g, m_g, USE_LOWER_BOUND,
-            )  # fmt: skip
-            b_r += b_g
-            b_eG, b_er = tl.exp(b_gh + b_r), tl.exp(b_r)
-            m_s = (o_w == s)[:, None]
-            b_yk_all = tl.where(m_s, project_token(b_s, b_hu, b_hkw, b_k, b_eG, b_er)[None, :], b_yk_all)
-            b_yq_all = tl.where(m_s, project_token(b_s, b_hu, b_hkw, b_q, b_eG, b_er)[None, :], b_yq_all)
+        # S0 and the committed history against every window token first, as tensor-core products: the window's
+        # key and query rows a_s(x) = e^{r_s} x, stacked into one [2 BW, K] operand (8 rows each cover W <= 8)
+        m_w = live & (o_w < width)
+        m_wk = m_w[:, None] & m_k[None, :]
+        m_wg = m_w[:, None] & m_g[None, :]
+        p_wk = p_q0 + o_w[:, None] * stride_q_w + o_k[None, :]
+        b_qw = l2norm_rows(tl.load(q + p_wk, mask=m_wk, other=0).to(tl.float32)) * scale
+        b_kw = l2norm_rows(tl.load(k + p_wk, mask=m_wk, other=0).to(tl.float32))
+        b_gw = tl.load(graw + p_g0 + o_w[:, None] * stride_g_w + o_g[None, :], mask=m_wg, other=0).to(tl.float32)
+        b_gw = gate_activation(b_gw, b_a_log, b_dt_bias[None, :], lower_bound, USE_LOWER_BOUND)
+        b_er = tl.exp(cumsum_rows(tl.where(m_wg, b_gw, 0.0)))  # [BW, BG] e^{r_s}
+        b_a = _stack(b_kw * b_er, b_qw * b_er)  # [2 BW, BK]
+        b_c = tl.dot(b_a, tl.trans(b_hkw), input_precision=PRECISION)  # [2 BW, BL] K~_j . a_s(x)
+        b_y = tl.dot(b_a * tl.exp(b_gh)[None, :], b_s, input_precision=PRECISION)
+        b_y += tl.dot(b_c, b_hu, input_precision=PRECISION)  # [2 BW, BV]
+        b_yk_all, b_yq_all = tl.split(tl.permute(tl.reshape(b_y, (2, BW, BV)), (1, 2, 0)))  # [BW, BV] each
 
     # the window's own records (k_hat_r, r_r, u_r for r < s), kept in registers
     b_wk = tl.zeros([BW, BK], dtype=tl.float32)
@@ -238,9 +254,12 @@ def replay_window_triton(
     o = torch.empty_like(v)
     if N == 0:
         return o
-    # window blocks of at least 4 rows on the GPU: Triton 3.6 miscompiled a 2-row window block of an earlier
-    # kernel (test_replay_short_windows_match_twin); the interpreter keeps blocks minimal
-    least_rows = 4 if ssm.is_cuda else 1
+    # on the GPU, tensor-core products need 16 rows (2 BW, precompute) and 16 columns (BL); window blocks of at
+    # least 4 rows also avoid a 2-row block, which Triton 3.6 miscompiled in an earlier kernel
+    # (test_replay_short_windows_match_twin); the interpreter keeps blocks minimal
+    precompute = projection == "precompute"
+    least_rows = (8 if precompute else 4) if ssm.is_cuda else 1
+    least_records = 16 if ssm.is_cuda and precompute else 1
     replay_window_kernel[(triton.cdiv(V, block_v), N, HV)](
         q,
         k,
@@ -284,9 +303,10 @@ def replay_window_triton(
         BK=triton.next_power_of_2(K),
         BV=block_v,
         BG=triton.next_power_of_2(GK),
-        BL=triton.next_power_of_2(L),
+        BL=max(least_records, triton.next_power_of_2(L)),
         BW=max(least_rows, triton.next_power_of_2(WMAX)),
-        PRECOMPUTE=projection == "precompute",
+        PRECOMPUTE=precompute,
+        PRECISION="tf32x3" if ssm.is_cuda else "ieee",
         num_warps=num_warps,
         num_stages=num_stages,
     )
