@@ -135,8 +135,10 @@ def default_config(key: TuneKey) -> KernelConfig:
         return KernelConfig(block_v=max(4, _pow2(key.head_v_dim) // 2), num_warps=1, num_stages=1)
     if key.family == "serial":
         return KernelConfig(block_v=16, num_warps=2, num_stages=2)
-    if key.family == "replay":
-        return KernelConfig(block_v=32, num_warps=4, num_stages=2)
+    if key.family == "replay" and key.width > 1 and key.projection == "precompute":
+        # the tf32x3 tensor-core products hold hi/lo copies of both operands: 255 registers at [128, 64] x 8 warps
+        # with no spills for GDN and KDA on sm_90 (`test/benchmark/registers_linear_att.py`); 32 x 4 spills for KDA
+        return KernelConfig(block_v=64, num_warps=8, num_stages=1)
     return KernelConfig(block_v=32, num_warps=4, num_stages=2)
 
 

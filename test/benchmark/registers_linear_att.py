@@ -35,7 +35,8 @@ def decode(L: int, GK: int, H: int, HV: int, BV: int, num_warps: int) -> str:
 
 def window(W: int, L: int, GK: int, H: int, HV: int, BV: int, num_warps: int, precompute: bool) -> str:
     c = dict(H=H, HV=HV, K=128, V=128, GK=GK, L=L, WMAX=W, BK=128, BV=BV, BG=triton.next_power_of_2(GK))
-    c.update(BL=max(16, L), BW=max(8 if precompute else 4, triton.next_power_of_2(W)), USE_LOWER_BOUND=False)
+    bw, dot_pad = rw.window_blocks(W, precompute, on_gpu=True)
+    c.update(BL=max(16, L), BW=bw, LOG2_BW=bw.bit_length() - 1, DOT_PAD=dot_pad, USE_LOWER_BOUND=False)
     c.update(lower_bound=None, PRECOMPUTE=precompute, PRECISION="tf32x3" if precompute else "ieee")
     return ptxas_report(rw.replay_window_kernel.fn, c, num_warps)
 
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
                 continue  # plain decode is `decode` above
             for algo, GK, H, HV in (("GDN", 1, 16, 32), ("KDA", 128, 32, 32)):
                 for projection in ("inline", "precompute"):
-                    for BV, nw in ((32, 4), (64, 4), (32, 2)):
+                    for BV, nw in ((32, 4), (64, 4), (32, 2), (64, 8)):
                         regs = window(W, L, GK, H, HV, BV, nw, projection == "precompute")
                         print(f"| window {projection} {algo} | {W} | {L} | BV={BV} {nw} warps | {regs} |", flush=True)
     return 0

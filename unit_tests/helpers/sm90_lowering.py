@@ -5,8 +5,8 @@
 Run without `TRITON_INTERPRET` (the interpreter replaces the JIT functions this compiles); the test
 `unit_tests/linear_att/kernels/test_sm90_lowering.py` runs it in a clean subprocess. Block sizes are the ones the
 wrappers pick on CUDA: BV = 64 x 2 warps for the W = 1 kernels and 32 x 4 otherwise (the shipped tables), 16 for
-the tiny heads; window blocks of at least 4 rows (8 for precompute's tensor-core products); history blocks of 16
-rows.
+the tiny heads, and 64 x 8 for the precompute window (its default); window blocks of at least 4 rows, padded
+with zero rows to 16 for precompute's tensor-core products; history blocks of 16 rows.
 """
 
 from __future__ import annotations
@@ -60,11 +60,12 @@ def cases(shape) -> list[tuple[str, object, dict, int]]:
     out.append(("replay_decode W=1", replay_decode.replay_decode_kernel, decode, nw1))
     for W in (2, 3, 4, 8):
         for precompute in (False, True):
-            bw = max(8 if precompute else 4, triton.next_power_of_2(W))
-            c = {**_gates(shape), "L": L, "WMAX": W, "BV": bv, "BL": L, "BW": bw, "PRECOMPUTE": precompute}
-            c["PRECISION"] = "tf32x3" if precompute else "ieee"
+            bw, dot_pad = replay_window.window_blocks(W, precompute, on_gpu=True)
+            wbv, wnw = (max(16, min(64, shape[2])), 8) if precompute else (bv, nw)  # autotune.default_config
+            c = {**_gates(shape), "L": L, "WMAX": W, "BV": wbv, "BL": L, "BW": bw, "LOG2_BW": bw.bit_length() - 1}
+            c.update(DOT_PAD=dot_pad, PRECOMPUTE=precompute, PRECISION="tf32x3" if precompute else "ieee")
             label = f"replay_window W={W} {'precompute' if precompute else 'inline'}"
-            out.append((label, replay_window.replay_window_kernel, c, nw))
+            out.append((label, replay_window.replay_window_kernel, c, wnw))
     for has_out in (False, True):
         fold = {**_gates(shape, False), "L": L, "BV": bv, "HAS_OUT": has_out}
         out.append((f"replay_fold out={has_out}", replay_fold.replay_fold_kernel, fold, nw))

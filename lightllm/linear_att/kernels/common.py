@@ -167,6 +167,39 @@ def fold_if_full(fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stri
 
 
 @triton.jit
+def stack_rows(b_a, b_b):
+    """`[R, X]` and `[R, X]` -> `[2 R, X]` (rows of `b_a`, then rows of `b_b`)."""
+    return tl.reshape(tl.permute(tl.join(b_a, b_b), (2, 0, 1)), (2 * b_a.shape[0], b_a.shape[1]))
+
+
+@triton.jit
+def first_half_rows(b_x):
+    """`[2 R, X]` -> its first R rows (the inverse of `stack_rows`)."""
+    b_top, _ = tl.split(tl.permute(tl.reshape(b_x, (2, b_x.shape[0] // 2, b_x.shape[1])), (1, 2, 0)))
+    return b_top
+
+
+@triton.jit
+def small_matmul(b_a, b_b):
+    """`[R, S] x [S, X]` for small R, S (window blocks) as fp32 FMAs: a broadcast product summed over S."""
+    return tl.sum(b_a[:, :, None] * b_b[None, :, :], 1)
+
+
+@triton.jit
+def unit_lower_inverse(b_n, LOG2_R: tl.constexpr):
+    """`(I + N)^{-1}` of a strictly lower triangular `[R, R]` block N (R = 2^LOG2_R), so N^R = 0 and
+    `(I + N)^{-1} = (I - N)(I + N^2)(I + N^4)...`: LOG2_R - 1 squarings, fp32 FMAs, no serial row loop."""
+    o_r = tl.arange(0, b_n.shape[0])
+    b_eye = (o_r[:, None] == o_r[None, :]).to(tl.float32)
+    b_m = -b_n
+    b_inv = b_eye + b_m
+    for _ in tl.static_range(1, LOG2_R):
+        b_m = small_matmul(b_m, b_m)
+        b_inv = b_inv + small_matmul(b_inv, b_m)
+    return b_inv
+
+
+@triton.jit
 def row_of(b_x, m_s):
     """Row `s` (the one-hot mask `m_s [BW]`) of a `[BW, X]` block."""
     return tl.sum(tl.where(m_s[:, None], b_x, 0.0), 0)
@@ -174,6 +207,7 @@ def row_of(b_x, m_s):
 
 __all__ = [
     "cumsum_rows",
+    "first_half_rows",
     "delta_rule_step",
     "fold_if_full",
     "fold_tile_from_records",
@@ -185,5 +219,8 @@ __all__ = [
     "project_token",
     "row_of",
     "sigmoid",
+    "small_matmul",
     "softplus",
+    "stack_rows",
+    "unit_lower_inverse",
 ]

@@ -14,18 +14,23 @@ formed.
 The projection mode picks how S0 and the committed history are contracted (MATH.md §2):
 - "inline": token by token inside the window loop, as fp32 FMAs on registers (reductions over the tile's K rows,
   `common.project_token`, the decode kernel's code);
-- "precompute": for every window token before the loop, as tensor-core products: the window's key and query
-  rows stacked into one `[2 BW, K]` operand against the S0 tile and the records, in tf32x3 on the GPU (three
-  TF32 products, ~fp32 accuracy; plain TF32 would put 1e-3 errors into u and hence the state). An fp32 ("ieee")
-  `tl.dot` is no option: Triton lowers it to FMAs that read both operands from shared memory, which made an
-  earlier window kernel L1-bound at 4% of DRAM bandwidth (`test/benchmark/results/h200_second_session.md`).
-The window's own records (k_hat_r, r_r, u_r for r < s) stay in registers either way; the in-window pairs and
-the triangular solve are fp32 FMAs.
+- "precompute": for the whole window at once, as tensor-core products: the window's key and query rows stacked
+  into one `[2 BW, K]` operand (zero rows pad it to the 16 a product needs) against the S0 tile and the records,
+  in tf32x3 on the GPU (three TF32 products, ~fp32 accuracy; plain TF32 would put 1e-3 errors into u and hence
+  the state). The window itself is then solved in block form with no token loop: the pair matrices
+  B_k[s, r] = (e^{r_s - r_r} k_hat_r) . k_hat_s (r < s) and B_q (r <= s) as one broadcast product each,
+  u = (I + diag(beta) B_k)^{-1} diag(beta) (v - Y(k_hat)) with the unit lower triangular inverse by repeated
+  squaring (`common.unit_lower_inverse`), o = Y(q_hat) + B_q u. An fp32 ("ieee") `tl.dot` is no option: Triton
+  lowers it to FMAs that read both operands from shared memory, which made an earlier window kernel L1-bound at
+  4% of DRAM bandwidth (`test/benchmark/results/h200_second_session.md`).
+In the inline schedule the window's own records (k_hat_r, r_r, u_r for r < s) stay in registers and the in-window
+terms are fp32 FMAs per token.
 
-Tokens are loaded per row (`common.load_token`), so no row is ever extracted from a register block in the inline
-schedule. Rows past a row's width get g = 0 and beta = 0, write no record and store o = 0. The fold (`h + W > L`)
-is `common.fold_if_full`: each program rebuilds S_h on its own columns, stores it rounded and continues from it
-with an empty history; records go to positions 0..W-1 of buffer `1 - p`, which no reader in the launch reads.
+Inline loads tokens per row (`common.load_token`), so no row is ever extracted from a register block; precompute
+loads the window as blocks. Rows past a row's width get g = 0 and beta = 0, write no record and store o = 0.
+The fold (`h + W > L`) is `common.fold_if_full`: each program rebuilds S_h on its own columns, stores it rounded
+and continues from it with an empty history; records go to positions 0..W-1 of buffer `1 - p`, which no reader
+in the launch reads.
 """
 
 from __future__ import annotations
@@ -36,20 +41,18 @@ import triton.language as tl
 
 from lightllm.linear_att.kernels.common import (
     cumsum_rows,
+    first_half_rows,
     fold_if_full,
     gate_activation,
     history_weights,
     l2norm_rows,
     load_token,
     project_token,
-    row_of,
+    sigmoid,
+    small_matmul,
+    stack_rows,
+    unit_lower_inverse,
 )
-
-
-@triton.jit
-def _stack(b_a, b_b):
-    """`[R, X]` and `[R, X]` -> `[2 R, X]` (rows of `b_a`, then rows of `b_b`)."""
-    return tl.reshape(tl.permute(tl.join(b_a, b_b), (2, 0, 1)), (2 * b_a.shape[0], b_a.shape[1]))
 
 
 @triton.jit
@@ -118,6 +121,8 @@ def replay_window_kernel(
     BG: tl.constexpr,
     BL: tl.constexpr,
     BW: tl.constexpr,
+    LOG2_BW: tl.constexpr,
+    DOT_PAD: tl.constexpr,
     PRECOMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
@@ -164,62 +169,104 @@ def replay_window_kernel(
     p_v0 = i_n * stride_v_n + i_hv * V
     p_g0 = i_n * stride_g_n + i_hv * GK
     p_b0 = i_n * stride_b_n + i_hv
-    if PRECOMPUTE:
-        # S0 and the committed history against every window token first, as tensor-core products: the window's
-        # key and query rows a_s(x) = e^{r_s} x, stacked into one [2 BW, K] operand (8 rows each cover W <= 8)
-        m_w = live & (o_w < width)
-        m_wk = m_w[:, None] & m_k[None, :]
-        m_wg = m_w[:, None] & m_g[None, :]
-        p_wk = p_q0 + o_w[:, None] * stride_q_w + o_k[None, :]
-        b_qw = l2norm_rows(tl.load(q + p_wk, mask=m_wk, other=0).to(tl.float32)) * scale
-        b_kw = l2norm_rows(tl.load(k + p_wk, mask=m_wk, other=0).to(tl.float32))
-        b_gw = tl.load(graw + p_g0 + o_w[:, None] * stride_g_w + o_g[None, :], mask=m_wg, other=0).to(tl.float32)
-        b_gw = gate_activation(b_gw, b_a_log, b_dt_bias[None, :], lower_bound, USE_LOWER_BOUND)
-        b_er = tl.exp(cumsum_rows(tl.where(m_wg, b_gw, 0.0)))  # [BW, BG] e^{r_s}
-        b_a = _stack(b_kw * b_er, b_qw * b_er)  # [2 BW, BK]
-        b_c = tl.dot(b_a, tl.trans(b_hkw), input_precision=PRECISION)  # [2 BW, BL] K~_j . a_s(x)
-        b_y = tl.dot(b_a * tl.exp(b_gh)[None, :], b_s, input_precision=PRECISION)
-        b_y += tl.dot(b_c, b_hu, input_precision=PRECISION)  # [2 BW, BV]
-        b_yk_all, b_yq_all = tl.split(tl.permute(tl.reshape(b_y, (2, BW, BV)), (1, 2, 0)))  # [BW, BV] each
-
-    # the window's own records (k_hat_r, r_r, u_r for r < s), kept in registers
-    b_wk = tl.zeros([BW, BK], dtype=tl.float32)
-    b_wr = tl.zeros([BW, BG], dtype=tl.float32)
-    b_wu = tl.zeros([BW, BV], dtype=tl.float32)
-    b_r = tl.zeros([BG], dtype=tl.float32)
     p_o = o + i_n * stride_o_n + i_hv * V + o_v
     p_ru = hist_u + slot * stride_hu_s + buf * stride_hu_b + h * stride_hu_l + i_hv * V + o_v
     first_tile = i_v == 0
     p_rg = hist_g + slot * stride_hg_s + buf * stride_hg_b + h * stride_hg_l + i_hv * GK + o_g
     key_owner = first_tile & (i_hv % (HV // H) == 0)
     p_rk = hist_k + slot * stride_hk_s + buf * stride_hk_b + h * stride_hk_l + i_h * K + o_k
-    for s in tl.static_range(WMAX):
-        act = live & (s < width)
-        b_q, b_k, b_v, b_g, b_beta = _token(
-            q, k, v, graw, braw, b_a_log, b_dt_bias, lower_bound, scale, act, s, p_q0, p_v0, p_g0, p_b0,
-            stride_q_w, stride_v_w, stride_g_w, stride_b_w, o_k, m_k, o_v, m_v, o_g, m_g, USE_LOWER_BOUND,
-        )  # fmt: skip
-        b_r += b_g
-        m_s = o_w == s
-        if PRECOMPUTE:
-            b_yk, b_yq = row_of(b_yk_all, m_s), row_of(b_yq_all, m_s)
-        else:
+    if PRECOMPUTE:
+        # the whole window as blocks, rows >= width zero: q_hat, k_hat [BW, BK], v [BW, BV], r [BW, BG], beta [BW]
+        m_w = live & (o_w < width)
+        m_wk = m_w[:, None] & m_k[None, :]
+        m_wg = m_w[:, None] & m_g[None, :]
+        p_wk = p_q0 + o_w[:, None] * stride_q_w + o_k[None, :]
+        b_qw = l2norm_rows(tl.load(q + p_wk, mask=m_wk, other=0).to(tl.float32)) * scale
+        b_kw = l2norm_rows(tl.load(k + p_wk, mask=m_wk, other=0).to(tl.float32))
+        p_wv = v + p_v0 + o_w[:, None] * stride_v_w + o_v[None, :]
+        b_vw = tl.load(p_wv, mask=m_w[:, None] & m_v[None, :], other=0).to(tl.float32)
+        b_gw = tl.load(graw + p_g0 + o_w[:, None] * stride_g_w + o_g[None, :], mask=m_wg, other=0).to(tl.float32)
+        b_gw = gate_activation(b_gw, b_a_log, b_dt_bias[None, :], lower_bound, USE_LOWER_BOUND)
+        b_rw = cumsum_rows(tl.where(m_wg, b_gw, 0.0))  # [BW, BG] r_s
+        b_bw = sigmoid(tl.load(braw + p_b0 + o_w * stride_b_w, mask=m_w, other=0).to(tl.float32))
+        b_bw = tl.where(m_w, b_bw, 0.0)  # [BW] beta_s
+
+        # S0 and the committed history against every window row at once: a_s(x) = e^{r_s} x, keys and queries
+        # stacked into one [2 BW, K] operand, tensor-core products
+        b_er = tl.exp(b_rw)
+        b_a = stack_rows(b_kw * b_er, b_qw * b_er)  # [2 BW, BK]
+        for _ in tl.static_range(DOT_PAD):  # zero rows up to the 16 a tensor-core product needs
+            b_a = stack_rows(b_a, tl.zeros_like(b_a))
+        b_c = tl.dot(b_a, tl.trans(b_hkw), input_precision=PRECISION)  # [2 BW 2^DOT_PAD, BL] K~_j . a_s(x)
+        b_y = tl.dot(b_a * tl.exp(b_gh)[None, :], b_s, input_precision=PRECISION)
+        b_y += tl.dot(b_c, b_hu, input_precision=PRECISION)  # [2 BW 2^DOT_PAD, BV]
+        for _ in tl.static_range(DOT_PAD):
+            b_y = first_half_rows(b_y)
+        b_yk, b_yq = tl.split(tl.permute(tl.reshape(b_y, (2, BW, BV)), (1, 2, 0)))  # [BW, BV] each
+
+        # window pairs (e^{r_s - r_r} k_hat_r) . x_s for r <= s, per-channel forward decays, fp32
+        m_le = o_w[:, None] >= o_w[None, :]  # [BW (s), BW (r)]
+        b_dec = tl.exp(tl.where(m_le[:, :, None], b_rw[:, None, :] - b_rw[None, :, :], 0.0))  # [BW, BW, BG]
+        b_kr = b_kw[None, :, :] * b_dec  # [BW, BW, BK]
+        b_bk = tl.where(o_w[:, None] > o_w[None, :], tl.sum(b_kr * b_kw[:, None, :], 2), 0.0)  # strictly lower
+        b_bq = tl.where(m_le, tl.sum(b_kr * b_qw[:, None, :], 2), 0.0)  # lower, with the diagonal k_hat_s . q_hat_s
+        # u = (I + diag(beta) B_k)^{-1} diag(beta) (v - Y(k_hat)); o = Y(q_hat) + B_q u
+        b_t = unit_lower_inverse(b_bw[:, None] * b_bk, LOG2_BW)
+        b_u = small_matmul(b_t, b_bw[:, None] * (b_vw - b_yk))  # [BW, BV]
+        b_o = b_yq + small_matmul(b_bq, b_u)
+
+        p_wo = p_o[None, :] + o_w[:, None] * stride_o_w
+        tl.store(
+            p_wo, tl.where(m_w[:, None], b_o, 0.0).to(o.dtype.element_ty), mask=(o_w < WMAX)[:, None] & m_v[None, :]
+        )
+        # records (one writer each: u per V tile, G per value head, k_hat per key group)
+        tl.store(p_ru[None, :] + o_w[:, None] * stride_hu_l, b_u, mask=m_w[:, None] & m_v[None, :])
+        tl.store(
+            p_rg[None, :] + o_w[:, None] * stride_hg_l,
+            b_gh[None, :] + b_rw,
+            mask=(m_w & first_tile)[:, None] & m_g[None, :],
+        )
+        tl.store(p_rk[None, :] + o_w[:, None] * stride_hk_l, b_kw, mask=(m_w & key_owner)[:, None] & m_k[None, :])
+    else:
+        # token by token; the window's own records (k_hat_r, r_r, u_r for r < s) kept in registers
+        b_wk = tl.zeros([BW, BK], dtype=tl.float32)
+        b_wr = tl.zeros([BW, BG], dtype=tl.float32)
+        b_wu = tl.zeros([BW, BV], dtype=tl.float32)
+        b_r = tl.zeros([BG], dtype=tl.float32)
+        for s in tl.static_range(WMAX):
+            act = live & (s < width)
+            b_q, b_k, b_v, b_g, b_beta = _token(
+                q, k, v, graw, braw, b_a_log, b_dt_bias, lower_bound, scale, act, s, p_q0, p_v0, p_g0, p_b0,
+                stride_q_w, stride_v_w, stride_g_w, stride_b_w, o_k, m_k, o_v, m_v, o_g, m_g, USE_LOWER_BOUND,
+            )  # fmt: skip
+            b_r += b_g
             b_eG, b_er = tl.exp(b_gh + b_r), tl.exp(b_r)
             b_yk = project_token(b_s, b_hu, b_hkw, b_k, b_eG, b_er)
             b_yq = project_token(b_s, b_hu, b_hkw, b_q, b_eG, b_er)
-        # window pairs r < s: (e^{r_s - r_r} k_hat_r) . x, per-channel forward decays
-        m_prev = (o_w < s)[:, None]
-        b_kd = tl.where(m_prev, b_wk * tl.exp(tl.where(m_prev, b_r[None, :] - b_wr, 0.0)), 0.0)  # [BW, BK]
-        b_u = b_beta * (b_v - b_yk - tl.sum(b_wu * tl.sum(b_kd * b_k[None, :], 1)[:, None], 0))
-        b_o = b_yq + tl.sum(b_wu * tl.sum(b_kd * b_q[None, :], 1)[:, None], 0) + b_u * tl.sum(b_k * b_q, 0)
-        tl.store(p_o + s * stride_o_w, tl.where(act, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
-        # records (one writer each: u per V tile, G per value head, k_hat per key group)
-        tl.store(p_ru + s * stride_hu_l, b_u, mask=m_v & act)
-        tl.store(p_rg + s * stride_hg_l, b_gh + b_r, mask=m_g & act & first_tile)
-        tl.store(p_rk + s * stride_hk_l, b_k, mask=m_k & act & key_owner)
-        b_wk = tl.where(m_s[:, None], b_k[None, :], b_wk)
-        b_wr = tl.where(m_s[:, None], b_r[None, :], b_wr)
-        b_wu = tl.where(m_s[:, None], b_u[None, :], b_wu)
+            # window pairs r < s: (e^{r_s - r_r} k_hat_r) . x, per-channel forward decays
+            m_prev = (o_w < s)[:, None]
+            b_kd = tl.where(m_prev, b_wk * tl.exp(tl.where(m_prev, b_r[None, :] - b_wr, 0.0)), 0.0)  # [BW, BK]
+            b_u = b_beta * (b_v - b_yk - tl.sum(b_wu * tl.sum(b_kd * b_k[None, :], 1)[:, None], 0))
+            b_o = b_yq + tl.sum(b_wu * tl.sum(b_kd * b_q[None, :], 1)[:, None], 0) + b_u * tl.sum(b_k * b_q, 0)
+            tl.store(p_o + s * stride_o_w, tl.where(act, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
+            # records (one writer each: u per V tile, G per value head, k_hat per key group)
+            tl.store(p_ru + s * stride_hu_l, b_u, mask=m_v & act)
+            tl.store(p_rg + s * stride_hg_l, b_gh + b_r, mask=m_g & act & first_tile)
+            tl.store(p_rk + s * stride_hk_l, b_k, mask=m_k & act & key_owner)
+            m_s = (o_w == s)[:, None]
+            b_wk = tl.where(m_s, b_k[None, :], b_wk)
+            b_wr = tl.where(m_s, b_r[None, :], b_wr)
+            b_wu = tl.where(m_s, b_u[None, :], b_wu)
+
+
+def window_blocks(wmax: int, precompute: bool, on_gpu: bool) -> tuple[int, int]:
+    """(BW, DOT_PAD): the window block's rows and how many times precompute doubles its stacked `[2 BW, K]`
+    operand with zero rows. On the GPU a tensor-core product needs 16 rows, and window blocks have at least 4 rows
+    (Triton 3.6 miscompiled a 2-row block in an earlier kernel; test_replay_short_windows_match_twin); the
+    interpreter keeps blocks minimal."""
+    bw = max(4 if on_gpu else 1, triton.next_power_of_2(wmax))
+    dot_pad = max(0, (16 // (2 * bw)).bit_length() - 1) if on_gpu and precompute else 0
+    return bw, dot_pad
 
 
 def replay_window_triton(
@@ -254,12 +301,9 @@ def replay_window_triton(
     o = torch.empty_like(v)
     if N == 0:
         return o
-    # on the GPU, tensor-core products need 16 rows (2 BW, precompute) and 16 columns (BL); window blocks of at
-    # least 4 rows also avoid a 2-row block, which Triton 3.6 miscompiled in an earlier kernel
-    # (test_replay_short_windows_match_twin); the interpreter keeps blocks minimal
     precompute = projection == "precompute"
-    least_rows = (8 if precompute else 4) if ssm.is_cuda else 1
-    least_records = 16 if ssm.is_cuda and precompute else 1
+    BW, dot_pad = window_blocks(WMAX, precompute, ssm.is_cuda)
+    least_records = 16 if ssm.is_cuda and precompute else 1  # the records' side of the tensor-core products
     replay_window_kernel[(triton.cdiv(V, block_v), N, HV)](
         q,
         k,
@@ -304,7 +348,9 @@ def replay_window_triton(
         BV=block_v,
         BG=triton.next_power_of_2(GK),
         BL=max(least_records, triton.next_power_of_2(L)),
-        BW=max(least_rows, triton.next_power_of_2(WMAX)),
+        BW=BW,
+        LOG2_BW=BW.bit_length() - 1,
+        DOT_PAD=dot_pad,
         PRECOMPUTE=precompute,
         PRECISION="tf32x3" if ssm.is_cuda else "ieee",
         num_warps=num_warps,
