@@ -90,8 +90,8 @@ def main(argv=None) -> int:
         for family in args.families.split(","):
             configs = families[family]
             for W, N in (tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")):
-                # plain decode has one kernel; for W > 1 "inline" (prepare + forward) and "precompute" (one launch)
-                # are different kernels, each tuned for itself
+                # plain decode has one kernel; for W > 1 "inline" (FMA reductions per token) and "precompute"
+                # (tensor-core products, block solve) are different code in the window kernel, each tuned for itself
                 projections = ("inline", "precompute") if family == "replay" and W > 1 else ("inline",)
                 for projection in projections:
                     key, res = sweep_cell(shape, W, N, family, configs, args.capacity, device, timer, print, projection)
