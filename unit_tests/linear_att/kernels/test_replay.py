@@ -101,6 +101,9 @@ CASES = [
     pytest.param(SHAPES[4], 4, 8, "precompute", 5, FP32, id="fp32-kdasafe-G2-W4-L8-precompute"),
     pytest.param(SHAPES[0], 2, 4, "precompute", 5, FP16, id="fp16-gdn-G1-W2-L4-precompute"),
     pytest.param(SHAPES[4], 4, 4, "inline", 3, FP16, id="fp16-kdasafe-G2-W4-L4-inline"),
+    # W = 8: precompute's block inverse takes two squarings; both schedules at the widest window blocks
+    pytest.param(SHAPES[1], 8, 8, "precompute", 3, FP32, id="fp32-gdn-G2-W8-L8-precompute"),
+    pytest.param(SHAPES[3], 8, 8, "inline", 4, FP32, id="fp32-kda-G1-W8-L8-inline"),
 ]
 
 
