@@ -136,15 +136,30 @@ def fold_tile_from_records(
     b_s, b_gh, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, o_k, m_k, o_g, m_g, o_v, m_v
 ):
     """S_h = diag(e^{G_h}) S_0 + sum_j (e^{G_h - G_j} k_hat_j) u_j^T on one `[BK, BV]` fp32 tile, streaming the `h`
-    records one by one (fp32 FMAs, no registers beyond the tile). `p_hk / p_hg / p_hu` point at record 0 of one
-    buffer (key head / value head / value head); `b_gh [BG]` is G_h."""
+    records one by one (fp32 FMAs, no registers beyond the tile and one prefetched record). `p_hk / p_hg / p_hu`
+    point at record 0 of one buffer (key head / value head / value head); `b_gh [BG]` is G_h."""
     b_s = b_s * tl.exp(b_gh)[:, None]
+    # record j + 1 is loaded while record j is added, so the loop waits on one load latency, not h of them
+    b_kj = tl.load(p_hk + o_k, mask=m_k & (h > 0), other=0)
+    b_gj = tl.load(p_hg + o_g, mask=m_g & (h > 0), other=0)
+    b_uj = tl.load(p_hu + o_v, mask=m_v & (h > 0), other=0)
     for j in range(0, h):
-        b_kj = tl.load(p_hk + j * stride_l + o_k, mask=m_k, other=0)
-        b_gj = tl.load(p_hg + j * stride_gl + o_g, mask=m_g, other=0)
-        b_uj = tl.load(p_hu + j * stride_ul + o_v, mask=m_v, other=0)
+        more = j + 1 < h
+        b_kn = tl.load(p_hk + (j + 1) * stride_l + o_k, mask=m_k & more, other=0)
+        b_gn = tl.load(p_hg + (j + 1) * stride_gl + o_g, mask=m_g & more, other=0)
+        b_un = tl.load(p_hu + (j + 1) * stride_ul + o_v, mask=m_v & more, other=0)
         b_s += (b_kj * tl.exp(b_gh - b_gj))[:, None] * b_uj[None, :]
+        b_kj, b_gj, b_uj = b_kn, b_gn, b_un
     return b_s
+
+
+@triton.jit
+def store_rounded(b_s, p_s, m_kv):
+    """Store a folded fp32 tile rounded once to the state dtype; return the rounded value in fp32 (what the window
+    continues from, and what every later read of the state sees)."""
+    b_sr = b_s.to(p_s.dtype.element_ty)
+    tl.store(p_s, b_sr, mask=m_kv)
+    return b_sr.to(tl.float32)
 
 
 @triton.jit
@@ -157,9 +172,7 @@ def fold_if_full(fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stri
     if fold:
         b_s = fold_tile_from_records(b_s, b_gh, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, o_k, m_k, o_g, m_g,
                                      o_v, m_v)  # fmt: skip
-        b_sr = b_s.to(p_s.dtype.element_ty)
-        tl.store(p_s, b_sr, mask=m_kv)
-        b_s = b_sr.to(tl.float32)
+        b_s = store_rounded(b_s, p_s, m_kv)
         b_hkw = tl.zeros(b_hkw.shape, dtype=tl.float32)
         b_hu = tl.zeros(b_hu.shape, dtype=tl.float32)
         b_gh = tl.zeros(b_gh.shape, dtype=tl.float32)
@@ -222,5 +235,6 @@ __all__ = [
     "small_matmul",
     "softplus",
     "stack_rows",
+    "store_rounded",
     "unit_lower_inverse",
 ]

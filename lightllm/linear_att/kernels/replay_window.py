@@ -1,36 +1,36 @@
 """Replay verify of a window (W > 1) in one launch: read the canonical state S0 and the committed history, write
 only the window's records and, on a fold, the state tile this program owns.
 
-One program per (V tile, row, value head), the W = 1 kernel (`replay_decode.py`) unrolled over the window's
-tokens. With `h` committed records in buffer `p`, the window's cumulative gates `r_s = g_1 + ... + g_s` and
-`G_s = G_h + r_s`, token s needs the state after the tokens before it, decayed by its own gate:
+One program per (V tile, row, value head), like the W = 1 kernel (`replay_decode.py`). With `h` committed
+records in buffer `p`, the window's cumulative gates `r_s = g_1 + ... + g_s` and `G_s = G_h + r_s`, token s
+needs the state after the tokens before it, decayed by its own gate:
 
-    Y_s(x) = S0^T (e^{G_s} x) + sum_j u_j (K~_j . e^{r_s} x) + sum_{r<s} u_r ((e^{r_s - r_r} k_hat_r) . x)
-    u_s    = beta_s (v_s - Y_s(k_hat_s)),        o_s = Y_s(q_hat_s) + u_s (k_hat_s . q_hat_s)
+    Y_s(x) = S_h^T (e^{r_s} x) + sum_{r<s} u_r ((e^{r_s - r_r} k_hat_r) . x),
+    S_h^T (e^{r_s} x) = S0^T (e^{G_s} x) + sum_j u_j (K~_j . e^{r_s} x),       K~_j = e^{G_h - G_j} k_hat_j
+    u_s = beta_s (v_s - Y_s(k_hat_s)),        o_s = Y_s(q_hat_s) + u_s (k_hat_s . q_hat_s)
 
-with K~_j = e^{G_h - G_j} k_hat_j. Every weight is a forward decay e^{<= 0} (per channel for KDA): no e^{-G} is
-formed.
+Every weight is a forward decay e^{<= 0} (per channel for KDA): no e^{-G} is formed. The in-window terms are
+solved in block form, with no token loop, by both schedules: the pair matrices B_k[s, r] = (e^{r_s - r_r} k_hat_r)
+. k_hat_s (r < s) and B_q (r <= s) as one broadcast product each, u = (I + diag(beta) B_k)^{-1} diag(beta)
+(v - Y_S(k_hat)) with the unit lower triangular inverse by repeated squaring (`common.unit_lower_inverse`), and
+o = Y_S(q_hat) + B_q u, all fp32. On the GPU a program's time follows the number of cross-thread reductions it
+runs (each ends in shuffles and, across warps, a shared-memory exchange and a barrier), so everything per-row
+(l2norms, pairs, the solve) is one block operation for the whole window.
 
-The projection mode picks how S0 and the committed history are contracted (MATH.md §2):
-- "inline": token by token inside the window loop, as fp32 FMAs on registers (reductions over the tile's K rows,
-  `common.project_token`, the decode kernel's code);
-- "precompute": for the whole window at once, as tensor-core products: the window's key and query rows stacked
-  into one `[2 BW, K]` operand (zero rows pad it to the 16 a product needs) against the S0 tile and the records,
-  in tf32x3 on the GPU (three TF32 products, ~fp32 accuracy; plain TF32 would put 1e-3 errors into u and hence
-  the state). The window itself is then solved in block form with no token loop: the pair matrices
-  B_k[s, r] = (e^{r_s - r_r} k_hat_r) . k_hat_s (r < s) and B_q (r <= s) as one broadcast product each,
-  u = (I + diag(beta) B_k)^{-1} diag(beta) (v - Y(k_hat)) with the unit lower triangular inverse by repeated
-  squaring (`common.unit_lower_inverse`), o = Y(q_hat) + B_q u. An fp32 ("ieee") `tl.dot` is no option: Triton
-  lowers it to FMAs that read both operands from shared memory, which made an earlier window kernel L1-bound at
-  4% of DRAM bandwidth (`test/benchmark/results/h200_second_session.md`).
-In the inline schedule the window's own records (k_hat_r, r_r, u_r for r < s) stay in registers and the in-window
-terms are fp32 FMAs per token.
+The projection mode picks how the state part Y_S = S_h^T (e^{r_s} x) is formed (MATH.md §2):
+- "inline": S_h is built in registers (e^{G_h} S0 plus the committed records, the fold's own fp32 FMAs, and
+  stored rounded only when the window folds), then contracted token by token: one reduction of the tile per token
+  and vector, on the raw rows, the l2norm factors applied to the `[BW, BV]` results;
+- "precompute": S0 and the records against the whole window at once as tensor-core products: the window's key
+  and query rows stacked into one `[2 BW, K]` operand (zero rows pad it to the 16 a product needs), in tf32x3 on
+  the GPU (three TF32 products, ~fp32 accuracy; plain TF32 would put 1e-3 errors into u and hence the state).
+  An fp32 ("ieee") `tl.dot` is no option: Triton lowers it to FMAs that read both operands from shared memory,
+  which made an earlier window kernel L1-bound at 4% of DRAM bandwidth
+  (`test/benchmark/results/h200_second_session.md`).
 
-Inline loads tokens per row (`common.load_token`), so no row is ever extracted from a register block; precompute
-loads the window as blocks. Rows past a row's width get g = 0 and beta = 0, write no record and store o = 0.
-The fold (`h + W > L`) is `common.fold_if_full`: each program rebuilds S_h on its own columns, stores it rounded
-and continues from it with an empty history; records go to positions 0..W-1 of buffer `1 - p`, which no reader
-in the launch reads.
+Rows past a row's width are zero (g = 0, beta = 0), write no record and store o = 0. The fold (`h + W > L`):
+each program writes S_h of its own columns rounded once to the state dtype and continues from it with an empty
+history; records go to positions 0..W-1 of buffer `1 - p`, which no reader in the launch reads.
 """
 
 from __future__ import annotations
@@ -43,29 +43,15 @@ from lightllm.linear_att.kernels.common import (
     cumsum_rows,
     first_half_rows,
     fold_if_full,
+    fold_tile_from_records,
     gate_activation,
     history_weights,
-    l2norm_rows,
-    load_token,
-    project_token,
     sigmoid,
     small_matmul,
     stack_rows,
+    store_rounded,
     unit_lower_inverse,
 )
-
-
-@triton.jit
-def _token(q, k, v, graw, braw, b_a_log, b_dt_bias, lower_bound, scale, act, s, p_q0, p_v0, p_g0, p_b0,
-           stride_q_w, stride_v_w, stride_g_w, stride_b_w, o_k, m_k, o_v, m_v, o_g, m_g,
-           USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
-    """Window token `s` of the program's row: (q_hat * scale, k_hat, v, g, beta), g and beta zero past the width."""
-    b_q, b_k, b_v, b_g, b_beta, _ = load_token(
-        q + p_q0 + s * stride_q_w, k + p_q0 + s * stride_q_w, v + p_v0 + s * stride_v_w, graw + p_g0 + s * stride_g_w,
-        braw + p_b0 + s * stride_b_w, b_a_log, b_dt_bias, lower_bound, scale, o_k, m_k, o_v, m_v, o_g, m_g,
-        USE_LOWER_BOUND,
-    )  # fmt: skip
-    return b_q, b_k, b_v, tl.where(act & m_g, b_g, 0.0), tl.where(act, b_beta, 0.0)
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
@@ -136,7 +122,6 @@ def replay_window_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_g = tl.arange(0, BG)
-    o_l = tl.arange(0, BL)
     o_w = tl.arange(0, BW)
     m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
     m_kv = m_k[:, None] & m_v[None, :]
@@ -150,49 +135,47 @@ def replay_window_kernel(
     h = tl.load(cursor + slot, mask=live, other=0)
     par = tl.load(parity + slot, mask=live, other=0).to(tl.int64)
     fold = live & (h + width > L)
-    m_l = live & (o_l < h)
     p_hk = hist_k + slot * stride_hk_s + par * stride_hk_b + i_h * K
     p_hu = hist_u + slot * stride_hu_s + par * stride_hu_b + i_hv * V
     p_hg = hist_g + slot * stride_hg_s + par * stride_hg_b + i_hv * GK
-    b_hk = tl.load(p_hk + o_l[:, None] * stride_hk_l + o_k[None, :], mask=m_l[:, None] & m_k[None, :], other=0)
-    b_hg = tl.load(p_hg + o_l[:, None] * stride_hg_l + o_g[None, :], mask=m_l[:, None] & m_g[None, :], other=0)
-    b_hu = tl.load(p_hu + o_l[:, None] * stride_hu_l + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0)
-    b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] K~_j, [BG] G_h
 
-    b_s = b_s_raw.to(tl.float32)
-    b_s, b_hkw, b_hu, b_gh, h, buf = fold_if_full(
-        fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, par,
-        o_k, m_k, o_g, m_g, o_v, m_v,
-    )  # fmt: skip
-
+    # the window as blocks, rows >= width zero: raw q, k [BW, BK], v [BW, BV], beta [BW]
     p_q0 = i_n * stride_q_n + i_h * K
     p_v0 = i_n * stride_v_n + i_hv * V
     p_g0 = i_n * stride_g_n + i_hv * GK
     p_b0 = i_n * stride_b_n + i_hv
-    p_o = o + i_n * stride_o_n + i_hv * V + o_v
-    p_ru = hist_u + slot * stride_hu_s + buf * stride_hu_b + h * stride_hu_l + i_hv * V + o_v
-    first_tile = i_v == 0
-    p_rg = hist_g + slot * stride_hg_s + buf * stride_hg_b + h * stride_hg_l + i_hv * GK + o_g
-    key_owner = first_tile & (i_hv % (HV // H) == 0)
-    p_rk = hist_k + slot * stride_hk_s + buf * stride_hk_b + h * stride_hk_l + i_h * K + o_k
+    m_w = live & (o_w < width)
+    m_wk = m_w[:, None] & m_k[None, :]
+    p_wk = p_q0 + o_w[:, None] * stride_q_w + o_k[None, :]
+    b_qw = tl.load(q + p_wk, mask=m_wk, other=0).to(tl.float32)
+    b_kw = tl.load(k + p_wk, mask=m_wk, other=0).to(tl.float32)
+    b_vw = tl.load(v + p_v0 + o_w[:, None] * stride_v_w + o_v[None, :], mask=m_w[:, None] & m_v[None, :], other=0)
+    b_vw = b_vw.to(tl.float32)
+    b_bw = tl.where(m_w, sigmoid(tl.load(braw + p_b0 + o_w * stride_b_w, mask=m_w, other=0).to(tl.float32)), 0.0)
+    # l2norm factors of every row (applied to the rows and, in the inline schedule, after the contractions)
+    b_nq = scale / tl.sqrt(tl.sum(b_qw * b_qw, 1) + 1e-6)  # [BW]
+    b_nk = 1.0 / tl.sqrt(tl.sum(b_kw * b_kw, 1) + 1e-6)
+
+    b_s = b_s_raw.to(tl.float32)
     if PRECOMPUTE:
-        # the whole window as blocks, rows >= width zero: q_hat, k_hat [BW, BK], v [BW, BV], r [BW, BG], beta [BW]
-        m_w = live & (o_w < width)
-        m_wk = m_w[:, None] & m_k[None, :]
+        # S0 and the committed history against every window row at once, as tensor-core products
+        o_l = tl.arange(0, BL)
+        m_l = live & (o_l < h)
+        b_hk = tl.load(p_hk + o_l[:, None] * stride_hk_l + o_k[None, :], mask=m_l[:, None] & m_k[None, :], other=0)
+        b_hg = tl.load(p_hg + o_l[:, None] * stride_hg_l + o_g[None, :], mask=m_l[:, None] & m_g[None, :], other=0)
+        b_hu = tl.load(p_hu + o_l[:, None] * stride_hu_l + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0)
+        b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] K~_j, [BG] G_h
+        b_s, b_hkw, b_hu, b_gh, h, buf = fold_if_full(
+            fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h,
+            par, o_k, m_k, o_g, m_g, o_v, m_v,
+        )  # fmt: skip
         m_wg = m_w[:, None] & m_g[None, :]
-        p_wk = p_q0 + o_w[:, None] * stride_q_w + o_k[None, :]
-        b_qw = l2norm_rows(tl.load(q + p_wk, mask=m_wk, other=0).to(tl.float32)) * scale
-        b_kw = l2norm_rows(tl.load(k + p_wk, mask=m_wk, other=0).to(tl.float32))
-        p_wv = v + p_v0 + o_w[:, None] * stride_v_w + o_v[None, :]
-        b_vw = tl.load(p_wv, mask=m_w[:, None] & m_v[None, :], other=0).to(tl.float32)
         b_gw = tl.load(graw + p_g0 + o_w[:, None] * stride_g_w + o_g[None, :], mask=m_wg, other=0).to(tl.float32)
         b_gw = gate_activation(b_gw, b_a_log, b_dt_bias[None, :], lower_bound, USE_LOWER_BOUND)
         b_rw = cumsum_rows(tl.where(m_wg, b_gw, 0.0))  # [BW, BG] r_s
-        b_bw = sigmoid(tl.load(braw + p_b0 + o_w * stride_b_w, mask=m_w, other=0).to(tl.float32))
-        b_bw = tl.where(m_w, b_bw, 0.0)  # [BW] beta_s
-
-        # S0 and the committed history against every window row at once: a_s(x) = e^{r_s} x, keys and queries
-        # stacked into one [2 BW, K] operand, tensor-core products
+        b_qw = b_qw * b_nq[:, None]
+        b_kw = b_kw * b_nk[:, None]
+        # a_s(x) = e^{r_s} x, keys and queries stacked into one [2 BW, K] operand
         b_er = tl.exp(b_rw)
         b_a = stack_rows(b_kw * b_er, b_qw * b_er)  # [2 BW, BK]
         for _ in tl.static_range(DOT_PAD):  # zero rows up to the 16 a tensor-core product needs
@@ -203,60 +186,63 @@ def replay_window_kernel(
         for _ in tl.static_range(DOT_PAD):
             b_y = first_half_rows(b_y)
         b_yk, b_yq = tl.split(tl.permute(tl.reshape(b_y, (2, BW, BV)), (1, 2, 0)))  # [BW, BV] each
-
-        # window pairs (e^{r_s - r_r} k_hat_r) . x_s for r <= s, per-channel forward decays, fp32
-        m_le = o_w[:, None] >= o_w[None, :]  # [BW (s), BW (r)]
-        b_dec = tl.exp(tl.where(m_le[:, :, None], b_rw[:, None, :] - b_rw[None, :, :], 0.0))  # [BW, BW, BG]
-        b_kr = b_kw[None, :, :] * b_dec  # [BW, BW, BK]
-        b_bk = tl.where(o_w[:, None] > o_w[None, :], tl.sum(b_kr * b_kw[:, None, :], 2), 0.0)  # strictly lower
-        b_bq = tl.where(m_le, tl.sum(b_kr * b_qw[:, None, :], 2), 0.0)  # lower, with the diagonal k_hat_s . q_hat_s
-        # u = (I + diag(beta) B_k)^{-1} diag(beta) (v - Y(k_hat)); o = Y(q_hat) + B_q u
-        b_t = unit_lower_inverse(b_bw[:, None] * b_bk, LOG2_BW)
-        b_u = small_matmul(b_t, b_bw[:, None] * (b_vw - b_yk))  # [BW, BV]
-        b_o = b_yq + small_matmul(b_bq, b_u)
-
-        p_wo = p_o[None, :] + o_w[:, None] * stride_o_w
-        tl.store(
-            p_wo, tl.where(m_w[:, None], b_o, 0.0).to(o.dtype.element_ty), mask=(o_w < WMAX)[:, None] & m_v[None, :]
-        )
-        # records (one writer each: u per V tile, G per value head, k_hat per key group)
-        tl.store(p_ru[None, :] + o_w[:, None] * stride_hu_l, b_u, mask=m_w[:, None] & m_v[None, :])
-        tl.store(
-            p_rg[None, :] + o_w[:, None] * stride_hg_l,
-            b_gh[None, :] + b_rw,
-            mask=(m_w & first_tile)[:, None] & m_g[None, :],
-        )
-        tl.store(p_rk[None, :] + o_w[:, None] * stride_hk_l, b_kw, mask=(m_w & key_owner)[:, None] & m_k[None, :])
     else:
-        # token by token; the window's own records (k_hat_r, r_r, u_r for r < s) kept in registers
-        b_wk = tl.zeros([BW, BK], dtype=tl.float32)
-        b_wr = tl.zeros([BW, BG], dtype=tl.float32)
-        b_wu = tl.zeros([BW, BV], dtype=tl.float32)
+        # S_h in registers (e^{G_h} S0 plus the committed records, fp32 FMAs: the fold's own arithmetic), stored
+        # rounded only when the window folds; then one contraction of the tile per token and vector, on the raw
+        # rows (the l2norm factors are applied to the [BW, BV] results)
+        b_gh = tl.load(p_hg + (h - 1) * stride_hg_l + o_g, mask=m_g & (h > 0), other=0)  # G_h
+        b_s = fold_tile_from_records(
+            b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, o_k, m_k, o_g, m_g, o_v, m_v
+        )
+        if fold:
+            b_s = store_rounded(b_s, p_s, m_kv)
+        h = tl.where(fold, 0, h)
+        buf = tl.where(fold, 1 - par, par)
+        b_gh = tl.where(fold, 0.0, b_gh)
+        b_yk = tl.zeros([BW, BV], dtype=tl.float32)
+        b_yq = tl.zeros([BW, BV], dtype=tl.float32)
+        b_rw = tl.zeros([BW, BG], dtype=tl.float32)
         b_r = tl.zeros([BG], dtype=tl.float32)
         for s in tl.static_range(WMAX):
             act = live & (s < width)
-            b_q, b_k, b_v, b_g, b_beta = _token(
-                q, k, v, graw, braw, b_a_log, b_dt_bias, lower_bound, scale, act, s, p_q0, p_v0, p_g0, p_b0,
-                stride_q_w, stride_v_w, stride_g_w, stride_b_w, o_k, m_k, o_v, m_v, o_g, m_g, USE_LOWER_BOUND,
-            )  # fmt: skip
-            b_r += b_g
-            b_eG, b_er = tl.exp(b_gh + b_r), tl.exp(b_r)
-            b_yk = project_token(b_s, b_hu, b_hkw, b_k, b_eG, b_er)
-            b_yq = project_token(b_s, b_hu, b_hkw, b_q, b_eG, b_er)
-            # window pairs r < s: (e^{r_s - r_r} k_hat_r) . x, per-channel forward decays
-            m_prev = (o_w < s)[:, None]
-            b_kd = tl.where(m_prev, b_wk * tl.exp(tl.where(m_prev, b_r[None, :] - b_wr, 0.0)), 0.0)  # [BW, BK]
-            b_u = b_beta * (b_v - b_yk - tl.sum(b_wu * tl.sum(b_kd * b_k[None, :], 1)[:, None], 0))
-            b_o = b_yq + tl.sum(b_wu * tl.sum(b_kd * b_q[None, :], 1)[:, None], 0) + b_u * tl.sum(b_k * b_q, 0)
-            tl.store(p_o + s * stride_o_w, tl.where(act, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
-            # records (one writer each: u per V tile, G per value head, k_hat per key group)
-            tl.store(p_ru + s * stride_hu_l, b_u, mask=m_v & act)
-            tl.store(p_rg + s * stride_hg_l, b_gh + b_r, mask=m_g & act & first_tile)
-            tl.store(p_rk + s * stride_hk_l, b_k, mask=m_k & act & key_owner)
+            b_g = tl.load(graw + p_g0 + s * stride_g_w + o_g, mask=m_g, other=0).to(tl.float32)
+            b_g = gate_activation(b_g, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND)
+            b_r += tl.where(act & m_g, b_g, 0.0)
+            b_er = tl.exp(b_r)
+            b_krow = tl.load(k + p_q0 + s * stride_q_w + o_k, mask=m_k & act, other=0).to(tl.float32)
+            b_qrow = tl.load(q + p_q0 + s * stride_q_w + o_k, mask=m_k & act, other=0).to(tl.float32)
             m_s = (o_w == s)[:, None]
-            b_wk = tl.where(m_s, b_k[None, :], b_wk)
-            b_wr = tl.where(m_s, b_r[None, :], b_wr)
-            b_wu = tl.where(m_s, b_u[None, :], b_wu)
+            b_yk = tl.where(m_s, tl.sum(b_s * (b_krow * b_er)[:, None], 0)[None, :], b_yk)
+            b_yq = tl.where(m_s, tl.sum(b_s * (b_qrow * b_er)[:, None], 0)[None, :], b_yq)
+            b_rw = tl.where(m_s, b_r[None, :], b_rw)
+        b_qw = b_qw * b_nq[:, None]
+        b_kw = b_kw * b_nk[:, None]
+        b_yk = b_yk * b_nk[:, None]
+        b_yq = b_yq * b_nq[:, None]
+
+    # the window's own terms in block form: pairs (e^{r_s - r_r} k_hat_r) . x_s for r <= s (per-channel forward
+    # decays), u = (I + diag(beta) B_k)^{-1} diag(beta) (v - Y(k_hat)), o = Y(q_hat) + B_q u; all fp32
+    m_le = o_w[:, None] >= o_w[None, :]  # [BW (s), BW (r)]
+    b_dec = tl.exp(tl.where(m_le[:, :, None], b_rw[:, None, :] - b_rw[None, :, :], 0.0))  # [BW, BW, BG]
+    b_kr = b_kw[None, :, :] * b_dec  # [BW, BW, BK]
+    b_bk = tl.where(o_w[:, None] > o_w[None, :], tl.sum(b_kr * b_kw[:, None, :], 2), 0.0)  # strictly lower
+    b_bq = tl.where(m_le, tl.sum(b_kr * b_qw[:, None, :], 2), 0.0)  # lower, with the diagonal k_hat_s . q_hat_s
+    b_t = unit_lower_inverse(b_bw[:, None] * b_bk, LOG2_BW)
+    b_u = small_matmul(b_t, b_bw[:, None] * (b_vw - b_yk))  # [BW, BV]
+    b_o = b_yq + small_matmul(b_bq, b_u)
+
+    p_o = o + i_n * stride_o_n + o_w[:, None] * stride_o_w + i_hv * V + o_v[None, :]
+    tl.store(p_o, tl.where(m_w[:, None], b_o, 0.0).to(o.dtype.element_ty), mask=(o_w < WMAX)[:, None] & m_v[None, :])
+    # records at h..h+W-1 of buffer `buf` (one writer each: u per V tile, G per value head, k_hat per key group)
+    m_rec = m_w[:, None]
+    p_ru = hist_u + slot * stride_hu_s + buf * stride_hu_b + (h + o_w[:, None]) * stride_hu_l + i_hv * V
+    tl.store(p_ru + o_v[None, :], b_u, mask=m_rec & m_v[None, :])
+    first_tile = i_v == 0
+    p_rg = hist_g + slot * stride_hg_s + buf * stride_hg_b + (h + o_w[:, None]) * stride_hg_l + i_hv * GK
+    tl.store(p_rg + o_g[None, :], b_gh[None, :] + b_rw, mask=m_rec & first_tile & m_g[None, :])
+    key_owner = first_tile & (i_hv % (HV // H) == 0)
+    p_rk = hist_k + slot * stride_hk_s + buf * stride_hk_b + (h + o_w[:, None]) * stride_hk_l + i_h * K
+    tl.store(p_rk + o_k[None, :], b_kw, mask=m_rec & key_owner & m_k[None, :])
 
 
 def window_blocks(wmax: int, precompute: bool, on_gpu: bool) -> tuple[int, int]:
