@@ -31,12 +31,6 @@ def l2norm(b_x):
 
 
 @triton.jit
-def l2norm_rows(b_x):
-    """Row-wise `l2norm` of a 2-D fp32 block `[rows, BK]`."""
-    return b_x / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
-
-
-@triton.jit
 def gate_activation(b_graw, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND: tl.constexpr):
     """Log decay g <= 0 from the raw gate logits (fp32, any block shape broadcastable with `b_dt_bias`)."""
     b_x = b_graw + b_dt_bias
@@ -212,12 +206,6 @@ def unit_lower_inverse(b_n, LOG2_R: tl.constexpr):
     return b_inv
 
 
-@triton.jit
-def row_of(b_x, m_s):
-    """Row `s` (the one-hot mask `m_s [BW]`) of a `[BW, X]` block."""
-    return tl.sum(tl.where(m_s[:, None], b_x, 0.0), 0)
-
-
 __all__ = [
     "cumsum_rows",
     "first_half_rows",
@@ -227,10 +215,8 @@ __all__ = [
     "gate_activation",
     "history_weights",
     "l2norm",
-    "l2norm_rows",
     "load_token",
     "project_token",
-    "row_of",
     "sigmoid",
     "small_matmul",
     "softplus",
