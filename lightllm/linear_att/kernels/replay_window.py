@@ -26,7 +26,8 @@ The projection mode picks how the state part Y_S = S_h^T (e^{r_s} x) is formed (
   the GPU (three TF32 products, ~fp32 accuracy; plain TF32 would put 1e-3 errors into u and hence the state).
   An fp32 ("ieee") `tl.dot` is no option: Triton lowers it to FMAs that read both operands from shared memory,
   which made an earlier window kernel L1-bound at 4% of DRAM bandwidth
-  (`test/benchmark/results/h200_second_session.md`).
+  (`test/benchmark/results/h200_profile_models_serving.md`). On the H200 precompute is still ~2.5x slower than
+  inline at every launch config timed (`docs/benchmarks.md`), so inline is the default.
 
 Rows past a row's width are zero (g = 0, beta = 0), write no record and store o = 0. The fold (`h + W > L`):
 each program writes S_h of its own columns rounded once to the state dtype and continues from it with an empty
