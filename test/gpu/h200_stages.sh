@@ -8,6 +8,7 @@
 #   bash test/gpu/h200_stages.sh serving    # serving smoke: Kimi-Linear (tiny), a random-weight Qwen3-Next-width model
 #   bash test/gpu/h200_stages.sh profile    # Nsight Compute on each decode / verify kernel (test/benchmark/profile_replay_ncu.py)
 #   bash test/gpu/h200_stages.sh STAGE 420  # stop the stage's programs after 420 s (default 540), then save the cache
+#   bash test/gpu/h200_stages.sh bench 540 --state-dtypes bf16   # sweep / bench: later arguments go to the script
 #
 # Extra packages come as wheels in .whl (see README.md here); outputs and tables are copied to $OUT when it is set,
 # so a stage's files come back even when it is cut short. Every stage prints as it goes.
@@ -71,12 +72,12 @@ kernels)
     ;;
 sweep)
     py test/benchmark/sweep_linear_att.py --families replay,serial --cells 1x256,4x128 \
-        --shapes qwen3-next-tp1,qwen3.5-tp1,kimi-linear-tp1 --out-dir lightllm/linear_att 2>&1 |
+        --shapes qwen3-next-tp1,qwen3.5-tp1,kimi-linear-tp1 --out-dir lightllm/linear_att "${@:3}" 2>&1 |
         grep --line-buffered -v "Warning\|warn(" | tee "$OUT_DIR/sweep.log"
     tables_out
     ;;
 bench)
-    py test/benchmark/bench_linear_att.py --budget-s 480 2>&1 | grep --line-buffered -v "Warning\|warn(" | tee "$OUT_DIR/bench.log"
+    py test/benchmark/bench_linear_att.py --budget-s 480 "${@:3}" 2>&1 | grep --line-buffered -v "Warning\|warn(" | tee "$OUT_DIR/bench.log"
     py test/benchmark/replay_phases.py --ns 128 --ws 1,4 2>&1 | tee "$OUT_DIR/phases.log"
     ;;
 models)
