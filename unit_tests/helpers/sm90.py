@@ -8,15 +8,19 @@ multiples of 16 (what Triton specialises on at these head sizes), so loads vecto
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTXAS = os.path.join(_BIN, "ptxas")
+NVDISASM = os.path.join(_BIN, "nvdisasm")
 TARGET = GPUTarget("cuda", 90, 32)
 INT_PTRS = {"cursor", "parity", "pending", "slots", "widths", "ssm_index", "accepted", "conv_offset"}
 ACT_PTRS = {"q", "k", "v", "graw", "braw", "o", "win_k", "win_v"}
@@ -32,10 +36,11 @@ class Allocation:
         return f"{self.registers} | {self.spill_store_bytes}"
 
 
-def compile_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1) -> Allocation:
-    """`jit_fn` (a `@triton.jit` function, heuristics wrappers included) with `constexprs`; every
-    other argument typed from its name: `stride_*` int64, the names in `SCALARS` fp32, int32 pointers for per-slot
-    scalars, bf16 pointers for activations, fp32 pointers otherwise."""
+def lower_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1):
+    """Triton's compiled kernel (`.asm["ttgir"]`, `.asm["ptx"]`) of `jit_fn` (a `@triton.jit` function,
+    heuristics wrappers included) with `constexprs`; every other argument typed from its name: `stride_*` int64,
+    the names in `SCALARS` fp32, int32 pointers for per-slot scalars, bf16 pointers for activations, fp32 pointers
+    otherwise."""
     while not hasattr(jit_fn, "params"):  # `@triton.heuristics` wraps the JIT function
         jit_fn = jit_fn.fn
     names = jit_fn.arg_names
@@ -50,22 +55,63 @@ def compile_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1) 
         else:
             sig[name] = "*i32" if name in INT_PTRS else "*bf16" if name in ACT_PTRS else "*fp32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
-    kernel = triton.compile(
+    return triton.compile(
         ASTSource(fn=jit_fn, signature=sig, constexprs=consts, attrs=attrs),
         target=TARGET,
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
+
+
+def _ptxas(ptx: str, *flags: str, cubin: str = os.devnull) -> str:
+    """Assemble `ptx` for sm_90a; returns ptxas' report (stderr)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
-            f.write(kernel.asm["ptx"])
-        out = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull], capture_output=True, text=True)
+            f.write(ptx)
+        out = subprocess.run([PTXAS, *flags, "--gpu-name=sm_90a", path, "-o", cubin], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"ptxas failed: {out.stderr[-2000:]}")
+    return out.stderr
+
+
+def allocation(ptx: str) -> Allocation:
+    """ptxas' register and spill report of `ptx`."""
     regs = spill = -1
-    for line in out.stderr.splitlines():
+    for line in _ptxas(ptx, "-v").splitlines():
         if "Used" in line and "registers" in line:
             regs = int(line.split("Used")[1].split("registers")[0].strip())
         if "spill stores" in line:
             spill = int(line.split("bytes spill stores")[0].split(",")[-1].strip())
     return Allocation(regs, spill)
+
+
+def compile_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1) -> Allocation:
+    """Registers and spills of `jit_fn` on sm_90 (arguments as for `lower_sm90`)."""
+    return allocation(lower_sm90(jit_fn, constexprs, num_warps, num_stages).asm["ptx"])
+
+
+_SOURCE = re.compile(r'//## File "([^"]+)", line (\d+)')
+_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_by_line(ptx: str) -> Counter:
+    """Static SASS instruction counts of `ptx` on sm_90a, keyed `(source file, line, opcode)`: ptxas keeps Triton's
+    line table (`-lineinfo`) and `nvdisasm -g` prints the source line above each instruction group. Counts are
+    static: a loop body counts once, whatever its trip count. Instructions before any line marker are keyed
+    `("", 0, opcode)`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        _ptxas(ptx, "-lineinfo", cubin=cubin)
+        out = subprocess.run([NVDISASM, "-c", "-g", cubin], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {out.stderr[-2000:]}")
+    counts, where = Counter(), ("", 0)
+    for text in out.stdout.splitlines():
+        marker = _SOURCE.search(text)
+        if marker:
+            where = (marker.group(1), int(marker.group(2)))
+            continue
+        ins = _INSTRUCTION.match(text)
+        if ins:
+            counts[(*where, ins.group(1))] += 1
+    return counts

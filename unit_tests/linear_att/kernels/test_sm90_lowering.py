@@ -30,3 +30,24 @@ def test_every_state_kernel_lowers_to_sm90():
     table = run.stdout
     assert run.returncode == 0, f"{table}\n{run.stderr[-3000:]}"
     assert table.count("\n| ") >= 4 * 16, f"too few kernels compiled:\n{table}"
+
+
+@pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is not installed")
+def test_sass_mix_attributes_instructions_to_source_lines():
+    """`test/benchmark/sass_mix_linear_att.py` (the CPU-side estimate of a kernel change) counts the right things: in
+    the replay decode at BV = 64 x 2 warps each thread holds 128 x 64 / 64 = 128 tile elements, so the fold's
+    rank-1 update is exactly 128 FFMA on its source line, and the two S0 contractions at least 2 x 128 FFMA."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    tool = os.path.join(ROOT, "test", "benchmark", "sass_mix_linear_att.py")
+    args = ["--kernels", "decode", "--shapes", "qwen3-next-tp1", "--configs", "64x2", "--top", "40"]
+    run = subprocess.run([sys.executable, tool, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| kernel"))
+    row = next(line for line in lines if line.startswith("| decode"))
+    cells = dict(zip([c.strip() for c in header.split("|")[1:-1]], [c.strip() for c in row.split("|")[1:-1]]))
+    assert 64 < int(cells["registers"]) <= 255 and int(cells["instructions"]) > 1000, row
+    assert int(cells["FFMA"]) >= 2 * 128, row
+    fold_update = [line for line in lines if "b_s += (b_kj" in line]
+    assert len(fold_update) == 1 and "FFMA 128 " in fold_update[0], "\n".join(lines)
