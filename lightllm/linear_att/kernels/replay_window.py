@@ -20,7 +20,8 @@ runs (each ends in shuffles and, across warps, a shared-memory exchange and a ba
 The projection mode picks how the state part Y_S = S_h^T (e^{r_s} x) is formed (MATH.md §2):
 - "inline": S_h is built in registers (e^{G_h} S0 plus the committed records, the fold's own fp32 FMAs, and
   stored rounded only when the window folds), then contracted token by token: one reduction of the tile per token
-  and vector, on the raw rows, the l2norm factors applied to the `[BW, BV]` results;
+  and vector, on the raw rows (KDA: decayed per channel), the l2norm factors and GDN's one decay per head applied
+  to the `[BW, BV]` results;
 - "precompute": S0 and the records against the whole window at once as tensor-core products: the window's key
   and query rows stacked into one `[2 BW, K]` operand (zero rows pad it to the 16 a product needs), in tf32x3 on
   the GPU (three TF32 products, ~fp32 accuracy; plain TF32 would put 1e-3 errors into u and hence the state).
@@ -190,7 +191,7 @@ def replay_window_kernel(
     else:
         # S_h in registers (e^{G_h} S0 plus the committed records, fp32 FMAs: the fold's own arithmetic), stored
         # rounded only when the window folds; then one contraction of the tile per token and vector, on the raw
-        # rows (the l2norm factors are applied to the [BW, BV] results)
+        # rows (the l2norm factors, and for GDN the decay, are applied to the [BW, BV] results)
         b_gh = tl.load(p_hg + (h - 1) * stride_hg_l + o_g, mask=m_g & (h > 0), other=0)  # G_h
         b_s = fold_tile_from_records(
             b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, o_k, m_k, o_g, m_g, o_v, m_v
@@ -209,17 +210,23 @@ def replay_window_kernel(
             b_g = tl.load(graw + p_g0 + s * stride_g_w + o_g, mask=m_g, other=0).to(tl.float32)
             b_g = gate_activation(b_g, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND)
             b_r += tl.where(act & m_g, b_g, 0.0)
-            b_er = tl.exp(b_r)
             b_krow = tl.load(k + p_q0 + s * stride_q_w + o_k, mask=m_k & act, other=0).to(tl.float32)
             b_qrow = tl.load(q + p_q0 + s * stride_q_w + o_k, mask=m_k & act, other=0).to(tl.float32)
+            if BG > 1:  # per-channel decays (KDA) ride on the rows
+                b_krow = b_krow * tl.exp(b_r)
+                b_qrow = b_qrow * tl.exp(b_r)
             m_s = (o_w == s)[:, None]
-            b_yk = tl.where(m_s, tl.sum(b_s * (b_krow * b_er)[:, None], 0)[None, :], b_yk)
-            b_yq = tl.where(m_s, tl.sum(b_s * (b_qrow * b_er)[:, None], 0)[None, :], b_yq)
+            b_yk = tl.where(m_s, tl.sum(b_s * b_krow[:, None], 0)[None, :], b_yk)
+            b_yq = tl.where(m_s, tl.sum(b_s * b_qrow[:, None], 0)[None, :], b_yq)
             b_rw = tl.where(m_s, b_r[None, :], b_rw)
         b_qw = b_qw * b_nq[:, None]
         b_kw = b_kw * b_nk[:, None]
-        b_yk = b_yk * b_nk[:, None]
-        b_yq = b_yq * b_nq[:, None]
+        if BG > 1:
+            b_yk = b_yk * b_nk[:, None]
+            b_yq = b_yq * b_nq[:, None]
+        else:  # one decay per head (GDN) scales the result rows with the l2norm factors: BW x BV products, not K
+            b_yk = b_yk * (b_nk[:, None] * tl.exp(b_rw))
+            b_yq = b_yq * (b_nq[:, None] * tl.exp(b_rw))
 
     # the window's own terms in block form: pairs (e^{r_s - r_r} k_hat_r) . x_s for r <= s (per-channel forward
     # decays), u = (I + diag(beta) B_k)^{-1} diag(beta) (v - Y(k_hat)), o = Y(q_hat) + B_q u; all fp32
