@@ -2,7 +2,8 @@
 
 A configuration (`KernelConfig`: BV, num_warps, num_stages) is chosen per kernel family and shape. Lookup is a
 dict access keyed by `TuneKey` (GPU name, Triton version, state and activation dtypes, heads, head dims, gate
-width, verify width, replay capacity, projection mode); a missing entry falls back to `default_config`.
+width, verify width, replay capacity, projection mode); a missing entry borrows the nearest entry that differs only in
+width, capacity or head counts (`ConfigTable.lookup`), else falls back to `default_config`.
 
 Tables are JSON files (`gdn/tuned/*.json`, `kda/tuned/*.json` ship with the package). `load_tables()` reads them
 into the process-wide `TABLE` once at start-up, before any CUDA-graph capture, so every later launch (and every
@@ -162,19 +163,33 @@ class ConfigTable:
         return self.entries.get(key.to_str())
 
     def lookup(self, key: TuneKey) -> KernelConfig:
-        """Exact entry, else the entry of the nearest tuned width (and capacity) of the same shape (for replay, only
-        among W = 1 or only among W > 1 entries), else default."""
+        """Exact entry, else the nearest entry that differs only in verify width, replay capacity or head counts
+        (nearest width first, then capacity, then the same heads before other heads; for replay only among W = 1
+        or only among W > 1 entries), else default.
+
+        Head counts only set the grid: a program's work (its `[K, BV]` tile, the window, the records) depends on
+        the head dims, gate width and dtypes, which must match. The H200 sweep ranks the window kernel's tiles the
+        same at 32 and 64 value heads (`test/benchmark/results/h200_window_kernel.md` §2), so a shape with other
+        head counts (Qwen3.5 against Qwen3-Next) starts from the tuned tile rather than the untuned default."""
         hit = self._resolved.get(key) or self.entries.get(key.to_str())
         if hit is not None:
             return hit
         best, best_dist = None, None
         for k, cfg in self.entries.items():
             other = TuneKey.from_str(k)
-            if replace(other, width=key.width, capacity=key.capacity) != key:
+            free = dict(width=key.width, capacity=key.capacity, num_k_heads=key.num_k_heads)
+            if replace(other, num_v_heads=key.num_v_heads, **free) != key:
                 continue
             if key.family == "replay" and (other.width == 1) != (key.width == 1):
                 continue  # plain decode and window verify are different replay kernels: never borrow a tile
-            dist = (abs(other.width - key.width), abs(other.capacity - key.capacity))
+            heads = (other.num_k_heads, other.num_v_heads) != (key.num_k_heads, key.num_v_heads)
+            dist = (
+                abs(other.width - key.width),
+                abs(other.capacity - key.capacity),
+                heads,
+                abs(other.num_v_heads - key.num_v_heads),
+                abs(other.num_k_heads - key.num_k_heads),
+            )
             if best_dist is None or dist < best_dist:
                 best, best_dist = cfg, dist
         self._resolved[key] = best or default_config(key)

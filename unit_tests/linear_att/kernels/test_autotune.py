@@ -1,4 +1,5 @@
-"""autotune: key format, JSON round trip, lookup (exact, nearest width, default), pinning. CPU only, no kernels."""
+"""autotune: key format, JSON round trip, lookup (exact, nearest width / capacity / heads, default), pinning. CPU only,
+no kernels."""
 
 from __future__ import annotations
 
@@ -64,6 +65,31 @@ def test_lookup_exact_then_nearest_width_then_default():
     # a later put is seen by lookups that were already resolved
     table.put(_key(width=3), KernelConfig(64, 8, 3))
     assert table.lookup(_key(width=3)) == KernelConfig(64, 8, 3)
+
+
+def test_lookup_borrows_across_head_counts_only_when_the_shape_has_no_entry():
+    def heads(key, num_k_heads, num_v_heads):
+        return TuneKey(**{**key.__dict__, "num_k_heads": num_k_heads, "num_v_heads": num_v_heads})
+
+    table = ConfigTable()
+    table.put(_key(width=1), KernelConfig(64, 2, 1))  # 16 key / 32 value heads (Qwen3-Next TP1)
+    table.put(_key(width=4), KernelConfig(32, 2, 1))
+    table.put(heads(_key(width=4), 16, 64), KernelConfig(64, 4, 1))  # 64 value heads (Qwen3.5 TP1), W = 4 only
+    # exact entries win; another head count borrows the nearest width of the nearest heads
+    assert table.lookup(heads(_key(width=4), 16, 64)) == KernelConfig(64, 4, 1)
+    assert table.lookup(heads(_key(width=1), 16, 64)) == KernelConfig(64, 2, 1)  # W = 1 exists only at 32 heads
+    assert table.lookup(heads(_key(width=4), 8, 16)) == KernelConfig(32, 2, 1)  # nearer to 32 value heads than 64
+    # the shape's own entries stay first at a width neither has exactly
+    assert table.lookup(_key(width=3)) == KernelConfig(32, 2, 1)
+    # replay decode never borrows a window tile, whatever the heads
+    table.put(heads(_key("replay", 4, 16, "inline"), 16, 64), KernelConfig(64, 2, 1))
+    w1 = heads(_key("replay", 1, 16, "inline"), 16, 64)
+    assert table.lookup(w1) == autotune.default_config(w1)
+    # head dims, gate width and dtypes must match
+    other_dims = TuneKey(**{**_key(width=1).__dict__, "head_k_dim": 64})
+    assert table.lookup(other_dims) == autotune.default_config(other_dims)
+    kda = TuneKey(**{**_key(width=1).__dict__, "gate_dim": 128})
+    assert table.lookup(kda) == autotune.default_config(kda)
 
 
 def test_default_on_the_interpreter_tiles_v():
