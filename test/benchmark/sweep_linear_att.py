@@ -2,6 +2,7 @@
 
     python test/benchmark/sweep_linear_att.py --out-dir lightllm/linear_att   # writes gdn/tuned, kda/tuned
     python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 --out-dir lightllm/linear_att
+    python test/benchmark/sweep_linear_att.py --state-dtype bf16 --out-dir lightllm/linear_att   # bf16-state entries
 
 Entries of an existing table that a sweep does not retime are kept.
 
@@ -39,17 +40,18 @@ REPLAY = [
 ]
 
 
-def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, projection="inline"):
-    """Time each config of one family (and replay projection) at one (shape, W, N); returns {config: µs}."""
+def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, projection="inline", state=torch.float32):
+    """Time each config of one family (and replay projection) at one (shape, W, N) and state dtype; returns
+    {config: µs}."""
     act = torch.bfloat16
     inp = bench.make_inputs(shape, N, W, act, device)
-    key_args = (device, torch.float32, act, shape.H, shape.HV, shape.K, shape.V, shape.GK, W)
+    key_args = (device, state, act, shape.H, shape.HV, shape.K, shape.V, shape.GK, W)
     if family == "serial":
         key = autotune.make_key("serial", *key_args)
-        build = lambda: bench.native_steps(shape, inp, N, W, torch.float32, device)  # noqa: E731
+        build = lambda: bench.native_steps(shape, inp, N, W, state, device)  # noqa: E731
     else:
         key = autotune.make_key("replay", *key_args, capacity, projection)
-        build = lambda: bench.replay_steps(shape, inp, N, W, capacity, torch.float32, projection, device)  # noqa: E731
+        build = lambda: bench.replay_steps(shape, inp, N, W, capacity, state, projection, device)  # noqa: E731
     out = {}
     for cfg in configs:
         try:
@@ -74,9 +76,13 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="qwen3-next-tp1,kimi-linear-tp1")
     p.add_argument("--families", default="serial,replay")
     p.add_argument("--cells", default="1x256,4x128", help="WxN pairs to time, e.g. 1x256,4x128")
+    p.add_argument(
+        "--state-dtype", default="fp32", choices=sorted(bench.DTYPES), help="state dtype the entries are for"
+    )
     p.add_argument("--configs", default=None, help="BVxWARPS candidates instead of the built-in lists, e.g. 64x2,32x1")
     args = p.parse_args(argv)
     device = torch.device("cuda")
+    state = bench.DTYPES[args.state_dtype]
     timer = bench.Timer(device, reps=max(24, 2 * args.capacity))
     tables = {"gdn": autotune.ConfigTable(), "kda": autotune.ConfigTable()}
     extra = {"gdn": {}, "kda": {}}
@@ -94,7 +100,9 @@ def main(argv=None) -> int:
                 # (tensor-core products, block solve) are different code in the window kernel, each tuned for itself
                 projections = ("inline", "precompute") if family == "replay" and W > 1 else ("inline",)
                 for projection in projections:
-                    key, res = sweep_cell(shape, W, N, family, configs, args.capacity, device, timer, print, projection)
+                    key, res = sweep_cell(
+                        shape, W, N, family, configs, args.capacity, device, timer, print, projection, state
+                    )
                     if not res:
                         continue
                     best = min(res, key=res.get)
@@ -102,7 +110,7 @@ def main(argv=None) -> int:
                     extra[shape.algo][key.to_str()] = {"us": round(res[best], 2), "rows": N}
                     if family == "replay" and W == 1:  # the same kernel under either projection name
                         pkey = autotune.make_key(
-                            "replay", device, torch.float32, torch.bfloat16, shape.H, shape.HV, shape.K, shape.V,
+                            "replay", device, state, torch.bfloat16, shape.H, shape.HV, shape.K, shape.V,
                             shape.GK, W, args.capacity, "precompute",
                         )  # fmt: skip
                         tables[shape.algo].put(pkey, best)

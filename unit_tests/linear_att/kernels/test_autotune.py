@@ -169,3 +169,25 @@ def test_replay_window_widths_never_borrow_the_decode_tile():
     table.put(make_key("serial", *args, 1), KernelConfig(64, 2, 1))
     table.put(make_key("serial", *args, 4), KernelConfig(32, 2, 1))
     assert table.lookup(make_key("serial", *args, 2)) == KernelConfig(64, 2, 1)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sweep_times_and_keys_entries_by_the_state_dtype_it_ran(state_dtype):
+    """`test/benchmark/sweep_linear_att.py` (what fills the shipped tables) times the replay window at the state dtype
+    asked for and keys the entry by it (tiny GDN shape on the interpreter; one config, one row pair)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "test", "benchmark"))
+    import bench_linear_att as bench
+    import sweep_linear_att as sweep
+
+    cpu = torch.device("cpu")
+    config = KernelConfig(8, 1, 1)
+    key, times = sweep.sweep_cell(
+        bench.TINY["tiny-gdn"], 2, 2, "replay", [config], 4, cpu, bench.Timer(cpu, reps=1), lambda _: None,
+        "inline", state_dtype,
+    )  # fmt: skip
+    assert key.state_dtype == autotune.dtype_name(state_dtype)
+    assert (key.family, key.width, key.capacity, key.projection, key.gpu) == ("replay", 2, 4, "inline", "cpu")
+    assert list(times) == [config] and times[config] > 0
