@@ -177,8 +177,10 @@ class ConfigTable:
         best, best_dist = None, None
         for k, cfg in self.entries.items():
             other = TuneKey.from_str(k)
-            free = dict(width=key.width, capacity=key.capacity, num_k_heads=key.num_k_heads)
-            if replace(other, num_v_heads=key.num_v_heads, **free) != key:
+            free = dict(
+                width=key.width, capacity=key.capacity, num_k_heads=key.num_k_heads, num_v_heads=key.num_v_heads
+            )
+            if replace(other, **free) != key:
                 continue
             if key.family == "replay" and (other.width == 1) != (key.width == 1):
                 continue  # plain decode and window verify are different replay kernels: never borrow a tile

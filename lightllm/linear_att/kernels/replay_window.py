@@ -213,8 +213,9 @@ def replay_window_kernel(
             b_krow = tl.load(k + p_q0 + s * stride_q_w + o_k, mask=m_k & act, other=0).to(tl.float32)
             b_qrow = tl.load(q + p_q0 + s * stride_q_w + o_k, mask=m_k & act, other=0).to(tl.float32)
             if BG > 1:  # per-channel decays (KDA) ride on the rows
-                b_krow = b_krow * tl.exp(b_r)
-                b_qrow = b_qrow * tl.exp(b_r)
+                b_er = tl.exp(b_r)
+                b_krow = b_krow * b_er
+                b_qrow = b_qrow * b_er
             m_s = (o_w == s)[:, None]
             b_yk = tl.where(m_s, tl.sum(b_s * b_krow[:, None], 0)[None, :], b_yk)
             b_yq = tl.where(m_s, tl.sum(b_s * b_qrow[:, None], 0)[None, :], b_yq)

@@ -3,6 +3,7 @@ no kernels."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -69,7 +70,7 @@ def test_lookup_exact_then_nearest_width_then_default():
 
 def test_lookup_borrows_across_head_counts_only_when_the_shape_has_no_entry():
     def heads(key, num_k_heads, num_v_heads):
-        return TuneKey(**{**key.__dict__, "num_k_heads": num_k_heads, "num_v_heads": num_v_heads})
+        return dataclasses.replace(key, num_k_heads=num_k_heads, num_v_heads=num_v_heads)
 
     table = ConfigTable()
     table.put(_key(width=1), KernelConfig(64, 2, 1))  # 16 key / 32 value heads (Qwen3-Next TP1)
@@ -86,9 +87,9 @@ def test_lookup_borrows_across_head_counts_only_when_the_shape_has_no_entry():
     w1 = heads(_key("replay", 1, 16, "inline"), 16, 64)
     assert table.lookup(w1) == autotune.default_config(w1)
     # head dims, gate width and dtypes must match
-    other_dims = TuneKey(**{**_key(width=1).__dict__, "head_k_dim": 64})
+    other_dims = dataclasses.replace(_key(width=1), head_k_dim=64)
     assert table.lookup(other_dims) == autotune.default_config(other_dims)
-    kda = TuneKey(**{**_key(width=1).__dict__, "gate_dim": 128})
+    kda = dataclasses.replace(_key(width=1), gate_dim=128)
     assert table.lookup(kda) == autotune.default_config(kda)
 
 
