@@ -79,6 +79,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--state-dtype", default="fp32", choices=sorted(bench.DTYPES), help="state dtype the entries are for"
     )
+    p.add_argument(
+        "--projections", default="inline,precompute", help="replay projections to time at W > 1 (inline is the default)"
+    )
     p.add_argument("--configs", default=None, help="BVxWARPS candidates instead of the built-in lists, e.g. 64x2,32x1")
     args = p.parse_args(argv)
     device = torch.device("cuda")
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
             for W, N in (tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")):
                 # plain decode has one kernel; for W > 1 "inline" (FMA reductions per token) and "precompute"
                 # (tensor-core products, block solve) are different code in the window kernel, each tuned for itself
-                projections = ("inline", "precompute") if family == "replay" and W > 1 else ("inline",)
+                projections = args.projections.split(",") if family == "replay" and W > 1 else ("inline",)
                 for projection in projections:
                     key, res = sweep_cell(
                         shape, W, N, family, configs, args.capacity, device, timer, print, projection, state
@@ -115,20 +118,31 @@ def main(argv=None) -> int:
                         )  # fmt: skip
                         tables[shape.algo].put(pkey, best)
         print(f"[{time.time() - t0:.0f} s] {name} done", flush=True)
-    for algo, table in tables.items():
+        if args.out_dir:  # after every shape, so a sweep stopped early keeps what it timed
+            save_tables(tables, extra, args.out_dir)
+    for table in tables.values():
         for key, cfg in sorted(table.entries.items()):
             print(f"{key}: {cfg}")
-        if args.out_dir and table.entries:
-            path = os.path.join(args.out_dir, algo, "tuned", "h200.json")
-            if os.path.exists(path):  # entries this sweep did not retime stay as they were
-                with open(path) as f:
-                    for k, d in json.load(f)["entries"].items():
-                        if k not in table.entries:
-                            table.entries[k] = KernelConfig.from_dict(d)
-                            extra[algo][k] = {x: d[x] for x in ("us", "rows") if x in d}
-            table.save(path, extra[algo])
-            print(f"wrote {path}")
     return 0
+
+
+def save_tables(tables, extra, out_dir) -> None:
+    """Merges the sweep's entries into `<out_dir>/<algo>/tuned/h200.json`; entries it did not retime stay."""
+    for algo, table in tables.items():
+        if not table.entries:
+            continue
+        path = os.path.join(out_dir, algo, "tuned", "h200.json")
+        merged = autotune.ConfigTable()
+        notes = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                for k, d in json.load(f)["entries"].items():
+                    merged.entries[k] = KernelConfig.from_dict(d)
+                    notes[k] = {x: d[x] for x in ("us", "rows") if x in d}
+        merged.entries.update(table.entries)
+        notes.update(extra[algo])
+        merged.save(path, notes)
+        print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,7 @@ kernels | sweep | bench | models | serving | profile) ;;
     ;;
 esac
 if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        2>/dev/null || exit 1
+    bash test/gpu/install_wheels.sh || exit 1
     export PYTHONPATH="$PWD:/tmp/site"
 else
     export PYTHONPATH="$PWD"

@@ -192,3 +192,31 @@ def test_sweep_times_and_keys_entries_by_the_state_dtype_it_ran(state_dtype):
     assert key.state_dtype == autotune.dtype_name(state_dtype)
     assert (key.family, key.width, key.capacity, key.projection, key.gpu) == ("replay", 2, 4, "inline", "cpu")
     assert list(times) == [config] and times[config] > 0
+
+
+def test_sweep_saves_merge_into_the_existing_table(tmp_path):
+    """A sweep saves after every shape: a retimed entry replaces the old one, every other entry (and its note)
+    stays, and saving the same sweep again changes nothing."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "test", "benchmark"))
+    import sweep_linear_att as sweep
+
+    args = ("cpu", torch.float32, torch.bfloat16, 16, 32, 128, 128, 1)
+    kept, retimed = make_key("serial", *args, 1), make_key("replay", *args, 4, 16, "inline")
+    old = ConfigTable()
+    old.put(kept, KernelConfig(32, 4, 1))
+    old.put(retimed, KernelConfig(32, 2, 1))
+    old.save(tmp_path / "gdn" / "tuned" / "h200.json", {kept.to_str(): {"us": 12.5, "rows": 256}})
+    new = {"gdn": ConfigTable(), "kda": ConfigTable()}
+    new["gdn"].put(retimed, KernelConfig(64, 2, 1))
+    notes = {"gdn": {retimed.to_str(): {"us": 7.25, "rows": 128}}, "kda": {}}
+    for _ in range(2):
+        sweep.save_tables(new, notes, str(tmp_path))
+        saved = ConfigTable.load(tmp_path / "gdn" / "tuned" / "h200.json")
+        assert saved.get(kept) == KernelConfig(32, 4, 1) and saved.get(retimed) == KernelConfig(64, 2, 1)
+    raw = json.loads((tmp_path / "gdn" / "tuned" / "h200.json").read_text())["entries"]
+    assert raw[kept.to_str()]["us"] == 12.5 and raw[retimed.to_str()]["us"] == 7.25
+    assert not (tmp_path / "kda").exists()  # nothing timed for KDA: no table written
