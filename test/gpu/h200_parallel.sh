@@ -6,8 +6,9 @@
 #
 # Afterwards $OUT holds what a single stage would return, once for all of them: logs.tgz (every stage's logs,
 # named gpuI-J-STAGE/...), the tuned tables of the last sweep (gdn/h200.json, kda/h200.json) and the Triton cache
-# that all stages shared (triton.tgz or its parts). Stages on different GPUs time independent devices; they share
-# the host's CPU cores, which the benchmarks barely use (their steps replay CUDA graphs).
+# that all stages shared (parts triton.tgz.part-NN, when under 60 MiB; the stages themselves skip saving it).
+# Stages on different GPUs time independent devices; they share the host's CPU cores, which the benchmarks barely
+# use (their steps replay CUDA graphs).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ $# -eq 0 ]; then
@@ -31,7 +32,7 @@ run_list() {  # GPU index, "stage args; stage args; ..."
         read -ra words <<<"$stage"
         local dir="$WORK/gpu$gpu-$j-${words[0]}"
         mkdir -p "$dir"
-        CUDA_VISIBLE_DEVICES=$gpu OUT="$dir" bash test/gpu/h200_stages.sh "${words[@]}" 2>&1 |
+        CUDA_VISIBLE_DEVICES=$gpu OUT="$dir" SKIP_CACHE_SAVE=1 bash test/gpu/h200_stages.sh "${words[@]}" 2>&1 |
             sed -u "s/^/[gpu$gpu ${words[0]}] /"
         j=$((j + 1))
     done
@@ -51,7 +52,12 @@ for algo in gdn kda; do
         mkdir -p "$OUT_DIR/$algo" && cp "$table" "$OUT_DIR/$algo/"
     fi
 done
-latest=$(ls -td "$WORK"/*/ | head -1)
-cp "$latest"/triton.tgz* "$OUT_DIR/" 2>/dev/null
+# the cache in 15 MiB parts, up to four (what may come back beside the logs and tables)
 find "$WORK" -name 'triton.tgz*' -delete
+tar -czf /tmp/triton.tgz -C .cache/gpu/triton . &&
+    if [ "$(stat -c %s /tmp/triton.tgz)" -le $((60 * 1024 * 1024)) ]; then
+        split -b 15M -d /tmp/triton.tgz "$OUT_DIR/triton.tgz.part-"
+    else
+        echo "Triton cache $(du -h /tmp/triton.tgz | cut -f1) is over 60 MiB: not returned"
+    fi
 tar -czf "$OUT_DIR/logs.tgz" -C "$WORK" .

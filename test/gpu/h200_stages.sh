@@ -47,6 +47,7 @@ if ls .cache/gpu/triton.tgz* >/dev/null 2>&1; then
 fi
 
 save_cache() {
+    [ -n "${SKIP_CACHE_SAVE:-}" ] && return  # h200_parallel.sh saves the shared cache once, after all stages
     tar -czf /tmp/triton.tgz -C "$TRITON_CACHE_DIR" . || return
     if [ "$(stat -c %s /tmp/triton.tgz)" -le $((15 * 1024 * 1024)) ]; then
         cp /tmp/triton.tgz "$OUT_DIR/triton.tgz"

@@ -203,23 +203,33 @@ def replay_window_kernel(
         b_gh = tl.where(fold, 0.0, b_gh)
         b_yk = tl.zeros([BW, BV], dtype=tl.float32)
         b_yq = tl.zeros([BW, BV], dtype=tl.float32)
-        b_rw = tl.zeros([BW, BG], dtype=tl.float32)
-        b_r = tl.zeros([BG], dtype=tl.float32)
+        if BG == 1:
+            # GDN: the window's gates as one block (one activation per row, not one per thread and token); the
+            # decays scale the results after the loop
+            m_wg = m_w[:, None] & m_g[None, :]
+            b_gw = tl.load(graw + p_g0 + o_w[:, None] * stride_g_w + o_g[None, :], mask=m_wg, other=0)
+            b_gw = gate_activation(b_gw.to(tl.float32), b_a_log, b_dt_bias[None, :], lower_bound, USE_LOWER_BOUND)
+            b_rw = cumsum_rows(tl.where(m_wg, b_gw, 0.0))  # [BW, 1] r_s
+        else:
+            # KDA: per-channel gates token by token in the rows' layout (a block here would cost a layout change
+            # of each row's decays: more instructions, `sass_mix_linear_att.py`)
+            b_rw = tl.zeros([BW, BG], dtype=tl.float32)
+            b_r = tl.zeros([BG], dtype=tl.float32)
         for s in tl.static_range(WMAX):
             act = live & (s < width)
-            b_g = tl.load(graw + p_g0 + s * stride_g_w + o_g, mask=m_g, other=0).to(tl.float32)
-            b_g = gate_activation(b_g, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND)
-            b_r += tl.where(act & m_g, b_g, 0.0)
             b_krow = tl.load(k + p_q0 + s * stride_q_w + o_k, mask=m_k & act, other=0).to(tl.float32)
             b_qrow = tl.load(q + p_q0 + s * stride_q_w + o_k, mask=m_k & act, other=0).to(tl.float32)
+            m_s = (o_w == s)[:, None]
             if BG > 1:  # per-channel decays (KDA) ride on the rows
+                b_g = tl.load(graw + p_g0 + s * stride_g_w + o_g, mask=m_g, other=0).to(tl.float32)
+                b_g = gate_activation(b_g, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND)
+                b_r += tl.where(act & m_g, b_g, 0.0)
+                b_rw = tl.where(m_s, b_r[None, :], b_rw)
                 b_er = tl.exp(b_r)
                 b_krow = b_krow * b_er
                 b_qrow = b_qrow * b_er
-            m_s = (o_w == s)[:, None]
             b_yk = tl.where(m_s, tl.sum(b_s * b_krow[:, None], 0)[None, :], b_yk)
             b_yq = tl.where(m_s, tl.sum(b_s * b_qrow[:, None], 0)[None, :], b_yq)
-            b_rw = tl.where(m_s, b_r[None, :], b_rw)
         b_qw = b_qw * b_nq[:, None]
         b_kw = b_kw * b_nk[:, None]
         if BG > 1:
