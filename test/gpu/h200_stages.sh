@@ -9,6 +9,8 @@
 #   bash test/gpu/h200_stages.sh profile    # Nsight Compute on each decode / verify kernel (test/benchmark/profile_replay_ncu.py)
 #   bash test/gpu/h200_stages.sh STAGE 420  # stop the stage's programs after 420 s (default 540), then save the cache
 #   bash test/gpu/h200_stages.sh bench 540 --state-dtypes bf16   # sweep / bench: later arguments go to the script
+#   bash test/gpu/h200_stages.sh serving 300 --skip-tiny --real-width   # models / serving: one run with these
+#   bash test/gpu/h200_stages.sh kernels 300 test/gpu/test_linear_att_gpu.py::test_cuda_graph_replay_equals_eager_over_fold_cycles
 #
 # Extra packages come as wheels in .whl (see README.md here); outputs and tables are copied to $OUT when it is set,
 # so a stage's files come back even when it is cut short. Every stage prints as it goes.
@@ -66,8 +68,10 @@ tables_out() {
 }
 
 case "${1:-}" in
-kernels)
-    py -m pytest -q -p no:cacheprovider test/gpu/test_linear_att_gpu.py test/gpu/test_paged_attention_gpu.py 2>&1 |
+kernels)  # later arguments: the tests to run instead of both suites (pytest node ids)
+    tests=("${@:3}")
+    [ ${#tests[@]} -eq 0 ] && tests=(test/gpu/test_linear_att_gpu.py test/gpu/test_paged_attention_gpu.py)
+    py -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 |
         grep --line-buffered -v "Warning\|warn(" | tee "$OUT_DIR/kernels.log"
     ;;
 sweep)
@@ -81,12 +85,22 @@ bench)
     py test/benchmark/replay_phases.py --ns 128 --ws 1,4 2>&1 | tee "$OUT_DIR/phases.log"
     ;;
 models)
+    if [ $# -gt 2 ]; then  # later arguments: one check_models_gpu.py run with them instead of the two below
+        py test/gpu/check_models_gpu.py "${@:3}" 2>&1 | tee "$OUT_DIR/models.log" |
+            grep --line-buffered -E "True|False|ok,|failed|Error|=="
+        exit
+    fi
     py test/gpu/check_models_gpu.py --skip-real-width --archs kimi_linear --dtypes float32 2>&1 |
         tee "$OUT_DIR/models_kimi.log" | grep --line-buffered -E "True|False|ok,|failed|Error"
     py test/gpu/check_models_gpu.py --dtypes bfloat16 2>&1 |
         tee "$OUT_DIR/models_bf16.log" | grep --line-buffered -E "True|False|ok,|failed|Error|=="
     ;;
 serving)
+    if [ $# -gt 2 ]; then  # later arguments: one smoke_serving_gpu.py run with them instead of the two below
+        py test/gpu/smoke_serving_gpu.py "${@:3}" 2>&1 | tee "$OUT_DIR/serving.log" |
+            grep --line-buffered -E "^\||HTTP|failures|Error"
+        exit
+    fi
     py test/gpu/smoke_serving_gpu.py --archs kimi_linear --skip-http 2>&1 |
         tee "$OUT_DIR/serving_kimi.log" | grep --line-buffered -E "^\||failures|Error"
     py test/gpu/smoke_serving_gpu.py --skip-tiny --real-width 2>&1 |
