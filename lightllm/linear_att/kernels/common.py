@@ -126,24 +126,34 @@ def project_token(b_s, b_hu, b_hkw, b_x, b_eG, b_er):
 
 
 @triton.jit
+def _load_record(p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, j, h, o_k, m_k, o_g, m_g, o_v, m_v):
+    """Record j of a history buffer: (k_hat_j `[BK]`, G_j `[BG]`, u_j `[BV]`), zeros when j >= h."""
+    b_k = tl.load(p_hk + j * stride_l + o_k, mask=m_k & (j < h), other=0)
+    b_g = tl.load(p_hg + j * stride_gl + o_g, mask=m_g & (j < h), other=0)
+    b_u = tl.load(p_hu + j * stride_ul + o_v, mask=m_v & (j < h), other=0)
+    return b_k, b_g, b_u
+
+
+@triton.jit
 def fold_tile_from_records(
     b_s, b_gh, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, o_k, m_k, o_g, m_g, o_v, m_v
 ):
     """S_h = diag(e^{G_h}) S_0 + sum_j (e^{G_h - G_j} k_hat_j) u_j^T on one `[BK, BV]` fp32 tile, streaming the `h`
-    records one by one (fp32 FMAs, no registers beyond the tile and one prefetched record). `p_hk / p_hg / p_hu`
+    records in order (fp32 FMAs, no registers beyond the tile and two prefetched records). `p_hk / p_hg / p_hu`
     point at record 0 of one buffer (key head / value head / value head); `b_gh [BG]` is G_h."""
     b_s = b_s * tl.exp(b_gh)[:, None]
-    # record j + 1 is loaded while record j is added, so the loop waits on one load latency, not h of them
-    b_kj = tl.load(p_hk + o_k, mask=m_k & (h > 0), other=0)
-    b_gj = tl.load(p_hg + o_g, mask=m_g & (h > 0), other=0)
-    b_uj = tl.load(p_hu + o_v, mask=m_v & (h > 0), other=0)
-    for j in range(0, h):
-        more = j + 1 < h
-        b_kn = tl.load(p_hk + (j + 1) * stride_l + o_k, mask=m_k & more, other=0)
-        b_gn = tl.load(p_hg + (j + 1) * stride_gl + o_g, mask=m_g & more, other=0)
-        b_un = tl.load(p_hu + (j + 1) * stride_ul + o_v, mask=m_v & more, other=0)
-        b_s += (b_kj * tl.exp(b_gh - b_gj))[:, None] * b_uj[None, :]
-        b_kj, b_gj, b_uj = b_kn, b_gn, b_un
+    # two records per loop step: one loop overhead per pair, and the next pair loads while this one is added (per
+    # record ~228 -> ~177 instructions per warp; H200: 8.9 -> 6.8 us per record, GDN W = 4, N = 128). A missing
+    # second record (odd h) loads as zeros and adds exactly 0, so the sum is the same one-by-one sum.
+    rec = (p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul)
+    b_ka, b_ga, b_ua = _load_record(*rec, 0, h, o_k, m_k, o_g, m_g, o_v, m_v)
+    b_kb, b_gb, b_ub = _load_record(*rec, 1, h, o_k, m_k, o_g, m_g, o_v, m_v)
+    for j in range(0, h, 2):
+        b_kc, b_gc, b_uc = _load_record(*rec, j + 2, h, o_k, m_k, o_g, m_g, o_v, m_v)
+        b_kd, b_gd, b_ud = _load_record(*rec, j + 3, h, o_k, m_k, o_g, m_g, o_v, m_v)
+        b_s += (b_ka * tl.exp(b_gh - b_ga))[:, None] * b_ua[None, :]
+        b_s += (b_kb * tl.exp(b_gh - b_gb))[:, None] * b_ub[None, :]
+        b_ka, b_ga, b_ua, b_kb, b_gb, b_ub = b_kc, b_gc, b_uc, b_kd, b_gd, b_ud
     return b_s
 
 

@@ -36,7 +36,8 @@ def test_every_state_kernel_lowers_to_sm90():
 def test_sass_mix_attributes_instructions_to_source_lines():
     """`test/benchmark/sass_mix_linear_att.py` (the CPU-side estimate of a kernel change) counts the right things: in
     the replay decode at BV = 64 x 2 warps each thread holds 128 x 64 / 64 = 128 tile elements, so the fold's
-    rank-1 update is exactly 128 FFMA on its source line, and the two S0 contractions at least 2 x 128 FFMA."""
+    rank-1 updates (two records per loop step) are exactly 128 FFMA each on their source lines, and the two S0
+    contractions at least 2 x 128 FFMA."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     tool = os.path.join(ROOT, "test", "benchmark", "sass_mix_linear_att.py")
@@ -49,5 +50,5 @@ def test_sass_mix_attributes_instructions_to_source_lines():
     cells = dict(zip([c.strip() for c in header.split("|")[1:-1]], [c.strip() for c in row.split("|")[1:-1]]))
     assert 64 < int(cells["registers"]) <= 255 and int(cells["instructions"]) > 1000, row
     assert int(cells["FFMA"]) >= 2 * 128, row
-    fold_update = [line for line in lines if "b_s += (b_kj" in line]
-    assert len(fold_update) == 1 and "FFMA 128 " in fold_update[0], "\n".join(lines)
+    fold_updates = [line for line in lines if "b_s += (b_k" in line]
+    assert len(fold_updates) == 2 and all("FFMA 128 " in line for line in fold_updates), "\n".join(lines)
