@@ -29,24 +29,16 @@ import bench_linear_att as bench  # noqa: E402
 from lightllm.linear_att import autotune  # noqa: E402
 from lightllm.linear_att.autotune import KernelConfig  # noqa: E402
 
-# 128 x 4 warps: the same 128 tile elements per thread as 64 x 2, one program per head instead of two (static
-# count per head: -13% decode GDN, -20% decode KDA, -12% KDA window; `sass_mix_linear_att.py`)
-SERIAL = [
-    KernelConfig(64, 2, 1),
-    KernelConfig(32, 4, 1),
-    KernelConfig(32, 2, 1),
-    KernelConfig(64, 4, 1),
-    KernelConfig(128, 4, 1),
-]
-REPLAY = [
-    KernelConfig(32, 4, 1),
-    KernelConfig(64, 8, 1),
-    KernelConfig(64, 2, 1),
-    KernelConfig(32, 2, 1),
-    KernelConfig(64, 4, 1),
-    KernelConfig(128, 8, 1),
-    KernelConfig(128, 4, 1),
-]
+
+def parse_configs(text: str) -> list[KernelConfig]:
+    """ "64x2,32x4" -> BV x num_warps launch configs (one stage)."""
+    return [KernelConfig(*(int(x) for x in c.split("x")), 1) for c in text.split(",")]
+
+
+# 128 x 4 warps: the same 128 tile elements per thread as 64 x 2, one program per head instead of two (fewer static
+# instructions per head, but slower in every H200 sweep: fewer resident blocks)
+SERIAL = parse_configs("64x2,32x4,32x2,64x4,128x4")
+REPLAY = parse_configs("32x4,64x8,64x2,32x2,64x4,128x8,128x4")
 
 
 def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, projection="inline", state=torch.float32):
@@ -103,7 +95,7 @@ def main(argv=None) -> int:
         shape = bench.SHAPES[name]
         families = {"serial": SERIAL, "replay": REPLAY}
         if args.configs:
-            custom = [KernelConfig(*(int(x) for x in c.split("x")), 1) for c in args.configs.split(",")]
+            custom = parse_configs(args.configs)
             families = {name: custom for name in families}
         for family in args.families.split(","):
             configs = families[family]

@@ -56,6 +56,17 @@ from lightllm.linear_att.kernels.common import (
 )
 
 
+@triton.jit
+def window_gate_sums(p_g, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lower_bound,
+                     USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+    """The window's cumulative log decays `r_s = g_1 + ... + g_s` as one `[BW, BG]` block (rows past the width
+    zero): one gate activation per row and channel. `p_g` points at the row's first token's raw gates."""
+    m_wg = m_w[:, None] & m_g[None, :]
+    b_gw = tl.load(p_g + o_w[:, None] * stride_g_w + o_g[None, :], mask=m_wg, other=0).to(tl.float32)
+    b_gw = gate_activation(b_gw, b_a_log, b_dt_bias[None, :], lower_bound, USE_LOWER_BOUND)
+    return cumsum_rows(tl.where(m_wg, b_gw, 0.0))
+
+
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
 @triton.jit
 def replay_window_kernel(
@@ -171,10 +182,8 @@ def replay_window_kernel(
             fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h,
             par, o_k, m_k, o_g, m_g, o_v, m_v,
         )  # fmt: skip
-        m_wg = m_w[:, None] & m_g[None, :]
-        b_gw = tl.load(graw + p_g0 + o_w[:, None] * stride_g_w + o_g[None, :], mask=m_wg, other=0).to(tl.float32)
-        b_gw = gate_activation(b_gw, b_a_log, b_dt_bias[None, :], lower_bound, USE_LOWER_BOUND)
-        b_rw = cumsum_rows(tl.where(m_wg, b_gw, 0.0))  # [BW, BG] r_s
+        b_rw = window_gate_sums(graw + p_g0, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lower_bound,
+                                USE_LOWER_BOUND)  # fmt: skip
         b_qw = b_qw * b_nq[:, None]
         b_kw = b_kw * b_nk[:, None]
         # a_s(x) = e^{r_s} x, keys and queries stacked into one [2 BW, K] operand
@@ -206,10 +215,8 @@ def replay_window_kernel(
         if BG == 1:
             # GDN: the window's gates as one block (one activation per row, not one per thread and token); the
             # decays scale the results after the loop
-            m_wg = m_w[:, None] & m_g[None, :]
-            b_gw = tl.load(graw + p_g0 + o_w[:, None] * stride_g_w + o_g[None, :], mask=m_wg, other=0)
-            b_gw = gate_activation(b_gw.to(tl.float32), b_a_log, b_dt_bias[None, :], lower_bound, USE_LOWER_BOUND)
-            b_rw = cumsum_rows(tl.where(m_wg, b_gw, 0.0))  # [BW, 1] r_s
+            b_rw = window_gate_sums(graw + p_g0, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lower_bound,
+                                    USE_LOWER_BOUND)  # fmt: skip
         else:
             # KDA: per-channel gates token by token in the rows' layout (a block here would cost a layout change
             # of each row's decays: more instructions, `sass_mix_linear_att.py`)
