@@ -15,7 +15,7 @@ from lightllm.server.args import ServerArgs
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.http.metrics import Metrics
 from lightllm.server.http.openai_api import error_response, router
-from lightllm.server.http.serving import ApiError, Frontend
+from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend
 from lightllm.server.launcher import EngineHandle
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.tokenizer import Tokenizer
@@ -65,6 +65,11 @@ def create_app(args: ServerArgs, info: ModelInfo, tokenizer: Tokenizer, engine: 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         return error_response(exc)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        # nginx's "client closed request": nobody reads it, but the access log shows what happened
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest
-from lightllm.server.http.serving import ApiError, Frontend, Sequence
+from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend, Sequence
 from lightllm.server.output import Delta
 
 router = APIRouter()
@@ -63,6 +63,15 @@ def _completion_logprobs(fe: Frontend, delta_ids: list[int], entries, offset: in
         "top_logprobs": [{fe.tokenizer.token_text(a): alp for a, alp in top} for _, top in entries],
         "text_offset": offsets,
     }
+
+
+async def _until_disconnect(stream: AsyncIterator[tuple[Sequence, Delta]]) -> AsyncIterator[tuple[Sequence, Delta]]:
+    """The stream's items; ends quietly when the client disconnects (nobody is left to send an error to)."""
+    try:
+        async for item in stream:
+            yield item
+    except ClientDisconnected:
+        return
 
 
 async def _collect(stream: AsyncIterator[tuple[Sequence, Delta]]) -> list[Sequence]:
@@ -125,7 +134,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 }
             )
         num_tokens = 0
-        async for seq, delta in stream:
+        async for seq, delta in _until_disconnect(stream):
             num_tokens += len(delta.token_ids)
             if not delta.text and not delta.finish_reason and not delta.logprobs:
                 continue
@@ -193,7 +202,7 @@ async def completions(body: CompletionRequest, request: Request):
                 yield _sse({**head, "choices": [{"index": i, "text": texts[i // params.n], "finish_reason": None}]})
         num_tokens = 0
         offsets: dict[int, int] = {}
-        async for seq, delta in stream:
+        async for seq, delta in _until_disconnect(stream):
             num_tokens += len(delta.token_ids)
             if not delta.text and not delta.finish_reason and not delta.logprobs:
                 continue

@@ -4,7 +4,6 @@ per-sequence deltas, aborts on stop strings and client disconnects."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +19,14 @@ from lightllm.server.model_info import ModelInfo
 from lightllm.server.output import Delta, SequenceOutput, prompt_problem
 from lightllm.server.tokenizer import Tokenizer
 
-DISCONNECT_POLL_S = 0.25
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was complete; its sequences have been aborted."""
+
+
+# put on a request's queue by its disconnect watcher
+_DISCONNECTED = object()
 
 
 class ApiError(Exception):
@@ -77,8 +83,7 @@ class Frontend:
         seqs: dict[str, Sequence] = {}
         # submitted and not finished; everything left here at exit is aborted
         pending: set[str] = set()
-        # time of the last disconnect check (a list so _next can update it)
-        checked = [time.monotonic()]
+        watcher = None if request is None else asyncio.create_task(_watch_disconnect(request, queue))
         try:
             for p, ids in enumerate(prompts):
                 for j in range(params.n):
@@ -93,7 +98,9 @@ class Frontend:
                         NewRequest(seq.req_id, ids, sub, list(self.tokenizer.eos_token_ids)), queue
                     )
             while pending:
-                msg = await self._next(queue, request, checked)
+                msg = await queue.get()
+                if msg is _DISCONNECTED:
+                    raise ClientDisconnected()
                 seq = seqs[msg.req_id]
                 out = seq.output
                 delta = out.on_tokens(msg) if isinstance(msg, TokenChunk) else out.on_finished(msg)
@@ -105,6 +112,8 @@ class Frontend:
                     self.metrics.count_finished(out.finish_reason)
                 yield seq, delta
         finally:
+            if watcher is not None:
+                watcher.cancel()
             # the client went away (or the handler failed): every unfinished sequence gives its slot back
             # no await here: a cancelled handler may be cancelled again at any await, skipping the rest
             for req_id in pending:
@@ -112,14 +121,11 @@ class Frontend:
                 self.client.release(req_id)
                 self.metrics.count_finished("abort")
 
-    async def _next(self, queue: asyncio.Queue, request, checked: list[float]):
-        """Next engine message; every DISCONNECT_POLL_S (busy or idle) checks whether the client is still there."""
-        while True:
-            if request is not None and time.monotonic() - checked[0] > DISCONNECT_POLL_S:
-                checked[0] = time.monotonic()
-                if await request.is_disconnected():
-                    raise asyncio.CancelledError("client disconnected")
-            try:
-                return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                continue
+
+async def _watch_disconnect(request, queue: asyncio.Queue) -> None:
+    """Wake the request's consumer when the client disconnects. A blocking receive sees the disconnect however
+    the ASGI stack wraps `receive` (a zero-timeout poll can miss it); the body was read before the handler ran,
+    so nothing else is waiting for these messages."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait(_DISCONNECTED)
