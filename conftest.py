@@ -17,6 +17,19 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def triton_bounds_checked():
+    """Under the interpreter every Triton launch of every test checks that its loads and stores stay inside the
+    launch's tensors (`unit_tests/helpers/bounds_check.py`): the CPU catches what the GPU's allocator hides."""
+    if HAS_CUDA:
+        yield
+        return
+    from unit_tests.helpers.bounds_check import bounds_checked
+
+    with bounds_checked():
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

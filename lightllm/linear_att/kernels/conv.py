@@ -120,9 +120,10 @@ def causal_conv_decode_triton(
 
 
 @triton.jit
-def _tap_source_strided(p_x, p_hist, pos, stride_x_t, m_c, has_init):
-    """Input at row positions `pos` (`[BT]`; negative = history column `Kc - 1 + pos`) as `[BT, BC]` fp32."""
-    m_x = (pos >= 0)[:, None] & m_c[None, :]
+def _tap_source_strided(p_x, p_hist, pos, length, stride_x_t, m_c, has_init):
+    """Input at row positions `pos` (`[BT]`; negative = history column `Kc - 1 + pos`) as `[BT, BC]` fp32;
+    positions at or past the row's `length` read nothing (they would be the next row, or past the end of x)."""
+    m_x = ((pos >= 0) & (pos < length))[:, None] & m_c[None, :]
     b_x = tl.load(p_x + tl.maximum(pos, 0)[:, None] * stride_x_t, mask=m_x, other=0).to(tl.float32)
     m_h = (pos < 0)[:, None] & m_c[None, :] & has_init
     b_h = tl.load(p_hist + tl.minimum(pos, -1)[:, None], mask=m_h, other=0).to(tl.float32)
@@ -174,7 +175,7 @@ def causal_conv_prefill_kernel(
         b_acc = tl.zeros([BT, BC], dtype=tl.float32) + b_bias[None, :]
         for j in tl.static_range(KC):
             pos = o_tok - HL + j
-            b_src = _tap_source_strided(p_x, p_hist, pos, stride_x_t, m_c, has_init)
+            b_src = _tap_source_strided(p_x, p_hist, pos, length, stride_x_t, m_c, has_init)
             b_w = tl.load(weight + o_c * KC + j, mask=m_c, other=0).to(tl.float32)
             b_acc += b_src * b_w[None, :]
         p_y = y + (bos + o_tok)[:, None] * stride_y_t + o_c[None, :]
@@ -182,7 +183,7 @@ def causal_conv_prefill_kernel(
 
     # the last Kc - 1 inputs of [history | x] go back to the same columns (read all of them before writing)
     o_j = tl.arange(0, BH)
-    b_tail = _tap_source_strided(p_x, p_hist, length - HL + o_j, stride_x_t, m_c, has_init)  # [BH, BC]
+    b_tail = _tap_source_strided(p_x, p_hist, length - HL + o_j, length, stride_x_t, m_c, has_init)  # [BH, BC]
     tl.debug_barrier()
     p_out = conv + slot * stride_conv_s + o_c[None, :] * stride_conv_c + off + o_j[:, None]
     tl.store(p_out, b_tail.to(conv.dtype.element_ty), mask=(o_j < HL)[:, None] & m_c[None, :] & (length > 0))

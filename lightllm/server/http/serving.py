@@ -20,7 +20,6 @@ from lightllm.server.output import Delta, SequenceOutput, prompt_problem
 from lightllm.server.tokenizer import Tokenizer
 
 
-
 class ClientDisconnected(Exception):
     """The HTTP client went away before its response was complete; its sequences have been aborted."""
 
