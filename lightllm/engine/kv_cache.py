@@ -6,11 +6,14 @@ not contiguous and a future prefix cache can point several rows at the same slot
 slot: padding rows write there and nothing reads it.
 
 Allocation is a LIFO free stack on the host: a fresh cache hands out 0, 1, 2, ... in order, and released slots
-are handed out again in the order they were released (the tests rely on exact ids).
+are handed out again in the order they were released (the tests rely on exact ids). The host keeps a numpy mirror
+of the table and of each row's length, so a step extends or truncates every row of the batch with a few array
+operations and one device update, whatever the batch size.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -20,25 +23,33 @@ class TokenAllocator:
     def __init__(self, capacity: int):
         self.capacity = capacity
         # stack top is the end; reversed so the first pops are 0, 1, 2, ...
-        self._stack = torch.arange(capacity - 1, -1, -1, dtype=torch.int64)
+        self._stack = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self._num_free = capacity
 
     def num_free(self) -> int:
         return self._num_free
 
-    def alloc(self, n: int) -> torch.Tensor:
+    def alloc(self, n: int) -> np.ndarray:
         """`n` slot ids (int64, host); raises RuntimeError when fewer are free."""
         if n > self._num_free:
             raise RuntimeError(f"KV cache full: need {n} token slots, {self._num_free} free")
-        out = self._stack[self._num_free - n : self._num_free].flip(0).clone()
+        out = self._stack[self._num_free - n : self._num_free][::-1].copy()
         self._num_free -= n
         return out
 
-    def free(self, slots: torch.Tensor) -> None:
-        n = slots.numel()
+    def free(self, slots: np.ndarray | torch.Tensor) -> None:
+        slots = np.asarray(slots.cpu() if isinstance(slots, torch.Tensor) else slots, dtype=np.int64).reshape(-1)
+        n = slots.size
         assert self._num_free + n <= self.capacity, "double free of KV slots"
-        self._stack[self._num_free : self._num_free + n] = slots.reshape(-1).cpu().flip(0)
+        self._stack[self._num_free : self._num_free + n] = slots[::-1]
         self._num_free += n
+
+
+def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenation of `arange(starts[i], starts[i] + counts[i])` over i."""
+    total = int(counts.sum())
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + np.arange(total, dtype=np.int64) - first
 
 
 class KVCache:
@@ -64,8 +75,10 @@ class KVCache:
         ]
         self.allocator = TokenAllocator(capacity)
         self.req_to_slot = torch.full((max_requests, max_req_len), capacity, dtype=torch.int64, device=self.device)
-        # host mirror of the table: the slots of each live row, in sequence order
-        self._rows: dict[int, torch.Tensor] = {}
+        # host mirror of the table and the length of each row
+        self.table_cpu = np.full((max_requests, max_req_len), capacity, dtype=np.int64)
+        self.lengths_cpu = np.zeros(max_requests, dtype=np.int64)
+        self._live = np.zeros(max_requests, dtype=bool)
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
     def bytes_per_token(self) -> int:
@@ -81,39 +94,66 @@ class KVCache:
         if not self._free_rows:
             raise RuntimeError("no free KV request row")
         row = self._free_rows.pop()
-        self._rows[row] = torch.empty(0, dtype=torch.int64)
+        self._live[row] = True
         return row
 
     def free_row(self, row: int) -> None:
         self.truncate(row, 0)
-        del self._rows[row]
+        self._live[row] = False
         self._free_rows.append(row)
 
     def length(self, row: int) -> int:
-        return self._rows[row].numel()
+        return int(self.lengths_cpu[row])
 
     def slots(self, row: int) -> torch.Tensor:
-        """Host int64 slot ids of the row's tokens in sequence order."""
-        return self._rows[row]
+        """Host int64 slot ids of the row's tokens in sequence order (a view of the host table)."""
+        return torch.from_numpy(self.table_cpu[row, : self.lengths_cpu[row]])
 
     def extend(self, row: int, n: int) -> torch.Tensor:
         """Allocate `n` slots for the row's next tokens; returns them (host int64)."""
-        old = self._rows[row]
-        if old.numel() + n > self.max_req_len:
+        return torch.from_numpy(self.extend_many(np.array([row]), np.array([n])))
+
+    def extend_many(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Allocate `counts[i]` slots after the current end of each row `rows[i]` (distinct rows); returns the new
+        slots in row order (host int64). Nothing changes when the cache or a row would overflow."""
+        rows, counts = np.asarray(rows, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+        assert self._live[rows].all(), "extend of a row that is not allocated"
+        too_long = self.lengths_cpu[rows] + counts > self.max_req_len
+        if too_long.any():
             raise RuntimeError(f"request longer than max_req_len={self.max_req_len}")
-        new = self.allocator.alloc(n)
-        self._rows[row] = torch.cat([old, new])
-        self.req_to_slot[row, old.numel() : old.numel() + n] = new.to(self.device)
+        new = self.allocator.alloc(int(counts.sum()))
+        row_of = np.repeat(rows, counts)
+        cols = ragged_arange(self.lengths_cpu[rows], counts)
+        self.table_cpu[row_of, cols] = new
+        self.lengths_cpu[rows] += counts
+        self._sync_device(row_of, cols, new)
         return new
 
     def truncate(self, row: int, length: int) -> None:
         """Release the row's slots past `length` (rejected drafts, finished requests)."""
-        old = self._rows[row]
-        if length >= old.numel():
+        self.truncate_many(np.array([row]), np.array([length]))
+
+    def truncate_many(self, rows: np.ndarray, lengths: np.ndarray) -> None:
+        """Release each row's slots past `lengths[i]` (a row already that short is left as it is)."""
+        rows, lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        old = self.lengths_cpu[rows]
+        keep = np.minimum(lengths, old)
+        counts = old - keep
+        if not counts.any():
             return
-        self.allocator.free(old[length:])
-        self.req_to_slot[row, length : old.numel()] = self.hold_slot
-        self._rows[row] = old[:length]
+        row_of = np.repeat(rows, counts)
+        cols = ragged_arange(keep, counts)
+        self.allocator.free(self.table_cpu[row_of, cols])
+        self.table_cpu[row_of, cols] = self.hold_slot
+        self.lengths_cpu[rows] = keep
+        self._sync_device(row_of, cols, np.full(row_of.size, self.hold_slot, dtype=np.int64))
+
+    def _sync_device(self, row_of: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
+        if row_of.size == 0:
+            return
+        # one host-to-device copy of (row, column, value) triples, one scatter
+        packed = torch.from_numpy(np.stack([row_of, cols, values])).to(self.device, non_blocking=True)
+        self.req_to_slot[packed[0], packed[1]] = packed[2]
 
     def write(self, layer: int, slots: torch.Tensor, *values: torch.Tensor) -> None:
         """Store one layer's per-token components (same order as `token_shapes`) at `slots`."""

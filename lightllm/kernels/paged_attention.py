@@ -27,13 +27,15 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 
+@triton.heuristics({"HAS_TABLE_ROWS": lambda args: args["table_rows"] is not None})
 @triton.jit
 def paged_attention_kernel(
     q,  # [T, H, DK]
     k_pool,  # [S, HK, DK]
     v_pool,  # [S, HK, DV]
     o,  # [T, H, DV]
-    slot_table,  # [R, L] pool slot of each context position
+    slot_table,  # [R', L] pool slot of each context position
+    table_rows,  # [R] row of slot_table holding row r's slots (None: row r itself)
     query_start,  # [R] first flat token of the row
     query_len,  # [R] new tokens of the row
     num_cached,  # [R] cached prefix length of the row
@@ -56,6 +58,7 @@ def paged_attention_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_TABLE_ROWS: tl.constexpr,
 ):
     i_m, i_r, i_kh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_r64 = i_r.to(tl.int64)
@@ -85,7 +88,11 @@ def paged_attention_kernel(
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BV], dtype=tl.float32)
-    p_table = slot_table + i_r64 * stride_table_r
+    if HAS_TABLE_ROWS:
+        i_row = tl.load(table_rows + i_r64).to(tl.int64)
+    else:
+        i_row = i_r64
+    p_table = slot_table + i_row * stride_table_r
     kh64 = i_kh.to(tl.int64)
     for start in range(0, kv_end, BN):
         o_n = start + tl.arange(0, BN).to(tl.int64)  # [BN] context positions
@@ -133,13 +140,15 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each row's new tokens over its cached prefix and itself, through the slot table.
 
     q: `[T, H, Dk]` (flat tokens of all rows); k_pool `[S, Hk, Dk]`, v_pool `[S, Hk, Dv]` (pool slots; last dim
     contiguous; same dtype as q: fp32, fp16 or bf16); `H % Hk == 0` (query head h reads key head `h // (H // Hk)`).
     slot_table: `[R, L]` int32/int64, pool slot of each context position (`L >= num_cached + query_len`).
-    query_start, query_len, num_cached: `[R]` int32/int64 per row. `max_query_len`: host bound on `query_len`
+    query_start, query_len, num_cached: `[R]` int32/int64 per row. `table_rows`: optional `[R]` int64 row of
+    `slot_table` that holds row r's slots (a KV cache's whole request table can then be passed as it is). `max_query_len`: host bound on `query_len`
     (sizes the grid without a device sync). Returns `out` (`[T, H, Dv]`, q's dtype, allocated when None); only
     the rows' tokens are written, in place.
     """
@@ -150,7 +159,7 @@ def paged_attention(
     assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and slot_table.stride(-1) == 1
     if out is None:
         out = q.new_empty(t, h, dv)
-    rows = slot_table.shape[0]
+    rows = query_len.shape[0]
     if rows == 0 or max_query_len == 0:
         return out
     group = h // hk
@@ -164,6 +173,7 @@ def paged_attention(
         v_pool,
         out,
         slot_table,
+        table_rows,
         query_start,
         query_len,
         num_cached,

@@ -8,6 +8,7 @@ truncates before committing the pairs accepted in the meantime.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lightllm.engine.kv_cache import KVCache
@@ -30,15 +31,15 @@ class MtpDrafter:
             hid = torch.cat(req.mtp_hidden)
             ids = req.mtp_next_ids + [nxt]
             assert hid.shape[0] == len(ids), "MTP bookkeeping out of sync"
-            self.kv.truncate(h, req.mtp_len)
-            self.kv.extend(h, len(ids))
             hidden.append(hid)
             tokens += ids
             q_lens.append(len(ids))
             cached.append(req.mtp_len)
-        slots = [self.kv.slots(h) for h in handles]
+        rows = np.asarray(handles)
+        self.kv.truncate_many(rows, np.asarray(cached))
+        self.kv.extend_many(rows, np.asarray(q_lens))
         # every row is its own attention group: committing a prompt's pairs is a prefill of the head
-        ctx = build_context(q_lens, cached, len(handles), slots, self.kv, position_offset=1)
+        ctx = build_context(q_lens, cached, len(handles), handles, self.kv, position_offset=1)
         ids = torch.tensor(tokens, dtype=torch.int64, device=device)
         out = self.head(self.model.embed_tokens(ids), torch.cat(hidden), ctx)
         last = out[torch.tensor(q_lens, device=device).cumsum(0) - 1]
@@ -48,11 +49,9 @@ class MtpDrafter:
         all_logits = [self.model.logits(last)]
         drafts = [all_logits[-1].argmax(-1)]
         for step in range(1, num_steps):
-            for h in handles:
-                self.kv.extend(h, 1)
+            self.kv.extend_many(rows, np.ones(len(handles), dtype=np.int64))
             lens = [req.mtp_len + step - 1 for req in reqs]
-            slots = [self.kv.slots(h) for h in handles]
-            ctx = build_context([1] * len(handles), lens, 0, slots, self.kv, position_offset=1)
+            ctx = build_context([1] * len(handles), lens, 0, handles, self.kv, position_offset=1)
             last = self.head(self.model.embed_tokens(drafts[-1]), last, ctx)
             all_logits.append(self.model.logits(last))
             drafts.append(all_logits[-1].argmax(-1))

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
@@ -205,14 +206,13 @@ class ModelRunner:
             )
         if sum(batch.query_lens) > self.kv.num_free_tokens():
             raise RuntimeError(f"step needs {sum(batch.query_lens)} KV slots, {self.kv.num_free_tokens()} free")
-        for h, q in zip(batch.req_handles, batch.query_lens):
-            self.kv.extend(h, q)
+        self.kv.extend_many(np.asarray(batch.req_handles), np.asarray(batch.query_lens))
         np_ = batch.num_prefill_rows
         ctx = build_context(
             batch.query_lens,
             batch.num_cached_tokens,
             np_,
-            [self.kv.slots(h) for h in batch.req_handles],
+            batch.req_handles,
             self.kv,
             self.state,
             [r.state_slot for r in reqs],
@@ -267,13 +267,15 @@ class ModelRunner:
         for h, w, a in zip(pending.handles, pending.widths, counts):
             if not 1 <= a <= w:
                 raise ValueError(f"request {h}: num_accepted {a} outside [1, {w}]")
-        self.state.accept(pending.rows, torch.tensor(counts, dtype=torch.int32, device=self.device))
+        self.state.accept(pending.rows, torch.tensor(counts, dtype=torch.int32).to(self.device, non_blocking=True))
+        lengths = []
         for h, w, a in zip(pending.handles, pending.widths, counts):
             req = self._requests[h]
             req.num_tokens += a
-            self.kv.truncate(h, req.num_tokens)
+            lengths.append(req.num_tokens)
             if self.drafter is not None and a < w:
                 self._drop_rejected_mtp(req, w - a)
+        self.kv.truncate_many(np.asarray(pending.handles), np.asarray(lengths))
         self._pending = None
 
     @staticmethod

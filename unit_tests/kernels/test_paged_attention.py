@@ -115,15 +115,17 @@ def test_attend_triton_equals_sdpa_path(num_prefill_rows):
     """`attend(backend="triton")` over a KVCache (pool addressing and gathered-KV addressing) == the SDPA path."""
     torch.manual_seed(num_prefill_rows)
     heads, kv_heads, dk, dv = 6, 2, 20, 12
-    kv = KVCache(1, ((kv_heads, dk), (kv_heads, dv)), 96, 4, 48, torch.float32, "cpu")
+    kv = KVCache(1, ((kv_heads, dk), (kv_heads, dv)), 96, 7, 48, torch.float32, "cpu")
     cached, q_lens = [11, 0, 4, 6], [3, 9, 2, 1]
     q_lens[:num_prefill_rows] = [7, 13, 1][:num_prefill_rows]
-    rows = [kv.alloc_row() for _ in q_lens]
+    # unused table rows around the batch's: the kernel must read each row's own table row
+    kv.alloc_row(), kv.alloc_row()
+    rows = [kv.alloc_row() for _ in q_lens][::-1]
     for step in range(max(c + q for c, q in zip(cached, q_lens))):
         for r, (c, q) in zip(rows, zip(cached, q_lens)):
             if step < c + q:
                 kv.extend(r, 1)
-    ctx = build_context(q_lens, cached, num_prefill_rows, [kv.slots(r) for r in rows], kv, decode_width=5)
+    ctx = build_context(q_lens, cached, num_prefill_rows, rows, kv, decode_width=5)
     for r in rows:
         n = kv.length(r)
         kv.write(0, kv.slots(r), torch.randn(n, kv_heads, dk), torch.randn(n, kv_heads, dv))

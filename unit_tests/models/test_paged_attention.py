@@ -34,7 +34,7 @@ def test_mixed_rows_attend_causally_over_scattered_slots(num_prefill_rows):
         for r, (c, q) in zip(rows, zip(cached, q_lens)):
             if step < c + q:
                 kv.extend(r, 1)
-    ctx = build_context(q_lens, cached, num_prefill_rows, [kv.slots(r) for r in rows], kv)
+    ctx = build_context(q_lens, cached, num_prefill_rows, rows, kv)
     total = [c + q for c, q in zip(cached, q_lens)]
     keys = [torch.randn(n, kv_heads, d) for n in total]
     values = [torch.randn(n, kv_heads, d) for n in total]

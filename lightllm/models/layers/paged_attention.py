@@ -71,17 +71,27 @@ def _attend_triton(
     out = None
     for g in groups:
         if kv_pool is not None:
-            keys, values, table = kv_pool[0], kv_pool[1], g.slot_table
+            keys, values, table, rows = kv_pool[0], kv_pool[1], g.table, g.table_rows
         else:
             # gathered KV [n, L, Hk, D] is its own pool: row i's position p sits at slot i * L + p
             k, v = load_kv(g.slot_table)
             n, length = g.slot_table.shape
             keys, values = k.reshape(n * length, *k.shape[2:]), v.reshape(n * length, *v.shape[2:])
-            table = torch.arange(n * length, device=q.device).view(n, length)
+            table, rows = torch.arange(n * length, device=q.device).view(n, length), None
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], values.shape[-1])
         # Wq (a host shape) bounds every row's query length without a device sync
         paged_attention(
-            q, keys, values, table, g.query_start, g.query_len, g.num_cached, scale, g.token_index.shape[1], out
+            q,
+            keys,
+            values,
+            table,
+            g.query_start,
+            g.query_len,
+            g.num_cached,
+            scale,
+            g.token_index.shape[1],
+            out,
+            table_rows=rows,
         )
     return out
