@@ -1,8 +1,10 @@
 """Per-step metadata shared by every layer of one forward: positions, KV addressing, linear-state rows.
 
 Built once per step on the host from the batch description with a few array operations (no per-row Python);
-layers only read it. Tokens are flat in row order (prefill rows first, then decode rows). Full attention runs per
-group of rows: each prefill row is its own group, all decode rows form one padded group (`[rows, Wmax]` queries).
+layers only read it. Tokens are flat in row order: prefill rows packed first, then decode rows padded to one width
+W, so the decode tokens are a dense `[rows, W]` block whatever each row's own width (`padded_token_index` maps
+the real tokens into this layout; padding tokens write their KV to the HOLD slot and no state). Full attention
+runs per group of rows: each prefill row is its own group, all decode rows form one group.
 A group addresses keys through the KV cache's request table (`table[table_rows[i], position]`); the dense
 `[rows, L]` slot table and causal mask that the torch path needs are gathered on the device only when asked for.
 """
@@ -64,9 +66,6 @@ class StepContext:
     state: LinearAttState | None = None
     prefill_rows: PrefillRows | None = None
     decode_rows: DecodeRows | None = None
-    # [Nd, Wmax] flat index of each padded decode token and which ones are real (None without decode rows)
-    decode_index: torch.Tensor | None = None
-    decode_valid: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +97,22 @@ def _group(
     )
 
 
+def padded_decode_width(q_lens: list[int], num_prefill_rows: int, min_width: int) -> int:
+    """The width W decode rows are padded to (0 without decode rows)."""
+    decode = q_lens[num_prefill_rows:]
+    return max(min_width, max(decode)) if decode else 0
+
+
+def padded_token_index(q_lens: list[int], num_prefill_rows: int, width: int) -> np.ndarray:
+    """Position of each real token (flat row order) in the step's layout: prefill rows packed, then decode row i
+    at `num_prefill_tokens + i * width`."""
+    q = np.asarray(q_lens, dtype=np.int64)
+    num_prefill_tokens = int(q[:num_prefill_rows].sum())
+    decode_starts = num_prefill_tokens + width * np.arange(len(q) - num_prefill_rows, dtype=np.int64)
+    starts = np.concatenate([np.cumsum(q[:num_prefill_rows]) - q[:num_prefill_rows], decode_starts])
+    return ragged_arange(starts, q)
+
+
 def build_context(
     q_lens: list[int],
     cached_lens: list[int],
@@ -117,25 +132,30 @@ def build_context(
     q = np.asarray(q_lens, dtype=np.int64)
     cached = np.asarray(cached_lens, dtype=np.int64)
     rows = np.asarray(kv_rows, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(q)])
-    cols = ragged_arange(cached, q)
-    write_slots = kv.table_cpu[np.repeat(rows, q), cols]
-    packed = torch.from_numpy(np.stack([cols + position_offset, write_slots])).to(device, non_blocking=True)
     np_ = num_prefill_rows
+    width = padded_decode_width(q_lens, np_, decode_width)
+    num_decode = len(q) - np_
+    num_prefill_tokens = int(q[:np_].sum())
+    # every token of the layout: its row, column in the row, and whether it is real
+    row_q = np.concatenate([q[:np_], np.full(num_decode, width, dtype=np.int64)])
+    row_of = np.repeat(np.arange(len(q)), row_q)
+    col = ragged_arange(np.zeros(len(q), dtype=np.int64), row_q)
+    real = col < q[row_of]
+    pos = cached[row_of] + np.where(real, col, 0)
+    write_slots = np.where(real, kv.table_cpu[rows[row_of], np.minimum(pos, kv.max_req_len - 1)], kv.hold_slot)
+    packed = torch.from_numpy(np.stack([pos + position_offset, write_slots])).to(device, non_blocking=True)
+    starts = np.concatenate([[0], np.cumsum(row_q)])
     groups = [_group(starts[i : i + 1], q[i : i + 1], cached[i : i + 1], rows[i : i + 1], kv) for i in range(np_)]
     ctx = StepContext(
         positions=packed[0],
-        num_prefill_tokens=int(starts[np_]),
+        num_prefill_tokens=num_prefill_tokens,
         write_slots=packed[1],
         groups=groups,
         kv=kv,
         state=state,
     )
-    if len(q) > np_:
-        dec = _group(starts[np_:-1], q[np_:], cached[np_:], rows[np_:], kv, decode_width)
-        groups.append(dec)
-        ctx.decode_index = dec.token_index - int(starts[np_])
-        ctx.decode_valid = dec.valid
+    if num_decode:
+        groups.append(_group(starts[np_:-1], q[np_:], cached[np_:], rows[np_:], kv, width))
     if state is not None:
         slots = torch.tensor(state_slots, dtype=torch.int32).to(device, non_blocking=True)
         if np_:
@@ -144,10 +164,10 @@ def build_context(
                 cu_seqlens=torch.from_numpy(starts[: np_ + 1].astype(np.int32)).to(device, non_blocking=True),
                 has_initial_state=torch.from_numpy(cached[:np_] > 0).to(device, non_blocking=True),
             )
-        if len(q) > np_:
+        if num_decode:
             ctx.decode_rows = DecodeRows(
                 slots=slots[np_:],
                 widths=torch.from_numpy(q[np_:].astype(np.int32)).to(device, non_blocking=True),
-                max_width=ctx.decode_index.shape[1],
+                max_width=width,
             )
     return ctx

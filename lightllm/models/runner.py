@@ -8,6 +8,7 @@ the state through `create_state` and calls the protocol (prefill/decode inside t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -18,7 +19,8 @@ from lightllm.engine.batch import ForwardBatch, ForwardOutput
 from lightllm.engine.kv_cache import KVCache
 from lightllm.linear_att import StateConfig, StateMode, create_state
 from lightllm.linear_att.base import Checkpoint, DecodeRows
-from lightllm.models.context import build_context
+from lightllm.models.context import build_context, padded_decode_width, padded_token_index
+from lightllm.models.decode_graphs import DecodeGraphs
 from lightllm.models.drafting import MtpDrafter
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.loader import load_weights
@@ -26,6 +28,8 @@ from lightllm.models.memory import MemoryProbe, cpu_kv_tokens, cuda_memory_probe
 from lightllm.models.registry import load_model_config
 from lightllm.models.runner_config import RunnerConfig
 from lightllm.models.tp import TPInfo
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,6 +117,20 @@ class ModelRunner:
             self.drafter = MtpDrafter(self.model, mtp_kv)
         self._requests: dict[int, _Request] = {}
         self._pending: _PendingVerify | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def init_decode_graphs(self, use_graphs: bool = True) -> bool:
+        """Run decode-only steps through fixed buffers, captured as CUDA graphs when `use_graphs` and on CUDA
+        (call after `warmup`). Models whose forward needs the host mid-step (MoE routing counts, MLA's gathered
+        latents) keep the eager path. Returns whether the fixed-buffer path is on."""
+        cfg = self.model_config
+        if cfg.moe is not None or cfg.attention.kind == "mla":
+            logger.info("decode steps run eagerly: %s", "MoE routing" if cfg.moe is not None else "MLA attention")
+            return False
+        max_batch = min(self.config.graph_max_batch_size, self.config.max_running_requests)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv, self.state, max_batch, self.max_width, use_graphs)
+        self.decode_graphs.capture()
+        return True
 
     def _mtp_extra_tokens(self) -> int:
         """The MTP head's KV holds the main KV's tokens plus one verify window per request."""
@@ -206,42 +224,55 @@ class ModelRunner:
             )
         if sum(batch.query_lens) > self.kv.num_free_tokens():
             raise RuntimeError(f"step needs {sum(batch.query_lens)} KV slots, {self.kv.num_free_tokens()} free")
-        self.kv.extend_many(np.asarray(batch.req_handles), np.asarray(batch.query_lens))
+        handles, q_lens = np.asarray(batch.req_handles), np.asarray(batch.query_lens)
+        self.kv.extend_many(handles, q_lens)
         np_ = batch.num_prefill_rows
-        ctx = build_context(
-            batch.query_lens,
-            batch.num_cached_tokens,
-            np_,
-            batch.req_handles,
-            self.kv,
-            self.state,
-            [r.state_slot for r in reqs],
-            decode_width=self.max_width,
-        )
-        input_ids = batch.input_ids.to(self.device)
-        hidden = self.model(input_ids, ctx)
-        if np_:
-            self.state.finish_prefill(ctx.prefill_rows.slots)
-        select = self._logit_rows(batch)
+        state_slots = [r.state_slot for r in reqs]
+        # decode rows padded to one width: real tokens go to their place in that layout
+        width = padded_decode_width(batch.query_lens, np_, self.max_width)
+        layout = padded_token_index(batch.query_lens, np_, width)
+        ids = np.zeros(sum(batch.query_lens[:np_]) + width * batch.num_decode_rows, dtype=np.int64)
+        ids[layout] = batch.input_ids.numpy()
+        graphs = self.decode_graphs
+        if np_ == 0 and graphs is not None and graphs.bucket(len(reqs)) is not None:
+            cached = np.asarray(batch.num_cached_tokens)
+            hidden, decode_rows = graphs.run(ids, q_lens, cached, handles, np.asarray(state_slots))
+        else:
+            ctx = build_context(
+                batch.query_lens,
+                batch.num_cached_tokens,
+                np_,
+                batch.req_handles,
+                self.kv,
+                self.state,
+                state_slots,
+                decode_width=self.max_width,
+            )
+            hidden = self.model(torch.from_numpy(ids).to(self.device, non_blocking=True), ctx)
+            if np_:
+                self.state.finish_prefill(ctx.prefill_rows.slots)
+            decode_rows = ctx.decode_rows
+        real = torch.from_numpy(layout).to(self.device, non_blocking=True)
+        select = real[self._logit_rows(batch)]
         if self.drafter is not None:
-            self._remember_for_mtp(batch, reqs, hidden, input_ids)
+            self._remember_for_mtp(batch, reqs, hidden[real], batch.input_ids)
         # prefill tokens are committed now; decode rows commit in `accept`
         for req, q in zip(reqs[:np_], batch.query_lens[:np_]):
             req.num_tokens += q
-        if ctx.decode_rows is not None:
-            self._pending = _PendingVerify(batch.req_handles[np_:], batch.query_lens[np_:], ctx.decode_rows)
+        if decode_rows is not None:
+            self._pending = _PendingVerify(batch.req_handles[np_:], batch.query_lens[np_:], decode_rows)
         out_hidden = hidden[select]
         return ForwardOutput(logits=self.model.logits(out_hidden), hidden=out_hidden)
 
     def _logit_rows(self, batch: ForwardBatch) -> torch.Tensor:
-        rows, start = [], 0
-        for i, q in enumerate(batch.query_lens):
-            if i >= batch.num_prefill_rows:
-                rows += range(start, start + q)
-            elif not batch.prefill_is_last_chunk or batch.prefill_is_last_chunk[i]:
-                rows.append(start + q - 1)
-            start += q
-        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+        """Real-token indices (flat row order) that get logits: every decode token, the last prompt token."""
+        q = np.asarray(batch.query_lens, dtype=np.int64)
+        np_ = batch.num_prefill_rows
+        ends = np.cumsum(q)
+        last_chunk = np.asarray(batch.prefill_is_last_chunk or [True] * np_, dtype=bool)
+        prefill = (ends[:np_] - 1)[last_chunk]
+        decode = np.arange(int(ends[np_ - 1]) if np_ else 0, int(ends[-1]) if len(q) else 0, dtype=np.int64)
+        return torch.from_numpy(np.concatenate([prefill, decode])).to(self.device, non_blocking=True)
 
     def _remember_for_mtp(self, batch, reqs, hidden, input_ids) -> None:
         ids = input_ids.tolist()

@@ -38,6 +38,9 @@ class RunnerConfig:
     # force the state operator backend ("torch" | "triton"); None = by device
     state_backend: str | None = None
     show_progress: bool = False
+    # decode-only steps of up to this many rows replay CUDA graphs (captured per batch bucket at start-up)
+    graph_max_batch_size: int = 256
+    disable_cudagraph: bool = False
 
     @property
     def verify_width(self) -> int:

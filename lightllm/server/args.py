@@ -86,6 +86,11 @@ class ServerArgs:
         type=int,
     )
 
+    disable_cudagraph: bool = _flag(False, "run decode steps eagerly instead of replaying CUDA graphs", type=bool)
+    graph_max_batch_size: int = _flag(
+        256, "decode steps of up to this many requests replay CUDA graphs (one per batch bucket)", type=int
+    )
+
     @property
     def max_width(self) -> int:
         """Largest verify window: the last accepted token plus the drafts."""
@@ -98,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in dataclasses.fields(ServerArgs):
         meta = f.metadata
+        if meta["type"] is bool:
+            parser.add_argument(f"--{f.name}", action="store_true", default=f.default, help=meta["help"])
+            continue
         kwargs = {"default": f.default, "help": meta["help"]}
         if meta["choices"] is not None:
             kwargs["choices"] = meta["choices"]
@@ -175,7 +183,7 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
             if args.max_width <= REPLAY_CAPACITIES[-1]
             else f"verify width {args.max_width} exceeds the largest replay capacity {REPLAY_CAPACITIES[-1]}: draft fewer tokens"
         )
-    positive = ("port", "max_running_requests", "chunked_prefill_size", "max_req_total_len", "max_total_token_num")
+    positive = ("port", "graph_max_batch_size", "max_running_requests", "chunked_prefill_size", "max_req_total_len", "max_total_token_num")
     for name in positive:
         value = getattr(args, name)
         if value is not None and value <= 0:

@@ -30,6 +30,8 @@ def create_runner(args: ServerArgs, info: ModelInfo) -> ModelRunnerProtocol:
     runner = ModelRunner(RunnerConfig(**flags))
     # fla's chunk kernels autotune on their first call per shape: pay it at start-up, not in a request (CPU: no-op)
     runner.warmup(args.chunked_prefill_size, progress=True)
+    if runner.device.type == "cuda" and not args.disable_cudagraph:
+        runner.init_decode_graphs()
     return runner
 
 

@@ -9,7 +9,7 @@ import torch
 
 from lightllm.engine.kv_cache import KVCache
 from lightllm.kernels.paged_attention import paged_attention
-from lightllm.models.context import build_context
+from lightllm.models.context import build_context, padded_decode_width, padded_token_index
 from lightllm.models.layers.attention import GatedAttention
 from lightllm.models.layers.mla import LatentAttention
 from lightllm.models.layers.paged_attention import attend
@@ -129,15 +129,20 @@ def test_attend_triton_equals_sdpa_path(num_prefill_rows):
     for r in rows:
         n = kv.length(r)
         kv.write(0, kv.slots(r), torch.randn(n, kv_heads, dk), torch.randn(n, kv_heads, dv))
-    q = torch.randn(sum(q_lens), heads, dk)
+    q = torch.randn(ctx.num_tokens, heads, dk)
+    # only the real tokens' outputs are defined (padding tokens of decode rows are left to the caller)
+    width = padded_decode_width(q_lens, num_prefill_rows, 5)
+    real = torch.from_numpy(padded_token_index(q_lens, num_prefill_rows, width))
 
     def load_kv(table):
         return tuple(kv.gather(0, table))
 
-    expected = attend(q, ctx.groups, load_kv, 0.2, backend="torch")
+    expected = attend(q, ctx.groups, load_kv, 0.2, backend="torch")[real]
     pool = (kv.buffers[0][0], kv.buffers[1][0])
-    assert_rel_close("triton over the pool", attend(q, ctx.groups, load_kv, 0.2, pool, "triton"), expected, 1e-5)
-    assert_rel_close("triton over gathered KV", attend(q, ctx.groups, load_kv, 0.2, None, "triton"), expected, 1e-5)
+    over_pool = attend(q, ctx.groups, load_kv, 0.2, pool, "triton")[real]
+    assert_rel_close("triton over the pool", over_pool, expected, 1e-5)
+    over_gathered = attend(q, ctx.groups, load_kv, 0.2, None, "triton")[real]
+    assert_rel_close("triton over gathered KV", over_gathered, expected, 1e-5)
 
 
 def _force_backend(runner, backend: str) -> None:

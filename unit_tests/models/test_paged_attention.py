@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightllm.engine.kv_cache import KVCache
-from lightllm.models.context import build_context
+from lightllm.models.context import build_context, padded_token_index
 from lightllm.models.layers.paged_attention import attend
 from unit_tests.helpers.asserts import assert_rel_close
 
@@ -40,8 +40,10 @@ def test_mixed_rows_attend_causally_over_scattered_slots(num_prefill_rows):
     values = [torch.randn(n, kv_heads, d) for n in total]
     for r, k, v in zip(rows, keys, values):
         kv.write(0, kv.slots(r), k, v)
-    q = torch.randn(sum(q_lens), heads, d)
-    out = attend(q, ctx.groups, lambda table: tuple(kv.gather(0, table)), 1 / math.sqrt(d))
+    layout = torch.from_numpy(padded_token_index(q_lens, num_prefill_rows, max(q_lens[num_prefill_rows:], default=0)))
+    q = torch.randn(ctx.num_tokens, heads, d)
+    out = attend(q, ctx.groups, lambda table: tuple(kv.gather(0, table)), 1 / math.sqrt(d))[layout]
+    q = q[layout]
     start = 0
     expected = torch.empty_like(out)
     for i, (c, n) in enumerate(zip(cached, q_lens)):

@@ -56,7 +56,7 @@ def _attend_sdpa(q: torch.Tensor, groups: list[AttentionGroup], load_kv: KVLoade
             qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale
         ).transpose(1, 2)  # [n, Wq, H, Dv]
         if out is None:
-            out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+            out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
         out[g.token_index[g.valid]] = o[g.valid]
     return out
 
@@ -79,7 +79,8 @@ def _attend_triton(
             keys, values = k.reshape(n * length, *k.shape[2:]), v.reshape(n * length, *v.shape[2:])
             table, rows = torch.arange(n * length, device=q.device).view(n, length), None
         if out is None:
-            out = q.new_empty(q.shape[0], q.shape[1], values.shape[-1])
+            # zeros: decode padding tokens get no attention output but must stay finite downstream
+            out = q.new_zeros(q.shape[0], q.shape[1], values.shape[-1])
         # Wq (a host shape) bounds every row's query length without a device sync
         paged_attention(
             q,

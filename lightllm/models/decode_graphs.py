@@ -1,0 +1,174 @@
+"""Decode-only steps through fixed-address buffers, replayed as CUDA graphs.
+
+A decode step's shape depends only on its row count and the verify width W, so the forward of a decode-only step
+is captured once per batch bucket (1, 2, 4, 8, 16, 24, 32, ... up to `--graph_max_batch_size`) and replayed.
+Every per-step input lives in two persistent buffers (one int64, one int32) that the host fills with one copy
+each: token ids, positions, KV write slots, request-table rows, query lengths, cached lengths, state slots and
+widths. Rows past the real batch are HOLD rows: width 0 and query length 0 (no state or attention work), KV
+writes to the HOLD slot, state slot = the state's HOLD slot.
+
+Without CUDA (or with graphs disabled) the same buffers run the forward eagerly: the CPU tests drive this path
+and compare it with the ordinary step, so bucketing and HOLD rows are checked where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from lightllm.linear_att.base import DecodeRows
+from lightllm.models.context import AttentionGroup, StepContext
+
+logger = logging.getLogger(__name__)
+
+# int64 fields (each [rows * W] or [rows]) and int32 fields ([rows]) of the persistent input buffers
+_I64 = ("input_ids", "positions", "write_slots", "table_rows", "real")
+_I32 = ("query_len", "num_cached", "state_slots", "widths")
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Row counts a graph is captured for: powers of two to 16, then steps of 8 to 64, then of 32."""
+    sizes = [1, 2, 4, 8, 16] + list(range(24, 65, 8)) + list(range(96, max(max_batch, 96) + 1, 32))
+    out = sorted({min(s, max_batch) for s in sizes if s <= max_batch} | {max_batch})
+    return out
+
+
+class DecodeGraphs:
+    """Decode forwards of up to `max_batch` rows of width `width` over fixed buffers; graphs on CUDA."""
+
+    def __init__(self, model, kv, state, max_batch: int, width: int, use_graphs: bool):
+        self.model, self.kv, self.state = model, kv, state
+        self.width = width
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        device = kv.device
+        n_tok = self.max_batch * width
+        self._i64 = torch.zeros(len(_I64), n_tok, dtype=torch.int64, device=device)
+        self._i32 = torch.zeros(len(_I32), self.max_batch, dtype=torch.int32, device=device)
+        self._host64 = np.zeros((len(_I64), n_tok), dtype=np.int64)
+        self._host32 = np.zeros((len(_I32), self.max_batch), dtype=np.int32)
+        self._query_start = torch.arange(0, n_tok, width, dtype=torch.int32, device=device)
+        cols = torch.arange(width, device=device)
+        self._token_index = torch.arange(0, n_tok, width, device=device)[:, None] + cols[None, :]
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool = None
+
+    def bucket(self, num_rows: int) -> int | None:
+        """The smallest bucket holding `num_rows` rows; None when the batch is too large for graphs."""
+        for b in self.buckets:
+            if b >= num_rows:
+                return b
+        return None
+
+    def _context(self, rows: int) -> StepContext:
+        """A step context whose tensors are views of the persistent buffers (the same addresses every step)."""
+        n_tok = rows * self.width
+        i64, i32 = self._i64, self._i32
+        field64 = {name: i64[i] for i, name in enumerate(_I64)}
+        field32 = {name: i32[i, :rows] for i, name in enumerate(_I32)}
+        group = AttentionGroup(
+            token_index=self._token_index[:rows],
+            valid=field64["real"][:n_tok].view(rows, self.width) != 0,
+            table=self.kv.req_to_slot,
+            table_rows=field64["table_rows"][:rows],
+            context_len=self.kv.max_req_len,
+            query_start=self._query_start[:rows],
+            query_len=field32["query_len"],
+            num_cached=field32["num_cached"],
+        )
+        return StepContext(
+            positions=field64["positions"][:n_tok],
+            num_prefill_tokens=0,
+            write_slots=field64["write_slots"][:n_tok],
+            groups=[group],
+            kv=self.kv,
+            state=self.state,
+            decode_rows=DecodeRows(slots=field32["state_slots"], widths=field32["widths"], max_width=self.width),
+        )
+
+    def _forward(self, rows: int) -> torch.Tensor:
+        return self.model(self._i64[0, : rows * self.width], self._context(rows))
+
+    def _fill_hold(self, rows: int) -> None:
+        """Every row a HOLD row: the inputs of warm-up and capture, which must change no state."""
+        self._host64[:] = 0
+        self._host64[_I64.index("write_slots")] = self.kv.hold_slot
+        self._host32[:] = 0
+        self._host32[_I32.index("state_slots")] = self.state.hold_slot
+        self._upload(rows)
+
+    def _upload(self, rows: int) -> None:
+        n_tok = rows * self.width
+        self._i64[:, :n_tok].copy_(torch.from_numpy(self._host64[:, :n_tok]), non_blocking=True)
+        self._i32[:, :rows].copy_(torch.from_numpy(self._host32[:, :rows]), non_blocking=True)
+
+    def capture(self) -> None:
+        """Capture one graph per bucket, largest first (the smaller ones reuse its memory pool). Call after the
+        kernels' warm-up/autotune. A capture failure turns graphs off (logged) instead of failing start-up."""
+        if not self.use_graphs:
+            return
+        try:
+            for rows in reversed(self.buckets):
+                self._fill_hold(rows)
+                # eager once: compiles kernels and settles allocations before capture
+                self._forward(rows)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._outputs[rows] = self._forward(rows)
+                self._pool = graph.pool()
+                self._graphs[rows] = graph
+            torch.cuda.synchronize()
+        except Exception:
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            self._graphs.clear()
+            self._outputs.clear()
+            self.use_graphs = False
+
+    def run(
+        self,
+        input_ids: np.ndarray,
+        q_lens: np.ndarray,
+        cached: np.ndarray,
+        kv_rows: np.ndarray,
+        state_slots: np.ndarray,
+    ) -> tuple[torch.Tensor, DecodeRows]:
+        """One decode-only step of `n = len(q_lens)` rows (`n <= max_batch`); `input_ids [n * W]` in the padded
+        layout. Returns the hidden states `[n * W, hidden]` (a view, valid until the next run) and the rows'
+        DecodeRows for `accept`."""
+        n = len(q_lens)
+        rows = self.bucket(n)
+        assert rows is not None, f"{n} rows exceed the largest decode bucket {self.max_batch}"
+        w = self.width
+        n_tok = rows * w
+        h64, h32 = self._host64, self._host32
+        col = np.tile(np.arange(w, dtype=np.int64), n)
+        real = col < np.repeat(q_lens, w)
+        pos = np.repeat(cached, w) + np.where(real, col, 0)
+        slots = self.kv.table_cpu[np.repeat(kv_rows, w), np.minimum(pos, self.kv.max_req_len - 1)]
+        h64[:, :n_tok] = 0
+        h64[0, : n * w] = input_ids
+        h64[1, : n * w] = pos
+        h64[2, :n_tok] = self.kv.hold_slot
+        h64[2, : n * w] = np.where(real, slots, self.kv.hold_slot)
+        h64[3, :n] = kv_rows
+        h64[4, : n * w] = real
+        h32[:, :rows] = 0
+        h32[0, :n] = q_lens
+        h32[1, :n] = cached
+        h32[2, :rows] = self.state.hold_slot
+        h32[2, :n] = state_slots
+        h32[3, :n] = q_lens
+        self._upload(rows)
+        if rows in self._graphs:
+            self._graphs[rows].replay()
+            hidden = self._outputs[rows]
+        else:
+            hidden = self._forward(rows)
+        i32 = self._i32
+        accept_rows = DecodeRows(slots=i32[2, :n], widths=i32[3, :n], max_width=w)
+        return hidden[: n * w], accept_rows
