@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+# kept equal to setup.py's version; served by GET /version
+__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

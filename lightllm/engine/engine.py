@@ -116,7 +116,8 @@ class Engine:
             self._settle_runner(plan)
             for row in plan.rows:
                 if not row.req.is_finished:
-                    outputs += self._finish(row.req, "error", error=f"{type(exc).__name__}: {exc}")
+                    # clients see a message; the exception and its traceback are in the engine log
+                    outputs += self._finish(row.req, "error", error="the model step failed (see the engine log)")
         return outputs
 
     def _settle_runner(self, plan: SchedulePlan) -> None:
@@ -160,6 +161,12 @@ class Engine:
             return f"prompt has {n} tokens; max_req_total_len={self.max_req_total_len} leaves no room to generate"
         if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= self.runner.vocab_size:
             return f"prompt token ids must be in [0, {self.runner.vocab_size})"
+        try:
+            # params are mutable and the engine has callers besides the HTTP front-end: a bad knob found here
+            # fails this request alone instead of the engine step of its whole batch
+            msg.params.validate()
+        except ValueError as exc:
+            return str(exc)
         return None
 
     def _build_batch(self, plan: SchedulePlan) -> ForwardBatch:
@@ -254,10 +261,12 @@ class Engine:
 
     def _record_window(self, num_drafts: int, result: WindowResult) -> None:
         s = self.stats
-        if num_drafts:
-            s.num_spec_windows += 1
-            s.num_draft_tokens += num_drafts
-            s.num_accepted_draft_tokens += result.num_accepted_drafts
+        if not num_drafts:
+            # a window without drafts always yields one token: counting it would drag the acceptance length to 1
+            return
+        s.num_spec_windows += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_draft_tokens += result.num_accepted_drafts
         index = min(result.num_accepted, len(s.accepted_length_counts)) - 1
         s.accepted_length_counts[index] += 1
 

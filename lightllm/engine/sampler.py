@@ -108,9 +108,11 @@ class Sampler:
         ]
         if filtered:
             index = torch.tensor(filtered, device=device)
-            knobs = [
-                torch.tensor([getattr(rows[i].params, k) for i in filtered], device=device)
-                for k in ("top_k", "top_p", "min_p")
+            vocab = probs.shape[1]
+            # top_k beyond the vocabulary keeps everything; clamped so no client value can overflow the tensor
+            top_k = torch.tensor([min(rows[i].params.top_k, vocab) for i in filtered], device=device)
+            knobs = [top_k] + [
+                torch.tensor([getattr(rows[i].params, k) for i in filtered], device=device) for k in ("top_p", "min_p")
             ]
             probs[index] = filter_probs_batch(probs[index], *knobs)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]

@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 # seeds are folded into a torch.Generator, which takes 64-bit unsigned values
 MAX_SEED = 2**63 - 1
+# integer knobs the engine turns into tensors (top_k) or compares with token ids stay within int32
+MAX_INT = 2**31 - 1
+MAX_N = 64
+
+
+class SamplingParamsError(ValueError):
+    """A field out of range or of the wrong type; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(v, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_float(v, lo: float, hi: float, lo_open: bool = False) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    return (lo < v if lo_open else lo <= v) and v <= hi
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -45,22 +68,46 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending field and the accepted range."""
+        """Raise SamplingParamsError naming the offending field and the accepted range. The engine calls this too:
+        a request that slipped past the front-end's checks fails alone instead of failing its batch."""
+        seed_ok = self.seed is None or (
+            _is_int(self.seed, 0, MAX_SEED) and _is_int(self.n, 1, MAX_N) and self.seed + self.n - 1 <= MAX_SEED
+        )
         checks = [
-            ("n", 1 <= self.n <= 64, "must be in [1, 64]"),
-            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= -1, "must be -1 (off), 0 (off) or positive"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}]"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative token ids"),
+            ("n", _is_int(self.n, 1, MAX_N), f"must be an integer in [1, {MAX_N}]"),
+            ("temperature", _is_float(self.temperature, 0.0, 100.0), "must be a number in [0, 100]"),
+            ("top_p", _is_float(self.top_p, 0.0, 1.0, lo_open=True), "must be a number in (0, 1]"),
+            ("top_k", _is_int(self.top_k, -1, MAX_INT), f"must be -1 (off), 0 (off) or in [1, {MAX_INT}]"),
+            ("min_p", _is_float(self.min_p, 0.0, 1.0), "must be a number in [0, 1]"),
+            ("repetition_penalty", _is_float(self.repetition_penalty, 0.0, 10.0, lo_open=True), "must be in (0, 10]"),
+            ("presence_penalty", _is_float(self.presence_penalty, -2.0, 2.0), "must be a number in [-2, 2]"),
+            ("frequency_penalty", _is_float(self.frequency_penalty, -2.0, 2.0), "must be a number in [-2, 2]"),
+            # the n sequences of a request use seeds seed, seed + 1, ..., seed + n - 1
+            ("seed", seed_ok, f"must be an integer in [0, {MAX_SEED}] with seed + n - 1 <= {MAX_SEED}"),
+            (
+                "max_tokens",
+                self.max_tokens is None or _is_int(self.max_tokens, 1, MAX_INT),
+                f"must be an integer in [1, {MAX_INT}]",
+            ),
+            ("logprobs", self.logprobs is None or _is_int(self.logprobs, 0, 20), "must be an integer in [0, 20]"),
+            (
+                "stop",
+                isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+                "must be non-empty strings",
+            ),
+            (
+                "stop_token_ids",
+                isinstance(self.stop_token_ids, list) and all(_is_int(t, 0, MAX_INT) for t in self.stop_token_ids),
+                f"must be token ids in [0, {MAX_INT}]",
+            ),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a boolean"),
         ]
         for name, ok, reason in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: {reason}")
+                raise SamplingParamsError(name, f"{name}={_short(getattr(self, name))}: {reason}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -2,7 +2,8 @@
 
 Parse → resolve (refusing bad flag combinations with what to change) → start the engine process → serve HTTP.
 uvicorn handles SIGINT/SIGTERM with a graceful shutdown, after which the engine process is stopped; the engine
-also dies on its own if this process is killed.
+also dies on its own if this process is killed. If the engine process dies, the server stops and exits with
+ENGINE_EXITED (non-zero, so a supervisor restarts it) unless --keep_serving_after_engine_exit.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 
 logger = logging.getLogger("lightllm.server")
+# exit code when the server stopped because its engine process died
+ENGINE_EXITED = 3
 
 
-def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY) -> None:
+def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY) -> int:
+    """Serve until shut down; returns the process exit code."""
     import uvicorn
 
     from lightllm.server.http.app import create_app
@@ -28,11 +32,23 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
     tokenizer = Tokenizer(info)
     engine = start_engine(args, info, runner_factory)
     logger.info("engine ready: %s", engine.capacity_report)
+    engine_died = False
+    server = None
+
+    def on_engine_exit() -> None:
+        nonlocal engine_died
+        engine_died = True
+        logger.error("stopping the server: the engine process is gone (exit code %d)", ENGINE_EXITED)
+        server.should_exit = True
+
     try:
-        app = create_app(args, info, tokenizer, engine)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        app = create_app(args, info, tokenizer, engine, on_engine_exit)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
+        server = uvicorn.Server(config)
+        server.run()
     finally:
         engine.stop()
+    return ENGINE_EXITED if engine_died else 0
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -51,13 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logger.info("serving %s (%s) with %s", args.served_model_name, info.architecture, args)
     try:
-        serve(args, info)
+        return serve(args, info)
     except EngineStartError as exc:
         print(f"lightllm: the engine failed to start: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        pass
-    return 0
+        return 0
 
 
 if __name__ == "__main__":

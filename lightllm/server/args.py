@@ -19,8 +19,10 @@ REPLAY_CAPACITIES = (4, 8, 16, 32, 64)
 DEMO_ARCH = "qwen3_5"
 
 
-def _flag(default, help: str, choices: tuple | None = None, type=None):
-    return field(default=default, metadata={"help": help, "choices": choices, "type": type})
+def _flag(default, help: str, choices: tuple | None = None, type=None, shown_default: str | None = None, repr=True):
+    """`type=bool` makes a switch (off by default); `shown_default` is what --help prints instead of the value."""
+    meta = {"help": help, "choices": choices, "type": type, "shown_default": shown_default}
+    return field(default=default, metadata=meta, repr=repr)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,34 @@ class ServerArgs:
     graph_max_batch_size: int = _flag(
         256, "decode steps of up to this many requests replay CUDA graphs (one per batch bucket)", type=int
     )
+    max_request_body_bytes: int = _flag(16 * 2**20, "largest HTTP request body accepted; larger ones get 413", type=int)
+    max_queue_len: int = _flag(
+        1024,
+        "sequences that may wait beyond --max_running_requests; requests past it get 429 with Retry-After",
+        type=int,
+    )
+    max_sequences_per_request: int = _flag(
+        256, "most sequences (prompts x n) one request may ask for; more gets 400", type=int
+    )
+    trust_request_chat_template: bool = _flag(
+        False, "accept a chat template sent by the client (it runs in the server: only for trusted clients)", type=bool
+    )
+    api_key: str | None = _flag(
+        None,
+        "clients must send 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (none: no check)",
+        type=str,
+        shown_default="$LIGHTLLM_API_KEY",
+        repr=False,
+    )
+    enable_docs: bool = _flag(False, "serve the OpenAPI schema and the /docs and /redoc pages", type=bool)
+    keep_serving_after_engine_exit: bool = _flag(
+        False,
+        "if the engine process dies, keep answering 503 instead of exiting non-zero (for debugging)",
+        type=bool,
+    )
+    log_stats_interval: float = _flag(
+        10.0, "seconds between throughput log lines while requests are in flight (0: off)", type=float
+    )
 
     @property
     def max_width(self) -> int:
@@ -103,10 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in dataclasses.fields(ServerArgs):
         meta = f.metadata
+        shown = meta.get("shown_default") or ("auto" if f.default is None else f.default)
+        # argparse reads "%" in help as a format directive
+        text = f"{meta['help']} (default: {shown})".replace("%", "%%")
         if meta["type"] is bool:
-            parser.add_argument(f"--{f.name}", action="store_true", default=f.default, help=meta["help"])
+            parser.add_argument(f"--{f.name}", action="store_true", default=f.default, help=text)
             continue
-        kwargs = {"default": f.default, "help": meta["help"]}
+        kwargs = {"default": f.default, "help": text}
         if meta["choices"] is not None:
             kwargs["choices"] = meta["choices"]
         kwargs["type"] = meta["type"] or str
@@ -151,6 +184,7 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
         mem_fraction=args.mem_fraction if args.mem_fraction is not None or args.max_total_token_num else 0.8,
         chunked_prefill_size=_auto(args.chunked_prefill_size, 8192 if on_cuda else 512),
         max_req_total_len=max_req_total_len,
+        api_key=args.api_key if args.api_key is not None else (os.environ.get("LIGHTLLM_API_KEY") or None),
     )
     validate(resolved, info)
     return resolved
@@ -188,6 +222,11 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name} must be positive, got {value}")
+    for name, low in (("max_request_body_bytes", 1), ("max_queue_len", 0), ("max_sequences_per_request", 1)):
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name} must be at least {low}, got {getattr(args, name)}")
+    if args.log_stats_interval < 0:
+        raise ValueError(f"--log_stats_interval must be >= 0 (0 turns it off), got {args.log_stats_interval}")
     if args.max_total_token_num is not None and args.mem_fraction is not None:
         raise ValueError("--max_total_token_num and --mem_fraction both size the KV cache: give only one")
     if args.mem_fraction is not None and not 0.0 < args.mem_fraction <= 1.0:

@@ -87,7 +87,7 @@ def engine_main(
             # runner failures are handled inside step(); reaching here means an engine bug: fail the requests in
             # flight rather than the process, so the server keeps answering
             logger.exception("unexpected engine fault")
-            outputs += engine.fail_all(f"engine fault: {type(exc).__name__}: {exc}")
+            outputs += engine.fail_all("internal engine fault (see the engine log)")
         now = time.monotonic()
         # stats go out periodically and right after any request finishes, so /metrics sees freed slots promptly
         if now - last_stats > STATS_INTERVAL_S or any(isinstance(o, Finished) for o in outputs):
@@ -100,11 +100,24 @@ def engine_main(
 def _handle(engine: Engine, decoder: msgspec.msgpack.Decoder, raw: bytes) -> list[EngineOutput]:
     try:
         msg = decoder.decode(raw)
-    except msgspec.DecodeError:
-        logger.exception("dropping an undecodable message")
-        return []
+    except msgspec.DecodeError as exc:
+        return _refuse_undecodable(raw, exc)
     if isinstance(msg, NewRequest):
         return engine.add_request(msg)
     if isinstance(msg, Abort):
         return engine.abort(msg.req_id)
     return []
+
+
+def _refuse_undecodable(raw: bytes, exc: Exception) -> list[EngineOutput]:
+    """A request the typed decoder refuses still has a waiting front-end: answer it with an error if its id can
+    be read, so it does not wait forever."""
+    try:
+        loose = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        loose = None
+    req_id = loose.get("req_id") if isinstance(loose, dict) else None
+    if not isinstance(req_id, str) or loose.get("type") != "NewRequest":
+        logger.error("dropping an undecodable message: %s", exc)
+        return []
+    return [Finished(req_id, "error", error=f"the engine could not read this request: {exc}")]

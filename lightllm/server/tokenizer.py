@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import re
+
 from lightllm.server.model_info import ModelInfo
+
+# NFC may merge up to three code points into one (Hangul jamo), so text can shrink by that much before it is split
+NORMALIZATION_SHRINK = 3
+_SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: each of the 256 bytes is written as one printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 class Tokenizer:
@@ -21,24 +40,63 @@ class Tokenizer:
             eos.append(self.hf.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.vocab_size = len(self.hf)
+        decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
+        self._byte_decoder = _byte_level_decoder() if type(decoder).__name__ == "ByteLevel" else None
+        self._added = {i: t.content for i, t in self.hf.added_tokens_decoder.items()}
+        pieces = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+        self._bytes = [self._raw_bytes(i, piece) for i, piece in enumerate(pieces)]
+        # no token spans more bytes than this, and a character is at least one byte
+        self.max_token_bytes = max((len(b) for b in self._bytes), default=1) or 1
 
     @property
     def has_chat_template(self) -> bool:
         return bool(self.hf.chat_template)
 
+    def max_chars(self, max_tokens: int) -> int:
+        """A text longer than this cannot fit in `max_tokens` tokens (checked before spending time tokenizing)."""
+        return max_tokens * self.max_token_bytes * NORMALIZATION_SHRINK
+
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text))
 
-    def render_chat(self, messages: list[dict], **template_kwargs) -> str:
+    def render_chat(self, messages: list[dict], chat_template: str | None = None, **template_kwargs) -> str:
         """Prompt text for a conversation, ending with the assistant's turn opened."""
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+        return self.hf.apply_chat_template(
+            messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
 
     def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        return self.encode_rendered(self.render_chat(messages, **template_kwargs))
+
+    def encode_rendered(self, prompt: str) -> list[int]:
         # the template already writes any BOS/special markers, so the tokenizer must not add its own
-        return list(self.hf.encode(self.render_chat(messages, **template_kwargs), add_special_tokens=False))
+        return list(self.hf.encode(prompt, add_special_tokens=False))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for; a token may hold part of a multi-byte UTF-8 character."""
+        return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+
     def token_text(self, token_id: int) -> str:
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        """The token as text, or `bytes:\\xNN...` (OpenAI's form) when its bytes are not whole UTF-8 characters, so
+        distinct fragment tokens never share a text."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def _raw_bytes(self, token_id: int, piece: str | None) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        if piece is None:
+            return b""
+        if self._byte_decoder is not None and all(c in self._byte_decoder for c in piece):
+            return bytes(self._byte_decoder[c] for c in piece)
+        # sentencepiece: byte-fallback pieces are <0xNN>, a word boundary is "▁"
+        match = _SP_BYTE.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("▁", " ").encode("utf-8")

@@ -52,11 +52,26 @@ def test_runner_failure_gives_500_and_server_survives(server, token):
     wait_for(lambda: scrape(server.base_url, "lightllm_free_state_slots") == 4, what="slots returned")
 
 
-def test_runner_failure_in_stream_reports_error_finish(server):
-    body = {"model": server.model, "prompt": [VOCAB - 2, 5], "max_tokens": 4, "temperature": 0, "stream": True}
+def _stream_events(server, prompt: list[int]) -> list[dict]:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    assert events[-1]["choices"][0]["finish_reason"] == "error"
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_runner_failure_in_stream_reports_error_event(server):
+    # "error" is no OpenAI finish_reason: the stream ends with an error event carrying the engine's message
+    events = _stream_events(server, [VOCAB - 2, 5])
+    assert events[-1]["error"]["message"] == "the model produced NaN logits"
+    assert events[-1]["error"]["type"] == "server_error"
+    assert not any(c.get("finish_reason") == "error" for e in events for c in e.get("choices", []))
+    with pytest.raises(openai.APIError, match="NaN logits"):
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        list(client.completions.create(model=server.model, prompt=[VOCAB - 2, 5], max_tokens=4, stream=True))
+
+
+def test_good_stream_has_no_error_event(server):
+    events = _stream_events(server, _good_prompt(server))
+    assert "error" not in events[-1] and events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 def test_abort_on_stream_disconnect_returns_every_slot(server):
@@ -98,8 +113,15 @@ def _num_aborted(server) -> float:
 
 
 def test_dead_engine_fails_requests_and_health(server):
-    server.engine.process.kill()
-    server.engine.process.join(10)
+    body = {"model": server.model, "prompt": "in flight", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        server.engine.process.kill()
+        server.engine.process.join(10)
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    # the request in flight ends with the reason, not with a cut-off stream
+    assert events[-1]["error"]["message"] == "the engine process exited"
     wait_for(lambda: httpx.get(f"{server.base_url}/health").status_code == 503, what="health to report the dead engine")
     body = {"model": server.model, "prompt": "anyone there?", "max_tokens": 4}
     r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)

@@ -1,31 +1,49 @@
-"""The FastAPI application: OpenAI routes, /health, /metrics, /v1/models, and error mapping to 4xx/5xx."""
+"""The FastAPI application: OpenAI routes, /health, /metrics, /v1/models, the tokenizer utilities, and error mapping
+to 4xx/5xx."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightllm.server.args import ServerArgs
+from lightllm.server.http.edge import EdgeMiddleware
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.http.metrics import Metrics
-from lightllm.server.http.openai_api import error_response, router
+from lightllm.server.http.openai_api import error_response
+from lightllm.server.http.openai_api import router as openai_router
 from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend
+from lightllm.server.http.stats_log import log_stats
+from lightllm.server.http.tokenize_api import router as tokenize_router
 from lightllm.server.launcher import EngineHandle
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.tokenizer import Tokenizer
 
-ENGINE_CHECK_INTERVAL_S = 1.0
+logger = logging.getLogger(__name__)
+ENGINE_CHECK_INTERVAL_S = 0.5
+# threads that tokenize and render chat templates off the event loop
+TEXT_WORKERS = 4
+
+
+def _is_field(part) -> bool:
+    """Union members show up in an error's location as tags like `list[int]` or `function-after[...]`: not fields."""
+    text = str(part)
+    return part != "body" and "[" not in text and text not in ("str", "int", "float", "bool", "dict", "list")
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
     first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if _is_field(p)]
     field = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first.get('msg')}", None)
@@ -35,16 +53,76 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{field}: {message}" if field else message, field)
 
 
-async def _watch_engine(engine: EngineHandle, client: EngineClient) -> None:
-    """If the engine process dies, finish every waiting request with an error instead of hanging it."""
-    while True:
-        if not engine.is_alive():
-            client.fail_all("the engine process exited")
+async def _watch_engine(engine: EngineHandle, client: EngineClient, on_exit: Callable[[], None] | None) -> None:
+    """When the engine process dies: say so in the log at once, finish every waiting request with an error, and
+    (unless told to stay up) stop the server so that a supervisor restarts it."""
+    while engine.is_alive():
         await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
+    logger.error(
+        "the engine process exited (exit code %s); failing %d sequences in flight",
+        engine.process.exitcode,
+        client.num_in_flight,
+    )
+    client.fail_all("the engine process exited")
+    if on_exit is not None:
+        on_exit()
+    while True:
+        # a request that passed the liveness check just before the death must not wait forever either
+        await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
+        client.fail_all("the engine process exited")
 
 
-def create_app(args: ServerArgs, info: ModelInfo, tokenizer: Tokenizer, engine: EngineHandle) -> FastAPI:
-    """An app bound to a running engine process; the zmq client lives on the app's event loop."""
+def _openapi_with_400(app: FastAPI) -> Callable[[], dict]:
+    """FastAPI documents 422 for body validation; this server answers 400 with an OpenAI error body."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            error = {
+                "type": "object",
+                "properties": {
+                    "error": {
+                        "type": "object",
+                        "properties": {
+                            "message": {"type": "string"},
+                            "type": {"type": "string"},
+                            "param": {"type": "string", "nullable": True},
+                            "code": {"type": "integer"},
+                        },
+                    }
+                },
+            }
+            schema.setdefault("components", {}).setdefault("schemas", {})["ErrorResponse"] = error
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    responses = op.get("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses["400"] = {
+                            "description": "Invalid request (the message names the field)",
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+                        }
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema["components"]["schemas"].pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
+def create_app(
+    args: ServerArgs,
+    info: ModelInfo,
+    tokenizer: Tokenizer,
+    engine: EngineHandle,
+    on_engine_exit: Callable[[], None] | None = None,
+) -> FastAPI:
+    """An app bound to a running engine process; the zmq client lives on the app's event loop.
+
+    `on_engine_exit` is called once if the engine process dies (the CLI stops the server with it), unless
+    --keep_serving_after_engine_exit."""
+    started = int(time.time())
+    if args.keep_serving_after_engine_exit:
+        on_engine_exit = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,15 +130,31 @@ def create_app(args: ServerArgs, info: ModelInfo, tokenizer: Tokenizer, engine: 
         metrics = Metrics(lambda: client.stats)
         client.observers.append(metrics.on_output)
         client.start()
-        app.state.frontend = Frontend(args, info, tokenizer, client, metrics, engine.is_alive)
+        pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="lightllm-text")
+        app.state.frontend = Frontend(args, info, tokenizer, client, metrics, engine.is_alive, pool)
         app.state.metrics = metrics
-        watchdog = asyncio.get_running_loop().create_task(_watch_engine(engine, client))
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(_watch_engine(engine, client, on_engine_exit))]
+        if args.log_stats_interval > 0:
+            tasks.append(loop.create_task(log_stats(client, metrics, args.log_stats_interval)))
         yield
-        watchdog.cancel()
+        for task in tasks:
+            task.cancel()
+        pool.shutdown(wait=False, cancel_futures=True)
         await client.close()
 
-    app = FastAPI(title="lightllm", lifespan=lifespan)
-    app.include_router(router)
+    docs = args.enable_docs
+    app = FastAPI(
+        title="lightllm",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    app.openapi = _openapi_with_400(app)
+    app.include_router(openai_router)
+    app.include_router(tokenize_router)
+    app.add_middleware(EdgeMiddleware, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -93,7 +187,7 @@ def create_app(args: ServerArgs, info: ModelInfo, tokenizer: Tokenizer, engine: 
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": args.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "lightllm"}
+        card = {"id": args.served_model_name, "object": "model", "created": started, "owned_by": "lightllm"}
         return {"object": "list", "data": [{**card, "max_model_len": args.max_req_total_len}]}
 
     return app

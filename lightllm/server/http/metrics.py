@@ -75,6 +75,9 @@ class Metrics:
             "lightllm_e2e_request_latency_seconds", "submit to finish", buckets=LATENCY_BUCKETS, registry=r
         )
         r.register(_EngineCollector(get_stats))
+        # plain running totals for the periodic throughput log
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         # req_id -> (submit time, last token time or None)
         self._times: dict[str, tuple[float, float | None]] = {}
 
@@ -89,6 +92,7 @@ class Metrics:
         submitted, last = times
         if isinstance(out, TokenChunk) and out.token_ids:
             self.generation_tokens.inc(len(out.token_ids))
+            self.num_generation_tokens += len(out.token_ids)
             if last is None:
                 self.ttft.observe(now - submitted)
                 for _ in out.token_ids[1:]:
@@ -100,6 +104,7 @@ class Metrics:
             self._times[out.req_id] = (submitted, now)
         elif isinstance(out, Finished):
             self.prompt_tokens.inc(out.num_prompt_tokens)
+            self.num_prompt_tokens += out.num_prompt_tokens
             self.e2e.observe(now - submitted)
             del self._times[out.req_id]
 

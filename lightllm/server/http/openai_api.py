@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,10 +11,19 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.http.logprobs import (
+    TextOffsets,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    join_logprobs,
+)
+from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend, Sequence
 from lightllm.server.output import Delta
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -30,38 +40,6 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _chat_logprobs(fe: Frontend, delta_ids: list[int], entries) -> dict | None:
-    if not entries:
-        return None
-
-    def item(token_id: int, logprob: float) -> dict:
-        text = fe.tokenizer.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {
-        "content": [
-            {**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in top]}
-            for t, (lp, top) in zip(delta_ids, entries)
-        ]
-    }
-
-
-def _completion_logprobs(fe: Frontend, delta_ids: list[int], entries, offset: int) -> dict | None:
-    if not entries:
-        return None
-    tokens = [fe.tokenizer.token_text(t) for t in delta_ids]
-    offsets, pos = [], offset
-    for text in tokens:
-        offsets.append(pos)
-        pos += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp for lp, _ in entries],
-        "top_logprobs": [{fe.tokenizer.token_text(a): alp for a, alp in top} for _, top in entries],
-        "text_offset": offsets,
     }
 
 
@@ -85,29 +63,52 @@ async def _collect(stream: AsyncIterator[tuple[Sequence, Delta]]) -> list[Sequen
     return ordered
 
 
+def _sse_error(message: str) -> str:
+    return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": 500}})
+
+
+async def _guarded(events: AsyncIterator[str], stream: AsyncIterator) -> AsyncIterator[str]:
+    """A stream that always ends well-formed: an unexpected failure becomes an error event (the status line went
+    out long ago), and the engine sequences are closed whatever happens."""
+    try:
+        async for event in events:
+            yield event
+    except Exception:
+        logger.exception("streaming response failed")
+        yield _sse_error("internal server error")
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()
+
+
+def _params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    try:
+        return body.to_sampling_params()
+    except RequestError as exc:
+        raise ApiError(400, str(exc), exc.field) from None
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     fe = _frontend(request)
     fe.check_engine()
     fe.check_model(body.model)
-    if not fe.tokenizer.has_chat_template:
-        raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-    params = body.to_sampling_params()
+    params = _params(body)
+    fe.check_capacity(params.n, "n")
     messages = [m.as_template_input() for m in body.messages]
-    try:
-        prompt_ids = fe.tokenizer.encode_chat(messages, **(body.chat_template_kwargs or {}))
-    except Exception as exc:
-        raise ApiError(400, f"the chat template could not render these messages: {exc}", "messages") from None
+    prompt_ids = await fe.encode_chat(messages, body.chat_template, body.chat_template_kwargs or {})
     fe.check_prompt(prompt_ids, params, "messages")
+    fe.check_capacity(params.n, "n")
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
     stream = fe.generate([prompt_ids], params, request)
+    tok = fe.tokenizer
     if not body.stream:
         seqs = await _collect(stream)
         choices = [
             {
                 "index": s.index,
                 "message": {"role": "assistant", "content": s.output.text},
-                "logprobs": _chat_logprobs(fe, s.output.token_ids, s.output.logprobs),
+                "logprobs": chat_logprobs(tok, s.output.token_ids, s.output.logprobs),
                 "finish_reason": s.output.finish_reason,
             }
             for s in seqs
@@ -136,12 +137,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         num_tokens = 0
         async for seq, delta in _until_disconnect(stream):
             num_tokens += len(delta.token_ids)
+            if delta.finish_reason == "error":
+                yield _sse_error(seq.output.error or "the engine failed this request")
+                yield "data: [DONE]\n\n"
+                return
             if not delta.text and not delta.finish_reason and not delta.logprobs:
                 continue
             choice = {
                 "index": seq.index,
                 "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": _chat_logprobs(fe, delta.token_ids, delta.logprobs),
+                "logprobs": chat_logprobs(tok, delta.token_ids, delta.logprobs),
                 "finish_reason": delta.finish_reason,
             }
             yield _sse({**head, "choices": [choice]})
@@ -149,7 +154,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             yield _sse({**head, "choices": [], "usage": _usage(len(prompt_ids), num_tokens)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StreamingResponse(_guarded(events(), stream), media_type="text/event-stream")
 
 
 @router.post("/v1/completions")
@@ -157,32 +162,51 @@ async def completions(body: CompletionRequest, request: Request):
     fe = _frontend(request)
     fe.check_engine()
     fe.check_model(body.model)
-    params = body.to_sampling_params()
+    params = _params(body)
     raw = body.prompt
-    if isinstance(raw, str) or (raw and isinstance(raw[0], str)) or not raw:
+    if not raw:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    texts: list[str] | None = None
+    if isinstance(raw, str) or isinstance(raw[0], str):
         texts = [raw] if isinstance(raw, str) else list(raw)
-        prompts = [fe.tokenizer.encode(t) for t in texts]
+        fe.check_capacity(len(texts) * params.n, "prompt")
+        prompts = [await fe.encode(t, "prompt") for t in texts]
     else:
         prompts = [raw] if isinstance(raw[0], int) else [list(p) for p in raw]
-        texts = [fe.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-    if not prompts:
-        raise ApiError(400, "the prompt list is empty", "prompt")
+        fe.check_capacity(len(prompts) * params.n, "prompt")
+    # token ids are checked before anything decodes them
     for ids in prompts:
         fe.check_prompt(ids, params, "prompt")
+    if texts is None and body.echo:
+        texts = [await fe.offload(fe.tokenizer.decode, p, skip_special_tokens=False) for p in prompts]
+    fe.check_capacity(len(prompts) * params.n, "prompt")
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
-    num_prompt_tokens = sum(len(p) for p in prompts) * params.n
+    # each prompt is counted once, however many sequences it has
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    tok, want_logprobs = fe.tokenizer, params.logprobs is not None
+
+    def echoed(p: int) -> tuple[str, dict | None]:
+        """The echoed prompt text and, with logprobs, its entries (null logprobs: prompt tokens are not scored)."""
+        if not body.echo:
+            return "", None
+        return texts[p], echoed_prompt_logprobs(tok, prompts[p], len(texts[p])) if want_logprobs else None
+
     stream = fe.generate(prompts, params, request)
     if not body.stream:
         seqs = await _collect(stream)
-        choices = [
-            {
-                "index": s.index,
-                "text": (texts[s.prompt_index] if body.echo else "") + s.output.text,
-                "logprobs": _completion_logprobs(fe, s.output.token_ids, s.output.logprobs, 0),
-                "finish_reason": s.output.finish_reason,
-            }
-            for s in seqs
-        ]
+        choices = []
+        for s in seqs:
+            prefix, prompt_logprobs = echoed(s.prompt_index)
+            offsets = TextOffsets(len(prefix))
+            logprobs = completion_logprobs(tok, s.output.token_ids, s.output.logprobs, offsets)
+            choices.append(
+                {
+                    "index": s.index,
+                    "text": prefix + s.output.text,
+                    "logprobs": join_logprobs(prompt_logprobs, logprobs),
+                    "finish_reason": s.output.finish_reason,
+                }
+            )
         usage = _usage(num_prompt_tokens, sum(len(s.output.token_ids) for s in seqs))
         return {
             "id": rid,
@@ -197,21 +221,26 @@ async def completions(body: CompletionRequest, request: Request):
 
     async def events() -> AsyncIterator[str]:
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        if body.echo:
-            for i in range(len(prompts) * params.n):
-                yield _sse({**head, "choices": [{"index": i, "text": texts[i // params.n], "finish_reason": None}]})
+        offsets: dict[int, TextOffsets] = {}
+        for i in range(len(prompts) * params.n):
+            prefix, prompt_logprobs = echoed(i // params.n)
+            offsets[i] = TextOffsets(len(prefix))
+            if body.echo:
+                choice = {"index": i, "text": prefix, "logprobs": prompt_logprobs, "finish_reason": None}
+                yield _sse({**head, "choices": [choice]})
         num_tokens = 0
-        offsets: dict[int, int] = {}
         async for seq, delta in _until_disconnect(stream):
             num_tokens += len(delta.token_ids)
+            if delta.finish_reason == "error":
+                yield _sse_error(seq.output.error or "the engine failed this request")
+                yield "data: [DONE]\n\n"
+                return
             if not delta.text and not delta.finish_reason and not delta.logprobs:
                 continue
-            offset = offsets.get(seq.index, 0)
-            offsets[seq.index] = offset + len(delta.text)
             choice = {
                 "index": seq.index,
                 "text": delta.text,
-                "logprobs": _completion_logprobs(fe, delta.token_ids, delta.logprobs, offset),
+                "logprobs": completion_logprobs(tok, delta.token_ids, delta.logprobs, offsets[seq.index]),
                 "finish_reason": delta.finish_reason,
             }
             yield _sse({**head, "choices": [choice]})
@@ -219,9 +248,12 @@ async def completions(body: CompletionRequest, request: Request):
             yield _sse({**head, "choices": [], "usage": _usage(num_prompt_tokens, num_tokens)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StreamingResponse(_guarded(events(), stream), media_type="text/event-stream")
+
+
+def error_body(exc: ApiError) -> dict:
+    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}}
 
 
 def error_response(exc: ApiError) -> JSONResponse:
-    body = {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}}
-    return JSONResponse(body, status_code=exc.status)
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)

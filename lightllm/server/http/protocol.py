@@ -1,26 +1,58 @@
 """OpenAI request schemas (the subset we serve) and their translation into `SamplingParams`.
 
 Unknown fields are ignored like OpenAI does; wrong types and out-of-range values become 400 errors naming the
-field.
+field. Types are strict: `"16"` is not a number and `"yes"` or `1` is not a boolean. Every integer is bounded to what
+the engine can store, so no value a client sends can fail the engine step it is batched into.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from lightllm.engine.sampling_params import SamplingParams
+from lightllm.engine.sampling_params import MAX_INT, MAX_N, MAX_SEED, SamplingParams, SamplingParamsError
+
+# at most this many stop strings / stop token ids per request (each is checked against the stream)
+MAX_STOPS = 64
+MAX_STOP_TOKEN_IDS = 1024
 
 
-class TextPart(BaseModel):
+class RequestError(ValueError):
+    """A request that passed the schema but cannot be served; `field` names the offending field."""
+
+    def __init__(self, field: str | None, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_text(value: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate (`"\\ud800"`); it has no UTF-8 form, so no tokenizer can read it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("contains a lone UTF-16 surrogate (not valid Unicode text)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(check_text)]
+Int = Annotated[int, Field(ge=0, le=MAX_INT)]
+
+
+class StrictModel(BaseModel):
+    """Strict types, unknown fields ignored, no NaN or infinity."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(StrictModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -29,32 +61,58 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _is_id_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
-    model: str
-    n: int = Field(1, ge=1, le=64)
+
+class _SamplingFields(StrictModel):
+    model: Text
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: Any = None
+    stop_token_ids: list[Int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # accepted only when empty: refusing beats silently ignoring what the client asked for
+    logit_bias: dict | None = None
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _stop(cls, value):
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("must be a string or a list of strings")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+        if not all(stops):
+            raise ValueError("stop strings must not be empty")
+        return [check_text(s) for s in stops]
+
+    def check_supported(self) -> None:
+        """Refuse options that parse but that this server would otherwise ignore."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options", "stream_options: only allowed with stream: true")
+        if self.logit_bias:
+            raise RequestError("logit_bias", "logit_bias: not supported by this server")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        """Raises RequestError for combinations the field checks cannot see (seed + n, ...)."""
+        self.check_supported()
         knobs = {
             k: getattr(self, k)
             for k in (
@@ -68,38 +126,123 @@ class _SamplingFields(BaseModel):
             )
             if getattr(self, k) is not None
         }
-        return SamplingParams(
-            n=self.n,
-            seed=self.seed,
-            max_tokens=max_tokens,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            **knobs,
-        )
+        try:
+            return SamplingParams(
+                n=self.n,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                stop=list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                **knobs,
+            )
+        except SamplingParamsError as exc:
+            raise RequestError(self.field_name(exc.field), str(exc)) from None
+
+    def field_name(self, params_field: str) -> str:
+        """The request field a SamplingParams field comes from."""
+        return params_field
+
+
+# apply_chat_template's own arguments: as template variables they would change how the prompt is built
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    chat_template_kwargs: dict | None = None
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # refused unless they ask for nothing (this server has no tool calling or constrained decoding)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs", "top_logprobs: only allowed with logprobs: true")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise RequestError(name, f"{name}: tool calling is not supported by this server")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise RequestError(name, f"{name}: tool calling is not supported by this server")
+        fmt = self.response_format
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise RequestError("response_format", "response_format: only {'type': 'text'} is supported")
+        for key in self.chat_template_kwargs or {}:
+            if key == "chat_template":
+                raise RequestError(
+                    "chat_template_kwargs.chat_template", "chat_template_kwargs.chat_template: send it as chat_template"
+                )
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise RequestError(
+                    f"chat_template_kwargs.{key}",
+                    f"chat_template_kwargs.{key}: reserved (an argument of the template call, not a template variable)",
+                )
 
     def to_sampling_params(self) -> SamplingParams:
         num_top = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(self.max_completion_tokens or self.max_tokens, num_top)
 
+    def field_name(self, params_field: str) -> str:
+        if params_field == "logprobs":
+            return "top_logprobs"
+        if params_field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return params_field
+
 
 class CompletionRequest(_SamplingFields):
     # text, a batch of texts, token ids, or a batch of token id lists
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    suffix: Text | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, value):
+        if isinstance(value, str):
+            return check_text(value)
+        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+            return [check_text(p) for p in value]
+        if _is_id_list(value) or (isinstance(value, list) and value and all(_is_id_list(p) for p in value)):
+            return value
+        if value == []:
+            return value
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise RequestError("suffix", "suffix: not supported by this server")
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(self.max_tokens, self.logprobs)

@@ -4,10 +4,14 @@ per-sequence deltas, aborts on stop strings and client disconnects."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
+import jinja2
 import msgspec
 
 from lightllm.engine.messages import NewRequest, TokenChunk
@@ -18,6 +22,10 @@ from lightllm.server.http.metrics import Metrics
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.output import Delta, SequenceOutput, prompt_problem
 from lightllm.server.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+# what a 429 tells the client to wait before retrying, seconds
+RETRY_AFTER_S = 1
 
 
 class ClientDisconnected(Exception):
@@ -31,9 +39,17 @@ _DISCONNECTED = object()
 class ApiError(Exception):
     """A request problem reported as an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers
 
 
 @dataclass
@@ -55,9 +71,13 @@ class Frontend:
         client: EngineClient,
         metrics: Metrics,
         engine_alive=lambda: True,
+        pool: Executor | None = None,
     ):
         self.args, self.info, self.tokenizer, self.client, self.metrics = args, info, tokenizer, client, metrics
         self.engine_alive = engine_alive
+        # tokenizing and template rendering run here, off the event loop (None: inline, for tests of pure logic)
+        self.pool = pool
+        self.max_prompt_chars = tokenizer.max_chars(args.max_req_total_len)
 
     def check_engine(self) -> None:
         if not self.engine_alive():
@@ -66,6 +86,66 @@ class Frontend:
     def check_model(self, model: str) -> None:
         if model != self.args.served_model_name:
             raise ApiError(400, f"model {model!r} is not served here; use {self.args.served_model_name!r}", "model")
+
+    async def offload(self, fn, *args, **kwargs):
+        """Run CPU-bound text work in the pool: the Rust tokenizer releases the GIL there, and pure-Python work
+        (jinja) is preempted every switch interval, so the event loop keeps answering other clients."""
+        call = functools.partial(fn, *args, **kwargs)
+        if self.pool is None:
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(self.pool, call)
+
+    def check_chars(self, text: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"the prompt has {len(text)} characters; no more than {self.max_prompt_chars} can fit in "
+                f"max_req_total_len ({self.args.max_req_total_len}) tokens",
+                param,
+            )
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        self.check_chars(text, param)
+        return await self.offload(self.tokenizer.encode, text)
+
+    async def encode_chat(self, messages: list[dict], chat_template: str | None, template_kwargs: dict) -> list[int]:
+        if chat_template is not None:
+            if not self.args.trust_request_chat_template:
+                raise ApiError(
+                    400,
+                    "chat_template: client chat templates are refused (they run inside the server); the server's "
+                    "operator can allow them with --trust_request_chat_template",
+                    "chat_template",
+                )
+        elif not self.tokenizer.has_chat_template:
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        try:
+            prompt = await self.offload(self.tokenizer.render_chat, messages, chat_template, **template_kwargs)
+        except jinja2.TemplateError as exc:
+            # the template's own complaint (e.g. raise_exception("roles must alternate")) is meant for the client
+            raise ApiError(400, f"the chat template could not render these messages: {exc}", "messages") from None
+        except Exception:
+            logger.exception("chat template rendering failed")
+            raise ApiError(400, "the chat template could not render these messages", "messages") from None
+        self.check_chars(prompt, "messages")
+        return await self.offload(self.tokenizer.encode_rendered, prompt)
+
+    def check_capacity(self, num_seqs: int, param: str) -> None:
+        """Refuse a request asking for too many sequences (400) or arriving when the wait queue is full (429)."""
+        cap = self.args.max_sequences_per_request
+        if num_seqs > cap:
+            raise ApiError(
+                400, f"this request asks for {num_seqs} sequences (prompts x n); at most {cap} are allowed", param
+            )
+        limit = self.args.max_running_requests + self.args.max_queue_len
+        if self.client.num_in_flight + num_seqs > limit:
+            raise ApiError(
+                429,
+                f"the server is at capacity ({self.client.num_in_flight} sequences in flight, room for {limit}); "
+                f"retry in {RETRY_AFTER_S} s",
+                kind="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
         problem = prompt_problem(ids, params, self.info.vocab_size, self.args.max_req_total_len)

@@ -1,0 +1,76 @@
+"""OpenAI `logprobs` objects from engine log-probabilities.
+
+A token's text is its exact bytes decoded, or `bytes:\\xNN...` when they are part of a multi-byte character, and
+`bytes` are the token's own bytes (never those of U+FFFD), so every token of a fragmented character is told apart.
+"""
+
+from __future__ import annotations
+
+import codecs
+
+from lightllm.server.tokenizer import Tokenizer
+
+# per token: (logprob, [(alt_id, logprob), ...])
+Entries = list[tuple[float, list[tuple[int, float]]]]
+
+
+def chat_logprobs(tok: Tokenizer, token_ids: list[int], entries: Entries) -> dict | None:
+    if not entries:
+        return None
+
+    def item(token_id: int, logprob: float) -> dict:
+        return {"token": tok.token_text(token_id), "logprob": logprob, "bytes": list(tok.token_bytes(token_id))}
+
+    return {
+        "content": [
+            {**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in top]}
+            for t, (lp, top) in zip(token_ids, entries)
+        ]
+    }
+
+
+class TextOffsets:
+    """Character offset of each token in the returned text: where the character holding its first byte begins."""
+
+    def __init__(self, start: int = 0):
+        self.chars = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, tok: Tokenizer, token_ids: list[int]) -> list[int]:
+        offsets = []
+        for t in token_ids:
+            offsets.append(self.chars)
+            self.chars += len(self._utf8.decode(tok.token_bytes(t)))
+        return offsets
+
+
+def completion_logprobs(tok: Tokenizer, token_ids: list[int], entries: Entries, offsets: TextOffsets) -> dict | None:
+    if not entries:
+        return None
+    return {
+        "tokens": [tok.token_text(t) for t in token_ids],
+        "token_logprobs": [lp for lp, _ in entries],
+        # keyed by token text: distinct tokens have distinct texts (fragments are spelled as bytes)
+        "top_logprobs": [{tok.token_text(a): alp for a, alp in top} for _, top in entries],
+        "text_offset": offsets.advance(tok, token_ids),
+    }
+
+
+def echoed_prompt_logprobs(tok: Tokenizer, prompt_ids: list[int], prompt_chars: int) -> dict:
+    """Entries for an echoed prompt: the engine does not score prompt tokens, so their logprobs are null.
+
+    Offsets follow the prompt's tokens and never pass the echoed text's length (a tokenizer may add a BOS token that
+    the echoed text does not hold)."""
+    offsets = [min(o, prompt_chars) for o in TextOffsets().advance(tok, prompt_ids)]
+    return {
+        "tokens": [tok.token_text(t) for t in prompt_ids],
+        "token_logprobs": [None] * len(prompt_ids),
+        "top_logprobs": [None] * len(prompt_ids),
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    if first is None or second is None:
+        return first or second
+    return {k: first[k] + second[k] for k in first}

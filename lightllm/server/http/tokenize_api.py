@@ -1,0 +1,61 @@
+"""vLLM's utility endpoints: POST /tokenize, POST /detokenize, GET /version."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from lightllm import __version__
+from lightllm.server.http.protocol import ChatMessage, StrictModel, Text
+from lightllm.server.http.serving import ApiError, Frontend
+
+router = APIRouter()
+
+
+class TokenizeRequest(StrictModel):
+    model: Text | None = None
+    # exactly one of prompt (plain text) or messages (rendered with the chat template)
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(StrictModel):
+    model: Text | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+def _frontend(request: Request, model: str | None) -> Frontend:
+    fe: Frontend = request.app.state.frontend
+    if model is not None:
+        fe.check_model(model)
+    return fe
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    fe = _frontend(request, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        ids = await fe.encode_chat([m.as_template_input() for m in body.messages], None, {})
+    else:
+        fe.check_chars(body.prompt, "prompt")
+        encode = fe.tokenizer.encode if body.add_special_tokens else fe.tokenizer.encode_rendered
+        ids = await fe.offload(encode, body.prompt)
+    return {"count": len(ids), "max_model_len": fe.args.max_req_total_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    fe = _frontend(request, body.model)
+    vocab = fe.info.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise ApiError(400, f"tokens: token ids must be in [0, {vocab})", "tokens")
+    text = await fe.offload(fe.tokenizer.decode, body.tokens, skip_special_tokens=False)
+    return {"prompt": text}
+
+
+@router.get("/version")
+async def version():
+    return {"version": __version__}
