@@ -1,0 +1,185 @@
+"""Offline throughput of the engine per state mode, with each decode step split into GPU time and host time.
+
+    python -m lightllm.tools.bench_throughput --modes native,replay --batch_sizes 1,64,256 --mtp_step 0 \
+        [--model_dir DIR | --serving_model] [--input_len 256] [--output_len 128] [--result_file out.json]
+
+Without `--model_dir` it runs the tiny demo model; `--serving_model` builds (once, cached) the random-weight
+checkpoint the project's serving numbers are measured on (`SERVING_BENCH_SIZES`: Qwen3.5 layout at hidden 2048,
+8 layers). For each mode and batch size it submits `batch` random prompts at once (greedy, fixed lengths) and
+reports output tokens per second over the whole run, the median wall time of a decode-only step, and on CUDA the
+kernel time per decode step (torch profiler over steady steps) and the rest of the step (host time not hidden
+behind the GPU). Each mode is one engine; its batch sizes share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from lightllm.engine.messages import Finished, NewRequest, TokenChunk
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.args import load_server_args
+from lightllm.server.engine_process import build_engine
+from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
+
+# the serving benchmark's checkpoint: Qwen3.5 layout (6 GDN + 2 gated-attention layers), bf16 weights
+SERVING_BENCH_SIZES = dict(
+    hidden_size=2048,
+    num_layers=8,
+    vocab_size=32000,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    intermediate_size=6144,
+    full_attention_interval=4,
+)
+# decode steps timed by the profiler (after the first few, which may still compile or allocate)
+PROFILED_STEPS = 8
+
+
+def serving_model_dir() -> str:
+    from lightllm.tools.make_tiny_model import tiny_model_dir
+
+    return str(tiny_model_dir("qwen3_5", seed=0, dtype="bfloat16", **SERVING_BENCH_SIZES))
+
+
+def _is_decode_only(engine) -> bool:
+    sched = engine.scheduler
+    return not sched.waiting and bool(sched.running) and not any(r.is_prefilling for r in sched.running)
+
+
+def _gpu_ms_per_step(engine, num_steps: int) -> float | None:
+    """CUDA kernel time per engine step over `num_steps` decode steps (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1000 / num_steps
+
+
+def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, seed: int) -> dict:
+    """Submit `batch` requests at once and run them to the end; returns the measured figures."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i in range(batch):
+        prompt = rng.integers(10, vocab - 10, size=input_len).tolist()
+        assert engine.add_request(NewRequest(f"b{batch}-{i}", prompt, params)) == []
+    num_tokens, step_ms, gpu_ms = 0, [], None
+    start = time.perf_counter()
+    while engine.has_work():
+        decode_only = _is_decode_only(engine)
+        if decode_only and gpu_ms is None and len(step_ms) == 4 and torch.cuda.is_available():
+            steps_left = min(r.num_remaining_tokens for r in engine.scheduler.running)
+            if steps_left > PROFILED_STEPS:
+                gpu_ms = _gpu_ms_per_step(engine, PROFILED_STEPS)
+                continue
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        if decode_only:
+            step_ms.append((time.perf_counter() - t0) * 1000)
+        for out in outputs:
+            if isinstance(out, TokenChunk):
+                num_tokens += len(out.token_ids)
+            elif isinstance(out, Finished) and out.reason not in ("length", "stop"):
+                raise RuntimeError(f"request {out.req_id} ended with {out.reason}: {out.error}")
+    elapsed = time.perf_counter() - start
+    step = statistics.median(step_ms) if step_ms else float("nan")
+    stats = engine.stats
+    accepted = (
+        (stats.num_accepted_draft_tokens + stats.num_spec_windows) / stats.num_spec_windows
+        if stats.num_spec_windows
+        else None
+    )
+    return {
+        "batch": batch,
+        "output_tokens": num_tokens,
+        "seconds": elapsed,
+        "output_tok_per_s": num_tokens / elapsed,
+        "decode_step_ms": step,
+        "gpu_ms_per_step": gpu_ms,
+        "host_ms_per_step": None if gpu_ms is None else max(step - gpu_ms, 0.0),
+        "mean_accepted_len": accepted,
+    }
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lightllm.tools.bench_throughput", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model_dir", default=None, help="checkpoint folder (default: the tiny demo model)")
+    p.add_argument("--serving_model", action="store_true", help="the project's real-width random checkpoint")
+    p.add_argument("--modes", default="native,replay", help="comma-separated state modes")
+    p.add_argument("--batch_sizes", default="1,8", help="comma-separated request counts")
+    p.add_argument("--input_len", type=int, default=32)
+    p.add_argument("--output_len", type=int, default=32)
+    p.add_argument("--mtp_step", type=int, default=0)
+    p.add_argument("--spec_ngram", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--disable_cudagraph", action="store_true")
+    p.add_argument("--replayssm_cache_len", type=int, default=None)
+    p.add_argument("--linear_att_ssm_data_type", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result_file", default=None, help="write every row as JSON here")
+    return p.parse_args(argv)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    a = _parse(argv)
+    model_dir = serving_model_dir() if a.serving_model else a.model_dir
+    batches = [int(b) for b in a.batch_sizes.split(",")]
+    rows = []
+    for mode in a.modes.split(","):
+        flags = dict(
+            model_dir=model_dir,
+            device=a.device,
+            ssm_state_mode=mode,
+            mtp_step=a.mtp_step,
+            spec_ngram=a.spec_ngram,
+            max_running_requests=max(batches),
+            max_req_total_len=a.input_len + a.output_len + 8,
+            linear_att_ssm_data_type=a.linear_att_ssm_data_type,
+            disable_cudagraph=a.disable_cudagraph,
+        )
+        if mode == "replay" and a.replayssm_cache_len:
+            flags["replayssm_cache_len"] = a.replayssm_cache_len
+        args, info = load_server_args([], **flags)
+        engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
+        for batch in batches:
+            row = run_batch(engine, batch, a.input_len, a.output_len, info.vocab_size, a.seed)
+            row.update(mode=mode, mtp_step=a.mtp_step, spec_ngram=a.spec_ngram, device=args.device)
+            rows.append(row)
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print("| mode | mtp | ngram | batch | out tok/s | decode step ms | GPU ms/step | host ms/step | accepted len |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['mode']} | {r['mtp_step']} | {r['spec_ngram']} | {r['batch']} | {r['output_tok_per_s']:.0f} | "
+            f"{r['decode_step_ms']:.2f} | {_fmt(r['gpu_ms_per_step'], '.2f')} | {_fmt(r['host_ms_per_step'], '.2f')} "
+            f"| {_fmt(r['mean_accepted_len'], '.2f')} |"
+        )
+    if a.result_file:
+        with open(a.result_file, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
