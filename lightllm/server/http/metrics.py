@@ -38,7 +38,7 @@ class _EngineCollector:
             yield CounterMetricFamily(f"lightllm_{name}", doc, value=value)
         lengths = GaugeMetricFamily(
             "lightllm_spec_acceptance_length_windows",
-            "decode windows by tokens produced per step (accepted drafts + 1)",
+            "drafted decode windows by tokens produced (accepted drafts + 1); windows without drafts are not counted",
             labels=["length"],
         )
         for i, count in enumerate(s.accepted_length_counts):
@@ -46,7 +46,9 @@ class _EngineCollector:
         yield lengths
         total = sum(s.accepted_length_counts)
         mean = sum((i + 1) * c for i, c in enumerate(s.accepted_length_counts)) / total if total else 0.0
-        yield GaugeMetricFamily("lightllm_spec_mean_acceptance_length", "mean tokens per decode window", value=mean)
+        yield GaugeMetricFamily(
+            "lightllm_spec_mean_acceptance_length", "mean tokens per drafted decode window", value=mean
+        )
         pool = GaugeMetricFamily("lightllm_state_pool_bytes", "linear-attention state memory", labels=["mode"])
         for mode, nbytes in s.state_pool_bytes.items():
             pool.add_metric([mode], nbytes)

@@ -1,0 +1,148 @@
+"""OpenAI conformance against the live server (fake runner), judged by the official openai client: usage, logprobs
+bytes and keys, echo with logprobs, /v1/models, docs off by default, and vLLM's /tokenize, /detokenize, /version."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+import lightllm
+from unit_tests.server.live_server import LiveServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = LiveServer(device="cpu", max_running_requests=8, max_total_token_num=2048, chunked_prefill_size=64)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_completion_usage_counts_each_prompt_once(server, client, n):
+    ids = server.tokenizer.encode("count me once")
+    r = client.completions.create(
+        model=server.model, prompt="count me once", max_tokens=4, n=n, seed=1, extra_body={"ignore_eos": True}
+    )
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 4 * n)
+    two = client.completions.create(model=server.model, prompt=["count me once", "and me"], max_tokens=2, n=n)
+    # twin: a second prompt does add its tokens
+    assert two.usage.prompt_tokens == len(ids) + len(server.tokenizer.encode("and me"))
+
+
+def _fragment(text: str) -> bool:
+    return text.startswith("bytes:")
+
+
+def test_chat_logprobs_carry_each_tokens_own_bytes(server, client):
+    r = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "bytes please"}],
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=20,
+        # special tokens rendered too, so the text is exactly the tokens' bytes
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )
+    content = r.choices[0].logprobs.content
+    items = [*content, *(alt for c in content for alt in c.top_logprobs)]
+    for item in items:
+        raw = bytes(item.bytes)
+        if _fragment(item.token):
+            assert item.token == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        else:
+            assert raw.decode("utf-8") == item.token
+    fragments = [i for i in items if _fragment(i.token)]
+    assert fragments, "no fragment token among the alternatives: the check above proved nothing"
+    assert all(bytes(i.bytes) != "\ufffd".encode() for i in fragments)
+    # the chosen tokens' bytes are the reply
+    joined = b"".join(bytes(c.bytes) for c in content).decode("utf-8", errors="replace")
+    assert joined == r.choices[0].message.content
+    assert joined != r.choices[0].message.content + "x"
+
+
+def test_completion_top_logprobs_keep_every_alternative(server, client):
+    r = client.completions.create(
+        model=server.model,
+        prompt="many keys",
+        max_tokens=16,
+        temperature=0,
+        logprobs=20,
+        extra_body={"ignore_eos": True},
+    )
+    tops = r.choices[0].logprobs.top_logprobs
+    # fragments are spelled by their bytes, so 20 alternatives are 20 keys
+    assert [len(t) for t in tops] == [20] * 16
+    assert any(_fragment(k) for t in tops for k in t)
+
+
+def test_echo_with_logprobs_covers_the_prompt(server, client):
+    prompt = "echo this"
+    ids = server.tokenizer.encode(prompt)
+    kw = dict(model=server.model, prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=1)
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 5
+    assert lp.token_logprobs[: len(ids)] == [None] * len(ids)
+    assert all(isinstance(v, float) for v in lp.token_logprobs[len(ids) :])
+    assert lp.top_logprobs[: len(ids)] == [None] * len(ids)
+    assert lp.text_offset[0] == 0 and lp.text_offset[len(ids)] == len(prompt)
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens[: len(ids)]) == prompt
+    streamed = list(client.completions.create(stream=True, **kw, extra_body={"ignore_eos": True}))
+    first = streamed[0].choices[0]
+    assert first.text == prompt and first.logprobs.token_logprobs == [None] * len(ids)
+    later = [c.choices[0].logprobs.text_offset for c in streamed[1:] if c.choices and c.choices[0].logprobs]
+    assert later[0][0] == len(prompt)
+    # twin: without echo, offsets start at 0 and no prompt entries come back
+    plain = client.completions.create(**{**kw, "echo": False}, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert plain.text_offset[0] == 0 and len(plain.tokens) == 5
+
+
+def test_models_created_is_the_start_time(server):
+    first = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["created"]
+    time.sleep(1.1)
+    again = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["created"]
+    assert first == again and first <= time.time()
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
+def test_docs_are_off_by_default(server, path):
+    assert httpx.get(f"{server.base_url}{path}").status_code == 404
+    assert httpx.get(f"{server.base_url}/version").status_code == 200
+
+
+def test_tokenize_detokenize_version(server):
+    base = server.base_url
+    r = httpx.post(f"{base}/tokenize", json={"model": server.model, "prompt": "hello tokens"}).json()
+    assert r["tokens"] == server.tokenizer.encode("hello tokens") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == server.args.max_req_total_len
+    assert r["tokens"] != httpx.post(f"{base}/tokenize", json={"prompt": "hello token"}).json()["tokens"]
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{base}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == server.tokenizer.encode_chat(messages)
+    text = httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"]
+    assert text == "hello tokens"
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [2**40]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(f"{base}/tokenize", json={"prompt": "x", "messages": messages})
+    assert both.status_code == 400
+    assert httpx.get(f"{base}/version").json() == {"version": lightllm.__version__}
+
+
+def test_error_bodies_are_openai_shaped(server):
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"model": server.model, "prompt": "x", "n": "2"})
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == 400
+    assert "Traceback" not in json.dumps(error)
