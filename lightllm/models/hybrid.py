@@ -15,7 +15,7 @@ from lightllm.models.context import StepContext
 from lightllm.models.layers.decoder import build_layer
 from lightllm.models.layers.norms import rms_norm
 from lightllm.models.layers.rotary import Rotary
-from lightllm.models.loader import WeightLoader
+from lightllm.models.loader import Shapes, WeightLoader
 from lightllm.models.mtp import MtpHead
 from lightllm.models.tp import TPInfo
 
@@ -43,15 +43,23 @@ class HybridModel(nn.Module):
             return True
         return name == "lm_head.weight" and self.cfg.tie_word_embeddings
 
-    def checkpoint_names(self, available: set[str] | None = None) -> list[str]:
-        names = ["model.embed_tokens.weight", "model.norm.weight"]
+    def checkpoint_shapes(self, available: set[str] | None = None) -> Shapes:
+        """Every checkpoint tensor this model loads (canonical names, see `loader.normalize_name`) with the full
+        shape its config implies; `available` (the checkpoint's names) picks between alternative layouts.
+
+        The model holds no weights until `load`: a freshly built one answers this without allocating any."""
+        vocab, hidden = self.cfg.vocab_size, self.cfg.hidden_size
+        shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
         if not self.cfg.tie_word_embeddings:
-            names.append("lm_head.weight")
+            shapes["lm_head.weight"] = (vocab, hidden)
         for i, layer in enumerate(self.layers):
-            names += layer.checkpoint_names(f"model.layers.{i}.", available)
+            shapes.update(layer.checkpoint_shapes(f"model.layers.{i}.", available))
         if self.mtp is not None:
-            names += self.mtp.checkpoint_names(available)
-        return names
+            shapes.update(self.mtp.checkpoint_shapes(available))
+        return shapes
+
+    def checkpoint_names(self, available: set[str] | None = None) -> list[str]:
+        return list(self.checkpoint_shapes(available))
 
     def load(self, w: WeightLoader) -> None:
         self.register_buffer("embed", w.get("model.embed_tokens.weight"))

@@ -1,14 +1,18 @@
 """Checkpoint tensors -> model weights: safetensors reading, name normalisation, dtype, TP shards, key checks.
 
 Modules pull their tensors by the real Hugging Face names (relative to the decoder root `model.`, or `lm_head.`,
-`mtp.`) through a `WeightLoader`; the loader checks beforehand that the checkpoint holds exactly the keys the
-model declares and names every missing and every unexpected key in one error.
+`mtp.`) through a `WeightLoader`; the loader checks beforehand that the checkpoint holds exactly the tensors the
+model declares, in the shapes it declares, and names every missing, unexpected and wrongly shaped one in one error.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
-from collections.abc import Callable, Iterable
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,8 +21,79 @@ from tqdm import tqdm
 
 from lightllm.models.tp import TPInfo
 
+# checkpoint tensor name -> the full (unsharded) shape stored on disk
+Shapes = dict[str, tuple[int, ...]]
 # parameters that stay fp32 whatever the model dtype (gates and router biases feed fp32 math)
 FP32_PARAM = re.compile(r"(A_log|dt_bias|e_score_correction_bias)$")
+
+
+# bytes per element of each safetensors dtype: a tensor's data spans numel x this
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+DTYPE_BYTES |= {"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+# the safetensors format caps its JSON header at 100 MB: a larger length field means the file is not safetensors
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, TensorHeader]:
+    """Tensor name -> its header entry, from the file's JSON header only (no tensor data is read).
+
+    Raises ValueError naming the file (and the tensor at fault) when the header is unreadable or the file is too
+    short to hold every tensor's `data_offsets`: a truncated download fails here, not half-way through loading."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        length_field = f.read(8)
+        if len(length_field) < 8:
+            raise ValueError(f"{path}: truncated: expected at least an 8-byte header length, found {size} bytes")
+        (header_len,) = struct.unpack("<Q", length_field)
+        if header_len > MAX_HEADER_BYTES:
+            raise ValueError(f"{path}: not a safetensors file (its header length field reads {header_len} bytes)")
+        if 8 + header_len > size:
+            raise ValueError(
+                f"{path}: truncated: expected at least {8 + header_len} bytes for the header, found {size} bytes"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"{path}: corrupt safetensors header (expected JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (expected a JSON object, found {type(header).__name__})")
+    return {
+        name: _tensor_header(path, name, entry, 8 + header_len, size)
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+
+
+def _tensor_header(path: Path, name: str, entry, data_start: int, size: int) -> TensorHeader:
+    """One header entry, checked against the file: data_offsets count from the end of the header."""
+    try:
+        dtype, shape = str(entry["dtype"]), tuple(int(d) for d in entry["shape"])
+        start, end = (int(x) for x in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            f"{path}: corrupt header entry of tensor {name!r}: expected dtype, shape and data_offsets, found {entry!r}"
+        ) from None
+    width = DTYPE_BYTES.get(dtype)
+    if width is not None and end - start != math.prod(shape) * width:
+        raise ValueError(
+            f"{path}: corrupt header entry of tensor {name!r}: {dtype} {list(shape)} needs "
+            f"{math.prod(shape) * width} bytes, its data_offsets span {end - start}"
+        )
+    if data_start + end > size:
+        raise ValueError(
+            f"{path}: truncated: expected at least {data_start + end} bytes (the end of tensor {name!r}), "
+            f"found {size} bytes"
+        )
+    return TensorHeader(path, dtype, shape)
 
 
 def normalize_name(name: str) -> str | None:
@@ -42,22 +117,22 @@ class CheckpointReader:
         self._tensors: dict[str, torch.Tensor] = {}
         self._handles: dict[Path, object] = {}
         self.raw_names: dict[str, str] = {}
+        # canonical name -> the shape stored in the checkpoint
+        self.shapes: Shapes = {}
         if isinstance(source, dict):
-            items = [(k, None) for k in source]
+            items = [(k, None, tuple(t.shape)) for k, t in source.items()]
             self._tensors = dict(source)
         else:
             files = sorted(Path(source).glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"no *.safetensors files in {source}")
-            items = []
-            for path in files:
-                with safe_open(path, framework="pt") as f:
-                    items += [(k, path) for k in f.keys()]
-        for raw, path in items:
+            items = [(k, h.file, h.shape) for path in files for k, h in read_safetensors_header(path).items()]
+        for raw, path, shape in items:
             name = normalize_name(raw)
             if name is None:
                 continue
             self.raw_names[name] = raw
+            self.shapes[name] = shape
             if path is not None:
                 self._files[name] = path
 
@@ -114,18 +189,34 @@ class WeightLoader:
         return t.to(device=self.device, dtype=torch.float32 if fp32 else self.dtype).contiguous()
 
 
-def check_keys(expected: Iterable[str], available: set[str], context: str) -> None:
-    """Raise one KeyError naming every missing and every unexpected checkpoint key."""
-    expected = set(expected)
-    missing = sorted(expected - available)
-    unexpected = sorted(available - expected)
-    if missing or unexpected:
-        lines = [f"checkpoint {context} does not match the model:"]
-        if missing:
-            lines.append(f"  missing ({len(missing)}): " + ", ".join(missing))
-        if unexpected:
-            lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(unexpected))
-        raise KeyError("\n".join(lines))
+def tensor_mismatch(
+    expected: Shapes, found: Shapes, label: Callable[[str], str] = str, limit: int | None = None
+) -> list[str]:
+    """Lines naming the missing, unexpected and wrongly shaped tensors of `found` against `expected` (the first
+    `limit` of each kind, all when None; `label` spells a name); empty when they match."""
+    missing = [n for n in expected if n not in found]
+    unexpected = [n for n in found if n not in expected]
+    wrong = [n for n in expected if n in found and tuple(found[n]) != tuple(expected[n])]
+    lines = []
+    for kind, names in (("missing", missing), ("unexpected", unexpected)):
+        if names:
+            shown = ", ".join(label(n) for n in names[:limit])
+            more = f" (+{len(names) - limit} more)" if limit is not None and len(names) > limit else ""
+            lines.append(f"{kind} ({len(names)}): {shown}{more}")
+    if wrong:
+        lines.append(f"wrong shape ({len(wrong)} of {len(expected)}):")
+        for n in wrong[:limit]:
+            lines.append(f"  {label(n)}: expected {list(expected[n])}, found {list(found[n])}")
+        if limit is not None and len(wrong) > limit:
+            lines.append(f"  (+{len(wrong) - limit} more)")
+    return lines
+
+
+def check_tensors(expected: Shapes, found: Shapes, context: str) -> None:
+    """Raise one KeyError naming every missing, unexpected and wrongly shaped checkpoint tensor."""
+    lines = tensor_mismatch(expected, found)
+    if lines:
+        raise KeyError("\n".join([f"checkpoint {context} does not match the model:"] + [f"  {x}" for x in lines]))
 
 
 def load_weights(
@@ -139,10 +230,11 @@ def load_weights(
     """Fill `model` from a checkpoint directory or an in-memory `{hf_name: tensor}` dict.
 
     `model` provides `skips(name)` (checkpoint tensors it deliberately ignores, e.g. `mtp.*` without MTP),
-    `checkpoint_names(available)` (every key it needs) and `load(loader)`."""
+    `checkpoint_shapes(available)` (every tensor it needs, with its full shape) and `load(loader)`."""
     reader = CheckpointReader(source)
-    available = {n for n in reader.names() if not model.skips(n)}
-    check_keys(model.checkpoint_names(available), available, str(source) if not isinstance(source, dict) else "<dict>")
+    found = {n: s for n, s in reader.shapes.items() if not model.skips(n)}
+    available = set(found)
+    check_tensors(model.checkpoint_shapes(available), found, str(source) if not isinstance(source, dict) else "<dict>")
     bar = tqdm(total=len(available), desc="loading weights", unit="tensor", disable=not show_progress)
     loader = WeightLoader(reader, dtype, device, tp or TPInfo(), progress=lambda: bar.update(1))
     try:

@@ -16,7 +16,7 @@ from lightllm.models.context import StepContext
 from lightllm.models.layers.decoder import build_layer
 from lightllm.models.layers.norms import rms_norm
 from lightllm.models.layers.rotary import Rotary
-from lightllm.models.loader import WeightLoader
+from lightllm.models.loader import Shapes, WeightLoader
 from lightllm.models.tp import TPInfo
 
 NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
@@ -28,9 +28,11 @@ class MtpHead(nn.Module):
         self.cfg = cfg
         self.layer = build_layer(cfg, FULL, MOE if cfg.moe is not None else "dense", 0, rotary, tp)
 
-    def checkpoint_names(self, available: set[str] | None = None) -> list[str]:
-        names = ["mtp.fc.weight"] + [f"mtp.{n}.weight" for n in NORMS]
-        return names + self.layer.checkpoint_names("mtp.layers.0.", available)
+    def checkpoint_shapes(self, available: set[str] | None = None) -> Shapes:
+        hidden = self.cfg.hidden_size
+        # fc maps the concatenated (embedding, hidden) pair back to hidden
+        shapes = {"mtp.fc.weight": (hidden, 2 * hidden)} | {f"mtp.{n}.weight": (hidden,) for n in NORMS}
+        return shapes | self.layer.checkpoint_shapes("mtp.layers.0.", available)
 
     def load(self, w: WeightLoader) -> None:
         self.register_buffer("fc", w.get("mtp.fc.weight"))

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-
-from safetensors import safe_open
 
 from lightllm.models.config import ModelConfig
 from lightllm.models.kimi_linear.config import map_config as map_kimi_linear
+from lightllm.models.loader import read_safetensors_header
 from lightllm.models.qwen3_5.config import map_config as map_qwen3_5
 from lightllm.models.qwen3_next.config import MTP_DEPTH_KEYS
 from lightllm.models.qwen3_next.config import map_config as map_qwen3_next
@@ -42,7 +41,8 @@ def text_config(raw: dict) -> dict:
 
 
 def model_config_from_dict(raw: dict) -> ModelConfig:
-    """Map a parsed `config.json`; unknown `model_type` raises a ValueError listing the supported ones."""
+    """Map a parsed `config.json`; raises a ValueError naming the unknown `model_type` (with the supported ones),
+    or the required field that is missing."""
     outer_type = raw.get("model_type")
     text = text_config(raw)
     model_type = text.get("model_type") or outer_type
@@ -51,24 +51,29 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r} (outer {outer_type!r}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    return mapper(text)
+    where = " under text_config" if text is not raw else ""
+    try:
+        return mapper(text)
+    except KeyError as exc:
+        # the mappers index required fields directly: the missing key is the missing field
+        raise ValueError(f"required field {exc.args[0]!r} is missing{where} (model_type {model_type!r})") from None
+    except TypeError as exc:
+        raise ValueError(f"a field{where} has the wrong type for model_type {model_type!r}: {exc}") from None
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read `config.json`; Qwen checkpoints whose config does not declare an MTP depth (Qwen3-Next's) get one
-    MTP layer when the checkpoint ships `mtp.*` tensors."""
-    with open(Path(model_dir) / "config.json") as f:
-        raw = json.load(f)
+def model_config_for_checkpoint(raw: dict, tensor_names: Iterable[str]) -> ModelConfig:
+    """`model_config_from_dict` plus the checkpoint's own say: Qwen checkpoints whose config does not declare an
+    MTP depth (Qwen3-Next's) get one MTP layer when the checkpoint ships `mtp.*` tensors."""
     cfg = model_config_from_dict(raw)
     declared = any(k in text_config(raw) for k in MTP_DEPTH_KEYS)
-    if cfg.arch != "kimi_linear" and not declared and _has_mtp_tensors(Path(model_dir)):
+    if cfg.arch != "kimi_linear" and not declared and any(n.startswith("mtp.") for n in tensor_names):
         cfg = dataclasses.replace(cfg, num_mtp_layers=1)
     return cfg
 
 
-def _has_mtp_tensors(model_dir: Path) -> bool:
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as f:
-            if any(k.startswith("mtp.") for k in f.keys()):
-                return True
-    return False
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read `config.json` and the safetensors headers (names only) of a checkpoint folder."""
+    with open(Path(model_dir) / "config.json") as f:
+        raw = json.load(f)
+    names = [n for path in sorted(Path(model_dir).glob("*.safetensors")) for n in read_safetensors_header(path)]
+    return model_config_for_checkpoint(raw, names)

@@ -217,7 +217,9 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
             if args.max_width <= REPLAY_CAPACITIES[-1]
             else f"verify width {args.max_width} exceeds the largest replay capacity {REPLAY_CAPACITIES[-1]}: draft fewer tokens"
         )
-    positive = ("port", "graph_max_batch_size", "max_running_requests", "chunked_prefill_size", "max_req_total_len", "max_total_token_num")
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    positive = ("graph_max_batch_size", "max_running_requests", "chunked_prefill_size", "max_req_total_len", "max_total_token_num")
     for name in positive:
         value = getattr(args, name)
         if value is not None and value <= 0:

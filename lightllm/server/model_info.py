@@ -1,12 +1,12 @@
 """What the server needs to know about a checkpoint before loading it: read from its JSON files and the
-safetensors headers only (no torch, no weights)."""
+safetensors headers only (no weights), after `checkpoint_check` has refused anything the engine could not serve."""
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from dataclasses import dataclass
+
+from lightllm.server.checkpoint_check import check_checkpoint, read_json
 
 
 @dataclass(frozen=True)
@@ -29,44 +29,24 @@ class ModelInfo:
         return self.num_mtp_layers > 0
 
 
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def _as_ids(value) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in (value if isinstance(value, list) else [value])]
 
 
-def weight_names(model_dir: str) -> list[str]:
-    """Tensor names of a safetensors checkpoint (single file or sharded with an index), from headers only."""
-    index = _read_json(os.path.join(model_dir, "model.safetensors.index.json"))
-    if index:
-        return list(index.get("weight_map", {}))
-    names: list[str] = []
-    for file in sorted(os.listdir(model_dir)):
-        if file.endswith(".safetensors"):
-            with open(os.path.join(model_dir, file), "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                names += [k for k in json.loads(f.read(header_len)) if k != "__metadata__"]
-    return names
-
-
 def read_model_info(model_dir: str) -> ModelInfo:
-    """Raise ValueError (with what is missing) when `model_dir` is not a usable checkpoint directory."""
-    config_path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"--model_dir {model_dir}: no config.json there; point it at a Hugging Face checkpoint folder")
-    config = _read_json(config_path)
+    """Raise ValueError (naming the file, and what was expected vs found) when `model_dir` is not a checkpoint the
+    engine can serve; see `checkpoint_check.check_checkpoint`."""
+    checked = check_checkpoint(model_dir)
+    config = checked.config
     # multimodal wrappers (Qwen3.5) keep the language model's fields under text_config
     text = config.get("text_config") or config
-    mtp_layers = {n.split(".")[1] for n in weight_names(model_dir) if n.startswith("mtp.layers.")}
+    mtp_layers = {n.split(".")[1] for n in checked.tensors if n.startswith("mtp.layers.")}
     eos = _as_ids(text.get("eos_token_id", config.get("eos_token_id")))
-    eos += _as_ids(_read_json(os.path.join(model_dir, "generation_config.json")).get("eos_token_id"))
+    generation_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(generation_path):
+        eos += _as_ids(read_json(generation_path).get("eos_token_id"))
     return ModelInfo(
         model_dir=model_dir,
         architecture=(config.get("architectures") or ["unknown"])[0],

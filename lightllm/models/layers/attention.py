@@ -14,7 +14,7 @@ from lightllm.models.context import StepContext
 from lightllm.models.layers.norms import rms_norm
 from lightllm.models.layers.paged_attention import attend
 from lightllm.models.layers.rotary import Rotary
-from lightllm.models.loader import WeightLoader
+from lightllm.models.loader import Shapes, WeightLoader
 
 
 class GatedAttention(nn.Module):
@@ -32,12 +32,17 @@ class GatedAttention(nn.Module):
         # "torch" | "triton" forces the attention backend (tests); None = by device
         self.attention_backend: str | None = None
 
-    def checkpoint_names(self, prefix: str) -> list[str]:
-        prefix = f"{prefix}self_attn."
-        names = [f"{prefix}{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
-        if self.cfg.bias:
-            names += [f"{prefix}{n}.bias" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        return names
+    def checkpoint_shapes(self, prefix: str, hidden: int) -> Shapes:
+        c, prefix = self.cfg, f"{prefix}self_attn."
+        # q_proj rows hold each head's query and its output gate
+        rows = {"q_proj": 2 * c.num_heads * c.head_dim, "k_proj": c.num_kv_heads * c.head_dim}
+        rows.update(v_proj=rows["k_proj"], o_proj=hidden)
+        columns = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": c.num_heads * c.head_dim}
+        shapes = {f"{prefix}{n}.weight": (rows[n], columns[n]) for n in rows}
+        shapes.update({f"{prefix}{n}.weight": (c.head_dim,) for n in ("q_norm", "k_norm")})
+        if c.bias:
+            shapes.update({f"{prefix}{n}.bias": (rows[n],) for n in rows})
+        return shapes
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         c, prefix = self.cfg, f"{prefix}self_attn."

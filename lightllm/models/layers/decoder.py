@@ -15,7 +15,7 @@ from lightllm.models.layers.mlp import SwiGLU
 from lightllm.models.layers.moe import MoE
 from lightllm.models.layers.norms import rms_norm
 from lightllm.models.layers.rotary import Rotary
-from lightllm.models.loader import WeightLoader
+from lightllm.models.loader import Shapes, WeightLoader
 from lightllm.models.tp import TPInfo
 
 
@@ -23,17 +23,18 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: nn.Module, ffn: nn.Module, tp: TPInfo):
         super().__init__()
         self.eps = cfg.rms_norm_eps
+        self.hidden = cfg.hidden_size
         self.zero_centered = cfg.zero_centered_norm
         self.mixer = mixer
         self.ffn = ffn
         self.tp = tp
 
-    def checkpoint_names(self, prefix: str, available: set[str] | None = None) -> list[str]:
-        names = [f"{prefix}input_layernorm.weight", f"{prefix}post_attention_layernorm.weight"]
-        names += self.mixer.checkpoint_names(prefix)
+    def checkpoint_shapes(self, prefix: str, available: set[str] | None = None) -> Shapes:
+        shapes = {f"{prefix}{n}.weight": (self.hidden,) for n in ("input_layernorm", "post_attention_layernorm")}
+        shapes.update(self.mixer.checkpoint_shapes(prefix, self.hidden))
         if isinstance(self.ffn, MoE):
-            return names + self.ffn.checkpoint_names(f"{prefix}mlp.", available)
-        return names + self.ffn.checkpoint_names(f"{prefix}mlp.")
+            return shapes | self.ffn.checkpoint_shapes(f"{prefix}mlp.", self.hidden, available)
+        return shapes | self.ffn.checkpoint_shapes(f"{prefix}mlp.", self.hidden)
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         self.register_buffer("input_norm", w.get(f"{prefix}input_layernorm.weight"))
@@ -65,5 +66,5 @@ def build_layer(
     if ffn_type == MOE:
         ffn = MoE(cfg.moe, kimi_names=cfg.arch == "kimi_linear")
     else:
-        ffn = SwiGLU()
+        ffn = SwiGLU(cfg.intermediate_size)
     return DecoderLayer(cfg, mixer, ffn, tp)

@@ -16,7 +16,7 @@ from lightllm.linear_att.base import LayerParams
 from lightllm.models.context import StepContext
 from lightllm.models.layers.linear_state import run_linear_state
 from lightllm.models.layers.norms import gated_rms_norm_silu
-from lightllm.models.loader import WeightLoader
+from lightllm.models.loader import Shapes, WeightLoader
 from lightllm.models.qwen3_5 import weights as q35
 from lightllm.models.qwen3_next import weights as q3n
 
@@ -33,10 +33,24 @@ class GatedDeltaNet(nn.Module):
         key_dim, value_dim = self.num_k_heads * spec.head_k_dim, self.num_v_heads * spec.head_v_dim
         self.split_sizes = [2 * key_dim + value_dim, value_dim, self.num_v_heads, self.num_v_heads]
 
-    def checkpoint_names(self, prefix: str) -> list[str]:
-        proj = [q3n.QKVZ, q3n.BA] if self.grouped else [q35.QKV, q35.Z, q35.B, q35.A]
-        rest = ["conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight"]
-        return [prefix + p for p in proj] + [f"{prefix}linear_attn.{n}" for n in rest]
+    def checkpoint_shapes(self, prefix: str, hidden: int) -> Shapes:
+        s = self.spec
+        key_dim, value_dim, hv = s.num_k_heads * s.head_k_dim, s.num_v_heads * s.head_v_dim, s.num_v_heads
+        if self.grouped:
+            proj = {q3n.QKVZ: (2 * key_dim + 2 * value_dim, hidden), q3n.BA: (2 * hv, hidden)}
+        else:
+            proj = {q35.QKV: (2 * key_dim + value_dim, hidden), q35.Z: (value_dim, hidden)}
+            proj.update({q35.B: (hv, hidden), q35.A: (hv, hidden)})
+        rest = {
+            # depthwise conv over q|k|v
+            "conv1d.weight": (2 * key_dim + value_dim, 1, s.conv_kernel_size),
+            "A_log": (hv,),
+            "dt_bias": (hv,),
+            "norm.weight": (s.head_v_dim,),
+            "out_proj.weight": (hidden, value_dim),
+        }
+        shapes = {prefix + p: shape for p, shape in proj.items()}
+        return shapes | {f"{prefix}linear_attn.{n}": shape for n, shape in rest.items()}
 
     def _projections(self, w: WeightLoader, prefix: str) -> list[torch.Tensor]:
         """Full (unsharded) q, k, v, z, b, a projection weights, head-major."""

@@ -16,7 +16,7 @@ from lightllm.linear_att.base import LayerParams
 from lightllm.models.context import StepContext
 from lightllm.models.layers.linear_state import run_linear_state
 from lightllm.models.layers.norms import gated_rms_norm_sigmoid
-from lightllm.models.loader import WeightLoader
+from lightllm.models.loader import Shapes, WeightLoader
 
 WEIGHTS = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj", "b_proj")
 WEIGHTS += ("g_a_proj", "g_b_proj", "o_norm", "o_proj")
@@ -32,9 +32,18 @@ class KimiDeltaAttention(nn.Module):
         d = spec.head_k_dim
         self.split_sizes = [3 * self.num_heads * d, self.num_heads]
 
-    def checkpoint_names(self, prefix: str) -> list[str]:
+    def checkpoint_shapes(self, prefix: str, hidden: int) -> Shapes:
+        s = self.spec
+        h, d, width = s.num_v_heads, s.head_k_dim, s.num_v_heads * s.head_k_dim
+        shapes = {n: (width, hidden) for n in ("q_proj", "k_proj", "v_proj")}
+        shapes.update({f"{n}_conv1d": (width, 1, s.conv_kernel_size) for n in "qkv"})
+        # the forget and output gates are low-rank: hidden -> head_dim -> heads x head_dim
+        shapes.update(f_a_proj=(d, hidden), f_b_proj=(width, d), b_proj=(h, hidden))
+        shapes.update(g_a_proj=(d, hidden), g_b_proj=(width, d), o_norm=(d,), o_proj=(hidden, width))
         p = f"{prefix}self_attn."
-        return [f"{p}{n}.weight" for n in WEIGHTS] + [f"{p}A_log", f"{p}dt_bias"]
+        out = {f"{p}{n}.weight": shapes[n] for n in WEIGHTS}
+        # A_log keeps the original remote code's broadcast layout [1, 1, heads, 1]
+        return out | {f"{p}A_log": (1, 1, h, 1), f"{p}dt_bias": (width,)}
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         p, h, d = f"{prefix}self_attn.", self.spec.num_v_heads, self.spec.head_k_dim

@@ -15,7 +15,7 @@ from lightllm.models.config import AttentionConfig
 from lightllm.models.context import StepContext
 from lightllm.models.layers.norms import rms_norm
 from lightllm.models.layers.paged_attention import attend
-from lightllm.models.loader import WeightLoader
+from lightllm.models.loader import Shapes, WeightLoader
 
 # transformers builds kv_a_layernorm with the RMSNorm default eps, not the model's rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -30,9 +30,16 @@ class LatentAttention(nn.Module):
         # "torch" | "triton" forces the attention backend (tests); None = by device
         self.attention_backend: str | None = None
 
-    def checkpoint_names(self, prefix: str) -> list[str]:
-        names = ("q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
-        return [f"{prefix}self_attn.{n}.weight" for n in names]
+    def checkpoint_shapes(self, prefix: str, hidden: int) -> Shapes:
+        c, h = self.cfg, self.cfg.num_heads
+        shapes = {
+            "q_proj": (h * c.qk_head_dim, hidden),
+            "kv_a_proj_with_mqa": (c.kv_lora_rank + c.qk_rope_head_dim, hidden),
+            "kv_a_layernorm": (c.kv_lora_rank,),
+            "kv_b_proj": (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+            "o_proj": (hidden, h * c.v_head_dim),
+        }
+        return {f"{prefix}self_attn.{n}.weight": s for n, s in shapes.items()}
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         p, h = f"{prefix}self_attn.", self.cfg.num_heads

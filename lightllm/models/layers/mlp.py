@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightllm.models.loader import WeightLoader
+from lightllm.models.loader import Shapes, WeightLoader
 
 
 class SwiGLU(nn.Module):
@@ -14,12 +14,19 @@ class SwiGLU(nn.Module):
 
     NAMES = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, names: tuple[str, str, str] = NAMES):
+    def __init__(self, intermediate_size: int, names: tuple[str, str, str] = NAMES):
         super().__init__()
+        self.intermediate_size = intermediate_size
         self.names = names
 
-    def checkpoint_names(self, prefix: str) -> list[str]:
-        return [f"{prefix}{n}.weight" for n in self.names]
+    def checkpoint_shapes(self, prefix: str, hidden: int) -> Shapes:
+        gate, up, down = self.names
+        i = self.intermediate_size
+        return {
+            f"{prefix}{gate}.weight": (i, hidden),
+            f"{prefix}{up}.weight": (i, hidden),
+            f"{prefix}{down}.weight": (hidden, i),
+        }
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         gate, up, down = self.names

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightllm.models.config import MoEConfig
 from lightllm.models.layers.mlp import SwiGLU
-from lightllm.models.loader import WeightLoader
+from lightllm.models.loader import Shapes, WeightLoader
 
 
 def route_softmax(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,24 +77,27 @@ class MoE(nn.Module):
         # Kimi spells the expert projections w1 (gate), w3 (up), w2 (down) and its shared MLP `shared_experts`
         self.expert_names = ("w1", "w3", "w2") if kimi_names else ("gate_proj", "up_proj", "down_proj")
         self.shared_prefix = "shared_experts." if kimi_names else "shared_expert."
-        self.shared = SwiGLU() if cfg.shared_intermediate_size else None
+        self.shared = SwiGLU(cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None
 
     def _fused(self, prefix: str, available: set[str] | None) -> bool:
         return available is not None and f"{prefix}experts.gate_up_proj" in available
 
-    def checkpoint_names(self, prefix: str, available: set[str] | None = None) -> list[str]:
-        names = [f"{prefix}gate.weight"]
-        if self.cfg.score_correction_bias:
-            names.append(f"{prefix}gate.e_score_correction_bias")
+    def checkpoint_shapes(self, prefix: str, hidden: int, available: set[str] | None = None) -> Shapes:
+        c, i = self.cfg, self.cfg.intermediate_size
+        shapes = {f"{prefix}gate.weight": (c.num_experts, hidden)}
+        if c.score_correction_bias:
+            shapes[f"{prefix}gate.e_score_correction_bias"] = (c.num_experts,)
         if self._fused(prefix, available):
-            names += [f"{prefix}experts.gate_up_proj", f"{prefix}experts.down_proj"]
+            shapes[f"{prefix}experts.gate_up_proj"] = (c.num_experts, 2 * i, hidden)
+            shapes[f"{prefix}experts.down_proj"] = (c.num_experts, hidden, i)
         else:
-            names += [f"{prefix}experts.{e}.{n}.weight" for e in range(self.cfg.num_experts) for n in self.expert_names]
+            for e in range(c.num_experts):
+                shapes.update(SwiGLU(i, self.expert_names).checkpoint_shapes(f"{prefix}experts.{e}.", hidden))
         if self.shared is not None:
-            names += self.shared.checkpoint_names(prefix + self.shared_prefix)
-        if self.cfg.shared_expert_gate:
-            names.append(f"{prefix}shared_expert_gate.weight")
-        return names
+            shapes.update(self.shared.checkpoint_shapes(prefix + self.shared_prefix, hidden))
+        if c.shared_expert_gate:
+            shapes[f"{prefix}shared_expert_gate.weight"] = (1, hidden)
+        return shapes
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         kimi = self.cfg.scoring == "sigmoid"

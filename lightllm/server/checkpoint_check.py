@@ -1,0 +1,167 @@
+"""Refuse a checkpoint folder the engine could not serve before anything is loaded, with one message naming the
+file (and the field or tensor) and what was expected vs what was found.
+
+Reads only JSON files and safetensors headers: the tensors the model would load, and their shapes, come from the
+model itself (`HybridModel.checkpoint_shapes`, the same declaration `load_weights` checks against), so this check
+and the loader cannot disagree about what a checkpoint must hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightllm.models.config import ModelConfig
+    from lightllm.models.loader import TensorHeader
+
+INDEX_FILE = "model.safetensors.index.json"
+# JSON side files that transformers parses when the tokenizer and generation defaults are loaded
+SIDE_FILES = ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
+# without tokenizer.json a slow tokenizer needs one of these; with none of them transformers still builds a
+# tokenizer, with an empty vocabulary, and every request decodes to empty text
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt", "spiece.model")
+# tensors listed per kind of mismatch; the count says how many more there are
+MAX_LISTED = 5
+
+
+@dataclass(frozen=True)
+class CheckedCheckpoint:
+    """What the check read, so its callers need not read it again."""
+
+    config: dict
+    model_config: ModelConfig
+    # raw checkpoint tensor name -> its header entry
+    tensors: dict[str, TensorHeader]
+
+
+def read_json(path: str) -> dict:
+    """A JSON object file; ValueError naming the file when it is not valid JSON or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as exc:
+        # json's messages end in " at" before the position it appends; the position is spelled out here instead
+        problem = exc.msg.removesuffix(" at")
+        raise ValueError(
+            f"{path}: expected valid JSON, found a syntax error at line {exc.lineno} column {exc.colno} ({problem})"
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: expected UTF-8 JSON, found undecodable bytes at offset {exc.start}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, found a JSON {type(value).__name__}")
+    return value
+
+
+def check_checkpoint(model_dir: str) -> CheckedCheckpoint:
+    """Raise ValueError unless `model_dir` holds a readable config.json of a supported architecture, complete
+    safetensors weights of exactly the tensors and shapes that config implies, and a tokenizer with a vocabulary."""
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"--model_dir {model_dir}: no config.json there; point it at a Hugging Face checkpoint folder")
+    config = read_json(config_path)
+    for name in SIDE_FILES:
+        if os.path.isfile(os.path.join(model_dir, name)):
+            read_json(os.path.join(model_dir, name))
+    tensors = read_weight_headers(model_dir)
+    model_config = map_config(config_path, config, tensors)
+    check_weight_shapes(model_dir, model_config, tensors)
+    check_tokenizer(model_dir)
+    return CheckedCheckpoint(config, model_config, tensors)
+
+
+def read_weight_headers(model_dir: str) -> dict[str, TensorHeader]:
+    """Headers of every `*.safetensors` file (what the loader reads); a sharded checkpoint's index must not name a
+    shard that is absent."""
+    from lightllm.models.loader import read_safetensors_header
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        present = ", ".join(sorted(os.listdir(model_dir))) or "nothing"
+        raise ValueError(f"{model_dir}: expected *.safetensors weight files, found none (the folder holds {present})")
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        shards = sorted(set(read_json(index_path).get("weight_map", {}).values()))
+        absent = [s for s in shards if s not in files]
+        if absent:
+            raise ValueError(
+                f"{index_path}: expected the {len(shards)} shard files it names, found {len(shards) - len(absent)} "
+                f"(absent: {', '.join(absent[:MAX_LISTED])})"
+            )
+    tensors: dict[str, TensorHeader] = {}
+    for file in files:
+        tensors.update(read_safetensors_header(os.path.join(model_dir, file)))
+    return tensors
+
+
+def map_config(config_path: str, config: dict, tensors: dict[str, TensorHeader]) -> ModelConfig:
+    """The ModelConfig the engine will build; refusals (unsupported model_type, missing field) name the file."""
+    # the model code imports torch (seconds): deferred so that importing the server's modules stays light
+    from lightllm.models.registry import model_config_for_checkpoint
+
+    try:
+        return model_config_for_checkpoint(config, tensors)
+    except ValueError as exc:
+        raise ValueError(f"{config_path}: {exc}") from None
+
+
+def check_weight_shapes(model_dir: str, cfg: ModelConfig, tensors: dict[str, TensorHeader]) -> None:
+    """Compare the checkpoint's tensor names and header shapes with the ones the model built from `cfg` loads."""
+    from lightllm.models.hybrid import HybridModel
+    from lightllm.models.loader import normalize_name, tensor_mismatch
+
+    # the module tree holds no weights before `load` (only the rotary frequencies, a few floats), so it is built
+    # on the CPU: a meta-device build would first import torch's reference ops, ~2.5 s for nothing
+    model = HybridModel(cfg, device="cpu")
+    found, raw_name = {}, {}
+    for raw, header in tensors.items():
+        name = normalize_name(raw)
+        if name is not None and not model.skips(name):
+            found[name], raw_name[name] = header.shape, raw
+    files = sorted({h.file.name for h in tensors.values()})
+
+    def label(name: str) -> str:
+        if name not in raw_name:
+            return name
+        # a sharded checkpoint: say which shard holds the tensor
+        return raw_name[name] + (f" ({tensors[raw_name[name]].file.name})" if len(files) > 1 else "")
+
+    lines = tensor_mismatch(model.checkpoint_shapes(set(found)), found, label, MAX_LISTED)
+    if lines:
+        where = (
+            os.path.join(model_dir, files[0]) if len(files) == 1 else f"{model_dir} ({len(files)} safetensors files)"
+        )
+        raise ValueError(
+            f"{where}: the weights do not match config.json ({_describe(cfg)}); expected vs found:\n"
+            + "\n".join(f"  {line}" for line in lines)
+        )
+
+
+def _describe(cfg: ModelConfig) -> str:
+    return (
+        f"model_type {cfg.model_type}, hidden_size {cfg.hidden_size}, vocab_size {cfg.vocab_size}, "
+        f"{cfg.num_layers} layers"
+    )
+
+
+def check_tokenizer(model_dir: str) -> None:
+    """A tokenizer.json the `tokenizers` library can read, with a vocabulary; or a slow tokenizer's vocab file."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        if any(os.path.isfile(os.path.join(model_dir, f)) for f in SLOW_TOKENIZER_FILES):
+            return
+        raise ValueError(
+            f"{path}: expected the tokenizer (or one of {', '.join(SLOW_TOKENIZER_FILES)}), found no such file; "
+            "without it every request would decode to empty text"
+        )
+    from tokenizers import Tokenizer
+
+    try:
+        vocab_size = Tokenizer.from_file(path).get_vocab_size()
+    # the Rust parser raises a bare Exception for every kind of malformed file
+    except Exception as exc:
+        raise ValueError(f"{path}: expected a readable tokenizer.json, found an unreadable one ({exc})") from None
+    if vocab_size == 0:
+        raise ValueError(f"{path}: expected a tokenizer with a vocabulary, found an empty one")
