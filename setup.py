@@ -26,5 +26,5 @@ setup(
         "tqdm",
         "jinja2",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout", "openai", "httpx", "ruff"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "openai", "httpx", "ruff"]},
 )
