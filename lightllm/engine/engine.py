@@ -232,6 +232,8 @@ class Engine:
         """Tokens per window; None for a window whose logits hold a NaN (that request fails alone)."""
         if not windows:
             return []
+        if all(req.params.greedy and not req.params.has_penalties for req, *_ in windows):
+            return self._verify_greedy(windows, logits)
         contexts = [self._context(req, drafts[:j], logits.device) for req, _, w, drafts in windows for j in range(w)]
         probs = self.sampler.target_probs(logits, contexts)
         # one host transfer for the whole batch: greedy rows verify from these, NaN rows fail alone
@@ -251,6 +253,24 @@ class Engine:
                 results.append(
                     verify_window(self.sampler, window, drafts, contexts[start], argmax[start : start + width])
                 )
+        return results
+
+    @staticmethod
+    def _verify_greedy(
+        windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor
+    ) -> list[WindowResult | None]:
+        """`_verify` when every row is greedy without penalties: argmax and NaN flags of all rows in one host
+        transfer, then each window keeps the drafts that equal the argmax before it."""
+        argmax, has_nan = torch.stack([logits.argmax(dim=-1), torch.isnan(logits).any(dim=-1)]).tolist()
+        results: list[WindowResult | None] = []
+        for _, start, width, drafts in windows:
+            if 1 in has_nan[start : start + width]:
+                results.append(None)
+                continue
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == argmax[start + accepted]:
+                accepted += 1
+            results.append(WindowResult([*drafts[:accepted], argmax[start + accepted]]))
         return results
 
     def _context(self, req: Request, drafts: list[int], device: torch.device) -> RowContext:

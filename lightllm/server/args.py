@@ -87,11 +87,6 @@ class ServerArgs:
         "prompt + output tokens cap per request (auto: min(max_position_embeddings, 32768 cuda / 4096 cpu, KV size))",
         type=int,
     )
-
-    disable_cudagraph: bool = _flag(False, "run decode steps eagerly instead of replaying CUDA graphs", type=bool)
-    graph_max_batch_size: int = _flag(
-        256, "decode steps of up to this many requests replay CUDA graphs (one per batch bucket)", type=int
-    )
     max_request_body_bytes: int = _flag(16 * 2**20, "largest HTTP request body accepted; larger ones get 413", type=int)
     max_queue_len: int = _flag(
         1024,
@@ -119,6 +114,11 @@ class ServerArgs:
     )
     log_stats_interval: float = _flag(
         10.0, "seconds between throughput log lines while requests are in flight (0: off)", type=float
+    )
+
+    disable_cudagraph: bool = _flag(False, "run decode steps eagerly instead of replaying CUDA graphs", type=bool)
+    graph_max_batch_size: int = _flag(
+        256, "decode steps of up to this many requests replay CUDA graphs (one per batch bucket)", type=int
     )
 
     @property
