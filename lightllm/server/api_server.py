@@ -38,7 +38,7 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
     def on_engine_exit() -> None:
         nonlocal engine_died
         engine_died = True
-        logger.error("stopping the server: the engine process is gone (exit code %d)", ENGINE_EXITED)
+        logger.error("the engine process is gone: stopping the server, which exits with code %d", ENGINE_EXITED)
         server.should_exit = True
 
     try:

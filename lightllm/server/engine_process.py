@@ -10,6 +10,8 @@ import ctypes
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 import traceback
 
@@ -37,6 +39,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def _no_process_shared_locks() -> None:
+    """tqdm's default lock is a multiprocessing semaphore registered with the parent's resource tracker; an engine
+    that is killed never unregisters it and the parent warns of a leaked semaphore at exit. One process needs only
+    a thread lock."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def build_engine(args: ServerArgs, info: ModelInfo, runner_factory: str) -> Engine:
     runner = load_factory(runner_factory)(args, info)
     return Engine(
@@ -55,6 +66,9 @@ def engine_main(
 ) -> None:
     """Entry point of the spawned engine process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the parent stops us with SIGTERM: exit through Python so multiprocessing's finalizers release what they hold
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    _no_process_shared_locks()
     _die_with_parent()
     parent = os.getppid()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
@@ -83,7 +97,7 @@ def engine_main(
         try:
             if engine.has_work():
                 outputs += engine.step()
-        except Exception as exc:
+        except Exception:
             # runner failures are handled inside step(); reaching here means an engine bug: fail the requests in
             # flight rather than the process, so the server keeps answering
             logger.exception("unexpected engine fault")

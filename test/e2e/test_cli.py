@@ -3,11 +3,13 @@ shutdown on SIGTERM / SIGINT that takes the engine process with it."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -26,6 +28,30 @@ def _free_port() -> int:
 def _server(*flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "lightllm.server.api_server", *flags]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=single_threaded_env())
+
+
+def _socket_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "lightllm-*")))
+
+
+def _wait_up(proc: subprocess.Popen, base: str) -> None:
+    def up() -> bool:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            return httpx.get(f"{base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, timeout_s=180, what="server start")
+
+
+def _engine_pid(server_pid: int) -> int:
+    # the other child is multiprocessing's resource tracker
+    for pid in _children(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                return pid
+    raise AssertionError("no engine process")
 
 
 def _children(pid: int) -> list[int]:
@@ -65,18 +91,11 @@ def test_cli_refuses_bad_flags(flags, message):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_cli_serves_demo_model_and_shuts_down(sig):
     port = _free_port()
+    before = _socket_dirs()
     proc = _server("--port", str(port), "--device", "cpu", "--ssm_state_mode", "replay", "--mtp_step", "2")
     base = f"http://127.0.0.1:{port}"
     try:
-
-        def up() -> bool:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                return httpx.get(f"{base}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(up, timeout_s=180, what="server start")
+        _wait_up(proc, base)
         models = httpx.get(f"{base}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["tiny-qwen3_5"]
         body = {"model": "tiny-qwen3_5", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
@@ -88,7 +107,58 @@ def test_cli_serves_demo_model_and_shuts_down(sig):
         assert proc.wait(timeout=60) == 0
         time.sleep(0.5)
         assert not any(_alive(p) for p in engines), "engine process outlived the server"
+        # nothing left behind: no leaked-semaphore warning, no socket folder
+        log = proc.stdout.read()
+        assert "leaked" not in log and "Traceback" not in log, log[-2000:]
+        assert _socket_dirs() <= before
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_exits_nonzero_when_the_engine_dies():
+    port = _free_port()
+    before = _socket_dirs()
+    proc = _server("--port", str(port), "--device", "cpu")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(proc, base)
+        os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+        # a supervisor sees a non-zero exit and restarts the server
+        assert proc.wait(timeout=60) == 3
+        log = proc.stdout.read()
+        assert "the engine process exited (exit code -9)" in log
+        assert "leaked" not in log, log[-2000:]
+        assert _socket_dirs() <= before, "the socket folder outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_stays_up_after_engine_death_when_asked():
+    port = _free_port()
+    proc = _server("--port", str(port), "--device", "cpu", "--keep_serving_after_engine_exit")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(proc, base)
+        os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+        wait_for(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 503, what="health 503")
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_help_shows_defaults_but_not_the_key():
+    env = {**single_threaded_env(), "LIGHTLLM_API_KEY": "do-not-print-me"}
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--help"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=True).stdout
+    flat = " ".join(out.split())
+    for expected in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 1024)", "(default: $LIGHTLLM_API_KEY)"):
+        assert expected in flat, expected
+    assert "do-not-print-me" not in out

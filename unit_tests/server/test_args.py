@@ -116,3 +116,46 @@ def test_every_flag_is_documented():
         doc = f.read()
     missing = [f.name for f in dataclasses.fields(ServerArgs) if f"`--{f.name}`" not in doc]
     assert not missing, f"docs/server_args.md lacks {missing}"
+
+
+def test_api_key_defaults_to_environment(monkeypatch):
+    monkeypatch.setenv("LIGHTLLM_API_KEY", "from-env")
+    assert _resolve("--device", "cpu").api_key == "from-env"
+    assert _resolve("--device", "cpu", "--api_key", "from-flag").api_key == "from-flag"
+    assert "from-env" not in repr(_resolve("--device", "cpu"))
+    monkeypatch.delenv("LIGHTLLM_API_KEY")
+    assert _resolve("--device", "cpu").api_key is None
+
+
+def test_edge_flags_parse():
+    args = parse_args(["--enable_docs", "--max_queue_len", "0", "--max_request_body_bytes", "100"])
+    assert (args.enable_docs, args.max_queue_len, args.max_request_body_bytes) == (True, 0, 100)
+    defaults = parse_args([])
+    assert (defaults.enable_docs, defaults.trust_request_chat_template, defaults.keep_serving_after_engine_exit) == (
+        False,
+        False,
+        False,
+    )
+    assert (defaults.max_queue_len, defaults.max_sequences_per_request, defaults.log_stats_interval) == (
+        1024,
+        256,
+        10.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--max_queue_len", "-1"), "--max_queue_len must be at least 0"),
+        (("--max_sequences_per_request", "0"), "--max_sequences_per_request must be at least 1"),
+        (("--max_request_body_bytes", "0"), "--max_request_body_bytes must be at least 1"),
+        (("--log_stats_interval", "-2"), "--log_stats_interval must be >= 0"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, tuple) else None,
+)
+def test_edge_flag_refusals(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _resolve("--device", "cpu", *argv)
+    # twin: the limit itself is accepted
+    fixed = {"--max_queue_len": "0", "--max_sequences_per_request": "1", "--max_request_body_bytes": "1"}
+    _resolve("--device", "cpu", argv[0], fixed.get(argv[0], "0"))
