@@ -110,7 +110,7 @@ class Engine:
             fwd = self.runner.forward(self._build_batch(plan))
             self._awaiting_accept = bool(plan.decode)
             outputs += self._process(plan, fwd)
-        except Exception as exc:
+        except Exception:
             # the failure cannot be pinned on one row: every request of the batch finishes, the loop goes on
             logger.exception("engine step failed; finishing %d requests with an error", len(plan.rows))
             self._settle_runner(plan)
@@ -175,7 +175,7 @@ class Engine:
             start = row.req.num_computed_tokens
             ids += row.req.all_ids[start : start + row.num_tokens]
         for row in plan.decode:
-            ids += [row.req.all_ids[-1], *row.draft_ids]
+            ids += [row.req.last_token_id, *row.draft_ids]
         rows = plan.rows
         return ForwardBatch(
             req_handles=[row.req.handle for row in rows],

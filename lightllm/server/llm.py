@@ -16,7 +16,7 @@ import msgspec
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
-from lightllm.server.engine_process import build_engine
+from lightllm.server.engine_process import build_engine, quiet_garbage_collector
 from lightllm.server.output import SequenceOutput, prompt_problem
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.server.tokenizer import Tokenizer
@@ -48,6 +48,7 @@ class LLM:
         self.args, self.info = load_server_args([], model_dir=model_dir, **flags)
         self.tokenizer = Tokenizer(self.info)
         self.engine = build_engine(self.args, self.info, runner_factory)
+        quiet_garbage_collector()
 
     def generate(
         self, prompts: str | list[str] | list[int] | list[list[int]], sampling_params: SamplingParams | None = None

@@ -14,6 +14,7 @@ behind the GPU). Each mode is one engine; its batch sizes share it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -24,7 +25,7 @@ import torch
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
-from lightllm.server.engine_process import build_engine
+from lightllm.server.engine_process import build_engine, quiet_garbage_collector
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 
 # the serving benchmark's checkpoint: Qwen3.5 layout (6 GDN + 2 gated-attention layers), bf16 weights
@@ -160,11 +161,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             flags["replayssm_cache_len"] = a.replayssm_cache_len
         args, info = load_server_args([], **flags)
         engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
+        quiet_garbage_collector()
         for batch in batches:
             row = run_batch(engine, batch, a.input_len, a.output_len, info.vocab_size, a.seed)
             row.update(mode=mode, mtp_step=a.mtp_step, spec_ngram=a.spec_ngram, device=args.device)
             rows.append(row)
         del engine
+        # the frozen start-up objects of this engine may be collected again once it is gone
+        gc.unfreeze()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print("| mode | mtp | ngram | batch | out tok/s | decode step ms | GPU ms/step | host ms/step | accepted len |")
