@@ -11,48 +11,79 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lightllm.engine.kv_cache import KVCache
-from lightllm.models.context import build_context
+from lightllm.engine.kv_cache import KVCache, ragged_arange
+from lightllm.models.context import build_context, padded_decode_width, padded_token_index
 
 
 class MtpDrafter:
-    def __init__(self, model, kv: KVCache):
+    def __init__(self, model, kv: KVCache, max_width: int):
         self.model = model
         self.head = model.mtp
         self.kv = kv
+        # rows committing at most this many pairs run as one padded attention group (decode-like); longer ones
+        # (a prompt's pairs after prefill) each run as their own group
+        self.max_width = max_width
 
     def draft(self, handles: list[int], reqs: list, next_tokens: list[int], num_steps: int):
         """Returns (draft tokens `[N, num_steps]` int64, logits `[N, num_steps, vocab]` fp32)."""
         device = self.kv.device
-        hidden, tokens, q_lens, cached = [], [], [], []
-        for h, req, nxt in zip(handles, reqs, next_tokens):
+        for h, req in zip(handles, reqs):
             if not req.mtp_hidden:
                 raise RuntimeError(f"request {h}: nothing to draft from (no forward since the last draft)")
-            hid = torch.cat(req.mtp_hidden)
+        q = np.asarray([sum(n for _, _, n in req.mtp_hidden) for req in reqs], dtype=np.int64)
+        # prompt-length rows first (each its own attention group), then the short rows as one padded group
+        order = np.argsort(q <= self.max_width, kind="stable")
+        num_long = int((q > self.max_width).sum())
+        reqs = [reqs[i] for i in order]
+        q_lens = q[order]
+        rows = np.asarray(handles)[order]
+        cached = np.asarray([req.mtp_len for req in reqs], dtype=np.int64)
+        tokens = []
+        for req, nxt in zip(reqs, np.asarray(next_tokens)[order].tolist()):
             ids = req.mtp_next_ids + [nxt]
-            assert hid.shape[0] == len(ids), "MTP bookkeeping out of sync"
-            hidden.append(hid)
+            assert len(ids) == sum(n for _, _, n in req.mtp_hidden), "MTP bookkeeping out of sync"
             tokens += ids
-            q_lens.append(len(ids))
-            cached.append(req.mtp_len)
-        rows = np.asarray(handles)
-        self.kv.truncate_many(rows, np.asarray(cached))
-        self.kv.extend_many(rows, np.asarray(q_lens))
-        # every row is its own attention group: committing a prompt's pairs is a prefill of the head
-        ctx = build_context(q_lens, cached, len(handles), handles, self.kv, position_offset=1)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-        out = self.head(self.model.embed_tokens(ids), torch.cat(hidden), ctx)
-        last = out[torch.tensor(q_lens, device=device).cumsum(0) - 1]
-        for req, q in zip(reqs, q_lens):
-            req.mtp_len += q
+        hidden = gather_spans([req.mtp_hidden for req in reqs], device)
+        self.kv.truncate_many(rows, cached)
+        self.kv.extend_many(rows, q_lens)
+        ctx = build_context(q_lens.tolist(), cached.tolist(), num_long, rows.tolist(), self.kv, position_offset=1)
+        width = padded_decode_width(q_lens.tolist(), num_long, 0)
+        layout = torch.from_numpy(padded_token_index(q_lens.tolist(), num_long, width)).to(device)
+        ids = torch.zeros(ctx.num_tokens, dtype=torch.int64, device=device)
+        ids[layout] = torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True)
+        padded_hidden = hidden.new_zeros(ctx.num_tokens, hidden.shape[1])
+        padded_hidden[layout] = hidden
+        out = self.head(self.model.embed_tokens(ids), padded_hidden, ctx)
+        last = out[layout[torch.from_numpy(np.cumsum(q_lens) - 1).to(device)]]
+        for req, n in zip(reqs, q_lens.tolist()):
+            req.mtp_len += n
             req.mtp_hidden, req.mtp_next_ids = [], []
         all_logits = [self.model.logits(last)]
         drafts = [all_logits[-1].argmax(-1)]
         for step in range(1, num_steps):
-            self.kv.extend_many(rows, np.ones(len(handles), dtype=np.int64))
-            lens = [req.mtp_len + step - 1 for req in reqs]
-            ctx = build_context([1] * len(handles), lens, 0, handles, self.kv, position_offset=1)
+            self.kv.extend_many(rows, np.ones(len(rows), dtype=np.int64))
+            ctx = build_context([1] * len(rows), (cached + q_lens + step - 1).tolist(), 0, rows.tolist(), self.kv,
+                                position_offset=1)  # fmt: skip
             last = self.head(self.model.embed_tokens(drafts[-1]), last, ctx)
             all_logits.append(self.model.logits(last))
             drafts.append(all_logits[-1].argmax(-1))
-        return torch.stack(drafts, dim=1), torch.stack(all_logits, dim=1)
+        # back to the callers' row order
+        inverse = torch.from_numpy(np.argsort(order)).to(device)
+        return torch.stack(drafts, dim=1)[inverse], torch.stack(all_logits, dim=1)[inverse]
+
+
+def gather_spans(spans_per_row: list[list[tuple[torch.Tensor, int, int]]], device) -> torch.Tensor:
+    """Rows `(source, start, count)` of some step outputs, concatenated in order with one gather (the spans of a
+    step usually all point into that step's one hidden tensor)."""
+    sources: dict[int, tuple[torch.Tensor, int]] = {}
+    starts, counts = [], []
+    for spans in spans_per_row:
+        for src, start, count in spans:
+            if id(src) not in sources:
+                sources[id(src)] = (src, sum(t.shape[0] for t, _ in sources.values()))
+            starts.append(sources[id(src)][1] + start)
+            counts.append(count)
+    tensors = [t for t, _ in sources.values()]
+    table = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    index = ragged_arange(np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64))
+    return table[torch.from_numpy(index).to(device, non_blocking=True)]

@@ -37,8 +37,9 @@ class _Request:
     state_slot: int
     # tokens whose KV / linear state is committed
     num_tokens: int = 0
-    # MTP: final hidden states not yet paired with their next token, and the tokens that follow them
-    mtp_hidden: list[torch.Tensor] = field(default_factory=list)
+    # MTP: final hidden states not yet paired with their next token, as (step output, first row, rows) spans,
+    # and the tokens that follow them
+    mtp_hidden: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     mtp_next_ids: list[int] = field(default_factory=list)
     # MTP: committed (hidden, token) pairs in the MTP head's KV
     mtp_len: int = 0
@@ -114,7 +115,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
-            self.drafter = MtpDrafter(self.model, mtp_kv)
+            self.drafter = MtpDrafter(self.model, mtp_kv, self.max_width)
         self._requests: dict[int, _Request] = {}
         self._pending: _PendingVerify | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -282,7 +283,7 @@ class ModelRunner:
             if req.mtp_hidden:
                 req.mtp_next_ids.append(tokens[0])
             req.mtp_next_ids += tokens[1:]
-            req.mtp_hidden.append(hidden[start : start + q])
+            req.mtp_hidden.append((hidden, start, q))
             start += q
 
     @torch.inference_mode()
@@ -311,7 +312,8 @@ class ModelRunner:
 
     @staticmethod
     def _drop_rejected_mtp(req: _Request, num_rejected: int) -> None:
-        req.mtp_hidden[-1] = req.mtp_hidden[-1][:-num_rejected]
+        source, start, count = req.mtp_hidden[-1]
+        req.mtp_hidden[-1] = (source, start, count - num_rejected)
         del req.mtp_next_ids[len(req.mtp_next_ids) - num_rejected :]
 
     # MTP -------------------------------------------------------------------------------------------------
