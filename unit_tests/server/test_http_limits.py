@@ -37,6 +37,7 @@ def server(tmp_path_factory):
         max_request_body_bytes=BODY_CAP,
         api_key=KEY,
         enable_docs=True,
+        trust_request_chat_template=True,
     )
     yield s
     s.close()
@@ -137,3 +138,15 @@ def test_openapi_documents_400_not_422(server):
 
 def test_api_key_is_not_in_args_repr(server):
     assert KEY not in repr(server.args) and server.args.api_key == KEY
+
+
+def test_trusted_server_renders_a_client_chat_template(server):
+    messages = [{"role": "user", "content": "hi there"}]
+    body = {"model": server.model, "messages": messages, "max_tokens": 1}
+    template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    r = _post(server, "/v1/chat/completions", {**body, "chat_template": template})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(server.tokenizer.encode_rendered("[hi there]"))
+    # twin: the checkpoint's own template builds a different prompt
+    own = _post(server, "/v1/chat/completions", body).json()["usage"]["prompt_tokens"]
+    assert own == len(server.tokenizer.encode_chat(messages)) != r.json()["usage"]["prompt_tokens"]
