@@ -25,6 +25,8 @@ setup(
         "msgspec",
         "tqdm",
         "jinja2",
+        # the benchmark clients (lightllm.tools.bench_serving)
+        "httpx",
     ],
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "openai", "httpx", "ruff"]},
 )

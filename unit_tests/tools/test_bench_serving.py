@@ -1,0 +1,63 @@
+"""`python -m lightllm.tools.bench_serving` against a live demo-model server (real runner, CPU): both datasets
+complete with exact output lengths, latencies are ordered and positive, MTP acceptance comes from /metrics, and the
+JSON and PNG files are written."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import numpy as np
+import pytest
+
+from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
+from lightllm.tools import bench_serving
+from lightllm.tools.png_plot import encode_png
+from unit_tests.server.live_server import LiveServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = LiveServer(DEFAULT_RUNNER_FACTORY, device="cpu", max_running_requests=4, max_total_token_num=2048, mtp_step=1)
+    yield s
+    s.close()
+
+
+def test_random_dataset(server, tmp_path):
+    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    s = bench_serving.main(
+        ["--base_url", server.base_url, "--num_prompts", "6", "--max_concurrency", "3", "--input_len", "12",
+         "--output_len", "5", "--result_file", str(out), "--plot", str(plot)]
+    )  # fmt: skip
+    assert s["num_requests"] == 6 and s["num_failed"] == 0
+    saved = json.loads(out.read_text())
+    assert [r["output_tokens"] for r in saved["requests"]] == [5] * 6
+    assert [r["prompt_tokens"] for r in saved["requests"]] == [12] * 6
+    assert s["output_token_throughput"] > 0
+    for name in ("ttft", "tpot", "itl"):
+        assert 0 < s[name]["median_ms"] <= s[name]["p99_ms"]
+    # the server drafts with its MTP head: every decode window is drafted, accepted length in [1, 2]
+    assert 1.0 <= s["mean_accepted_len"] <= 2.0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multi_turn_dataset_sends_growing_conversations(server, tmp_path):
+    out = tmp_path / "m.json"
+    s = bench_serving.main(
+        ["--base_url", server.base_url, "--dataset", "multi_turn", "--num_prompts", "2", "--num_turns", "3",
+         "--input_len", "10", "--output_len", "4", "--max_concurrency", "2", "--result_file", str(out)]
+    )  # fmt: skip
+    assert s["num_requests"] == 6 and s["num_failed"] == 0
+    reqs = sorted(json.loads(out.read_text())["requests"], key=lambda r: r["start_s"])
+    # each conversation's turns resend everything before: prompt lengths grow within a conversation
+    first, later = min(r["prompt_tokens"] for r in reqs), max(r["prompt_tokens"] for r in reqs)
+    assert later > first + 2 * 4
+
+
+def test_png_encoder_roundtrip():
+    img = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
+    data = encode_png(img, {"k": "v"})
+    idat = data[data.index(b"IDAT") + 4 :]
+    raw = zlib.decompress(idat[: idat.index(b"IEND") - 8])
+    assert raw == b"\x00" + img[0].tobytes() + b"\x00" + img[1].tobytes()
+    assert b"tEXtk\x00v" in data
