@@ -48,6 +48,8 @@ class LLM:
         self.args, self.info = load_server_args([], model_dir=model_dir, **flags)
         self.tokenizer = Tokenizer(self.info)
         self.engine = build_engine(self.args, self.info, runner_factory)
+        # token chunks of unfinished sequences whose text is built at finish (see `_absorb`)
+        self._buffered: dict[str, list[TokenChunk]] = {}
         quiet_garbage_collector()
 
     def generate(
@@ -92,14 +94,21 @@ class LLM:
         return self.generate([self.tokenizer.encode_chat(messages)], sampling_params)[0]
 
     def _absorb(self, outputs, seqs: dict[str, SequenceOutput]) -> None:
+        """Feed engine outputs to their sequences. Tokens of a sequence without stop strings are only buffered
+        until it finishes (nothing needs its text before then), keeping detokenization out of the step loop."""
         for out in outputs:
             seq = seqs.get(getattr(out, "req_id", None))
             if seq is None or seq.finished:
                 continue
             if isinstance(out, TokenChunk):
+                if not seq.params.stop:
+                    self._buffered.setdefault(out.req_id, []).append(out)
+                    continue
                 seq.on_tokens(out)
                 if seq.stop_string_hit:
                     # the engine's own Finished("abort") for it is ignored: the sequence already ended on "stop"
                     self.engine.abort(out.req_id)
             elif isinstance(out, Finished):
+                for chunk in self._buffered.pop(out.req_id, []):
+                    seq.on_tokens(chunk)
                 seq.on_finished(out)
