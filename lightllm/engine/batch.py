@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from lightllm.engine.prefix_cache.cache import PrefixMatch
+
 
 @dataclass
 class ForwardBatch:
@@ -55,11 +57,22 @@ class ModelRunnerProtocol(Protocol):
     # number of MTP draft steps the checkpoint supports (0 = none)
     num_mtp_steps: int
 
-    def add_request(self) -> int:
-        """Reserve a linear-state slot and a KV slot table row; returns the request handle."""
+    def add_request(self, prefix: list[int] | None = None) -> int:
+        """Reserve a linear-state slot and a KV slot table row; returns the request handle. With `prefix` (the
+        request's tokens) a runner with a prefix cache resumes it from the longest cached checkpoint on them."""
 
     def free_request(self, handle: int) -> None:
-        """Release every KV token and the state slot of a request."""
+        """Release every KV token and the state slot of a request (tokens shared with the prefix cache stay)."""
+
+    def num_tokens(self, handle: int) -> int:
+        """Tokens of the request already committed (after `add_request`: those resumed from the prefix cache)."""
+
+    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+        """What `add_request(token_ids)` would resume from the prefix cache; changes nothing."""
+
+    def publish(self, handle: int, token_ids: list[int]) -> None:
+        """Offer the request's committed tokens (all `num_tokens(handle)` of them, `token_ids`) to the prefix
+        cache with a checkpoint of its state at their end. Between steps only (after `accept`)."""
 
     def num_free_requests(self) -> int: ...
 

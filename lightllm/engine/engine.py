@@ -34,6 +34,7 @@ class Engine:
         spec_ngram: int = 0,
         seed: int = 0,
         state_mode: str | None = None,
+        prefix_cache_checkpoint_interval: int = 0,
     ):
         self.runner = runner
         # only labels the state-memory statistic; the engine never acts on the mode
@@ -41,7 +42,9 @@ class Engine:
         self.max_req_total_len = max_req_total_len
         self.speculator = create_speculator(mtp_step, spec_ngram)
         max_width = min(runner.max_width, self.speculator.num_drafts + 1)
-        self.scheduler = Scheduler(runner, max_running_requests, chunked_prefill_size, max_width)
+        self.scheduler = Scheduler(
+            runner, max_running_requests, chunked_prefill_size, max_width, prefix_cache_checkpoint_interval
+        )
         self.sampler = Sampler(seed)
         self.requests: dict[str, Request] = {}
         # True between a forward with decode rows and its accept (so a failure in between can settle the runner)
@@ -67,6 +70,13 @@ class Engine:
         per_request = getattr(self.runner, "bytes_per_request", None)
         if callable(per_request):
             parts += f"; linear state {per_request() / 2**20:.2f} MiB per request ({self.state_mode or 'state'})"
+        prefix = self._prefix_cache_stats()
+        if prefix:
+            parts += (
+                f"; prefix cache: {prefix['checkpoint_capacity_bytes'] / 2**20:.2f} MiB for "
+                f"{prefix['checkpoint_capacity_bytes'] // max(prefix['bytes_per_checkpoint'], 1)} state checkpoints "
+                f"of {prefix['bytes_per_checkpoint'] / 2**20:.3f} MiB"
+            )
         return (
             f"up to {min(limits['linear-state slots'], limits['--max_running_requests'])} concurrent requests "
             f"({parts}); {limits[binding]} full-length requests fit at once, limited by {binding}; "
@@ -110,6 +120,7 @@ class Engine:
             fwd = self.runner.forward(self._build_batch(plan))
             self._awaiting_accept = bool(plan.decode)
             outputs += self._process(plan, fwd)
+            self._publish_prefills(plan)
         except Exception:
             # the failure cannot be pinned on one row: every request of the batch finishes, the loop goes on
             logger.exception("engine step failed; finishing %d requests with an error", len(plan.rows))
@@ -119,6 +130,18 @@ class Engine:
                     # clients see a message; the exception and its traceback are in the engine log
                     outputs += self._finish(row.req, "error", error="the model step failed (see the engine log)")
         return outputs
+
+    def _publish_prefills(self, plan: SchedulePlan) -> None:
+        """Offer the prefix cache the prefill rows (committed, after the step) that stand where a checkpoint is
+        due; rows that finished were offered when they left."""
+        for row in plan.prefill:
+            req = row.req
+            if req.handle is not None and self.scheduler.is_checkpoint_due(req):
+                self.runner.publish(req.handle, req.all_ids[: req.num_computed_tokens])
+
+    def _prefix_cache_stats(self) -> dict[str, int] | None:
+        stats = getattr(self.runner, "prefix_cache_stats", None)
+        return stats() if callable(stats) else None
 
     def _settle_runner(self, plan: SchedulePlan) -> None:
         """After a failure between forward and accept, close the runner's pending verify so it can step again."""
@@ -149,6 +172,14 @@ class Engine:
         runner_stats = getattr(self.runner, "stats", None)
         if callable(runner_stats):
             s.num_folds = runner_stats().get("num_folds")
+        prefix = self._prefix_cache_stats()
+        if prefix:
+            s.prefix_cache_queried_tokens = prefix["num_queried_tokens"]
+            s.prefix_cache_hit_tokens = prefix["num_hit_tokens"]
+            s.prefix_cache_checkpoints_stored = prefix["num_checkpoints_stored"]
+            s.prefix_cache_checkpoints_evicted = prefix["num_checkpoints_evicted"]
+            s.prefix_cache_checkpoint_bytes = prefix["checkpoint_bytes"]
+            s.prefix_cache_tokens = prefix["num_cached_tokens"]
         return s
 
     def _check(self, msg: NewRequest) -> str | None:
@@ -292,6 +323,7 @@ class Engine:
 
     def _emit(self, req: Request, token_ids: list[int], logits: torch.Tensor) -> list[EngineOutput]:
         """Append tokens until a stop token or the length cap, and report them."""
+        is_first = not req.output_ids
         emitted: list[int] = []
         reason = None
         for token in token_ids:
@@ -304,6 +336,8 @@ class Engine:
                 reason = "length"
                 break
         chunk = TokenChunk(req.req_id, emitted)
+        if is_first:
+            chunk.num_cached_tokens = req.num_cached_tokens
         if req.params.logprobs is not None:
             chunk.logprobs, chunk.top_logprobs = compute_logprobs(logits[: len(emitted)], emitted, req.params.logprobs)
         outputs: list[EngineOutput] = [chunk]
@@ -314,7 +348,8 @@ class Engine:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> list[EngineOutput]:
         if req.is_finished:
             return []
-        self.scheduler.remove(req)
+        # after a failed step the state is suspect: only cleanly finished or aborted requests feed the cache
+        self.scheduler.remove(req, publish=reason != "error")
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         self.requests.pop(req.req_id, None)
         return [

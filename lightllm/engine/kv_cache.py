@@ -2,8 +2,12 @@
 
 One token slot holds what every full-attention layer caches for one token (K and V for GQA, the compressed
 latent for MLA). A request owns a row of `req_to_slot` listing its tokens' slots in sequence order, so slots are
-not contiguous and a future prefix cache can point several rows at the same slots. Slot `capacity` is the HOLD
-slot: padding rows write there and nothing reads it.
+not contiguous and several rows can point at the same slots. Slot `capacity` is the HOLD slot: padding rows write
+there and nothing reads it.
+
+The first `shared_cpu[row]` columns of a row are shared: their slots belong to the prefix cache, which frees
+them; truncating or freeing the row only clears those columns. The rest of a row is private to its request.
+When the allocator runs short, `reclaim(num_slots)` (set by the prefix cache) may free slots it holds.
 
 Allocation is a LIFO free stack on the host: a fresh cache hands out 0, 1, 2, ... in order, and released slots
 are handed out again in the order they were released (the tests rely on exact ids). The host keeps a numpy mirror
@@ -12,6 +16,8 @@ operations and one device update, whatever the batch size.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -78,6 +84,10 @@ class KVCache:
         # host mirror of the table and the length of each row
         self.table_cpu = np.full((max_requests, max_req_len), capacity, dtype=np.int64)
         self.lengths_cpu = np.zeros(max_requests, dtype=np.int64)
+        # leading columns of each row whose slots are owned by the prefix cache
+        self.shared_cpu = np.zeros(max_requests, dtype=np.int64)
+        # called with the number of free slots an allocation needs when fewer are free
+        self.reclaim: Callable[[int], None] | None = None
         self._live = np.zeros(max_requests, dtype=bool)
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
@@ -121,7 +131,10 @@ class KVCache:
         too_long = self.lengths_cpu[rows] + counts > self.max_req_len
         if too_long.any():
             raise RuntimeError(f"request longer than max_req_len={self.max_req_len}")
-        new = self.allocator.alloc(int(counts.sum()))
+        need = int(counts.sum())
+        if need > self.allocator.num_free() and self.reclaim is not None:
+            self.reclaim(need)
+        new = self.allocator.alloc(need)
         row_of = np.repeat(rows, counts)
         cols = ragged_arange(self.lengths_cpu[rows], counts)
         self.table_cpu[row_of, cols] = new
@@ -134,7 +147,8 @@ class KVCache:
         self.truncate_many(np.array([row]), np.array([length]))
 
     def truncate_many(self, rows: np.ndarray, lengths: np.ndarray) -> None:
-        """Release each row's slots past `lengths[i]` (a row already that short is left as it is)."""
+        """Release each row's slots past `lengths[i]` (a row already that short is left as it is); shared columns
+        are cleared without being freed."""
         rows, lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
         old = self.lengths_cpu[rows]
         keep = np.minimum(lengths, old)
@@ -143,10 +157,41 @@ class KVCache:
             return
         row_of = np.repeat(rows, counts)
         cols = ragged_arange(keep, counts)
-        self.allocator.free(self.table_cpu[row_of, cols])
+        owned = cols >= self.shared_cpu[row_of]
+        self.allocator.free(self.table_cpu[row_of[owned], cols[owned]])
         self.table_cpu[row_of, cols] = self.hold_slot
         self.lengths_cpu[rows] = keep
+        self.shared_cpu[rows] = np.minimum(self.shared_cpu[rows], keep)
         self._sync_device(row_of, cols, np.full(row_of.size, self.hold_slot, dtype=np.int64))
+
+    def share(self, row: int, slots: np.ndarray) -> None:
+        """Start an empty row with `slots` owned by the prefix cache (a prefix hit)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        assert self._live[row] and self.lengths_cpu[row] == 0, "share into a row that is not empty"
+        n = slots.size
+        if n > self.max_req_len:
+            raise RuntimeError(f"request longer than max_req_len={self.max_req_len}")
+        self.table_cpu[row, :n] = slots
+        self.lengths_cpu[row] = self.shared_cpu[row] = n
+        self._sync_device(np.full(n, row, dtype=np.int64), np.arange(n, dtype=np.int64), slots)
+
+    def replace(self, row: int, start: int, slots: np.ndarray) -> None:
+        """Point the row's private columns `start ..` at `slots` (the prefix cache's copies of the same tokens)
+        and free the slots they held."""
+        slots = np.asarray(slots, dtype=np.int64)
+        n = slots.size
+        assert start >= self.shared_cpu[row] and start + n <= self.lengths_cpu[row], "replace outside private columns"
+        if n == 0:
+            return
+        cols = np.arange(start, start + n, dtype=np.int64)
+        self.allocator.free(self.table_cpu[row, cols])
+        self.table_cpu[row, cols] = slots
+        self._sync_device(np.full(n, row, dtype=np.int64), cols, slots)
+
+    def set_shared(self, row: int, n: int) -> None:
+        """Hand the row's first `n` columns to the prefix cache (it now owns and frees their slots)."""
+        assert self.shared_cpu[row] <= n <= self.lengths_cpu[row], "shared prefix must grow within the row"
+        self.shared_cpu[row] = n
 
     def _sync_device(self, row_of: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
         if row_of.size == 0:

@@ -32,6 +32,8 @@ class TokenChunk(msgspec.Struct, tag=True):
     logprobs: list[float] | None = None
     # per token: [(token_id, logprob), ...] most likely alternatives, most likely first
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # on a request's first chunk only: prompt tokens resumed from the prefix cache (not recomputed)
+    num_cached_tokens: int | None = None
 
 
 class Finished(msgspec.Struct, tag=True):
@@ -64,6 +66,14 @@ class EngineStats(msgspec.Struct, tag=True):
     state_pool_bytes: dict[str, int] = msgspec.field(default_factory=dict)
     # replay folds performed so far (None when the runner does not expose it)
     num_folds: int | None = None
+    # prefix cache: tokens looked up and resumed at admissions, checkpoints stored and evicted so far, checkpoint
+    # bytes and KV tokens held now
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_checkpoints_stored: int = 0
+    prefix_cache_checkpoints_evicted: int = 0
+    prefix_cache_checkpoint_bytes: int = 0
+    prefix_cache_tokens: int = 0
 
 
 EngineInput = NewRequest | Abort

@@ -41,6 +41,10 @@ class Request:
     # admission order, used to pick preemption victims (latest first)
     admit_seq: int = 0
     num_preemptions: int = 0
+    # prompt tokens resumed from the prefix cache at the first admission
+    num_cached_tokens: int = 0
+    # prefill position where the tokens branch off a cached path (a checkpoint is taken there); 0 = none
+    branch_point: int = 0
     # seeded requests draw every random number from their own generator, so batching cannot change them
     generator: torch.Generator | None = None
 

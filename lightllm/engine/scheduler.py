@@ -6,6 +6,11 @@ from the waiting queue. A request is admitted only when a linear-state slot is f
 the KV cache can hold its prefill on top of what running requests still need. When KV runs out for decode
 rows, the most recently admitted request is preempted: its slot and KV are returned and it later re-prefills
 its prompt and output (recompute).
+
+With a prefix cache, admission resumes a request from the deepest cached checkpoint on its tokens' path
+(`runner.add_request(prefix)`) and prefills only the rest. Prefill chunks are cut to end at multiples of
+`checkpoint_interval` when they cross one, so the engine can checkpoint there; a request leaving the batch
+(finished, aborted or preempted) first publishes its committed tokens (`runner.publish`).
 """
 
 from __future__ import annotations
@@ -44,8 +49,17 @@ class SchedulePlan:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunnerProtocol, max_running_requests: int, token_budget: int, max_width: int):
+    def __init__(
+        self,
+        runner: ModelRunnerProtocol,
+        max_running_requests: int,
+        token_budget: int,
+        max_width: int,
+        checkpoint_interval: int = 0,
+    ):
         self.runner = runner
+        # prefill chunks end at multiples of this when they cross one (0 = no alignment)
+        self.checkpoint_interval = checkpoint_interval
         # KV tokens of an empty cache: a request whose prefill alone exceeds this can never run
         self.kv_capacity = runner.num_free_kv_tokens()
         self.max_running_requests = max_running_requests
@@ -59,15 +73,43 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Take a request out of the queues and give its runner resources back (abort or finish)."""
+    def remove(self, req: Request, publish: bool = False) -> None:
+        """Take a request out of the queues and give its runner resources back (abort or finish); `publish`
+        offers its committed tokens to the prefix cache first (never after a failed step: its state is suspect)."""
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        if req.handle is not None:
-            self.runner.free_request(req.handle)
-            req.handle = None
+        self._release(req, publish)
+
+    def _release(self, req: Request, publish: bool) -> None:
+        if req.handle is None:
+            return
+        # a stop token inside an accepted window leaves committed tokens past the output: publish what is kept
+        num_kept = min(req.num_computed_tokens, req.num_tokens)
+        if publish and num_kept:
+            self.runner.publish(req.handle, req.all_ids[:num_kept])
+        self.runner.free_request(req.handle)
+        req.handle = None
+
+    def prefill_chunk(self, req: Request, limit: int) -> int:
+        """Tokens of `req`'s prefill to run next, at most `limit`, ending where a checkpoint is due: at the
+        request's branch point if the chunk crosses it, else at the last checkpoint-interval boundary it crosses
+        (unless the chunk ends the prefill)."""
+        start = req.num_computed_tokens
+        end = min(req.num_prefill_tokens, start + max(limit, 0))
+        interval = self.checkpoint_interval
+        if start < req.branch_point < end:
+            end = req.branch_point
+        elif interval and end < req.num_prefill_tokens and end // interval * interval > start:
+            end = end // interval * interval
+        return end - start
+
+    def is_checkpoint_due(self, req: Request) -> bool:
+        """After a prefill chunk: whether `req` stands where a checkpoint is due (prefill end, branch point,
+        interval boundary)."""
+        n, interval = req.num_computed_tokens, self.checkpoint_interval
+        return n == req.num_prefill_tokens or n == req.branch_point or bool(interval and n % interval == 0)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -95,7 +137,7 @@ class Scheduler:
             plan.decode.append(ScheduledRow(req, 1 + num_drafts, drafts))
         for req in self.running:
             if req.is_prefilling and budget > 0 and free_kv > 0:
-                chunk = min(req.num_prefill_tokens - req.num_computed_tokens, budget, free_kv)
+                chunk = self.prefill_chunk(req, min(budget, free_kv))
                 plan.prefill.append(ScheduledRow(req, chunk))
                 budget -= chunk
                 free_kv -= chunk
@@ -116,29 +158,41 @@ class Scheduler:
             if num_prefill + 1 > self.kv_capacity:
                 plan.unfittable.append(self.waiting.popleft())
                 continue
-            if num_prefill + committed > free_kv or self.runner.num_free_requests() == 0:
+            match = self.runner.match_prefix(req.all_ids)
+            if num_prefill - match.num_tokens + match.num_pinned + committed > free_kv:
+                break
+            if self.runner.num_free_requests() == 0:
                 break
             self.waiting.popleft()
-            req.handle = self.runner.add_request()
+            free_before = self.runner.num_free_kv_tokens()
+            req.handle = self.runner.add_request(req.all_ids)
+            # cached tokens the hit locked are no longer reclaimable
+            free_kv -= free_before - self.runner.num_free_kv_tokens()
             req.status = Status.RUNNING
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = self.runner.num_tokens(req.handle)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            # the tokens branch off a cached path past the last checkpoint on it: checkpoint at the branch, so
+            # later requests sharing this prefix resume there
+            req.branch_point = match.num_matched if match.num_matched > req.num_computed_tokens else 0
             req.num_prefill_tokens = num_prefill
             self._admit_seq += 1
             req.admit_seq = self._admit_seq
             self.running.append(req)
-            chunk = min(num_prefill, budget)
-            plan.prefill.append(ScheduledRow(req, chunk))
+            chunk = self.prefill_chunk(req, min(budget, free_kv))
+            if chunk > 0:
+                plan.prefill.append(ScheduledRow(req, chunk))
             budget -= chunk
             free_kv -= chunk
-            committed += num_prefill - chunk + self.max_width
+            committed += num_prefill - req.num_computed_tokens - chunk + self.max_width
 
     def _preempt(self, req: Request, plan: SchedulePlan) -> int:
         """Send `req` back to the head of the queue; returns the KV tokens this frees."""
-        freed = req.num_computed_tokens
+        free_before = self.runner.num_free_kv_tokens()
         self.running.remove(req)
-        if req.handle is not None:
-            self.runner.free_request(req.handle)
-            req.handle = None
+        # its committed tokens stay cached (reclaimable), so the re-admission resumes where it stopped
+        self._release(req, publish=True)
+        freed = self.runner.num_free_kv_tokens() - free_before
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.num_prefill_tokens = 0

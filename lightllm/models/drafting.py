@@ -55,9 +55,11 @@ class MtpDrafter:
         padded_hidden[layout] = hidden
         out = self.head(self.model.embed_tokens(ids), padded_hidden, ctx)
         last = out[layout[torch.from_numpy(np.cumsum(q_lens) - 1).to(device)]]
-        for req, n in zip(reqs, q_lens.tolist()):
+        for req, n, end in zip(reqs, q_lens.tolist(), np.cumsum(q_lens).tolist()):
             req.mtp_len += n
             req.mtp_hidden, req.mtp_next_ids = [], []
+            # the prefix cache checkpoints the hidden state of the last committed token
+            req.mtp_last_hidden = (hidden, end - 1)
         all_logits = [self.model.logits(last)]
         drafts = [all_logits[-1].argmax(-1)]
         for step in range(1, num_steps):
@@ -70,6 +72,25 @@ class MtpDrafter:
         # back to the callers' row order
         inverse = torch.from_numpy(np.argsort(order)).to(device)
         return torch.stack(drafts, dim=1)[inverse], torch.stack(all_logits, dim=1)[inverse]
+
+    def commit_known_pairs(self, handle: int, req) -> None:
+        """Commit the request's pending pairs whose next token is known (every pending hidden row but the last)
+        into the head's KV without drafting, so the head's KV holds the pair of every committed token (the prefix
+        cache shares it). The last hidden row stays pending for the next `draft`, which commits the same entries
+        a single `draft` would have."""
+        num_known = len(req.mtp_next_ids)
+        if num_known == 0:
+            return
+        device = self.kv.device
+        hidden = gather_spans([req.mtp_hidden], device)
+        row = np.asarray([handle])
+        self.kv.truncate_many(row, np.asarray([req.mtp_len]))
+        self.kv.extend_many(row, np.asarray([num_known]))
+        ctx = build_context([num_known], [req.mtp_len], 1, [handle], self.kv, position_offset=1)
+        ids = torch.tensor(req.mtp_next_ids, dtype=torch.int64).to(device, non_blocking=True)
+        self.head(self.model.embed_tokens(ids), hidden[:num_known], ctx)
+        req.mtp_len += num_known
+        req.mtp_hidden, req.mtp_next_ids = [(hidden, num_known, hidden.shape[0] - num_known)], []
 
 
 def gather_spans(spans_per_row: list[list[tuple[torch.Tensor, int, int]]], device) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
 from lightllm.engine.kv_cache import KVCache
+from lightllm.engine.prefix_cache import PrefixMatch
 from lightllm.linear_att import StateConfig, StateMode, create_state
 from lightllm.linear_att.base import Checkpoint, DecodeRows
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
@@ -25,6 +26,7 @@ from lightllm.models.drafting import MtpDrafter
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.loader import load_weights
 from lightllm.models.memory import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
+from lightllm.models.prefix_state import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.models.registry import load_model_config
 from lightllm.models.runner_config import RunnerConfig
 from lightllm.models.tp import TPInfo
@@ -43,6 +45,8 @@ class _Request:
     mtp_next_ids: list[int] = field(default_factory=list)
     # MTP: committed (hidden, token) pairs in the MTP head's KV
     mtp_len: int = 0
+    # MTP: (step output, row) of the last committed token's hidden state once a draft consumed the spans
+    mtp_last_hidden: tuple[torch.Tensor, int] | None = None
 
 
 @dataclass
@@ -116,6 +120,12 @@ class ModelRunner:
                 self.device,
             )
             self.drafter = MtpDrafter(self.model, mtp_kv, self.max_width)
+        self.prefix_cache: RunnerPrefixCache | None = None
+        if not config.disable_prefix_cache:
+            self.prefix_cache = create_prefix_cache(
+                self.state, self.kv, self.drafter, cfg.hidden_size, self.dtype, self.kv_bytes_per_token(),
+                config.prefix_cache_state_fraction, config.prefix_cache_state_bytes,
+            )  # fmt: skip
         self._requests: dict[int, _Request] = {}
         self._pending: _PendingVerify | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -154,12 +164,19 @@ class ModelRunner:
         fixed += (
             8 * c.max_running_requests * (c.max_req_total_len + mtp * (c.max_req_total_len + self.num_mtp_steps + 1))
         )
+        bytes_per_token = per_layer * (num_layers + mtp)
+        if not c.disable_prefix_cache:
+            # the checkpoint pool comes out of the same budget: a fixed size, or a share of every KV token's bytes
+            if c.prefix_cache_state_bytes is not None:
+                fixed += c.prefix_cache_state_bytes
+            else:
+                bytes_per_token = int(bytes_per_token * (1 + state_fraction(c.prefix_cache_state_fraction)))
         free, total = probe()
         return kv_tokens_for_memory(
             free,
             total,
             mem_fraction=c.mem_fraction,
-            bytes_per_token=per_layer * (num_layers + mtp),
+            bytes_per_token=bytes_per_token,
             fixed_bytes=fixed,
             max_req_total_len=c.max_req_total_len,
         )
@@ -171,14 +188,18 @@ class ModelRunner:
         return ((max(a.num_kv_heads // tp_size, 1), a.head_dim),) * 2
 
     # requests and memory ---------------------------------------------------------------------------------
-    def add_request(self) -> int:
-        """Reserve a state slot and a KV row; the handle is the KV row index."""
+    def add_request(self, prefix: list[int] | None = None) -> int:
+        """Reserve a state slot and a KV row; the handle is the KV row index. With `prefix` (the request's
+        tokens) the request resumes from the prefix cache: `num_tokens(handle)` tells how many are committed."""
         if self.kv.num_free_rows() == 0 or self.state.num_free_slots() == 0:
             raise RuntimeError("no free request slot")
         handle = self.kv.alloc_row()
-        self._requests[handle] = _Request(state_slot=self.state.alloc())
+        req = self._requests[handle] = _Request(state_slot=self.state.alloc())
         if self.drafter is not None:
             self.drafter.kv.alloc_row()
+        if prefix is not None and self.prefix_cache is not None:
+            with torch.inference_mode():
+                self.prefix_cache.resume(handle, req, prefix)
         return handle
 
     def free_request(self, handle: int) -> None:
@@ -187,12 +208,38 @@ class ModelRunner:
         self.state.free(req.state_slot)
         if self.drafter is not None:
             self.drafter.kv.free_row(handle)
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(handle)
+
+    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+        """What `add_request(token_ids)` would resume from the prefix cache; changes nothing."""
+        return self.prefix_cache.match(token_ids) if self.prefix_cache is not None else PrefixMatch()
+
+    @torch.inference_mode()
+    def publish(self, handle: int, token_ids: list[int]) -> None:
+        """Offer the request's committed tokens (`token_ids`, exactly `num_tokens(handle)` of them) to the prefix
+        cache with a checkpoint of its state there. Only between steps, never between forward and accept."""
+        if self.prefix_cache is None:
+            return
+        if self._pending is not None:
+            raise RuntimeError("publish() between forward and accept: the state is not committed")
+        self.prefix_cache.publish(handle, self._requests[handle], token_ids)
+
+    def evict_prefix_cache(self) -> None:
+        """Drop every prefix-cache entry no running request uses (tests, memory pressure)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.cache.evict()
+
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        return self.prefix_cache.stats() if self.prefix_cache is not None else None
 
     def num_free_requests(self) -> int:
         return min(self.kv.num_free_rows(), self.state.num_free_slots())
 
     def num_free_kv_tokens(self) -> int:
-        return self.kv.num_free_tokens()
+        """Free KV slots plus those the prefix cache holds for no running request (evicted on demand)."""
+        evictable = self.prefix_cache.cache.num_evictable_tokens() if self.prefix_cache is not None else 0
+        return self.kv.num_free_tokens() + evictable
 
     def stats(self) -> dict[str, int | None]:
         """Counters for the metrics endpoint (read between steps: one device sync)."""
@@ -223,8 +270,8 @@ class ModelRunner:
             assert cached == req.num_tokens, (
                 f"request {h}: engine says {cached} cached tokens, runner has {req.num_tokens}"
             )
-        if sum(batch.query_lens) > self.kv.num_free_tokens():
-            raise RuntimeError(f"step needs {sum(batch.query_lens)} KV slots, {self.kv.num_free_tokens()} free")
+        if sum(batch.query_lens) > self.num_free_kv_tokens():
+            raise RuntimeError(f"step needs {sum(batch.query_lens)} KV slots, {self.num_free_kv_tokens()} free")
         handles, q_lens = np.asarray(batch.req_handles), np.asarray(batch.query_lens)
         self.kv.extend_many(handles, q_lens)
         np_ = batch.num_prefill_rows

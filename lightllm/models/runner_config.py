@@ -41,6 +41,11 @@ class RunnerConfig:
     # decode-only steps of up to this many rows replay CUDA graphs (captured per batch bucket at start-up)
     graph_max_batch_size: int = 256
     disable_cudagraph: bool = False
+    # prefix cache: shared KV of committed prefixes + a pool of linear-state checkpoints, sized by bytes or as a
+    # fraction of the KV cache's bytes (None and None: 0.1)
+    disable_prefix_cache: bool = False
+    prefix_cache_state_fraction: float | None = None
+    prefix_cache_state_bytes: int | None = None
 
     @property
     def verify_width(self) -> int:

@@ -116,6 +116,23 @@ class ServerArgs:
         10.0, "seconds between throughput log lines while requests are in flight (0: off)", type=float
     )
 
+    disable_prefix_cache: bool = _flag(
+        False, "recompute every prompt instead of resuming repeated prefixes from cached KV + state", type=bool
+    )
+    prefix_cache_checkpoint_interval: int = _flag(
+        2048,
+        "tokens between linear-state checkpoints along a prompt (prefill chunks end on these boundaries)",
+        type=int,
+    )
+    prefix_cache_state_fraction: float | None = _flag(
+        None,
+        "checkpoint pool size as a fraction of the KV cache's bytes (auto: 0.1; exclusive with --prefix_cache_state_bytes)",
+        type=float,
+    )
+    prefix_cache_state_bytes: int | None = _flag(
+        None, "checkpoint pool size in bytes (auto: from --prefix_cache_state_fraction)", type=int
+    )
+
     disable_cudagraph: bool = _flag(False, "run decode steps eagerly instead of replaying CUDA graphs", type=bool)
     graph_max_batch_size: int = _flag(
         256, "decode steps of up to this many requests replay CUDA graphs (one per batch bucket)", type=int
@@ -229,6 +246,15 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
             raise ValueError(f"--{name} must be at least {low}, got {getattr(args, name)}")
     if args.log_stats_interval < 0:
         raise ValueError(f"--log_stats_interval must be >= 0 (0 turns it off), got {args.log_stats_interval}")
+    if args.prefix_cache_checkpoint_interval <= 0:
+        raise ValueError(
+            f"--prefix_cache_checkpoint_interval must be positive, got {args.prefix_cache_checkpoint_interval}"
+        )
+    if args.prefix_cache_state_fraction is not None and args.prefix_cache_state_bytes is not None:
+        raise ValueError("--prefix_cache_state_fraction and --prefix_cache_state_bytes both size the pool: give one")
+    for name in ("prefix_cache_state_fraction", "prefix_cache_state_bytes"):
+        if (getattr(args, name) or 0) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if args.max_total_token_num is not None and args.mem_fraction is not None:
         raise ValueError("--max_total_token_num and --mem_fraction both size the KV cache: give only one")
     if args.mem_fraction is not None and not 0.0 < args.mem_fraction <= 1.0:

@@ -59,6 +59,7 @@ def build_engine(args: ServerArgs, info: ModelInfo, runner_factory: str) -> Engi
         mtp_step=args.mtp_step,
         spec_ngram=args.spec_ngram,
         state_mode=args.ssm_state_mode,
+        prefix_cache_checkpoint_interval=0 if args.disable_prefix_cache else args.prefix_cache_checkpoint_interval,
     )
 
 

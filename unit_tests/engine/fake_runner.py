@@ -15,6 +15,7 @@ import time
 import torch
 
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
+from lightllm.engine.prefix_cache import PrefixMatch
 
 NUM_SUM_BUCKETS = 7
 
@@ -67,11 +68,21 @@ class FakeRunner:
         return ids[len(prompt) :]
 
     # -- ModelRunnerProtocol ---------------------------------------------------------------------------------------
-    def add_request(self) -> int:
+    def add_request(self, prefix: list[int] | None = None) -> int:
         assert self._free_handles, "add_request without a free slot"
         handle = self._free_handles.pop()
         self.cache[handle] = []
         return handle
+
+    def num_tokens(self, handle: int) -> int:
+        return len(self.cache[handle])
+
+    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+        return PrefixMatch()
+
+    def publish(self, handle: int, token_ids: list[int]) -> None:
+        assert self._window_start == {}, "publish() between forward and accept"
+        assert token_ids == self.cache[handle], "publish() of tokens that are not the committed ones"
 
     def free_request(self, handle: int) -> None:
         assert handle in self.cache, f"double free of handle {handle}"

@@ -65,8 +65,10 @@ class FakeProbe:
         return self.free, self.total
 
 
-def _auto_config(mtp_step: int = 0) -> RunnerConfig:
-    """Tiny qwen3_next on CPU in fp32, KV size left to the runner (4 requests of up to 512 tokens)."""
+def _auto_config(mtp_step: int = 0, **flags) -> RunnerConfig:
+    """Tiny qwen3_next on CPU in fp32, KV size left to the runner (4 requests of up to 512 tokens); the prefix
+    cache is off unless `flags` turn it on (its pool has its own tests below)."""
+    flags.setdefault("disable_prefix_cache", True)
     return RunnerConfig(
         model_dir=case_dir("qwen3_next-hv2"),
         device="cpu",
@@ -76,6 +78,7 @@ def _auto_config(mtp_step: int = 0) -> RunnerConfig:
         max_total_token_num=None,
         max_req_total_len=512,
         mem_fraction=0.5,
+        **flags,
     )
 
 
@@ -108,6 +111,25 @@ def test_runner_sizes_kv_from_what_is_left_after_weights_and_state(mtp_step, per
         allocated += _kv_bytes(runner.drafter.kv)
     # the sizing accounts for every KV byte the runner then allocates
     assert allocated == 1000 * per_token + fixed
+
+
+@pytest.mark.parametrize("flags", [{"prefix_cache_state_fraction": 0.25}, {"prefix_cache_state_bytes": 70_000}])
+def test_checkpoint_pool_comes_out_of_the_same_budget(flags):
+    """The checkpoint pool is carved from the mem_fraction budget: a fraction of every KV token's bytes, or a fixed
+    number of bytes; KV + pool + fixed bytes then fill exactly what the budget left."""
+    per_token, fixed = 256, 256 + 4 * 512 * 8
+    pool_budget = 64_000 if "prefix_cache_state_fraction" in flags else 70_000
+    # 1000 tokens (+ their share of the pool, or the fixed pool) and 100 bytes to spare
+    used = GIB - fixed - 1000 * per_token - pool_budget - 100
+    runner = ModelRunner(
+        _auto_config(disable_prefix_cache=False, **flags), memory_probe=FakeProbe(4 * GIB - used, 4 * GIB)
+    )
+    assert runner.kv_tokens == 1000
+    pool = runner.prefix_cache.pool
+    # 3 linear layers of conv window (128 channels x 3) + SSM (4 heads x 16 x 16), fp32
+    assert pool.bytes_per_checkpoint == 3 * (128 * 3 + 4 * 16 * 16) * 4
+    assert pool.num_slots == pool_budget // pool.bytes_per_checkpoint
+    assert _kv_bytes(runner.kv) + pool.num_bytes <= 1000 * per_token + fixed + pool_budget
 
 
 def test_runner_refuses_when_one_request_does_not_fit():

@@ -1,0 +1,147 @@
+"""The runner's side of the prefix cache: what a hit restores and what a publish saves, beyond shared KV.
+
+A hit imports the node's checkpoint into the request's state slot (`import_checkpoint` resets cursor, parity and
+pending inputs) and, with MTP, restores the drafter: the head's KV of the prefix is shared like the main KV (its
+pairs up to the last resumed token), and the main model's hidden state of the last resumed token becomes the
+one pending hidden row, so the next forward pairs it with the first new token exactly as a cold run would.
+
+A publish happens only between steps (never between forward and accept) and only at the request's committed
+length, so the checkpoint is exported from committed state: replay folds its pending history and compact merges
+its pending window into a copy, the live state is untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from lightllm.engine.kv_cache import KVCache
+from lightllm.engine.prefix_cache import CheckpointPool, PrefixCache, PrefixMatch
+from lightllm.linear_att.base import Checkpoint, LinearAttState
+
+logger = logging.getLogger(__name__)
+
+# checkpoint pool size as a fraction of the KV cache's bytes when neither the fraction nor the bytes are given
+DEFAULT_STATE_FRACTION = 0.1
+
+
+def checkpoint_template(state: LinearAttState, device: torch.device) -> Checkpoint:
+    """A one-request checkpoint (of the HOLD slot) giving the pool its shapes and dtypes."""
+    return state.export_checkpoint(torch.tensor([state.hold_slot], dtype=torch.int32, device=device))
+
+
+def state_fraction(fraction: float | None) -> float:
+    return DEFAULT_STATE_FRACTION if fraction is None else fraction
+
+
+def pool_bytes(kv_tokens: int, kv_bytes_per_token: int, fraction: float | None, num_bytes: int | None) -> int:
+    """Checkpoint pool budget: `num_bytes` when given, else `fraction` (default 0.1) of the KV cache's bytes."""
+    if num_bytes is not None:
+        return num_bytes
+    return int(state_fraction(fraction) * kv_tokens * kv_bytes_per_token)
+
+
+def create_prefix_cache(
+    state: LinearAttState,
+    kv: KVCache,
+    drafter,
+    hidden_size: int,
+    dtype: torch.dtype,
+    kv_bytes_per_token: int,
+    fraction: float | None,
+    num_bytes: int | None,
+) -> RunnerPrefixCache | None:
+    """The runner's prefix cache with a pool sized by `pool_bytes` (never more checkpoints than KV tokens);
+    None when the budget holds no checkpoint."""
+    template = checkpoint_template(state, kv.device)
+    mtp_hidden = hidden_size if drafter is not None else 0
+    per_checkpoint = CheckpointPool.bytes_per_slot(template, mtp_hidden, dtype)
+    budget = pool_bytes(kv.capacity, kv_bytes_per_token, fraction, num_bytes)
+    num_slots = min(budget // per_checkpoint, kv.capacity)
+    if num_slots == 0:
+        logger.warning("prefix cache off: %d bytes hold no %d-byte checkpoint", budget, per_checkpoint)
+        return None
+    logger.info("prefix cache: %d checkpoints of %.2f MiB", num_slots, per_checkpoint / 2**20)
+    return RunnerPrefixCache(state, kv, num_slots, drafter, hidden_size, dtype)
+
+
+class RunnerPrefixCache:
+    """Wraps `PrefixCache` with the runner's state and MTP drafter."""
+
+    def __init__(
+        self,
+        state: LinearAttState,
+        kv: KVCache,
+        num_slots: int,
+        drafter=None,
+        hidden_size: int = 0,
+        hidden_dtype: torch.dtype = torch.float32,
+    ):
+        template = checkpoint_template(state, kv.device)
+        pool = CheckpointPool(template, num_slots, hidden_size if drafter is not None else 0, hidden_dtype)
+        self.cache = PrefixCache(pool, kv, drafter.kv if drafter is not None else None)
+        self.state = state
+        self.drafter = drafter
+        self.device = pool.device
+
+    @property
+    def pool(self) -> CheckpointPool:
+        return self.cache.pool
+
+    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """A lookup for a new request for `token_ids`: at most all but the last token (it needs logits)."""
+        return self.cache.match(token_ids[:-1]) if len(token_ids) > 1 else PrefixMatch()
+
+    def resume(self, handle: int, req, token_ids: Sequence[int]) -> None:
+        """Start the new request `handle` from the deepest checkpoint on its tokens' path (a miss leaves it
+        empty)."""
+        hit = self.cache.resume(handle, token_ids[:-1], len(token_ids)) if len(token_ids) > 1 else None
+        if hit is None:
+            return
+        self.state.import_checkpoint(self._slots(req), hit.checkpoint)
+        req.num_tokens = hit.num_tokens
+        if self.drafter is not None:
+            req.mtp_len = hit.num_tokens - 1
+            req.mtp_hidden, req.mtp_next_ids = [(hit.hidden.clone(), 0, 1)], []
+
+    def publish(self, handle: int, req, token_ids: Sequence[int]) -> None:
+        """Offer the request's committed tokens `token_ids` (exactly its committed length) to the cache."""
+        if not token_ids or len(token_ids) != req.num_tokens:
+            return
+        if self.drafter is not None:
+            # the head's KV must hold the pair of every published token (prefill chunks leave them pending)
+            self.drafter.commit_known_pairs(handle, req)
+        self.cache.publish(handle, token_ids, lambda: self._export(req))
+
+    def release(self, handle: int) -> None:
+        self.cache.release(handle)
+
+    def _export(self, req) -> tuple[Checkpoint, torch.Tensor | None]:
+        ckpt = self.state.export_checkpoint(self._slots(req))
+        if self.drafter is None:
+            return ckpt, None
+        if req.mtp_hidden:
+            source, start, count = req.mtp_hidden[-1]
+            row = start + count - 1
+        else:
+            source, row = req.mtp_last_hidden
+        return ckpt, source[row : row + 1]
+
+    def _slots(self, req) -> torch.Tensor:
+        return torch.tensor([req.state_slot], dtype=torch.int32, device=self.device)
+
+    def stats(self) -> dict[str, int]:
+        s, pool = self.cache.stats, self.pool
+        return {
+            "num_queried_tokens": s.num_queried_tokens,
+            "num_hit_tokens": s.num_hit_tokens,
+            "num_checkpoints_stored": s.num_checkpoints_stored,
+            "num_checkpoints_evicted": s.num_checkpoints_evicted,
+            "num_checkpoints": self.cache.num_checkpoints(),
+            "checkpoint_bytes": self.cache.num_checkpoints() * pool.bytes_per_checkpoint,
+            "checkpoint_capacity_bytes": pool.num_bytes,
+            "bytes_per_checkpoint": pool.bytes_per_checkpoint,
+            "num_cached_tokens": self.cache.tree.num_tokens,
+        }
