@@ -184,9 +184,11 @@ def check_real_width(mode: str, model_dir: str, device: str = "cuda") -> dict:
     return row
 
 
-def real_width_checkpoint(root: str) -> str:
+def real_width_checkpoint(root: str | None, arch: str = "qwen3_next", **sizes) -> str:
+    """The random-weight bf16 checkpoint of `arch` at REAL_WIDTH (fields overridden by `sizes`), cached under `root`
+    (None: tiny_model_dir's default cache)."""
     _, _, _, tiny_model_dir, _ = _imports()
-    return str(tiny_model_dir("qwen3_next", seed=0, dtype="bfloat16", cache_dir=root, **REAL_WIDTH))
+    return str(tiny_model_dir(arch, seed=0, dtype="bfloat16", cache_dir=root, **{**REAL_WIDTH, **sizes}))
 
 
 def print_table(rows: list[dict]) -> None:

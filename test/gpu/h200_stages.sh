@@ -7,9 +7,13 @@
 #   bash test/gpu/h200_stages.sh models     # model parity vs transformers: Kimi-Linear fp32, every arch bf16
 #   bash test/gpu/h200_stages.sh serving    # serving smoke: Kimi-Linear (tiny), a random-weight Qwen3-Next-width model
 #   bash test/gpu/h200_stages.sh profile    # Nsight Compute on each decode / verify kernel (test/benchmark/profile_replay_ncu.py)
+#   bash test/gpu/h200_stages.sh memcheck   # compute-sanitizer memcheck over every Triton kernel (test/gpu/memcheck_kernels.py)
+#   bash test/gpu/h200_stages.sh startup    # the real server started 5x per state mode + once at 256 requests (startup_check.py)
 #   bash test/gpu/h200_stages.sh STAGE 420  # stop the stage's programs after 420 s (default 540), then save the cache
 #   bash test/gpu/h200_stages.sh bench 540 --state-dtypes bf16   # sweep / bench: later arguments go to the script
 #   bash test/gpu/h200_stages.sh serving 300 --skip-tiny --real-width   # models / serving: one run with these
+#   bash test/gpu/h200_stages.sh memcheck 540 --cases replay,state       # memcheck / startup: arguments to the script
+#   bash test/gpu/h200_stages.sh startup 540 --starts 2 --modes native,compact+mtp
 #   bash test/gpu/h200_stages.sh kernels 300 test/gpu/test_linear_att_gpu.py::test_cuda_graph_replay_equals_eager_over_fold_cycles
 #
 # Extra packages come as wheels in .whl (see README.md here); outputs and tables are copied to $OUT when it is set,
@@ -23,7 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 case "${1:-}" in
-kernels | sweep | bench | models | serving | profile) ;;
+kernels | sweep | bench | models | serving | profile | memcheck | startup) ;;
 *)
     sed -n '2,/^set -uo/p' "$0" | grep '^#'
     exit 2
@@ -105,6 +109,20 @@ serving)
         tee "$OUT_DIR/serving_kimi.log" | grep --line-buffered -E "^\||failures|Error"
     py test/gpu/smoke_serving_gpu.py --skip-tiny --real-width 2>&1 |
         tee "$OUT_DIR/serving_real_width.log" | grep --line-buffered -E "^\||HTTP|failures|Error"
+    ;;
+memcheck)  # later arguments go to memcheck_kernels.py (--cases SUBSTR,..., --tiny-only)
+    SANITIZER="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | tail -1)"
+    # every torch allocation its own cudaMalloc: a read just past a tensor is past an allocation, which memcheck sees
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $((DEADLINE - SECONDS > 1 ? DEADLINE - SECONDS : 1)) "$SANITIZER" \
+        --tool memcheck --error-exitcode 1 python test/gpu/memcheck_kernels.py "${@:3}" 2>&1 | tee "$OUT_DIR/memcheck.log"
+    echo "memcheck exit status ${PIPESTATUS[0]}"
+    ;;
+startup)  # later arguments go to startup_check.py (--starts N, --modes ..., --model_dir DIR)
+    logs="$(mktemp -d /tmp/lightllm_startup_logs.XXXXXX)"  # one per stage: h200_parallel.sh may run two
+    py test/gpu/startup_check.py --log_dir "$logs" "${@:3}" 2>&1 | tee "$OUT_DIR/startup.log" |
+        grep --line-buffered -E "^\||^checkpoint|failures|Error|Traceback"
+    echo "startup exit status ${PIPESTATUS[0]}"
+    tar -czf "$OUT_DIR/startup_logs.tgz" -C "$logs" .  # one server log per start
     ;;
 profile)
     NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)"

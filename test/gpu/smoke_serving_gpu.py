@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 # exact fp32 dots inside fla's chunk kernels for a token-exact comparison (set before fla is imported)
@@ -94,48 +95,78 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _http_smoke(model_dir: str, device: str) -> str:
+def start_server(model_dir: str, device: str, flags: list[str], log_path: str) -> tuple[subprocess.Popen, int]:
+    """`python -m lightllm.server.api_server` on a free port with `flags`, its output in `log_path` (a file, so a
+    chatty server never blocks on a full pipe). It stays in this process group: a deadline that stops the caller
+    (`timeout` in h200_stages.sh) stops the server too. Returns (process, port)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", model_dir, "--port", str(port),
+           "--device", device, *flags]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return proc, port
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout_s: float) -> None:
+    """Poll /health until it answers 200; RuntimeError when the server exits first or `timeout_s` passes."""
     import httpx
 
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightllm.server.api_server",
-        "--model_dir",
-        model_dir,
-        "--port",
-        str(port),
-        "--device",
-        device,
-        "--ssm_state_mode",
-        "replay",
-        "--mtp_step",
-        "2",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before /health answered")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"/health did not answer 200 within {timeout_s:.0f} s")
+
+
+def chat_once(port: int, content: str = "Hello", max_tokens: int = 16) -> dict:
+    """One chat completion on the served model; raises unless the answer is HTTP 200. Returns the response body."""
+    import httpx
+
+    model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60) -> int | None:
+    """SIGTERM (the server stops its engine and exits 0), then SIGKILL if it has not exited after `timeout_s` (its
+    engine process ends itself when the server is gone). Returns the exit code, None when it had to be killed."""
+    if proc.poll() is not None:
+        return proc.returncode
+    proc.terminate()
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"]
-        body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
-        r.raise_for_status()
-        data = r.json()
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        return None
+
+
+def log_tail(path: str, chars: int = 1500) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-chars:]
+
+
+def _http_smoke(model_dir: str, device: str) -> str:
+    with tempfile.NamedTemporaryFile(prefix="lightllm_http_smoke_", suffix=".log", delete=False) as f:
+        log = f.name
+    proc, port = start_server(model_dir, device, ["--ssm_state_mode", "replay", "--mtp_step", "2"], log)
+    try:
+        wait_healthy(proc, port, 240)
+        data = chat_once(port)
         return f"ok: {data['usage']['completion_tokens']} tokens, finish={data['choices'][0]['finish_reason']}"
     except Exception as exc:  # noqa: BLE001 - report and keep the table going
-        proc.terminate()
-        out = proc.communicate(timeout=30)[0]
-        return f"FAIL {exc!r}; server log tail: {out[-1500:]}"
+        stop_server(proc, 30)
+        return f"FAIL {exc!r}; server log tail: {log_tail(log)}"
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        stop_server(proc, 30)
 
 
 def main() -> int:
@@ -178,8 +209,6 @@ def main() -> int:
                 # printed as it goes: a run cut short by its time limit still shows every finished cell
                 print(f"| {arch} | {mode} | {spec_name} | {match}/{total} | {seconds:.2f} | {status} |", flush=True)
     if args.real_width:
-        import tempfile
-
         print("\n| real width, mode (mtp_step=2, bf16) | tokens/s | mean accepted length | status |")
         print("|---|---|---|---|", flush=True)
         with tempfile.TemporaryDirectory() as root:

@@ -74,3 +74,38 @@ def test_unknown_stage_prints_the_usage(tmp_path):
     run = subprocess.run(["bash", "test/gpu/h200_stages.sh", "benchmark"], cwd=repo, env=env, capture_output=True,
                          text=True)  # fmt: skip
     assert run.returncode == 2 and "h200_stages.sh kernels" in run.stdout
+
+
+def test_memcheck_stage_runs_the_script_under_compute_sanitizer_without_the_caching_allocator(tmp_path):
+    """A stand-in compute-sanitizer records how it is called and runs the rest; a stand-in script fails."""
+    repo, env = _scratch_repo(tmp_path, gpus=1)
+    (repo / "test" / "gpu" / "memcheck_kernels.py").write_text(
+        "import sys\nprint('cases', sys.argv[1:])\nsys.exit(1)\n"
+    )
+    sanitizer = tmp_path / "bin" / "compute-sanitizer"
+    sanitizer.write_text(
+        '#!/bin/sh\necho "sanitizer $PYTORCH_NO_CUDA_MEMORY_CACHING $1 $2 $3 $4"\nshift 4\nexec "$@"\n'
+    )
+    sanitizer.chmod(0o755)
+    run = subprocess.run(["bash", "test/gpu/h200_stages.sh", "memcheck", "60", "--cases", "conv"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "sanitizer 1 --tool memcheck --error-exitcode 1" in run.stdout, run.stdout + run.stderr
+    assert "cases ['--cases', 'conv']" in run.stdout and "memcheck exit status 1" in run.stdout
+    assert "cases ['--cases', 'conv']" in (tmp_path / "out" / "memcheck.log").read_text()
+
+
+def test_startup_stage_returns_its_table_and_every_server_log(tmp_path):
+    repo, env = _scratch_repo(tmp_path, gpus=1)
+    (repo / "test" / "gpu" / "startup_check.py").write_text(
+        "import os, sys\n"
+        "log_dir = sys.argv[sys.argv.index('--log_dir') + 1]\n"
+        "open(os.path.join(log_dir, 'start00-native-64.log'), 'w').write('server log')\n"
+        "print('| 0 | native | 64 | 1.0 | 3+8 | 0.5 | ok |', sys.argv[1:])\n"
+    )
+    run = subprocess.run(["bash", "test/gpu/h200_stages.sh", "startup", "60", "--starts", "2"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "| 0 | native | 64 |" in run.stdout and "'--starts', '2'" in run.stdout, run.stdout + run.stderr
+    assert "startup exit status 0" in run.stdout
+    with tarfile.open(tmp_path / "out" / "startup_logs.tgz") as logs:
+        assert logs.extractfile("./start00-native-64.log").read() == b"server log"
+    assert "| 0 | native | 64 |" in (tmp_path / "out" / "startup.log").read_text()

@@ -1,0 +1,111 @@
+"""`test/gpu/memcheck_kernels.py` (the compute-sanitizer check of every Triton kernel) on the CPU: its case list covers
+every launched kernel of the project at the served shapes, its case code runs under Triton's interpreter with the
+per-launch bounds check (one case per family and state mode; the whole tiny list takes ~10 minutes interpreted),
+and a kernel reading one token past `x` fails its case."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "test" / "gpu" / "memcheck_kernels.py"
+# one case of every family and state mode, all on the tiny shapes; together they launch every kernel
+CPU_CASES = [
+    "conv_prefill/tiny-kda/N=7",
+    "conv_decode/tiny-kda/N=3 W=2",
+    "native/tiny-kda/N=3 W=4",
+    "compact/tiny-kda/N=3",
+    "replay/tiny-kda/N=3 W=1",
+    "replay/tiny-kda/N=3 W=2",
+    "state/tiny-kda/native N=3",
+    "state/tiny-kda/compact N=3",
+    "state/tiny-kda/replay N=3 W=1",
+    "cursor",
+    "paged_attention/tiny-attention/N=3",
+]
+
+
+def _script():
+    if "memcheck_kernels" not in sys.modules:  # registered first: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location("memcheck_kernels", SCRIPT)
+        sys.modules["memcheck_kernels"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["memcheck_kernels"])
+    return sys.modules["memcheck_kernels"]
+
+
+def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_the_case_list_covers_every_kernel_shape_width_and_mode():
+    run = _run("--list", timeout=60)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    mk = _script()
+    kernels = mk.project_kernels()
+    # the kernels the project launches today; a new one must get a case (the list exits 1 without one)
+    assert {"causal_conv_prefill_kernel", "causal_conv_decode_kernel", "native_verify_kernel", "compact_verify_kernel",
+            "compact_commit_kernel", "replay_decode_kernel", "replay_window_kernel", "replay_fold_kernel",
+            "replay_accept_kernel", "native_accept_kernel", "paged_attention_kernel"} <= set(kernels)  # fmt: skip
+    cases = mk.build_cases()
+    for name in kernels:
+        for shape in ("qwen3-next", "qwen3.5", "kimi-linear", "tiny-gdn", "tiny-kda"):
+            if name != "paged_attention_kernel":
+                assert any(name in c.kernels and c.shape == shape for c in cases), f"{name} has no {shape} case"
+        assert re.search(rf"^  {name} .* [1-9]\d* cases$", run.stdout, re.M), f"{name} not listed with its cases"
+    ids = [c.id for c in cases]
+    for mode, widths in (("native", (1, 2, 4)), ("compact", (2, 4)), ("replay", (1, 2, 4))):
+        for w in widths:
+            assert any(i.startswith(f"{mode}/") and f"W={w} " in f"{i} " for i in ids), f"no {mode} case at W={w}"
+        for n in (3, 7):
+            assert any(i.startswith(f"{mode}/") and f"N={n} " in i for i in ids), f"no {mode} case of {n} rows"
+        assert any(i.startswith("state/") and f"/{mode} " in i for i in ids), f"no state-class case in {mode}"
+    for projection in ("inline", "precompute"):
+        assert any(i.startswith("replay/") and projection in i for i in ids), projection
+    # prefill rows packed so the last row ends x with a length that is no multiple of the 16-token tile
+    for c in cases:
+        if c.family == "conv_prefill":
+            last = int(c.detail.split("lens=")[1].split()[0].split("-")[-1])
+            assert last % 16, c.id
+    assert sum(c.tiny for c in cases) < len(cases), "the served shapes are in the list"
+
+
+def test_the_tiny_cases_run_under_the_interpreter_with_the_bounds_check():
+    """One case per family / state mode on the CPU (~40 s): the case code runs and every kernel is launched."""
+    run = _run("--tiny-only", "--device", "cpu", "--cases", ",".join(CPU_CASES))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "failures: 0" in run.stdout
+    assert run.stdout.count("\n   ok ") == len(CPU_CASES), run.stdout
+    for name in _script().project_kernels():
+        row = re.search(rf"^\| {name} \| \S+ \| (\d+) \|", run.stdout, re.M)
+        assert row and int(row.group(1)) > 0, f"{name} was not launched"
+    assert "row folds" in run.stdout, "the replay cases fold"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="in-process interpreter run: CPU-only machines")
+def test_a_kernel_reading_past_x_fails_its_case(monkeypatch, capsys):
+    """The prefill conv given one token more than x holds (the start-up crash's read past x): its case fails."""
+    from lightllm.linear_att import ops
+
+    real = ops.causal_conv_prefill
+
+    def one_token_too_many(x, conv, offset, slots, cu_seqlens, *args, **kwargs):
+        cu = cu_seqlens.clone()
+        cu[-1] += 1
+        return real(x, conv, offset, slots, cu, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "causal_conv_prefill", one_token_too_many)
+    rc = _script().main(["--tiny-only", "--device", "cpu", "--cases", "conv_prefill/tiny-kda/N=3"])
+    out = capsys.readouterr()
+    assert rc == 1
+    assert "outside every tensor argument" in out.out and "failures: 1" in out.out
+    assert re.search(r"^\| conv_prefill/tiny-kda/N=3 .*\| causal_conv_prefill_kernel x1 \| .* \| ERROR ", out.out, re.M)
