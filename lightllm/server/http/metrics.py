@@ -24,6 +24,14 @@ class _EngineCollector:
             "num_requests_running": ("requests holding a state slot", s.num_running),
             "free_kv_tokens": ("free KV cache tokens", s.num_free_kv_tokens),
             "free_state_slots": ("free linear-attention state slots", s.num_free_state_slots),
+            "prefix_cache_checkpoint_bytes": (
+                "bytes of the stored prefix-cache state checkpoints",
+                s.prefix_cache_checkpoint_bytes,
+            ),
+            "prefix_cache_tokens": (
+                "KV tokens held by the prefix cache (shared or reclaimable)",
+                s.prefix_cache_tokens,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"lightllm_{name}", doc, value=value)
@@ -33,6 +41,22 @@ class _EngineCollector:
             "spec_windows": ("decode windows that carried drafts", s.num_spec_windows),
             "spec_draft_tokens": ("draft tokens proposed", s.num_draft_tokens),
             "spec_accepted_tokens": ("draft tokens accepted", s.num_accepted_draft_tokens),
+            "prefix_cache_queried_tokens": (
+                "tokens of admitted requests looked up in the prefix cache",
+                s.prefix_cache_queried_tokens,
+            ),
+            "prefix_cache_hit_tokens": (
+                "tokens resumed from the prefix cache instead of recomputed",
+                s.prefix_cache_hit_tokens,
+            ),
+            "prefix_cache_checkpoints_stored": (
+                "state checkpoints stored in the prefix cache",
+                s.prefix_cache_checkpoints_stored,
+            ),
+            "prefix_cache_checkpoints_evicted": (
+                "state checkpoints evicted from the prefix cache",
+                s.prefix_cache_checkpoints_evicted,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"lightllm_{name}", doc, value=value)
