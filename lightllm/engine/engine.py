@@ -97,6 +97,7 @@ class Engine:
         if params.max_tokens is not None:
             max_new = min(max_new, params.max_tokens)
         req = Request(msg.req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new)
+        req.checkpoint_hints = sorted({h for h in msg.checkpoint_hints if 0 < h < len(req.prompt_ids)})
         self.requests[req.req_id] = req
         self.scheduler.add(req)
         return []

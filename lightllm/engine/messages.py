@@ -17,6 +17,9 @@ class NewRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     # token ids that end the request unless params.ignore_eos (the model's end-of-sequence ids)
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    # prompt positions where a prefix-cache checkpoint is worth taking (a chat's earlier messages end there:
+    # the next turn shares them, while the opened assistant turn after them is rendered differently)
+    checkpoint_hints: list[int] = msgspec.field(default_factory=list)
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -45,6 +45,8 @@ class Request:
     num_cached_tokens: int = 0
     # prefill position where the tokens branch off a cached path (a checkpoint is taken there); 0 = none
     branch_point: int = 0
+    # prompt positions the front-end asked to checkpoint, ascending
+    checkpoint_hints: list[int] = field(default_factory=list)
     # seeded requests draw every random number from their own generator, so batching cannot change them
     generator: torch.Generator | None = None
 

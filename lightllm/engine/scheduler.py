@@ -93,23 +93,26 @@ class Scheduler:
         req.handle = None
 
     def prefill_chunk(self, req: Request, limit: int) -> int:
-        """Tokens of `req`'s prefill to run next, at most `limit`, ending where a checkpoint is due: at the
-        request's branch point if the chunk crosses it, else at the last checkpoint-interval boundary it crosses
-        (unless the chunk ends the prefill)."""
+        """Tokens of `req`'s prefill to run next, at most `limit`, ending where a checkpoint is due: at the first
+        branch point or hinted position the chunk crosses, else at the last checkpoint-interval boundary it
+        crosses (unless the chunk ends the prefill)."""
         start = req.num_computed_tokens
         end = min(req.num_prefill_tokens, start + max(limit, 0))
         interval = self.checkpoint_interval
-        if start < req.branch_point < end:
-            end = req.branch_point
+        points = [p for p in (req.branch_point, *req.checkpoint_hints) if start < p < end]
+        if points and interval:
+            end = min(points)
         elif interval and end < req.num_prefill_tokens and end // interval * interval > start:
             end = end // interval * interval
         return end - start
 
     def is_checkpoint_due(self, req: Request) -> bool:
         """After a prefill chunk: whether `req` stands where a checkpoint is due (prefill end, branch point,
-        interval boundary)."""
+        hinted position, interval boundary)."""
         n, interval = req.num_computed_tokens, self.checkpoint_interval
-        return n == req.num_prefill_tokens or n == req.branch_point or bool(interval and n % interval == 0)
+        if n == req.num_prefill_tokens:
+            return True
+        return bool(interval) and (n == req.branch_point or n in req.checkpoint_hints or n % interval == 0)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -38,6 +38,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # prompt tokens resumed from the prefix cache instead of computed (for the prompt's first sequence)
+    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -56,6 +58,10 @@ class LLM:
         self, prompts: str | list[str] | list[int] | list[list[int]], sampling_params: SamplingParams | None = None
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt (text or token ids), each with `params.n` outputs, in prompt order."""
+        return self._generate(prompts, sampling_params)
+
+    def _generate(self, prompts, sampling_params: SamplingParams | None, checkpoint_hints: list[int] = ()):
+        """`generate`; `checkpoint_hints`: prompt positions worth a prefix-cache checkpoint (every prompt)."""
         params = sampling_params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -76,13 +82,20 @@ class LLM:
                 seqs[req_id] = SequenceOutput(self.tokenizer, sub, self.tokenizer.eos_token_ids)
                 self._absorb(
                     self.engine.add_request(
-                        NewRequest(req_id, result.prompt_token_ids, sub, list(self.tokenizer.eos_token_ids))
+                        NewRequest(
+                            req_id,
+                            result.prompt_token_ids,
+                            sub,
+                            list(self.tokenizer.eos_token_ids),
+                            [h for h in checkpoint_hints if h],
+                        )
                     ),
                     seqs,
                 )
         while any(not s.finished for s in seqs.values()):
             self._absorb(self.engine.step(), seqs)
         for p, result in enumerate(results):
+            result.num_cached_tokens = seqs[f"{base}-{p}-0"].num_cached_tokens
             for j in range(params.n):
                 out = seqs[f"{base}-{p}-{j}"]
                 logprobs = out.logprobs if params.logprobs is not None else None
@@ -91,7 +104,8 @@ class LLM:
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """Render `messages` with the checkpoint's chat template and generate the assistant's reply."""
-        return self.generate([self.tokenizer.encode_chat(messages)], sampling_params)[0]
+        ids = self.tokenizer.encode_chat(messages)
+        return self._generate([ids], sampling_params, [self.tokenizer.history_len(messages, ids)])[0]
 
     def _absorb(self, outputs, seqs: dict[str, SequenceOutput]) -> None:
         """Feed engine outputs to their sequences. Tokens of a sequence without stop strings are only buffered

@@ -53,6 +53,8 @@ class SequenceOutput:
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
+        # prompt tokens the engine resumed from its prefix cache (from the first chunk)
+        self.num_cached_tokens = 0
         self.error: str | None = None
 
     @property
@@ -64,6 +66,8 @@ class SequenceOutput:
         return self.finish_reason is not None
 
     def on_tokens(self, chunk: TokenChunk) -> Delta:
+        if chunk.num_cached_tokens is not None:
+            self.num_cached_tokens = chunk.num_cached_tokens
         if self.finished:
             return Delta()
         delta = Delta()

@@ -136,6 +136,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _print_row(r: dict) -> None:
+    print(
+        f"| {r['mode']} | {r['mtp_step']} | {r['spec_ngram']} | {r['batch']} | {r['output_tok_per_s']:.0f} | "
+        f"{r['decode_step_ms']:.2f} | {_fmt(r['gpu_ms_per_step'], '.2f')} | {_fmt(r['host_ms_per_step'], '.2f')} "
+        f"| {_fmt(r['mean_accepted_len'], '.2f')} |",
+        flush=True,
+    )
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -145,6 +154,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model_dir = serving_model_dir() if a.serving_model else a.model_dir
     batches = [int(b) for b in a.batch_sizes.split(",")]
     rows = []
+    # rows print as they finish: a run cut short by a time limit still shows what it measured
+    print("| mode | mtp | ngram | batch | out tok/s | decode step ms | GPU ms/step | host ms/step | accepted len |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for mode in a.modes.split(","):
         flags = dict(
             model_dir=model_dir,
@@ -166,22 +178,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row = run_batch(engine, batch, a.input_len, a.output_len, info.vocab_size, a.seed)
             row.update(mode=mode, mtp_step=a.mtp_step, spec_ngram=a.spec_ngram, device=args.device)
             rows.append(row)
+            _print_row(row)
+            if a.result_file:
+                with open(a.result_file, "w") as f:
+                    json.dump(rows, f, indent=2)
         del engine
         # the frozen start-up objects of this engine may be collected again once it is gone
         gc.unfreeze()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    print("| mode | mtp | ngram | batch | out tok/s | decode step ms | GPU ms/step | host ms/step | accepted len |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['mode']} | {r['mtp_step']} | {r['spec_ngram']} | {r['batch']} | {r['output_tok_per_s']:.0f} | "
-            f"{r['decode_step_ms']:.2f} | {_fmt(r['gpu_ms_per_step'], '.2f')} | {_fmt(r['host_ms_per_step'], '.2f')} "
-            f"| {_fmt(r['mean_accepted_len'], '.2f')} |"
-        )
-    if a.result_file:
-        with open(a.result_file, "w") as f:
-            json.dump(rows, f, indent=2)
     return rows
 
 

@@ -130,6 +130,19 @@ class Frontend:
         self.check_chars(prompt, "messages")
         return await self.offload(self.tokenizer.encode_rendered, prompt)
 
+    async def chat_history_len(
+        self, messages: list[dict], chat_template: str | None, template_kwargs: dict, prompt_ids: list[int]
+    ) -> int:
+        """Prompt tokens of the conversation before the opened assistant turn (a prefix-cache checkpoint hint);
+        0 when the template does not render it as a prefix. Call after `encode_chat` accepted the messages."""
+        try:
+            return await self.offload(
+                self.tokenizer.history_len, messages, prompt_ids, chat_template, **template_kwargs
+            )
+        except Exception:
+            # only a hint: a template that renders no conversation without the opened turn gets none
+            return 0
+
     def check_capacity(self, num_seqs: int, param: str) -> None:
         """Refuse a request asking for too many sequences (400) or arriving when the wait queue is full (429)."""
         cap = self.args.max_sequences_per_request
@@ -154,7 +167,7 @@ class Frontend:
             raise ApiError(400, message, param if field == "prompt" else field)
 
     async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, request=None
+        self, prompts: list[list[int]], params: SamplingParams, request=None, checkpoint_hints: list[int] = ()
     ) -> AsyncIterator[tuple[Sequence, Delta]]:
         """Run `params.n` sequences per prompt; yields (sequence, delta) as tokens arrive, in arrival order."""
         base = uuid.uuid4().hex
@@ -173,9 +186,8 @@ class Frontend:
                     seq = seqs[f"{base}-{index}"] = Sequence(index, p, f"{base}-{index}", output)
                     self.metrics.on_submit(seq.req_id)
                     pending.add(seq.req_id)
-                    await self.client.submit(
-                        NewRequest(seq.req_id, ids, sub, list(self.tokenizer.eos_token_ids)), queue
-                    )
+                    msg = NewRequest(seq.req_id, ids, sub, list(self.tokenizer.eos_token_ids), list(checkpoint_hints))
+                    await self.client.submit(msg, queue)
             while pending:
                 msg = await queue.get()
                 if msg is _DISCONNECTED:

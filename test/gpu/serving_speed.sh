@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Serving speed on one GPU, side by side in one run: the offline engine (lightllm.tools.bench_throughput) on the
+# real-width random checkpoint (SERVING_BENCH_SIZES: Qwen3.5 layout, hidden 2048, 8 layers, bf16, fp32 state),
+# 256-token prompts, 128 new tokens, greedy; CUDA graphs on, then off (the eager baseline), then MTP 2.
+#
+#   bash test/gpu/serving_speed.sh [seconds per part, default 170]
+#
+# Rows print as they finish; the JSON of each part goes to $OUT (or /tmp/lightllm_gpu_out).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+if [ -d .whl ]; then
+    bash test/gpu/install_wheels.sh || exit 1
+    export PYTHONPATH="$PWD:/tmp/site"
+else
+    export PYTHONPATH="$PWD"
+fi
+export PYTHONUNBUFFERED=1
+OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
+mkdir -p "$OUT_DIR"
+limit=${1:-170}
+bench="python -m lightllm.tools.bench_throughput --serving_model --input_len 256 --output_len 128"
+run() {
+    local name=$1
+    shift
+    echo "== $name: $*"
+    timeout "$limit" $bench --result_file "$OUT_DIR/$name.json" "$@" 2>&1 | grep --line-buffered "^|"
+}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+run graphs --modes native,replay --batch_sizes 1,64,256
+run eager --modes native,replay --batch_sizes 1,64,256 --disable_cudagraph
+run mtp2 --modes native,compact,replay --batch_sizes 1,64,256 --mtp_step 2
