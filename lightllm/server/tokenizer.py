@@ -65,6 +65,19 @@ class Tokenizer:
             messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
 
+    def history_len(
+        self, messages: list[dict], prompt_ids: list[int], chat_template: str | None = None, **template_kwargs
+    ) -> int:
+        """Tokens of `prompt_ids` (the rendered conversation, assistant turn opened) that spell the conversation
+        alone, without the opened turn; 0 when that is not a token prefix of the prompt. The next turn repeats
+        these tokens, while templates often render a past assistant turn unlike the opened one (a reasoning
+        block is dropped), so this is where a prefix-cache checkpoint pays."""
+        history = self.hf.apply_chat_template(
+            messages, chat_template=chat_template, tokenize=False, add_generation_prompt=False, **template_kwargs
+        )
+        ids = self.encode_rendered(history)
+        return len(ids) if len(ids) < len(prompt_ids) and prompt_ids[: len(ids)] == ids else 0
+
     def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
         return self.encode_rendered(self.render_chat(messages, **template_kwargs))
 

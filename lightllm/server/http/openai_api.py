@@ -35,12 +35,18 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def _cached_tokens(seqs, n: int) -> int:
+    """Prompt tokens resumed from the prefix cache, each prompt counted once (by its first sequence)."""
+    return sum(s.output.num_cached_tokens for s in seqs if s.index % n == 0)
 
 
 async def _until_disconnect(stream: AsyncIterator[tuple[Sequence, Delta]]) -> AsyncIterator[tuple[Sequence, Delta]]:
@@ -100,7 +106,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     fe.check_prompt(prompt_ids, params, "messages")
     fe.check_capacity(params.n, "n")
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
-    stream = fe.generate([prompt_ids], params, request)
+    history = await fe.chat_history_len(messages, body.chat_template, body.chat_template_kwargs or {}, prompt_ids)
+    stream = fe.generate([prompt_ids], params, request, checkpoint_hints=[history] if history else [])
     tok = fe.tokenizer
     if not body.stream:
         seqs = await _collect(stream)
@@ -113,7 +120,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             }
             for s in seqs
         ]
-        usage = _usage(len(prompt_ids), sum(len(s.output.token_ids) for s in seqs))
+        usage = _usage(len(prompt_ids), sum(len(s.output.token_ids) for s in seqs), _cached_tokens(seqs, params.n))
         return {
             "id": rid,
             "object": "chat.completion",
@@ -135,8 +142,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 }
             )
         num_tokens = 0
+        seen: dict[int, Sequence] = {}
         async for seq, delta in _until_disconnect(stream):
             num_tokens += len(delta.token_ids)
+            seen[seq.index] = seq
             if delta.finish_reason == "error":
                 yield _sse_error(seq.output.error or "the engine failed this request")
                 yield "data: [DONE]\n\n"
@@ -151,7 +160,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             }
             yield _sse({**head, "choices": [choice]})
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(len(prompt_ids), num_tokens)})
+            usage = _usage(len(prompt_ids), num_tokens, _cached_tokens(seen.values(), params.n))
+            yield _sse({**head, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(_guarded(events(), stream), media_type="text/event-stream")
@@ -207,7 +217,7 @@ async def completions(body: CompletionRequest, request: Request):
                     "finish_reason": s.output.finish_reason,
                 }
             )
-        usage = _usage(num_prompt_tokens, sum(len(s.output.token_ids) for s in seqs))
+        usage = _usage(num_prompt_tokens, sum(len(s.output.token_ids) for s in seqs), _cached_tokens(seqs, params.n))
         return {
             "id": rid,
             "object": "text_completion",
@@ -229,8 +239,10 @@ async def completions(body: CompletionRequest, request: Request):
                 choice = {"index": i, "text": prefix, "logprobs": prompt_logprobs, "finish_reason": None}
                 yield _sse({**head, "choices": [choice]})
         num_tokens = 0
+        seen: dict[int, Sequence] = {}
         async for seq, delta in _until_disconnect(stream):
             num_tokens += len(delta.token_ids)
+            seen[seq.index] = seq
             if delta.finish_reason == "error":
                 yield _sse_error(seq.output.error or "the engine failed this request")
                 yield "data: [DONE]\n\n"
@@ -245,7 +257,8 @@ async def completions(body: CompletionRequest, request: Request):
             }
             yield _sse({**head, "choices": [choice]})
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(num_prompt_tokens, num_tokens)})
+            usage = _usage(num_prompt_tokens, num_tokens, _cached_tokens(seen.values(), params.n))
+            yield _sse({**head, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(_guarded(events(), stream), media_type="text/event-stream")
