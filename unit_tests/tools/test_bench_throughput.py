@@ -23,6 +23,7 @@ def test_bench_throughput_runs_every_mode_and_batch(tmp_path, capsys):
     assert json.loads(out.read_text()) == rows
     table = capsys.readouterr().out
     assert table.count("| replay | 0 | 0 |") == 2
+    assert all(r["decode_tok_per_s"] > 0 for r in rows)
 
 
 def test_bench_throughput_with_drafts_reports_acceptance(capsys):
