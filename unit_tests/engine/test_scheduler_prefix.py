@@ -1,0 +1,121 @@
+"""Scheduler and engine with a prefix cache, against the fake runner, with exact batches: chunks cut at interval
+boundaries, branch points and hinted positions; resumed requests start past their hit; what is published when
+(prefill checkpoints, finish, abort, preemption) and never after a failed step."""
+
+from __future__ import annotations
+
+from lightllm.engine.engine import Engine
+from lightllm.engine.messages import NewRequest
+from lightllm.engine.prefix_cache import PrefixMatch
+from lightllm.engine.sampling_params import SamplingParams
+from unit_tests.engine.fake_runner import FakeRunner
+
+GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+
+class CachingFakeRunner(FakeRunner):
+    """The fake runner with a scripted prefix cache: `hits[tuple(prompt)] = (resumed, matched)` tokens, and a
+    record of every publish as (handle, number of tokens)."""
+
+    def __init__(self, *args, hits: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hits = hits or {}
+        self.published: list[tuple[int, int]] = []
+
+    def match_prefix(self, token_ids):
+        resumed, matched = self.hits.get(tuple(token_ids[: self._key_len(token_ids)]), (0, 0))
+        return PrefixMatch(resumed, 0, matched)
+
+    def add_request(self, prefix=None):
+        handle = super().add_request(prefix)
+        if prefix:
+            # a hit resumes the cached tokens: the fake's "KV" is the history itself
+            self.cache[handle] = list(prefix[: self.match_prefix(prefix).num_tokens])
+        return handle
+
+    def publish(self, handle, token_ids):
+        super().publish(handle, token_ids)
+        self.published.append((handle, len(token_ids)))
+
+    def _key_len(self, token_ids) -> int:
+        return max((len(k) for k in self.hits if tuple(token_ids[: len(k)]) == k), default=0)
+
+
+def _engine(runner, interval: int, chunk: int = 64, max_len: int = 64) -> Engine:
+    return Engine(runner, max_running_requests=4, chunked_prefill_size=chunk, max_req_total_len=max_len,
+                  prefix_cache_checkpoint_interval=interval)  # fmt: skip
+
+
+def _drain(engine, msgs) -> dict[str, list[int]]:
+    tokens = {m.req_id: [] for m in msgs}
+    for m in msgs:
+        assert engine.add_request(m) == []
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.req_id] += getattr(out, "token_ids", [])
+    return tokens
+
+
+def _batches(runner) -> list[tuple]:
+    return [(b.query_lens, b.num_cached_tokens, b.num_prefill_rows) for b in runner.batches]
+
+
+def test_chunks_end_at_the_last_interval_boundary_they_cross():
+    runner = CachingFakeRunner(kv_tokens=200)
+    _drain(_engine(runner, interval=8, chunk=20), [NewRequest("a", list(range(1, 31)), GREEDY)])
+    # 0 -> 20 crosses 8 and 16: cut at 16; 16 -> 30 ends the prompt: not cut
+    assert _batches(runner)[:3] == [([16], [0], 1), ([14], [16], 1), ([1], [30], 0)]
+    # checkpoints at 16 (interval) and 30 (prompt end), then the finished request's committed 31 tokens
+    assert runner.published == [(0, 16), (0, 30), (0, 31)]
+
+
+def test_branch_point_and_hint_each_end_a_chunk():
+    prompt = list(range(1, 21))
+    runner = CachingFakeRunner(kv_tokens=200, hits={tuple(prompt[:5]): (0, 5)})
+    msg = NewRequest("a", prompt, GREEDY, checkpoint_hints=[12, 0, 40])
+    tokens = _drain(_engine(runner, interval=1000), [msg])
+    assert _batches(runner)[:3] == [([5], [0], 1), ([7], [5], 1), ([8], [12], 1)]
+    assert runner.published == [(0, 5), (0, 12), (0, 20), (0, 21)]
+    assert tokens["a"] == FakeRunner().greedy(prompt, 2)
+
+
+def test_without_a_prefix_cache_nothing_cuts_chunks():
+    prompt = list(range(1, 21))
+    runner = CachingFakeRunner(kv_tokens=200, hits={tuple(prompt[:5]): (0, 5)})
+    _drain(_engine(runner, interval=0), [NewRequest("a", prompt, GREEDY, checkpoint_hints=[12])])
+    assert _batches(runner)[0] == ([20], [0], 1)
+
+
+def test_a_hit_starts_past_the_resumed_tokens_and_reports_them():
+    prompt = list(range(1, 25))
+    runner = CachingFakeRunner(kv_tokens=200, hits={tuple(prompt[:16]): (16, 20)})
+    engine = _engine(runner, interval=8)
+    engine.add_request(NewRequest("a", prompt, GREEDY))
+    first = engine.step()
+    # resumed 16, branch point 20 cuts the chunk, the prompt end 24 follows
+    assert _batches(runner) == [([4], [16], 1)]
+    assert first == []
+    out = engine.step()
+    assert out[0].num_cached_tokens == 16 and _batches(runner)[-1] == ([4], [20], 1)
+    assert runner.published == [(0, 20), (0, 24)]
+
+
+def test_publish_on_finish_abort_and_preemption_never_after_failure():
+    runner = CachingFakeRunner(max_requests=2, kv_tokens=12)
+    engine = _engine(runner, interval=1000, chunk=16, max_len=12)
+    # A and B fill the KV; B (admitted last) is preempted and publishes its committed tokens
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    _drain(engine, [NewRequest("A", [1, 2, 3, 4], params), NewRequest("B", [4, 3, 2, 1], params)])
+    assert engine.scheduler.num_preemptions == 1
+    # prompt ends (A, B), B preempted at 6, A finished at 9, B's re-prefill of 7 tokens, B finished at 9
+    assert runner.published == [(0, 4), (1, 4), (1, 6), (0, 9), (0, 7), (0, 9)]
+    # an abort publishes what is committed
+    runner.published.clear()
+    engine.add_request(NewRequest("C", [5, 6, 7], params))
+    engine.step()
+    engine.abort("C")
+    assert runner.published == [(0, 3), (0, 3)]
+    # a failed step publishes nothing
+    failing = CachingFakeRunner(kv_tokens=100, fail_token=9)
+    _drain(_engine(failing, interval=4), [NewRequest("D", [1, 2, 3, 4, 5, 9, 7], GREEDY)])
+    assert failing.published == []
