@@ -48,10 +48,11 @@ SERVING_BENCH_SIZES = dict(
 PROFILED_STEPS = 8
 
 
-def serving_model_dir() -> str:
+def serving_model_dir(cache_dir: str | None = None) -> str:
+    """The serving benchmark's checkpoint (built once, cached under `cache_dir` or the default tiny-model cache)."""
     from lightllm.tools.make_tiny_model import tiny_model_dir
 
-    return str(tiny_model_dir("qwen3_5", seed=0, dtype="bfloat16", **SERVING_BENCH_SIZES))
+    return str(tiny_model_dir("qwen3_5", seed=0, dtype="bfloat16", cache_dir=cache_dir, **SERVING_BENCH_SIZES))
 
 
 def _is_decode_only(engine) -> bool:

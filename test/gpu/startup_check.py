@@ -7,8 +7,8 @@
 Each start runs `python -m lightllm.server.api_server` (every flag at its default but the state mode, speculation
 and `--max_running_requests`) on a random-weight Qwen3.5 checkpoint of real width (hidden 2048; attention 16 heads,
 2 KV heads, head dim 256; GDN 16 key / 32 value heads of 128; FFN 6144; 8 layers = 6 GDN + 2 attention; vocab
-32000; bf16 — `check_models_gpu.REAL_WIDTH` with more layers, a real FFN and vocabulary), waits for /health, sends
-one chat completion, checks for HTTP 200 with non-empty usage, stops the server with SIGTERM and checks that it
+32000; bf16: the serving benchmark's checkpoint, `lightllm.tools.bench_throughput.SERVING_BENCH_SIZES`), waits
+for /health, sends one chat completion, checks for HTTP 200 with non-empty usage, stops the server with SIGTERM and checks that it
 exits 0. `--starts` starts per mode run at `--max_running_requests 64`, then one more at 256. A mode is a state
 mode, optionally with `+mtp` (`--mtp_step 2`, a verify width of 3): the default `native,replay,compact+mtp`.
 
@@ -35,9 +35,6 @@ for path in (HERE.parents[1], HERE):
 
 from smoke_serving_gpu import chat_once, log_tail, start_server, stop_server, wait_healthy  # noqa: E402
 
-# on top of check_models_gpu.REAL_WIDTH (the Qwen3-Next-width layout): 8 layers (6 GDN + 2 attention, one
-# attention layer every 4), Qwen3.5's dense FFN width and a 32000-token vocabulary
-QWEN3_5_REAL_WIDTH = dict(num_layers=8, vocab_size=32000, intermediate_size=6144)
 DEFAULT_MODES = "native,replay,compact+mtp"
 
 
@@ -56,9 +53,10 @@ def checkpoint(args) -> str:
         from lightllm.tools.make_tiny_model import tiny_model_dir
 
         return str(tiny_model_dir("qwen3_5", cache_dir=args.cache_dir))
-    from check_models_gpu import real_width_checkpoint
+    from lightllm.tools.bench_throughput import serving_model_dir
 
-    return real_width_checkpoint(args.cache_dir, arch="qwen3_5", **QWEN3_5_REAL_WIDTH)
+    # the serving benchmark's checkpoint: the server that starts here is the one that is measured
+    return serving_model_dir(args.cache_dir)
 
 
 def one_start(model_dir: str, args, mode: str, max_running: int, log_path: str) -> dict:
