@@ -1,6 +1,6 @@
 """The operator entry points of the linear-attention state (GDN and KDA share every one; GDN is KDA with GK = 1).
 
-Each function runs the Triton kernel on CUDA tensors and the torch twin (`torch_ops.py`) on CPU tensors.
+Each function runs the Triton kernel on CUDA tensors and the torch twin (`torch_ops/`) on CPU tensors.
 `backend="triton"` forces the kernel (CPU interpreter tests), `backend="torch"` forces the twin. Triton kernels
 live in `lightllm.linear_att.kernels.<module>` as `<op>_triton` with the same arguments as the op here (minus
 `backend`); they are imported lazily so importing this module compiles nothing.

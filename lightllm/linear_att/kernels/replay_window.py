@@ -17,7 +17,7 @@ o = Y_S(q_hat) + B_q u, all fp32. On the GPU a program's time follows the number
 runs (each ends in shuffles and, across warps, a shared-memory exchange and a barrier), so everything per-row
 (l2norms, pairs, the solve) is one block operation for the whole window.
 
-The projection mode picks how the state part Y_S = S_h^T (e^{r_s} x) is formed (MATH.md §2):
+The projection mode picks how the state part Y_S = S_h^T (e^{r_s} x) is formed (`docs/state_modes.md` §2):
 - "inline": S_h is built in registers (e^{G_h} S0 plus the committed records, the fold's own fp32 FMAs, and
   stored rounded only when the window folds), then contracted token by token: one reduction of the tile per token
   and vector, on the raw rows (KDA: decayed per channel), the l2norm factors and GDN's one decay per head applied
