@@ -29,6 +29,9 @@ class ForwardBatch:
     input_ids: torch.Tensor
     # per prefill row: True if this chunk ends the prompt (its last position gets logits); empty = all True
     prefill_is_last_chunk: list[bool] = field(default_factory=list)
+    # per prefill row: True if every position of the chunk gets logits in `ForwardOutput.prompt_logits` (prompt
+    # log-probabilities); empty = no row asks
+    prefill_prompt_logits: list[bool] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -46,6 +49,12 @@ class ForwardOutput:
     logits: torch.Tensor
     # [num_logit_tokens, hidden] final hidden states at the same positions (input of the MTP head), or None
     hidden: torch.Tensor | None = None
+    # [sum of the asking rows' query lengths, vocab] fp32: logits at every position of each prefill row with
+    # `prefill_prompt_logits` set, in row order (None when no row asks)
+    prompt_logits: torch.Tensor | None = None
+    # num_prefill_rows + 1 cumulative starts: prefill row i's positions are prompt_logits[offsets[i]:offsets[i + 1]]
+    # (empty for rows that did not ask)
+    prompt_logits_offsets: list[int] = field(default_factory=list)
 
 
 class ModelRunnerProtocol(Protocol):

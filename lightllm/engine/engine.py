@@ -209,6 +209,7 @@ class Engine:
         for row in plan.decode:
             ids += [row.req.last_token_id, *row.draft_ids]
         rows = plan.rows
+        asks = [self._asks_prompt_logits(row.req, row.num_tokens) for row in plan.prefill]
         return ForwardBatch(
             req_handles=[row.req.handle for row in rows],
             query_lens=[row.num_tokens for row in rows],
@@ -218,13 +219,27 @@ class Engine:
             prefill_is_last_chunk=[
                 row.req.num_computed_tokens + row.num_tokens == row.req.num_prefill_tokens for row in plan.prefill
             ],
+            prefill_prompt_logits=asks if any(asks) else [],
         )
+
+    @staticmethod
+    def _asks_prompt_logits(req: Request, num_tokens: int) -> bool:
+        """Whether a prefill chunk of `num_tokens` holds positions whose prompt log-probabilities are still due: the
+        logits at position j score prompt token j + 1, and a recompute after a preemption inside the prefill passes
+        over the positions gathered before it."""
+        if not req.needs_prompt_logprobs:
+            return False
+        start = req.num_computed_tokens
+        return max(start, len(req.prompt_logprobs)) < min(start + num_tokens, len(req.prompt_ids) - 1)
 
     def _process(self, plan: SchedulePlan, fwd: ForwardOutput) -> list[EngineOutput]:
         # (request, first logits row, window width, drafts) for every row that produces tokens this step
         windows: list[tuple[Request, int, int, list[int]]] = []
         num_logit_rows = 0
-        for row in plan.prefill:
+        offsets = fwd.prompt_logits_offsets
+        for i, row in enumerate(plan.prefill):
+            if fwd.prompt_logits is not None and offsets[i] < offsets[i + 1]:
+                self._gather_prompt_logprobs(row.req, fwd.prompt_logits[offsets[i] : offsets[i + 1]])
             row.req.num_computed_tokens += row.num_tokens
             if not row.req.is_prefilling:
                 windows.append((row.req, num_logit_rows, 1, []))
@@ -257,6 +272,25 @@ class Engine:
             hidden_rows.append((req, start + result.num_accepted - 1))
         self.speculator.after_step(self.runner, hidden_rows, fwd.hidden)
         return outputs
+
+    @staticmethod
+    def _gather_prompt_logprobs(req: Request, logits: torch.Tensor) -> None:
+        """Score the prompt tokens that follow the chunk's positions (`logits` [chunk length, V], the chunk starting
+        at `req.num_computed_tokens`), skipping the ones already gathered."""
+        start, done = req.num_computed_tokens, len(req.prompt_logprobs)
+        if start > done:
+            # positions the runner never computed here (resumed, not prefilled) stay unscored: null entries
+            req.prompt_logprobs += [None] * (start - done)
+            req.prompt_top_logprobs += [None] * (start - done)
+            done = start
+        end = min(start + logits.shape[0], len(req.prompt_ids) - 1)
+        if end <= done:
+            return
+        lps, tops = compute_logprobs(
+            logits[done - start : end - start], req.prompt_ids[done + 1 : end + 1], req.params.prompt_logprobs
+        )
+        req.prompt_logprobs += lps
+        req.prompt_top_logprobs += tops
 
     def _verify(
         self, windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor
@@ -325,6 +359,7 @@ class Engine:
     def _emit(self, req: Request, token_ids: list[int], logits: torch.Tensor) -> list[EngineOutput]:
         """Append tokens until a stop token or the length cap, and report them."""
         is_first = not req.output_ids
+        sends_prompt_logprobs = req.needs_prompt_logprobs
         emitted: list[int] = []
         reason = None
         for token in token_ids:
@@ -341,6 +376,13 @@ class Engine:
             chunk.num_cached_tokens = req.num_cached_tokens
         if req.params.logprobs is not None:
             chunk.logprobs, chunk.top_logprobs = compute_logprobs(logits[: len(emitted)], emitted, req.params.logprobs)
+        if sends_prompt_logprobs:
+            # once, on the first chunk: the first prompt token has nothing before it; positions a runner did not
+            # score are null. Dropped afterwards (a recompute after preemption never gathers them again).
+            missing = [None] * (len(req.prompt_ids) - 1 - len(req.prompt_logprobs))
+            chunk.prompt_logprobs = [None, *req.prompt_logprobs, *missing]
+            chunk.prompt_top_logprobs = [None, *req.prompt_top_logprobs, *missing]
+            req.prompt_logprobs, req.prompt_top_logprobs = [], []
         outputs: list[EngineOutput] = [chunk]
         if reason is not None:
             outputs += self._finish(req, reason)

@@ -35,6 +35,10 @@ class TokenChunk(msgspec.Struct, tag=True):
     logprobs: list[float] | None = None
     # per token: [(token_id, logprob), ...] most likely alternatives, most likely first
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # on a request's first chunk only, with params.prompt_logprobs: per prompt token its log-probability given the
+    # tokens before it, and the most likely alternatives there (both None for the first prompt token)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     # on a request's first chunk only: prompt tokens resumed from the prefix cache (not recomputed)
     num_cached_tokens: int | None = None
 

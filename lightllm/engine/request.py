@@ -30,6 +30,10 @@ class Request:
     finish_reason: str | None = None
     stop_token_id: int | None = None
     error: str | None = None
+    # with params.prompt_logprobs: entries for prompt positions 1, 2, ... gathered over the prefill chunks, sent
+    # (and dropped) with the first token
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     # runner handle while RUNNING (state slot + KV row), None otherwise
     handle: int | None = None
     # tokens of `all_ids` already in the runner's KV cache / linear state
@@ -65,6 +69,12 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities are asked for and not sent yet: its prefill must compute every prompt position
+        (a prefix cache must not resume it)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def num_remaining_tokens(self) -> int:

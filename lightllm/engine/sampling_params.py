@@ -36,8 +36,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     `temperature == 0` means greedy (argmax); the other sampling knobs are then ignored. `top_k <= 0` and
     `top_p == 1` disable those filters. `logprobs=None` returns none; `logprobs=k` returns the chosen token's
-    log-probability plus the k most likely alternatives (k may be 0). Log-probabilities are those of the model's
-    raw distribution, before penalties, temperature and filters.
+    log-probability plus the k most likely alternatives (k may be 0). `prompt_logprobs=k` returns, once, each prompt
+    token's log-probability given the tokens before it (None for the first) with k alternatives at each position.
+    Log-probabilities are those of the model's raw distribution, before penalties, temperature and filters.
     """
 
     n: int = 1
@@ -54,6 +55,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -90,6 +92,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 f"must be an integer in [1, {MAX_INT}]",
             ),
             ("logprobs", self.logprobs is None or _is_int(self.logprobs, 0, 20), "must be an integer in [0, 20]"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or _is_int(self.prompt_logprobs, 0, 20),
+                "must be an integer in [0, 20]",
+            ),
             (
                 "stop",
                 isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),

@@ -161,14 +161,16 @@ class Scheduler:
             if num_prefill + 1 > self.kv_capacity:
                 plan.unfittable.append(self.waiting.popleft())
                 continue
-            match = self.runner.match_prefix(req.all_ids)
+            # prompt log-probabilities need every prompt position computed: such a request resumes nothing
+            prefix = [] if req.needs_prompt_logprobs else req.all_ids
+            match = self.runner.match_prefix(prefix)
             if num_prefill - match.num_tokens + match.num_pinned + committed > free_kv:
                 break
             if self.runner.num_free_requests() == 0:
                 break
             self.waiting.popleft()
             free_before = self.runner.num_free_kv_tokens()
-            req.handle = self.runner.add_request(req.all_ids)
+            req.handle = self.runner.add_request(prefix)
             # cached tokens the hit locked are no longer reclaimable
             free_kv -= free_before - self.runner.num_free_kv_tokens()
             req.status = Status.RUNNING

@@ -310,7 +310,10 @@ class ModelRunner:
         if decode_rows is not None:
             self._pending = _PendingVerify(batch.req_handles[np_:], batch.query_lens[np_:], decode_rows)
         out_hidden = hidden[select]
-        return ForwardOutput(logits=self.model.logits(out_hidden), hidden=out_hidden)
+        out = ForwardOutput(logits=self.model.logits(out_hidden), hidden=out_hidden)
+        if any(batch.prefill_prompt_logits):
+            out.prompt_logits, out.prompt_logits_offsets = self._prompt_logits(batch, hidden, real)
+        return out
 
     def _logit_rows(self, batch: ForwardBatch) -> torch.Tensor:
         """Real-token indices (flat row order) that get logits: every decode token, the last prompt token."""
@@ -321,6 +324,19 @@ class ModelRunner:
         prefill = (ends[:np_] - 1)[last_chunk]
         decode = np.arange(int(ends[np_ - 1]) if np_ else 0, int(ends[-1]) if len(q) else 0, dtype=np.int64)
         return torch.from_numpy(np.concatenate([prefill, decode])).to(self.device, non_blocking=True)
+
+    def _prompt_logits(
+        self, batch: ForwardBatch, hidden: torch.Tensor, real: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Logits at every position of the prefill rows that ask for them, and the per-row cumulative starts."""
+        np_ = batch.num_prefill_rows
+        q = np.asarray(batch.query_lens[:np_], dtype=np.int64)
+        asks = np.asarray(batch.prefill_prompt_logits, dtype=bool)
+        starts = np.cumsum(q) - q
+        index = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts[asks], q[asks])])
+        offsets = np.concatenate([[0], np.cumsum(q * asks)]).tolist()
+        rows = real[torch.from_numpy(index).to(self.device, non_blocking=True)]
+        return self.model.logits(hidden[rows]), offsets
 
     def _remember_for_mtp(self, batch, reqs, hidden, input_ids) -> None:
         ids = input_ids.tolist()

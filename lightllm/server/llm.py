@@ -17,7 +17,7 @@ from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine, quiet_garbage_collector
-from lightllm.server.output import SequenceOutput, prompt_problem
+from lightllm.server.output import PromptLogprobs, SequenceOutput, prompt_problem
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.server.tokenizer import Tokenizer
 
@@ -40,6 +40,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     # prompt tokens resumed from the prefix cache instead of computed (for the prompt's first sequence)
     num_cached_tokens: int = 0
+    # when SamplingParams.prompt_logprobs was set: per prompt token (logprob, [(token_id, logprob), ...]) given the
+    # tokens before it; None for the first token
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class LLM:
@@ -77,7 +80,13 @@ class LLM:
         base = uuid.uuid4().hex
         for p, result in enumerate(results):
             for j in range(params.n):
-                sub = msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+                # the prompt is scored once, by its first sequence
+                sub = msgspec.structs.replace(
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + j,
+                    prompt_logprobs=params.prompt_logprobs if j == 0 else None,
+                )
                 req_id = f"{base}-{p}-{j}"
                 seqs[req_id] = SequenceOutput(self.tokenizer, sub, self.tokenizer.eos_token_ids)
                 self._absorb(
@@ -96,6 +105,8 @@ class LLM:
             self._absorb(self.engine.step(), seqs)
         for p, result in enumerate(results):
             result.num_cached_tokens = seqs[f"{base}-{p}-0"].num_cached_tokens
+            if params.prompt_logprobs is not None:
+                result.prompt_logprobs = seqs[f"{base}-{p}-0"].prompt_logprobs
             for j in range(params.n):
                 out = seqs[f"{base}-{p}-{j}"]
                 logprobs = out.logprobs if params.logprobs is not None else None

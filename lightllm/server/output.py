@@ -30,6 +30,10 @@ def prompt_problem(
     return None
 
 
+# per prompt token: (logprob, [(alt_id, logprob), ...]) given the tokens before it; None for the first token
+PromptLogprobs = list[tuple[float, list[tuple[int, float]]] | None]
+
+
 @dataclass
 class Delta:
     text: str = ""
@@ -51,6 +55,8 @@ class SequenceOutput:
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        # set by the first chunk when params.prompt_logprobs was asked for
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         # prompt tokens the engine resumed from its prefix cache (from the first chunk)
@@ -68,6 +74,11 @@ class SequenceOutput:
     def on_tokens(self, chunk: TokenChunk) -> Delta:
         if chunk.num_cached_tokens is not None:
             self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.prompt_logprobs is not None:
+            tops = chunk.prompt_top_logprobs or [None] * len(chunk.prompt_logprobs)
+            self.prompt_logprobs = [
+                None if lp is None else (lp, top or []) for lp, top in zip(chunk.prompt_logprobs, tops)
+            ]
         if self.finished:
             return Delta()
         delta = Delta()

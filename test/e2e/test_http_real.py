@@ -8,6 +8,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+import torch
 
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.server.conftest import scrape, wait_for
@@ -89,3 +90,30 @@ def test_concurrent_streams_equal_one_by_one(served):
     assert scrape(server.base_url, "lightllm_free_kv_tokens") == 1024
     mode = server.args.ssm_state_mode
     assert f'lightllm_state_pool_bytes{{mode="{mode}"}}' in httpx.get(f"{server.base_url}/metrics").text
+
+
+def test_echo_logprobs_score_the_prompt_like_transformers(served):
+    """`echo` + `logprobs` on a prompt longer than a prefill chunk: each prompt token's log-probability given the
+    tokens before it equals log_softmax of transformers' logits; the first is null."""
+    server, oracle = served
+    prompt = "Linear attention layers keep a fixed-size state, so a long prompt costs no more memory than a short one."
+    ids = server.tokenizer.encode(prompt)
+    assert len(ids) > 16, "the prompt must span several prefill chunks (chunked_prefill_size=16)"
+    r = _client(server).completions.create(
+        model=server.model, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    logp = torch.log_softmax(oracle.prefill_logits(ids)[0], dim=-1)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+
+    def error(shift: int) -> float:
+        rows = logp[torch.arange(len(ids) - 1) + shift]
+        got = torch.tensor(lp.token_logprobs[1 : len(ids)], dtype=torch.float32)
+        tops = [{server.tokenizer.token_text(t) for t in row.topk(3).indices.tolist()} for row in rows]
+        if tops != [set(top) for top in lp.top_logprobs[1 : len(ids)]]:
+            return float("inf")
+        return float((got - rows[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]).abs().max())
+
+    assert error(0) < 1e-4
+    # twin: scored against the logits one position later
+    assert error(1) > 1e-2

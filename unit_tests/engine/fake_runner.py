@@ -108,6 +108,8 @@ class FakeRunner:
         if self.fail_token is not None and self.fail_token in ids:
             raise RuntimeError("fake runner failure")
         logits, hidden, offset = [], [], 0
+        # every position of the prefill rows that ask (prompt log-probabilities), with per-row cumulative starts
+        prompt_logits, prompt_offsets = [], [0]
         for row, (handle, n, cached) in enumerate(zip(batch.req_handles, batch.query_lens, batch.num_cached_tokens)):
             cache = self.cache[handle]
             assert cached == len(cache), f"row {row}: engine says {cached} cached tokens, runner holds {len(cache)}"
@@ -117,6 +119,10 @@ class FakeRunner:
             if not is_prefill:
                 self._window_start[handle] = len(cache)
             cache.extend(new)
+            if is_prefill and batch.prefill_prompt_logits:
+                if batch.prefill_prompt_logits[row]:
+                    prompt_logits += [self.next_logits(cache[: p + 1]) for p in range(len(cache) - n, len(cache))]
+                prompt_offsets.append(len(prompt_logits))
             positions = [len(cache) - 1] if is_prefill else range(len(cache) - n, len(cache))
             if is_prefill and not batch.prefill_is_last_chunk[row]:
                 positions = []
@@ -127,8 +133,12 @@ class FakeRunner:
                 logits.append(row_logits)
                 hidden.append(torch.tensor([float(sum(cache[: p + 1])), float(cache[p])]))
         if not logits:
-            return ForwardOutput(torch.empty(0, self.vocab_size), torch.empty(0, 2))
-        return ForwardOutput(torch.stack(logits), torch.stack(hidden))
+            out = ForwardOutput(torch.empty(0, self.vocab_size), torch.empty(0, 2))
+        else:
+            out = ForwardOutput(torch.stack(logits), torch.stack(hidden))
+        if prompt_logits:
+            out.prompt_logits, out.prompt_logits_offsets = torch.stack(prompt_logits), prompt_offsets
+        return out
 
     def accept(self, handles: list[int], num_accepted: list[int]) -> None:
         assert sorted(handles) == sorted(self._window_start), "accept must list every decode row of the step"

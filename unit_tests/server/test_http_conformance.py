@@ -1,5 +1,6 @@
 """OpenAI conformance against the live server (fake runner), judged by the official openai client: usage, logprobs
-bytes and keys, echo with logprobs, /v1/models, docs off by default, and vLLM's /tokenize, /detokenize, /version."""
+bytes and keys, echo with prompt logprobs (against the fake model), /v1/models, docs off by default, and vLLM's
+/tokenize, /detokenize, /version."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 import lightllm
+from unit_tests.engine.fake_runner import FakeRunner
 from unit_tests.server.live_server import LiveServer
 
 
@@ -85,29 +88,73 @@ def test_completion_top_logprobs_keep_every_alternative(server, client):
     assert any(_fragment(k) for t in tops for k in t)
 
 
-def test_echo_with_logprobs_covers_the_prompt(server, client):
-    prompt = "echo this"
+def _prompt_scores(server, ids: list[int], shift: int = 0) -> list[tuple[float, dict[str, float]] | None]:
+    """The fake model's log-probability of each prompt token given the tokens before it (of the logits one position
+    later with `shift`), and its top 2 alternatives keyed by token text; None for the first token."""
+    ref, tok = FakeRunner(server.info.vocab_size), server.tokenizer
+    scores: list[tuple[float, dict[str, float]] | None] = [None]
+    for p in range(1, len(ids)):
+        logp = torch.log_softmax(ref.next_logits(ids[: min(p + shift, len(ids))]), dim=-1)
+        top = torch.topk(logp, 2)
+        scores.append(
+            (float(logp[ids[p]]), {tok.token_text(t): v for t, v in zip(top.indices.tolist(), top.values.tolist())})
+        )
+    return scores
+
+
+def _scores_match(token_logprobs, top_logprobs, expected) -> bool:
+    for lp, top, exp in zip(token_logprobs, top_logprobs, expected, strict=True):
+        if exp is None:
+            if lp is not None or top is not None:
+                return False
+        elif abs(lp - exp[0]) > 1e-5 or top.keys() != exp[1].keys():
+            return False
+        elif any(abs(top[k] - v) > 1e-5 for k, v in exp[1].items()):
+            return False
+    return True
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, client):
+    prompt = "echo this prompt back"
     ids = server.tokenizer.encode(prompt)
-    kw = dict(model=server.model, prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=1)
+    assert len(ids) >= 3
+    kw = dict(model=server.model, prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=2)
     r = client.completions.create(**kw, extra_body={"ignore_eos": True})
     choice = r.choices[0]
     lp = choice.logprobs
     assert choice.text.startswith(prompt)
     assert len(lp.tokens) == len(ids) + 5
-    assert lp.token_logprobs[: len(ids)] == [None] * len(ids)
-    assert all(isinstance(v, float) for v in lp.token_logprobs[len(ids) :])
-    assert lp.top_logprobs[: len(ids)] == [None] * len(ids)
-    assert lp.text_offset[0] == 0 and lp.text_offset[len(ids)] == len(prompt)
+    n = len(ids)
+    assert _scores_match(lp.token_logprobs[:n], lp.top_logprobs[:n], _prompt_scores(server, ids))
+    # twin: the scores of the position after each token are not its scores
+    assert not _scores_match(lp.token_logprobs[:n], lp.top_logprobs[:n], _prompt_scores(server, ids, shift=1))
+    assert all(isinstance(v, float) for v in lp.token_logprobs[n:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(prompt)
     assert lp.text_offset == sorted(lp.text_offset)
-    assert "".join(lp.tokens[: len(ids)]) == prompt
-    streamed = list(client.completions.create(stream=True, **kw, extra_body={"ignore_eos": True}))
-    first = streamed[0].choices[0]
-    assert first.text == prompt and first.logprobs.token_logprobs == [None] * len(ids)
-    later = [c.choices[0].logprobs.text_offset for c in streamed[1:] if c.choices and c.choices[0].logprobs]
-    assert later[0][0] == len(prompt)
+    assert "".join(lp.tokens[:n]) == prompt
+    # streamed, with two sequences: each choice opens with the echo and the same prompt scores
+    streamed = list(client.completions.create(stream=True, n=2, seed=3, **kw, extra_body={"ignore_eos": True}))
+    events = [c.choices[0] for c in streamed if c.choices]
+    for index in (0, 1):
+        mine = [e for e in events if e.index == index]
+        assert mine[0].text == prompt
+        assert mine[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+        assert mine[0].logprobs.top_logprobs == lp.top_logprobs[:n]
+        assert mine[1].logprobs.text_offset[0] == len(prompt)
+        assert "".join(e.text for e in mine) == choice.text
     # twin: without echo, offsets start at 0 and no prompt entries come back
     plain = client.completions.create(**{**kw, "echo": False}, extra_body={"ignore_eos": True}).choices[0].logprobs
     assert plain.text_offset[0] == 0 and len(plain.tokens) == 5
+    assert plain.token_logprobs == lp.token_logprobs[n:]
+
+
+def test_echo_without_logprobs_streams_the_prompt_first(server, client):
+    prompt = "echo this prompt back"
+    kw = dict(model=server.model, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    streamed = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert streamed[0].text == prompt and streamed[0].logprobs is None
+    assert all(c.logprobs is None for c in streamed)
+    assert client.completions.create(**kw).choices[0].text == "".join(c.text for c in streamed)
 
 
 def test_models_created_is_the_start_time(server):

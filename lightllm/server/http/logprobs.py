@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 
+from lightllm.server.output import PromptLogprobs
 from lightllm.server.tokenizer import Tokenizer
 
 # per token: (logprob, [(alt_id, logprob), ...])
@@ -56,16 +57,21 @@ def completion_logprobs(tok: Tokenizer, token_ids: list[int], entries: Entries, 
     }
 
 
-def echoed_prompt_logprobs(tok: Tokenizer, prompt_ids: list[int], prompt_chars: int) -> dict:
-    """Entries for an echoed prompt: the engine does not score prompt tokens, so their logprobs are null.
+def echoed_prompt_logprobs(
+    tok: Tokenizer, prompt_ids: list[int], prompt_chars: int, entries: PromptLogprobs | None
+) -> dict:
+    """Entries for an echoed prompt: each token's log-probability given the tokens before it and its alternatives
+    (keyed like a completion's); null for the first token, which has nothing before it, and for every token when
+    the engine sent no scores (`entries` None).
 
     Offsets follow the prompt's tokens and never pass the echoed text's length (a tokenizer may add a BOS token that
     the echoed text does not hold)."""
     offsets = [min(o, prompt_chars) for o in TextOffsets().advance(tok, prompt_ids)]
+    entries = entries or [None] * len(prompt_ids)
     return {
         "tokens": [tok.token_text(t) for t in prompt_ids],
-        "token_logprobs": [None] * len(prompt_ids),
-        "top_logprobs": [None] * len(prompt_ids),
+        "token_logprobs": [None if e is None else e[0] for e in entries],
+        "top_logprobs": [None if e is None else {tok.token_text(a): alp for a, alp in e[1]} for e in entries],
         "text_offset": offsets,
     }
 

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -21,7 +22,7 @@ from lightllm.server.http.logprobs import (
 )
 from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend, Sequence
-from lightllm.server.output import Delta
+from lightllm.server.output import Delta, PromptLogprobs
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -194,19 +195,25 @@ async def completions(body: CompletionRequest, request: Request):
     # each prompt is counted once, however many sequences it has
     num_prompt_tokens = sum(len(p) for p in prompts)
     tok, want_logprobs = fe.tokenizer, params.logprobs is not None
+    # an echoed prompt with logprobs is scored by the engine: the first sequence of each prompt brings the scores
+    # with its first tokens (see Frontend.generate)
+    scored = body.echo and want_logprobs
+    if scored:
+        params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
 
-    def echoed(p: int) -> tuple[str, dict | None]:
-        """The echoed prompt text and, with logprobs, its entries (null logprobs: prompt tokens are not scored)."""
+    def echoed(p: int, entries: PromptLogprobs | None = None) -> tuple[str, dict | None]:
+        """The echoed prompt text and, with logprobs, its entries (`entries`: the engine's prompt scores)."""
         if not body.echo:
             return "", None
-        return texts[p], echoed_prompt_logprobs(tok, prompts[p], len(texts[p])) if want_logprobs else None
+        return texts[p], echoed_prompt_logprobs(tok, prompts[p], len(texts[p]), entries) if want_logprobs else None
 
     stream = fe.generate(prompts, params, request)
     if not body.stream:
         seqs = await _collect(stream)
+        scores = {s.prompt_index: s.output.prompt_logprobs for s in seqs if s.index % params.n == 0}
         choices = []
         for s in seqs:
-            prefix, prompt_logprobs = echoed(s.prompt_index)
+            prefix, prompt_logprobs = echoed(s.prompt_index, scores[s.prompt_index])
             offsets = TextOffsets(len(prefix))
             logprobs = completion_logprobs(tok, s.output.token_ids, s.output.logprobs, offsets)
             choices.append(
@@ -232,12 +239,25 @@ async def completions(body: CompletionRequest, request: Request):
     async def events() -> AsyncIterator[str]:
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         offsets: dict[int, TextOffsets] = {}
+
+        def echo_events(p: int, entries: PromptLogprobs | None) -> list[str]:
+            """The echo event of each sequence of prompt `p`."""
+            prefix, prompt_logprobs = echoed(p, entries)
+            choices = [
+                {"index": i, "text": prefix, "logprobs": prompt_logprobs, "finish_reason": None}
+                for i in range(p * params.n, (p + 1) * params.n)
+            ]
+            return [_sse({**head, "choices": [choice]}) for choice in choices]
+
         for i in range(len(prompts) * params.n):
-            prefix, prompt_logprobs = echoed(i // params.n)
-            offsets[i] = TextOffsets(len(prefix))
-            if body.echo:
-                choice = {"index": i, "text": prefix, "logprobs": prompt_logprobs, "finish_reason": None}
-                yield _sse({**head, "choices": [choice]})
+            offsets[i] = TextOffsets(len(echoed(i // params.n)[0]))
+        # a scored prompt's echo waits for its scores (its first sequence's first chunk); the events of its
+        # sequences wait behind it here, so each choice still starts with the echo
+        held: dict[int, list[str]] = {p: [] for p in range(len(prompts))} if scored else {}
+        if body.echo and not scored:
+            for p in range(len(prompts)):
+                for event in echo_events(p, None):
+                    yield event
         num_tokens = 0
         seen: dict[int, Sequence] = {}
         async for seq, delta in _until_disconnect(stream):
@@ -247,15 +267,24 @@ async def completions(body: CompletionRequest, request: Request):
                 yield _sse_error(seq.output.error or "the engine failed this request")
                 yield "data: [DONE]\n\n"
                 return
-            if not delta.text and not delta.finish_reason and not delta.logprobs:
-                continue
-            choice = {
-                "index": seq.index,
-                "text": delta.text,
-                "logprobs": completion_logprobs(tok, delta.token_ids, delta.logprobs, offsets[seq.index]),
-                "finish_reason": delta.finish_reason,
-            }
-            yield _sse({**head, "choices": [choice]})
+            events_now: list[str] = []
+            if delta.text or delta.finish_reason or delta.logprobs:
+                choice = {
+                    "index": seq.index,
+                    "text": delta.text,
+                    "logprobs": completion_logprobs(tok, delta.token_ids, delta.logprobs, offsets[seq.index]),
+                    "finish_reason": delta.finish_reason,
+                }
+                events_now.append(_sse({**head, "choices": [choice]}))
+            p = seq.prompt_index
+            if p in held:
+                out = seq.output
+                if seq.index % params.n != 0 or (out.prompt_logprobs is None and not out.finished):
+                    held[p] += events_now
+                    continue
+                events_now = [*echo_events(p, out.prompt_logprobs), *held.pop(p), *events_now]
+            for event in events_now:
+                yield event
         if include_usage:
             usage = _usage(num_prompt_tokens, num_tokens, _cached_tokens(seen.values(), params.n))
             yield _sse({**head, "choices": [], "usage": usage})

@@ -169,7 +169,9 @@ class Frontend:
     async def generate(
         self, prompts: list[list[int]], params: SamplingParams, request=None, checkpoint_hints: list[int] = ()
     ) -> AsyncIterator[tuple[Sequence, Delta]]:
-        """Run `params.n` sequences per prompt; yields (sequence, delta) as tokens arrive, in arrival order."""
+        """Run `params.n` sequences per prompt; yields (sequence, delta) as tokens arrive, in arrival order.
+        `params.prompt_logprobs` goes to each prompt's first sequence only (sequence index a multiple of n): the
+        prompt is scored once."""
         base = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         seqs: dict[str, Sequence] = {}
@@ -181,7 +183,12 @@ class Frontend:
                 for j in range(params.n):
                     index = p * params.n + j
                     # n sequences from one seed must differ, and stay reproducible
-                    sub = msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+                    sub = msgspec.structs.replace(
+                        params,
+                        n=1,
+                        seed=None if params.seed is None else params.seed + j,
+                        prompt_logprobs=params.prompt_logprobs if j == 0 else None,
+                    )
                     output = SequenceOutput(self.tokenizer, sub, self.tokenizer.eos_token_ids)
                     seq = seqs[f"{base}-{index}"] = Sequence(index, p, f"{base}-{index}", output)
                     self.metrics.on_submit(seq.req_id)
