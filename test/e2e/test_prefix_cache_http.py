@@ -98,3 +98,12 @@ def test_completions_report_cached_tokens_plain_and_streamed(served):
     )
     assert scrape(server.base_url, "lightllm_prefix_cache_checkpoints_stored_total") > 0
     assert scrape(server.base_url, "lightllm_prefix_cache_checkpoint_bytes") > 0
+
+
+def test_offline_request_output_reports_cached_tokens():
+    llm = LLM(str(tiny_model_dir("qwen3_5")), prefix_cache_state_bytes=16 * 20_000, **FLAGS)
+    prompt = [random.Random(4).randrange(1, 500) for _ in range(30)]
+    params = SamplingParams(temperature=0, max_tokens=3)
+    first, second = llm.generate([prompt], params)[0], llm.generate([prompt + [5, 6]], params)[0]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 30)
+    assert "prefix cache:" in llm.engine.capacity_report()
