@@ -113,6 +113,20 @@ def padded_token_index(q_lens: list[int], num_prefill_rows: int, width: int) -> 
     return ragged_arange(starts, q)
 
 
+def layout_positions(
+    row_q: np.ndarray, q: np.ndarray, cached: np.ndarray, rows: np.ndarray, kv: KVCache
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every token of a layout whose row i spans `row_q[i]` places holding `q[i]` real tokens after
+    `cached[i]` committed ones: its position, the KV slot it writes (HOLD for padding) and whether it is real.
+    Padding tokens take their row's first position."""
+    row_of = np.repeat(np.arange(len(q)), row_q)
+    col = ragged_arange(np.zeros(len(q), dtype=np.int64), row_q)
+    real = col < q[row_of]
+    pos = cached[row_of] + np.where(real, col, 0)
+    write_slots = np.where(real, kv.table_cpu[rows[row_of], np.minimum(pos, kv.max_req_len - 1)], kv.hold_slot)
+    return pos, write_slots, real
+
+
 def build_context(
     q_lens: list[int],
     cached_lens: list[int],
@@ -136,13 +150,8 @@ def build_context(
     width = padded_decode_width(q_lens, np_, decode_width)
     num_decode = len(q) - np_
     num_prefill_tokens = int(q[:np_].sum())
-    # every token of the layout: its row, column in the row, and whether it is real
     row_q = np.concatenate([q[:np_], np.full(num_decode, width, dtype=np.int64)])
-    row_of = np.repeat(np.arange(len(q)), row_q)
-    col = ragged_arange(np.zeros(len(q), dtype=np.int64), row_q)
-    real = col < q[row_of]
-    pos = cached[row_of] + np.where(real, col, 0)
-    write_slots = np.where(real, kv.table_cpu[rows[row_of], np.minimum(pos, kv.max_req_len - 1)], kv.hold_slot)
+    pos, write_slots, _ = layout_positions(row_q, q, cached, rows, kv)
     packed = torch.from_numpy(np.stack([pos + position_offset, write_slots])).to(device, non_blocking=True)
     starts = np.concatenate([[0], np.cumsum(row_q)])
     groups = [_group(starts[i : i + 1], q[i : i + 1], cached[i : i + 1], rows[i : i + 1], kv) for i in range(np_)]

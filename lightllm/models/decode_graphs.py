@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from lightllm.linear_att.base import DecodeRows
-from lightllm.models.context import AttentionGroup, StepContext
+from lightllm.models.context import AttentionGroup, StepContext, layout_positions
 
 logger = logging.getLogger(__name__)
 
@@ -146,23 +146,17 @@ class DecodeGraphs:
         w = self.width
         n_tok = rows * w
         h64, h32 = self._host64, self._host32
-        col = np.tile(np.arange(w, dtype=np.int64), n)
-        real = col < np.repeat(q_lens, w)
-        pos = np.repeat(cached, w) + np.where(real, col, 0)
-        slots = self.kv.table_cpu[np.repeat(kv_rows, w), np.minimum(pos, self.kv.max_req_len - 1)]
+        pos, write_slots, real = layout_positions(np.full(n, w), q_lens, cached, kv_rows, self.kv)
         h64[:, :n_tok] = 0
-        h64[0, : n * w] = input_ids
-        h64[1, : n * w] = pos
-        h64[2, :n_tok] = self.kv.hold_slot
-        h64[2, : n * w] = np.where(real, slots, self.kv.hold_slot)
-        h64[3, :n] = kv_rows
-        h64[4, : n * w] = real
+        h64[_I64.index("write_slots"), :n_tok] = self.kv.hold_slot
+        for name, values in (("input_ids", input_ids), ("positions", pos), ("write_slots", write_slots),
+                             ("table_rows", kv_rows), ("real", real)):  # fmt: skip
+            h64[_I64.index(name), : len(values)] = values
         h32[:, :rows] = 0
-        h32[0, :n] = q_lens
-        h32[1, :n] = cached
-        h32[2, :rows] = self.state.hold_slot
-        h32[2, :n] = state_slots
-        h32[3, :n] = q_lens
+        h32[_I32.index("state_slots"), :rows] = self.state.hold_slot
+        for name, values in (("query_len", q_lens), ("num_cached", cached), ("state_slots", state_slots),
+                             ("widths", q_lens)):  # fmt: skip
+            h32[_I32.index(name), :n] = values
         self._upload(rows)
         if rows in self._graphs:
             self._graphs[rows].replay()
@@ -170,5 +164,7 @@ class DecodeGraphs:
         else:
             hidden = self._forward(rows)
         i32 = self._i32
-        accept_rows = DecodeRows(slots=i32[2, :n], widths=i32[3, :n], max_width=w)
+        accept_rows = DecodeRows(
+            slots=i32[_I32.index("state_slots"), :n], widths=i32[_I32.index("widths"), :n], max_width=w
+        )
         return hidden[: n * w], accept_rows
