@@ -1,0 +1,80 @@
+"""The transfer header: everything two nodes must agree on for a prefilled request to continue on the other.
+
+A node sends its header when it registers with the master; the master keeps the first one it accepts and
+refuses a node whose header differs, naming each field that differs. The header's fingerprint travels with
+every transfer, so a decode node also refuses a payload from an incompatible sender.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import msgspec
+
+
+class TransferHeader(msgspec.Struct, frozen=True):
+    # sha256 of config.json and of the safetensors files' names and sizes
+    model_fingerprint: str
+    architecture: str
+    full_layer_ids: list[int]
+    linear_layer_ids: list[int]
+    # global (all tensor-parallel ranks) head counts: payload state is laid out by global head
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    # full-attention KV: per component, the shape of one token (global heads)
+    kv_token_shapes: list[list[int]]
+    conv_kernel_size: int
+    state_dtype: str
+    act_dtype: str
+    # the MTP drafter's steps: its KV and hidden state travel only when both sides draft alike
+    mtp_step: int
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
+
+
+def model_fingerprint(model_dir: str) -> str:
+    digest = hashlib.sha256()
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        digest.update(json.dumps(json.load(f), sort_keys=True).encode())
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            digest.update(f"{name}:{os.path.getsize(os.path.join(model_dir, name))}".encode())
+    return digest.hexdigest()[:16]
+
+
+def runner_header(runner, model_dir: str, tp_size: int = 1) -> TransferHeader:
+    """The header of a `ModelRunner` (one rank of `tp_size`)."""
+    cfg, spec = runner.model_config, runner.linear_spec
+    # GQA K/V token shapes are [heads, dim] (heads split across ranks); MLA's latent [dim] is replicated
+    local = [list(b.shape[2:]) for b in runner.kv.buffers]
+    shapes = [[s[0] * tp_size, *s[1:]] if len(s) > 1 else s for s in local]
+    return TransferHeader(
+        model_fingerprint=model_fingerprint(model_dir),
+        architecture=cfg.arch,
+        full_layer_ids=list(cfg.full_layer_ids),
+        linear_layer_ids=list(cfg.linear_layer_ids),
+        num_k_heads=spec.num_k_heads * tp_size,
+        num_v_heads=spec.num_v_heads * tp_size,
+        head_k_dim=spec.head_k_dim,
+        head_v_dim=spec.head_v_dim,
+        kv_token_shapes=shapes,
+        conv_kernel_size=spec.conv_kernel_size,
+        state_dtype=str(runner.config.state_dtype()).removeprefix("torch."),
+        act_dtype=str(runner.dtype).removeprefix("torch."),
+        mtp_step=runner.num_mtp_steps,
+    )
+
+
+def header_mismatch(expected: TransferHeader, found: TransferHeader) -> str | None:
+    """None when the headers agree, else one line naming every field that differs (registered vs this node)."""
+    diffs = [
+        f"{name}: {getattr(expected, name)} (registered nodes) vs {getattr(found, name)} (this node)"
+        for name in expected.__struct_fields__
+        if getattr(expected, name) != getattr(found, name)
+    ]
+    return "; ".join(diffs) or None

@@ -1,0 +1,235 @@
+"""What a prefill node and a decode node do around `Engine.step` (transport-free: messages in, outputs out).
+
+Prefill: a `PdPrefill` is queued in the engine; once its first token is sampled (and, with MTP, drafted) the
+request leaves the engine, its state is exported and sent to its decode node, and its slot is held until the
+decode node confirms (then freed) or the confirmation times out (then freed and the request fails). The first
+token is not emitted here: the decode node emits it, so the master sees one ordered stream per request.
+
+Decode: a `PdTransfer` is confirmed at once (its state is in host memory here) and waits until a state slot and
+KV for its tokens are free, then is imported into a fresh slot and decodes like any request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from lightllm.engine.engine import Engine
+from lightllm.engine.messages import Abort, EngineOutput, Finished, NewRequest, TokenChunk
+from lightllm.engine.request import Request, Status
+from lightllm.models.pd_state import export_request, import_request
+from lightllm.server.pd.messages import PdPrefill, PdTransfer, TransferAck
+from lightllm.server.pd.transport import StateTransport, TransportError
+
+logger = logging.getLogger(__name__)
+# an aborted request id is remembered this long, in case its transfer arrives after the abort
+ABORT_MEMORY_S = 120.0
+
+
+@dataclass
+class _Held:
+    handle: int
+    num_prompt_tokens: int
+    deadline: float
+
+
+class PrefillRole:
+    def __init__(
+        self,
+        engine: Engine,
+        transport: StateTransport,
+        fingerprint: str,
+        ack_addr: str,
+        transfer_timeout_s: float,
+    ):
+        self.engine = engine
+        self.transport = transport
+        self.fingerprint = fingerprint
+        self.ack_addr = ack_addr
+        self.transfer_timeout_s = transfer_timeout_s
+        # req_id -> (request as received, decode node inbox)
+        self._routes: dict[str, tuple[NewRequest, str]] = {}
+        # transferred requests whose slot waits for the decode node's confirmation
+        self.held: dict[str, _Held] = {}
+
+    def has_work(self) -> bool:
+        return self.engine.has_work() or bool(self.held)
+
+    def on_message(self, msg) -> list[EngineOutput]:
+        if isinstance(msg, PdPrefill):
+            outputs = self.engine.add_request(msg.request)
+            if not outputs:
+                self._routes[msg.request.req_id] = (msg.request, msg.decode_addr)
+            return outputs
+        if isinstance(msg, TransferAck):
+            held = self.held.pop(msg.req_id, None)
+            if held is None:
+                return []
+            self.engine.runner.free_request(held.handle)
+            if msg.error is None:
+                return []
+            return [Finished(msg.req_id, "error", num_prompt_tokens=held.num_prompt_tokens, error=msg.error)]
+        if isinstance(msg, Abort):
+            self._routes.pop(msg.req_id, None)
+            held = self.held.pop(msg.req_id, None)
+            if held is not None:
+                self.engine.runner.free_request(held.handle)
+                return [Finished(msg.req_id, "abort", num_prompt_tokens=held.num_prompt_tokens)]
+            return self.engine.abort(msg.req_id)
+        return []
+
+    def after_step(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
+        """Hand off every request that got its first token in this step; their chunks leave the outputs."""
+        kept: list[EngineOutput] = []
+        for out in outputs:
+            req = self.engine.requests.get(out.req_id) if isinstance(out, TokenChunk) else None
+            if req is None or req.is_finished or out.req_id not in self._routes:
+                if isinstance(out, Finished):
+                    self._routes.pop(out.req_id, None)
+                kept.append(out)
+                continue
+            kept += self._hand_off(req, out)
+        return kept
+
+    def _hand_off(self, req: Request, chunk: TokenChunk) -> list[EngineOutput]:
+        request, decode_addr = self._routes.pop(req.req_id)
+        engine = self.engine
+        engine.requests.pop(req.req_id)
+        engine.scheduler.running.remove(req)
+        handle, req.handle, req.status = req.handle, None, Status.FINISHED
+        num_prompt = len(req.prompt_ids)
+        try:
+            state = export_request(engine.runner, handle)
+            generator = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
+            transfer = PdTransfer(
+                self.fingerprint, request, chunk, list(req.draft_ids), state, self.ack_addr, generator
+            )
+            self.transport.send(decode_addr, transfer)
+        except (TransportError, RuntimeError) as exc:
+            logger.error("transfer of %s to %s failed: %s", req.req_id, decode_addr, exc)
+            engine.runner.free_request(handle)
+            return [Finished(req.req_id, "error", num_prompt_tokens=num_prompt, error=f"transfer failed: {exc}")]
+        self.held[req.req_id] = _Held(handle, num_prompt, time.monotonic() + self.transfer_timeout_s)
+        return []
+
+    def tick(self) -> list[EngineOutput]:
+        """Free the slots whose confirmation is overdue and fail those requests."""
+        now = time.monotonic()
+        outputs: list[EngineOutput] = []
+        for req_id, held in list(self.held.items()):
+            if now > held.deadline:
+                del self.held[req_id]
+                self.engine.runner.free_request(held.handle)
+                error = f"the decode node did not confirm the transfer within {self.transfer_timeout_s:g} s"
+                logger.error("%s: %s", req_id, error)
+                outputs.append(Finished(req_id, "error", num_prompt_tokens=held.num_prompt_tokens, error=error))
+        return outputs
+
+
+class DecodeRole:
+    def __init__(self, engine: Engine, transport: StateTransport, fingerprint: str):
+        self.engine = engine
+        self.transport = transport
+        self.fingerprint = fingerprint
+        # confirmed transfers waiting for a state slot and KV
+        self.pending: deque[PdTransfer] = deque()
+        self._aborted: dict[str, float] = {}
+
+    def has_work(self) -> bool:
+        return self.engine.has_work() or bool(self.pending)
+
+    def on_message(self, msg) -> list[EngineOutput]:
+        if isinstance(msg, PdTransfer):
+            return self._receive(msg)
+        if isinstance(msg, Abort):
+            for transfer in self.pending:
+                if transfer.request.req_id == msg.req_id:
+                    self.pending.remove(transfer)
+                    return [self._aborted_finish(transfer)]
+            if msg.req_id in self.engine.requests:
+                return self.engine.abort(msg.req_id)
+            self._aborted[msg.req_id] = time.monotonic()
+        return []
+
+    def _receive(self, transfer: PdTransfer) -> list[EngineOutput]:
+        req_id = transfer.request.req_id
+        error = None
+        if transfer.fingerprint != self.fingerprint:
+            error = (
+                f"the decode node refused the transfer: header {transfer.fingerprint} (prefill node) differs from "
+                f"{self.fingerprint} (decode node)"
+            )
+        elif req_id in self.engine.requests or any(t.request.req_id == req_id for t in self.pending):
+            error = f"duplicate request id {req_id!r} on the decode node"
+        self._send_ack(transfer, TransferAck(req_id, error))
+        if error is not None:
+            return []
+        if self._aborted.pop(req_id, None) is not None:
+            return [self._aborted_finish(transfer)]
+        self.pending.append(transfer)
+        return []
+
+    def _send_ack(self, transfer: PdTransfer, ack: TransferAck) -> None:
+        try:
+            self.transport.send(transfer.ack_addr, ack)
+        except TransportError as exc:
+            # the prefill node times out and frees its slot on its own
+            logger.error("could not confirm %s to %s: %s", ack.req_id, transfer.ack_addr, exc)
+
+    @staticmethod
+    def _aborted_finish(transfer: PdTransfer) -> Finished:
+        return Finished(
+            transfer.request.req_id, "abort", num_prompt_tokens=len(transfer.request.prompt_ids), num_output_tokens=1
+        )
+
+    def admit(self) -> list[EngineOutput]:
+        """Import the waiting transfers that fit: a free state slot, and KV for their tokens on top of what the
+        running requests still claim (a verify window each, the rest of running prefills)."""
+        now = time.monotonic()
+        self._aborted = {k: t for k, t in self._aborted.items() if now - t < ABORT_MEMORY_S}
+        engine, scheduler = self.engine, self.engine.scheduler
+        runner = engine.runner
+        outputs: list[EngineOutput] = []
+        while self.pending:
+            transfer = self.pending[0]
+            committed = sum(r.num_prefill_tokens - r.num_computed_tokens for r in scheduler.running)
+            committed += scheduler.max_width * (len(scheduler.running) + 1)
+            fits = transfer.state.num_tokens + committed <= runner.num_free_kv_tokens()
+            if not fits or runner.num_free_requests() == 0 or len(scheduler.running) >= scheduler.max_running_requests:
+                break
+            self.pending.popleft()
+            outputs += self._import(transfer)
+        return outputs
+
+    def _import(self, transfer: PdTransfer) -> list[EngineOutput]:
+        engine, msg = self.engine, transfer.request
+        req_id = msg.req_id
+        try:
+            handle = import_request(engine.runner, transfer.state)
+        except RuntimeError as exc:
+            logger.error("import of %s failed: %s", req_id, exc)
+            return [Finished(req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=f"import failed: {exc}")]
+        params = msg.params
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(msg.eos_token_ids))
+        max_new = engine.max_req_total_len - len(msg.prompt_ids)
+        if params.max_tokens is not None:
+            max_new = min(max_new, params.max_tokens)
+        req = Request(req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new)
+        req.output_ids = list(transfer.first_chunk.token_ids)
+        req.handle, req.status = handle, Status.RUNNING
+        req.num_computed_tokens = req.num_prefill_tokens = transfer.state.num_tokens
+        req.num_cached_tokens = transfer.first_chunk.num_cached_tokens or 0
+        req.draft_ids = list(transfer.draft_ids)
+        if transfer.generator_state is not None:
+            req.generator = torch.Generator(device=engine.runner.device if hasattr(engine.runner, "device") else "cpu")
+            req.generator.set_state(torch.frombuffer(bytearray(transfer.generator_state), dtype=torch.uint8))
+        scheduler = engine.scheduler
+        scheduler._admit_seq += 1
+        req.admit_seq = scheduler._admit_seq
+        engine.requests[req_id] = req
+        scheduler.running.append(req)
+        return [transfer.first_chunk]

@@ -1,0 +1,173 @@
+"""Prefill/decode roles in one process with the real ModelRunner on tiny checkpoints, the transfer encoded and
+decoded as msgpack like on the wire: a request prefilled on one engine and decoded on another gives a monolithic
+engine's greedy tokens and logprobs (1e-5), across state modes (native -> replay, replay -> compact) and with MTP
+drafts; an all-zero transferred state breaks that equality; a decode node refuses a foreign header, and the
+prefill node then frees the slot and fails the request; aborts on either side leave every pool empty."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from lightllm.engine.messages import Abort, Finished, NewRequest, TokenChunk
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.args import load_server_args
+from lightllm.server.engine_process import build_engine
+from lightllm.server.pd.header import runner_header
+from lightllm.server.pd.messages import PdPrefill, PdTransfer
+from lightllm.server.pd.roles import DecodeRole, PrefillRole
+from lightllm.tools.make_tiny_model import tiny_model_dir
+
+REAL_RUNNER = "lightllm.server.runner_factory:create_runner"
+COMBOS = [
+    ("qwen3_5", "native", "replay", 2),
+    ("qwen3_5", "replay", "compact", 2),
+    ("qwen3_next", "native", "replay", 0),
+]
+PROMPTS = [[5, 9, 13, 2, 7, 8, 1, 3, 22, 41, 17, 6, 5, 4, 3, 2, 1, 9, 9, 30], [11, 12, 13, 14, 15]]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+
+
+def _engine(arch: str, mode: str, mtp_step: int):
+    args, info = load_server_args(
+        [], model_dir=str(tiny_model_dir(arch)), device="cpu", ssm_state_mode=mode, mtp_step=mtp_step,
+        max_running_requests=4, max_total_token_num=1024, chunked_prefill_size=16,
+    )  # fmt: skip
+    return build_engine(args, info, REAL_RUNNER)
+
+
+class WireTransport:
+    """Delivers by address ("P" / "D") through msgpack, as the zmq transport would; `corrupt` edits transfers."""
+
+    def __init__(self):
+        self.queue: list[tuple[str, msgspec.Struct]] = []
+        self.corrupt = None
+
+    def send(self, addr: str, msg) -> None:
+        msg = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=type(msg))
+        if isinstance(msg, PdTransfer) and self.corrupt is not None:
+            self.corrupt(msg)
+        self.queue.append((addr, msg))
+
+
+class Pair:
+    def __init__(self, arch: str, p_mode: str, d_mode: str, mtp_step: int):
+        self.prefill, self.decode = _engine(arch, p_mode, mtp_step), _engine(arch, d_mode, mtp_step)
+        self.wire = WireTransport()
+        fingerprint = runner_header(self.prefill.runner, str(tiny_model_dir(arch))).fingerprint()
+        self.p = PrefillRole(self.prefill, self.wire, fingerprint, "P", transfer_timeout_s=30.0)
+        self.d = DecodeRole(self.decode, self.wire, fingerprint)
+
+    def run(self, prompts, params=PARAMS, between=None, prefix="r"):
+        tokens: dict[str, list[tuple[int, float]]] = {}
+        finished: dict[str, Finished] = {}
+
+        def absorb(outputs):
+            for out in outputs:
+                if isinstance(out, TokenChunk):
+                    tokens.setdefault(out.req_id, []).extend(zip(out.token_ids, out.logprobs or [0.0] * 99))
+                elif isinstance(out, Finished):
+                    assert out.req_id not in finished, f"{out.req_id} finished twice"
+                    finished[out.req_id] = out
+
+        for k, prompt in enumerate(prompts):
+            absorb(self.p.on_message(PdPrefill(NewRequest(f"{prefix}{k}", prompt, params), "D")))
+        for _ in range(500):
+            if len(finished) == len(prompts):
+                break
+            if between is not None:
+                absorb(between(self))
+            if self.p.has_work() and self.prefill.has_work():
+                absorb(self.p.after_step(self.prefill.step()))
+            while self.wire.queue:
+                addr, msg = self.wire.queue.pop(0)
+                absorb((self.d if addr == "D" else self.p).on_message(msg))
+            absorb(self.d.admit())
+            if self.decode.has_work():
+                absorb(self.decode.step())
+        return tokens, finished
+
+    def assert_pools_empty(self):
+        for engine in (self.prefill, self.decode):
+            assert not engine.requests and not engine.has_work()
+            assert engine.runner.num_free_requests() == 4
+            engine.runner.evict_prefix_cache()
+            assert engine.runner.kv.num_free_tokens() == 1024
+        assert not self.p.held and not self.d.pending
+
+
+def _monolithic(arch, mode, mtp_step, prompts):
+    engine = _engine(arch, mode, mtp_step)
+    tokens: dict[str, list[tuple[int, float]]] = {}
+    for k, prompt in enumerate(prompts):
+        engine.add_request(NewRequest(f"r{k}", prompt, PARAMS))
+    while engine.has_work():
+        for out in engine.step():
+            if isinstance(out, TokenChunk):
+                tokens.setdefault(out.req_id, []).extend(zip(out.token_ids, out.logprobs))
+    return tokens
+
+
+def _assert_close(expected, found):
+    assert sorted(expected) == sorted(found)
+    for req_id, pairs in expected.items():
+        assert [t for t, _ in found[req_id]] == [t for t, _ in pairs], req_id
+        assert max(abs(a - b) for (_, a), (_, b) in zip(found[req_id], pairs)) < 1e-5
+
+
+@pytest.mark.parametrize("arch, p_mode, d_mode, mtp_step", COMBOS, ids=["-".join(map(str, c)) for c in COMBOS])
+def test_prefill_here_decode_there_equals_monolithic(arch, p_mode, d_mode, mtp_step):
+    expected = _monolithic(arch, p_mode, mtp_step, PROMPTS)
+    pair = Pair(arch, p_mode, d_mode, mtp_step)
+    tokens, finished = pair.run(PROMPTS)
+    _assert_close(expected, tokens)
+    assert {f.reason for f in finished.values()} == {"length"}
+    assert [finished[f"r{k}"].num_output_tokens for k in range(2)] == [12, 12]
+    pair.assert_pools_empty()
+
+    # teeth: the same transfer with its linear state zeroed decodes something else
+    def zero_state(transfer: PdTransfer) -> None:
+        for blob in (transfer.state.ssm, transfer.state.conv):
+            blob.data = bytes(len(blob.data))
+
+    pair.wire.corrupt = zero_state
+    zeroed, _ = pair.run(PROMPTS, prefix="z")
+    zeroed = {f"r{k[1:]}": v for k, v in zeroed.items()}
+    assert any([t for t, _ in zeroed[k]] != [t for t, _ in expected[k]] for k in expected)
+    assert max(abs(a - b) for k in expected for (_, a), (_, b) in zip(zeroed[k], expected[k])) > 1e-2
+
+
+def test_foreign_header_is_refused_and_the_prefill_slot_freed():
+    pair = Pair("qwen3_5", "native", "replay", 2)
+    pair.d.fingerprint = "0123456789abcdef"
+    tokens, finished = pair.run(PROMPTS[:1])
+    assert finished["r0"].reason == "error" and "refused the transfer: header" in finished["r0"].error
+    assert not tokens
+    pair.assert_pools_empty()
+
+
+def test_aborts_on_either_side_leave_every_pool_empty():
+    pair = Pair("qwen3_5", "native", "replay", 2)
+    calls = []
+
+    def abort_r0_mid_prefill(p: Pair):
+        # r0 (20 tokens, chunks of 16) after its first chunk: the prefill node drops it
+        calls.append(1)
+        if len(calls) == 2:
+            assert p.prefill.requests["r0"].num_computed_tokens == 16
+            return p.p.on_message(Abort("r0")) + p.d.on_message(Abort("r0"))
+        return []
+
+    # r1's abort reaches the decode node before its transfer (and never the prefill node): the transfer is
+    # confirmed, which frees the prefill slot, and dropped
+    assert pair.d.on_message(Abort("r1")) == []
+    tokens, finished = pair.run(PROMPTS, between=abort_r0_mid_prefill)
+    assert finished["r0"].reason == "abort" and finished["r1"].reason == "abort"
+    assert "r0" not in tokens and "r1" not in tokens
+    pair.assert_pools_empty()
+    # an abort while the decode node runs the request
+    tokens, finished = pair.run(
+        PROMPTS[1:], between=lambda p: p.d.on_message(Abort("s0")) if "s0" in p.decode.requests else [], prefix="s"
+    )
+    assert finished["s0"].reason == "abort" and 1 <= len(tokens["s0"]) < 12
+    pair.assert_pools_empty()
