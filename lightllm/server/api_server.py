@@ -67,6 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logger.info("serving %s (%s) with %s", args.served_model_name, info.architecture, args)
     try:
+        if args.run_mode == "pd_master":
+            from lightllm.server.pd.master import serve_master
+
+            return serve_master(args, info)
+        if args.run_mode in ("prefill", "decode"):
+            from lightllm.server.pd.node import RegistrationRefused, serve_node
+
+            try:
+                return serve_node(args, info)
+            except RegistrationRefused as exc:
+                print(f"lightllm: refusing to start: {exc}", file=sys.stderr)
+                return 2
         return serve(args, info)
     except EngineStartError as exc:
         print(f"lightllm: the engine failed to start: {exc}", file=sys.stderr)

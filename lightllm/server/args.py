@@ -38,8 +38,19 @@ class ServerArgs:
     tp: int = _flag(1, "tensor-parallel ranks (only 1 is supported for now)", type=int)
     run_mode: str = _flag(
         "normal",
-        "process role; prefill, decode and pd_master are reserved",
+        "process role: normal, or prefill/decode disaggregation's pd_master (HTTP front), prefill or decode node",
         ("normal", "prefill", "decode", "pd_master"),
+    )
+    pd_master_ip: str = _flag("127.0.0.1", "prefill/decode nodes: address of the pd_master to register with", type=str)
+    pd_master_port: int = _flag(8000, "prefill/decode nodes: HTTP port of the pd_master to register with", type=int)
+    pd_transfer_timeout_s: float = _flag(
+        30.0, "prefill node: seconds to wait for the decode node to confirm a transfer before failing it", type=float
+    )
+    pd_node_timeout_s: float = _flag(
+        5.0, "pd_master: seconds without a heartbeat after which a node is dropped and its requests fail", type=float
+    )
+    pd_queue_timeout_s: float = _flag(
+        30.0, "pd_master: seconds a request waits for a decode node with room before it fails", type=float
     )
     device: str = _flag(
         "auto", "where the model runs (auto: cuda when a GPU is visible, else cpu)", ("auto", "cpu", "cuda")
@@ -236,7 +247,13 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
         )
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    positive = ("graph_max_batch_size", "max_running_requests", "chunked_prefill_size", "max_req_total_len", "max_total_token_num")
+    positive = (
+        "graph_max_batch_size",
+        "max_running_requests",
+        "chunked_prefill_size",
+        "max_req_total_len",
+        "max_total_token_num",
+    )
     for name in positive:
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -277,7 +294,11 @@ def _auto(value, default):
 
 def _refuse_unsupported(args: ServerArgs) -> None:
     if args.run_mode != "normal":
-        raise ValueError(f"--run_mode {args.run_mode} is not yet supported; use --run_mode normal")
+        if not 1 <= args.pd_master_port <= 65535:
+            raise ValueError(f"--pd_master_port must be in 1..65535, got {args.pd_master_port}")
+        for name in ("pd_transfer_timeout_s", "pd_node_timeout_s", "pd_queue_timeout_s"):
+            if not getattr(args, name) > 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
     if args.tp != 1:
         raise ValueError(f"--tp {args.tp} is not yet supported (one engine rank); use --tp 1")
 

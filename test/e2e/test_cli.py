@@ -72,9 +72,9 @@ def _alive(pid: int) -> bool:
     "flags, message",
     [
         (["--ssm_state_mode", "compact"], "add --mtp_step N or --spec_ngram K"),
-        (["--run_mode", "pd_master"], "not yet supported"),
+        (["--run_mode", "pd_master", "--pd_node_timeout_s", "0"], "--pd_node_timeout_s must be positive"),
     ],
-    ids=["compact-without-spec", "pd-master"],
+    ids=["compact-without-spec", "pd-master-timeout"],
 )
 def test_cli_refuses_bad_flags(flags, message):
     proc = subprocess.run(

@@ -1,0 +1,213 @@
+"""Prefill/decode disaggregation as deployed: a pd_master (HTTP front and router, in this process) and a prefill
+and a decode node as real processes on 127.0.0.1 (tiny Qwen3.5 with its MTP head, fp32; prefill native, decode
+replay, 2 drafts). Through the official openai client: greedy text and logprobs equal a monolithic engine's;
+streaming and usage work through the master; concurrent requests with a client disconnect leave every pool on
+every node empty; a node with another transfer header is refused (exit 2, the differing field named); a decode
+node killed with requests in flight fails them within the timeouts, the prefill node frees its slot, and a
+restarted decode node re-registers and serves."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.args import load_server_args
+from lightllm.server.http.app import create_app
+from lightllm.server.llm import LLM
+from lightllm.server.pd.master import add_pd_routes, start_router
+from lightllm.server.tokenizer import Tokenizer
+from lightllm.tools.make_tiny_model import tiny_model_dir
+from unit_tests.server.conftest import wait_for
+from unit_tests.server.live_server import single_threaded_env
+
+ARCH = "qwen3_5"
+MAX_RUNNING = 4
+KV_TOKENS = 1024
+NODE_FLAGS = ["--device", "cpu", "--mtp_step", "2", "--max_running_requests", str(MAX_RUNNING),
+              "--max_total_token_num", str(KV_TOKENS), "--chunked_prefill_size", "16"]  # fmt: skip
+PROMPTS = [[5, 9, 13, 2, 7, 8, 1, 3, 22, 41, 17, 6, 5, 4, 3, 2, 1, 9, 9, 30, 31], [11, 12, 13, 14, 15]]
+NODE_TIMEOUT_S = 2.0
+TRANSFER_TIMEOUT_S = 3.0
+
+
+class Master:
+    """The pd_master's app and router in this process, on a free port."""
+
+    def __init__(self, model_dir: str):
+        self.args, self.info = load_server_args(
+            [], model_dir=model_dir, run_mode="pd_master", pd_node_timeout_s=NODE_TIMEOUT_S, pd_queue_timeout_s=5.0
+        )
+        self.router, self.socket_dir = start_router(self.args)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        app = create_app(self.args, self.info, Tokenizer(self.info), self.router)
+        add_pd_routes(app, self.router)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, 60, "the master's HTTP server")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def nodes(self, role: str) -> list[dict]:
+        return [n for n in httpx.get(f"{self.url}/pd/nodes").json()["nodes"] if n["role"] == role]
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.router.stop()
+
+
+def start_node(master: Master, model_dir: str, role: str, *flags: str) -> subprocess.Popen:
+    argv = ["--run_mode", role, "--model_dir", model_dir, "--pd_master_port", str(master.port), *NODE_FLAGS, *flags]
+    return subprocess.Popen(
+        [sys.executable, "-m", "lightllm.server.api_server", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=single_threaded_env(),
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    model_dir = str(tiny_model_dir(ARCH))
+    master = Master(model_dir)
+    prefill = start_node(master, model_dir, "prefill", "--pd_transfer_timeout_s", str(TRANSFER_TIMEOUT_S))
+    decode = start_node(master, model_dir, "decode", "--ssm_state_mode", "replay")
+    procs = [prefill, decode]
+    try:
+        assert httpx.get(f"{master.url}/pd/ready").status_code == 503
+        wait_for(lambda: httpx.get(f"{master.url}/pd/ready").status_code == 200, 120, "both nodes registered")
+        yield master, model_dir, procs
+    finally:
+        for proc in procs:
+            stop(proc)
+        master.close()
+
+
+def _client(master: Master) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{master.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _pools_empty(master: Master) -> bool:
+    nodes = master.nodes("prefill") + master.nodes("decode")
+    return len(nodes) == 2 and all(
+        n["num_requests"] == 0 and n["stats"]["num_running"] == 0 and n["stats"]["num_free_state_slots"] == MAX_RUNNING
+        for n in nodes
+    )
+
+
+def test_greedy_text_and_logprobs_equal_a_monolithic_engine(cluster):
+    master, model_dir, _ = cluster
+    reference = LLM(model_dir, device="cpu", mtp_step=2, max_running_requests=MAX_RUNNING,
+                    max_total_token_num=KV_TOKENS, chunked_prefill_size=16)  # fmt: skip
+    expected = reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, logprobs=1, ignore_eos=True))
+    client = _client(master)
+    for prompt, want in zip(PROMPTS, expected):
+        r = client.completions.create(model=master.args.served_model_name, prompt=prompt, max_tokens=10,
+                                      temperature=0, logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+        choice = r.choices[0]
+        assert choice.text == want.outputs[0].text
+        found = choice.logprobs.token_logprobs
+        assert len(found) == 10 and max(abs(a - b[0]) for a, b in zip(found, want.outputs[0].logprobs)) < 1e-5
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 10)
+        assert choice.finish_reason == "length"
+
+
+def test_streamed_chat_with_usage_equals_the_plain_answer(cluster):
+    master, _, _ = cluster
+    client = _client(master)
+    messages = [{"role": "user", "content": "Say something about state spaces."}]
+    plain = client.chat.completions.create(model=master.args.served_model_name, messages=messages, max_tokens=12,
+                                           temperature=0)  # fmt: skip
+    chunks = list(client.chat.completions.create(model=master.args.served_model_name, messages=messages,
+                                                 max_tokens=12, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens > 0
+    assert httpx.get(f"{master.url}/health").json() == {"status": "ok"}
+    assert [m["id"] for m in httpx.get(f"{master.url}/v1/models").json()["data"]] == [master.args.served_model_name]
+    assert "lightllm_requests_total" in httpx.get(f"{master.url}/metrics").text
+
+
+def test_concurrent_requests_and_a_disconnect_leave_every_pool_empty(cluster):
+    master, _, _ = cluster
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{master.url}/v1", api_key="unused", max_retries=0)
+        model = master.args.served_model_name
+
+        async def full(prompt):
+            r = await client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
+                                                extra_body={"ignore_eos": True})  # fmt: skip
+            return r.usage.completion_tokens
+
+        async def cut():
+            stream = await client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=200, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            async for _ in stream:
+                break
+            await stream.close()
+
+        results = await asyncio.gather(full(PROMPTS[0]), full(PROMPTS[1]), full([7, 7, 7]), cut())
+        await client.close()
+        return results
+
+    assert asyncio.run(run())[:3] == [24, 24, 24]
+    wait_for(lambda: _pools_empty(master), 20, "every pool on every node empty")
+
+
+def test_a_node_with_another_header_is_refused(cluster):
+    master, model_dir, _ = cluster
+    proc = start_node(master, model_dir, "decode", "--linear_att_ssm_data_type", "bfloat16")
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "refusing to start" in stderr and "state_dtype: float32 (registered nodes) vs bfloat16 (this node)" in stderr
+    assert len(master.nodes("decode")) == 1
+
+
+def test_a_killed_decode_node_fails_its_requests_and_a_restarted_one_serves(cluster):
+    master, model_dir, procs = cluster
+    model = master.args.served_model_name
+    decode = procs[1]
+    decode.send_signal(signal.SIGKILL)
+    decode.wait()
+    start = time.monotonic()
+    with pytest.raises(openai.APIError):
+        _client(master).completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert time.monotonic() - start < NODE_TIMEOUT_S + TRANSFER_TIMEOUT_S + 5
+    wait_for(lambda: not master.nodes("decode"), 10, "the dead decode node dropped")
+    assert httpx.get(f"{master.url}/pd/ready").status_code == 503
+    prefill = master.nodes("prefill")[0]
+    wait_for(lambda: master.nodes("prefill")[0]["stats"]["num_free_state_slots"] == MAX_RUNNING, 10, "prefill freed")
+    assert prefill["num_requests"] == 0
+    procs.append(start_node(master, model_dir, "decode", "--ssm_state_mode", "replay"))
+    wait_for(lambda: httpx.get(f"{master.url}/pd/ready").status_code == 200, 120, "a new decode node registered")
+    r = _client(master).completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.usage.completion_tokens == 8
+    wait_for(lambda: _pools_empty(master), 20, "every pool empty")
