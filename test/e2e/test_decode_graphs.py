@@ -5,7 +5,6 @@ scripted, over replay fold cycles and slot reuse, in every state mode."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
@@ -15,19 +14,13 @@ from lightllm.server.engine_process import build_engine
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.helpers.scripted_drafts import ScriptedDrafts
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # six requests admitted together, finishing two tokens apart: buckets 6, 4, 2, 1 with HOLD rows in between
 PROMPTS = ([5, 6, 7, 8, 9], list(range(30, 53)), [11, 12], list(range(60, 71)), [3, 1, 4, 1, 5], [99] * 7)
 NUM_TOKENS = 14
 # staggered lengths: the batch shrinks one request at a time, so odd row counts pad up to a bucket
 MAX_TOKENS = [4 + 2 * i for i in range(len(PROMPTS))]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

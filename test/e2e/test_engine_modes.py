@@ -4,13 +4,14 @@ architecture × state mode × speculation, with chunked prefill and several requ
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
 from lightllm.tools.make_tiny_model import tiny_model_dir
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear")
 PROMPTS = ([5, 6, 7, 8, 9], list(range(30, 53)))
@@ -30,15 +31,6 @@ COMBOS = [
 def _ids(combo) -> str:
     mode, spec = combo
     return "-".join([mode, *(f"{k}{v}" for k, v in spec.items())]) if spec else f"{mode}-nospec"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny forwards on a shared CPU: OpenMP workers spin-waiting for busy cores cost far more than they give
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from lightllm.server.engine_process import build_engine
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.helpers.scripted_drafts import ScriptedDrafts
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VOCAB = 512
 INTERVAL = 16
 CHUNK = 8
@@ -44,14 +46,6 @@ COMBOS = [
 def _id(combo) -> str:
     arch, mode, spec = combo
     return "-".join([arch, mode, *(f"{k}{v}" for k, v in spec.items())] or ["nospec"])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def make_engine(arch: str, mode: str, spec: dict, cache: bool = True, **flags):

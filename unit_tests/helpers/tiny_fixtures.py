@@ -9,6 +9,8 @@ Registered for every test through `pytest_plugins` in the root conftest.py, so t
 
     def test_every_arch(tiny_arch_dir):                      # parametrized over all four architectures
         ...
+
+and `one_torch_thread` (module scope) runs a module's tiny forwards on one intra-op thread.
 """
 
 from __future__ import annotations
@@ -16,6 +18,18 @@ from __future__ import annotations
 import pytest
 
 from lightllm.tools.tiny_model.sizes import ARCHS
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's tiny forwards: on a busy 2-core box OpenMP workers spin-waiting for each
+    other cost far more than they give (~6x). Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

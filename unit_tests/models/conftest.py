@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.helpers.hf_oracle import HFOracle
@@ -36,16 +35,12 @@ def case_oracle(case: str) -> HFOracle:
     return _oracles[case]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny GEMMs are dominated by thread hand-off on a busy 2-core box: one intra-op thread is ~6x faster."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="session")
 def tiny():
     """`tiny(case) -> (model_dir, oracle)`, built once per session."""
     return lambda case: (case_dir(case), case_oracle(case))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    """Every models test module runs on one intra-op thread (see `one_torch_thread`)."""
