@@ -268,7 +268,7 @@ class Engine:
                 continue
             if i >= num_prefill_windows and self.speculator.num_drafts:
                 self._record_window(len(drafts), result)
-            outputs += self._emit(req, result.token_ids, logits[start : start + result.num_accepted])
+            outputs += self._emit(req, result.token_ids, logits, start)
             hidden_rows.append((req, start + result.num_accepted - 1))
         self.speculator.after_step(self.runner, hidden_rows, fwd.hidden)
         return outputs
@@ -356,8 +356,9 @@ class Engine:
         index = min(result.num_accepted, len(s.accepted_length_counts)) - 1
         s.accepted_length_counts[index] += 1
 
-    def _emit(self, req: Request, token_ids: list[int], logits: torch.Tensor) -> list[EngineOutput]:
-        """Append tokens until a stop token or the length cap, and report them."""
+    def _emit(self, req: Request, token_ids: list[int], logits: torch.Tensor, start: int) -> list[EngineOutput]:
+        """Append tokens until a stop token or the length cap, and report them (`logits[start:]` are the tokens'
+        rows, read only when the request asked for log-probabilities)."""
         is_first = not req.output_ids
         sends_prompt_logprobs = req.needs_prompt_logprobs
         emitted: list[int] = []
@@ -375,7 +376,8 @@ class Engine:
         if is_first:
             chunk.num_cached_tokens = req.num_cached_tokens
         if req.params.logprobs is not None:
-            chunk.logprobs, chunk.top_logprobs = compute_logprobs(logits[: len(emitted)], emitted, req.params.logprobs)
+            rows = logits[start : start + len(emitted)]
+            chunk.logprobs, chunk.top_logprobs = compute_logprobs(rows, emitted, req.params.logprobs)
         if sends_prompt_logprobs:
             # once, on the first chunk: the first prompt token has nothing before it; positions a runner did not
             # score are null. Dropped afterwards (a recompute after preemption never gathers them again).
