@@ -23,6 +23,8 @@ COMBOS = [
     ("qwen3_5", "native", "replay", 2),
     ("qwen3_5", "replay", "compact", 2),
     ("qwen3_next", "native", "replay", 0),
+    # MLA: one latent per token instead of K and V
+    ("kimi_linear", "replay", "native", 0),
 ]
 PROMPTS = [[5, 9, 13, 2, 7, 8, 1, 3, 22, 41, 17, 6, 5, 4, 3, 2, 1, 9, 9, 30], [11, 12, 13, 14, 15]]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
@@ -96,11 +98,11 @@ class Pair:
         assert not self.p.held and not self.d.pending
 
 
-def _monolithic(arch, mode, mtp_step, prompts):
+def _monolithic(arch, mode, mtp_step, prompts, params=PARAMS):
     engine = _engine(arch, mode, mtp_step)
     tokens: dict[str, list[tuple[int, float]]] = {}
     for k, prompt in enumerate(prompts):
-        engine.add_request(NewRequest(f"r{k}", prompt, PARAMS))
+        engine.add_request(NewRequest(f"r{k}", prompt, params))
     while engine.has_work():
         for out in engine.step():
             if isinstance(out, TokenChunk):
@@ -171,3 +173,19 @@ def test_aborts_on_either_side_leave_every_pool_empty():
     )
     assert finished["s0"].reason == "abort" and 1 <= len(tokens["s0"]) < 12
     pair.assert_pools_empty()
+
+
+def test_a_seeded_request_samples_on_as_if_it_had_not_moved():
+    params = SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=12, logprobs=0, ignore_eos=True)
+    expected = _monolithic("qwen3_next", "native", 0, PROMPTS, params)
+    pair = Pair("qwen3_next", "native", "replay", 0)
+    tokens, _ = pair.run(PROMPTS, params)
+    _assert_close(expected, tokens)
+
+    # teeth: without the generator's state the decode node restarts the seed's stream and samples other tokens
+    def drop_generator(transfer: PdTransfer) -> None:
+        transfer.generator_state = None
+
+    pair.wire.corrupt = drop_generator
+    fresh, _ = pair.run(PROMPTS, params, prefix="g")
+    assert any([t for t, _ in fresh[f"g{k}"]] != [t for t, _ in expected[f"r{k}"]] for k in range(2))
