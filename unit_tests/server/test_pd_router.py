@@ -111,6 +111,11 @@ def test_routes_to_the_least_loaded_nodes_and_finishes_once(cluster):
     d.send(Finished("a", "abort"))
     out = c.outputs()
     assert [(type(o).__name__, o.req_id) for o in out] == [("TokenChunk", "a"), ("Finished", "a")]
+    # "b" ends on the prefill side (an unconfirmed transfer): its decode node is told to drop it
+    other = d1 if d is d0 else d0
+    p.send(Finished("b", "error", error="the decode node did not confirm the transfer within 1 s"))
+    assert other.recv() == Abort("b")
+    assert [o.req_id for o in c.outputs(0.3)] == ["b"]
     # teeth: a request the router does not know is never relayed
     d.send(TokenChunk("zzz", [1]))
     assert c.outputs(0.3) == []

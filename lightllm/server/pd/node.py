@@ -134,17 +134,13 @@ def _loop(engine, role: PrefillRole | DecodeRole, inbox: zmq.Socket, outbox: zmq
                 logger.error("dropping an undecodable message: %s", exc)
                 continue
             outputs += role.on_message(msg)
-        if isinstance(role, DecodeRole):
-            outputs += role.admit()
-        else:
-            outputs += role.tick()
+        outputs += role.tick()
         try:
             if engine.has_work():
-                step = engine.step()
-                outputs += role.after_step(step) if isinstance(role, PrefillRole) else step
+                outputs += role.after_step(engine.step())
         except Exception:
             logger.exception("unexpected engine fault")
-            outputs += engine.fail_all("internal engine fault (see the node's log)")
+            outputs += role.after_step(engine.fail_all("internal engine fault (see the node's log)"))
         now = time.monotonic()
         if now - last_stats > STATS_INTERVAL_S or any(isinstance(o, Finished) for o in outputs):
             outputs.append(engine.snapshot())

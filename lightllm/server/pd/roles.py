@@ -142,6 +142,13 @@ class DecodeRole:
     def has_work(self) -> bool:
         return self.engine.has_work() or bool(self.pending)
 
+    def tick(self) -> list[EngineOutput]:
+        """Between steps: import the transfers that fit."""
+        return self.admit()
+
+    def after_step(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
+        return outputs
+
     def on_message(self, msg) -> list[EngineOutput]:
         if isinstance(msg, PdTransfer):
             return self._receive(msg)

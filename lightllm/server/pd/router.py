@@ -255,6 +255,9 @@ class PdRouter:
                 self._discard(route.prefill, out.req_id)
             if isinstance(out, Finished):
                 self._finish_route(out.req_id)
+                if node.reg.node_id == route.prefill:
+                    # ended on the prefill side (e.g. an unconfirmed transfer): the decode node must not hold it
+                    self._send(route.decode, Abort(out.req_id))
             relayed.append(out)
         return relayed
 
