@@ -52,6 +52,8 @@ class Finished(msgspec.Struct, tag=True):
     # the stop or eos token that ended the request (it is the last of the output ids, not rendered as text)
     stop_token_id: int | None = None
     error: str | None = None
+    # the HTTP status a failed request is answered with when not 500 (503: no capacity now, retry later)
+    error_status: int | None = None
 
 
 class EngineStats(msgspec.Struct, tag=True):

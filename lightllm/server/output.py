@@ -62,6 +62,7 @@ class SequenceOutput:
         # prompt tokens the engine resumed from its prefix cache (from the first chunk)
         self.num_cached_tokens = 0
         self.error: str | None = None
+        self.error_status: int | None = None
 
     @property
     def stop_string_hit(self) -> bool:
@@ -98,6 +99,7 @@ class SequenceOutput:
             return Delta()
         self.num_prompt_tokens = msg.num_prompt_tokens
         self.error = msg.error
+        self.error_status = msg.error_status
         delta = Delta(finish_reason=msg.reason)
         if msg.reason != "error":
             delta.text = self.stops.feed(self.detok.flush())

@@ -45,10 +45,11 @@ TRANSFER_TIMEOUT_S = 2.0
 class Master:
     """The pd_master's app and router in this process, on a free port."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, queue_timeout_s: float = 5.0):
         self.args, self.info = load_server_args(
-            [], model_dir=model_dir, run_mode="pd_master", pd_node_timeout_s=NODE_TIMEOUT_S, pd_queue_timeout_s=5.0
-        )
+            [], model_dir=model_dir, run_mode="pd_master", pd_node_timeout_s=NODE_TIMEOUT_S,
+            pd_queue_timeout_s=queue_timeout_s,
+        )  # fmt: skip
         self.router, self.socket_dir = start_router(self.args)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
@@ -213,3 +214,18 @@ def test_a_killed_decode_node_fails_its_requests_and_a_restarted_one_serves(clus
                                            extra_body={"ignore_eos": True})  # fmt: skip
     assert r.usage.completion_tokens == 8
     wait_for(lambda: _pools_empty(master), 20, "every pool empty")
+
+
+def test_without_nodes_a_request_gets_503_with_the_reason():
+    master = Master(str(tiny_model_dir(ARCH)), queue_timeout_s=0.5)
+    try:
+        body = {"model": master.args.served_model_name, "prompt": [1, 2, 3], "max_tokens": 4}
+        r = httpx.post(f"{master.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503
+        assert (
+            "no prefill and decode node is registered with the pd_master (waited 0.5 s)" in r.json()["error"]["message"]
+        )
+        # the master itself is healthy (a failing request without a status stays 500: test_http_failures)
+        assert httpx.get(f"{master.url}/health").status_code == 200
+    finally:
+        master.close()

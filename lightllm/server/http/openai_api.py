@@ -64,9 +64,9 @@ async def _collect(stream: AsyncIterator[tuple[Sequence, Delta]]) -> list[Sequen
     async for seq, _ in stream:
         seqs[seq.index] = seq
     ordered = [seqs[i] for i in sorted(seqs)]
-    errors = [s.output.error or "engine error" for s in ordered if s.output.finish_reason == "error"]
-    if errors:
-        raise ApiError(500, errors[0], kind="server_error")
+    failed = [s.output for s in ordered if s.output.finish_reason == "error"]
+    if failed:
+        raise ApiError(failed[0].error_status or 500, failed[0].error or "engine error", kind="server_error")
     return ordered
 
 

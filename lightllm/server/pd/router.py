@@ -224,7 +224,15 @@ class PdRouter:
                 if now - since <= self.queue_timeout_s:
                     break
                 self._waiting.popleft()
-                out.append(Finished(msg.req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=self._no_room()))
+                out.append(
+                    Finished(
+                        msg.req_id,
+                        "error",
+                        num_prompt_tokens=len(msg.prompt_ids),
+                        error=self._no_room(),
+                        error_status=503,
+                    )
+                )
                 continue
             self._waiting.popleft()
             self._routes[msg.req_id] = _Route(prefill.reg.node_id, decode.reg.node_id)
