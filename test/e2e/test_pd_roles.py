@@ -1,7 +1,8 @@
 """Prefill/decode roles in one process with the real ModelRunner on tiny checkpoints, the transfer encoded and
 decoded as msgpack like on the wire: a request prefilled on one engine and decoded on another gives a monolithic
 engine's greedy tokens and logprobs (1e-5), across state modes (native -> replay, replay -> compact) and with MTP
-drafts; an all-zero transferred state breaks that equality; a decode node refuses a foreign header, and the
+drafts, also when the prefill node resumes the prompt from its prefix cache; an all-zero transferred state breaks
+that equality; a seeded request keeps its random stream; a decode node refuses a foreign header, and the
 prefill node then frees the slot and fails the request; aborts on either side leave every pool empty."""
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=Tru
 def _engine(arch: str, mode: str, mtp_step: int):
     args, info = load_server_args(
         [], model_dir=str(tiny_model_dir(arch)), device="cpu", ssm_state_mode=mode, mtp_step=mtp_step,
-        max_running_requests=4, max_total_token_num=1024, chunked_prefill_size=16,
+        max_running_requests=4, max_total_token_num=1024, chunked_prefill_size=16, prefix_cache_checkpoint_interval=8,
+        prefix_cache_state_bytes=1 << 20,
     )  # fmt: skip
     return build_engine(args, info, REAL_RUNNER)
 
@@ -125,6 +127,10 @@ def test_prefill_here_decode_there_equals_monolithic(arch, p_mode, d_mode, mtp_s
     _assert_close(expected, tokens)
     assert {f.reason for f in finished.values()} == {"length"}
     assert [finished[f"r{k}"].num_output_tokens for k in range(2)] == [12, 12]
+    # again: now the prefill node resumes the long prompt from its prefix cache (shared KV, imported checkpoint)
+    again, _ = pair.run(PROMPTS, prefix="h")
+    _assert_close(expected, {f"r{k[1:]}": v for k, v in again.items()})
+    assert pair.prefill.runner.prefix_cache_stats()["num_hit_tokens"] == 16
     pair.assert_pools_empty()
 
     # teeth: the same transfer with its linear state zeroed decodes something else
