@@ -4,9 +4,11 @@
 as one msgpack message over TCP to the decode node's inbox; acknowledgements come back the same way. It works on
 any host and across hosts and costs two device-host copies and the network.
 
-A GPU transport (NIXL RDMA, or CUDA IPC between processes of one host) would implement `StateTransport` by
-sending the same `PdTransfer` without the blobs (descriptors of registered device buffers instead) and moving the
-tensors device to device. None is provided yet: `--run_mode prefill` always uses `ZmqHostTransport`.
+A GPU transport (NIXL RDMA, or CUDA IPC between processes of one host) moves the tensors device to device:
+`GpuStateTransport` names what it needs. The `PdTransfer` would still go over zmq, its `RequestState` blobs
+holding shapes and dtypes only, plus a descriptor of the sender's registered device buffers; the decode node
+would reserve its slot and KV, pull into them, then confirm. None is implemented: `--run_mode prefill` always
+uses `ZmqHostTransport`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import msgspec
+import torch
 import zmq
 
 
@@ -27,6 +30,21 @@ class StateTransport(Protocol):
         it cannot be queued (the peer is unreachable)."""
 
     def close(self) -> None: ...
+
+
+class GpuStateTransport(Protocol):
+    """Device-to-device state movement (NIXL, CUDA IPC). An interface only: no implementation exists yet."""
+
+    def expose(self, tensors: list[torch.Tensor]) -> bytes:
+        """Prefill side: make an exported request's device tensors readable by a peer until `release`; returns an
+        opaque descriptor to send along with the `PdTransfer`."""
+
+    def pull(self, descriptor: bytes, into: list[torch.Tensor]) -> None:
+        """Decode side: copy the peer tensors named by `descriptor` into local device tensors (same shapes and
+        dtypes, in order); returns when the data is in place."""
+
+    def release(self, descriptor: bytes) -> None:
+        """Prefill side: the decode node confirmed; the exposed tensors may be reused."""
 
 
 class ZmqHostTransport:
