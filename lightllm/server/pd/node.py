@@ -96,14 +96,15 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
         "header": msgspec.to_builtins(header),
         "pid": os.getpid(),
     }
+    stop = threading.Event()
     try:
         register(master_url, body, REGISTER_WAIT_S)
         logger.info("registered with the pd_master at %s as %s", master_url, body["node_id"])
-        stop = threading.Event()
         threading.Thread(target=_keep_registered, args=(master_url, body, stop), daemon=True).start()
         quiet_garbage_collector()
         _loop(engine, role, inbox, outbox)
     finally:
+        stop.set()
         transport.close()
         inbox.close(linger=0)
         outbox.close(linger=0)
