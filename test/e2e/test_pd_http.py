@@ -136,6 +136,11 @@ def test_greedy_text_and_logprobs_equal_a_monolithic_engine(cluster):
         assert len(found) == 10 and max(abs(a - b[0]) for a, b in zip(found, want.outputs[0].logprobs)) < 1e-5
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 10)
         assert choice.finish_reason == "length"
+    # one token: the request ends on the prefill node, nothing is transferred
+    r = client.completions.create(model=master.args.served_model_name, prompt=PROMPTS[0], max_tokens=1,
+                                  temperature=0, logprobs=1)  # fmt: skip
+    assert abs(r.choices[0].logprobs.token_logprobs[0] - expected[0].outputs[0].logprobs[0][0]) < 1e-5
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "length"
 
 
 def test_streamed_chat_with_usage_equals_the_plain_answer(cluster):
