@@ -232,7 +232,7 @@ class DecodeRole:
         req.num_cached_tokens = transfer.first_chunk.num_cached_tokens or 0
         req.draft_ids = list(transfer.draft_ids)
         if transfer.generator_state is not None:
-            req.generator = torch.Generator(device=engine.runner.device if hasattr(engine.runner, "device") else "cpu")
+            req.generator = torch.Generator(device=engine.runner.device)
             req.generator.set_state(torch.frombuffer(bytearray(transfer.generator_state), dtype=torch.uint8))
         scheduler = engine.scheduler
         scheduler._admit_seq += 1
