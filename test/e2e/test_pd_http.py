@@ -4,7 +4,8 @@ replay, 2 drafts). Through the official openai client: greedy text and logprobs 
 streaming and usage work through the master; concurrent requests with a client disconnect leave every pool on
 every node empty; a node with another transfer header is refused (exit 2, the differing field named); a decode
 node killed with a request in flight fails it within the transfer timeout while a decode node that joined the
-running cluster serves the other, the prefill node frees its slot and the master drops the dead node."""
+running cluster (compact state mode) serves the other with the monolithic engine's text and logprobs, the prefill node
+frees its slot and the master drops the dead node."""
 
 from __future__ import annotations
 
@@ -121,19 +122,29 @@ def _pools_empty(master: Master) -> bool:
     )
 
 
-def test_greedy_text_and_logprobs_equal_a_monolithic_engine(cluster):
-    master, model_dir, _ = cluster
+@pytest.fixture(scope="module")
+def expected(cluster):
+    """A monolithic engine's greedy outputs (10 tokens, logprobs) for PROMPTS."""
+    _, model_dir, _ = cluster
     reference = LLM(model_dir, device="cpu", mtp_step=2, max_running_requests=MAX_RUNNING,
                     max_total_token_num=KV_TOKENS, chunked_prefill_size=16)  # fmt: skip
-    expected = reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, logprobs=1, ignore_eos=True))
+    return reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, logprobs=1, ignore_eos=True))
+
+
+def _assert_equal(choice, want) -> None:
+    assert choice.text == want.outputs[0].text
+    found = choice.logprobs.token_logprobs
+    assert len(found) == 10 and max(abs(a - b[0]) for a, b in zip(found, want.outputs[0].logprobs)) < 1e-5
+
+
+def test_greedy_text_and_logprobs_equal_a_monolithic_engine(cluster, expected):
+    master, _, _ = cluster
     client = _client(master)
     for prompt, want in zip(PROMPTS, expected):
         r = client.completions.create(model=master.args.served_model_name, prompt=prompt, max_tokens=10,
                                       temperature=0, logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
         choice = r.choices[0]
-        assert choice.text == want.outputs[0].text
-        found = choice.logprobs.token_logprobs
-        assert len(found) == 10 and max(abs(a - b[0]) for a, b in zip(found, want.outputs[0].logprobs)) < 1e-5
+        _assert_equal(choice, want)
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 10)
         assert choice.finish_reason == "length"
     # one token: the request ends on the prefill node, nothing is transferred
@@ -201,11 +212,11 @@ def test_a_node_with_another_header_is_refused(cluster):
     assert len(master.nodes("decode")) == 1
 
 
-def test_a_killed_decode_node_fails_its_request_while_the_others_serve(cluster):
+def test_a_killed_decode_node_fails_its_request_while_the_others_serve(cluster, expected):
     master, model_dir, procs = cluster
     model = master.args.served_model_name
-    # a second decode node joins the running cluster
-    procs.append(start_node(master, model_dir, "decode", "--ssm_state_mode", "native"))
+    # a second decode node joins the running cluster, in compact mode (native -> compact transfers)
+    procs.append(start_node(master, model_dir, "decode", "--ssm_state_mode", "compact"))
     wait_for(lambda: len(master.nodes("decode")) == 2, 120, "a second decode node registered")
     victim = procs[1]
     victim.send_signal(signal.SIGKILL)
@@ -215,7 +226,7 @@ def test_a_killed_decode_node_fails_its_request_while_the_others_serve(cluster):
         # both decode nodes are idle: the first request goes to the first registered (dead) one, the second to
         # the other
         client = openai.AsyncOpenAI(base_url=f"{master.url}/v1", api_key="unused", max_retries=0)
-        calls = [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0,
+        calls = [client.completions.create(model=model, prompt=p, max_tokens=10, temperature=0, logprobs=1,
                                            extra_body={"ignore_eos": True}) for p in PROMPTS]  # fmt: skip
         results = await asyncio.gather(*calls, return_exceptions=True)
         await client.close()
@@ -228,13 +239,15 @@ def test_a_killed_decode_node_fails_its_request_while_the_others_serve(cluster):
     served = [r for r in results if not isinstance(r, Exception)]
     assert len(failed) == 1 and isinstance(failed[0], openai.APIError)
     assert "the decode node did not confirm the transfer within 2 s" in failed[0].message
-    assert len(served) == 1 and served[0].usage.completion_tokens == 8
+    assert len(served) == 1 and served[0].usage.completion_tokens == 10
+    _assert_equal(served[0].choices[0], expected[results.index(served[0])])
     wait_for(lambda: len(master.nodes("decode")) == 1, NODE_TIMEOUT_S + 5, "the dead decode node dropped")
     assert httpx.get(f"{master.url}/pd/ready").status_code == 200
     wait_for(lambda: _pools_empty(master), 20, "the prefill slot freed, every pool empty")
-    r = _client(master).completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
-    assert r.usage.completion_tokens == 8
+    for prompt, want in zip(PROMPTS, expected):
+        r = _client(master).completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                               logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+        _assert_equal(r.choices[0], want)
 
 
 def test_without_nodes_a_request_gets_503_with_the_reason():
