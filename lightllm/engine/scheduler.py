@@ -21,6 +21,11 @@ from dataclasses import dataclass, field
 from lightllm.engine.batch import ModelRunnerProtocol
 from lightllm.engine.request import Request, Status
 
+# prefill positions per step whose logits are kept for prompt log-probabilities: each costs a vocabulary-wide fp32
+# row twice (logits and their log-softmax), ~1.2 GB per 1024 rows at a 150k vocabulary; requests asking for them
+# prefill in smaller chunks instead of holding a whole chunked-prefill budget of such rows
+MAX_PROMPT_LOGIT_ROWS_PER_STEP = 1024
+
 
 @dataclass
 class ScheduledRow:
@@ -65,6 +70,8 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.token_budget = token_budget
         self.max_width = max_width
+        self.max_prompt_logit_rows = MAX_PROMPT_LOGIT_ROWS_PER_STEP
+        self._prompt_logit_rows_left = MAX_PROMPT_LOGIT_ROWS_PER_STEP
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._admit_seq = 0
@@ -95,8 +102,11 @@ class Scheduler:
     def prefill_chunk(self, req: Request, limit: int) -> int:
         """Tokens of `req`'s prefill to run next, at most `limit`, ending where a checkpoint is due: at the first
         branch point or hinted position the chunk crosses, else at the last checkpoint-interval boundary it
-        crosses (unless the chunk ends the prefill)."""
+        crosses (unless the chunk ends the prefill). A request asking for prompt log-probabilities draws on the
+        step's allowance of such rows (`max_prompt_logit_rows`)."""
         start = req.num_computed_tokens
+        if req.needs_prompt_logprobs:
+            limit = min(limit, self._prompt_logit_rows_left)
         end = min(req.num_prefill_tokens, start + max(limit, 0))
         interval = self.checkpoint_interval
         points = [p for p in (req.branch_point, *req.checkpoint_hints) if start < p < end]
@@ -104,6 +114,8 @@ class Scheduler:
             end = min(points)
         elif interval and end < req.num_prefill_tokens and end // interval * interval > start:
             end = end // interval * interval
+        if req.needs_prompt_logprobs:
+            self._prompt_logit_rows_left -= end - start
         return end - start
 
     def is_checkpoint_due(self, req: Request) -> bool:
@@ -119,6 +131,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
+        self._prompt_logit_rows_left = self.max_prompt_logit_rows
         free_kv = self.runner.num_free_kv_tokens()
         decoding = [r for r in self.running if not r.is_prefilling]
         # every decode row needs one KV token for its last token; preempt latest admissions until they fit
@@ -141,6 +154,8 @@ class Scheduler:
         for req in self.running:
             if req.is_prefilling and budget > 0 and free_kv > 0:
                 chunk = self.prefill_chunk(req, min(budget, free_kv))
+                if chunk == 0:
+                    continue
                 plan.prefill.append(ScheduledRow(req, chunk))
                 budget -= chunk
                 free_kv -= chunk

@@ -117,3 +117,28 @@ def test_prompt_logprobs_survive_a_preemption_inside_the_prefill():
     chunks, _ = _drive(engine, {"b": [7]}, {"b": params})
     assert chunks["b"][0].prompt_logprobs == [None] and chunks["b"][0].prompt_top_logprobs == [None]
     assert not any(b.prefill_prompt_logits for b in runner.batches[num_batches:])
+
+
+def test_prompt_logprobs_rows_per_step_are_bounded():
+    """Requests asking for prompt log-probabilities prefill within the step's allowance of such rows (each costs a
+    vocabulary-wide logits row), and their scores stay exact; without the bound one chunk would exceed it."""
+    rng = random.Random(11)
+    prompts = {rid: [rng.randrange(64) for _ in range(37)] for rid in ("a", "b")}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=NUM_TOP)
+
+    def run(limit: int | None):
+        runner = FakeRunner()
+        engine = make_engine(runner, chunked_prefill_size=32)
+        if limit is not None:
+            engine.scheduler.max_prompt_logit_rows = limit
+        chunks, _ = _drive(engine, prompts, {rid: params for rid in prompts})
+        asked = [sum(q for q, a in zip(b.query_lens, b.prefill_prompt_logits) if a) for b in runner.batches]
+        return chunks, asked
+
+    chunks, asked = run(10)
+    assert max(asked) == 10 and sum(asked) == 2 * 37
+    for rid, prompt in prompts.items():
+        assert _max_error(chunks[rid][0], prompt) < 1e-5
+        assert [t for c in chunks[rid] for t in c.token_ids] == FakeRunner().greedy(prompt, 4)
+    _, unbounded = run(None)
+    assert max(unbounded) > 10
