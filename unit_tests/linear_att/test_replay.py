@@ -124,9 +124,11 @@ def test_long_horizon_error_stays_flat(algo):
 
 @pytest.mark.parametrize("projection", ["inline", "precompute"])
 def test_projection_modes_agree(projection):
+    """Both projections of the replay window kernel (the torch twin has one form; the Triton kernels, run by the
+    interpreter here, have one per projection) match the fp32 reference over several fold cycles."""
     spec = sc.make_spec("kda", num_layers=1)
     params = sc.make_params(spec, seed=9)
-    streams = sc.make_streams(spec, 2, 120, seed=10)
-    st = sc.make_state(spec, "replay", max_width=4, capacity=8, projection=projection)
-    run, _ = sc.run_mtp(st, spec, params, streams, prompt_lens=[5, 3], num_rounds=24, max_width=4)
+    streams = sc.make_streams(spec, 2, 60, seed=10)
+    st = sc.make_state(spec, "replay", max_width=4, capacity=8, projection=projection, backend="triton")
+    run, _ = sc.run_mtp(st, spec, params, streams, prompt_lens=[5, 3], num_rounds=10, max_width=4)
     assert sc.max_output_error(spec, params, streams, run) < 1e-5
