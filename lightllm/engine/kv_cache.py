@@ -116,8 +116,8 @@ class KVCache:
         return int(self.lengths_cpu[row])
 
     def slots(self, row: int) -> torch.Tensor:
-        """Host int64 slot ids of the row's tokens in sequence order (a view of the host table)."""
-        return torch.from_numpy(self.table_cpu[row, : self.lengths_cpu[row]])
+        """Host int64 slot ids of the row's tokens in sequence order (a copy: the table changes under later steps)."""
+        return torch.from_numpy(self.table_cpu[row, : self.lengths_cpu[row]].copy())
 
     def extend(self, row: int, n: int) -> torch.Tensor:
         """Allocate `n` slots for the row's next tokens; returns them (host int64)."""

@@ -62,3 +62,16 @@ def test_write_gather_roundtrip_and_bytes_per_token():
     assert torch.equal(gk[0], k) and torch.equal(gv[0], v)
     assert not kv.buffers[0][0].any(), "layer 0 untouched"
     assert kv.bytes_per_token() == 2 * (2 * 3 + 2 * 5) * 4
+
+
+def test_slots_are_a_copy_that_later_steps_do_not_change():
+    kv = make_cache()
+    row = kv.alloc_row()
+    kv.extend(row, 3)
+    held = kv.slots(row)
+    kv.truncate(row, 1)
+    other = kv.alloc_row()
+    assert kv.extend(other, 2).tolist() == [1, 2]
+    kv.extend(row, 2)
+    assert kv.slots(row).tolist() == [0, 3, 4]
+    assert held.tolist() == [0, 1, 2]
