@@ -33,13 +33,7 @@ kernels | sweep | bench | models | serving | profile | memcheck | startup) ;;
     exit 2
     ;;
 esac
-if [ -d .whl ]; then
-    bash test/gpu/install_wheels.sh || exit 1
-    export PYTHONPATH="$PWD:/tmp/site"
-else
-    export PYTHONPATH="$PWD"
-fi
-export PYTHONUNBUFFERED=1
+source test/gpu/python_env.sh || exit 1
 DEADLINE=$((SECONDS + ${2:-540}))
 # a stage's programs run through `py`, which stops them at the deadline so the cache is still written back
 py() { timeout $((DEADLINE - SECONDS > 1 ? DEADLINE - SECONDS : 1)) python "$@"; }

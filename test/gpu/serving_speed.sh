@@ -8,13 +8,7 @@
 # Rows print as they finish; the JSON of each part goes to $OUT (or /tmp/lightllm_gpu_out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-if [ -d .whl ]; then
-    bash test/gpu/install_wheels.sh || exit 1
-    export PYTHONPATH="$PWD:/tmp/site"
-else
-    export PYTHONPATH="$PWD"
-fi
-export PYTHONUNBUFFERED=1
+source test/gpu/python_env.sh || exit 1
 OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
 mkdir -p "$OUT_DIR"
 limit=${1:-170}

@@ -11,7 +11,7 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("h200_stages.sh", "h200_parallel.sh", "install_wheels.sh")
+SCRIPTS = ("h200_stages.sh", "h200_parallel.sh", "install_wheels.sh", "python_env.sh")
 PROBE = """import os
 
 
