@@ -98,7 +98,8 @@ class ModelRunner:
             ),
         )
         shapes = self._kv_token_shapes(tp.size)
-        self.kv_tokens = self._size_kv(shapes, memory_probe)
+        # every rank allocates the same KV slots (free memory differs a little between devices)
+        self.kv_tokens = tp.min_over_ranks(self._size_kv(shapes, memory_probe), self.device)
         self.kv = KVCache(
             len(cfg.full_layer_ids),
             shapes,

@@ -40,6 +40,16 @@ class TPInfo:
     def local_heads(self, num_heads: int) -> int:
         return max(num_heads // self.size, 1)
 
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest `value` of all ranks (sizes every rank must agree on, e.g. KV slots from free memory)."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             import torch.distributed as dist
@@ -56,3 +66,31 @@ class TPInfo:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+
+def tp_size_problem(cfg, size: int) -> str | None:
+    """Why a `ModelConfig` cannot be split over `size` ranks (None when it can): every sharded dimension must
+    divide evenly; attention KV heads may also be fewer than the ranks when they divide the rank count (each KV
+    head is then replicated)."""
+    if size < 1:
+        return f"--tp must be >= 1, got {size}"
+    if size == 1:
+        return None
+    a, lin = cfg.attention, cfg.linear
+    counts = {
+        "vocab_size": cfg.vocab_size,
+        "attention heads (num_attention_heads)": a.num_heads,
+        "linear-attention key heads": lin.num_k_heads,
+        "linear-attention value heads": lin.num_v_heads,
+        "intermediate_size": cfg.intermediate_size,
+    }
+    if cfg.moe is not None:
+        counts["moe_intermediate_size"] = cfg.moe.intermediate_size
+        if cfg.moe.shared_intermediate_size:
+            counts["shared expert intermediate size"] = cfg.moe.shared_intermediate_size
+    bad = [f"{name} = {n}" for name, n in counts.items() if n % size]
+    if a.kind != "mla" and a.num_kv_heads % size and size % a.num_kv_heads:
+        bad.append(f"attention KV heads (num_key_value_heads) = {a.num_kv_heads} (neither divides the other)")
+    if not bad:
+        return None
+    return f"--tp {size} does not split this model evenly: " + "; ".join(bad) + f" (each must be a multiple of {size})"

@@ -35,7 +35,7 @@ class ServerArgs:
     )
     host: str = _flag("127.0.0.1", "HTTP listen address", type=str)
     port: int = _flag(8000, "HTTP listen port", type=int)
-    tp: int = _flag(1, "tensor-parallel ranks (only 1 is supported for now)", type=int)
+    tp: int = _flag(1, "tensor-parallel ranks: one engine process per GPU (head counts must divide)", type=int)
     run_mode: str = _flag(
         "normal",
         "process role: normal, or prefill/decode disaggregation's pd_master (HTTP front), prefill or decode node",
@@ -245,6 +245,13 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
             if args.max_width <= REPLAY_CAPACITIES[-1]
             else f"verify width {args.max_width} exceeds the largest replay capacity {REPLAY_CAPACITIES[-1]}: draft fewer tokens"
         )
+    if args.tp != 1:
+        from lightllm.models.registry import load_model_config
+        from lightllm.models.tp import tp_size_problem
+
+        problem = tp_size_problem(load_model_config(info.model_dir), args.tp)
+        if problem is not None:
+            raise ValueError(problem)
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     positive = (
@@ -299,8 +306,6 @@ def _refuse_unsupported(args: ServerArgs) -> None:
         for name in ("pd_transfer_timeout_s", "pd_node_timeout_s", "pd_queue_timeout_s"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.tp != 1:
-        raise ValueError(f"--tp {args.tp} is not yet supported (one engine rank); use --tp 1")
 
 
 def _cuda_available() -> bool:

@@ -50,7 +50,10 @@ def _no_process_shared_locks() -> None:
 
 
 def build_engine(args: ServerArgs, info: ModelInfo, runner_factory: str) -> Engine:
-    runner = load_factory(runner_factory)(args, info)
+    return engine_for_runner(args, load_factory(runner_factory)(args, info))
+
+
+def engine_for_runner(args: ServerArgs, runner) -> Engine:
     return Engine(
         runner,
         max_running_requests=args.max_running_requests,

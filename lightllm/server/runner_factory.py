@@ -18,8 +18,36 @@ def create_runner(args: ServerArgs, info: ModelInfo) -> ModelRunnerProtocol:
     """The real runner: `RunnerConfig` fields are named like the server flags, so they are copied by name.
 
     Without --max_total_token_num the runner sizes its KV cache itself, after loading weights and state (one
-    load; see `lightllm.models.memory`).
+    load; see `lightllm.models.memory`). With --tp N the follower ranks start here and rank 0's runner comes back
+    wrapped so that every call changing device state runs on all ranks (`lightllm.models.tp_runner`).
     """
+    if args.tp == 1:
+        return build_rank_runner(args, info)
+    from lightllm.models.tp_group import TPGroup
+
+    return create_tp_runner(args, info, TPGroup(args.tp, args.device, num_threads=torch_threads(args)))
+
+
+def torch_threads(args: ServerArgs) -> int | None:
+    """CPU ranks share the machine's cores: each gets its share (None on CUDA: the default)."""
+    if args.device != "cpu":
+        return None
+    import torch
+
+    return max(torch.get_num_threads() // args.tp, 1)
+
+
+def create_tp_runner(args: ServerArgs, info: ModelInfo, group) -> ModelRunnerProtocol:
+    """Rank 0's runner on an existing `TPGroup` (its followers build theirs from the same args)."""
+    from lightllm.models.tp_group import Plan
+    from lightllm.models.tp_runner import LockstepRunner
+
+    group.send(Plan("build", (args, info)))
+    return LockstepRunner(build_rank_runner(args, info, 0, group.size), group)
+
+
+def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: int = 1):
+    """This rank's `ModelRunner`, warmed up (and with its decode graphs captured on CUDA)."""
     from lightllm.models.runner import ModelRunner, RunnerConfig
 
     names = {f.name for f in dataclasses.fields(RunnerConfig)}
@@ -27,9 +55,12 @@ def create_runner(args: ServerArgs, info: ModelInfo) -> ModelRunnerProtocol:
     flags["max_width"] = args.max_width
     # None is meaningful here: the runner sizes the KV cache
     flags["max_total_token_num"] = args.max_total_token_num
+    flags.update(tp_rank=rank, tp_size=size)
+    if size > 1 and args.device == "cuda":
+        flags["device"] = f"cuda:{rank}"
     runner = ModelRunner(RunnerConfig(**flags))
     # fla's chunk kernels autotune on their first call per shape: pay it at start-up, not in a request (CPU: no-op)
-    runner.warmup(args.chunked_prefill_size, progress=True)
+    runner.warmup(args.chunked_prefill_size, progress=rank == 0)
     if runner.device.type == "cuda" and not args.disable_cudagraph:
         runner.init_decode_graphs()
     return runner

@@ -83,7 +83,6 @@ def test_resolve_max_req_total_len_capped_by_model_and_kv():
         (("--run_mode", "prefill", "--pd_master_port", "0"), None, "--pd_master_port must be in 1..65535"),
         (("--run_mode", "decode", "--pd_transfer_timeout_s", "0"), None, "--pd_transfer_timeout_s must be positive"),
         (("--run_mode", "pd_master", "--pd_queue_timeout_s", "-1"), None, "--pd_queue_timeout_s must be positive"),
-        (("--tp", "2"), None, "--tp 2 is not yet supported"),
         (("--ssm_state_mode", "compact"), None, "add --mtp_step N or --spec_ngram K"),
         (("--replayssm_projection_mode", "precompute"), None, "applies to --ssm_state_mode replay only"),
         (("--replayssm_cache_len", "16"), None, "applies to --ssm_state_mode replay only"),

@@ -1,0 +1,140 @@
+"""Tensor-parallel runners in lockstep: rank 0's `LockstepRunner` and the followers' `follow` loop.
+
+The engine drives rank 0 exactly as it drives a single runner. Each call that changes device or allocator state
+is first broadcast as a `Plan` (method name and host copies of its arguments), then run on rank 0; the followers
+run the same call on their own runner, so every rank makes the same slot, KV and prefix-cache decisions and
+meets the model's collectives in the same order. Reads (free slots, prefix matches, stats) stay on rank 0: the
+ranks' allocators are identical. Only rank 0 samples; the followers' logits are dropped.
+
+Checkpoints leave and enter the group laid out by global head (`tp_layout`): export gathers every rank's heads on
+rank 0, import hands each rank its heads, so a checkpoint moves between engines of any `--tp`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from collections.abc import Callable
+
+import torch
+
+from lightllm.linear_att.base import Checkpoint
+from lightllm.models.tp_group import Plan, broadcast_plan, gather_to_rank0
+from lightllm.models.tp_layout import merge_checkpoints, split_checkpoint
+
+logger = logging.getLogger(__name__)
+
+# runner calls that change device or allocator state: run on every rank, in the order rank 0 makes them
+LOCKSTEP = frozenset(
+    {"add_request", "free_request", "publish", "evict_prefix_cache", "forward", "accept", "draft", "draft_with_logits"}
+)
+# calls that move a checkpoint by global head (a collective on the control group besides the runner call)
+GLOBAL_LAYOUT = frozenset({"export_checkpoint", "import_checkpoint"})
+# reads: rank 0 answers for all ranks
+LOCAL = frozenset(
+    {
+        "match_prefix", "prefix_cache_stats", "num_free_requests", "num_free_kv_tokens", "stats", "bytes_per_request",
+        "kv_bytes_per_token", "num_tokens",
+    }
+)  # fmt: skip
+# run by every rank while it builds its runner, never later
+START_UP = frozenset({"warmup", "init_decode_graphs"})
+
+
+def _host(value):
+    """A copy of `value` that pickles without device tensors (they would unpickle onto rank 0's device)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host(v) for v in value)
+    if isinstance(value, Checkpoint):
+        return Checkpoint(conv=_host(value.conv), ssm=_host(value.ssm))
+    return value
+
+
+def _export_checkpoint(runner, control, handles: list[int]) -> Checkpoint | None:
+    parts = gather_to_rank0(_host(runner.export_checkpoint(handles)), control)
+    if parts is None:
+        return None
+    merged = merge_checkpoints(parts, runner.linear_spec)
+    return Checkpoint(conv=merged.conv.to(runner.device), ssm=merged.ssm.to(runner.device))
+
+
+def _import_checkpoint(runner, control, handles: list[int], checkpoint: Checkpoint) -> None:
+    mine = split_checkpoint(checkpoint, runner.linear_spec, runner.model.tp)
+    runner.import_checkpoint(handles, Checkpoint(conv=mine.conv.to(runner.device), ssm=mine.ssm.to(runner.device)))
+
+
+GLOBAL_LAYOUT_CALLS: dict[str, Callable] = {
+    "export_checkpoint": _export_checkpoint,
+    "import_checkpoint": _import_checkpoint,
+}
+
+
+def run_plan(runner, plan: Plan, control):
+    """What every rank does with one plan (rank 0 keeps the result)."""
+    special = GLOBAL_LAYOUT_CALLS.get(plan.method)
+    if special is not None:
+        return special(runner, control, *plan.args, **plan.kwargs)
+    return getattr(runner, plan.method)(*plan.args, **plan.kwargs)
+
+
+class LockstepRunner:
+    """Rank 0's runner as the engine sees it: the `ModelRunner` protocol, run on every rank of `group`."""
+
+    def __init__(self, runner, group):
+        self.runner = runner
+        self.group = group
+
+    def __getattr__(self, name: str):
+        # only reached for names this class does not define: the wrapped runner's methods and attributes
+        value = getattr(self.runner, name)
+        if not callable(value):
+            return value
+        if name in LOCKSTEP or name in GLOBAL_LAYOUT:
+            return lambda *args, **kwargs: self._everywhere(Plan(name, args, kwargs))
+        if name in LOCAL:
+            return value
+        if name in START_UP:
+            raise AttributeError(f"{name} runs on every rank while it builds its runner, not through rank 0")
+        raise AttributeError(
+            f"ModelRunner.{name} is not classified for tensor parallelism: add it to LOCKSTEP (changes device or "
+            "allocator state), GLOBAL_LAYOUT or LOCAL (a read) in lightllm/models/tp_runner.py"
+        )
+
+    def _everywhere(self, plan: Plan):
+        self.group.send(dataclasses.replace(plan, args=_host(plan.args), kwargs=_host(plan.kwargs)))
+        return run_plan(self.runner, plan, self.group.control)
+
+    def close(self) -> None:
+        """Drop this runner on every rank (the group stays, ready to build another)."""
+        self.group.send(Plan("close"))
+        self.runner = None
+        _release_memory()
+
+
+def follow(control, build: Callable) -> None:
+    """A follower rank's loop: build, run and drop runners as rank 0's plans say, until `exit`."""
+    runner = None
+    while True:
+        plan = broadcast_plan(None, control)
+        if plan.method == "exit":
+            return
+        if plan.method == "build":
+            runner = build(*plan.args)
+        elif plan.method == "close":
+            runner = None
+            _release_memory()
+        else:
+            try:
+                run_plan(runner, plan, control)
+            except Exception:
+                # rank 0 runs the same call on the same state and meets the same error; the engine handles it there
+                logger.debug("follower call %s failed", plan.method, exc_info=True)
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
