@@ -9,10 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightllm.engine.batch import ForwardBatch
 from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
+from lightllm.linear_att.base import Checkpoint
+from lightllm.models.tp import TPInfo
 from lightllm.models.tp_group import Plan, TPGroup
-from lightllm.models.tp_runner import LockstepRunner
+from lightllm.models.tp_layout import merge_checkpoints, split_checkpoint
+from lightllm.models.tp_runner import GLOBAL_LAYOUT, LOCAL, LOCKSTEP, START_UP, LockstepRunner
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import engine_for_runner
 from lightllm.server.runner_factory import build_rank_runner, create_tp_runner
@@ -129,3 +133,88 @@ def test_tp2_with_a_wrong_shard_differs(tp2):
         assert _generate(engine_for_runner(args, runner)) != expected
     finally:
         runner.close()
+
+
+def _prefill(runner, prompt: list[int]) -> int:
+    handle = runner.add_request()
+    batch = ForwardBatch([handle], [len(prompt)], [0], 1, torch.tensor(prompt, dtype=torch.int64))
+    runner.forward(batch)
+    return handle
+
+
+def _swap_ranks(ckpt: Checkpoint, local, size: int) -> Checkpoint:
+    parts = [split_checkpoint(ckpt, local, TPInfo(r, size)) for r in range(size)]
+    return merge_checkpoints(parts[::-1], local)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])
+def test_checkpoints_leave_and_enter_by_global_head(tp2, arch):
+    """A TP-2 runner's exported checkpoint equals the TP-1 runner's after the same prompt (every head in global
+    order); importing it into another slot and exporting again gives it back."""
+    model_dir = str(tiny_model_dir(arch))
+    prompt = list(range(40, 61))
+    args, info = _args(model_dir, "replay", {"spec_ngram": 2}, 1)
+    single = build_rank_runner(args, info)
+    expected = single.export_checkpoint([_prefill(single, prompt)])
+    args, info = _args(model_dir, "replay", {"spec_ngram": 2}, 2)
+    runner = create_tp_runner(args, info, tp2)
+    try:
+        got = runner.export_checkpoint([_prefill(runner, prompt)])
+        assert got.conv.shape == expected.conv.shape and got.ssm.shape == expected.ssm.shape
+        torch.testing.assert_close(got.conv, expected.conv, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.ssm, expected.ssm, rtol=1e-4, atol=1e-5)
+        # teeth: the same tensors with the ranks' heads in the wrong order are far off
+        swapped = _swap_ranks(got, runner.linear_spec, 2)
+        assert not torch.allclose(swapped.ssm, expected.ssm, rtol=1e-2, atol=1e-3)
+        assert not torch.allclose(swapped.conv, expected.conv, rtol=1e-2, atol=1e-3)
+        other = runner.add_request()
+        runner.import_checkpoint([other], expected)
+        again = runner.export_checkpoint([other])
+        assert torch.equal(again.conv, expected.conv) and torch.equal(again.ssm, expected.ssm)
+    finally:
+        runner.close()
+
+
+def test_every_runner_method_is_placed():
+    """A new ModelRunner method must say whether it changes state on every rank or is a rank-0 read."""
+    from lightllm.models.runner import ModelRunner
+
+    public = {n for n, v in vars(ModelRunner).items() if callable(v) and not n.startswith("_")}
+    placed = LOCKSTEP | GLOBAL_LAYOUT | LOCAL | START_UP
+    assert public - placed == set(), f"unplaced runner methods: {sorted(public - placed)}"
+
+
+@pytest.mark.parametrize(
+    "arch, tp, named",
+    [("qwen3_5", 4, "linear-attention key heads = 2"), ("kimi_linear", 3, "attention heads (num_attention_heads) = 4")],
+)
+def test_non_dividing_heads_refused_at_start_up(arch, tp, named):
+    with pytest.raises(ValueError, match=rf"--tp {tp} does not split this model evenly: .*{named.replace('(', '.').replace(')', '.')}"):
+        load_server_args([], model_dir=str(tiny_model_dir(arch)), device="cpu", tp=tp)
+    # twin: the same checkpoint at a dividing size starts
+    assert load_server_args([], model_dir=str(tiny_model_dir(arch)), device="cpu", tp=2)[0].tp == 2
+
+
+@pytest.fixture(scope="module")
+def tp4():
+    group = TPGroup(4, "cpu", num_threads=1)
+    yield group
+    group.shutdown()
+
+
+# 4 linear key heads (8 value heads) split over 4 ranks; the 2 attention KV heads are each replicated on 2 ranks
+QWEN_TP4_SIZES = {"linear_num_key_heads": 4, "linear_num_value_heads": 8}
+
+
+@pytest.mark.parametrize(
+    "arch, sizes, combo",
+    [
+        ("qwen3_5", QWEN_TP4_SIZES, ("compact", {"mtp_step": 2})),
+        ("kimi_linear", {}, ("replay", {"spec_ngram": 2})),
+    ],
+    ids=["qwen3_5-compact-mtp2", "kimi_linear-replay-ngram2"],
+)
+def test_tp4_greedy_equals_tp1(tp4, arch, sizes, combo):
+    model_dir = str(tiny_model_dir(arch, **sizes))
+    mode, spec = combo
+    assert _sharded(tp4, model_dir, mode, spec) == _single(model_dir, mode, spec)
