@@ -1,12 +1,17 @@
 """Where an engine step's host time goes: wall time per decode step of each engine phase, on any device.
 
     python test/benchmark/profile_engine_host.py --mode replay --batch 256 [--mtp_step 2] [--device cpu]
+    python test/benchmark/profile_engine_host.py --serving_model --device cuda --mode replay --batch 256 --top_ops 25
 
 Runs the engine on the tiny demo model (or `--model_dir`) with `batch` requests decoding together, through the
 same fixed-buffer decode path the CUDA graphs use, and times each phase by wrapping it: the scheduler, building the
 batch, the runner's forward (on the CPU this includes the model's arithmetic, which is why the model is tiny),
 verification, accept, emitting tokens and the whole of `_process`. On the CPU the phases other than `forward` are
 the host work a GPU step also pays; the table prints milliseconds per step, medians of `--steps` steps.
+
+On CUDA the forward is followed by a synchronize timed as `gpu_wait` (the GPU work still queued when the host
+finished launching), so `forward` is the host's launch cost alone; `--top_ops N` adds the torch profiler's N most
+expensive host-side operators per step (self CPU time), which names what the launch cost is made of.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ PHASES = (
 )
 
 
-def _timed(owner, name: str, totals: dict[str, float]) -> None:
+def _timed(owner, name: str, totals: dict[str, float], sync: bool = False) -> None:
     inner = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
@@ -44,7 +49,11 @@ def _timed(owner, name: str, totals: dict[str, float]) -> None:
         try:
             return inner(*args, **kwargs)
         finally:
-            totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+            t1 = time.perf_counter()
+            totals[name] = totals.get(name, 0.0) + t1 - t0
+            if sync:
+                torch.cuda.synchronize()
+                totals["gpu_wait"] = totals.get("gpu_wait", 0.0) + time.perf_counter() - t1
 
     setattr(owner, name, wrapper)
 
@@ -58,10 +67,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--spec_ngram", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--serving_model", action="store_true", help="the real-width random checkpoint of bench_throughput")
+    p.add_argument("--top_ops", type=int, default=0, help="print the N host operators with the most self CPU time")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
+    model_dir = a.model_dir
+    if a.serving_model:
+        from lightllm.tools.bench_throughput import serving_model_dir
+
+        model_dir = serving_model_dir()
     args, info = load_server_args(
-        [], model_dir=a.model_dir, device=a.device, ssm_state_mode=a.mode, mtp_step=a.mtp_step,
+        [], model_dir=model_dir, device=a.device, ssm_state_mode=a.mode, mtp_step=a.mtp_step,
         spec_ngram=a.spec_ngram, max_running_requests=a.batch, max_req_total_len=64 + 2 * a.steps + 16,
         chunked_prefill_size=64 * a.batch, max_total_token_num=a.batch * (64 + 2 * a.steps + 16),
     )  # fmt: skip
@@ -80,15 +96,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     totals: dict[str, float] = {}
     for owner_name, name in PHASES:
         owner = {"scheduler": engine.scheduler, "engine": engine, "runner": engine.runner}[owner_name]
-        _timed(owner, name, totals)
-    per_step: dict[str, list[float]] = {name: [] for _, name in PHASES}
+        _timed(owner, name, totals, sync=name == "forward" and a.device == "cuda")
+    names = [name for _, name in PHASES] + (["gpu_wait"] if a.device == "cuda" else [])
+    per_step: dict[str, list[float]] = {name: [] for name in names}
     steps = []
     for _ in range(a.steps):
         totals.clear()
         t0 = time.perf_counter()
         engine.step()
         steps.append((time.perf_counter() - t0) * 1000)
-        for _, name in PHASES:
+        for name in names:
             per_step[name].append(totals.get(name, 0.0) * 1000)
     gc.collect()
     result = {name: statistics.median(v) for name, v in per_step.items()}
@@ -97,7 +114,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print("|---|---|")
     for name, value in result.items():
         print(f"| {name} | {value:.3f} |")
+    if a.top_ops:
+        _print_top_ops(engine, a.steps, a.top_ops)
     return result
+
+
+def _print_top_ops(engine, steps: int, top: int) -> None:
+    """The host operators (and Python-level ranges) with the most self CPU time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    print(f"| host operator | calls per step | self CPU ms per step |")
+    print("|---|---|---|")
+    for e in rows:
+        print(f"| {e.key} | {e.count / steps:.1f} | {e.self_cpu_time_total / 1000 / steps:.3f} |")
 
 
 if __name__ == "__main__":
