@@ -62,11 +62,10 @@ class HybridModel(nn.Module):
         return list(self.checkpoint_shapes(available))
 
     def load(self, w: WeightLoader) -> None:
-        self.register_buffer("embed", w.get("model.embed_tokens.weight"))
+        # vocab-parallel embedding and head: each rank holds and scores its slice of the vocabulary
+        self.register_buffer("embed", w.get("model.embed_tokens.weight", 0))
         self.register_buffer("norm", w.get("model.norm.weight"))
-        head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
-        # vocab-parallel head: each rank scores its slice of the vocabulary
-        self.register_buffer("lm_head", w.tp.shard(self.embed, 0) if head != "lm_head.weight" else w.get(head, 0))
+        self.register_buffer("lm_head", self.embed if self.cfg.tie_word_embeddings else w.get("lm_head.weight", 0))
         for i, layer in enumerate(self.layers):
             layer.load(w, f"model.layers.{i}.")
         if self.mtp is not None:
@@ -74,7 +73,14 @@ class HybridModel(nn.Module):
 
     # forward ---------------------------------------------------------------------------------------------
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        # rows of other ranks' vocabulary come out zero here; the sum over ranks completes every row
+        num_local = self.embed.shape[0]
+        local = input_ids - self.tp.rank * num_local
+        mine = (local >= 0) & (local < num_local)
+        h = F.embedding(local.clamp(0, num_local - 1), self.embed) * mine[:, None].to(self.embed.dtype)
+        return self.tp.all_reduce(h)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """`input_ids [T]` -> final-normed hidden `[T, hidden]` (the lm_head input and the MTP head's input)."""

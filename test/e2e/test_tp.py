@@ -56,10 +56,30 @@ def _cases():
 
 
 @pytest.fixture(scope="module")
-def tp2():
-    group = TPGroup(2, "cpu", num_threads=1)
-    yield group
-    group.shutdown()
+def tp_groups():
+    """`get(size)`: the module's group of that size; one process group at a time, so another size replaces it."""
+    current: list[TPGroup] = []
+
+    def get(size: int) -> TPGroup:
+        if current and current[0].size != size:
+            current.pop().shutdown()
+        if not current:
+            current.append(TPGroup(size, "cpu", num_threads=1))
+        return current[0]
+
+    yield get
+    if current:
+        current[0].shutdown()
+
+
+@pytest.fixture
+def tp2(tp_groups):
+    return tp_groups(2)
+
+
+@pytest.fixture
+def tp4(tp_groups):
+    return tp_groups(4)
 
 
 def _args(model_dir: str, mode: str, spec: dict, tp: int):
@@ -193,13 +213,6 @@ def test_non_dividing_heads_refused_at_start_up(arch, tp, named):
         load_server_args([], model_dir=str(tiny_model_dir(arch)), device="cpu", tp=tp)
     # twin: the same checkpoint at a dividing size starts
     assert load_server_args([], model_dir=str(tiny_model_dir(arch)), device="cpu", tp=2)[0].tp == 2
-
-
-@pytest.fixture(scope="module")
-def tp4():
-    group = TPGroup(4, "cpu", num_threads=1)
-    yield group
-    group.shutdown()
 
 
 # 4 linear key heads (8 value heads) split over 4 ranks; the 2 attention KV heads are each replicated on 2 ranks
