@@ -32,6 +32,9 @@ class ForwardBatch:
     # per prefill row: True if every position of the chunk gets logits in `ForwardOutput.prompt_logits` (prompt
     # log-probabilities); empty = no row asks
     prefill_prompt_logits: list[bool] = field(default_factory=list)
+    # [num_decode_rows] int64 on the runner's device: each decode row's first token, replacing its entry in
+    # `input_ids` (the previous step's sample, launched before the host has read it); None = take `input_ids`
+    decode_input_ids: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -3,11 +3,20 @@
 Keep this file minimal: features (speculation strategies, scheduling policy, sampling) live in their own modules
 and are chosen at start-up. The engine never looks at the state mode; every state decision goes through the
 runner (`forward`, `accept`, `free_request`).
+
+Overlap (`overlap_schedule`; the server turns it on unless `--disable_overlap_schedule`): a plain greedy decode
+step is launched and left in flight; the next `step()` launches its successor, whose input tokens are the in-flight
+step's argmax still on the device, before reading the in-flight step's tokens back, so the host's bookkeeping of
+step t runs while the GPU computes step t + 1. A successor is launched only when it would be the same rows anyway (nothing to admit, nobody prefilling,
+nobody at its length limit, KV for one more token each); a row that turns out to have stopped at step t rides
+along in t + 1 and its extra token is dropped. Everything else (prefill, drafts, sampling, penalties) runs
+synchronously, exactly as with overlap off.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -15,11 +24,30 @@ from lightllm.engine.batch import ForwardBatch, ForwardOutput, ModelRunnerProtoc
 from lightllm.engine.messages import EngineOutput, EngineStats, Finished, NewRequest, TokenChunk
 from lightllm.engine.request import Request, Status
 from lightllm.engine.sampler import RowContext, Sampler, compute_logprobs
-from lightllm.engine.scheduler import SchedulePlan, Scheduler
+from lightllm.engine.scheduler import ScheduledRow, SchedulePlan, Scheduler
 from lightllm.engine.speculative import create_speculator
 from lightllm.engine.speculative.verify import WindowResult, verify_window
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A launched overlapped decode step whose tokens the host has not read yet."""
+
+    plan: SchedulePlan
+    fwd: ForwardOutput
+    # [rows] int64 on the device: each row's greedy token (the next step's input)
+    tokens: torch.Tensor
+    # [2, rows] host copy of (tokens, NaN flags), valid once `ready` has completed
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def read(self) -> tuple[list[int], list[int]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens, has_nan = self.host.tolist()
+        return tokens, has_nan
 
 
 class Engine:
@@ -35,6 +63,7 @@ class Engine:
         seed: int = 0,
         state_mode: str | None = None,
         prefix_cache_checkpoint_interval: int = 0,
+        overlap_schedule: bool = False,
     ):
         self.runner = runner
         # only labels the state-memory statistic; the engine never acts on the mode
@@ -50,6 +79,11 @@ class Engine:
         # True between a forward with decode rows and its accept (so a failure in between can settle the runner)
         self._awaiting_accept = False
         self.stats = EngineStats(accepted_length_counts=[0] * max_width)
+        # overlap needs every decode row to be one token: with drafts the next window depends on this one's verify
+        self.overlap_schedule = overlap_schedule and self.speculator.num_drafts == 0
+        self._inflight: _InFlight | None = None
+        # finishes of a failed overlapped launch, reported by the next step() call
+        self._failed_outputs: list[EngineOutput] = []
         if max_req_total_len > self.scheduler.kv_capacity:
             raise ValueError(
                 f"max_req_total_len={max_req_total_len} exceeds the KV cache ({self.scheduler.kv_capacity} tokens): "
@@ -84,7 +118,7 @@ class Engine:
         )
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or bool(self._failed_outputs) or self.scheduler.has_work()
 
     def add_request(self, msg: NewRequest) -> list[EngineOutput]:
         """Queue a request. Invalid ones finish at once with reason "error" (the front-end validates first)."""
@@ -107,13 +141,25 @@ class Engine:
         return self._finish(req, "abort") if req is not None else []
 
     def step(self) -> list[EngineOutput]:
-        """Run one model step over the scheduled batch; returns the tokens and finishes it produced."""
+        """Run one model step over the scheduled batch; returns the tokens and finishes it produced (with overlap,
+        those of the step launched by the previous call)."""
+        outputs, self._failed_outputs = self._failed_outputs, []
+        inflight = self._inflight
+        if inflight is not None:
+            if self._can_chain(inflight):
+                self._inflight = None
+                self._launch_overlapped(self._chained_plan(inflight), inflight.tokens)
+                return outputs + self._complete(inflight)
+            self._inflight = None
+            outputs += self._complete(inflight)
         self.speculator.propose([r for r in self.scheduler.running if not r.is_prefilling])
         plan = self.scheduler.schedule()
-        outputs: list[EngineOutput] = []
         for req in plan.unfittable:
             outputs += self._finish(req, "error", error=f"{req.num_tokens} tokens do not fit in the KV cache")
         if plan.is_empty:
+            return outputs
+        if self._can_overlap(plan):
+            self._launch_overlapped(plan, None)
             return outputs
         self.stats.num_steps += 1
         self._awaiting_accept = False
@@ -130,6 +176,92 @@ class Engine:
                 if not row.req.is_finished:
                     # clients see a message; the exception and its traceback are in the engine log
                     outputs += self._finish(row.req, "error", error="the model step failed (see the engine log)")
+        return outputs
+
+    # overlap ------------------------------------------------------------------------------------------------
+    def _can_overlap(self, plan: SchedulePlan) -> bool:
+        """A step that may stay in flight: plain decode rows only, each greedy without penalties."""
+        return (
+            self.overlap_schedule
+            and not plan.prefill
+            and all(row.num_tokens == 1 and row.req.params.greedy and not row.req.params.has_penalties
+                    for row in plan.decode)
+        )  # fmt: skip
+
+    def _can_chain(self, inflight: _InFlight) -> bool:
+        """Whether the next step is the in-flight step's rows again, one token each, whatever tokens it yields."""
+        sched = self.scheduler
+        reqs = [row.req for row in inflight.plan.decode]
+        if len(reqs) != len(sched.running) or any(r.is_finished for r in reqs):
+            return False
+        # a request the scheduler could admit now, or a row whose in-flight token may be its last, changes the batch
+        if sched.waiting and len(sched.running) < sched.max_running_requests and self.runner.num_free_requests():
+            return False
+        if any(r.num_remaining_tokens < 2 for r in reqs):
+            return False
+        return self.runner.num_free_kv_tokens() >= len(reqs)
+
+    @staticmethod
+    def _chained_plan(inflight: _InFlight) -> SchedulePlan:
+        return SchedulePlan(decode=[ScheduledRow(row.req, 1) for row in inflight.plan.decode])
+
+    def _launch_overlapped(self, plan: SchedulePlan, first_tokens: torch.Tensor | None) -> None:
+        """Launch `plan` (plain decode rows) and leave it in flight: its one-token windows are accepted at once
+        (nothing to verify), its tokens stay on the device for the successor and are copied back asynchronously."""
+        self.stats.num_steps += 1
+        self._awaiting_accept = False
+        try:
+            batch = self._build_batch(plan)
+            batch.decode_input_ids = first_tokens
+            fwd = self.runner.forward(batch)
+            self._awaiting_accept = True
+            handles = [row.req.handle for row in plan.decode]
+            self.runner.accept(handles, [1] * len(handles))
+            self._awaiting_accept = False
+            for row in plan.decode:
+                row.req.num_computed_tokens += 1
+            logits = fwd.logits
+            tokens = logits.argmax(dim=-1)
+            flags = torch.stack([tokens, torch.isnan(logits).any(dim=-1).long()])
+            ready = None
+            if flags.is_cuda:
+                host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+                host.copy_(flags, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            else:
+                host = flags
+        except Exception:
+            logger.exception("engine step failed; finishing %d requests with an error", len(plan.decode))
+            self._settle_runner(plan)
+            self._failed_outputs += self._fail_rows(plan)
+            return
+        self._inflight = _InFlight(plan, fwd, tokens, host, ready)
+
+    def _complete(self, inflight: _InFlight) -> list[EngineOutput]:
+        """Read an overlapped step's tokens back and emit them. Rows whose request finished meanwhile (a stop
+        token of the step before, an abort) drop theirs."""
+        try:
+            tokens, has_nan = inflight.read()
+        except Exception:
+            logger.exception("engine step failed; finishing %d requests with an error", len(inflight.plan.decode))
+            return self._fail_rows(inflight.plan)
+        outputs: list[EngineOutput] = []
+        for i, row in enumerate(inflight.plan.decode):
+            req = row.req
+            if req.is_finished:
+                continue
+            if has_nan[i]:
+                outputs += self._finish(req, "error", error="the model produced NaN logits")
+            else:
+                outputs += self._emit(req, [tokens[i]], inflight.fwd.logits, i)
+        return outputs
+
+    def _fail_rows(self, plan: SchedulePlan) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        for row in plan.rows:
+            if not row.req.is_finished:
+                outputs += self._finish(row.req, "error", error="the model step failed (see the engine log)")
         return outputs
 
     def _publish_prefills(self, plan: SchedulePlan) -> None:

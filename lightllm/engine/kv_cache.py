@@ -22,6 +22,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from lightllm.engine.device_copy import to_device
+
 
 class TokenAllocator:
     """Free list of token slot ids `0 .. capacity - 1`."""
@@ -197,7 +199,7 @@ class KVCache:
         if row_of.size == 0:
             return
         # one host-to-device copy of (row, column, value) triples, one scatter
-        packed = torch.from_numpy(np.stack([row_of, cols, values])).to(self.device, non_blocking=True)
+        packed = to_device(np.stack([row_of, cols, values]), self.device)
         self.req_to_slot[packed[0], packed[1]] = packed[2]
 
     def write(self, layer: int, slots: torch.Tensor, *values: torch.Tensor) -> None:

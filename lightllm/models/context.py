@@ -17,6 +17,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from lightllm.engine.device_copy import to_device
 from lightllm.engine.kv_cache import KVCache, ragged_arange
 from lightllm.linear_att.base import DecodeRows, LinearAttState, PrefillRows
 
@@ -83,13 +84,13 @@ def _group(
     device = kv.device
     i64 = np.stack([token_index, valid]).astype(np.int64)
     i32 = np.stack([starts, q_lens, cached]).astype(np.int32)
-    i64_dev = torch.from_numpy(i64).to(device, non_blocking=True)
-    i32_dev = torch.from_numpy(i32).to(device, non_blocking=True)
+    i64_dev = to_device(i64, device)
+    i32_dev = to_device(i32, device)
     return AttentionGroup(
         token_index=i64_dev[0],
         valid=i64_dev[1].bool(),
         table=kv.req_to_slot,
-        table_rows=torch.from_numpy(rows.astype(np.int64)).to(device, non_blocking=True),
+        table_rows=to_device(rows.astype(np.int64), device),
         context_len=context_len,
         query_start=i32_dev[0],
         query_len=i32_dev[1],
@@ -152,7 +153,7 @@ def build_context(
     num_prefill_tokens = int(q[:np_].sum())
     row_q = np.concatenate([q[:np_], np.full(num_decode, width, dtype=np.int64)])
     pos, write_slots, _ = layout_positions(row_q, q, cached, rows, kv)
-    packed = torch.from_numpy(np.stack([pos + position_offset, write_slots])).to(device, non_blocking=True)
+    packed = to_device(np.stack([pos + position_offset, write_slots]), device)
     starts = np.concatenate([[0], np.cumsum(row_q)])
     groups = [_group(starts[i : i + 1], q[i : i + 1], cached[i : i + 1], rows[i : i + 1], kv) for i in range(np_)]
     ctx = StepContext(
@@ -166,17 +167,17 @@ def build_context(
     if num_decode:
         groups.append(_group(starts[np_:-1], q[np_:], cached[np_:], rows[np_:], kv, width))
     if state is not None:
-        slots = torch.tensor(state_slots, dtype=torch.int32).to(device, non_blocking=True)
+        slots = to_device(np.asarray(state_slots, dtype=np.int32), device)
         if np_:
             ctx.prefill_rows = PrefillRows(
                 slots=slots[:np_],
-                cu_seqlens=torch.from_numpy(starts[: np_ + 1].astype(np.int32)).to(device, non_blocking=True),
-                has_initial_state=torch.from_numpy(cached[:np_] > 0).to(device, non_blocking=True),
+                cu_seqlens=to_device(starts[: np_ + 1].astype(np.int32), device),
+                has_initial_state=to_device(cached[:np_] > 0, device),
             )
         if num_decode:
             ctx.decode_rows = DecodeRows(
                 slots=slots[np_:],
-                widths=torch.from_numpy(q[np_:].astype(np.int32)).to(device, non_blocking=True),
+                widths=to_device(q[np_:].astype(np.int32), device),
                 max_width=width,
             )
     return ctx

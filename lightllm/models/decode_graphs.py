@@ -18,6 +18,7 @@ import logging
 import numpy as np
 import torch
 
+from lightllm.engine.device_copy import copy_to_device
 from lightllm.linear_att.base import DecodeRows
 from lightllm.models.context import AttentionGroup, StepContext, layout_positions
 
@@ -103,8 +104,8 @@ class DecodeGraphs:
 
     def _upload(self, rows: int) -> None:
         n_tok = rows * self.width
-        self._i64[:, :n_tok].copy_(torch.from_numpy(self._host64[:, :n_tok]), non_blocking=True)
-        self._i32[:, :rows].copy_(torch.from_numpy(self._host32[:, :rows]), non_blocking=True)
+        copy_to_device(self._i64[:, :n_tok], self._host64[:, :n_tok])
+        copy_to_device(self._i32[:, :rows], self._host32[:, :rows])
 
     def capture(self) -> None:
         """Capture one graph per bucket, largest first (the smaller ones reuse its memory pool). Call after the
@@ -136,9 +137,10 @@ class DecodeGraphs:
         cached: np.ndarray,
         kv_rows: np.ndarray,
         state_slots: np.ndarray,
+        first_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, DecodeRows]:
         """One decode-only step of `n = len(q_lens)` rows (`n <= max_batch`); `input_ids [n * W]` in the padded
-        layout. Returns the hidden states `[n * W, hidden]` (a view, valid until the next run) and the rows'
+        layout, whose first token per row is replaced by `first_tokens [n]` (a device tensor) when given. Returns the hidden states `[n * W, hidden]` (a view, valid until the next run) and the rows'
         DecodeRows for `accept`."""
         n = len(q_lens)
         rows = self.bucket(n)
@@ -158,6 +160,8 @@ class DecodeGraphs:
                              ("widths", q_lens)):  # fmt: skip
             h32[_I32.index(name), :n] = values
         self._upload(rows)
+        if first_tokens is not None:
+            self._i64[0, : n * w : w].copy_(first_tokens)
         if rows in self._graphs:
             self._graphs[rows].replay()
             hidden = self._outputs[rows]

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
+from lightllm.engine.device_copy import to_device
 from lightllm.engine.kv_cache import KVCache
 from lightllm.engine.prefix_cache import PrefixMatch
 from lightllm.linear_att import StateConfig, StateMode, create_state
@@ -282,10 +283,14 @@ class ModelRunner:
         layout = padded_token_index(batch.query_lens, np_, width)
         ids = np.zeros(sum(batch.query_lens[:np_]) + width * batch.num_decode_rows, dtype=np.int64)
         ids[layout] = batch.input_ids.numpy()
+        # a decode row's first token may still be on the device (the last step's sample, not yet seen by the host)
+        first_tokens = batch.decode_input_ids
+        if first_tokens is not None and self.drafter is not None:
+            raise ValueError("decode_input_ids cannot feed an MTP drafter, which needs the tokens on the host")
         graphs = self.decode_graphs
         if np_ == 0 and graphs is not None and graphs.bucket(len(reqs)) is not None:
             cached = np.asarray(batch.num_cached_tokens)
-            hidden, decode_rows = graphs.run(ids, q_lens, cached, handles, np.asarray(state_slots))
+            hidden, decode_rows = graphs.run(ids, q_lens, cached, handles, np.asarray(state_slots), first_tokens)
         else:
             ctx = build_context(
                 batch.query_lens,
@@ -297,11 +302,15 @@ class ModelRunner:
                 state_slots,
                 decode_width=self.max_width,
             )
-            hidden = self.model(torch.from_numpy(ids).to(self.device, non_blocking=True), ctx)
+            ids_dev = to_device(ids, self.device)
+            if first_tokens is not None:
+                start = len(ids) - width * batch.num_decode_rows
+                ids_dev[start::width] = first_tokens
+            hidden = self.model(ids_dev, ctx)
             if np_:
                 self.state.finish_prefill(ctx.prefill_rows.slots)
             decode_rows = ctx.decode_rows
-        real = torch.from_numpy(layout).to(self.device, non_blocking=True)
+        real = to_device(layout, self.device)
         select = real[self._logit_rows(batch)]
         if self.drafter is not None:
             self._remember_for_mtp(batch, reqs, hidden[real], batch.input_ids)
@@ -324,7 +333,7 @@ class ModelRunner:
         last_chunk = np.asarray(batch.prefill_is_last_chunk or [True] * np_, dtype=bool)
         prefill = (ends[:np_] - 1)[last_chunk]
         decode = np.arange(int(ends[np_ - 1]) if np_ else 0, int(ends[-1]) if len(q) else 0, dtype=np.int64)
-        return torch.from_numpy(np.concatenate([prefill, decode])).to(self.device, non_blocking=True)
+        return to_device(np.concatenate([prefill, decode]), self.device)
 
     def _prompt_logits(
         self, batch: ForwardBatch, hidden: torch.Tensor, real: torch.Tensor
@@ -336,7 +345,7 @@ class ModelRunner:
         starts = np.cumsum(q) - q
         index = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts[asks], q[asks])])
         offsets = np.concatenate([[0], np.cumsum(q * asks)]).tolist()
-        rows = real[torch.from_numpy(index).to(self.device, non_blocking=True)]
+        rows = real[to_device(index, self.device)]
         return self.model.logits(hidden[rows]), offsets
 
     def _remember_for_mtp(self, batch, reqs, hidden, input_ids) -> None:
@@ -363,7 +372,7 @@ class ModelRunner:
         for h, w, a in zip(pending.handles, pending.widths, counts):
             if not 1 <= a <= w:
                 raise ValueError(f"request {h}: num_accepted {a} outside [1, {w}]")
-        self.state.accept(pending.rows, torch.tensor(counts, dtype=torch.int32).to(self.device, non_blocking=True))
+        self.state.accept(pending.rows, to_device(np.asarray(counts, dtype=np.int32), self.device))
         lengths = []
         for h, w, a in zip(pending.handles, pending.widths, counts):
             req = self._requests[h]

@@ -145,6 +145,9 @@ class ServerArgs:
     )
 
     disable_cudagraph: bool = _flag(False, "run decode steps eagerly instead of replaying CUDA graphs", type=bool)
+    disable_overlap_schedule: bool = _flag(
+        False, "read each decode step's tokens back before launching the next (no host/GPU overlap)", type=bool
+    )
     graph_max_batch_size: int = _flag(
         256, "decode steps of up to this many requests replay CUDA graphs (one per batch bucket)", type=int
     )

@@ -63,6 +63,7 @@ def engine_for_runner(args: ServerArgs, runner) -> Engine:
         spec_ngram=args.spec_ngram,
         state_mode=args.ssm_state_mode,
         prefix_cache_checkpoint_interval=0 if args.disable_prefix_cache else args.prefix_cache_checkpoint_interval,
+        overlap_schedule=not args.disable_overlap_schedule,
     )
 
 

@@ -105,6 +105,11 @@ class FakeRunner:
         assert need <= self.num_free_kv_tokens(), f"forward needs {need} KV tokens, {self.num_free_kv_tokens()} free"
         assert self._window_start == {}, "accept() was not called after the previous decode step"
         ids = batch.input_ids.tolist()
+        if batch.decode_input_ids is not None:
+            # decode rows' first tokens from the device tensor (the host's copy is stale under overlap)
+            starts = [sum(batch.query_lens[:row]) for row in range(batch.num_prefill_rows, batch.num_rows)]
+            for start, token in zip(starts, batch.decode_input_ids.tolist()):
+                ids[start] = token
         if self.fail_token is not None and self.fail_token in ids:
             raise RuntimeError("fake runner failure")
         logits, hidden, offset = [], [], 0

@@ -1,0 +1,29 @@
+"""Host-to-device copies that never make the host wait for the GPU.
+
+A non-blocking copy from ordinary (pageable) host memory may be staged by the driver in a way that waits for the
+stream to drain, which would stall the host behind the step it just launched. Copying through a pinned block of
+PyTorch's caching host allocator keeps the copy asynchronous; the allocator does not hand the block out again
+before the copy that reads it has run, so the caller may reuse its numpy array at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`values` on `device` (the same tensor's data for a CPU device; an asynchronous pinned copy for CUDA)."""
+    host = torch.from_numpy(np.ascontiguousarray(values)) if isinstance(values, np.ndarray) else values
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_device(dst: torch.Tensor, values: np.ndarray) -> None:
+    """`dst.copy_(values)` without making the host wait (see `to_device`)."""
+    host = torch.from_numpy(np.ascontiguousarray(values))
+    if dst.device.type == "cuda":
+        dst.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(host)
