@@ -132,6 +132,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--spec_ngram", type=int, default=0)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--disable_cudagraph", action="store_true")
+    p.add_argument("--disable_overlap_schedule", action="store_true")
     p.add_argument("--replayssm_cache_len", type=int, default=None)
     p.add_argument("--linear_att_ssm_data_type", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             max_req_total_len=a.input_len + a.output_len + 8,
             linear_att_ssm_data_type=a.linear_att_ssm_data_type,
             disable_cudagraph=a.disable_cudagraph,
+            disable_overlap_schedule=a.disable_overlap_schedule,
         )
         if mode == "replay" and a.replayssm_cache_len:
             flags["replayssm_cache_len"] = a.replayssm_cache_len

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Serving speed on one GPU, side by side in one run: the offline engine (lightllm.tools.bench_throughput) on the
 # real-width random checkpoint (SERVING_BENCH_SIZES: Qwen3.5 layout, hidden 2048, 8 layers, bf16, fp32 state),
-# 256-token prompts, 128 new tokens, greedy; CUDA graphs on, then off (the eager baseline), then MTP 2.
+# 256-token prompts, 128 new tokens, greedy.
 #
-#   bash test/gpu/serving_speed.sh [seconds per part, default 170]
+#   bash test/gpu/serving_speed.sh [seconds per part, default 170] [parts, default "overlap sync mtp2"]
 #
-# Rows print as they finish; the JSON of each part goes to $OUT (or /tmp/lightllm_gpu_out).
+# Parts: overlap (graphs + overlap scheduling, every mode), sync (the same without overlap), eager (no graphs, no
+# overlap), mtp2 (MTP 2, every mode). Rows print as they finish; each part's JSON goes to $OUT (or
+# /tmp/lightllm_gpu_out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source test/gpu/python_env.sh || exit 1
 OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
 mkdir -p "$OUT_DIR"
 limit=${1:-170}
+parts=${2:-"overlap sync mtp2"}
 bench="python -m lightllm.tools.bench_throughput --serving_model --input_len 256 --output_len 128"
 run() {
     local name=$1
@@ -21,6 +24,12 @@ run() {
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-run graphs --modes native,replay --batch_sizes 1,64,256
-run eager --modes native,replay --batch_sizes 1,64,256 --disable_cudagraph
-run mtp2 --modes native,compact,replay --batch_sizes 1,64,256 --mtp_step 2
+for part in $parts; do
+    case $part in
+        overlap) run overlap --modes native,compact,replay --batch_sizes 1,64,256 ;;
+        sync) run sync --modes native,replay --batch_sizes 1,64,256 --disable_overlap_schedule ;;
+        eager) run eager --modes native,replay --batch_sizes 1,64,256 --disable_cudagraph --disable_overlap_schedule ;;
+        mtp2) run mtp2 --modes native,compact,replay --batch_sizes 1,64,256 --mtp_step 2 ;;
+        *) echo "unknown part $part" ;;
+    esac
+done
