@@ -48,8 +48,11 @@ def _host(value):
         return value.detach().cpu()
     if isinstance(value, (list, tuple)):
         return type(value)(_host(v) for v in value)
-    if isinstance(value, Checkpoint):
-        return Checkpoint(conv=_host(value.conv), ssm=_host(value.ssm))
+    if isinstance(value, dict):
+        return {k: _host(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _host(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **fields)
     return value
 
 
