@@ -20,7 +20,10 @@ run() {
     local name=$1
     shift
     echo "== $name: $*"
-    timeout "$limit" $bench --result_file "$OUT_DIR/$name.json" "$@" 2>&1 | grep --line-buffered "^|"
+    timeout "$limit" $bench --result_file "$OUT_DIR/$name.json" "$@" > "$OUT_DIR/$name.log" 2>&1 &
+    local pid=$!
+    tail -f --pid=$pid "$OUT_DIR/$name.log" | grep --line-buffered "^|"
+    wait $pid || { echo "== $name failed (exit $?):"; tail -15 "$OUT_DIR/$name.log"; }
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
