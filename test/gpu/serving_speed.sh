@@ -5,7 +5,7 @@
 #
 #   bash test/gpu/serving_speed.sh [seconds per part, default 170] [parts, default "overlap sync mtp2"]
 #
-# Parts: overlap (graphs + overlap scheduling, every mode), sync (the same without overlap), eager (no graphs, no
+# Parts: overlap (graphs + overlap scheduling; compact needs drafts), sync (the same without overlap), eager (no graphs, no
 # overlap), mtp2 (MTP 2, every mode). Rows print as they finish; each part's JSON goes to $OUT (or
 # /tmp/lightllm_gpu_out).
 set -uo pipefail
@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for part in $parts; do
     case $part in
-        overlap) run overlap --modes native,compact,replay --batch_sizes 1,64,256 ;;
+        overlap) run overlap --modes native,replay --batch_sizes 1,64,256 ;;
         sync) run sync --modes native,replay --batch_sizes 1,64,256 --disable_overlap_schedule ;;
         eager) run eager --modes native,replay --batch_sizes 1,64,256 --disable_cudagraph --disable_overlap_schedule ;;
         mtp2) run mtp2 --modes native,compact,replay --batch_sizes 1,64,256 --mtp_step 2 ;;
