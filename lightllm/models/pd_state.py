@@ -19,6 +19,9 @@ from lightllm.linear_att.base import Checkpoint
 @torch.inference_mode()
 def export_request(runner, handle: int) -> RequestState:
     """Host copy of the committed state of request `handle` (between steps: never between forward and accept)."""
+    if hasattr(runner, "export_request"):
+        # a tensor-parallel runner gathers every rank's heads itself
+        return runner.export_request(handle)
     if runner._pending is not None:
         raise RuntimeError("export between forward and accept: the state is not committed")
     req = runner._requests[handle]
@@ -43,6 +46,9 @@ def export_request(runner, handle: int) -> RequestState:
 def import_request(runner, state: RequestState) -> int:
     """A new request holding `state` in a fresh state slot and KV row; returns its handle. Raises RuntimeError
     when no slot or not enough KV is free (nothing is kept then)."""
+    if hasattr(runner, "import_request"):
+        # a tensor-parallel runner hands every rank its heads itself
+        return runner.import_request(state)
     if (runner.drafter is None) != (state.mtp_hidden is None):
         raise RuntimeError("MTP state sent to a runner without drafter, or missing for one with a drafter")
     handle = runner.add_request(None)

@@ -3,12 +3,15 @@
 A rank holds whole heads: linear-attention heads `[rank * H/N, (rank + 1) * H/N)` (the conv channels
 `[q | k | v]` each split alike), attention KV heads the same way, or, with fewer KV heads than ranks, KV head
 `rank // (N / Hkv)` replicated on N/Hkv ranks. MLA's latent KV and hidden states are replicated.
+
+Used for linear-state checkpoints and for whole requests (prefill/decode disaggregation's `RequestState`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from lightllm.engine.transfer.payload import RequestState, TensorBlob
 from lightllm.linear_att import LinearAttSpec
 from lightllm.linear_att.base import Checkpoint
 from lightllm.models.tp import TPInfo
@@ -56,3 +59,47 @@ def merge_kv(parts: list[torch.Tensor], num_heads: int | None) -> torch.Tensor:
 
 def split_kv(kv: torch.Tensor, num_heads: int | None, tp: TPInfo) -> torch.Tensor:
     return kv if num_heads is None else tp.shard_heads(kv, HEAD_DIM, num_heads)
+
+
+def kv_heads(runner) -> int | None:
+    """Global KV heads of a runner's attention cache; None for MLA's replicated latent."""
+    a = runner.model_config.attention
+    return None if a.kind == "mla" else a.num_kv_heads
+
+
+def merge_request_states(parts: list[RequestState], runner) -> RequestState:
+    """Every rank's exported request (rank order, host blobs) -> one laid out by global head."""
+    heads, local = kv_heads(runner), runner.linear_spec
+
+    def kv(component: int, attr: str) -> TensorBlob:
+        return TensorBlob.of(merge_kv([getattr(p, attr)[component].tensor() for p in parts], heads))
+
+    first = parts[0]
+    return RequestState(
+        num_tokens=first.num_tokens,
+        kv=[kv(i, "kv") for i in range(len(first.kv))],
+        conv=TensorBlob.of(merge_conv([p.conv.tensor() for p in parts], local)),
+        ssm=TensorBlob.of(torch.cat([p.ssm.tensor() for p in parts], dim=HEAD_DIM)),
+        mtp_kv=[kv(i, "mtp_kv") for i in range(len(first.mtp_kv))],
+        mtp_len=first.mtp_len,
+        # the hidden state after the all-reduce is the same on every rank
+        mtp_hidden=first.mtp_hidden,
+    )
+
+
+def split_request_state(state: RequestState, runner) -> RequestState:
+    """This rank's heads of a request laid out by global head (host blobs)."""
+    heads, local, tp = kv_heads(runner), runner.linear_spec, runner.model.tp
+
+    def kv(blob: TensorBlob) -> TensorBlob:
+        return TensorBlob.of(split_kv(blob.tensor(), heads, tp))
+
+    return RequestState(
+        num_tokens=state.num_tokens,
+        kv=[kv(b) for b in state.kv],
+        conv=TensorBlob.of(split_conv(state.conv.tensor(), local, tp)),
+        ssm=TensorBlob.of(tp.shard(state.ssm.tensor(), HEAD_DIM)),
+        mtp_kv=[kv(b) for b in state.mtp_kv],
+        mtp_len=state.mtp_len,
+        mtp_hidden=state.mtp_hidden,
+    )

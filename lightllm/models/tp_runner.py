@@ -19,9 +19,10 @@ from collections.abc import Callable
 
 import torch
 
+from lightllm.engine.transfer.payload import RequestState, TensorBlob
 from lightllm.linear_att.base import Checkpoint
 from lightllm.models.tp_group import Plan, broadcast_plan, gather_to_rank0
-from lightllm.models.tp_layout import merge_checkpoints, split_checkpoint
+from lightllm.models.tp_layout import merge_checkpoints, merge_request_states, split_checkpoint, split_request_state
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,24 @@ def _import_checkpoint(runner, control, handles: list[int], checkpoint: Checkpoi
     runner.import_checkpoint(handles, Checkpoint(conv=mine.conv.to(runner.device), ssm=mine.ssm.to(runner.device)))
 
 
+def _export_request(runner, control, handle: int) -> RequestState | None:
+    from lightllm.models.pd_state import export_request
+
+    parts = gather_to_rank0(export_request(runner, handle), control)
+    return None if parts is None else merge_request_states(parts, runner)
+
+
+def _import_request(runner, control, state: RequestState) -> int:
+    from lightllm.models.pd_state import import_request
+
+    return import_request(runner, split_request_state(state, runner))
+
+
 GLOBAL_LAYOUT_CALLS: dict[str, Callable] = {
     "export_checkpoint": _export_checkpoint,
     "import_checkpoint": _import_checkpoint,
+    "export_request": _export_request,
+    "import_request": _import_request,
 }
 
 
@@ -110,11 +126,43 @@ class LockstepRunner:
         self.group.send(dataclasses.replace(plan, args=_host(plan.args), kwargs=_host(plan.kwargs)))
         return run_plan(self.runner, plan, self.group.control)
 
+    def export_request(self, handle: int, pack: Callable | None = None) -> RequestState:
+        """Prefill/decode disaggregation: the request's committed state with every rank's heads, in global order
+        (host blobs, or packed by `pack` from rank 0's device; see `lightllm.models.pd_state.export_request`)."""
+        state = self._everywhere(Plan("export_request", (handle,)))
+        return state if pack is None else _repack(state, pack, self.runner.device)
+
+    def import_request(self, state: RequestState, region: torch.Tensor | None = None) -> int:
+        """A new request on every rank holding its heads of `state` (laid out by global head); returns the handle.
+        Blobs in a device `region` are read on rank 0 and sent to the followers with the plan."""
+        if region is not None:
+            state = _map_blobs(state, lambda b: TensorBlob.of(b.view_in(region)) if b.offset is not None else b)
+        return self._everywhere(Plan("import_request", (state,)))
+
     def close(self) -> None:
         """Drop this runner on every rank (the group stays, ready to build another)."""
         self.group.send(Plan("close"))
         self.runner = None
         _release_memory()
+
+
+def _map_blobs(state: RequestState, f: Callable[[TensorBlob], TensorBlob]) -> RequestState:
+    return RequestState(
+        num_tokens=state.num_tokens,
+        kv=[f(b) for b in state.kv],
+        conv=f(state.conv),
+        ssm=f(state.ssm),
+        mtp_kv=[f(b) for b in state.mtp_kv],
+        mtp_len=state.mtp_len,
+        mtp_hidden=None if state.mtp_hidden is None else f(state.mtp_hidden),
+    )
+
+
+def _repack(state: RequestState, pack: Callable, device: torch.device) -> RequestState:
+    """The same state with its tensors packed by `pack` (one call, in the order `pd_state.export_request` uses)."""
+    blobs = [*state.kv, state.conv, state.ssm, *state.mtp_kv] + ([state.mtp_hidden] if state.mtp_hidden else [])
+    packed = iter(pack([b.tensor(device) for b in blobs]))
+    return _map_blobs(state, lambda _: next(packed))
 
 
 def follow(control, build: Callable) -> None:

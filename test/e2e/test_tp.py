@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import re
 
+import msgspec
 import pytest
 import torch
 
 from lightllm.engine.batch import ForwardBatch
-from lightllm.engine.messages import NewRequest, TokenChunk
+from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.linear_att.base import Checkpoint
 from lightllm.models.tp import TPInfo
@@ -21,6 +22,9 @@ from lightllm.models.tp_layout import merge_checkpoints, split_checkpoint
 from lightllm.models.tp_runner import GLOBAL_LAYOUT, LOCAL, LOCKSTEP, START_UP, LockstepRunner
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import engine_for_runner
+from lightllm.server.pd.header import runner_header
+from lightllm.server.pd.messages import PdPrefill
+from lightllm.server.pd.roles import DecodeRole, PrefillRole
 from lightllm.server.runner_factory import build_rank_runner, create_tp_runner
 from lightllm.tools.make_tiny_model import tiny_model_dir
 
@@ -233,3 +237,91 @@ def test_tp4_greedy_equals_tp1(tp4, arch, sizes, combo):
     model_dir = str(tiny_model_dir(arch, **sizes))
     mode, spec = combo
     assert _sharded(tp4, model_dir, mode, spec) == _single(model_dir, mode, spec)
+
+
+class _Wire:
+    """Delivers role messages by address ("P" / "D") through msgpack, as the zmq transport would."""
+
+    def __init__(self):
+        self.queue = []
+
+    def send(self, addr: str, msg) -> None:
+        self.queue.append((addr, msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=type(msg))))
+
+
+def _disaggregated(prefill, decode, model_dir: str, prompts) -> list[list[int]]:
+    """Prefill on one engine, decode on the other (roles as on the nodes), greedy tokens per prompt."""
+    wire = _Wire()
+    fingerprint = runner_header(prefill.runner, model_dir).fingerprint()
+    assert fingerprint == runner_header(decode.runner, model_dir).fingerprint()
+    p = PrefillRole(prefill, wire, fingerprint, "P", 30.0)
+    d = DecodeRole(decode, wire, fingerprint)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    out = {f"pd{i}": [] for i in range(len(prompts))}
+    finished = set()
+
+    def absorb(outputs):
+        for o in outputs:
+            if isinstance(o, TokenChunk):
+                out[o.req_id] += o.token_ids
+            elif isinstance(o, Finished):
+                assert o.reason == "length", o
+                finished.add(o.req_id)
+
+    for i, prompt in enumerate(prompts):
+        absorb(p.on_message(PdPrefill(NewRequest(f"pd{i}", prompt, params), "D")))
+    for _ in range(500):
+        if len(finished) == len(prompts):
+            break
+        if p.has_work() and prefill.has_work():
+            absorb(p.after_step(prefill.step()))
+        while wire.queue:
+            addr, msg = wire.queue.pop(0)
+            absorb((d if addr == "D" else p).on_message(msg))
+        absorb(d.admit())
+        if decode.has_work():
+            absorb(decode.step())
+    assert not p.held and prefill.runner.num_free_requests() == decode.runner.num_free_requests() == 4
+    return [out[f"pd{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize(
+    "arch, mode, spec",
+    [("qwen3_5", "replay", {"mtp_step": 2}), ("kimi_linear", "compact", {"spec_ngram": 2})],
+    ids=["qwen3_5-replay-mtp2", "kimi_linear-compact-ngram2"],
+)
+def test_pd_between_tp_sizes_equals_monolithic(tp2, arch, mode, spec):
+    """A TP-2 prefill node feeds a TP-1 decode node and a TP-1 prefill node a TP-2 decode node (the request
+    state moves laid out by global head): both give the monolithic TP-1 engine's greedy tokens."""
+    model_dir = str(tiny_model_dir(arch))
+    expected = _run(engine_for_runner(*_tp1_engine_args(model_dir, mode, spec)), FIRST, "pd")
+    args, info = _args(model_dir, mode, spec, 2)
+    sharded = engine_for_runner(args, create_tp_runner(args, info, tp2))
+    try:
+        single = engine_for_runner(*_tp1_engine_args(model_dir, mode, spec))
+        assert _disaggregated(sharded, single, model_dir, FIRST) == expected
+        assert _disaggregated(single, sharded, model_dir, FIRST) == expected
+    finally:
+        sharded.runner.close()
+
+
+def _tp1_engine_args(model_dir: str, mode: str, spec: dict):
+    args, info = _args(model_dir, mode, spec, 1)
+    return args, build_rank_runner(args, info)
+
+
+def test_pd_with_heads_out_of_order_differs(tp2, monkeypatch):
+    """Teeth: a TP-2 prefill node that merged its ranks' heads in the wrong order misleads the TP-1 decode node."""
+    from lightllm.models import tp_runner
+
+    merge = tp_runner.merge_request_states
+    monkeypatch.setattr(tp_runner, "merge_request_states", lambda parts, runner: merge(parts[::-1], runner))
+    model_dir = str(tiny_model_dir("qwen3_5"))
+    expected = _run(engine_for_runner(*_tp1_engine_args(model_dir, "native", {})), FIRST, "pd")
+    args, info = _args(model_dir, "native", {}, 2)
+    sharded = engine_for_runner(args, create_tp_runner(args, info, tp2))
+    try:
+        single = engine_for_runner(*_tp1_engine_args(model_dir, "native", {}))
+        assert _disaggregated(sharded, single, model_dir, FIRST) != expected
+    finally:
+        sharded.runner.close()

@@ -47,22 +47,20 @@ def model_fingerprint(model_dir: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def runner_header(runner, model_dir: str, tp_size: int = 1) -> TransferHeader:
-    """The header of a `ModelRunner` (one rank of `tp_size`)."""
-    cfg, spec = runner.model_config, runner.linear_spec
-    # GQA K/V token shapes are [heads, dim] (heads split across ranks); MLA's latent [dim] is replicated
-    local = [list(b.shape[2:]) for b in runner.kv.buffers]
-    shapes = [[s[0] * tp_size, *s[1:]] if len(s) > 1 else s for s in local]
+def runner_header(runner, model_dir: str) -> TransferHeader:
+    """The header of a runner (rank 0's with `--tp`): shapes by global head, whatever the ranks."""
+    cfg, spec = runner.model_config, runner.model_config.linear
     return TransferHeader(
         model_fingerprint=model_fingerprint(model_dir),
         architecture=cfg.arch,
         full_layer_ids=list(cfg.full_layer_ids),
         linear_layer_ids=list(cfg.linear_layer_ids),
-        num_k_heads=spec.num_k_heads * tp_size,
-        num_v_heads=spec.num_v_heads * tp_size,
+        num_k_heads=spec.num_k_heads,
+        num_v_heads=spec.num_v_heads,
         head_k_dim=spec.head_k_dim,
         head_v_dim=spec.head_v_dim,
-        kv_token_shapes=shapes,
+        # GQA: (K, V) of [heads, dim]; MLA: the latent [dim]
+        kv_token_shapes=[list(s) for s in cfg.attention.kv_cache_shapes],
         conv_kernel_size=spec.conv_kernel_size,
         state_dtype=str(runner.config.state_dtype()).removeprefix("torch."),
         act_dtype=str(runner.dtype).removeprefix("torch."),

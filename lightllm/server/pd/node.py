@@ -71,7 +71,7 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
     """Run a prefill or decode node until SIGTERM/SIGINT; returns the exit code (2: the master refused it)."""
     engine = build_engine(args, info, runner_factory)
     logger.info("%s node engine ready: %s", args.run_mode, engine.capacity_report())
-    header = runner_header(engine.runner, info.model_dir, args.tp)
+    header = runner_header(engine.runner, info.model_dir)
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 0)
