@@ -10,55 +10,80 @@ index, so the destination may run another state mode than the source.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from lightllm.engine.transfer.payload import RequestState, TensorBlob
 from lightllm.linear_att.base import Checkpoint
 
 
+def host_blobs(tensors: list[torch.Tensor]) -> list[TensorBlob]:
+    """The default packing: a host copy of each tensor, its bytes in the message."""
+    return [TensorBlob.of(t) for t in tensors]
+
+
 @torch.inference_mode()
-def export_request(runner, handle: int) -> RequestState:
-    """Host copy of the committed state of request `handle` (between steps: never between forward and accept)."""
+def export_request(
+    runner, handle: int, pack: Callable[[list[torch.Tensor]], list[TensorBlob]] = host_blobs
+) -> RequestState:
+    """The committed state of request `handle` (between steps: never between forward and accept), its tensors
+    packed by `pack` (host bytes by default; a device transport packs them into its staging region)."""
     if hasattr(runner, "export_request"):
         # a tensor-parallel runner gathers every rank's heads itself
-        return runner.export_request(handle)
+        return runner.export_request(handle, pack)
     if runner._pending is not None:
         raise RuntimeError("export between forward and accept: the state is not committed")
     req = runner._requests[handle]
     n = req.num_tokens
     slots = runner.kv.slots(handle)[:n].to(runner.device)
-    kv = [TensorBlob.of(buf[:, slots]) for buf in runner.kv.buffers]
+    tensors = [buf[:, slots] for buf in runner.kv.buffers]
     ckpt = runner.state.export_checkpoint(torch.tensor([req.state_slot], dtype=torch.int32, device=runner.device))
-    state = RequestState(n, kv, TensorBlob.of(ckpt.conv), TensorBlob.of(ckpt.ssm))
+    tensors += [ckpt.conv, ckpt.ssm]
     drafter = runner.drafter
+    mtp_len = 0
     if drafter is not None:
         if req.mtp_hidden or req.mtp_last_hidden is None:
             raise RuntimeError(f"request {handle}: MTP pairs pending; export after the draft that follows a step")
         mtp_slots = drafter.kv.slots(handle)[: req.mtp_len].to(runner.device)
-        state.mtp_kv = [TensorBlob.of(buf[:, mtp_slots]) for buf in drafter.kv.buffers]
-        state.mtp_len = req.mtp_len
+        tensors += [buf[:, mtp_slots] for buf in drafter.kv.buffers]
         source, row = req.mtp_last_hidden
-        state.mtp_hidden = TensorBlob.of(source[row : row + 1])
+        tensors.append(source[row : row + 1])
+        mtp_len = req.mtp_len
+    blobs = pack(tensors)
+    num_kv = len(runner.kv.buffers)
+    state = RequestState(n, blobs[:num_kv], blobs[num_kv], blobs[num_kv + 1])
+    if drafter is not None:
+        state.mtp_kv, state.mtp_len, state.mtp_hidden = blobs[num_kv + 2 : -1], mtp_len, blobs[-1]
     return state
 
 
 @torch.inference_mode()
-def import_request(runner, state: RequestState) -> int:
-    """A new request holding `state` in a fresh state slot and KV row; returns its handle. Raises RuntimeError
-    when no slot or not enough KV is free (nothing is kept then)."""
+def import_request(runner, state: RequestState, region: torch.Tensor | None = None) -> int:
+    """A new request holding `state` in a fresh state slot and KV row; returns its handle. Blobs whose bytes lie
+    in a device region are read from `region` (flat uint8, on this runner's device). Raises RuntimeError when no
+    slot or not enough KV is free (nothing is kept then)."""
     if hasattr(runner, "import_request"):
         # a tensor-parallel runner hands every rank its heads itself
-        return runner.import_request(state)
+        return runner.import_request(state, region)
     if (runner.drafter is None) != (state.mtp_hidden is None):
         raise RuntimeError("MTP state sent to a runner without drafter, or missing for one with a drafter")
+    device = runner.device
+
+    def tensor(blob: TensorBlob) -> torch.Tensor:
+        if blob.offset is None:
+            return blob.tensor(device)
+        if region is None:
+            raise RuntimeError("the transfer's state lies in a device region this node was not given")
+        return blob.view_in(region)
+
     handle = runner.add_request(None)
     try:
         req = runner._requests[handle]
-        device = runner.device
         slots = torch.from_numpy(runner.kv.extend_many([handle], [state.num_tokens])).to(device)
         for buf, blob in zip(runner.kv.buffers, state.kv):
-            buf[:, slots] = blob.tensor(device).to(buf.dtype)
-        conv, ssm = state.conv.tensor(device), state.ssm.tensor(device)
+            buf[:, slots] = tensor(blob).to(buf.dtype)
+        conv, ssm = tensor(state.conv), tensor(state.ssm)
         slot = torch.tensor([req.state_slot], dtype=torch.int32, device=device)
         runner.state.import_checkpoint(slot, Checkpoint(conv=conv, ssm=ssm))
         req.num_tokens = state.num_tokens
@@ -66,10 +91,10 @@ def import_request(runner, state: RequestState) -> int:
             mtp_kv = runner.drafter.kv
             mtp_slots = torch.from_numpy(mtp_kv.extend_many([handle], [state.mtp_len])).to(device)
             for buf, blob in zip(mtp_kv.buffers, state.mtp_kv):
-                buf[:, mtp_slots] = blob.tensor(device).to(buf.dtype)
+                buf[:, mtp_slots] = tensor(blob).to(buf.dtype)
             req.mtp_len = state.mtp_len
             req.mtp_hidden, req.mtp_next_ids = [], []
-            req.mtp_last_hidden = (state.mtp_hidden.tensor(device).to(runner.dtype), 0)
+            req.mtp_last_hidden = (tensor(state.mtp_hidden).to(runner.dtype).clone(), 0)
     except Exception:
         runner.free_request(handle)
         raise

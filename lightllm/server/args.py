@@ -46,6 +46,15 @@ class ServerArgs:
     pd_transfer_timeout_s: float = _flag(
         30.0, "prefill node: seconds to wait for the decode node to confirm a transfer before failing it", type=float
     )
+    pd_transport: str = _flag(
+        "auto",
+        "prefill/decode nodes: how request state moves between nodes: host (staged in host memory, over TCP; any "
+        "hosts), cuda_ipc (device to device between nodes of one host, else host), auto (cuda_ipc on cuda, else host)",
+        ("auto", "host", "cuda_ipc"),
+    )
+    pd_ipc_buffer_mb: int = _flag(
+        1024, "prefill node with CUDA IPC: device staging buffer for transfers in flight, MiB", type=int
+    )
     pd_node_timeout_s: float = _flag(
         5.0, "pd_master: seconds without a heartbeat after which a node is dropped and its requests fail", type=float
     )
@@ -223,6 +232,8 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
 
 def validate(args: ServerArgs, info: ModelInfo) -> None:
     """Refuse combinations that cannot work; every message says which flag to change."""
+    if args.pd_transport == "cuda_ipc" and args.device == "cpu":
+        raise ValueError("--pd_transport cuda_ipc moves device memory: use --device cuda, or --pd_transport host")
     if args.mtp_step < 0 or args.spec_ngram < 0:
         raise ValueError("--mtp_step and --spec_ngram must be >= 0")
     if args.mtp_step and args.spec_ngram:
@@ -309,6 +320,8 @@ def _refuse_unsupported(args: ServerArgs) -> None:
         for name in ("pd_transfer_timeout_s", "pd_node_timeout_s", "pd_queue_timeout_s"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.pd_ipc_buffer_mb < 0:
+        raise ValueError(f"--pd_ipc_buffer_mb must be >= 0, got {args.pd_ipc_buffer_mb}")
 
 
 def _cuda_available() -> bool:

@@ -1,4 +1,5 @@
-"""The engine process (rank 0): receives NewRequest/Abort over zmq, runs `Engine.step`, sends outputs back.
+"""The engine process (rank 0): receives NewRequest/Abort over zmq, runs `Engine.step`, sends outputs back (the
+loop of `engine_loop`, shared with the prefill/decode nodes).
 
 It reports start-up success (with the capacity report) or failure over a pipe, ignores SIGINT (the parent
 decides when to stop) and exits when the parent dies.
@@ -13,21 +14,18 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 
 import msgspec
 import zmq
 
 from lightllm.engine.engine import Engine
-from lightllm.engine.messages import Abort, EngineInput, EngineOutput, Finished, NewRequest
+from lightllm.engine.messages import EngineInput
 from lightllm.server.args import ServerArgs
+from lightllm.server.engine_loop import ServingRole, run_engine_loop
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import load_factory
 
-logger = logging.getLogger(__name__)
-# how often stats go out while idle or busy, seconds
-STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 50
 
 
@@ -102,53 +100,13 @@ def engine_main(
     outbox.bind(output_addr)
     conn.send({"ok": True, "report": report})
     conn.close()
-    decoder = msgspec.msgpack.Decoder(EngineInput)
-    encoder = msgspec.msgpack.Encoder()
-    last_stats = 0.0
-    while os.getppid() == parent:
-        outputs: list[EngineOutput] = []
-        timeout = 0 if engine.has_work() else IDLE_POLL_MS
-        while inbox.poll(timeout):
-            timeout = 0
-            outputs += _handle(engine, decoder, inbox.recv())
-        try:
-            if engine.has_work():
-                outputs += engine.step()
-        except Exception:
-            # runner failures are handled inside step(); reaching here means an engine bug: fail the requests in
-            # flight rather than the process, so the server keeps answering
-            logger.exception("unexpected engine fault")
-            outputs += engine.fail_all("internal engine fault (see the engine log)")
-        now = time.monotonic()
-        # stats go out periodically and right after any request finishes, so /metrics sees freed slots promptly
-        if now - last_stats > STATS_INTERVAL_S or any(isinstance(o, Finished) for o in outputs):
-            outputs.append(engine.snapshot())
-            last_stats = now
-        if outputs:
-            outbox.send(encoder.encode(outputs))
-
-
-def _handle(engine: Engine, decoder: msgspec.msgpack.Decoder, raw: bytes) -> list[EngineOutput]:
-    try:
-        msg = decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        return _refuse_undecodable(raw, exc)
-    if isinstance(msg, NewRequest):
-        return engine.add_request(msg)
-    if isinstance(msg, Abort):
-        return engine.abort(msg.req_id)
-    return []
-
-
-def _refuse_undecodable(raw: bytes, exc: Exception) -> list[EngineOutput]:
-    """A request the typed decoder refuses still has a waiting front-end: answer it with an error if its id can
-    be read, so it does not wait forever."""
-    try:
-        loose = msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
-        loose = None
-    req_id = loose.get("req_id") if isinstance(loose, dict) else None
-    if not isinstance(req_id, str) or loose.get("type") != "NewRequest":
-        logger.error("dropping an undecodable message: %s", exc)
-        return []
-    return [Finished(req_id, "error", error=f"the engine could not read this request: {exc}")]
+    run_engine_loop(
+        ServingRole(engine),
+        inbox,
+        outbox,
+        msgspec.msgpack.Decoder(EngineInput),
+        idle_poll_ms=IDLE_POLL_MS,
+        keep_running=lambda: os.getppid() == parent,
+        send=outbox.send,
+        log_name="engine log",
+    )

@@ -11,26 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from lightllm.engine.sampling_params import SamplingParams
-from lightllm.server.args import load_server_args
-from lightllm.server.http.app import create_app
 from lightllm.server.llm import LLM
-from lightllm.server.pd.master import add_pd_routes, start_router
-from lightllm.server.tokenizer import Tokenizer
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.server.conftest import scrape, wait_for
-from unit_tests.server.live_server import single_threaded_env
+from unit_tests.server.pd_cluster import Master, node_log, stop
+from unit_tests.server.pd_cluster import start_node as start_pd_node
 
 ARCH = "qwen3_5"
 MAX_RUNNING = 4
@@ -43,60 +35,14 @@ NODE_TIMEOUT_S = 6.0
 TRANSFER_TIMEOUT_S = 2.0
 
 
-class Master:
-    """The pd_master's app and router in this process, on a free port."""
-
-    def __init__(self, model_dir: str, queue_timeout_s: float = 5.0):
-        self.args, self.info = load_server_args(
-            [], model_dir=model_dir, run_mode="pd_master", pd_node_timeout_s=NODE_TIMEOUT_S,
-            pd_queue_timeout_s=queue_timeout_s,
-        )  # fmt: skip
-        self.router, self.socket_dir = start_router(self.args)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        app = create_app(self.args, self.info, Tokenizer(self.info), self.router)
-        add_pd_routes(app, self.router)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started, 60, "the master's HTTP server")
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def nodes(self, role: str) -> list[dict]:
-        return [n for n in httpx.get(f"{self.url}/pd/nodes").json()["nodes"] if n["role"] == role]
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.router.stop()
-
-
-def start_node(master: Master, model_dir: str, role: str, *flags: str) -> subprocess.Popen:
-    argv = ["--run_mode", role, "--model_dir", model_dir, "--pd_master_port", str(master.port), *NODE_FLAGS, *flags]
-    return subprocess.Popen(
-        [sys.executable, "-m", "lightllm.server.api_server", *argv],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=single_threaded_env(),
-    )
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def start_node(master: Master, model_dir: str, role: str, *flags: str):
+    return start_pd_node(master, model_dir, role, *NODE_FLAGS, *flags)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     model_dir = str(tiny_model_dir(ARCH))
-    master = Master(model_dir)
+    master = Master(model_dir, NODE_TIMEOUT_S)
     prefill = start_node(master, model_dir, "prefill", "--pd_transfer_timeout_s", str(TRANSFER_TIMEOUT_S))
     decode = start_node(master, model_dir, "decode", "--ssm_state_mode", "replay")
     procs = [prefill, decode]
@@ -206,7 +152,8 @@ def test_concurrent_requests_and_a_disconnect_leave_every_pool_empty(cluster):
 def test_a_node_with_another_header_is_refused(cluster):
     master, model_dir, _ = cluster
     proc = start_node(master, model_dir, "decode", "--linear_att_ssm_data_type", "bfloat16")
-    _, stderr = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    stderr = node_log(proc)
     assert proc.returncode == 2
     assert "refusing to start" in stderr and "state_dtype: float32 (registered nodes) vs bfloat16 (this node)" in stderr
     assert len(master.nodes("decode")) == 1
@@ -251,7 +198,7 @@ def test_a_killed_decode_node_fails_its_request_while_the_others_serve(cluster, 
 
 
 def test_without_nodes_a_request_gets_503_with_the_reason():
-    master = Master(str(tiny_model_dir(ARCH)), queue_timeout_s=0.5)
+    master = Master(str(tiny_model_dir(ARCH)), NODE_TIMEOUT_S, queue_timeout_s=0.5)
     try:
         body = {"model": master.args.served_model_name, "prompt": [1, 2, 3], "max_tokens": 4}
         r = httpx.post(f"{master.url}/v1/completions", json=body, timeout=30)

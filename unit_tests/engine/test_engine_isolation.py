@@ -10,7 +10,7 @@ import torch
 from lightllm.engine.messages import EngineInput, NewRequest
 from lightllm.engine.sampler import RowContext, Sampler
 from lightllm.engine.sampling_params import SamplingParams, SamplingParamsError
-from lightllm.server.engine_process import _handle
+from lightllm.server.engine_loop import ServingRole, dispatch
 from unit_tests.engine.fake_runner import FakeRunner
 from unit_tests.engine.helpers import make_engine, run
 
@@ -64,11 +64,11 @@ def test_engine_process_answers_a_request_it_cannot_decode():
     engine = make_engine(FakeRunner())
     good = msgspec.to_builtins(NewRequest("wire", [1, 2], GREEDY, []))
     good["params"]["top_k"] = 2**63
-    out = _handle(engine, msgspec.msgpack.Decoder(EngineInput), msgspec.msgpack.encode(good))
+    out = dispatch(ServingRole(engine), msgspec.msgpack.Decoder(EngineInput), msgspec.msgpack.encode(good))
     assert len(out) == 1 and out[0].req_id == "wire" and out[0].reason == "error" and "top_k" in out[0].error
     assert not engine.has_work()
     good["params"]["top_k"] = 5
-    assert _handle(engine, msgspec.msgpack.Decoder(EngineInput), msgspec.msgpack.encode(good)) == []
+    assert dispatch(ServingRole(engine), msgspec.msgpack.Decoder(EngineInput), msgspec.msgpack.encode(good)) == []
     assert engine.has_work()
 
 

@@ -1,6 +1,11 @@
-"""A request's committed state as host bytes: what moves between runners (prefill/decode disaggregation)."""
+"""A request's committed state as bytes: what moves between runners (prefill/decode disaggregation).
+
+The bytes of a `TensorBlob` travel in the message (`data`), or lie in a device region the receiver reads directly
+(`offset` into that region, CUDA IPC); either way the blob carries the dtype and shape."""
 
 from __future__ import annotations
+
+import math
 
 import msgspec
 import numpy as np
@@ -8,11 +13,18 @@ import torch
 
 
 class TensorBlob(msgspec.Struct):
-    """A host copy of one tensor: dtype name (torch), shape, raw bytes (little-endian, C order)."""
+    """One tensor: dtype name (torch), shape, raw bytes (little-endian, C order) or where they lie in a device
+    region."""
 
     dtype: str
     shape: list[int]
     data: bytes
+    # not None: the bytes are at this byte offset of the transfer's device region and `data` is empty
+    offset: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorBlob:
@@ -21,11 +33,18 @@ class TensorBlob(msgspec.Struct):
         return cls(str(t.dtype).removeprefix("torch."), list(t.shape), raw)
 
     def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        if self.offset is not None:
+            raise ValueError("this blob's bytes lie in a device region: read them with `view_in`")
         dtype = getattr(torch, self.dtype)
         if not self.data:
             return torch.zeros(self.shape, dtype=dtype, device=device)
         flat = torch.from_numpy(np.frombuffer(self.data, dtype=np.uint8).copy())
         return flat.view(dtype).reshape(self.shape).to(device)
+
+    def view_in(self, region: torch.Tensor) -> torch.Tensor:
+        """The tensor whose bytes lie in `region` (a flat uint8 tensor) at `offset`: a view, no copy."""
+        raw = region[self.offset : self.offset + self.nbytes]
+        return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
 
 
 class RequestState(msgspec.Struct):

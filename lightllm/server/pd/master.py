@@ -47,7 +47,13 @@ def add_pd_routes(app: FastAPI, router: PdRouter) -> None:
             if role not in ("prefill", "decode"):
                 raise ValueError(f"role must be prefill or decode, got {role!r}")
             reg = Registration(
-                role, str(body["node_id"]), str(body["inbox"]), str(body["outbox"]), int(body["capacity"])
+                role,
+                str(body["node_id"]),
+                str(body["inbox"]),
+                str(body["outbox"]),
+                int(body["capacity"]),
+                str(body.get("ipc_host", "")),
+                int(body.get("pid", 0)),
             )
         except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
             return JSONResponse({"error": f"malformed registration: {exc}"}, status_code=400)

@@ -11,12 +11,15 @@ import msgspec
 
 from lightllm.engine.messages import Abort, NewRequest, TokenChunk
 from lightllm.engine.transfer.payload import RequestState
+from lightllm.server.pd.cuda_ipc import DeviceRegion
 
 
 class PdPrefill(msgspec.Struct, tag=True):
     request: NewRequest
     # zmq address of the decode node's inbox, where the prefilled request goes
     decode_addr: str
+    # the decode node's host identity when it reads CUDA IPC regions, else empty
+    decode_ipc_host: str = ""
 
 
 class PdTransfer(msgspec.Struct, tag=True):
@@ -34,6 +37,8 @@ class PdTransfer(msgspec.Struct, tag=True):
     ack_addr: str
     # a seeded request's generator state after the first sample (torch.Generator.get_state bytes)
     generator_state: bytes | None = None
+    # where the state's bytes lie when they went device to device (its blobs hold offsets into this region)
+    region: DeviceRegion | None = None
 
 
 class TransferAck(msgspec.Struct, tag=True):

@@ -4,8 +4,8 @@ The node binds its inbox (PULL: the master's `PdPrefill`/`Abort`, other nodes' `
 outbox (PUSH: `TokenChunk`/`Finished`/`EngineStats` to the master) on `--host` at free ports, then registers
 them with the master over HTTP (`POST /pd/register` at `--pd_master_ip:--pd_master_port`) with its transfer
 header. A refused header ends the process with exit code 2 and the master's reason. Registration is repeated in
-the background, so a restarted master learns of the node again. Stats go out every half second: the master's
-heartbeat.
+the background, so a restarted master learns of the node again. The engine runs the engine process's loop
+(`engine_loop`) with the node's role; its stats go out every half second: the master's heartbeat.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import httpx
 import msgspec
 import zmq
 
-from lightllm.engine.messages import EngineOutput, Finished
 from lightllm.server.args import ServerArgs
+from lightllm.server.engine_loop import run_engine_loop
 from lightllm.server.engine_process import build_engine, quiet_garbage_collector
 from lightllm.server.model_info import ModelInfo
+from lightllm.server.pd.cuda_ipc import RegionReader, StagingBuffer, host_identity, uses_cuda_ipc
 from lightllm.server.pd.header import runner_header
 from lightllm.server.pd.messages import NodeInput
 from lightllm.server.pd.roles import DecodeRole, PrefillRole
@@ -31,7 +32,6 @@ from lightllm.server.pd.transport import ZmqHostTransport
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 
 logger = logging.getLogger(__name__)
-STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 20
 # how long a starting node waits for the master to answer, and how often a running node registers again
 REGISTER_WAIT_S = 120.0
@@ -80,10 +80,14 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
     outbox_addr = f"tcp://{host}:{outbox.bind_to_random_port(f'tcp://{args.host}')}"
     transport = ZmqHostTransport(ctx)
     fingerprint = header.fingerprint()
+    ipc = uses_cuda_ipc(args.pd_transport, args.device)
+    ipc_host = host_identity() if ipc else ""
     if args.run_mode == "prefill":
-        role = PrefillRole(engine, transport, fingerprint, inbox_addr, args.pd_transfer_timeout_s)
+        use_staging = ipc and args.pd_ipc_buffer_mb > 0
+        staging = StagingBuffer.on_device(args.pd_ipc_buffer_mb << 20, engine.runner.device) if use_staging else None
+        role = PrefillRole(engine, transport, fingerprint, inbox_addr, args.pd_transfer_timeout_s, staging, ipc_host)
     else:
-        role = DecodeRole(engine, transport, fingerprint)
+        role = DecodeRole(engine, transport, fingerprint, RegionReader(engine.runner.device) if ipc else None)
     master_url = f"http://{args.pd_master_ip}:{args.pd_master_port}"
     # one line per periodic re-registration would drown the node's log
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -93,6 +97,8 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
         "inbox": inbox_addr,
         "outbox": outbox_addr,
         "capacity": args.max_running_requests + args.max_queue_len,
+        # a decode node that reads CUDA IPC regions says on which host; prefill nodes there send device to device
+        "ipc_host": ipc_host if args.run_mode == "decode" else "",
         "header": msgspec.to_builtins(header),
         "pid": os.getpid(),
     }
@@ -102,7 +108,16 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
         logger.info("registered with the pd_master at %s as %s", master_url, body["node_id"])
         threading.Thread(target=_keep_registered, args=(master_url, body, stop), daemon=True).start()
         quiet_garbage_collector()
-        _loop(engine, role, inbox, outbox)
+        run_engine_loop(
+            role,
+            inbox,
+            outbox,
+            msgspec.msgpack.Decoder(NodeInput),
+            idle_poll_ms=IDLE_POLL_MS,
+            keep_running=lambda: True,
+            send=lambda raw: _send_to_master(outbox, raw),
+            log_name="node's log",
+        )
     finally:
         stop.set()
         transport.close()
@@ -112,43 +127,17 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
     return 0
 
 
+def _send_to_master(outbox: zmq.Socket, raw: bytes) -> None:
+    try:
+        outbox.send(raw, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        # the master is gone or not reading: its own timeouts fail these requests
+        logger.error("the pd_master does not read this node's outputs; a batch of outputs dropped")
+
+
 def _keep_registered(master_url: str, body: dict, stop: threading.Event) -> None:
     while not stop.wait(REREGISTER_INTERVAL_S):
         try:
             register(master_url, body, 0.0)
         except RegistrationRefused as exc:
             logger.warning("re-registration failed: %s", exc)
-
-
-def _loop(engine, role: PrefillRole | DecodeRole, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
-    decoder = msgspec.msgpack.Decoder(NodeInput)
-    encoder = msgspec.msgpack.Encoder()
-    last_stats = 0.0
-    while True:
-        outputs: list[EngineOutput] = []
-        timeout = 0 if role.has_work() else IDLE_POLL_MS
-        while inbox.poll(timeout):
-            timeout = 0
-            try:
-                msg = decoder.decode(inbox.recv())
-            except msgspec.DecodeError as exc:
-                logger.error("dropping an undecodable message: %s", exc)
-                continue
-            outputs += role.on_message(msg)
-        outputs += role.tick()
-        try:
-            if engine.has_work():
-                outputs += role.after_step(engine.step())
-        except Exception:
-            logger.exception("unexpected engine fault")
-            outputs += role.after_step(engine.fail_all("internal engine fault (see the node's log)"))
-        now = time.monotonic()
-        if now - last_stats > STATS_INTERVAL_S or any(isinstance(o, Finished) for o in outputs):
-            outputs.append(engine.snapshot())
-            last_stats = now
-        if outputs:
-            try:
-                outbox.send(encoder.encode(outputs), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                # the master is gone or not reading: its own timeouts fail these requests
-                logger.error("the pd_master does not read this node's outputs; %d dropped", len(outputs))

@@ -1,12 +1,17 @@
-"""What a prefill node and a decode node do around `Engine.step` (transport-free: messages in, outputs out).
+"""What a prefill node and a decode node do around `Engine.step` (transport-free: messages in, outputs out): the
+roles of the shared step loop (`lightllm.server.engine_loop`).
 
 Prefill: a `PdPrefill` is queued in the engine; once its first token is sampled (and, with MTP, drafted) the
 request leaves the engine, its state is exported and sent to its decode node, and its slot is held until the
 decode node confirms (then freed) or the confirmation times out (then freed and the request fails). The first
 token is not emitted here: the decode node emits it, so the master sees one ordered stream per request.
 
-Decode: a `PdTransfer` is confirmed at once (its state is in host memory here) and waits until a state slot and
-KV for its tokens are free, then is imported into a fresh slot and decodes like any request.
+Decode: a `PdTransfer` is confirmed at once (its state is in host memory here, or was just copied out of the
+prefill node's device region) and waits until a state slot and KV for its tokens are free, then is imported into a
+fresh slot and decodes like any request.
+
+With CUDA IPC (`cuda_ipc.py`) the prefill node stages the state in its device buffer when the decode node reads
+regions on the same host; the region is freed with the slot.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from lightllm.engine.engine import Engine
-from lightllm.engine.messages import Abort, EngineOutput, Finished, NewRequest, TokenChunk
+from lightllm.engine.messages import Abort, EngineOutput, Finished, TokenChunk
 from lightllm.engine.request import Request, Status
-from lightllm.models.pd_state import export_request, import_request
+from lightllm.models.pd_state import export_request, host_blobs, import_request
+from lightllm.server.pd.cuda_ipc import DeviceRegion, RegionReader, StagingBuffer
 from lightllm.server.pd.messages import PdPrefill, PdTransfer, TransferAck
 from lightllm.server.pd.transport import StateTransport, TransportError
 
@@ -35,9 +41,18 @@ class _Held:
     handle: int
     num_prompt_tokens: int
     deadline: float
+    region: DeviceRegion | None = None
+
+
+def _drop_undecodable(raw: bytes, exc: Exception) -> list[EngineOutput]:
+    # a node's peers are the master and other nodes, never a client: an unreadable message is a version skew
+    logger.error("dropping an undecodable message: %s", exc)
+    return []
 
 
 class PrefillRole:
+    on_undecodable = staticmethod(_drop_undecodable)
+
     def __init__(
         self,
         engine: Engine,
@@ -45,14 +60,23 @@ class PrefillRole:
         fingerprint: str,
         ack_addr: str,
         transfer_timeout_s: float,
+        staging: StagingBuffer | None = None,
+        ipc_host: str = "",
     ):
         self.engine = engine
+        # an overlapped step would feed a request's first sampled token to the model before `after_step` sees the
+        # token, so the exported state would hold one token more than the transfer says; a prefill engine decodes
+        # nothing, so it loses nothing by stepping synchronously
+        engine.overlap_schedule = False
+        # device-to-device transfers to decode nodes that read regions on this host (`ipc_host`)
+        self.staging = staging
+        self.ipc_host = ipc_host
         self.transport = transport
         self.fingerprint = fingerprint
         self.ack_addr = ack_addr
         self.transfer_timeout_s = transfer_timeout_s
-        # req_id -> (request as received, decode node inbox)
-        self._routes: dict[str, tuple[NewRequest, str]] = {}
+        # req_id -> the PdPrefill that brought it (the request, its decode node)
+        self._routes: dict[str, PdPrefill] = {}
         # transferred requests whose slot waits for the decode node's confirmation
         self.held: dict[str, _Held] = {}
 
@@ -63,13 +87,13 @@ class PrefillRole:
         if isinstance(msg, PdPrefill):
             outputs = self.engine.add_request(msg.request)
             if not outputs:
-                self._routes[msg.request.req_id] = (msg.request, msg.decode_addr)
+                self._routes[msg.request.req_id] = msg
             return outputs
         if isinstance(msg, TransferAck):
             held = self.held.pop(msg.req_id, None)
             if held is None:
                 return []
-            self.engine.runner.free_request(held.handle)
+            self._free(held)
             if msg.error is None:
                 return []
             return [Finished(msg.req_id, "error", num_prompt_tokens=held.num_prompt_tokens, error=msg.error)]
@@ -77,7 +101,7 @@ class PrefillRole:
             self._routes.pop(msg.req_id, None)
             held = self.held.pop(msg.req_id, None)
             if held is not None:
-                self.engine.runner.free_request(held.handle)
+                self._free(held)
                 return [Finished(msg.req_id, "abort", num_prompt_tokens=held.num_prompt_tokens)]
             return self.engine.abort(msg.req_id)
         return []
@@ -96,25 +120,48 @@ class PrefillRole:
         return kept
 
     def _hand_off(self, req: Request, chunk: TokenChunk) -> list[EngineOutput]:
-        request, decode_addr = self._routes.pop(req.req_id)
+        route = self._routes.pop(req.req_id)
+        request, decode_addr = route.request, route.decode_addr
         engine = self.engine
         engine.requests.pop(req.req_id)
         engine.scheduler.running.remove(req)
         handle, req.handle, req.status = req.handle, None, Status.FINISHED
         num_prompt = len(req.prompt_ids)
+        held = _Held(handle, num_prompt, time.monotonic() + self.transfer_timeout_s)
         try:
-            state = export_request(engine.runner, handle)
+            state = export_request(engine.runner, handle, self._packer(route, held))
             generator = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
             transfer = PdTransfer(
-                self.fingerprint, request, chunk, list(req.draft_ids), state, self.ack_addr, generator
+                self.fingerprint, request, chunk, list(req.draft_ids), state, self.ack_addr, generator, held.region
             )
             self.transport.send(decode_addr, transfer)
         except (TransportError, RuntimeError) as exc:
             logger.error("transfer of %s to %s failed: %s", req.req_id, decode_addr, exc)
-            engine.runner.free_request(handle)
+            self._free(held)
             return [Finished(req.req_id, "error", num_prompt_tokens=num_prompt, error=f"transfer failed: {exc}")]
-        self.held[req.req_id] = _Held(handle, num_prompt, time.monotonic() + self.transfer_timeout_s)
+        self.held[req.req_id] = held
         return []
+
+    def _packer(self, route: PdPrefill, held: _Held):
+        """Host bytes, or the staging buffer when the decode node reads regions on this host and one is free."""
+        if self.staging is None or not route.decode_ipc_host or route.decode_ipc_host != self.ipc_host:
+            return host_blobs
+
+        def pack(tensors: list[torch.Tensor]):
+            staged = self.staging.stage(tensors)
+            if staged is None:
+                logger.warning("the CUDA IPC staging buffer is full: %s goes host-staged", route.request.req_id)
+                return host_blobs(tensors)
+            held.region, blobs = staged
+            return blobs
+
+        return pack
+
+    def _free(self, held: _Held) -> None:
+        self.engine.runner.free_request(held.handle)
+        if held.region is not None:
+            self.staging.release(held.region)
+            held.region = None
 
     def tick(self) -> list[EngineOutput]:
         """Free the slots whose confirmation is overdue and fail those requests."""
@@ -123,7 +170,7 @@ class PrefillRole:
         for req_id, held in list(self.held.items()):
             if now > held.deadline:
                 del self.held[req_id]
-                self.engine.runner.free_request(held.handle)
+                self._free(held)
                 error = f"the decode node did not confirm the transfer within {self.transfer_timeout_s:g} s"
                 logger.error("%s: %s", req_id, error)
                 outputs.append(Finished(req_id, "error", num_prompt_tokens=held.num_prompt_tokens, error=error))
@@ -131,12 +178,18 @@ class PrefillRole:
 
 
 class DecodeRole:
-    def __init__(self, engine: Engine, transport: StateTransport, fingerprint: str):
+    on_undecodable = staticmethod(_drop_undecodable)
+
+    def __init__(self, engine: Engine, transport: StateTransport, fingerprint: str, reader: RegionReader | None = None):
         self.engine = engine
         self.transport = transport
         self.fingerprint = fingerprint
+        # reads prefill nodes' CUDA IPC regions (None: this node takes host-staged transfers only)
+        self.reader = reader
         # confirmed transfers waiting for a state slot and KV
         self.pending: deque[PdTransfer] = deque()
+        # req_id -> a pending transfer's bytes copied out of its prefill node's region
+        self._regions: dict[str, torch.Tensor] = {}
         self._aborted: dict[str, float] = {}
 
     def has_work(self) -> bool:
@@ -156,6 +209,7 @@ class DecodeRole:
             for transfer in self.pending:
                 if transfer.request.req_id == msg.req_id:
                     self.pending.remove(transfer)
+                    self._regions.pop(msg.req_id, None)
                     return [self._aborted_finish(transfer)]
             if msg.req_id in self.engine.requests:
                 return self.engine.abort(msg.req_id)
@@ -172,13 +226,28 @@ class DecodeRole:
             )
         elif req_id in self.engine.requests or any(t.request.req_id == req_id for t in self.pending):
             error = f"duplicate request id {req_id!r} on the decode node"
+        elif transfer.region is not None:
+            error = self._pull(transfer)
         self._send_ack(transfer, TransferAck(req_id, error))
         if error is not None:
             return []
         if self._aborted.pop(req_id, None) is not None:
+            self._regions.pop(req_id, None)
             return [self._aborted_finish(transfer)]
         self.pending.append(transfer)
         return []
+
+    def _pull(self, transfer: PdTransfer) -> str | None:
+        """Copy the transfer's device region here now (the prefill node frees it on our confirmation or its
+        timeout); the reason when that cannot be done."""
+        if self.reader is None:
+            return "the decode node refused the transfer: it does not read CUDA IPC regions (--pd_transport host)"
+        try:
+            self._regions[transfer.request.req_id] = self.reader.pull(transfer.region)
+        except Exception as exc:
+            logger.exception("reading the device region of %s failed", transfer.request.req_id)
+            return f"the decode node could not read the transfer's device region: {exc}"
+        return None
 
     def _send_ack(self, transfer: PdTransfer, ack: TransferAck) -> None:
         try:
@@ -216,7 +285,7 @@ class DecodeRole:
         engine, msg = self.engine, transfer.request
         req_id = msg.req_id
         try:
-            handle = import_request(engine.runner, transfer.state)
+            handle = import_request(engine.runner, transfer.state, self._regions.pop(req_id, None))
         except RuntimeError as exc:
             logger.error("import of %s failed: %s", req_id, exc)
             return [Finished(req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=f"import failed: {exc}")]

@@ -40,6 +40,10 @@ class Registration:
     inbox: str
     outbox: str
     capacity: int
+    # a decode node that reads CUDA IPC regions: its host identity (prefill nodes of that host send device to device)
+    ipc_host: str = ""
+    # the node's process id on its host (for operators: which process a node id is)
+    pid: int = 0
 
 
 @dataclass
@@ -120,6 +124,7 @@ class PdRouter:
                     "node_id": n.reg.node_id,
                     "role": n.reg.role,
                     "inbox": n.reg.inbox,
+                    "pid": n.reg.pid,
                     "num_requests": len(n.req_ids),
                     "seconds_since_heard": round(time.monotonic() - n.last_seen, 3),
                     "stats": msgspec.to_builtins(n.stats),
@@ -238,7 +243,7 @@ class PdRouter:
             self._routes[msg.req_id] = _Route(prefill.reg.node_id, decode.reg.node_id)
             prefill.req_ids.add(msg.req_id)
             decode.req_ids.add(msg.req_id)
-            self._send(prefill.reg.node_id, PdPrefill(msg, decode.reg.inbox))
+            self._send(prefill.reg.node_id, PdPrefill(msg, decode.reg.inbox, decode.reg.ipc_host))
         return out
 
     def _no_room(self) -> str:

@@ -1,14 +1,9 @@
-"""How a prefilled request's state reaches its decode node: one small interface, one implementation here.
+"""How a prefilled request's messages reach the other node: one small interface, one implementation.
 
-`ZmqHostTransport` stages the state in host memory (`RequestState`'s byte blobs) and sends it, with the request,
-as one msgpack message over TCP to the decode node's inbox; acknowledgements come back the same way. It works on
-any host and across hosts and costs two device-host copies and the network.
-
-A GPU transport (NIXL RDMA, or CUDA IPC between processes of one host) moves the tensors device to device:
-`GpuStateTransport` names what it needs. The `PdTransfer` would still go over zmq, its `RequestState` blobs
-holding shapes and dtypes only, plus a descriptor of the sender's registered device buffers; the decode node
-would reserve its slot and KV, pull into them, then confirm. None is implemented: `--run_mode prefill` always
-uses `ZmqHostTransport`.
+`ZmqHostTransport` sends each message (a `PdTransfer` or `TransferAck`) as msgpack over a zmq PUSH socket to the
+node inbox at its address. A host-staged transfer carries the state's bytes in its `RequestState` blobs: two
+device-host copies and the network, on any hosts. With CUDA IPC (`cuda_ipc.py`) the same message carries only
+the blobs' shapes, dtypes and offsets and the prefill node's device region; the bytes go device to device.
 """
 
 from __future__ import annotations
@@ -16,7 +11,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import msgspec
-import torch
 import zmq
 
 
@@ -30,21 +24,6 @@ class StateTransport(Protocol):
         it cannot be queued (the peer is unreachable)."""
 
     def close(self) -> None: ...
-
-
-class GpuStateTransport(Protocol):
-    """Device-to-device state movement (NIXL, CUDA IPC). An interface only: no implementation exists yet."""
-
-    def expose(self, tensors: list[torch.Tensor]) -> bytes:
-        """Prefill side: make an exported request's device tensors readable by a peer until `release`; returns an
-        opaque descriptor to send along with the `PdTransfer`."""
-
-    def pull(self, descriptor: bytes, into: list[torch.Tensor]) -> None:
-        """Decode side: copy the peer tensors named by `descriptor` into local device tensors (same shapes and
-        dtypes, in order); returns when the data is in place."""
-
-    def release(self, descriptor: bytes) -> None:
-        """Prefill side: the decode node confirmed; the exposed tensors may be reused."""
 
 
 class ZmqHostTransport:
