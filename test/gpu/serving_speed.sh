@@ -30,7 +30,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 for part in $parts; do
     case $part in
         overlap) run overlap --modes native,replay --batch_sizes 1,64,256 ;;
-        sync) run sync --modes native,replay --batch_sizes 1,64,256 --disable_overlap_schedule ;;
+        sync) run sync --modes native,replay --batch_sizes 64,256 --disable_overlap_schedule ;;
         eager) run eager --modes native,replay --batch_sizes 1,64,256 --disable_cudagraph --disable_overlap_schedule ;;
         mtp2) run mtp2 --modes native,compact,replay --batch_sizes 1,64,256 --mtp_step 2 ;;
         *) echo "unknown part $part" ;;
