@@ -102,9 +102,10 @@ def run_plan(runner, plan: Plan, control):
 class LockstepRunner:
     """Rank 0's runner as the engine sees it: the `ModelRunner` protocol, run on every rank of `group`."""
 
-    def __init__(self, runner, group):
+    def __init__(self, runner, group, owns_group: bool = False):
         self.runner = runner
         self.group = group
+        self.owns_group = owns_group
 
     def __getattr__(self, name: str):
         # only reached for names this class does not define: the wrapped runner's methods and attributes
@@ -140,10 +141,12 @@ class LockstepRunner:
         return self._everywhere(Plan("import_request", (state,)))
 
     def close(self) -> None:
-        """Drop this runner on every rank (the group stays, ready to build another)."""
+        """Drop this runner on every rank; the group stays, ready to build another, unless this runner owns it."""
         self.group.send(Plan("close"))
         self.runner = None
         _release_memory()
+        if self.owns_group:
+            self.group.shutdown()
 
 
 def _map_blobs(state: RequestState, f: Callable[[TensorBlob], TensorBlob]) -> RequestState:

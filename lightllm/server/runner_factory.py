@@ -25,7 +25,8 @@ def create_runner(args: ServerArgs, info: ModelInfo) -> ModelRunnerProtocol:
         return build_rank_runner(args, info)
     from lightllm.models.tp_group import TPGroup
 
-    return create_tp_runner(args, info, TPGroup(args.tp, args.device, num_threads=torch_threads(args)))
+    group = TPGroup(args.tp, args.device, num_threads=torch_threads(args))
+    return create_tp_runner(args, info, group, owns_group=True)
 
 
 def torch_threads(args: ServerArgs) -> int | None:
@@ -37,13 +38,14 @@ def torch_threads(args: ServerArgs) -> int | None:
     return max(torch.get_num_threads() // args.tp, 1)
 
 
-def create_tp_runner(args: ServerArgs, info: ModelInfo, group) -> ModelRunnerProtocol:
-    """Rank 0's runner on an existing `TPGroup` (its followers build theirs from the same args)."""
+def create_tp_runner(args: ServerArgs, info: ModelInfo, group, owns_group: bool = False) -> ModelRunnerProtocol:
+    """Rank 0's runner on an existing `TPGroup` (its followers build theirs from the same args); with
+    `owns_group` closing the runner also stops the followers."""
     from lightllm.models.tp_group import Plan
     from lightllm.models.tp_runner import LockstepRunner
 
     group.send(Plan("build", (args, info)))
-    return LockstepRunner(build_rank_runner(args, info, 0, group.size), group)
+    return LockstepRunner(build_rank_runner(args, info, 0, group.size), group, owns_group)
 
 
 def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: int = 1):
