@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         del engine
         # the frozen start-up objects of this engine may be collected again once it is gone
         gc.unfreeze()
+        # the engine's objects hold reference cycles: collect them, or the next mode finds the device memory taken
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
