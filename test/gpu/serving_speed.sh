@@ -3,7 +3,7 @@
 # real-width random checkpoint (SERVING_BENCH_SIZES: Qwen3.5 layout, hidden 2048, 8 layers, bf16, fp32 state),
 # 256-token prompts, 128 new tokens, greedy.
 #
-#   bash test/gpu/serving_speed.sh [seconds per part, default 170] [parts, default "overlap sync mtp2"]
+#   bash test/gpu/serving_speed.sh [seconds per mode, default 170] [parts, default "overlap sync mtp2"]
 #
 # Parts: overlap (graphs + overlap scheduling; compact needs drafts), sync (the same without overlap), eager (no graphs, no
 # overlap), mtp2 (MTP 2, every mode). Rows print as they finish; each part's JSON goes to $OUT (or
@@ -27,12 +27,15 @@ run() {
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# one process per mode: each sizes its KV cache from the device memory it finds free
 for part in $parts; do
     case $part in
-        overlap) run overlap --modes native,replay --batch_sizes 1,64,256 ;;
-        sync) run sync --modes native,replay --batch_sizes 64,256 --disable_overlap_schedule ;;
-        eager) run eager --modes native,replay --batch_sizes 1,64,256 --disable_cudagraph --disable_overlap_schedule ;;
-        mtp2) run mtp2 --modes native,compact,replay --batch_sizes 1,64,256 --mtp_step 2 ;;
+        overlap) for m in native replay; do run overlap-$m --modes $m --batch_sizes 1,64,256; done ;;
+        sync) for m in native replay; do run sync-$m --modes $m --batch_sizes 64,256 --disable_overlap_schedule; done ;;
+        eager) for m in native replay; do
+                   run eager-$m --modes $m --batch_sizes 1,64,256 --disable_cudagraph --disable_overlap_schedule
+               done ;;
+        mtp2) for m in native compact replay; do run mtp2-$m --modes $m --batch_sizes 1,64,256 --mtp_step 2; done ;;
         *) echo "unknown part $part" ;;
     esac
 done
