@@ -43,18 +43,63 @@ LOCAL = frozenset(
 START_UP = frozenset({"warmup", "init_decode_graphs"})
 
 
+def _map_leaves(value, leaf: type, f: Callable):
+    """`value` with every `leaf` instance inside it (lists, tuples, dicts, dataclass fields) replaced by `f(it)`,
+    in a fixed traversal order."""
+    if isinstance(value, leaf):
+        return f(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_leaves(v, leaf, f) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, leaf, f) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = [x.name for x in dataclasses.fields(value) if x.init]
+        return dataclasses.replace(value, **{name: _map_leaves(getattr(value, name), leaf, f) for name in fields})
+    return value
+
+
 def _host(value):
     """A copy of `value` that pickles without device tensors (they would unpickle onto rank 0's device)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_host(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _host(v) for k, v in value.items()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _host(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-        return dataclasses.replace(value, **fields)
-    return value
+    return _map_leaves(value, torch.Tensor, lambda t: t.detach().cpu())
+
+
+@dataclasses.dataclass(frozen=True)
+class _OnDevice:
+    """A plan argument that stays on the device: it follows the plan as a broadcast on the model's group (NCCL),
+    so rank 0 never waits for it on the host (the overlap schedule's in-flight decode tokens)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def stays_on_device(t: torch.Tensor) -> bool:
+    """Whether a plan's tensor goes as a broadcast on the model's group instead of inside the pickled plan."""
+    return t.device.type == "cuda"
+
+
+def _split_device_tensors(value) -> tuple[object, list[torch.Tensor]]:
+    """`value` with its device tensors replaced by `_OnDevice` markers, and those tensors in traversal order."""
+    found: list[torch.Tensor] = []
+
+    def mark(t: torch.Tensor):
+        if not stays_on_device(t):
+            return t
+        found.append(t.contiguous())
+        return _OnDevice(tuple(t.shape), t.dtype)
+
+    return _map_leaves(value, torch.Tensor, mark), found
+
+
+def _receive_device_tensors(value, device: torch.device):
+    """A follower's side of `_split_device_tensors`: each marker becomes the tensor rank 0 broadcasts for it."""
+    import torch.distributed as dist
+
+    def fill(marker: _OnDevice) -> torch.Tensor:
+        t = torch.empty(marker.shape, dtype=marker.dtype, device=device)
+        dist.broadcast(t, src=0)
+        return t
+
+    return _map_leaves(value, _OnDevice, fill)
 
 
 def _export_checkpoint(runner, control, handles: list[int]) -> Checkpoint | None:
@@ -124,7 +169,12 @@ class LockstepRunner:
         )
 
     def _everywhere(self, plan: Plan):
-        self.group.send(dataclasses.replace(plan, args=_host(plan.args), kwargs=_host(plan.kwargs)))
+        import torch.distributed as dist
+
+        (args, kwargs), on_device = _split_device_tensors((plan.args, plan.kwargs))
+        self.group.send(dataclasses.replace(plan, args=args, kwargs=kwargs))
+        for t in on_device:
+            dist.broadcast(t, src=0)
         return run_plan(self.runner, plan, self.group.control)
 
     def export_request(self, handle: int, pack: Callable | None = None) -> RequestState:
@@ -181,6 +231,7 @@ def follow(control, build: Callable) -> None:
             runner = None
             _release_memory()
         else:
+            plan = _receive_device_tensors(plan, runner.device)
             try:
                 run_plan(runner, plan, control)
             except Exception:
