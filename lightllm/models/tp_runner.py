@@ -1,7 +1,8 @@
 """Tensor-parallel runners in lockstep: rank 0's `LockstepRunner` and the followers' `follow` loop.
 
 The engine drives rank 0 exactly as it drives a single runner. Each call that changes device or allocator state
-is first broadcast as a `Plan` (method name and host copies of its arguments), then run on rank 0; the followers
+is first broadcast as a `Plan` (method name and arguments; GPU tensors among them follow as broadcasts on the
+model's NCCL group), then run on rank 0; the followers
 run the same call on their own runner, so every rank makes the same slot, KV and prefix-cache decisions and
 meets the model's collectives in the same order. Reads (free slots, prefix matches, stats) stay on rank 0: the
 ranks' allocators are identical. Only rank 0 samples; the followers' logits are dropped.
@@ -30,7 +31,8 @@ logger = logging.getLogger(__name__)
 LOCKSTEP = frozenset(
     {"add_request", "free_request", "publish", "evict_prefix_cache", "forward", "accept", "draft", "draft_with_logits"}
 )
-# calls that move a checkpoint by global head (a collective on the control group besides the runner call)
+# calls that move a checkpoint by global head (a collective on the control group besides the runner call); the
+# prefill/decode transfer calls `export_request` / `import_request` are LockstepRunner's own
 GLOBAL_LAYOUT = frozenset({"export_checkpoint", "import_checkpoint"})
 # reads: rank 0 answers for all ranks
 LOCAL = frozenset(
@@ -213,7 +215,9 @@ def _map_blobs(state: RequestState, f: Callable[[TensorBlob], TensorBlob]) -> Re
 
 def _repack(state: RequestState, pack: Callable, device: torch.device) -> RequestState:
     """The same state with its tensors packed by `pack` (one call, in the order `pd_state.export_request` uses)."""
-    blobs = [*state.kv, state.conv, state.ssm, *state.mtp_kv] + ([state.mtp_hidden] if state.mtp_hidden else [])
+    blobs = [*state.kv, state.conv, state.ssm, *state.mtp_kv] + (
+        [state.mtp_hidden] if state.mtp_hidden is not None else []
+    )
     packed = iter(pack([b.tensor(device) for b in blobs]))
     return _map_blobs(state, lambda _: next(packed))
 
