@@ -2,9 +2,8 @@
 
 The engine drives rank 0 exactly as it drives a single runner. Each call that changes device or allocator state
 is first broadcast as a `Plan` (method name and arguments; GPU tensors among them follow as broadcasts on the
-model's NCCL group), then run on rank 0; the followers
-run the same call on their own runner, so every rank makes the same slot, KV and prefix-cache decisions and
-meets the model's collectives in the same order. Reads (free slots, prefix matches, stats) stay on rank 0: the
+model's NCCL group), then run on rank 0; the followers run the same call on their own runner, so every rank makes
+the same slot, KV and prefix-cache decisions and meets the model's collectives in the same order. Reads (free slots, prefix matches, stats) stay on rank 0: the
 ranks' allocators are identical. Only rank 0 samples; the followers' logits are dropped.
 
 Checkpoints leave and enter the group laid out by global head (`tp_layout`): export gathers every rank's heads on
