@@ -10,7 +10,10 @@ its prompt and output (recompute).
 With a prefix cache, admission resumes a request from the deepest cached checkpoint on its tokens' path
 (`runner.add_request(prefix)`) and prefills only the rest. Prefill chunks are cut to end at multiples of
 `checkpoint_interval` when they cross one, so the engine can checkpoint there; a request leaving the batch
-(finished, aborted or preempted) first publishes its committed tokens (`runner.publish`).
+(finished, aborted or preempted) first publishes its committed tokens (`runner.publish`). The prefill rows stop one
+token short of the prompt and the last token runs as a one-token decode window: the checkpoint at the prefill end is
+then the state just before the last token, from which a later request with the same tokens produces its first
+output token without prefilling anything.
 """
 
 from __future__ import annotations
@@ -107,22 +110,36 @@ class Scheduler:
         start = req.num_computed_tokens
         if req.needs_prompt_logprobs:
             limit = min(limit, self._prompt_logit_rows_left)
-        end = min(req.num_prefill_tokens, start + max(limit, 0))
+        last = self.prefill_end(req)
+        end = min(last, start + max(limit, 0))
         interval = self.checkpoint_interval
         points = [p for p in (req.branch_point, *req.checkpoint_hints) if start < p < end]
         if points and interval:
             end = min(points)
-        elif interval and end < req.num_prefill_tokens and end // interval * interval > start:
+        elif interval and end < last and end // interval * interval > start:
             end = end // interval * interval
         if req.needs_prompt_logprobs:
             self._prompt_logit_rows_left -= end - start
         return end - start
 
+    def prefill_end(self, req: Request) -> int:
+        """Where `req`'s prefill rows stop. With a prefix cache (`checkpoint_interval` > 0), one token short of
+        `num_prefill_tokens`: the last token is fed as a one-token decode window instead (the same math, in the
+        decode batch), so the prefill end is checkpointed just before it. A later request for the same tokens
+        resumes there and feeds only that token, whose logits give its first output token; one that extends them
+        resumes there too and prefills one token more than it would from a checkpoint after the last token."""
+        n = req.num_prefill_tokens
+        return n - 1 if self.checkpoint_interval and n > 1 else n
+
+    def awaits_last_token(self, req: Request) -> bool:
+        """Prefilled up to `prefill_end` short of its last token: its next row is that token's decode window."""
+        return req.num_computed_tokens == self.prefill_end(req) < req.num_prefill_tokens
+
     def is_checkpoint_due(self, req: Request) -> bool:
         """After a prefill chunk: whether `req` stands where a checkpoint is due (prefill end, branch point,
         hinted position, interval boundary)."""
         n, interval = req.num_computed_tokens, self.checkpoint_interval
-        if n == req.num_prefill_tokens:
+        if n == self.prefill_end(req):
             return True
         return bool(interval) and (n == req.branch_point or n in req.checkpoint_hints or n % interval == 0)
 
@@ -133,7 +150,7 @@ class Scheduler:
         plan = SchedulePlan()
         self._prompt_logit_rows_left = self.max_prompt_logit_rows
         free_kv = self.runner.num_free_kv_tokens()
-        decoding = [r for r in self.running if not r.is_prefilling]
+        decoding = [r for r in self.running if not r.is_prefilling or self.awaits_last_token(r)]
         # every decode row needs one KV token for its last token; preempt latest admissions until they fit
         while decoding and len(decoding) > free_kv:
             victim = max(self.running, key=lambda r: r.admit_seq)
@@ -144,15 +161,17 @@ class Scheduler:
         free_kv -= len(decoding)
         for req in decoding:
             # drafts only while the step's budget and the KV cache have room; the width never exceeds the runner's
-            num_drafts = max(
+            # a request still prefilling feeds its last token: nothing was drafted after it (drafts from before a
+            # preemption belong to an older position)
+            num_drafts = 0 if req.is_prefilling else max(
                 0, min(len(req.draft_ids), self.max_width - 1, budget, free_kv, req.num_remaining_tokens - 1)
-            )
+            )  # fmt: skip
             budget -= num_drafts
             free_kv -= num_drafts
             drafts = req.draft_ids[:num_drafts]
             plan.decode.append(ScheduledRow(req, 1 + num_drafts, drafts))
         for req in self.running:
-            if req.is_prefilling and budget > 0 and free_kv > 0:
+            if req.is_prefilling and not self.awaits_last_token(req) and budget > 0 and free_kv > 0:
                 chunk = self.prefill_chunk(req, min(budget, free_kv))
                 if chunk == 0:
                     continue
@@ -199,9 +218,14 @@ class Scheduler:
             self._admit_seq += 1
             req.admit_seq = self._admit_seq
             self.running.append(req)
-            chunk = self.prefill_chunk(req, min(budget, free_kv))
-            if chunk > 0:
-                plan.prefill.append(ScheduledRow(req, chunk))
+            if self.awaits_last_token(req):
+                # resumed just before its last token (an exact repeat): that token's window, this step
+                chunk = 1
+                plan.decode.append(ScheduledRow(req, chunk))
+            else:
+                chunk = self.prefill_chunk(req, min(budget, free_kv))
+                if chunk > 0:
+                    plan.prefill.append(ScheduledRow(req, chunk))
             budget -= chunk
             free_kv -= chunk
             committed += num_prefill - req.num_computed_tokens - chunk + self.max_width

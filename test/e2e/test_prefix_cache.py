@@ -134,18 +134,19 @@ def scenario(seed: int) -> tuple[list[list[int]], list[int]]:
     base = fresh(rng, 40)
     return (
         [
-            base,  # cold: checkpoints at 16 and 32 (interval), 40 (prompt end), 45 (end of prompt + output)
+            base,  # cold: checkpoints at 16 and 32 (interval), 39 (prefill end), 45 (end of prompt + output)
             base[:37] + fresh(rng, 5, base[37]),  # between checkpoints: resumes at 32 (and checkpoints its branch, 37)
             base[:10] + fresh(rng, 6, base[10]),  # inside the first interval: nothing yet; checkpoints the branch, 10
             base[:10] + fresh(rng, 8, base[10]),  # resumes at the learned branch point
             base[:24] + fresh(rng, 4, base[24]),  # at the interval checkpoint (a prefill-chunk boundary too)
-            None,  # the next turn: prompt + output of the first + new tokens, resumes at the first one's end
-            base,  # an exact repeat: resumes at 37 (the second prompt's branch), checkpoints 39 (its last token needs logits)
-            base,  # resumes at 39
+            None,  # the next turn (first prompt + its output + new tokens): resumes at the first request's end but
+            # its last output token (45 = 40 + 6 - 1; that token was sampled, never fed), prefilled with the new ones
+            base,  # the first repeat: resumes before its last token (39) and feeds only that token
+            base,  # again
             base[:5] + fresh(rng, 3, base[5]),  # a 5-token shared prefix: branch point 5 ...
             base[:5] + fresh(rng, 4, base[5]),  # ... then resumes there
         ],
-        [0, 32, 0, 10, 16, 45, 37, 39, 0, 5],
+        [0, 32, 0, 10, 16, 45, 39, 39, 0, 5],
     )
 
 

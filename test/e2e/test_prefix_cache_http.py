@@ -70,30 +70,38 @@ def test_four_turn_chat_resumes_every_turn_and_equals_the_cold_run(served):
 
 
 def test_completions_report_cached_tokens_plain_and_streamed(served):
-    server, _ = served
+    """An exact repeat resumes before its last token (the second occurrence already hits); the next turn (prompt +
+    answer + new tokens) resumes at the answer's end but its last token, which was sampled and never fed."""
+    server, cold = served
     rng = random.Random(8)
     prompt = [rng.randrange(1, 500) for _ in range(40)]
     client = _client(server)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    answer = cold.generate([prompt], params)[0].outputs[0].token_ids
     before = scrape(server.base_url, "lightllm_prefix_cache_hit_tokens_total")
     first = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    # the same prompt continued: resumes at the end of the first prompt
-    longer = prompt + [7, 8, 9]
-    second = client.completions.create(model=server.model, prompt=longer, max_tokens=3, temperature=0)
-    assert second.usage.prompt_tokens_details.cached_tokens == 40
+    repeat = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0)
+    assert repeat.usage.prompt_tokens_details.cached_tokens == 39
+    assert repeat.choices[0].text == first.choices[0].text == cold.generate([prompt], params)[0].outputs[0].text
+    turn = prompt + answer + [7, 8, 9]
+    second = client.completions.create(model=server.model, prompt=turn, max_tokens=3, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 40 + 3 - 1
+    assert second.choices[0].text == cold.generate([turn], params)[0].outputs[0].text
     stream = client.completions.create(
         model=server.model,
-        prompt=longer + [10],
+        prompt=turn + [10],
         max_tokens=3,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
     )
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
-    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 43
+    # the previous request's prefill end, one short of its 46 tokens
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 45
     # engine statistics reach /metrics shortly after the requests finish
     wait_for(
-        lambda: scrape(server.base_url, "lightllm_prefix_cache_hit_tokens_total") >= before + 83,
+        lambda: scrape(server.base_url, "lightllm_prefix_cache_hit_tokens_total") >= before + 39 + 42 + 45,
         what="the hit tokens on /metrics",
     )
     assert scrape(server.base_url, "lightllm_prefix_cache_checkpoints_stored_total") > 0
@@ -104,6 +112,9 @@ def test_offline_request_output_reports_cached_tokens():
     llm = LLM(str(tiny_model_dir("qwen3_5")), prefix_cache_state_bytes=16 * 20_000, **FLAGS)
     prompt = [random.Random(4).randrange(1, 500) for _ in range(30)]
     params = SamplingParams(temperature=0, max_tokens=3)
-    first, second = llm.generate([prompt], params)[0], llm.generate([prompt + [5, 6]], params)[0]
-    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 30)
+    first, repeat = llm.generate([prompt], params)[0], llm.generate([prompt], params)[0]
+    turn = prompt + first.outputs[0].token_ids + [5, 6]
+    second = llm.generate([turn], params)[0]
+    assert (first.num_cached_tokens, repeat.num_cached_tokens, second.num_cached_tokens) == (0, 29, 32)
+    assert repeat.outputs[0].token_ids == first.outputs[0].token_ids
     assert "prefix cache:" in llm.engine.capacity_report()

@@ -63,10 +63,11 @@ def _batches(runner) -> list[tuple]:
 def test_chunks_end_at_the_last_interval_boundary_they_cross():
     runner = CachingFakeRunner(kv_tokens=200)
     _drain(_engine(runner, interval=8, chunk=20), [NewRequest("a", list(range(1, 31)), GREEDY)])
-    # 0 -> 20 crosses 8 and 16: cut at 16; 16 -> 30 ends the prompt: not cut
-    assert _batches(runner)[:3] == [([16], [0], 1), ([14], [16], 1), ([1], [30], 0)]
-    # checkpoints at 16 (interval) and 30 (prompt end), then the finished request's committed 31 tokens
-    assert runner.published == [(0, 16), (0, 30), (0, 31)]
+    # 0 -> 20 crosses 8 and 16: cut at 16; 16 -> 29 ends the prefill (one short of the prompt): not cut; the last
+    # prompt token is a decode window
+    assert _batches(runner)[:4] == [([16], [0], 1), ([13], [16], 1), ([1], [29], 0), ([1], [30], 0)]
+    # checkpoints at 16 (interval) and 29 (prefill end), then the finished request's committed 31 tokens
+    assert runner.published == [(0, 16), (0, 29), (0, 31)]
 
 
 def test_branch_point_and_hint_each_end_a_chunk():
@@ -74,8 +75,8 @@ def test_branch_point_and_hint_each_end_a_chunk():
     runner = CachingFakeRunner(kv_tokens=200, hits={tuple(prompt[:5]): (0, 5)})
     msg = NewRequest("a", prompt, GREEDY, checkpoint_hints=[12, 0, 40])
     tokens = _drain(_engine(runner, interval=1000), [msg])
-    assert _batches(runner)[:3] == [([5], [0], 1), ([7], [5], 1), ([8], [12], 1)]
-    assert runner.published == [(0, 5), (0, 12), (0, 20), (0, 21)]
+    assert _batches(runner)[:4] == [([5], [0], 1), ([7], [5], 1), ([7], [12], 1), ([1], [19], 0)]
+    assert runner.published == [(0, 5), (0, 12), (0, 19), (0, 21)]
     assert tokens["a"] == FakeRunner().greedy(prompt, 2)
 
 
@@ -92,12 +93,13 @@ def test_a_hit_starts_past_the_resumed_tokens_and_reports_them():
     engine = _engine(runner, interval=8)
     engine.add_request(NewRequest("a", prompt, GREEDY))
     first = engine.step()
-    # resumed 16, branch point 20 cuts the chunk, the prompt end 24 follows
+    # resumed 16, branch point 20 cuts the chunk, the prefill end 23 follows, then the last prompt token's window
     assert _batches(runner) == [([4], [16], 1)]
-    assert first == []
+    assert first == [] and engine.step() == []
+    assert _batches(runner)[-1] == ([3], [20], 1)
     out = engine.step()
-    assert out[0].num_cached_tokens == 16 and _batches(runner)[-1] == ([4], [20], 1)
-    assert runner.published == [(0, 20), (0, 24)]
+    assert out[0].num_cached_tokens == 16 and _batches(runner)[-1] == ([1], [23], 0)
+    assert runner.published == [(0, 20), (0, 23)]
 
 
 def test_publish_on_finish_abort_and_preemption_never_after_failure():
@@ -107,15 +109,40 @@ def test_publish_on_finish_abort_and_preemption_never_after_failure():
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     _drain(engine, [NewRequest("A", [1, 2, 3, 4], params), NewRequest("B", [4, 3, 2, 1], params)])
     assert engine.scheduler.num_preemptions == 1
-    # prompt ends (A, B), B preempted at 6, A finished at 9, B's re-prefill of 7 tokens, B finished at 9
-    assert runner.published == [(0, 4), (1, 4), (1, 6), (0, 9), (0, 7), (0, 9)]
+    # prefill ends one short of the prompts (A, B), B preempted at 6, A finished at 9, B's re-prefill of its 7
+    # tokens but the last (fed by its decode window), B finished at 9
+    assert runner.published == [(0, 3), (1, 3), (1, 6), (0, 9), (0, 6), (0, 9)]
     # an abort publishes what is committed
     runner.published.clear()
     engine.add_request(NewRequest("C", [5, 6, 7], params))
     engine.step()
     engine.abort("C")
-    assert runner.published == [(0, 3), (0, 3)]
+    assert runner.published == [(0, 2), (0, 2)]
     # a failed step publishes nothing
     failing = CachingFakeRunner(kv_tokens=100, fail_token=9)
     _drain(_engine(failing, interval=4), [NewRequest("D", [1, 2, 3, 4, 5, 9, 7], GREEDY)])
     assert failing.published == []
+
+
+def test_an_exact_repeat_resumes_before_its_last_token_and_prefills_nothing():
+    """A hit at all but the last token: the admission step is that token's decode window (no prefill row), its
+    logits give the first token, and the text equals the reference."""
+    prompt = list(range(3, 17))
+    runner = CachingFakeRunner(kv_tokens=200, hits={tuple(prompt[:13]): (13, 13)})
+    engine = _engine(runner, interval=8)
+    engine.add_request(NewRequest("a", prompt, GREEDY))
+    out = engine.step()
+    assert _batches(runner) == [([1], [13], 0)]
+    assert out[0].num_cached_tokens == 13 and out[0].token_ids == FakeRunner().greedy(prompt, 1)
+    while engine.has_work():
+        out += engine.step()
+    assert [t for o in out for t in getattr(o, "token_ids", [])] == FakeRunner().greedy(prompt, 2)
+    # nothing prefilled, nothing new to checkpoint but the finished request's end
+    assert runner.published == [(0, 15)]
+
+
+def test_a_one_token_prompt_samples_from_its_prefill():
+    runner = CachingFakeRunner(kv_tokens=200)
+    tokens = _drain(_engine(runner, interval=8), [NewRequest("a", [7], GREEDY)])
+    assert _batches(runner) == [([1], [0], 1), ([1], [1], 0)]
+    assert tokens["a"] == FakeRunner().greedy([7], 2)
