@@ -298,6 +298,30 @@ def test_publish_between_forward_and_accept_is_refused():
         engine.runner.publish(req.handle, req.all_ids[: req.num_computed_tokens])
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_next_turn_resumes_at_the_finished_request_end(overlap):
+    """A request that stops on a stop token, then the next turn (its prompt + answer + new tokens). With the overlap
+    schedule the step launched before the stop was read fed the answer's last token: the next turn resumes at the
+    exact end of the previous one. Synchronous (the twin), the last answer token was never fed: it resumes one
+    short and prefills it. Both equal the cold run."""
+    rng = random.Random(17)
+    prompt = fresh(rng, 23)
+    cold = make_engine("qwen3_5", "native", {}, cache=False)
+    greedy = run_one_by_one(cold, [prompt], 12)[0].tokens
+    stop = next(t for i, t in enumerate(greedy) if i >= 4 and t not in greedy[:i])
+    answer = greedy[: greedy.index(stop) + 1]
+    hot = make_engine("qwen3_5", "native", {}, disable_overlap_schedule=not overlap)
+    first = {"a": Result()}
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0, stop_token_ids=[stop])
+    assert hot.add_request(NewRequest("a", prompt, params)) == []
+    drain(hot, first)
+    assert first["a"].tokens == answer and first["a"].reason == "stop"
+    follow = prompt + answer + fresh(rng, 4)
+    got = run_one_by_one(hot, [follow], 5)
+    assert got[0].cached == len(prompt) + len(answer) - (0 if overlap else 1)
+    assert_same(got, run_one_by_one(make_engine("qwen3_5", "native", {}, cache=False), [follow], 5))
+
+
 @pytest.mark.parametrize("abort_after", [1, 3], ids=["mid-prefill", "mid-decode"])
 def test_abort_leaves_only_the_committed_prefix(abort_after):
     rng = random.Random(9)
