@@ -13,6 +13,7 @@ import torch
 
 from lightllm.engine.kv_cache import KVCache, ragged_arange
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
+from lightllm.models.draft_graphs import DraftGraphs
 
 
 class MtpDrafter:
@@ -23,6 +24,8 @@ class MtpDrafter:
         # rows committing at most this many pairs run as one padded attention group (decode-like); longer ones
         # (a prompt's pairs after prefill) each run as their own group
         self.max_width = max_width
+        # fixed-buffer (CUDA graph) drafting of batches whose rows all commit at most max_width pairs
+        self.graphs: DraftGraphs | None = None
 
     def draft(self, handles: list[int], reqs: list, next_tokens: list[int], num_steps: int):
         """Returns (draft tokens `[N, num_steps]` int64, logits `[N, num_steps, vocab]` fp32)."""
@@ -44,6 +47,12 @@ class MtpDrafter:
             assert len(ids) == sum(n for _, _, n in req.mtp_hidden), "MTP bookkeeping out of sync"
             tokens += ids
         hidden = gather_spans([req.mtp_hidden for req in reqs], device)
+        inverse = torch.from_numpy(np.argsort(order)).to(device)
+        graphs = self.graphs
+        if num_long == 0 and graphs is not None and graphs.num_steps == num_steps and graphs.bucket(len(rows)):
+            drafts, logits = graphs.run(rows, q_lens, cached, tokens, hidden)
+            self._committed(reqs, q_lens, hidden)
+            return drafts[inverse], logits[inverse]
         self.kv.truncate_many(rows, cached)
         self.kv.extend_many(rows, q_lens)
         ctx = build_context(q_lens.tolist(), cached.tolist(), num_long, rows.tolist(), self.kv, position_offset=1)
@@ -55,11 +64,7 @@ class MtpDrafter:
         padded_hidden[layout] = hidden
         out = self.head(self.model.embed_tokens(ids), padded_hidden, ctx)
         last = out[layout[torch.from_numpy(np.cumsum(q_lens) - 1).to(device)]]
-        for req, n, end in zip(reqs, q_lens.tolist(), np.cumsum(q_lens).tolist()):
-            req.mtp_len += n
-            req.mtp_hidden, req.mtp_next_ids = [], []
-            # the prefix cache checkpoints the hidden state of the last committed token
-            req.mtp_last_hidden = (hidden, end - 1)
+        self._committed(reqs, q_lens, hidden)
         all_logits = [self.model.logits(last)]
         drafts = [all_logits[-1].argmax(-1)]
         for step in range(1, num_steps):
@@ -70,8 +75,16 @@ class MtpDrafter:
             all_logits.append(self.model.logits(last))
             drafts.append(all_logits[-1].argmax(-1))
         # back to the callers' row order
-        inverse = torch.from_numpy(np.argsort(order)).to(device)
         return torch.stack(drafts, dim=1)[inverse], torch.stack(all_logits, dim=1)[inverse]
+
+    @staticmethod
+    def _committed(reqs: list, q_lens: np.ndarray, hidden: torch.Tensor) -> None:
+        """The rows' pending pairs are in the head's KV now."""
+        for req, n, end in zip(reqs, q_lens.tolist(), np.cumsum(q_lens).tolist()):
+            req.mtp_len += n
+            req.mtp_hidden, req.mtp_next_ids = [], []
+            # the prefix cache checkpoints the hidden state of the last committed token
+            req.mtp_last_hidden = (hidden, end - 1)
 
     def commit_known_pairs(self, handle: int, req) -> None:
         """Commit the request's pending pairs whose next token is known (every pending hidden row but the last)

@@ -23,6 +23,7 @@ from lightllm.linear_att import StateConfig, StateMode, create_state
 from lightllm.linear_att.base import Checkpoint, DecodeRows
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
 from lightllm.models.decode_graphs import DecodeGraphs
+from lightllm.models.draft_graphs import DraftGraphs
 from lightllm.models.drafting import MtpDrafter
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.loader import load_weights
@@ -143,6 +144,12 @@ class ModelRunner:
         max_batch = min(self.config.graph_max_batch_size, self.config.max_running_requests)
         self.decode_graphs = DecodeGraphs(self.model, self.kv, self.state, max_batch, self.max_width, use_graphs)
         self.decode_graphs.capture()
+        if self.drafter is not None:
+            drafter = self.drafter
+            drafter.graphs = DraftGraphs(
+                self.model, drafter.kv, max_batch, drafter.max_width, self.num_mtp_steps, use_graphs
+            )
+            drafter.graphs.capture()
         return True
 
     def _mtp_extra_tokens(self) -> int:

@@ -1,0 +1,176 @@
+"""MTP drafting of decode steps through fixed-address buffers, replayed as one CUDA graph per batch bucket.
+
+After a decode step every row commits between 1 and W (main hidden, next token) pairs into the MTP head's KV and
+then chains `num_steps` greedy drafts. All of that has a fixed shape once rows are padded to W and the batch to a
+bucket, so the whole draft (the commit forward, the chained forwards, the LM head and the argmaxes) is one graph:
+the host allocates every KV slot the draft writes up front, fills the per-phase inputs (positions, KV write slots,
+query and cached lengths) in two buffers with one copy each, scatters the gathered hidden states into the
+padded layout, and replays. Rows past the real batch are HOLD rows (query length 0, KV writes to the HOLD slot).
+
+Rows committing more than W pairs (a prompt's pairs right after its prefill) take the drafter's eager path.
+Without CUDA (or with graphs disabled) the same buffers run eagerly, which is how the CPU tests check them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from lightllm.engine.device_copy import copy_to_device, to_device
+from lightllm.models.context import AttentionGroup, StepContext, layout_positions, padded_token_index
+from lightllm.models.decode_graphs import batch_buckets
+
+logger = logging.getLogger(__name__)
+
+# int64 fields of one phase ([rows * width] each) and int32 fields ([rows] each); phase 0 commits the pairs,
+# phase p >= 1 feeds draft p - 1
+_I64 = ("positions", "write_slots", "real")
+_I32 = ("query_len", "num_cached")
+
+
+class DraftGraphs:
+    """Draft forwards of up to `max_batch` rows committing at most `width` pairs each, then `num_steps` drafts."""
+
+    def __init__(self, model, kv, max_batch: int, width: int, num_steps: int, use_graphs: bool):
+        self.model, self.head, self.kv = model, model.mtp, kv
+        self.width, self.num_steps = width, num_steps
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        device = kv.device
+        self._n_tok = self.max_batch * width
+        # rows 0..: token ids of phase 0, each row's last real token, its KV row; then every phase's fields
+        self._i64 = torch.zeros(3 + num_steps * len(_I64), self._n_tok, dtype=torch.int64, device=device)
+        self._i32 = torch.zeros(num_steps * len(_I32), self.max_batch, dtype=torch.int32, device=device)
+        self._host64 = np.zeros(tuple(self._i64.shape), dtype=np.int64)
+        self._host32 = np.zeros(tuple(self._i32.shape), dtype=np.int32)
+        self._hidden = torch.zeros(self._n_tok, model.cfg.hidden_size, dtype=model.embed.dtype, device=device)
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+
+    def bucket(self, num_rows: int) -> int | None:
+        for b in self.buckets:
+            if b >= num_rows:
+                return b
+        return None
+
+    def _field64(self, phase: int, name: str) -> int:
+        return 3 + phase * len(_I64) + _I64.index(name)
+
+    def _field32(self, phase: int, name: str) -> int:
+        return phase * len(_I32) + _I32.index(name)
+
+    def _context(self, phase: int, rows: int) -> StepContext:
+        w = self.width if phase == 0 else 1
+        n_tok = rows * w
+        i64, i32 = self._i64, self._i32
+        device = i64.device
+        group = AttentionGroup(
+            token_index=torch.arange(n_tok, device=device).view(rows, w),
+            valid=i64[self._field64(phase, "real"), :n_tok].view(rows, w) != 0,
+            table=self.kv.req_to_slot,
+            table_rows=i64[2, :rows],
+            context_len=self.kv.max_req_len,
+            query_start=torch.arange(0, n_tok, w, dtype=torch.int32, device=device),
+            query_len=i32[self._field32(phase, "query_len"), :rows],
+            num_cached=i32[self._field32(phase, "num_cached"), :rows],
+        )
+        return StepContext(
+            positions=i64[self._field64(phase, "positions"), :n_tok],
+            num_prefill_tokens=0,
+            write_slots=i64[self._field64(phase, "write_slots"), :n_tok],
+            groups=[group],
+            kv=self.kv,
+        )
+
+    def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit forward, then the chained drafts: (drafts `[rows, num_steps]`, logits `[rows, num_steps, V]`)."""
+        n_tok = rows * self.width
+        embeds = self.model.embed_tokens(self._i64[0, :n_tok])
+        out = self.head(embeds, self._hidden[:n_tok], self._context(0, rows))
+        last = out[self._i64[1, :rows]]
+        drafts, logits = [], []
+        for phase in range(self.num_steps):
+            if phase:
+                last = self.head(self.model.embed_tokens(drafts[-1]), last, self._context(phase, rows))
+            logits.append(self.model.logits(last))
+            drafts.append(logits[-1].argmax(-1))
+        return torch.stack(drafts, dim=1), torch.stack(logits, dim=1)
+
+    def _upload(self, rows: int) -> None:
+        copy_to_device(self._i64[:, : rows * self.width], self._host64[:, : rows * self.width])
+        copy_to_device(self._i32[:, :rows], self._host32[:, :rows])
+
+    def _fill_hold(self, rows: int) -> None:
+        h64, h32 = self._host64, self._host32
+        h64[:] = 0
+        for phase in range(self.num_steps):
+            h64[self._field64(phase, "write_slots")] = self.kv.hold_slot
+        h32[:] = 0
+        self._upload(rows)
+
+    def capture(self) -> None:
+        """One graph per bucket, largest first (the smaller ones share its memory pool); call after the decode
+        graphs. A failure turns draft graphs off (logged) instead of failing start-up."""
+        if not self.use_graphs:
+            return
+        try:
+            for rows in reversed(self.buckets):
+                self._fill_hold(rows)
+                self._forward(rows)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._outputs[rows] = self._forward(rows)
+                self._pool = graph.pool()
+                self._graphs[rows] = graph
+            torch.cuda.synchronize()
+        except Exception:
+            logger.exception("CUDA graph capture of MTP drafting failed; drafts run eagerly")
+            self._graphs.clear()
+            self._outputs.clear()
+            self.use_graphs = False
+
+    def run(
+        self, kv_rows: np.ndarray, q_lens: np.ndarray, cached: np.ndarray, tokens: list[int], hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft for `n = len(q_lens)` rows (`n <= max_batch`, every `q_lens[i] <= width`): row i commits the
+        pairs (`hidden`, `tokens`) of its `q_lens[i]` positions after `cached[i]` committed ones (both flat in
+        row order). Allocates the KV slots the draft writes; returns (drafts `[n, num_steps]`, logits)."""
+        n = len(q_lens)
+        rows = self.bucket(n)
+        assert rows is not None and int(q_lens.max()) <= self.width, "batch outside the captured shapes"
+        w, steps = self.width, self.num_steps
+        # the commit's pairs plus one entry per chained draft (the next draft truncates them again)
+        self.kv.truncate_many(kv_rows, cached)
+        self.kv.extend_many(kv_rows, q_lens + steps - 1)
+        h64, h32 = self._host64, self._host32
+        h64[:, : rows * w] = 0
+        h32[:, :rows] = 0
+        layout = padded_token_index(q_lens.tolist(), 0, w)
+        h64[0, layout] = tokens
+        h64[1, :rows] = np.arange(rows) * w
+        h64[1, :n] += q_lens - 1
+        h64[2, :n] = kv_rows
+        for phase in range(steps):
+            width, q = (w, q_lens) if phase == 0 else (1, np.ones(n, dtype=np.int64))
+            start = cached if phase == 0 else cached + q_lens + phase - 1
+            pos, write_slots, real = layout_positions(np.full(n, width), q, start, kv_rows, self.kv)
+            h64[self._field64(phase, "write_slots"), : rows * width] = self.kv.hold_slot
+            # the head's positions are one past the main model's: the pair (h_t, x_{t+1}) sits at t + 1
+            for name, values in (("positions", pos + 1), ("write_slots", write_slots), ("real", real)):
+                h64[self._field64(phase, name), : len(values)] = values
+            h32[self._field32(phase, "query_len"), :n] = q
+            h32[self._field32(phase, "num_cached"), :n] = start
+        self._upload(rows)
+        self._hidden[to_device(layout, self._hidden.device)] = hidden.to(self._hidden.dtype)
+        if rows in self._graphs:
+            self._graphs[rows].replay()
+            drafts, logits = self._outputs[rows]
+        else:
+            drafts, logits = self._forward(rows)
+        # the outputs are the graph's buffers: the caller keeps copies
+        return drafts[:n].clone(), logits[:n].clone()
