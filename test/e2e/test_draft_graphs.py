@@ -36,17 +36,22 @@ class _ScriptedWindows:
         self.mtp.after_step(runner, rows, hidden)
 
 
-def _run(fixed_buffers: bool, mode: str, continuations=None, perturb: bool = False):
+def _run(fixed_buffers: bool, mode: str, continuations=None, perturb: bool = False, device: str = "cpu"):
+    """On CUDA `fixed_buffers` means captured graphs (and the reference is eager), on the CPU the same buffers run
+    eagerly."""
     args, info = load_server_args(
-        [], model_dir=str(tiny_model_dir("qwen3_5")), device="cpu", ssm_state_mode=mode, mtp_step=2,
-        max_running_requests=4, chunked_prefill_size=64, max_total_token_num=512,
+        [], model_dir=str(tiny_model_dir("qwen3_5")), device=device, data_type="float32", ssm_state_mode=mode,
+        mtp_step=2, max_running_requests=4, chunked_prefill_size=64, max_total_token_num=512,
+        disable_cudagraph=device == "cuda" and not fixed_buffers,
     )  # fmt: skip
     engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
     runner = engine.runner
     if fixed_buffers:
-        assert runner.init_decode_graphs(use_graphs=False)
+        if device == "cpu":
+            assert runner.init_decode_graphs(use_graphs=False)
         graphs = runner.drafter.graphs
         assert isinstance(graphs, DraftGraphs)
+        assert graphs.use_graphs == (device == "cuda"), "capture failed (see the log)"
         if perturb:
             forward = graphs._forward
 
@@ -79,25 +84,35 @@ def _run(fixed_buffers: bool, mode: str, continuations=None, perturb: bool = Fal
     return tokens, drafted, engine.stats
 
 
-def _continuations(mode: str) -> dict[tuple[int, ...], list[int]]:
+def _continuations(mode: str, device: str = "cpu") -> dict[tuple[int, ...], list[int]]:
     """Each prompt's greedy continuation (what any drafts verify to)."""
-    tokens, _, _ = _run(False, mode)
+    tokens, _, _ = _run(False, mode, device=device)
     return {tuple(p): tokens[f"r{i}"] + [0] * 4 for i, p in enumerate(PROMPTS)}
 
 
-@pytest.mark.parametrize("mode", ["native", "replay"])
-def test_fixed_buffer_drafts_equal_the_ordinary_drafter(mode):
-    continuations = _continuations(mode)
-    tokens, drafted, stats = _run(False, mode, continuations)
-    tokens_fixed, drafted_fixed, stats_fixed = _run(True, mode, continuations)
+def _check_equal(mode: str, device: str, tol: float) -> None:
+    continuations = _continuations(mode, device)
+    tokens, drafted, stats = _run(False, mode, continuations, device=device)
+    tokens_fixed, drafted_fixed, stats_fixed = _run(True, mode, continuations, device=device)
     assert tokens_fixed == tokens
     assert all(tokens[f"r{i}"] == continuations[tuple(p)][: MAX_TOKENS[i]] for i, p in enumerate(PROMPTS))
     assert len(drafted_fixed) == len(drafted) > 10
     for (h0, d0, l0), (h1, d1, l1) in zip(drafted, drafted_fixed):
         assert h0 == h1
         assert torch.equal(d0, d1)
-        torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(l1, l0, rtol=tol, atol=tol)
     assert stats_fixed.num_accepted_draft_tokens == stats.num_accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["native", "replay"])
+def test_fixed_buffer_drafts_equal_the_ordinary_drafter(mode):
+    _check_equal(mode, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["native", "compact", "replay"])
+def test_cuda_graph_drafts_equal_eager_drafts(mode):
+    _check_equal(mode, "cuda", 1e-4)
 
 
 def test_a_perturbed_hidden_buffer_changes_the_drafts():
