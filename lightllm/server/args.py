@@ -49,11 +49,12 @@ class ServerArgs:
     pd_transport: str = _flag(
         "auto",
         "prefill/decode nodes: how request state moves between nodes: host (staged in host memory, over TCP; any "
-        "hosts), cuda_ipc (device to device between nodes of one host, else host), auto (cuda_ipc on cuda, else host)",
-        ("auto", "host", "cuda_ipc"),
+        "hosts), cuda_ipc (device to device between nodes of one host, else host), nixl (NIXL reads of the prefill "
+        "node's staging buffer; needs the nixl package), auto (cuda_ipc on cuda, else host)",
+        ("auto", "host", "cuda_ipc", "nixl"),
     )
     pd_ipc_buffer_mb: int = _flag(
-        1024, "prefill node with CUDA IPC: device staging buffer for transfers in flight, MiB", type=int
+        1024, "prefill node with CUDA IPC or NIXL: staging buffer for transfers in flight, MiB", type=int
     )
     pd_node_timeout_s: float = _flag(
         5.0, "pd_master: seconds without a heartbeat after which a node is dropped and its requests fail", type=float
@@ -234,6 +235,11 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
     """Refuse combinations that cannot work; every message says which flag to change."""
     if args.pd_transport == "cuda_ipc" and args.device == "cpu":
         raise ValueError("--pd_transport cuda_ipc moves device memory: use --device cuda, or --pd_transport host")
+    if args.pd_transport == "nixl":
+        from lightllm.server.pd.nixl import nixl_module_name
+
+        if nixl_module_name() is None:
+            raise ValueError("--pd_transport nixl: no NIXL package is installed (pip install nixl-cu13); or use auto")
     if args.mtp_step < 0 or args.spec_ngram < 0:
         raise ValueError("--mtp_step and --spec_ngram must be >= 0")
     if args.mtp_step and args.spec_ngram:

@@ -18,10 +18,12 @@ from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
 from lightllm.server.model_info import read_model_info
-from lightllm.server.pd.cuda_ipc import CudaIpcHandle, RegionReader, StagingBuffer
+from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads
 from lightllm.server.pd.header import runner_header
 from lightllm.server.pd.messages import PdPrefill, PdTransfer
+from lightllm.server.pd.nixl import NIXL_KIND, NixlEndpoint, NixlHandle, nixl_module_name
 from lightllm.server.pd.roles import DecodeRole, PrefillRole
+from lightllm.server.pd.staging import RegionReader, StagingBuffer
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from lightllm.tools.tiny_model.sizes import ARCHS
 
@@ -57,23 +59,29 @@ class WireTransport:
 
 
 class Pair:
-    def __init__(self, arch: str, p_mode: str, d_mode: str, mtp_step: int, engines=None, staging_bytes: int = 0):
+    def __init__(
+        self, arch: str, p_mode: str, d_mode: str, mtp_step: int, engines=None, staging_bytes: int = 0, nixl=False,
+        reader_kinds=("cuda_ipc@this host",),
+    ):  # fmt: skip
         self.prefill, self.decode = engines or (_engine(arch, p_mode, mtp_step), _engine(arch, d_mode, mtp_step))
         self.wire = WireTransport()
         fingerprint = runner_header(self.prefill.runner, str(tiny_model_dir(arch))).fingerprint()
-        # CUDA IPC's staging and reading on a CPU buffer: the "opened" peer buffer is the staging buffer itself
+        # a staging buffer on the CPU, read by NIXL (two agents of this process), or as CUDA IPC reads it with the
+        # "opened" peer buffer being the staging buffer itself
         self.staging = reader = None
-        self.ipc_host = ""
+        self.reads: list[str] = []
         if staging_bytes:
-            handle = CudaIpcHandle("cpu", b"buffer", staging_bytes, 0, b"", 0, b"", False)
             buffer = torch.full((staging_bytes,), 0xFF, dtype=torch.uint8)
-            self.staging = StagingBuffer(buffer, share=lambda _: handle, synchronize=lambda: None)
-            reader = RegionReader("cpu", open=lambda _: buffer, synchronize=lambda: None)
-            self.ipc_host = "this host"
-        self.p = PrefillRole(
-            self.prefill, self.wire, fingerprint, "P", transfer_timeout_s=30.0, staging=self.staging,
-            ipc_host=self.ipc_host,
-        )  # fmt: skip
+            if nixl:
+                endpoint = NixlEndpoint("prefill")
+                self.staging = StagingBuffer(buffer, endpoint.share(buffer), NIXL_KIND, sharer=endpoint)
+                reader = RegionReader("cpu", {NixlHandle: NixlEndpoint("decode").read}, [NIXL_KIND])
+            else:
+                handle = CudaIpcHandle("cpu", b"buffer", staging_bytes, 0, b"", 0, b"", False)
+                self.staging = StagingBuffer(buffer, handle, "cuda_ipc@this host")
+                reader = RegionReader("cpu", {CudaIpcHandle: CudaIpcReads(open=lambda _: buffer)}, list(reader_kinds))
+            self.reads = reader.kinds
+        self.p = PrefillRole(self.prefill, self.wire, fingerprint, "P", transfer_timeout_s=30.0, staging=self.staging)
         self.d = DecodeRole(self.decode, self.wire, fingerprint, reader)
 
     def run(self, prompts, params=PARAMS, between=None, prefix="r"):
@@ -89,7 +97,7 @@ class Pair:
                     finished[out.req_id] = out
 
         for k, prompt in enumerate(prompts):
-            absorb(self.p.on_message(PdPrefill(NewRequest(f"{prefix}{k}", prompt, params), "D", self.ipc_host)))
+            absorb(self.p.on_message(PdPrefill(NewRequest(f"{prefix}{k}", prompt, params), "D", self.reads)))
         for _ in range(500):
             if len(finished) == len(prompts):
                 break
@@ -166,18 +174,29 @@ def test_every_mode_pair_and_draft_method_equals_monolithic(arch):
             pair.assert_pools_empty()
 
 
-@pytest.mark.parametrize("staging_bytes", [1 << 20, 1024], ids=["device-region", "region-full-goes-host"])
-def test_a_transfer_through_a_device_region_equals_monolithic_and_frees_it(staging_bytes):
+NO_NIXL = pytest.mark.skipif(nixl_module_name() is None, reason="no NIXL package installed (nixl-cu13)")
+
+
+@pytest.mark.parametrize(
+    "staging_bytes, nixl, reader_kinds",
+    [
+        pytest.param(1 << 20, False, ["cuda_ipc@this host"], id="device-region"),
+        pytest.param(1 << 20, False, ["cuda_ipc@another host"], id="reader-elsewhere-goes-host"),
+        pytest.param(1024, False, ["cuda_ipc@this host"], id="region-full-goes-host"),
+        pytest.param(1 << 20, True, [], id="nixl", marks=NO_NIXL),
+    ],
+)
+def test_a_transfer_through_a_device_region_equals_monolithic_and_frees_it(staging_bytes, nixl, reader_kinds):
     expected = _monolithic("qwen3_5", "native", PROMPTS, mtp_step=2)
-    pair = Pair("qwen3_5", "native", "compact", 2, staging_bytes=staging_bytes)
+    pair = Pair("qwen3_5", "native", "compact", 2, staging_bytes=staging_bytes, nixl=nixl, reader_kinds=reader_kinds)
     sent: list[PdTransfer] = []
     pair.wire.corrupt = sent.append
     tokens, _ = pair.run(PROMPTS)
     _assert_close(expected, tokens)
     pair.assert_pools_empty()
     assert len(sent) == 2
-    if staging_bytes == 1024:
-        # nothing fits: both went host-staged
+    if staging_bytes == 1024 or reader_kinds == ["cuda_ipc@another host"]:
+        # nothing fits, or the decode node cannot read this buffer: both went host-staged
         assert all(t.region is None and t.state.ssm.data for t in sent)
         return
     # the messages carry shapes and offsets only; the bytes were read out of the region

@@ -9,8 +9,8 @@ Part `transfer`: a prefill engine in this process and a decode engine in a child
 off and imported; the time runs from the end of the prefill step to the end of the import on the decode side
 (export, staging or serialization, zmq, region copy or deserialization, import into the KV and state pools, all
 synchronized), over the state's bytes (KV of every token, linear state, MTP head state). Transports: `host`
-(staged in host memory, msgpack over TCP) and `cuda_ipc` (device to device through the prefill node's staging
-buffer). Part `serving`: `lightllm.tools.bench_serving` (random 256-token prompts, 128 new tokens, greedy, all at
+(staged in host memory, msgpack over TCP), `cuda_ipc` (device to device through the prefill node's staging
+buffer) and, when a NIXL package is installed, `nixl` (NIXL reads of that buffer). Part `serving`: `lightllm.tools.bench_serving` (random 256-token prompts, 128 new tokens, greedy, all at
 once at `--concurrency`) against a monolithic server, then against a pd_master with one prefill and one decode node
 on the same GPU, per transport; TTFT and TPOT (mean, median, p99).
 
@@ -40,9 +40,10 @@ from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
-from lightllm.server.pd.cuda_ipc import RegionReader, StagingBuffer, host_identity
 from lightllm.server.pd.header import runner_header
 from lightllm.server.pd.messages import NodeInput, PdPrefill, PdTransfer, TransferAck
+from lightllm.server.pd.nixl import nixl_module_name
+from lightllm.server.pd.node import region_reader, staging_buffer
 from lightllm.server.pd.roles import DecodeRole, PrefillRole
 from lightllm.server.pd.transport import ZmqHostTransport
 from lightllm.tools.bench_throughput import serving_model_dir
@@ -69,9 +70,9 @@ def _engine_args(a, mem_fraction: float) -> dict:
 
 
 # transfer part ----------------------------------------------------------------------------------------------
-def _decode_child(a, inbox_addr: str, report_addr: str, use_ipc: bool, conn) -> None:
+def _decode_child(a, inbox_addr: str, report_addr: str, transport: str, conn) -> None:
     """The decode side: imports each transfer as it arrives, reports when the import is complete, then drops it."""
-    args, info = load_server_args([], **_engine_args(a, 0.3))
+    args, info = load_server_args([], **_engine_args(a, 0.3), pd_transport=transport)
     engine = build_engine(args, info, REAL_RUNNER)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -79,9 +80,9 @@ def _decode_child(a, inbox_addr: str, report_addr: str, use_ipc: bool, conn) -> 
     report = ctx.socket(zmq.PUSH)
     report.connect(report_addr)
     fingerprint = runner_header(engine.runner, info.model_dir).fingerprint()
-    reader = RegionReader(engine.runner.device) if use_ipc else None
+    reader = region_reader(args, engine.runner.device)
     role = DecodeRole(engine, ZmqHostTransport(ctx), fingerprint, reader)
-    conn.send(host_identity() if use_ipc else "")
+    conn.send(reader.kinds if reader is not None else [])
     decoder = msgspec.msgpack.Decoder(NodeInput)
     while True:
         raw = inbox.recv()
@@ -98,12 +99,12 @@ def _decode_child(a, inbox_addr: str, report_addr: str, use_ipc: bool, conn) -> 
     ctx.destroy(linger=0)
 
 
-def _prefilled(engine, role: PrefillRole, vocab: int, n: int, req_id: str, decode_addr: str, ipc_host: str) -> float:
+def _prefilled(engine, role: PrefillRole, vocab: int, n: int, req_id: str, decode_addr: str, reads: list) -> float:
     """Prefill a random prompt of `n` tokens up to its first token; hand it off; returns when the prefill step
     ended."""
     prompt = torch.randint(1, vocab, (n,)).tolist()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    refused = role.on_message(PdPrefill(NewRequest(req_id, prompt, params), decode_addr, ipc_host))
+    refused = role.on_message(PdPrefill(NewRequest(req_id, prompt, params), decode_addr, reads))
     if refused:
         raise RuntimeError(f"the prefill engine refused the request: {refused}")
     while True:
@@ -126,8 +127,7 @@ def _state_bytes(transfer: PdTransfer) -> int:
 
 
 def bench_transfer(a, transport: str) -> None:
-    use_ipc = transport == "cuda_ipc"
-    args, info = load_server_args([], **_engine_args(a, 0.3))
+    args, info = load_server_args([], **_engine_args(a, 0.3), pd_transport=transport, pd_ipc_buffer_mb=a.ipc_buffer_mb)
     ctx = zmq.Context()
     sock_dir = f"/tmp/lightllm-pd-bench-{os.getpid()}-{transport}"
     inbox_addr, decode_addr, report_addr = (f"ipc://{sock_dir}-{n}" for n in ("p", "d", "r"))
@@ -137,11 +137,11 @@ def bench_transfer(a, transport: str) -> None:
     report.bind(report_addr)
     spawn = mp.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe()
-    child = spawn.Process(target=_decode_child, args=(a, decode_addr, report_addr, use_ipc, child_conn), daemon=True)
+    child = spawn.Process(target=_decode_child, args=(a, decode_addr, report_addr, transport, child_conn), daemon=True)
     child.start()
     engine = build_engine(args, info, REAL_RUNNER)
     fingerprint = runner_header(engine.runner, info.model_dir).fingerprint()
-    staging = StagingBuffer.on_device(a.ipc_buffer_mb << 20, engine.runner.device) if use_ipc else None
+    staging = staging_buffer(args, engine.runner.device)
     sent: list[PdTransfer] = []
 
     class Recording(ZmqHostTransport):
@@ -150,15 +150,15 @@ def bench_transfer(a, transport: str) -> None:
                 sent.append(msg)
             super().send(addr, msg)
 
-    role = PrefillRole(engine, Recording(ctx), fingerprint, inbox_addr, 60.0, staging, host_identity())
-    decode_ipc_host = parent_conn.recv()
+    role = PrefillRole(engine, Recording(ctx), fingerprint, inbox_addr, 60.0, staging)
+    decode_reads = parent_conn.recv()
     ack_decoder = msgspec.msgpack.Decoder(NodeInput)
     try:
         for n in a.transfer_lens:
             times = []
             for k in range(a.repeats + 1):
                 req_id = f"{transport}-{n}-{k}"
-                t0 = _prefilled(engine, role, min(info.vocab_size, 30000), n, req_id, decode_addr, decode_ipc_host)
+                t0 = _prefilled(engine, role, min(info.vocab_size, 30000), n, req_id, decode_addr, decode_reads)
                 got_id, done, ok = msgspec.msgpack.decode(report.recv())
                 assert got_id == req_id and ok, f"the decode side did not import {req_id}"
                 ack = ack_decoder.decode(inbox.recv())
@@ -168,7 +168,7 @@ def bench_transfer(a, transport: str) -> None:
                     times.append(done - t0)
             nbytes = _state_bytes(sent[-1])
             seconds = statistics.median(times)
-            via = "device region" if sent[-1].region is not None else "host bytes"
+            via = "staging region" if sent[-1].region is not None else "host bytes"
             print(f"| {transport} | {n} | {nbytes / 2**20:.1f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.2f} "
                   f"| {via} |", flush=True)  # fmt: skip
     finally:
@@ -273,7 +273,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parts", default="transfer,serving")
     p.add_argument("--transfer_lens", default="256,1024,4096,16384", help="prompt lengths of the transfer part")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--transports", default=None, help="transfer part (default: host,cuda_ipc on cuda, host on cpu)")
+    p.add_argument(
+        "--transports",
+        default=None,
+        help="transfer part (default: host,cuda_ipc on cuda, host on cpu; nixl if installed)",
+    )
     p.add_argument("--serving_transports", default=None, help="serving part (default: as --transports)")
     p.add_argument("--ipc_buffer_mb", type=int, default=1024)
     p.add_argument("--mtp_step", type=int, default=0)
@@ -285,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     default_transports = "host,cuda_ipc" if a.device == "cuda" else "host"
+    if nixl_module_name() is not None:
+        default_transports += ",nixl"
     a = argparse.Namespace(
         **{
             **vars(a),

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from lightllm.engine.transfer.payload import TensorBlob
-from lightllm.server.pd.cuda_ipc import DeviceRegion, RegionReader, StagingBuffer
+from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads, share_cuda_buffer
+from lightllm.server.pd.staging import DeviceRegion, RegionReader, StagingBuffer
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.gpu
 def _child(wire: bytes, blobs_wire: bytes, conn) -> None:
     region = msgspec.msgpack.decode(wire, type=DeviceRegion)
     blobs = msgspec.msgpack.decode(blobs_wire, type=list[TensorBlob])
-    local = RegionReader("cuda").pull(region)
+    local = RegionReader("cuda", {CudaIpcHandle: CudaIpcReads()}, ["cuda_ipc@here"]).pull(region)
     conn.send([b.view_in(local).cpu() for b in blobs])
     conn.close()
 
@@ -40,7 +41,8 @@ def _read_in_child(region: DeviceRegion, blobs: list[TensorBlob]) -> list[torch.
 
 def test_a_staged_region_read_by_another_process_equals_the_tensors():
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    staging = StagingBuffer.on_device(64 << 20, "cuda")
+    buffer = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    staging = StagingBuffer(buffer, share_cuda_buffer(buffer), "cuda_ipc@here")
     # a filler region first, so the transfer's region does not start at offset 0
     filler = staging.stage([torch.ones(1000, device="cuda")])
     tensors = [

@@ -52,7 +52,7 @@ def add_pd_routes(app: FastAPI, router: PdRouter) -> None:
                 str(body["inbox"]),
                 str(body["outbox"]),
                 int(body["capacity"]),
-                str(body.get("ipc_host", "")),
+                [str(kind) for kind in body.get("reads", [])],
                 int(body.get("pid", 0)),
             )
         except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:

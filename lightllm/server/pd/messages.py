@@ -11,15 +11,15 @@ import msgspec
 
 from lightllm.engine.messages import Abort, NewRequest, TokenChunk
 from lightllm.engine.transfer.payload import RequestState
-from lightllm.server.pd.cuda_ipc import DeviceRegion
+from lightllm.server.pd.staging import DeviceRegion
 
 
 class PdPrefill(msgspec.Struct, tag=True):
     request: NewRequest
     # zmq address of the decode node's inbox, where the prefilled request goes
     decode_addr: str
-    # the decode node's host identity when it reads CUDA IPC regions, else empty
-    decode_ipc_host: str = ""
+    # the kinds of staging region the decode node reads (`staging.py`); empty: host-staged transfers only
+    decode_reads: list[str] = msgspec.field(default_factory=list)
 
 
 class PdTransfer(msgspec.Struct, tag=True):

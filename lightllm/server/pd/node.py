@@ -18,16 +18,19 @@ import time
 
 import httpx
 import msgspec
+import torch
 import zmq
 
 from lightllm.server.args import ServerArgs
 from lightllm.server.engine_loop import run_engine_loop
 from lightllm.server.engine_process import build_engine, quiet_garbage_collector
 from lightllm.server.model_info import ModelInfo
-from lightllm.server.pd.cuda_ipc import RegionReader, StagingBuffer, host_identity, uses_cuda_ipc
+from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads, cuda_ipc_kind, share_cuda_buffer
 from lightllm.server.pd.header import runner_header
 from lightllm.server.pd.messages import NodeInput
+from lightllm.server.pd.nixl import NIXL_KIND, NixlEndpoint, NixlHandle
 from lightllm.server.pd.roles import DecodeRole, PrefillRole
+from lightllm.server.pd.staging import RegionReader, StagingBuffer, host_identity, uses_cuda_ipc
 from lightllm.server.pd.transport import ZmqHostTransport
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 
@@ -80,14 +83,13 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
     outbox_addr = f"tcp://{host}:{outbox.bind_to_random_port(f'tcp://{args.host}')}"
     transport = ZmqHostTransport(ctx)
     fingerprint = header.fingerprint()
-    ipc = uses_cuda_ipc(args.pd_transport, args.device)
-    ipc_host = host_identity() if ipc else ""
+    reader = None
     if args.run_mode == "prefill":
-        use_staging = ipc and args.pd_ipc_buffer_mb > 0
-        staging = StagingBuffer.on_device(args.pd_ipc_buffer_mb << 20, engine.runner.device) if use_staging else None
-        role = PrefillRole(engine, transport, fingerprint, inbox_addr, args.pd_transfer_timeout_s, staging, ipc_host)
+        staging = staging_buffer(args, engine.runner.device)
+        role = PrefillRole(engine, transport, fingerprint, inbox_addr, args.pd_transfer_timeout_s, staging)
     else:
-        role = DecodeRole(engine, transport, fingerprint, RegionReader(engine.runner.device) if ipc else None)
+        reader = region_reader(args, engine.runner.device)
+        role = DecodeRole(engine, transport, fingerprint, reader)
     master_url = f"http://{args.pd_master_ip}:{args.pd_master_port}"
     # one line per periodic re-registration would drown the node's log
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -97,8 +99,8 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
         "inbox": inbox_addr,
         "outbox": outbox_addr,
         "capacity": args.max_running_requests + args.max_queue_len,
-        # a decode node that reads CUDA IPC regions says on which host; prefill nodes there send device to device
-        "ipc_host": ipc_host if args.run_mode == "decode" else "",
+        # a decode node says which staging regions it reads; prefill nodes with such a buffer send through it
+        "reads": reader.kinds if reader is not None else [],
         "header": msgspec.to_builtins(header),
         "pid": os.getpid(),
     }
@@ -125,6 +127,26 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
         outbox.close(linger=0)
         ctx.term()
     return 0
+
+
+def staging_buffer(args: ServerArgs, device: torch.device) -> StagingBuffer | None:
+    """A prefill node's staging buffer: registered with NIXL, shared by CUDA IPC, or none (host-staged)."""
+    if args.pd_ipc_buffer_mb == 0 or not (args.pd_transport == "nixl" or uses_cuda_ipc(args.pd_transport, args.device)):
+        return None
+    buffer = torch.empty(args.pd_ipc_buffer_mb << 20, dtype=torch.uint8, device=device)
+    if args.pd_transport == "nixl":
+        endpoint = NixlEndpoint("prefill")
+        return StagingBuffer(buffer, endpoint.share(buffer), NIXL_KIND, sharer=endpoint)
+    return StagingBuffer(buffer, share_cuda_buffer(buffer), cuda_ipc_kind(host_identity()))
+
+
+def region_reader(args: ServerArgs, device: torch.device) -> RegionReader | None:
+    """What a decode node reads: NIXL regions, CUDA IPC regions of its host, or none (host-staged only)."""
+    if args.pd_transport == "nixl":
+        return RegionReader(device, {NixlHandle: NixlEndpoint("decode").read}, [NIXL_KIND])
+    if uses_cuda_ipc(args.pd_transport, args.device):
+        return RegionReader(device, {CudaIpcHandle: CudaIpcReads()}, [cuda_ipc_kind(host_identity())])
+    return None
 
 
 def _send_to_master(outbox: zmq.Socket, raw: bytes) -> None:

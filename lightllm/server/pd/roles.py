@@ -10,8 +10,8 @@ Decode: a `PdTransfer` is confirmed at once (its state is in host memory here, o
 prefill node's device region) and waits until a state slot and KV for its tokens are free, then is imported into a
 fresh slot and decodes like any request.
 
-With CUDA IPC (`cuda_ipc.py`) the prefill node stages the state in its device buffer when the decode node reads
-regions on the same host; the region is freed with the slot.
+With a staging buffer (`staging.py`: CUDA IPC or NIXL) the prefill node stages the state in it when the decode
+node reads that kind of region; the region is freed with the slot.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from lightllm.engine.engine import Engine
 from lightllm.engine.messages import Abort, EngineOutput, Finished, TokenChunk
 from lightllm.engine.request import Request, Status
 from lightllm.models.pd_state import export_request, host_blobs, import_request
-from lightllm.server.pd.cuda_ipc import DeviceRegion, RegionReader, StagingBuffer
 from lightllm.server.pd.messages import PdPrefill, PdTransfer, TransferAck
+from lightllm.server.pd.staging import DeviceRegion, RegionReader, StagingBuffer
 from lightllm.server.pd.transport import StateTransport, TransportError
 
 logger = logging.getLogger(__name__)
@@ -61,16 +61,14 @@ class PrefillRole:
         ack_addr: str,
         transfer_timeout_s: float,
         staging: StagingBuffer | None = None,
-        ipc_host: str = "",
     ):
         self.engine = engine
         # an overlapped step would feed a request's first sampled token to the model before `after_step` sees the
         # token, so the exported state would hold one token more than the transfer says; a prefill engine decodes
         # nothing, so it loses nothing by stepping synchronously
         engine.overlap_schedule = False
-        # device-to-device transfers to decode nodes that read regions on this host (`ipc_host`)
+        # device-to-device transfers to decode nodes that read this buffer's kind of region
         self.staging = staging
-        self.ipc_host = ipc_host
         self.transport = transport
         self.fingerprint = fingerprint
         self.ack_addr = ack_addr
@@ -143,14 +141,14 @@ class PrefillRole:
         return []
 
     def _packer(self, route: PdPrefill, held: _Held):
-        """Host bytes, or the staging buffer when the decode node reads regions on this host and one is free."""
-        if self.staging is None or not route.decode_ipc_host or route.decode_ipc_host != self.ipc_host:
+        """Host bytes, or the staging buffer when the decode node reads its kind of region and one is free."""
+        if self.staging is None or self.staging.kind not in route.decode_reads:
             return host_blobs
 
         def pack(tensors: list[torch.Tensor]):
             staged = self.staging.stage(tensors)
             if staged is None:
-                logger.warning("the CUDA IPC staging buffer is full: %s goes host-staged", route.request.req_id)
+                logger.warning("the staging buffer is full: %s goes host-staged", route.request.req_id)
                 return host_blobs(tensors)
             held.region, blobs = staged
             return blobs
@@ -184,7 +182,7 @@ class DecodeRole:
         self.engine = engine
         self.transport = transport
         self.fingerprint = fingerprint
-        # reads prefill nodes' CUDA IPC regions (None: this node takes host-staged transfers only)
+        # reads prefill nodes' staging regions (None: this node takes host-staged transfers only)
         self.reader = reader
         # confirmed transfers waiting for a state slot and KV
         self.pending: deque[PdTransfer] = deque()
@@ -241,7 +239,7 @@ class DecodeRole:
         """Copy the transfer's device region here now (the prefill node frees it on our confirmation or its
         timeout); the reason when that cannot be done."""
         if self.reader is None:
-            return "the decode node refused the transfer: it does not read CUDA IPC regions (--pd_transport host)"
+            return "the decode node refused the transfer: it does not read staging regions (--pd_transport host)"
         try:
             self._regions[transfer.request.req_id] = self.reader.pull(transfer.region)
         except Exception as exc:

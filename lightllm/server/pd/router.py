@@ -40,8 +40,8 @@ class Registration:
     inbox: str
     outbox: str
     capacity: int
-    # a decode node that reads CUDA IPC regions: its host identity (prefill nodes of that host send device to device)
-    ipc_host: str = ""
+    # a decode node: the kinds of staging region it reads (`staging.py`), passed to prefill nodes with each request
+    reads: list[str] = field(default_factory=list)
     # the node's process id on its host (for operators: which process a node id is)
     pid: int = 0
 
@@ -243,7 +243,7 @@ class PdRouter:
             self._routes[msg.req_id] = _Route(prefill.reg.node_id, decode.reg.node_id)
             prefill.req_ids.add(msg.req_id)
             decode.req_ids.add(msg.req_id)
-            self._send(prefill.reg.node_id, PdPrefill(msg, decode.reg.inbox, decode.reg.ipc_host))
+            self._send(prefill.reg.node_id, PdPrefill(msg, decode.reg.inbox, decode.reg.reads))
         return out
 
     def _no_room(self) -> str:

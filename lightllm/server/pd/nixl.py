@@ -1,0 +1,105 @@
+"""NIXL for the staging buffer (`staging.py`): the prefill node registers its buffer with a NIXL agent and sends the
+agent's metadata with each region; the decode node's agent reads the region (a one-sided READ, over UCX: RDMA,
+NVLink or shared memory, whatever UCX finds between the two) into memory of its own.
+
+NIXL is optional: `--pd_transport nixl` needs the `nixl-cu13` (or `nixl-cu12`, `nixl`) package; without it the
+flag is refused at start-up and nothing here is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import os
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+
+if TYPE_CHECKING:
+    from lightllm.server.pd.staging import DeviceRegion
+
+# the packages that ship the `nixl_agent` API, newest CUDA first
+NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
+READ_TIMEOUT_S = 30.0
+_agent_ids = itertools.count()
+
+
+class NixlHandle(msgspec.Struct, frozen=True, tag="nixl"):
+    """A staging buffer registered with the prefill node's NIXL agent."""
+
+    agent: str
+    # the agent's metadata (`get_agent_metadata`): what a peer needs to connect and read
+    metadata: bytes
+    address: int
+    size: int
+    device_id: int
+    # NIXL's memory type: VRAM or DRAM
+    mem_type: str
+
+
+NIXL_KIND = "nixl"
+
+
+def nixl_module_name() -> str | None:
+    """The importable NIXL API module, or None (the spec lookup imports nothing heavy)."""
+    for name in NIXL_MODULES:
+        try:
+            if importlib.util.find_spec(name.split(".")[0]) is not None:
+                return name
+        except (ImportError, ValueError):
+            continue
+    return None
+
+
+def _mem_type(tensor: torch.Tensor) -> str:
+    return "VRAM" if tensor.is_cuda else "DRAM"
+
+
+class NixlEndpoint:
+    """One NIXL agent (UCX backend) of this process: shares staging buffers and reads peers' regions."""
+
+    def __init__(self, role: str):
+        name = nixl_module_name()
+        if name is None:
+            raise RuntimeError("--pd_transport nixl: no NIXL package is installed (pip install nixl-cu13)")
+        api = importlib.import_module(name)
+        self.name = f"lightllm-{role}-{os.getpid()}-{next(_agent_ids)}"
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        # peer agent name -> connected
+        self._peers: set[str] = set()
+        self._registered: list = []
+
+    def share(self, buffer: torch.Tensor) -> NixlHandle:
+        self._registered.append(self.agent.register_memory(buffer))
+        device_id = buffer.get_device() if buffer.is_cuda else 0
+        return NixlHandle(
+            self.name, self.agent.get_agent_metadata(), buffer.data_ptr(), buffer.numel(), device_id, _mem_type(buffer)
+        )
+
+    def read(self, region: DeviceRegion, into: torch.Tensor) -> None:
+        """READ the region from its agent into `into` (contiguous, `region.nbytes` bytes); returns when done."""
+        handle = region.buffer
+        if handle.agent not in self._peers:
+            self.agent.add_remote_agent(handle.metadata)
+            self._peers.add(handle.agent)
+        reg = self.agent.register_memory(into)
+        try:
+            local = self.agent.get_xfer_descs(into)
+            remote = self.agent.get_xfer_descs(
+                [(handle.address + region.offset, region.nbytes, handle.device_id)], handle.mem_type
+            )
+            xfer = self.agent.initialize_xfer("READ", local, remote, handle.agent)
+            try:
+                state = self.agent.transfer(xfer)
+                deadline = time.monotonic() + READ_TIMEOUT_S
+                while state == "PROC" and time.monotonic() < deadline:
+                    state = self.agent.check_xfer_state(xfer)
+                if state != "DONE":
+                    raise RuntimeError(f"NIXL read from {handle.agent} ended in state {state}")
+            finally:
+                self.agent.release_xfer_handle(xfer)
+        finally:
+            self.agent.deregister_memory(reg)
