@@ -180,14 +180,12 @@ class Engine:
 
     # overlap ------------------------------------------------------------------------------------------------
     def _can_overlap(self, plan: SchedulePlan) -> bool:
-        """A step that may stay in flight: plain decode rows only, each greedy without penalties. A row feeding a
-        prompt's last token (the scheduler's prefill stops one short with a prefix cache) runs synchronously: its
-        first token is emitted at once, and a PD prefill node hands the request off on it before any successor."""
+        """A step that may stay in flight: plain decode rows only, each greedy without penalties."""
         return (
             self.overlap_schedule
             and not plan.prefill
             and all(row.num_tokens == 1 and row.req.params.greedy and not row.req.params.has_penalties
-                    and not row.req.is_prefilling for row in plan.decode)
+                    for row in plan.decode)
         )  # fmt: skip
 
     def _can_chain(self, inflight: _InFlight) -> bool:
