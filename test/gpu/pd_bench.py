@@ -40,11 +40,12 @@ from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
+from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads, cuda_ipc_kind, share_cuda_buffer
 from lightllm.server.pd.header import runner_header
 from lightllm.server.pd.messages import NodeInput, PdPrefill, PdTransfer, TransferAck
-from lightllm.server.pd.nixl import nixl_module_name
-from lightllm.server.pd.node import region_reader, staging_buffer
+from lightllm.server.pd.nixl import NIXL_KIND, NixlEndpoint, NixlHandle, nixl_module_name
 from lightllm.server.pd.roles import DecodeRole, PrefillRole
+from lightllm.server.pd.staging import RegionReader, StagingBuffer, host_identity
 from lightllm.server.pd.transport import ZmqHostTransport
 from lightllm.tools.bench_throughput import serving_model_dir
 
@@ -60,8 +61,9 @@ def _model_dir(tiny: bool) -> str:
 
 
 def _engine_args(a, mem_fraction: float) -> dict:
+    # no decode graphs: the transfer part never decodes
     flags = dict(model_dir=_model_dir(a.tiny), device=a.device, mtp_step=a.mtp_step, max_running_requests=4,
-                 max_req_total_len=max(a.transfer_lens) + 64)  # fmt: skip
+                 max_req_total_len=max(a.transfer_lens) + 64, disable_cudagraph=True)  # fmt: skip
     if a.device == "cuda":
         flags["mem_fraction"] = mem_fraction
     else:
@@ -70,9 +72,21 @@ def _engine_args(a, mem_fraction: float) -> dict:
 
 
 # transfer part ----------------------------------------------------------------------------------------------
-def _decode_child(a, inbox_addr: str, report_addr: str, transport: str, conn) -> None:
+def _reader(a, device: torch.device) -> RegionReader:
+    """A decode side that reads every device path being measured."""
+    reads, kinds = {}, []
+    if "cuda_ipc" in a.transports:
+        reads[CudaIpcHandle] = CudaIpcReads()
+        kinds.append(cuda_ipc_kind(host_identity()))
+    if "nixl" in a.transports:
+        reads[NixlHandle] = NixlEndpoint("decode").read
+        kinds.append(NIXL_KIND)
+    return RegionReader(device, reads, kinds)
+
+
+def _decode_child(a, inbox_addr: str, report_addr: str, conn) -> None:
     """The decode side: imports each transfer as it arrives, reports when the import is complete, then drops it."""
-    args, info = load_server_args([], **_engine_args(a, 0.3), pd_transport=transport)
+    args, info = load_server_args([], **_engine_args(a, 0.3))
     engine = build_engine(args, info, REAL_RUNNER)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -80,9 +94,9 @@ def _decode_child(a, inbox_addr: str, report_addr: str, transport: str, conn) ->
     report = ctx.socket(zmq.PUSH)
     report.connect(report_addr)
     fingerprint = runner_header(engine.runner, info.model_dir).fingerprint()
-    reader = region_reader(args, engine.runner.device)
+    reader = _reader(a, engine.runner.device)
     role = DecodeRole(engine, ZmqHostTransport(ctx), fingerprint, reader)
-    conn.send(reader.kinds if reader is not None else [])
+    conn.send(reader.kinds)
     decoder = msgspec.msgpack.Decoder(NodeInput)
     while True:
         raw = inbox.recv()
@@ -126,10 +140,22 @@ def _state_bytes(transfer: PdTransfer) -> int:
     return sum(b.nbytes for b in blobs)
 
 
-def bench_transfer(a, transport: str) -> None:
-    args, info = load_server_args([], **_engine_args(a, 0.3), pd_transport=transport, pd_ipc_buffer_mb=a.ipc_buffer_mb)
+def _staging(a, transport: str, device: torch.device) -> StagingBuffer | None:
+    if transport == "host":
+        return None
+    buffer = torch.empty(a.ipc_buffer_mb << 20, dtype=torch.uint8, device=device)
+    if transport == "nixl":
+        endpoint = NixlEndpoint("prefill")
+        return StagingBuffer(buffer, endpoint.share(buffer), NIXL_KIND, sharer=endpoint)
+    return StagingBuffer(buffer, share_cuda_buffer(buffer), cuda_ipc_kind(host_identity()))
+
+
+def transfer_part(a) -> None:
+    """One prefill engine here and one decode engine in a child process serve every transport in turn (one
+    prefill role per transport; the decode side reads every kind of region)."""
+    args, info = load_server_args([], **_engine_args(a, 0.3))
     ctx = zmq.Context()
-    sock_dir = f"/tmp/lightllm-pd-bench-{os.getpid()}-{transport}"
+    sock_dir = f"/tmp/lightllm-pd-bench-{os.getpid()}"
     inbox_addr, decode_addr, report_addr = (f"ipc://{sock_dir}-{n}" for n in ("p", "d", "r"))
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(inbox_addr)
@@ -137,11 +163,10 @@ def bench_transfer(a, transport: str) -> None:
     report.bind(report_addr)
     spawn = mp.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe()
-    child = spawn.Process(target=_decode_child, args=(a, decode_addr, report_addr, transport, child_conn), daemon=True)
+    child = spawn.Process(target=_decode_child, args=(a, decode_addr, report_addr, child_conn), daemon=True)
     child.start()
     engine = build_engine(args, info, REAL_RUNNER)
     fingerprint = runner_header(engine.runner, info.model_dir).fingerprint()
-    staging = staging_buffer(args, engine.runner.device)
     sent: list[PdTransfer] = []
 
     class Recording(ZmqHostTransport):
@@ -150,27 +175,31 @@ def bench_transfer(a, transport: str) -> None:
                 sent.append(msg)
             super().send(addr, msg)
 
-    role = PrefillRole(engine, Recording(ctx), fingerprint, inbox_addr, 60.0, staging)
+    transport = Recording(ctx)
     decode_reads = parent_conn.recv()
     ack_decoder = msgspec.msgpack.Decoder(NodeInput)
     try:
-        for n in a.transfer_lens:
-            times = []
-            for k in range(a.repeats + 1):
-                req_id = f"{transport}-{n}-{k}"
-                t0 = _prefilled(engine, role, min(info.vocab_size, 30000), n, req_id, decode_addr, decode_reads)
-                got_id, done, ok = msgspec.msgpack.decode(report.recv())
-                assert got_id == req_id and ok, f"the decode side did not import {req_id}"
-                ack = ack_decoder.decode(inbox.recv())
-                assert isinstance(ack, TransferAck) and ack.error is None, ack
-                role.on_message(ack)
-                if k:  # the first of each length warms up allocations
-                    times.append(done - t0)
-            nbytes = _state_bytes(sent[-1])
-            seconds = statistics.median(times)
-            via = "staging region" if sent[-1].region is not None else "host bytes"
-            print(f"| {transport} | {n} | {nbytes / 2**20:.1f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.2f} "
-                  f"| {via} |", flush=True)  # fmt: skip
+        for name in a.transports:
+            staging = _staging(a, name, engine.runner.device)
+            role = PrefillRole(engine, transport, fingerprint, inbox_addr, 60.0, staging)
+            for n in a.transfer_lens:
+                times = []
+                for k in range(a.repeats + 1):
+                    req_id = f"{name}-{n}-{k}"
+                    t0 = _prefilled(engine, role, min(info.vocab_size, 30000), n, req_id, decode_addr, decode_reads)
+                    got_id, done, ok = msgspec.msgpack.decode(report.recv())
+                    assert got_id == req_id and ok, f"the decode side did not import {req_id}"
+                    ack = ack_decoder.decode(inbox.recv())
+                    assert isinstance(ack, TransferAck) and ack.error is None, ack
+                    role.on_message(ack)
+                    if k:  # the first of each length warms up allocations
+                        times.append(done - t0)
+                nbytes = _state_bytes(sent[-1])
+                seconds = statistics.median(times)
+                via = "staging region" if sent[-1].region is not None else "host bytes"
+                print(f"| {name} | {n} | {nbytes / 2**20:.1f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.2f} "
+                      f"| {via} |", flush=True)  # fmt: skip
+            del role, staging
     finally:
         push = ctx.socket(zmq.PUSH)
         push.connect(decode_addr)
@@ -278,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="transfer part (default: host,cuda_ipc on cuda, host on cpu; nixl if installed)",
     )
-    p.add_argument("--serving_transports", default=None, help="serving part (default: as --transports)")
+    p.add_argument("--serving_transports", default=None, help="serving part (default: cuda_ipc on cuda, else host)")
     p.add_argument("--ipc_buffer_mb", type=int, default=1024)
     p.add_argument("--mtp_step", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=64)
@@ -296,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
             **vars(a),
             "transfer_lens": [int(x) for x in a.transfer_lens.split(",")],
             "transports": (a.transports or default_transports).split(","),
-            "serving_transports": (a.serving_transports or a.transports or default_transports).split(","),
+            # one deployment against the monolithic server: the device path on cuda
+            "serving_transports": (a.serving_transports or ("cuda_ipc" if a.device == "cuda" else "host")).split(","),
         }
     )
     parts = a.parts.split(",")
@@ -305,8 +335,12 @@ def main(argv: list[str] | None = None) -> None:
     if "transfer" in parts:
         print("\ntransfer: end of the prefill step -> imported on the decode process (median)")
         print("| transport | prompt tokens | state MiB | ms | GB/s | went as |\n|---|---|---|---|---|---|", flush=True)
-        for transport in a.transports:
-            bench_transfer(a, transport)
+        # in a process of its own, so its engines' device memory is free for the serving part
+        proc = mp.get_context("spawn").Process(target=transfer_part, args=(a,))
+        proc.start()
+        proc.join()
+        if proc.exitcode:
+            raise SystemExit(f"the transfer part failed (exit code {proc.exitcode})")
     if "serving" in parts:
         bench_serving_parts(a)
 
