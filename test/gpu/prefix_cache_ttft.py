@@ -11,9 +11,10 @@ The checkpoint is the serving benchmark's random-weight Qwen3.5 at real width (`
 `ttft` (offline engine, one per state mode; `MODE+mtp` adds `--mtp_step 2`): each repeat draws a fresh random
 prefix of `--prefix_len` tokens (8192) and sends it with a random `--suffix_len`-token suffix (100), cache on but
 nothing cached (cold), then the same prefix with another suffix (hit: it resumes the checkpoint at the prefix end,
-where the cold request's first prefill chunk ended at an interval boundary, and prefills the suffix). Time to first token is from `add_request` to the step that emits
-the token, alone in the engine; the table gives the median over `--repeats` after one untimed warm-up pair, the
-speed-up and the cached tokens the hit reported. A last row runs the cold request with the cache disabled.
+where the cold request's first prefill chunk ended at an interval boundary, and prefills the suffix), then the
+cold prompt again (exact repeat: it resumes before its last token and feeds only that one). Time to first token is from `add_request` to the step that emits
+the token, alone in the engine; the table gives the median over `--repeats` after one untimed warm-up round, the
+hit's speed-up and the cached tokens each request reported. A last row runs the cold request with the cache disabled.
 
 `multiturn`: the HTTP server (`--serving_mode`, every other flag at its default) with the cache, then with
 `--disable_prefix_cache`, each serving `python -m lightllm.tools.bench_serving --dataset multi_turn`: every
@@ -44,13 +45,20 @@ for path in (HERE.parents[1], HERE):
         sys.path.insert(0, str(path))
 
 import torch  # noqa: E402
-
 from smoke_serving_gpu import log_tail, start_server, stop_server, wait_healthy  # noqa: E402
 
 RUNNER = "lightllm.server.runner_factory:create_runner"
 # sizes of the --tiny dry run (the tiny checkpoint on the CPU): checkpoints every 32 tokens, a prefix of 4 intervals
-TINY = dict(prefix_len=128, suffix_len=12, interval=32, chunk=128, state_bytes=1 << 22, conversations=3,
-            system_words=40, output_len=6)
+TINY = dict(
+    prefix_len=128,
+    suffix_len=12,
+    interval=32,
+    chunk=128,
+    state_bytes=1 << 22,
+    conversations=3,
+    system_words=40,
+    output_len=6,
+)
 
 
 def parse_mode(mode: str) -> dict:
@@ -124,26 +132,31 @@ def ttft_rows(model_dir: str, a, emit) -> None:
         engine, vocab = build(model_dir, a, cache, **parse_mode(mode))
         build_s = time.perf_counter() - t0
 
-        def tokens(n: int) -> list[int]:
+        def tokens(n: int, vocab: int = vocab) -> list[int]:
             return [rng.randrange(1, vocab) for _ in range(n)]
 
-        cold, hit, cached = [], [], []
-        # the first pair is untimed: kernel compilation and autotuning at these shapes
+        cold, hit, cached, repeat, repeat_cached = [], [], [], [], []
+        # the first round is untimed: kernel compilation and autotuning at these shapes
         for r in range(a.repeats + 1):
             prefix = tokens(a.prefix_len)
-            c, _ = time_to_first_token(engine, f"c{r}", prefix + tokens(a.suffix_len))
+            prompt = prefix + tokens(a.suffix_len)
+            c, _ = time_to_first_token(engine, f"c{r}", prompt)
             if cache:
                 h, n = time_to_first_token(engine, f"h{r}", prefix + tokens(a.suffix_len))
+                e, m = time_to_first_token(engine, f"e{r}", prompt)
             if r:
                 cold.append(c)
                 if cache:
                     hit.append(h)
                     cached.append(n)
+                    repeat.append(e)
+                    repeat_cached.append(m)
         row = {"part": "ttft", "mode": mode, "cache": cache, "prefix_len": a.prefix_len, "suffix_len": a.suffix_len,
                "cold_ms": 1e3 * statistics.median(cold), "build_s": build_s}  # fmt: skip
         if cache:
             row.update(hit_ms=1e3 * statistics.median(hit), speedup=statistics.median(cold) / statistics.median(hit),
-                       cached_tokens=min(cached))  # fmt: skip
+                       cached_tokens=min(cached), repeat_ms=1e3 * statistics.median(repeat),
+                       repeat_cached_tokens=min(repeat_cached))  # fmt: skip
         emit(row)
         del engine
         gc.collect()
@@ -153,9 +166,10 @@ def ttft_rows(model_dir: str, a, emit) -> None:
 
 def print_ttft(row: dict) -> None:
     if row["cache"]:
-        cells = [f"{row['hit_ms']:.1f}", f"{row['speedup']:.1f}x", str(row["cached_tokens"])]
+        cells = [f"{row['hit_ms']:.1f}", f"{row['speedup']:.1f}x", str(row["cached_tokens"]),
+                 f"{row['repeat_ms']:.1f} ({row['repeat_cached_tokens']})"]  # fmt: skip
     else:
-        cells = ["-", "-", "cache off"]
+        cells = ["-", "-", "cache off", "-"]
     print(f"| {row['mode']} | {row['prefix_len']}+{row['suffix_len']} | {row['cold_ms']:.1f} | {' | '.join(cells)} "
           f"| {row['build_s']:.0f} |", flush=True)  # fmt: skip
 
@@ -181,8 +195,11 @@ def multiturn_rows(model_dir: str, a, emit) -> None:
             wait_healthy(proc, port, a.start_timeout)
             row["start_s"] = time.perf_counter() - t0
             # the benchmark's own report and progress bar go to the log folder; the row below sums it up
-            with open(os.path.join(a.log_dir, f"bench-{'cache' if cache else 'nocache'}.txt"), "w") as out, \
-                    contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            with (
+                open(os.path.join(a.log_dir, f"bench-{'cache' if cache else 'nocache'}.txt"), "w") as out,
+                contextlib.redirect_stdout(out),
+                contextlib.redirect_stderr(out),
+            ):
                 summary = bench_serving.main([
                     "--base_url", f"http://127.0.0.1:{port}", "--dataset", "multi_turn",
                     "--num_prompts", str(a.conversations), "--num_turns", str(a.turns),
@@ -263,8 +280,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     parts = a.parts.split(",")
     if "ttft" in parts:
-        print("| mode | prefix+suffix | cold TTFT ms | hit TTFT ms | speed-up | cached tokens | engine build s |")
-        print("|---|---|---|---|---|---|---|", flush=True)
+        print("| mode | prefix+suffix | cold TTFT ms | hit TTFT ms | speed-up | cached tokens "
+              "| exact repeat TTFT ms (cached) | engine build s |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|", flush=True)
         ttft_rows(model_dir, a, emit(print_ttft))
     if "multiturn" in parts:
         print(f"multi-turn: {a.conversations} conversations x {a.turns} turns, system prompt {a.system_words} words, "

@@ -1,6 +1,6 @@
 """`test/gpu/prefix_cache_ttft.py` (prefix-cache TTFT cold vs hit) on the CPU with the tiny qwen3_5 checkpoint, its
 ttft part: the hit resumes exactly the shared prefix (128 tokens: the cold request's first prefill chunk ended at
-that interval boundary), the cache-off row follows, and the JSON holds every row. Twin: with checkpoints every 48
+that interval boundary), the exact repeat all but its last token, the cache-off row follows, and the JSON holds every row. Twin: with checkpoints every 48
 tokens the cold chunk is cut at 96, and the table says the hit resumed 96."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def _run(tmp_path: Path, *args: str) -> tuple[str, list[dict]]:
 
 
 def _hit_row(stdout: str) -> re.Match:
-    row = re.search(r"^\| native \| 128\+12 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \| (\d+) \| \d+ \|$", stdout, re.M)
+    row = re.search(r"^\| native \| 128\+12 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \| (\d+) \| ([\d.]+) \((\d+)\) \| \d+ \|$",
+                    stdout, re.M)  # fmt: skip
     assert row is not None, stdout
     return row
 
@@ -36,7 +37,9 @@ def test_the_hit_resumes_the_whole_shared_prefix(tmp_path):
     stdout, rows = _run(tmp_path)
     row = _hit_row(stdout)
     assert int(row[4]) == 128 and float(row[1]) > 0 and float(row[2]) > 0
-    assert re.search(r"^\| native \| 128\+12 \| [\d.]+ \| - \| - \| cache off \| \d+ \|$", stdout, re.M), stdout
+    # the exact repeat resumes all but its last token
+    assert int(row[6]) == 128 + 12 - 1 and float(row[5]) > 0
+    assert re.search(r"^\| native \| 128\+12 \| [\d.]+ \| - \| - \| cache off \| - \| \d+ \|$", stdout, re.M), stdout
     assert [(r["mode"], r["cache"], r.get("cached_tokens")) for r in rows] == [
         ("native", True, 128),
         ("native", False, None),
