@@ -4,12 +4,13 @@ Keep this file minimal: features (speculation strategies, scheduling policy, sam
 and are chosen at start-up. The engine never looks at the state mode; every state decision goes through the
 runner (`forward`, `accept`, `free_request`).
 
-Overlap (`overlap_schedule`; the server turns it on unless `--disable_overlap_schedule`): a plain greedy decode
-step is launched and left in flight; the next `step()` launches its successor, whose input tokens are the in-flight
-step's argmax still on the device, before reading the in-flight step's tokens back, so the host's bookkeeping of
-step t runs while the GPU computes step t + 1. A successor is launched only when it would be the same rows anyway (nothing to admit, nobody prefilling,
-nobody at its length limit, KV for one more token each); a row that turns out to have stopped at step t rides
-along in t + 1 and its extra token is dropped. Everything else (prefill, drafts, sampling, penalties) runs
+Overlap (`overlap_schedule`; the server turns it on unless `--disable_overlap_schedule`): a plain decode step
+(no drafts, no penalties) is launched and left in flight; the next `step()` launches its successor, whose input
+tokens are the in-flight step's tokens still on the device (argmax, or a draw from the same random stream), before
+reading them back, so the host's bookkeeping of step t runs while the GPU computes step t + 1. A successor is
+launched only when it would be the same rows anyway (nothing to admit, nobody prefilling, nobody at its length
+limit, KV for one more token each); a row that turns out to have stopped at step t rides along in t + 1 and its
+extra token is dropped. Everything else (prefill, drafts, penalties, which read the tokens in flight) runs
 synchronously, exactly as with overlap off.
 """
 
@@ -37,7 +38,7 @@ class _InFlight:
 
     plan: SchedulePlan
     fwd: ForwardOutput
-    # [rows] int64 on the device: each row's greedy token (the next step's input)
+    # [rows] int64 on the device: each row's token (the next step's input)
     tokens: torch.Tensor
     # [2, rows] host copy of (tokens, NaN flags), valid once `ready` has completed
     host: torch.Tensor
@@ -180,13 +181,13 @@ class Engine:
 
     # overlap ------------------------------------------------------------------------------------------------
     def _can_overlap(self, plan: SchedulePlan) -> bool:
-        """A step that may stay in flight: plain decode rows only, each greedy without penalties."""
+        """A step that may stay in flight: plain decode rows only, none with penalties (they need the tokens of the
+        step still in flight)."""
         return (
             self.overlap_schedule
             and not plan.prefill
-            and all(row.num_tokens == 1 and row.req.params.greedy and not row.req.params.has_penalties
-                    for row in plan.decode)
-        )  # fmt: skip
+            and all(row.num_tokens == 1 and not row.req.params.has_penalties for row in plan.decode)
+        )
 
     def _can_chain(self, inflight: _InFlight) -> bool:
         """Whether the next step is the in-flight step's rows again, one token each, whatever tokens it yields."""
@@ -221,7 +222,7 @@ class Engine:
             for row in plan.decode:
                 row.req.num_computed_tokens += 1
             logits = fwd.logits
-            tokens = logits.argmax(dim=-1)
+            tokens = self._draw_on_device(plan, logits)
             flags = torch.stack([tokens, torch.isnan(logits).any(dim=-1).long()])
             ready = None
             if flags.is_cuda:
@@ -237,6 +238,14 @@ class Engine:
             self._failed_outputs += self._fail_rows(plan)
             return
         self._inflight = _InFlight(plan, fwd, tokens, host, ready)
+
+    def _draw_on_device(self, plan: SchedulePlan, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's token, left on the device: the argmax, or a draw from the same distribution and the same
+        random stream as the synchronous step's."""
+        if all(row.req.params.greedy for row in plan.decode):
+            return logits.argmax(dim=-1)
+        contexts = [self._context(row.req, [], logits.device) for row in plan.decode]
+        return self.sampler.draw_tokens(self.sampler.target_probs(logits, contexts), contexts)
 
     def _complete(self, inflight: _InFlight) -> list[EngineOutput]:
         """Read an overlapped step's tokens back and emit them. Rows whose request finished meanwhile (a stop

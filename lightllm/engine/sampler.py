@@ -139,6 +139,10 @@ class Sampler:
     def draw_many(self, probs: torch.Tensor, rows: list[RowContext]) -> list[int]:
         """One token per row of `probs` [N, V]: greedy rows take the argmax, unseeded rows share one batched draw,
         seeded rows draw from their own generator."""
+        return self.draw_tokens(probs, rows).tolist()
+
+    def draw_tokens(self, probs: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+        """`draw_many` left on the device ([N] int64), for a caller that must not wait for the GPU."""
         noise = torch.empty_like(probs)
         shared = [i for i, row in enumerate(rows) if row.generator is None and not row.params.greedy]
         if shared:
@@ -150,7 +154,7 @@ class Sampler:
                 noise[i] = torch.empty_like(probs[i]).exponential_(generator=row.generator)
             elif row.params.greedy:
                 noise[i] = 1.0
-        return torch.argmax(probs / noise.clamp_min(torch.finfo(noise.dtype).tiny), dim=-1).tolist()
+        return torch.argmax(probs / noise.clamp_min(torch.finfo(noise.dtype).tiny), dim=-1)
 
     def sample(self, logits: torch.Tensor, rows: list[RowContext]) -> list[int]:
         return self.draw_many(self.target_probs(logits, rows), rows)

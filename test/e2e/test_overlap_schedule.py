@@ -1,6 +1,7 @@
 """Overlap scheduling changes no output: the engine with the real runner on a tiny checkpoint gives the same tokens
-and finish reasons with overlap on and off, through staggered arrivals, stop tokens, length limits, an abort and a
-sampled request that forces synchronous steps in between; and every pool is whole again afterwards."""
+and finish reasons with overlap on and off, through staggered arrivals, stop tokens, length limits, an abort, a
+seeded sampled request (drawn on the device under overlap) and a penalized one that forces synchronous steps in
+between; and every pool is whole again afterwards."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _engine(mode: str, overlap: bool) -> Engine:
 
 
 def _requests(vocab: int, seed: int, stop_token: int | None) -> list[tuple[int, NewRequest]]:
-    """(arrival step, request): greedy requests of random lengths, one stopping on `stop_token`, one sampled."""
+    """(arrival step, request): greedy requests of random lengths, one stopping on `stop_token`, one sampled with
+    a seed, one with a repetition penalty."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(7):
@@ -40,7 +42,9 @@ def _requests(vocab: int, seed: int, stop_token: int | None) -> list[tuple[int, 
         if i == 3:
             params.max_tokens = 60
         if i == 5:
-            params = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+            params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+        if i == 6:
+            params = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=5, ignore_eos=True)
         out.append((int(rng.integers(0, 12)), NewRequest(f"r{i}", prompt, params)))
     return out
 
