@@ -60,8 +60,9 @@ def _is_decode_only(engine) -> bool:
     return not sched.waiting and bool(sched.running) and not any(r.is_prefilling for r in sched.running)
 
 
-def _gpu_ms_per_step(engine, num_steps: int) -> float | None:
-    """CUDA kernel time per engine step over `num_steps` decode steps (None on CPU)."""
+def _gpu_ms_per_step(engine, num_steps: int, top_kernels: int = 0) -> float | None:
+    """CUDA kernel time per engine step over `num_steps` decode steps (None on CPU); prints the `top_kernels`
+    kernels that take most of it."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -70,11 +71,18 @@ def _gpu_ms_per_step(engine, num_steps: int) -> float | None:
         for _ in range(num_steps):
             engine.step()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    total_us = sum(e.self_device_time_total for e in events)
+    for e in events[:top_kernels]:
+        share = e.self_device_time_total / max(total_us, 1e-9)
+        print(f"  kernel {e.key[:90]}: {e.self_device_time_total / 1000 / num_steps:.3f} ms/step "
+              f"({share:.0%}, {e.count / num_steps:.0f} calls)", flush=True)  # fmt: skip
     return total_us / 1000 / num_steps
 
 
-def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, seed: int) -> dict:
+def run_batch(
+    engine, batch: int, input_len: int, output_len: int, vocab: int, seed: int, top_kernels: int = 0
+) -> dict:
     """Submit `batch` requests at once and run them to the end; returns the measured figures. Call once untimed
     first with the same shapes: the first prefill of a shape compiles and autotunes kernels."""
     rng = np.random.default_rng(seed)
@@ -91,7 +99,7 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
         if decode_only and gpu_ms is None and len(step_ms) == 4 and torch.cuda.is_available():
             steps_left = min(r.num_remaining_tokens for r in engine.scheduler.running)
             if steps_left > PROFILED_STEPS:
-                gpu_ms = _gpu_ms_per_step(engine, PROFILED_STEPS)
+                gpu_ms = _gpu_ms_per_step(engine, PROFILED_STEPS, top_kernels)
                 continue
         t0 = time.perf_counter()
         outputs = engine.step()
@@ -137,6 +145,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--linear_att_ssm_data_type", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result_file", default=None, help="write every row as JSON here")
+    p.add_argument("--top_kernels", type=int, default=0, help="on CUDA, print the N kernels taking most GPU time")
     return p.parse_args(argv)
 
 
@@ -184,7 +193,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for batch in batches:
             # untimed pass: compiles and autotunes for this batch's shapes (and warms CUDA graphs' buckets)
             run_batch(engine, batch, a.input_len, min(a.output_len, 4), info.vocab_size, a.seed + 1)
-            row = run_batch(engine, batch, a.input_len, a.output_len, info.vocab_size, a.seed)
+            row = run_batch(engine, batch, a.input_len, a.output_len, info.vocab_size, a.seed, a.top_kernels)
             row.update(mode=mode, mtp_step=a.mtp_step, spec_ngram=a.spec_ngram, device=args.device)
             rows.append(row)
             _print_row(row)

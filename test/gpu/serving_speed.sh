@@ -22,7 +22,7 @@ run() {
     echo "== $name: $*"
     timeout "$limit" $bench --result_file "$OUT_DIR/$name.json" "$@" > "$OUT_DIR/$name.log" 2>&1 &
     local pid=$!
-    tail -f --pid=$pid "$OUT_DIR/$name.log" | grep --line-buffered "^|"
+    tail -f --pid=$pid "$OUT_DIR/$name.log" | grep --line-buffered -E "^\||^  kernel"
     wait $pid || { echo "== $name failed (exit $?):"; tail -15 "$OUT_DIR/$name.log"; }
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -30,7 +30,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 # one process per mode: each sizes its KV cache from the device memory it finds free
 for part in $parts; do
     case $part in
-        overlap) for m in native replay; do run overlap-$m --modes $m --batch_sizes 1,64,256; done ;;
+        overlap) for m in native replay; do run overlap-$m --modes $m --batch_sizes 1,64,256 --top_kernels 12; done ;;
         sync) for m in native replay; do run sync-$m --modes $m --batch_sizes 64,256 --disable_overlap_schedule; done ;;
         eager) for m in native replay; do
                    run eager-$m --modes $m --batch_sizes 1,64,256 --disable_cudagraph --disable_overlap_schedule
