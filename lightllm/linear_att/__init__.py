@@ -22,7 +22,7 @@ class StateMode(str, enum.Enum):
 class LinearAttSpec:
     """Shapes of the linear-attention layers of one model (per tensor-parallel rank)."""
 
-    # "gdn" or "kda"
+    # the algorithm's name, "gdn" or "kda" (its descriptor: `algorithm`)
     algo: str
     num_layers: int
     num_k_heads: int
@@ -34,8 +34,15 @@ class LinearAttSpec:
     gate_lower_bound: float | None = None
 
     @property
+    def algorithm(self):
+        """The `Algorithm` descriptor of `algo` (raises ValueError for an unknown name)."""
+        from lightllm.linear_att.registry import algorithm
+
+        return algorithm(self.algo)
+
+    @property
     def gate_dim(self) -> int:
-        return 1 if self.algo == "gdn" else self.head_k_dim
+        return self.algorithm.gate_dim(self.head_k_dim)
 
     @property
     def conv_dim(self) -> int:
@@ -67,14 +74,16 @@ STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def validate_state_config(spec: LinearAttSpec, config: StateConfig) -> None:
     """Raise ValueError (expected vs actual) for a combination no state class supports."""
     mode = StateMode(config.mode)
-    if spec.algo not in ("gdn", "kda"):
-        raise ValueError(f"algo must be 'gdn' or 'kda', got {spec.algo!r}")
+    algo = spec.algorithm
     if spec.num_v_heads % spec.num_k_heads:
         raise ValueError(f"num_v_heads ({spec.num_v_heads}) must be a multiple of num_k_heads ({spec.num_k_heads})")
     if spec.conv_kernel_size < 2:
         raise ValueError(f"conv_kernel_size must be >= 2, got {spec.conv_kernel_size}")
-    if spec.gate_lower_bound is not None and (spec.algo != "kda" or spec.gate_lower_bound >= 0):
-        raise ValueError(f"gate_lower_bound must be a negative float and only for kda, got {spec.gate_lower_bound}")
+    if spec.gate_lower_bound is not None and (not algo.allows_lower_bound or spec.gate_lower_bound >= 0):
+        raise ValueError(
+            f"gate_lower_bound must be a negative float and only for an algorithm with the bounded gate (kda), "
+            f"got {spec.gate_lower_bound} for {algo.name}"
+        )
     if config.max_requests < 1 or config.max_width < 1:
         raise ValueError(f"max_requests and max_width must be >= 1, got {config.max_requests}, {config.max_width}")
     if config.state_dtype not in STATE_DTYPES:

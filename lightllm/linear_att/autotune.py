@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from lightllm.linear_att.bundles import NativeBuffers, ReplayBuffers, TokenInputs
+
 FAMILIES = ("serial", "replay", "replay_fold")
 TABLE_VERSION = 1
 
@@ -46,7 +48,9 @@ class KernelConfig:
 @dataclass(frozen=True)
 class TuneKey:
     """What a tuned configuration depends on. `width` is the padded verify width Wmax; `capacity` is 0 outside
-    replay; `projection` is "" outside replay verify."""
+    replay; `projection` is "" outside replay verify; `lower_bound` is KDA's bounded-gate bound (it changes the
+    gate's instructions), "" for the softplus gate and for the fold (which reads activated gates). A field at its
+    default is left out of the string form, so keys written before a field existed still parse and match."""
 
     family: str
     gpu: str
@@ -61,17 +65,30 @@ class TuneKey:
     width: int
     capacity: int = 0
     projection: str = ""
+    lower_bound: str = ""
 
     def to_str(self) -> str:
-        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name not in _OMITTED_AT_DEFAULT
+                        or getattr(self, f.name) != f.default)  # fmt: skip
 
     @classmethod
     def from_str(cls, s: str) -> TuneKey:
         raw = dict(item.split("=", 1) for item in s.split("|"))
         kw = {}
         for f in fields(cls):
+            if f.name in _OMITTED_AT_DEFAULT and f.name not in raw:
+                continue
             kw[f.name] = int(raw[f.name]) if f.type in ("int", int) else raw[f.name]
         return cls(**kw)
+
+
+# fields added after tables were shipped: written only when set
+_OMITTED_AT_DEFAULT = ("lower_bound",)
+
+
+def bound_name(lower_bound: float | None) -> str:
+    """The `TuneKey.lower_bound` of a gate: "" for the softplus gate, else the bound as `repr(float)`."""
+    return "" if lower_bound is None else repr(float(lower_bound))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -110,6 +127,7 @@ def make_key(
     width: int,
     capacity: int = 0,
     projection: str = "",
+    lower_bound: float | None = None,
 ) -> TuneKey:
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
@@ -127,6 +145,7 @@ def make_key(
         width,
         capacity,
         projection,
+        bound_name(lower_bound),
     )
 
 
@@ -163,9 +182,9 @@ class ConfigTable:
         return self.entries.get(key.to_str())
 
     def lookup(self, key: TuneKey) -> KernelConfig:
-        """Exact entry, else the nearest entry that differs only in verify width, replay capacity or head counts
-        (nearest width first, then capacity, then the same heads before other heads; for replay only among W = 1
-        or only among W > 1 entries), else default.
+        """Exact entry, else the nearest entry that differs only in verify width, replay capacity, head counts or
+        gate lower bound (nearest width first, then capacity, then the same heads before other heads, then the same
+        bound; for replay only among W = 1 or only among W > 1 entries), else default.
 
         Head counts only set the grid: a program's work (its `[K, BV]` tile, the window, the records) depends on
         the head dims, gate width and dtypes, which must match. The H200 sweep ranks the window kernel's tiles the
@@ -178,7 +197,11 @@ class ConfigTable:
         for k, cfg in self.entries.items():
             other = TuneKey.from_str(k)
             free = dict(
-                width=key.width, capacity=key.capacity, num_k_heads=key.num_k_heads, num_v_heads=key.num_v_heads
+                width=key.width,
+                capacity=key.capacity,
+                num_k_heads=key.num_k_heads,
+                num_v_heads=key.num_v_heads,
+                lower_bound=key.lower_bound,
             )
             if replace(other, **free) != key:
                 continue
@@ -191,6 +214,7 @@ class ConfigTable:
                 heads,
                 abs(other.num_v_heads - key.num_v_heads),
                 abs(other.num_k_heads - key.num_k_heads),
+                other.lower_bound != key.lower_bound,
             )
             if best_dist is None or dist < best_dist:
                 best, best_dist = cfg, dist
@@ -234,8 +258,10 @@ _shipped_loaded = False
 
 
 def shipped_table_paths() -> list[Path]:
-    pkg = Path(__file__).resolve().parent
-    return sorted([*(pkg / "gdn" / "tuned").glob("*.json"), *(pkg / "kda" / "tuned").glob("*.json")])
+    """Every algorithm package's `tuned/*.json`."""
+    from lightllm.linear_att.registry import ALGORITHMS
+
+    return sorted(path for algo in ALGORITHMS.values() for path in algo.tuned_tables())
 
 
 def load_tables(paths: list[str | Path] | None = None) -> ConfigTable:
@@ -298,7 +324,29 @@ class TuneCase:
 
     @property
     def GK(self) -> int:
-        return 1 if self.algo == "gdn" else self.K
+        from lightllm.linear_att.registry import algorithm
+
+        return algorithm(self.algo).gate_dim(self.K)
+
+
+def served_cases(algorithm, heads, head_dim: int, *, state_dtypes=(torch.float32, torch.bfloat16),
+                 act_dtype=torch.bfloat16, widths=(1, 2, 4), capacity: int = 16) -> list[TuneCase]:  # fmt: skip
+    """The tuning cases of one algorithm's shipped table: every (key heads, value heads) of `heads` x state dtype x
+    verify width, at head dims `head_dim`."""
+    return [
+        TuneCase(algorithm.name, h, hv, head_dim, head_dim, dt, act_dtype, w, capacity)
+        for h, hv in heads
+        for dt in state_dtypes
+        for w in widths
+    ]
+
+
+def algorithm_table(algorithm) -> ConfigTable:
+    """One algorithm's shipped entries (every file of its `tuned/`, later files winning)."""
+    table = ConfigTable()
+    for path in algorithm.tuned_tables():
+        table.update(ConfigTable.load(path))
+    return table
 
 
 def _scratch_inputs(case: TuneCase, num_rows: int, device, gen):
@@ -307,7 +355,7 @@ def _scratch_inputs(case: TuneCase, num_rows: int, device, gen):
     def rnd(*size, dtype=torch.float32):
         return torch.randn(*size, generator=gen, device=device).to(dtype)
 
-    args = (
+    tokens = TokenInputs(
         rnd(num_rows, W, H, K, dtype=case.act_dtype),
         rnd(num_rows, W, H, K, dtype=case.act_dtype),
         rnd(num_rows, W, HV, V, dtype=case.act_dtype),
@@ -315,10 +363,11 @@ def _scratch_inputs(case: TuneCase, num_rows: int, device, gen):
         rnd(num_rows, W, HV),
         rnd(HV) * 0.5,
         rnd(HV, GK) * 0.5,
+        lower_bound=case.lower_bound,
     )
     slots = torch.arange(num_rows, device=device, dtype=torch.int32)
     widths = torch.full((num_rows,), W, device=device, dtype=torch.int32)
-    return args, slots, widths
+    return tokens, slots, widths
 
 
 def _time_us(fn, device: torch.device) -> float:
@@ -348,76 +397,95 @@ def _time_configs(family: str, run, log, device: torch.device, configs=None) -> 
 
 
 def tune(
-    cases: list[TuneCase], *, num_rows: int = 256, device="cuda", log=print, configs: list[KernelConfig] | None = None
+    cases: list[TuneCase],
+    *,
+    num_rows: int = 256,
+    device="cuda",
+    log=print,
+    configs: list[KernelConfig] | None = None,
+    only: set[TuneKey] | None = None,
+    on_done=None,
 ) -> tuple[ConfigTable, dict]:
     """Search the launch configurations of every family for `cases` on freshly allocated scratch buffers.
 
     Returns the table and per-entry timings (µs, median of `triton.testing.do_bench`). Serving state is never
-    touched: every buffer here is allocated for the search and dropped afterwards. `configs` replaces the
-    search space (tests).
+    touched: every buffer here is allocated for the search and dropped afterwards. A timed step is what a serving
+    step runs for the family: the verify and the accept after it (the fold alone for "replay_fold"). `configs`
+    replaces the search space (tests); `only` limits the search to those keys; `on_done(key)` is called after each.
     """
     table, extra = ConfigTable(), {}
     for case in cases:
-        for key, cfg, info in _tune_case(case, num_rows, torch.device(device), log, configs):
+        for key, cfg, info in _tune_case(case, num_rows, torch.device(device), log, configs, only, on_done):
             table.put(key, cfg)
             extra[key.to_str()] = info
     return table, extra
 
 
-def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log, configs):
-    from lightllm.linear_att.kernels.native_verify import native_verify_triton
+def case_keys(case: TuneCase, device) -> list[TuneKey]:
+    """The keys `tune` fills for `case`, in its order: serial, replay inline, replay precompute, replay fold."""
+    shape = (case.state_dtype, case.act_dtype, case.H, case.HV, case.K, case.V, case.GK)
+    W, L, lb = case.width, case.capacity, case.lower_bound
+    return [
+        make_key("serial", device, *shape, W, lower_bound=lb),
+        make_key("replay", device, *shape, W, L, "inline", lb),
+        make_key("replay", device, *shape, W, L, "precompute", lb),
+        make_key("replay_fold", device, case.state_dtype, torch.float32, *shape[2:], 0, L),
+    ]
+
+
+def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log, configs, only=None, on_done=None):
+    from lightllm.linear_att.kernels.cursor import native_accept_triton, replay_accept_triton
     from lightllm.linear_att.kernels.replay_fold import replay_fold_triton
     from lightllm.linear_att.kernels.replay_verify import replay_verify_triton
+    from lightllm.linear_att.kernels.serial import native_verify_triton
 
     gen = torch.Generator(device=device).manual_seed(0)
-    args, slots, widths = _scratch_inputs(case, num_rows, device, gen)
+    tokens, slots, widths = _scratch_inputs(case, num_rows, device, gen)
     W, H, HV, K, V, GK, L = case.width, case.H, case.HV, case.K, case.V, case.GK, case.capacity
-    shape = (case.state_dtype, case.act_dtype, H, HV, K, V, GK)
-    results = []
+    serial_key, inline_key, precompute_key, fold_key = case_keys(case, device)
+    offset = torch.zeros(num_rows, device=device, dtype=torch.int32)
 
-    native = torch.zeros(num_rows, W, HV, K, V, device=device, dtype=case.state_dtype)
-    index = torch.zeros(num_rows, device=device, dtype=torch.int32)
-    key = make_key("serial", device, *shape, W)
-    log(f"tuning {key.to_str()}")
-    best, info = _time_configs(
-        "serial",
-        lambda cfg: native_verify_triton(*args, native, index, slots, widths, lower_bound=case.lower_bound, config=cfg),
-        log,
-        device,
-        configs,
+    native = NativeBuffers(
+        torch.zeros(num_rows, W, HV, K, V, device=device, dtype=case.state_dtype),
+        torch.zeros(num_rows, device=device, dtype=torch.int32),
     )
-    results.append((key, best, info))
 
-    ssm = torch.zeros(num_rows, HV, K, V, device=device, dtype=case.state_dtype)
-    hist = (
+    def serial_step(cfg):
+        native_verify_triton(tokens, native, slots, widths, config=cfg)
+        native_accept_triton(native.ssm_index, offset, slots, widths, widths)
+
+    # cursors spread over the whole cycle and advanced by every accept, so the timed mix holds the amortised share
+    # of folding rows
+    replay = ReplayBuffers(
+        torch.zeros(num_rows, HV, K, V, device=device, dtype=case.state_dtype),
         torch.randn(num_rows, 2, L, H, K, device=device, generator=gen) * 0.1,
         torch.randn(num_rows, 2, L, HV, V, device=device, generator=gen) * 0.1,
         -torch.rand(num_rows, 2, L, HV, GK, device=device, generator=gen).cumsum(2),
+        torch.randint(0, L + 1, (num_rows,), device=device, dtype=torch.int32, generator=gen),
+        torch.zeros(num_rows, device=device, dtype=torch.int32),
     )
-    # cursors spread over the whole cycle so the timed mix holds the amortised share of folding rows
-    cursor = torch.randint(0, L + 1, (num_rows,), device=device, dtype=torch.int32, generator=gen)
-    parity = torch.zeros(num_rows, device=device, dtype=torch.int32)
-    for projection in ("inline", "precompute"):
-        key = make_key("replay", device, *shape, W, L, projection)
+
+    def replay_step(cfg, projection):
+        replay_verify_triton(tokens, replay, slots, widths, projection=projection, config=cfg)
+        replay_accept_triton(replay.cursor, replay.parity, offset, slots, widths, widths, L)
+
+    full = torch.full_like(replay.cursor, L)
+    stacked = ReplayBuffers(*(t[None] for t in replay.pointers[:4]), full, replay.parity)
+    jobs = [
+        (serial_key, "serial", serial_step),
+        (inline_key, "replay", lambda cfg: replay_step(cfg, "inline")),
+        (precompute_key, "replay", lambda cfg: replay_step(cfg, "precompute")),
+        (fold_key, "replay_fold", lambda cfg: replay_fold_triton(stacked, slots, config=cfg)),
+    ]
+    results = []
+    for key, family, step in jobs:
+        if only is not None and key not in only:
+            continue
         log(f"tuning {key.to_str()}")
-
-        def run(cfg, projection=projection):
-            replay_verify_triton(
-                *args, ssm, *hist, cursor, parity, slots, widths, projection=projection,
-                lower_bound=case.lower_bound, config=cfg,
-            )  # fmt: skip
-
-        best, info = _time_configs("replay", run, log, device, configs)
+        best, info = _time_configs(family, step, log, device, configs)
         results.append((key, best, info))
-
-    key = make_key("replay_fold", device, case.state_dtype, torch.float32, H, HV, K, V, GK, 0, L)
-    full = torch.full_like(cursor, L)
-    stacked = (ssm[None], *(t[None] for t in hist))
-    log(f"tuning {key.to_str()}")
-    best, info = _time_configs(
-        "replay_fold", lambda cfg: replay_fold_triton(*stacked, full, parity, slots, config=cfg), log, device, configs
-    )
-    results.append((key, best, info))
+        if on_done is not None:
+            on_done(key)
     return results
 
 
@@ -429,6 +497,7 @@ __all__ = [
     "TuneCase",
     "TuneKey",
     "candidates",
+    "case_keys",
     "default_config",
     "device_name",
     "load_tables",

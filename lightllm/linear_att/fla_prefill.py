@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def chunk_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, *, scale=None):
-    """See `lightllm.linear_att.ops.chunk_delta_rule`. fla takes `[1, T, ...]` with `cu_seqlens` for varlen."""
+def chunk_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, *, algorithm, scale=None):
+    """See `lightllm.linear_att.ops.chunk_delta_rule`; `algorithm` picks fla's kernel. fla takes `[1, T, ...]` with
+    `cu_seqlens` for varlen."""
     init = None if initial_state is None else initial_state.float().contiguous()
     common = dict(
         scale=scale,
@@ -17,15 +18,9 @@ def chunk_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, *, scale=None)
     )
     q, k, v = (t.contiguous()[None] for t in (q, k, v))
     beta = beta.float().contiguous()[None]
-    if g.shape[-1] == 1:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        # beta by keyword: fla's positional order differs between its entry points
-        o, final = chunk_gated_delta_rule(q, k, v, g=g[..., 0].float().contiguous()[None], beta=beta, **common)
-    else:
-        from fla.ops.kda import chunk_kda
-
-        o, final = chunk_kda(q, k, v, g=g.float().contiguous()[None], beta=beta, **common)
+    # g and beta by keyword: fla's positional order differs between its entry points
+    gate = algorithm.fla_gate(g).float().contiguous()[None]
+    o, final = algorithm.fla_chunk_fn()(q, k, v, g=gate, beta=beta, **common)
     if final is None:
         final = torch.zeros(cu_seqlens.numel() - 1, *v.shape[2:3], q.shape[-1], v.shape[-1], device=v.device)
     return o[0], final

@@ -1,20 +1,39 @@
-"""Which state class implements an (algorithm, mode) pair. GDN and KDA share every class (GDN = KDA with GK = 1)."""
+"""Which descriptor and state class implement an (algorithm, mode) pair: one explicit table, no name lookups."""
 
 from __future__ import annotations
 
-ALGOS = ("gdn", "kda")
+from lightllm.linear_att.algorithm import Algorithm
+from lightllm.linear_att.gdn.algorithm import GDN
+from lightllm.linear_att.gdn.compact import GdnCompactState
+from lightllm.linear_att.gdn.native import GdnNativeState
+from lightllm.linear_att.gdn.replay import GdnReplayState
+from lightllm.linear_att.kda.algorithm import KDA
+from lightllm.linear_att.kda.compact import KdaCompactState
+from lightllm.linear_att.kda.native import KdaNativeState
+from lightllm.linear_att.kda.replay import KdaReplayState
+
+ALGORITHMS: dict[str, Algorithm] = {GDN.name: GDN, KDA.name: KDA}
+STATE_CLASSES = {
+    (GDN.name, "native"): GdnNativeState,
+    (GDN.name, "compact"): GdnCompactState,
+    (GDN.name, "replay"): GdnReplayState,
+    (KDA.name, "native"): KdaNativeState,
+    (KDA.name, "compact"): KdaCompactState,
+    (KDA.name, "replay"): KdaReplayState,
+}
+MODES = ("native", "compact", "replay")
+
+
+def algorithm(name: str) -> Algorithm:
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown linear-attention algorithm {name!r}; expected one of {tuple(ALGORITHMS)}")
+    return ALGORITHMS[name]
 
 
 def state_class(algo: str, mode):
     """The class for `algo` in `mode` (a StateMode or its string value)."""
-    from lightllm.linear_att.compact import CompactState
-    from lightllm.linear_att.native import NativeState
-    from lightllm.linear_att.replay import ReplayState
-
-    if algo not in ALGOS:
-        raise ValueError(f"unknown linear-attention algorithm {algo!r}; expected one of {ALGOS}")
-    classes = {"native": NativeState, "compact": CompactState, "replay": ReplayState}
+    algorithm(algo)
     key = getattr(mode, "value", mode)
-    if key not in classes:
-        raise ValueError(f"unknown ssm state mode {mode!r}; expected one of {tuple(classes)}")
-    return classes[key]
+    if key not in MODES:
+        raise ValueError(f"unknown ssm state mode {mode!r}; expected one of {MODES}")
+    return STATE_CLASSES[(algo, key)]

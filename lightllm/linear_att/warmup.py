@@ -116,4 +116,5 @@ def run_prefill_once(
         beta,
         init,
         cu,
+        algorithm=spec.algorithm,
     )

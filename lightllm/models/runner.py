@@ -411,10 +411,13 @@ class ModelRunner:
         return self.drafter.draft(handles, [self._requests[h] for h in handles], next_tokens.tolist(), num_steps)
 
     def warmup(self, max_num_tokens: int, progress: bool = True) -> int:
-        """Compile/autotune the linear-attention prefill kernels at the serving shapes on scratch tensors (call
-        once at start-up, before serving; a no-op on CPU). Returns the number of warm-up calls."""
+        """Compile/autotune the linear-attention prefill kernels at the serving shapes on scratch tensors, and tune
+        the decode kernels of a shape the shipped tables lack (call once at start-up, before serving and before
+        `init_decode_graphs`; a no-op on CPU). Returns the number of prefill warm-up calls."""
+        from lightllm.linear_att.startup_tune import tune_serving_shape
         from lightllm.linear_att.warmup import warmup_prefill
 
+        tune_serving_shape(self.state, self.linear_spec, progress=progress)
         return warmup_prefill(self.state, self.linear_spec, max_num_tokens=max_num_tokens, progress=progress)
 
     # checkpoints (prefix cache, PD) ----------------------------------------------------------------------

@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from lightllm.linear_att.bundles import CompactBuffers, NativeBuffers, ReplayBuffers, TokenInputs  # noqa: E402
+
 L2_BYTES = 60 << 20
 
 
@@ -146,6 +148,10 @@ class Inputs:
     widths: torch.Tensor
     accepted: torch.Tensor
 
+    @property
+    def tokens(self) -> TokenInputs:
+        return TokenInputs(*self.args)
+
 
 def make_inputs(shape: Shape, N: int, W: int, act_dtype, device, seed=0) -> Inputs:
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -177,31 +183,31 @@ def num_pools(bytes_per_pool: int, device) -> int:
 # ----------------------------------------------------------------------------------------------------------- steps
 def native_steps(shape, inp, N, W, state_dtype, device):
     from lightllm.linear_att.kernels.cursor import native_accept_triton
-    from lightllm.linear_att.kernels.native_verify import native_verify_triton
+    from lightllm.linear_att.kernels.serial import native_verify_triton
 
     per_pool = N * W * shape.HV * shape.K * shape.V * state_dtype.itemsize
-    steps = []
+    steps, tokens = [], inp.tokens
     for _ in range(num_pools(per_pool, device)):
         ssm = torch.randn(N, W, shape.HV, shape.K, shape.V, device=device).mul_(0.05).to(state_dtype)
-        index = torch.zeros(N, device=device, dtype=torch.int32)
-        offset = torch.zeros_like(index)
+        state = NativeBuffers(ssm, torch.zeros(N, device=device, dtype=torch.int32))
+        offset = torch.zeros_like(state.ssm_index)
 
-        def step(ssm=ssm, index=index, offset=offset):
-            native_verify_triton(*inp.args, ssm, index, inp.slots, inp.widths)
-            native_accept_triton(index, offset, inp.slots, inp.widths, inp.accepted)
+        def step(state=state, offset=offset):
+            native_verify_triton(tokens, state, inp.slots, inp.widths)
+            native_accept_triton(state.ssm_index, offset, inp.slots, inp.widths, inp.accepted)
 
         steps.append(step)
     return steps
 
 
 def compact_buffers(shape, N, W, state_dtype, act_dtype, device):
-    """State, two window buffers per slot, and every slot with W - 1 tokens pending (a typical round's merge)."""
+    """State, two record buffers per slot (k̂, u, g: fp32), and every slot with W - 1 tokens pending (a typical
+    round's merge)."""
     ssm = torch.randn(1, N, shape.HV, shape.K, shape.V, device=device).mul_(0.05).to(state_dtype)
     win = (
-        torch.zeros(1, N, 2, W, shape.H, shape.K, device=device, dtype=act_dtype),
-        torch.zeros(1, N, 2, W, shape.HV, shape.V, device=device, dtype=act_dtype),
+        torch.zeros(1, N, 2, W, shape.H, shape.K, device=device),
+        torch.zeros(1, N, 2, W, shape.HV, shape.V, device=device),
         torch.zeros(1, N, 2, W, shape.HV, shape.GK, device=device),
-        torch.zeros(1, N, 2, W, shape.HV, device=device),
     )
     pending = torch.full((N,), max(1, W - 1), dtype=torch.int32, device=device)
     parity = torch.zeros(N, dtype=torch.int32, device=device)
@@ -211,16 +217,17 @@ def compact_buffers(shape, N, W, state_dtype, act_dtype, device):
 def compact_steps(shape, inp, N, W, state_dtype, device):
     """One compact step is one verify launch (it merges the previous window's pending tokens); accept runs no
     kernel, so pending / parity stay fixed here and every step merges W - 1 tokens from buffer 0."""
-    from lightllm.linear_att.kernels.compact import compact_verify_triton
+    from lightllm.linear_att.kernels.serial import compact_verify_triton
 
     act_dtype = inp.args[0].dtype
     per_pool = N * shape.HV * shape.K * shape.V * state_dtype.itemsize
-    steps = []
+    steps, tokens = [], inp.tokens
     for _ in range(num_pools(per_pool, device)):
         ssm, win, pending, parity = compact_buffers(shape, N, W, state_dtype, act_dtype, device)
+        state = CompactBuffers(ssm[0], *(t[0] for t in win), pending, parity)
 
-        def step(ssm=ssm, win=win, pending=pending, parity=parity):
-            compact_verify_triton(*inp.args, ssm[0], *(t[0] for t in win), pending, parity, inp.slots, inp.widths)
+        def step(state=state):
+            compact_verify_triton(tokens, state, inp.slots, inp.widths)
 
         steps.append(step)
     return steps
@@ -245,14 +252,15 @@ def replay_steps(shape, inp, N, W, L, state_dtype, projection, device):
     from lightllm.linear_att.kernels.replay_verify import replay_verify_triton
 
     per_pool = N * shape.HV * shape.K * shape.V * state_dtype.itemsize
-    steps = []
+    steps, tokens = [], inp.tokens
     for r in range(num_pools(per_pool, device)):
         ssm, hist, cursor, parity = replay_buffers(shape, N, L, state_dtype, device, seed=r + 1)
+        state = ReplayBuffers(ssm, *hist, cursor, parity)
         offset = torch.zeros_like(cursor)
 
-        def step(ssm=ssm, hist=hist, cursor=cursor, parity=parity, offset=offset):
-            replay_verify_triton(*inp.args, ssm, *hist, cursor, parity, inp.slots, inp.widths, projection=projection)
-            replay_accept_triton(cursor, parity, offset, inp.slots, inp.widths, inp.accepted, L)
+        def step(state=state, offset=offset):
+            replay_verify_triton(tokens, state, inp.slots, inp.widths, projection=projection)
+            replay_accept_triton(state.cursor, state.parity, offset, inp.slots, inp.widths, inp.accepted, L)
 
         steps.append(step)
     return steps
@@ -307,10 +315,9 @@ def rel(a, b) -> float:
 
 def correctness(shape: Shape, state_dtype, act_dtype, L, device) -> list[str]:
     """Triton vs torch twins at N=5 rows (one padding), W=4, every op; returns printable lines."""
-    from lightllm.linear_att.kernels.compact import compact_commit_triton, compact_verify_triton
-    from lightllm.linear_att.kernels.native_verify import native_verify_triton
     from lightllm.linear_att.kernels.replay_fold import replay_fold_triton
     from lightllm.linear_att.kernels.replay_verify import replay_verify_triton
+    from lightllm.linear_att.kernels.serial import compact_commit_triton, compact_verify_triton, native_verify_triton
     from lightllm.linear_att.torch_ops import replay as replay_twin
     from lightllm.linear_att.torch_ops import verify as verify_twin
 
@@ -327,23 +334,24 @@ def correctness(shape: Shape, state_dtype, act_dtype, L, device) -> list[str]:
     ssm = torch.randn(N, W, shape.HV, shape.K, shape.V, device=device).mul_(0.1).to(state_dtype)
     index = torch.zeros(N, device=device, dtype=torch.int32)
     ssm_t = ssm.clone()
-    o = native_verify_triton(*inp.args, ssm, index, inp.slots, inp.widths)
-    o_t = verify_twin.native_verify(*inp.args, ssm_t, index, inp.slots, inp.widths)
+    tokens = inp.tokens
+    o = native_verify_triton(tokens, NativeBuffers(ssm, index), inp.slots, inp.widths)
+    o_t = verify_twin.native_verify(tokens, NativeBuffers(ssm_t, index), inp.slots, inp.widths)
     report("native o", rel(o, o_t))
     report("native states", rel(ssm.float(), ssm_t.float()))
 
     base, win, pending, parity = compact_buffers(shape, N, W, state_dtype, act_dtype, device)
     pending.zero_()
     base_t, win_t = base.clone(), tuple(t.clone() for t in win)
-    o_c = compact_verify_triton(*inp.args, base[0], *(t[0] for t in win), pending, parity, inp.slots, inp.widths)
-    o_ct = verify_twin.compact_verify(
-        *inp.args, base_t[0], *(t[0] for t in win_t), pending, parity, inp.slots, inp.widths
-    )
+    o_c = compact_verify_triton(tokens, CompactBuffers(base[0], *(t[0] for t in win), pending, parity), inp.slots,
+                                inp.widths)  # fmt: skip
+    o_ct = verify_twin.compact_verify(tokens, CompactBuffers(base_t[0], *(t[0] for t in win_t), pending, parity),
+                                      inp.slots, inp.widths)  # fmt: skip
     # accept: the window just written (buffer 1) holds the accepted tokens; commit merges them
     pending[inp.slots.long()] = torch.where(inp.widths > 0, inp.accepted, 0)
     parity.fill_(1)
-    compact_commit_triton(base, *win, pending, parity, inp.slots)
-    verify_twin.compact_commit(base_t, *win_t, pending, parity, inp.slots)
+    compact_commit_triton(CompactBuffers(base, *win, pending, parity), inp.slots)
+    verify_twin.compact_commit(CompactBuffers(base_t, *win_t, pending, parity), inp.slots)
     report("compact o", rel(o_c, o_ct))
     report("compact state", rel(base.float(), base_t.float()))
 
@@ -351,18 +359,17 @@ def correctness(shape: Shape, state_dtype, act_dtype, L, device) -> list[str]:
         ssm_r, hist, cursor, parity = replay_buffers(shape, N, L, state_dtype, device)
         cursor[0] = L  # row 0 folds inside the verify
         ssm_rt, hist_t = ssm_r.clone(), tuple(t.clone() for t in hist)
-        o_r = replay_verify_triton(
-            *inp.args, ssm_r, *hist, cursor, parity, inp.slots, inp.widths, projection=projection
-        )
-        o_rt = replay_twin.replay_verify(*inp.args, ssm_rt, *hist_t, cursor, parity, inp.slots, inp.widths)
+        o_r = replay_verify_triton(tokens, ReplayBuffers(ssm_r, *hist, cursor, parity), inp.slots, inp.widths,
+                                   projection=projection)  # fmt: skip
+        o_rt = replay_twin.replay_verify(tokens, ReplayBuffers(ssm_rt, *hist_t, cursor, parity), inp.slots, inp.widths)
         report(f"replay-{projection[0]} o", rel(o_r, o_rt))
         report(f"replay-{projection[0]} state", rel(ssm_r.float(), ssm_rt.float()))
     ssm_f, hist_f, cursor_f, parity_f = replay_buffers(shape, N, L, state_dtype, device, seed=5)
     out = torch.empty(1, N, shape.HV, shape.K, shape.V, device=device, dtype=state_dtype)
     out_t = torch.empty_like(out)
-    stacked = (ssm_f[None], *(t[None] for t in hist_f))
-    replay_fold_triton(*stacked, cursor_f, parity_f, inp.slots, out=out)
-    replay_twin.replay_fold(*stacked, cursor_f, parity_f, inp.slots, out=out_t)
+    stacked = ReplayBuffers(ssm_f[None], *(t[None] for t in hist_f), cursor_f, parity_f)
+    replay_fold_triton(stacked, inp.slots, out=out)
+    replay_twin.replay_fold(stacked, inp.slots, out=out_t)
     report("replay fold", rel(out.float(), out_t.float()))
     return lines
 

@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 import bench_linear_att as bench  # noqa: E402
 
-from lightllm.linear_att.kernels.compact import compact_verify_triton  # noqa: E402
-from lightllm.linear_att.kernels.native_verify import native_verify_triton  # noqa: E402
+from lightllm.linear_att.bundles import CompactBuffers, NativeBuffers, ReplayBuffers  # noqa: E402
 from lightllm.linear_att.kernels.replay_verify import replay_verify_triton  # noqa: E402
+from lightllm.linear_att.kernels.serial import compact_verify_triton, native_verify_triton  # noqa: E402
 
 KERNELS = ("replay-decode", "replay-inline", "replay-precompute", "native", "compact")
 
@@ -34,17 +34,19 @@ def launches(name: str, shape, N: int, W: int, h: int, device) -> None:
         ssm = torch.randn(N, W, shape.HV, shape.K, shape.V, device=device).mul_(0.05)
         index = torch.zeros(N, device=device, dtype=torch.int32)
         for _ in range(2):
-            native_verify_triton(*inp.args, ssm, index, inp.slots, inp.widths)
+            native_verify_triton(inp.tokens, NativeBuffers(ssm, index), inp.slots, inp.widths)
     elif name == "compact":
         ssm, win, pending, parity = bench.compact_buffers(shape, N, W, torch.float32, torch.bfloat16, device)
         for _ in range(2):
-            compact_verify_triton(*inp.args, ssm[0], *(t[0] for t in win), pending, parity, inp.slots, inp.widths)
+            state = CompactBuffers(ssm[0], *(t[0] for t in win), pending, parity)
+            compact_verify_triton(inp.tokens, state, inp.slots, inp.widths)
     else:
         ssm, hist, cursor, parity = bench.replay_buffers(shape, N, 16, torch.float32, device)
         projection = "inline" if name == "replay-decode" else name.removeprefix("replay-")
         for _ in range(2):
             cursor.fill_(h)
-            replay_verify_triton(*inp.args, ssm, *hist, cursor, parity, inp.slots, inp.widths, projection=projection)
+            state = ReplayBuffers(ssm, *hist, cursor, parity)
+            replay_verify_triton(inp.tokens, state, inp.slots, inp.widths, projection=projection)
     torch.cuda.synchronize()
 
 

@@ -35,9 +35,10 @@ def pinned_rows(shape, inp, N, W, L, device, timer, floor, projection="inline") 
         for r in range(bench.num_pools(N * shape.HV * shape.K * shape.V * 4, device)):
             ssm, hist, cursor, parity = bench.replay_buffers(shape, N, L, torch.float32, device, seed=r + 1)
             cursor.fill_(pinned)
+            state = bench.ReplayBuffers(ssm, *hist, cursor, parity)
             steps.append(
-                lambda ssm=ssm, hist=hist, cursor=cursor, parity=parity: rv.replay_verify_triton(
-                    *inp.args, ssm, *hist, cursor, parity, inp.slots, inp.widths, projection=projection
+                lambda state=state: rv.replay_verify_triton(
+                    inp.tokens, state, inp.slots, inp.widths, projection=projection
                 )
             )
         cells[f"h={pinned}"] = timer(steps)

@@ -198,14 +198,15 @@ def verify_rows(n: int, w: int, seed: int) -> tuple[list[int], list[int], list[i
 
 
 def _window(ctx: Ctx, shape: StateShape, n: int, w: int):
-    """q, k, v, graw, braw, A_log, dt_bias at exact sizes (unit_tests/linear_att/kernels/inputs.py)."""
+    """The verify's `TokenInputs` at exact sizes (unit_tests/linear_att/kernels/inputs.py)."""
+    from lightllm.linear_att.bundles import TokenInputs
     from unit_tests.linear_att.kernels.inputs import make_params, make_window
 
     s = shape.inputs_shape()
     win = make_window(s, n, w, ctx.dtype(shape.act), ctx.cpu_gen)
     params = make_params(s, ctx.cpu_gen)
     parts = (win.q, win.k, win.v, win.graw, win.braw, params.A_log, params.dt_bias)
-    return tuple(ctx.to_device(t) for t in parts), s.lower_bound
+    return TokenInputs(*(ctx.to_device(t) for t in parts), lower_bound=s.lower_bound)
 
 
 def _gk(shape: StateShape) -> int:
@@ -259,14 +260,15 @@ def case_conv_decode(shape: StateShape, n: int, w: int) -> Callable[[Ctx], str]:
 def case_native(shape: StateShape, n: int, w: int) -> Callable[[Ctx], None]:
     def run(ctx: Ctx) -> None:
         from lightllm.linear_att import ops
+        from lightllm.linear_att.bundles import NativeBuffers
         from lightllm.linear_att.kernels.cursor import native_accept_triton
 
         slots, widths, accepted, num_slots = verify_rows(n, w, seed=10 + w)
-        args, lower_bound = _window(ctx, shape, n, w)
+        tokens = _window(ctx, shape, n, w)
         ssm = ctx.randn(num_slots, w, shape.HV, shape.K, shape.V, dtype=shape.state, scale=0.1)
         index = ctx.ints([(5 * i) % w for i in range(num_slots)])
-        o = ops.native_verify(*args, ssm, index, ctx.ints(slots), ctx.ints(widths), lower_bound=lower_bound,
-                              backend="triton")  # fmt: skip
+        state = NativeBuffers(ssm, index)
+        o = ops.native_verify(tokens, state, ctx.ints(slots), ctx.ints(widths), backend="triton")
         assert bool(ctx.torch.isfinite(o).all()), "non-finite native outputs"
         conv_offset = ctx.ints([0] * num_slots)
         native_accept_triton(index, conv_offset, ctx.ints(slots), ctx.ints(widths), ctx.ints(accepted))
@@ -277,11 +279,11 @@ def case_native(shape: StateShape, n: int, w: int) -> Callable[[Ctx], None]:
 def _compact_buffers(ctx: Ctx, shape: StateShape, num_slots: int, w: int):
     lead = (NUM_LAYERS, num_slots, 2, w)
     ssm = ctx.randn(NUM_LAYERS, num_slots, shape.HV, shape.K, shape.V, dtype=shape.state, scale=0.1)
+    # fp32 records: k̂, u, g (activated log decay <= 0)
     win = [
-        ctx.randn(*lead, shape.H, shape.K, dtype=shape.act),
-        ctx.randn(*lead, shape.HV, shape.V, dtype=shape.act),
-        -ctx.rand(*lead, shape.HV, _gk(shape), scale=0.5),  # activated log decay <= 0
-        ctx.rand(*lead, shape.HV),  # activated beta in (0, 1)
+        ctx.randn(*lead, shape.H, shape.K, dtype="float32", scale=0.25),
+        ctx.randn(*lead, shape.HV, shape.V, dtype="float32", scale=0.1),
+        -ctx.rand(*lead, shape.HV, _gk(shape), scale=0.5),
     ]
     return ssm, win
 
@@ -289,6 +291,7 @@ def _compact_buffers(ctx: Ctx, shape: StateShape, num_slots: int, w: int):
 def case_compact(shape: StateShape, n: int, w: int) -> Callable[[Ctx], None]:
     def run(ctx: Ctx) -> None:
         from lightllm.linear_att import ops
+        from lightllm.linear_att.bundles import CompactBuffers
 
         torch = ctx.torch
         slots, widths, accepted, num_slots = verify_rows(n, w, seed=20 + w)
@@ -299,20 +302,18 @@ def case_compact(shape: StateShape, n: int, w: int) -> Callable[[Ctx], None]:
         sl, wd = ctx.ints(slots), ctx.ints(widths)
         for _ in range(2):
             for layer in range(NUM_LAYERS):
-                args, lower_bound = _window(ctx, shape, n, w)
-                o = ops.compact_verify(*args, ssm[layer], *(t[layer] for t in win), pending, parity, sl, wd,
-                                       lower_bound=lower_bound, backend="triton")  # fmt: skip
+                layer_state = CompactBuffers(ssm[layer], *(t[layer] for t in win), pending, parity)
+                o = ops.compact_verify(_window(ctx, shape, n, w), layer_state, sl, wd, backend="triton")
                 assert bool(torch.isfinite(o).all()), "non-finite compact outputs"
             # CompactState.accept (torch): the window just written holds the accepted tokens
             for slot, width, a in zip(slots, widths, accepted):
                 if width:
                     pending[slot], parity[slot] = a, 1 - parity[slot]
-        ops.compact_commit(ssm, *win, pending, parity, sl, backend="triton")
+        all_layers = CompactBuffers(ssm, *win, pending, parity)
+        ops.compact_commit(all_layers, sl, backend="triton")
         # checkpoint export: merge into gathered copies (fresh exact allocations), rows 0..n-1
-        idx = torch.tensor(slots, device=ctx.device)
-        out, windows = ssm[:, idx], [t[:, idx] for t in win]
-        rows = ctx.ints(range(n))
-        ops.compact_commit(out, *windows, pending[idx], parity[idx], rows, backend="triton")
+        copies = all_layers.gathered(torch.tensor(slots, device=ctx.device))
+        ops.compact_commit(copies, ctx.ints(range(n)), backend="triton")
 
     return run
 
@@ -329,6 +330,7 @@ def _replay_buffers(ctx: Ctx, shape: StateShape, num_slots: int, cap: int):
 def case_replay(shape: StateShape, n: int, w: int, projection: str) -> Callable[[Ctx], str]:
     def run(ctx: Ctx) -> str:
         from lightllm.linear_att import ops
+        from lightllm.linear_att.bundles import ReplayBuffers
 
         torch = ctx.torch
         cap = shape.capacity
@@ -345,16 +347,17 @@ def case_replay(shape: StateShape, n: int, w: int, projection: str) -> Callable[
         for _ in range(2):
             folds += int(((wd > 0) & (cursor[sl.long()] + wd > cap)).sum())
             for layer in range(NUM_LAYERS):
-                args, lower_bound = _window(ctx, shape, n, w)
-                o = ops.replay_verify(*args, ssm[layer], hist_k[layer], hist_u[layer], hist_g[layer], cursor, parity,
-                                      sl, wd, projection=projection, lower_bound=lower_bound, backend="triton")  # fmt: skip
+                layer_state = ReplayBuffers(ssm[layer], hist_k[layer], hist_u[layer], hist_g[layer], cursor, parity)
+                o = ops.replay_verify(_window(ctx, shape, n, w), layer_state, sl, wd, projection=projection,
+                                      backend="triton")  # fmt: skip
                 assert bool(torch.isfinite(o).all()), "non-finite replay outputs"
             ops.replay_accept(cursor, parity, conv_offset, sl, wd, acc, cap, backend="triton")
         assert folds > 0, "no row folded: the case misses the fold path"
         # the standalone fold: in place (prefill) and into an export buffer, all layers in one launch
-        ops.replay_fold(ssm, hist_k, hist_u, hist_g, cursor, parity, sl, backend="triton")
+        all_layers = ReplayBuffers(ssm, hist_k, hist_u, hist_g, cursor, parity)
+        ops.replay_fold(all_layers, sl, backend="triton")
         out = torch.empty(NUM_LAYERS, n, shape.HV, shape.K, shape.V, dtype=ssm.dtype, device=ctx.device)
-        ops.replay_fold(ssm, hist_k, hist_u, hist_g, cursor, parity, sl, out=out, backend="triton")
+        ops.replay_fold(all_layers, sl, out=out, backend="triton")
         return f"{folds} row folds in verify"
 
     return run
@@ -507,8 +510,8 @@ def case_state(shape: StateShape, mode: str, requests: int, w: int, projection: 
 def build_cases() -> list[Case]:
     cases = []
     conv_p, conv_d = ("causal_conv_prefill_kernel",), ("causal_conv_decode_kernel",)
-    native = ("native_verify_kernel", "native_accept_kernel")
-    compact = ("compact_verify_kernel", "compact_commit_kernel")
+    native = ("serial_verify_kernel", "native_accept_kernel")
+    compact = ("serial_verify_kernel", "compact_commit_kernel")
     replay_tail = ("replay_accept_kernel", "replay_fold_kernel")
     for s in STATE_SHAPES:
 
@@ -538,7 +541,7 @@ def build_cases() -> list[Case]:
                                         ("replay", 2, 4, "precompute"), ("replay", 6, 4, "inline")):  # fmt: skip
             kernels = conv_p + conv_d
             kernels += {
-                "native": ("native_verify_kernel",),
+                "native": ("serial_verify_kernel",),
                 "compact": compact,
                 "replay": ("replay_decode_kernel" if w == 1 else "replay_window_kernel", *replay_tail),
             }[mode]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightllm.linear_att.autotune import KernelConfig
+from lightllm.linear_att.bundles import CompactBuffers, NativeBuffers, ReplayBuffers, TokenInputs
 from unit_tests.helpers.asserts import assert_rel_close
 
 pytestmark = pytest.mark.gpu
@@ -87,12 +88,12 @@ def _replay_step(rep, args, slots, widths, accepted, projection, lower_bound=Non
     from lightllm.linear_att import ops
     from lightllm.linear_att.kernels.replay_verify import replay_verify_triton
 
+    tokens = TokenInputs(*args, lower_bound=lower_bound)
+    state = ReplayBuffers(rep.ssm, *rep.hist, rep.cursor, rep.parity)
     if backend == "triton" and config is not None:
-        o = replay_verify_triton(*args, rep.ssm, *rep.hist, rep.cursor, rep.parity, slots, widths,
-                                 projection=projection, lower_bound=lower_bound, config=config)  # fmt: skip
+        o = replay_verify_triton(tokens, state, slots, widths, projection=projection, config=config)
     else:
-        o = ops.replay_verify(*args, rep.ssm, *rep.hist, rep.cursor, rep.parity, slots, widths,
-                              projection=projection, lower_bound=lower_bound, backend=backend)  # fmt: skip
+        o = ops.replay_verify(tokens, state, slots, widths, projection=projection, backend=backend)
     ops.replay_accept(rep.cursor, rep.parity, rep.offset, slots, widths, accepted, rep.L, backend=backend)
     return o
 
@@ -112,8 +113,9 @@ def test_native_and_compact_match_twin_and_each_other(shape, state_dtype):
     native[:, 0] = base
     index = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
     native_t = native.clone()
-    o = ops.native_verify(*args, native, index, slots, widths, backend="triton")
-    o_t = ops.native_verify(*args, native_t, index, slots, widths, backend="torch")
+    tokens = TokenInputs(*args)
+    o = ops.native_verify(tokens, NativeBuffers(native, index), slots, widths, backend="triton")
+    o_t = ops.native_verify(tokens, NativeBuffers(native_t, index), slots, widths, backend="torch")
     tol = 2e-2
     assert_rel_close("native o", o, o_t, tol)
     assert_rel_close("native states", native.float(), native_t.float(), tol)
@@ -121,21 +123,21 @@ def test_native_and_compact_match_twin_and_each_other(shape, state_dtype):
     GK = args[3].shape[-1]
     ssm = base.clone()[None]
     win = [
-        torch.zeros(1, num_slots, 2, W, H, K, device="cuda", dtype=torch.bfloat16),
-        torch.zeros(1, num_slots, 2, W, HV, V, device="cuda", dtype=torch.bfloat16),
+        torch.zeros(1, num_slots, 2, W, H, K, device="cuda"),
+        torch.zeros(1, num_slots, 2, W, HV, V, device="cuda"),
         torch.zeros(1, num_slots, 2, W, HV, GK, device="cuda"),
-        torch.zeros(1, num_slots, 2, W, HV, device="cuda"),
     ]
     pending = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
     parity = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
-    o_c = ops.compact_verify(*args, ssm[0], *(t[0] for t in win), pending, parity, slots, widths, backend="triton")
+    layer = CompactBuffers(ssm[0], *(t[0] for t in win), pending, parity)
+    o_c = ops.compact_verify(tokens, layer, slots, widths, backend="triton")
     assert torch.equal(o_c, o), "compact verify outputs != native outputs (bitwise)"
     assert torch.equal(ssm[0], base), "compact verify with nothing pending wrote the state"
     # what CompactState.accept does: the window just written (buffer 1) holds the pending tokens
     live = widths > 0
     pending[slots[live].long()] = accepted[live]
     parity[slots[live].long()] = 1
-    ops.compact_commit(ssm, *win, pending, parity, slots, backend="triton")
+    ops.compact_commit(CompactBuffers(ssm, *win, pending, parity), slots, backend="triton")
     expect = base.clone()
     expect[slots[live].long()] = native[slots[live].long(), (accepted[live] - 1).long()]
     assert torch.equal(ssm[0], expect), "compact commit != native state at the accepted token (bitwise)"
@@ -147,8 +149,7 @@ def test_compact_lazy_commit_matches_native_over_rounds(shape, block_v):
     """Multi-round MTP: every compact verify merges the previous window's pending tokens (read from one buffer while
     the key owners of the launch write the other; many V tiles, grouped heads), outputs equal native's bitwise every
     round, and after a final commit the state equals native's current state byte for byte."""
-    from lightllm.linear_att.kernels.compact import compact_commit_triton, compact_verify_triton
-    from lightllm.linear_att.kernels.native_verify import native_verify_triton
+    from lightllm.linear_att.kernels.serial import compact_commit_triton, compact_verify_triton, native_verify_triton
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     algo, H, HV, K, V = shape
@@ -161,10 +162,9 @@ def test_compact_lazy_commit_matches_native_over_rounds(shape, block_v):
     index = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
     ssm = base.clone()
     win = [
-        torch.full((num_slots, 2, W, H, K), float("nan"), device="cuda", dtype=torch.bfloat16),
-        torch.full((num_slots, 2, W, HV, V), float("nan"), device="cuda", dtype=torch.bfloat16),
+        torch.full((num_slots, 2, W, H, K), float("nan"), device="cuda"),
+        torch.full((num_slots, 2, W, HV, V), float("nan"), device="cuda"),
         torch.full((num_slots, 2, W, HV, GK), float("nan"), device="cuda"),
-        torch.full((num_slots, 2, W, HV), float("nan"), device="cuda"),
     ]
     pending = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
     parity = torch.zeros_like(pending)
@@ -175,14 +175,15 @@ def test_compact_lazy_commit_matches_native_over_rounds(shape, block_v):
         _, widths, accepted = _rows(N, W, gen, num_slots)
         if rnd % 4 == 1:
             accepted = widths.clamp(min=1)
-        o = native_verify_triton(*args, native, index, slots, widths, config=cfg)
-        o_c = compact_verify_triton(*args, ssm, *win, pending, parity, slots, widths, config=cfg)
+        tokens = TokenInputs(*args)
+        o = native_verify_triton(tokens, NativeBuffers(native, index), slots, widths, config=cfg)
+        o_c = compact_verify_triton(tokens, CompactBuffers(ssm, *win, pending, parity), slots, widths, config=cfg)
         assert torch.equal(o_c, o), f"round {rnd}: compact outputs != native (bitwise)"
         live = widths > 0
         index[sl[live]] = accepted[live] - 1
         pending[sl[live]] = accepted[live]
         parity[sl[live]] = 1 - parity[sl[live]]
-    compact_commit_triton(ssm[None], *(t[None] for t in win), pending, parity, slots, config=cfg)
+    compact_commit_triton(CompactBuffers(ssm[None], *(t[None] for t in win), pending, parity), slots, config=cfg)
     want = native[sl, index[sl].long()]
     assert torch.equal(ssm[sl].view(torch.uint8), want.view(torch.uint8)), "settled compact state != native"
 
@@ -319,7 +320,7 @@ def test_kda_safe_gate_and_fold_match_twin():
         assert_rel_close("o", o, o_t, 2e-2)
     out = torch.empty(1, N, *rep.ssm.shape[1:], device="cuda")
     out_t = torch.empty_like(out)
-    stacked = [rep.ssm[None], *(t[None] for t in rep.hist)]
-    ops.replay_fold(*stacked, rep.cursor, rep.parity, slots, out=out, backend="triton")
-    ops.replay_fold(*stacked, rep.cursor, rep.parity, slots, out=out_t, backend="torch")
+    stacked = ReplayBuffers(rep.ssm[None], *(t[None] for t in rep.hist), rep.cursor, rep.parity)
+    ops.replay_fold(stacked, slots, out=out, backend="triton")
+    ops.replay_fold(stacked, slots, out=out_t, backend="torch")
     assert_rel_close("export fold", out, out_t, 1e-4)

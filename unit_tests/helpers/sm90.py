@@ -23,7 +23,7 @@ PTXAS = os.path.join(_BIN, "ptxas")
 NVDISASM = os.path.join(_BIN, "nvdisasm")
 TARGET = GPUTarget("cuda", 90, 32)
 INT_PTRS = {"cursor", "parity", "pending", "slots", "widths", "ssm_index", "accepted", "conv_offset"}
-ACT_PTRS = {"q", "k", "v", "graw", "braw", "o", "win_k", "win_v"}
+ACT_PTRS = {"q", "k", "v", "graw", "braw", "o"}
 SCALARS = {"scale": "fp32", "lower_bound": "fp32"}
 
 

@@ -16,7 +16,7 @@ import traceback
 
 import triton
 
-from lightllm.linear_att.kernels import compact, native_verify, replay_decode, replay_fold, replay_window
+from lightllm.linear_att.kernels import replay_decode, replay_fold, replay_window, serial
 from unit_tests.helpers.sm90 import compile_sm90
 
 # H, HV, K (= V), gate width, lower bound: the Qwen3-Next and Kimi-Linear TP1 heads and the tiny test models
@@ -50,11 +50,11 @@ def cases(shape) -> list[tuple[str, object, dict, int]]:
     for W in (1, 4):
         bv, nw = _tile(shape, wide=W == 1)
         c = {**_gates(shape), "WMAX": W, "BV": bv}
-        out.append((f"native_verify W={W}", native_verify.native_verify_kernel, c, nw))
-        out.append((f"compact_verify W={W}", compact.compact_verify_kernel, c, nw))
+        out.append((f"native_verify W={W}", serial.serial_verify_kernel, {**c, "COMPACT": False}, nw))
+        out.append((f"compact_verify W={W}", serial.serial_verify_kernel, {**c, "COMPACT": True}, nw))
     bv, nw = _tile(shape, wide=False)
     commit = {**_gates(shape, False), "WMAX": 4, "BV": bv}
-    out.append(("compact_commit W=4", compact.compact_commit_kernel, commit, nw))
+    out.append(("compact_commit W=4", serial.compact_commit_kernel, commit, nw))
     bv1, nw1 = _tile(shape, wide=True)
     decode = {**_gates(shape), "L": L, "BV": bv1, "BL": L}
     out.append(("replay_decode W=1", replay_decode.replay_decode_kernel, decode, nw1))

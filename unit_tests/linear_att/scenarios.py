@@ -20,6 +20,9 @@ from lightllm.linear_att import LinearAttSpec, StateConfig, StateMode, create_st
 from lightllm.linear_att.base import DecodeRows, LayerParams, PrefillRows
 from lightllm.linear_att.gdn import reference as gdn_ref
 from lightllm.linear_att.kda import reference as kda_ref
+from lightllm.linear_att.modes.compact import CompactState
+from lightllm.linear_att.modes.native import NativeState
+from lightllm.linear_att.modes.replay import ReplayState
 from unit_tests.helpers.asserts import poison_
 
 
@@ -181,8 +184,7 @@ def new_run(spec, num_requests) -> Run:
 def poison_dead(state) -> None:
     """NaN every byte the state must not read again: rejected/stale history, dead native slots, the compact window
     buffer not holding pending tokens and the rejected tokens of the one that does."""
-    mode = type(state).__name__
-    if mode == "ReplayState":
+    if isinstance(state, ReplayState):
         cap = state.capacity
         for slot in range(state.num_slots):
             h, p = int(state.cursor[slot]), int(state.parity[slot])
@@ -190,14 +192,14 @@ def poison_dead(state) -> None:
                 poison_(t[:, slot, 1 - p])
                 if h < cap:
                     poison_(t[:, slot, p, h:])
-    elif mode == "CompactState":
+    elif isinstance(state, CompactState):
         # only the accepted, not yet merged tokens of the current buffer are live
         for slot in range(state.num_slots):
             a, p = int(state.pending[slot]), int(state.parity[slot])
-            for t in (state.win_k, state.win_v, state.win_g, state.win_beta):
+            for t in (state.win_k, state.win_u, state.win_g):
                 poison_(t[:, slot, 1 - p])
                 poison_(t[:, slot, p, a:])
-    elif mode == "NativeState":
+    elif isinstance(state, NativeState):
         for slot in range(state.num_slots):
             cur = int(state.ssm_index[slot])
             for w in range(state.max_width):
@@ -347,10 +349,6 @@ def run_mtp(
 def state_tensors(state) -> dict[str, torch.Tensor]:
     """Every per-slot tensor attribute of a state object (for byte comparisons); 0-dim counters are not per slot."""
     return {name: t for name, t in vars(state).items() if isinstance(t, torch.Tensor) and t.dim() > 0}
-
-
-# the operator backends the state-mode tests run; kernel tests may call the drivers with "triton"
-BACKENDS = ["torch"]
 
 
 def max_output_error(spec, params, streams, run: Run, round_state_to=None) -> float:

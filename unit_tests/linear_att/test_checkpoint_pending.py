@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightllm.linear_att import ops
+from lightllm.linear_att.bundles import ReplayBuffers
 from unit_tests.linear_att import scenarios as sc
 
 MODES = ("native", "compact", "replay")
@@ -44,7 +45,8 @@ def test_checkpoint_with_pending_tokens_is_the_canonical_state(algo):
     torch.testing.assert_close(replay.ssm, want.ssm, rtol=1e-5, atol=1e-6)
     # what the request continues from: its pending history folded in place
     st = replay_st
-    ops.replay_fold(st.ssm, st.hist_k, st.hist_u, st.hist_g, st.cursor, st.parity, slots, backend=st.backend)
+    buffers = ReplayBuffers(st.ssm, st.hist_k, st.hist_u, st.hist_g, st.cursor, st.parity)
+    ops.replay_fold(buffers, slots, backend=st.backend)
     assert torch.equal(replay.ssm.view(torch.uint8), st.ssm[:, slots.long()].view(torch.uint8))
 
 

@@ -52,7 +52,7 @@ def test_bytes_per_request_is_exact(algo, mode):
     if mode == "native":
         expected += NL * W * HV * K * V * 2 + 4
     elif mode == "compact":
-        expected += NL * HV * K * V * 2 + NL * 2 * W * (H * K * 2 + HV * V * 2 + HV * GK * 4 + HV * 4) + 4 + 4
+        expected += NL * HV * K * V * 2 + NL * 2 * W * (H * K + HV * V + HV * GK) * 4 + 4 + 4
     else:
         expected += NL * HV * K * V * 2 + NL * 2 * L * (H * K + HV * V + HV * GK) * 4 + 4 + 4
     assert st.bytes_per_request() == expected

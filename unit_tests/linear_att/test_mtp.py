@@ -12,15 +12,14 @@ from unit_tests.linear_att import scenarios as sc
 MODES = ["native", "compact", "replay"]
 
 
-@pytest.mark.parametrize("backend", sc.BACKENDS)
 @pytest.mark.parametrize("ratio", [1, 2, 4], ids=lambda r: f"hv_per_h{r}")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("algo", ["gdn", "kda"])
-def test_mtp_rounds_match_reference(algo, mode, ratio, backend):
+def test_mtp_rounds_match_reference(algo, mode, ratio):
     spec = sc.make_spec(algo, num_k_heads=2 if ratio < 4 else 1, ratio=ratio, head_k_dim=16, head_v_dim=8, num_layers=1)
     params = sc.make_params(spec, seed=ratio)
     streams = sc.make_streams(spec, 3, 200, seed=ratio + 10)
-    st = sc.make_state(spec, mode, max_width=4, capacity=8, backend=backend)
+    st = sc.make_state(spec, mode, max_width=4, capacity=8)
     run, _ = sc.run_mtp(st, spec, params, streams, prompt_lens=[9, 1, 4], num_rounds=42, max_width=4, seed=ratio)
     assert sc.max_output_error(spec, params, streams, run) < 1e-5
 

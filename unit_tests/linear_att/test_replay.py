@@ -11,16 +11,15 @@ from unit_tests.helpers.asserts import relative_error
 from unit_tests.linear_att import scenarios as sc
 
 
-@pytest.mark.parametrize("backend", sc.BACKENDS)
 @pytest.mark.parametrize("capacity", REPLAY_CAPACITIES, ids=lambda c: f"L{c}")
 @pytest.mark.parametrize("algo", ["gdn", "kda"])
-def test_replay_matches_reference_over_three_fold_cycles(algo, capacity, backend):
+def test_replay_matches_reference_over_three_fold_cycles(algo, capacity):
     spec = sc.make_spec(algo, num_layers=1)
     params = sc.make_params(spec, seed=capacity)
     max_width = 4
     num_rounds = 2 * capacity + 16
     streams = sc.make_streams(spec, 2, 6 + max_width * num_rounds, seed=1)
-    st = sc.make_state(spec, "replay", max_width=max_width, capacity=capacity, backend=backend)
+    st = sc.make_state(spec, "replay", max_width=max_width, capacity=capacity)
     slots = [st.alloc(), st.alloc()]
     run = sc.new_run(spec, 2)
     sc.prefill(st, spec, params, streams, slots, [3, 6], run)

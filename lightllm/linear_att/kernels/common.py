@@ -1,8 +1,9 @@
 """Shared `@triton.jit` building blocks of the linear-attention kernels (GDN and KDA alike).
 
 Every kernel calls these, so the preprocessing (l2norm, gate, beta) and the per-token delta-rule step are the same
-instructions in every mode: native, compact verify (with its merge of the pending tokens) and compact commit are
-bitwise equal because they share `delta_rule_step`, and every replay fold (in the verify kernels and standalone) is `fold_tile_from_records`.
+instructions in every mode: native and compact (its verify and its merge of pending records) are bitwise equal
+because they share `delta_rule_step` / `add_rank_one`, and every replay fold (in the verify kernels and
+standalone) is `fold_tile_from_records`.
 
 Gate width `BG` is 1 for GDN (one gate per value head, broadcast over the K rows) and `BK` for KDA.
 """
@@ -42,15 +43,31 @@ def gate_activation(b_graw, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND: tl
 
 
 @triton.jit
+def add_rank_one(b_s, b_k, b_u):
+    """`S + k uᵀ` on a `[BK, BV]` tile: the update of a verified token and of a merged compact record alike, as one
+    explicit fused multiply-add per element. Left to itself the compiler fuses whichever product has a single use:
+    `k u` in the verify (the decayed tile also feeds `Sᵀ k`), possibly the decay product in the merge; the explicit
+    form gives both the same rounding, so a merged state is native's bit for bit."""
+    b_kk, b_uu = tl.broadcast(b_k[:, None], b_u[None, :])
+    return tl.fma(b_kk, b_uu, b_s)
+
+
+@triton.jit
+def round_like(b_s, p_s):
+    """The fp32 tile rounded to the element type of `p_s` (the state's storage dtype), back in fp32."""
+    return b_s.to(p_s.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def delta_rule_step(b_s, b_k, b_v, b_decay, b_beta):
     """One token of the gated delta rule on a `[BK, BV]` fp32 state tile.
 
     `b_k [BK]` normalised key, `b_v [BV]`, `b_decay` = e^g (`[1]` for GDN, `[BK]` for KDA), `b_beta` scalar.
-    S <- diag(e^g) S;  u = beta (v - S^T k);  S <- S + k u^T.  Returns the new tile (not rounded).
+    S <- diag(e^g) S;  u = beta (v - S^T k);  S <- S + k u^T.  Returns the new tile (not rounded) and `u [BV]`.
     """
     b_s = b_s * b_decay[:, None]
     b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
-    return b_s + b_k[:, None] * b_u[None, :]
+    return add_rank_one(b_s, b_k, b_u), b_u
 
 
 @triton.jit
@@ -72,19 +89,17 @@ def load_token(
     m_g,
     USE_LOWER_BOUND: tl.constexpr,
 ):
-    """Load and preprocess one window token: returns (q_hat * scale, k_hat, v, g, beta, k_raw) in fp32.
+    """Load and preprocess one window token: returns (q_hat * scale, k_hat, v, g, beta) in fp32.
 
-    `p_*` point at the token's head rows; `k_raw` is the key as given (compact stores it for the commit).
+    `p_*` point at the token's head rows.
     """
     b_q = tl.load(p_q + o_k, mask=m_k, other=0).to(tl.float32)  # [BK]
-    b_kr = tl.load(p_k + o_k, mask=m_k, other=0)  # [BK] input dtype
+    b_k = tl.load(p_k + o_k, mask=m_k, other=0).to(tl.float32)  # [BK]
     b_v = tl.load(p_v + o_v, mask=m_v, other=0).to(tl.float32)  # [BV]
     b_graw = tl.load(p_graw + o_g, mask=m_g, other=0).to(tl.float32)  # [BG]
     b_g = gate_activation(b_graw, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND)
     b_beta = sigmoid(tl.load(p_braw).to(tl.float32))
-    b_q = l2norm(b_q) * scale
-    b_k = l2norm(b_kr.to(tl.float32))
-    return b_q, b_k, b_v, b_g, b_beta, b_kr
+    return l2norm(b_q) * scale, l2norm(b_k), b_v, b_g, b_beta
 
 
 @triton.jit
@@ -142,9 +157,8 @@ def fold_tile_from_records(
     records in order (fp32 FMAs, no registers beyond the tile and two prefetched records). `p_hk / p_hg / p_hu`
     point at record 0 of one buffer (key head / value head / value head); `b_gh [BG]` is G_h."""
     b_s = b_s * tl.exp(b_gh)[:, None]
-    # two records per loop step: one loop overhead per pair, and the next pair loads while this one is added (per
-    # record ~228 -> ~177 instructions per warp; H200: 8.9 -> 6.8 us per record, GDN W = 4, N = 128). A missing
-    # second record (odd h) loads as zeros and adds exactly 0, so the sum is the same one-by-one sum.
+    # two records per loop step: one loop overhead per pair, and the next pair loads while this one is added. A
+    # missing second record (odd h) loads as zeros and adds exactly 0, so the sum is the same one-by-one sum.
     rec = (p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul)
     b_ka, b_ga, b_ua = _load_record(*rec, 0, h, o_k, m_k, o_g, m_g, o_v, m_v)
     b_kb, b_gb, b_ub = _load_record(*rec, 1, h, o_k, m_k, o_g, m_g, o_v, m_v)
@@ -167,20 +181,38 @@ def store_rounded(b_s, p_s, m_kv):
 
 
 @triton.jit
+def replay_folds(h, width, L):
+    """The replay fold rule: a row of width `width` over `h` committed records folds iff its records would not fit
+    in the capacity `L`. The verify kernels and the accept kernel decide with this one function; the torch side
+    (`torch_ops/replay.replay_folds`) is its twin."""
+    return h + width > L
+
+
+@triton.jit
+def commit_fold(fold, b_s, p_s, m_kv, h, par):
+    """The end of a replay verify's fold of one `[BK, BV]` tile that holds S_h: when `fold`, store it rounded once
+    to the state dtype and continue from the rounded value. Returns (tile, the cursor the window's records start
+    at, the history buffer they go to)."""
+    if fold:
+        b_s = store_rounded(b_s, p_s, m_kv)
+    return b_s, tl.where(fold, 0, h), tl.where(fold, 1 - par, par)
+
+
+@triton.jit
 def fold_if_full(fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, par,
                  o_k, m_k, o_g, m_g, o_v, m_v):  # fmt: skip
-    """The one-launch replay kernels' on-device fold of one `[BK, BV]` tile. When `fold`, S_h replaces the tile in
-    registers and in `p_s` (rounded once to the state dtype; the window continues from the rounded value) and the
-    history becomes empty. Returns (tile, history weights `[BL, BK]`, history u `[BL, BV]`, G_h `[BG]`, the
-    cursor the window's records start at, the history buffer they go to)."""
+    """The replay kernels' on-device fold of one `[BK, BV]` tile that holds S0 and contracts the history through
+    its weights. When `fold`, S_h replaces the tile (`commit_fold`) and the history becomes empty. Returns (tile,
+    history weights `[BL, BK]`, history u `[BL, BV]`, G_h `[BG]`, the cursor the window's records start at, the
+    history buffer they go to)."""
     if fold:
         b_s = fold_tile_from_records(b_s, b_gh, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, o_k, m_k, o_g, m_g,
                                      o_v, m_v)  # fmt: skip
-        b_s = store_rounded(b_s, p_s, m_kv)
         b_hkw = tl.zeros(b_hkw.shape, dtype=tl.float32)
         b_hu = tl.zeros(b_hu.shape, dtype=tl.float32)
         b_gh = tl.zeros(b_gh.shape, dtype=tl.float32)
-    return b_s, b_hkw, b_hu, b_gh, tl.where(fold, 0, h), tl.where(fold, 1 - par, par)
+    b_s, h, buf = commit_fold(fold, b_s, p_s, m_kv, h, par)
+    return b_s, b_hkw, b_hu, b_gh, h, buf
 
 
 @triton.jit
@@ -219,7 +251,9 @@ def unit_lower_inverse(b_n, LOG2_R: tl.constexpr):
 __all__ = [
     "cumsum_rows",
     "first_half_rows",
+    "add_rank_one",
     "delta_rule_step",
+    "commit_fold",
     "fold_if_full",
     "fold_tile_from_records",
     "gate_activation",
@@ -227,6 +261,8 @@ __all__ = [
     "l2norm",
     "load_token",
     "project_token",
+    "replay_folds",
+    "round_like",
     "sigmoid",
     "small_matmul",
     "softplus",

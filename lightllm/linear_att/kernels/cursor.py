@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightllm.linear_att.kernels.common import replay_folds
+
 
 @triton.jit
 def replay_accept_kernel(
@@ -33,7 +35,7 @@ def replay_accept_kernel(
     num_acc = tl.load(accepted + o_n, mask=m, other=1)
     h = tl.load(cursor + slot, mask=m, other=0)
     par = tl.load(parity + slot, mask=m, other=0)
-    fold = h + width > L
+    fold = replay_folds(h, width, L)
     tl.store(cursor + slot, tl.where(fold, num_acc, h + num_acc), mask=m)
     tl.store(parity + slot, tl.where(fold, 1 - par, par), mask=m)
     tl.store(conv_offset + slot, num_acc - 1, mask=m)

@@ -7,8 +7,10 @@ import torch
 from lightllm.linear_att import autotune
 
 
-def check_verify_inputs(q, k, v, graw, braw, A_log, dt_bias, slots, widths) -> None:
-    """Shapes, dtypes and the strides the verify kernels assume (innermost head / channel dims contiguous)."""
+def check_verify_inputs(tokens, slots, widths) -> None:
+    """Shapes, dtypes and the strides the verify kernels assume (innermost head / channel dims contiguous) of a
+    `TokenInputs` and its rows."""
+    q, k, v, graw, braw, A_log, dt_bias = tokens.pointers
     N, WMAX, H, K = q.shape
     HV, V, GK = v.shape[2], v.shape[3], graw.shape[-1]
     assert k.shape == q.shape and k.stride() == q.stride(), "q and k must have the same shape and strides"
@@ -23,13 +25,23 @@ def check_verify_inputs(q, k, v, graw, braw, A_log, dt_bias, slots, widths) -> N
     assert slots.shape == (N,) and widths.shape == (N,) and slots.dtype == widths.dtype == torch.int32
 
 
-def serial_config(state_dtype, act_dtype, H, HV, K, V, GK, width, device) -> autotune.KernelConfig:
-    """Native verify, compact verify and compact commit share one tiling (bitwise equality needs it)."""
-    return autotune.lookup(autotune.make_key("serial", device, state_dtype, act_dtype, H, HV, K, V, GK, width))
+def verify_launch_args(tokens, state_pointers, state_strides, slots, widths, o) -> tuple:
+    """The leading arguments of every verify kernel (serial, replay decode, replay window), in their order: token
+    pointers, state pointers, slots, widths, o, scale, lower_bound, token strides, o's row / token strides, state
+    strides."""
+    return (*tokens.pointers, *state_pointers, slots, widths, o, tokens.kernel_scale, tokens.lower_bound,
+            *tokens.strides, *o.stride()[:2], *state_strides)  # fmt: skip
 
 
-def replay_config(state_dtype, act_dtype, H, HV, K, V, GK, width, capacity, projection, device):
-    key = autotune.make_key("replay", device, state_dtype, act_dtype, H, HV, K, V, GK, width, capacity, projection)
+def serial_config(state_dtype, act_dtype, H, HV, K, V, GK, width, device, lower_bound=None) -> autotune.KernelConfig:
+    """Native and compact verify share one tiling (their outputs are bitwise equal only with the same reductions)."""
+    key = autotune.make_key("serial", device, state_dtype, act_dtype, H, HV, K, V, GK, width, lower_bound=lower_bound)
+    return autotune.lookup(key)
+
+
+def replay_config(state_dtype, act_dtype, H, HV, K, V, GK, width, capacity, projection, device, lower_bound=None):
+    key = autotune.make_key("replay", device, state_dtype, act_dtype, H, HV, K, V, GK, width, capacity, projection,
+                            lower_bound)  # fmt: skip
     return autotune.lookup(key)
 
 

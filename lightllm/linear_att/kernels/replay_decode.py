@@ -25,14 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
+from lightllm.linear_att.bundles import ReplayBuffers, TokenInputs
 from lightllm.linear_att.kernels.common import (
     fold_if_full,
     gate_activation,
     history_weights,
     l2norm,
     project_token,
+    replay_folds,
     sigmoid,
 )
+from lightllm.linear_att.kernels.launch import verify_launch_args
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
@@ -57,10 +60,15 @@ def replay_decode_kernel(
     scale,
     lower_bound,
     stride_q_n,
+    stride_q_w,
     stride_v_n,
+    stride_v_w,
     stride_g_n,
+    stride_g_w,
     stride_b_n,
+    stride_b_w,
     stride_o_n,
+    stride_o_w,
     stride_ssm_s,
     stride_hk_s,
     stride_hk_b,
@@ -108,7 +116,7 @@ def replay_decode_kernel(
 
     h = tl.load(cursor + slot, mask=live, other=0)
     par = tl.load(parity + slot, mask=live, other=0).to(tl.int64)
-    fold = live & (h + 1 > L)
+    fold = live & replay_folds(h, 1, L)
     m_l = live & (o_l < h)
     p_hk = hist_k + slot * stride_hk_s + par * stride_hk_b + i_h * K
     p_hu = hist_u + slot * stride_hu_s + par * stride_hu_b + i_hv * V
@@ -150,63 +158,17 @@ def replay_decode_kernel(
 
 
 def replay_decode_triton(
-    q,
-    k,
-    v,
-    graw,
-    braw,
-    A_log,
-    dt_bias,
-    ssm,
-    hist_k,
-    hist_u,
-    hist_g,
-    cursor,
-    parity,
-    slots,
-    widths,
-    *,
-    scale: float,
-    lower_bound: float | None,
-    block_v: int,
-    num_warps: int,
-    num_stages: int,
+    tokens: TokenInputs, state: ReplayBuffers, slots, widths, *, block_v: int, num_warps: int, num_stages: int
 ) -> torch.Tensor:
     """The W = 1 case of `replay_verify_triton` (inputs already checked there). Returns o `[N, 1, HV, V]`."""
-    N, _, H, K = q.shape
-    HV, V, GK = v.shape[2], v.shape[3], graw.shape[-1]
-    L = hist_k.shape[2]
-    o = torch.empty_like(v)
+    N, _, H, K = tokens.q.shape
+    HV, V = tokens.v.shape[2:]
+    GK, L = tokens.graw.shape[-1], state.capacity
+    o = torch.empty_like(tokens.v)
     if N == 0:
         return o
     replay_decode_kernel[(triton.cdiv(V, block_v), N, HV)](
-        q,
-        k,
-        v,
-        graw,
-        braw,
-        A_log,
-        dt_bias,
-        ssm,
-        hist_k,
-        hist_u,
-        hist_g,
-        cursor,
-        parity,
-        slots,
-        widths,
-        o,
-        scale,
-        lower_bound,
-        q.stride(0),
-        v.stride(0),
-        graw.stride(0),
-        braw.stride(0),
-        o.stride(0),
-        ssm.stride(0),
-        *hist_k.stride()[:3],
-        *hist_u.stride()[:3],
-        *hist_g.stride()[:3],
+        *verify_launch_args(tokens, state.pointers, state.strides, slots, widths, o),
         H=H,
         HV=HV,
         K=K,

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightllm.linear_att.bundles import ReplayBuffers
 from lightllm.linear_att.kernels.common import fold_tile_from_records
 
 
@@ -28,8 +29,6 @@ def replay_fold_kernel(
     out,
     stride_ssm_l,
     stride_ssm_s,
-    stride_out_l,
-    stride_out_n,
     stride_hk_l,
     stride_hk_s,
     stride_hk_b,
@@ -42,6 +41,8 @@ def replay_fold_kernel(
     stride_hg_s,
     stride_hg_b,
     stride_hg_j,
+    stride_out_l,
+    stride_out_n,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -90,12 +91,7 @@ def replay_fold_kernel(
 
 
 def replay_fold_triton(
-    ssm: torch.Tensor,
-    hist_k: torch.Tensor,
-    hist_u: torch.Tensor,
-    hist_g: torch.Tensor,
-    cursor: torch.Tensor,
-    parity: torch.Tensor,
+    state: ReplayBuffers,
     slots: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
@@ -103,18 +99,19 @@ def replay_fold_triton(
 ) -> None:
     """Fold the committed history of `slots` into the canonical state, all layers (see `ops.replay_fold`).
 
-    ssm `[NL, S, HV, K, V]`; hist_k `[NL, S, 2, L, H, K]`, hist_u `[NL, S, 2, L, HV, V]`, hist_g
-    `[NL, S, 2, L, HV, GK]` fp32; cursor / parity `[S]` int32 (read only; the caller clears them); slots `[n]` int32.
+    `state` holds all layers: ssm `[NL, S, HV, K, V]`, fp32 history `[NL, S, 2, L, ...]`, cursor / parity `[S]`
+    int32 (read only; the caller clears them); slots `[n]` int32.
     out=None: in place `ssm[:, slot] <- S_h` (rounded once). out `[NL, n, HV, K, V]`: written instead, ssm read only.
     """
     from lightllm.linear_att.kernels.launch import fold_config
-    from lightllm.linear_att.kernels.replay_verify import _check_history, block_v
+    from lightllm.linear_att.kernels.replay_verify import block_v, check_history
 
+    ssm, hist_k, hist_g = state.ssm, state.hist_k, state.hist_g
     NL, _, HV, K, V = ssm.shape
     H, L, GK = hist_k.shape[4], hist_k.shape[3], hist_g.shape[-1]
     n = slots.shape[0]
     assert ssm.stride(2) == K * V and ssm.stride(3) == V and ssm.stride(4) == 1
-    _check_history(hist_k, hist_u, hist_g, H, HV, K, V, GK, leading=2)
+    check_history(state, H, HV, K, V, GK, leading=2)
     if out is not None:
         assert out.shape == (NL, n, HV, K, V) and out.stride(2) == K * V and out.stride(4) == 1 and out.stride(3) == V
     if n == 0 or NL == 0:
@@ -122,20 +119,11 @@ def replay_fold_triton(
     cfg = config or fold_config(ssm.dtype, H, HV, K, V, GK, L, ssm.device)
     BV = block_v(cfg, V, ssm.device)
     replay_fold_kernel[(triton.cdiv(V, BV), n, NL * HV)](
-        ssm,
-        hist_k,
-        hist_u,
-        hist_g,
-        cursor,
-        parity,
+        *state.pointers,
         slots,
         out,
-        ssm.stride(0),
-        ssm.stride(1),
-        *((out.stride(0), out.stride(1)) if out is not None else (0, 0)),
-        *hist_k.stride()[:4],
-        *hist_u.stride()[:4],
-        *hist_g.stride()[:4],
+        *state.strides,
+        *(out.stride()[:2] if out is not None else (0, 0)),
         H=H,
         HV=HV,
         K=K,

@@ -26,8 +26,7 @@ The projection mode picks how the state part Y_S = S_h^T (e^{r_s} x) is formed (
   and query rows stacked into one `[2 BW, K]` operand (zero rows pad it to the 16 a product needs), in tf32x3 on
   the GPU (three TF32 products, ~fp32 accuracy; plain TF32 would put 1e-3 errors into u and hence the state).
   An fp32 ("ieee") `tl.dot` is no option: Triton lowers it to FMAs that read both operands from shared memory,
-  which made an earlier window kernel L1-bound at 4% of DRAM bandwidth
-  (`test/benchmark/results/h200_profile_models_serving.md`). On the H200 precompute is still ~2.5x slower than
+  which makes the kernel L1-bound (`test/benchmark/results/h200_profile_models_serving.md`). On the H200 precompute is still ~2.5x slower than
   inline at every launch config timed (`docs/benchmarks.md`), so inline is the default.
 
 Rows past a row's width are zero (g = 0, beta = 0), write no record and store o = 0. The fold (`h + W > L`):
@@ -41,19 +40,22 @@ import torch
 import triton
 import triton.language as tl
 
+from lightllm.linear_att.bundles import ReplayBuffers, TokenInputs
 from lightllm.linear_att.kernels.common import (
+    commit_fold,
     cumsum_rows,
     first_half_rows,
     fold_if_full,
     fold_tile_from_records,
     gate_activation,
     history_weights,
+    replay_folds,
     sigmoid,
     small_matmul,
     stack_rows,
-    store_rounded,
     unit_lower_inverse,
 )
+from lightllm.linear_att.kernels.launch import verify_launch_args
 
 
 @triton.jit
@@ -147,7 +149,7 @@ def replay_window_kernel(
 
     h = tl.load(cursor + slot, mask=live, other=0)
     par = tl.load(parity + slot, mask=live, other=0).to(tl.int64)
-    fold = live & (h + width > L)
+    fold = live & replay_folds(h, width, L)
     p_hk = hist_k + slot * stride_hk_s + par * stride_hk_b + i_h * K
     p_hu = hist_u + slot * stride_hu_s + par * stride_hu_b + i_hv * V
     p_hg = hist_g + slot * stride_hg_s + par * stride_hg_b + i_hv * GK
@@ -205,10 +207,7 @@ def replay_window_kernel(
         b_s = fold_tile_from_records(
             b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, o_k, m_k, o_g, m_g, o_v, m_v
         )
-        if fold:
-            b_s = store_rounded(b_s, p_s, m_kv)
-        h = tl.where(fold, 0, h)
-        buf = tl.where(fold, 1 - par, par)
+        b_s, h, buf = commit_fold(fold, b_s, p_s, m_kv, h, par)
         b_gh = tl.where(fold, 0.0, b_gh)
         b_yk = tl.zeros([BW, BV], dtype=tl.float32)
         b_yq = tl.zeros([BW, BV], dtype=tl.float32)
@@ -274,32 +273,19 @@ def replay_window_kernel(
 def window_blocks(wmax: int, precompute: bool, on_gpu: bool) -> tuple[int, int]:
     """(BW, DOT_PAD): the window block's rows and how many times precompute doubles its stacked `[2 BW, K]`
     operand with zero rows. On the GPU a tensor-core product needs 16 rows, and window blocks have at least 4 rows
-    (Triton 3.6 miscompiled a 2-row block in an earlier kernel; test_replay_short_windows_match_twin); the
-    interpreter keeps blocks minimal."""
+    (Triton 3.6 gives wrong results for 2-row blocks; `test_replay_short_windows_match_twin` checks W = 1..3 on the
+    GPU); the interpreter keeps blocks minimal."""
     bw = max(4 if on_gpu else 1, triton.next_power_of_2(wmax))
     dot_pad = max(0, (16 // (2 * bw)).bit_length() - 1) if on_gpu and precompute else 0
     return bw, dot_pad
 
 
 def replay_window_triton(
-    q,
-    k,
-    v,
-    graw,
-    braw,
-    A_log,
-    dt_bias,
-    ssm,
-    hist_k,
-    hist_u,
-    hist_g,
-    cursor,
-    parity,
+    tokens: TokenInputs,
+    state: ReplayBuffers,
     slots,
     widths,
     *,
-    scale: float,
-    lower_bound: float | None,
     block_v: int,
     num_warps: int,
     num_stages: int,
@@ -307,48 +293,17 @@ def replay_window_triton(
 ) -> torch.Tensor:
     """The W > 1 case of `replay_verify_triton` (inputs already checked there), either projection. Returns o
     `[N, Wmax, HV, V]`, zeros past each row's width."""
-    N, WMAX, H, K = q.shape
-    HV, V, GK = v.shape[2], v.shape[3], graw.shape[-1]
-    L = hist_k.shape[2]
-    o = torch.empty_like(v)
+    N, WMAX, H, K = tokens.q.shape
+    HV, V = tokens.v.shape[2:]
+    GK, L, on_gpu = tokens.graw.shape[-1], state.capacity, state.ssm.is_cuda
+    o = torch.empty_like(tokens.v)
     if N == 0:
         return o
     precompute = projection == "precompute"
-    BW, dot_pad = window_blocks(WMAX, precompute, ssm.is_cuda)
-    least_records = 16 if ssm.is_cuda and precompute else 1  # the records' side of the tensor-core products
+    BW, dot_pad = window_blocks(WMAX, precompute, on_gpu)
+    least_records = 16 if on_gpu and precompute else 1  # the records' side of the tensor-core products
     replay_window_kernel[(triton.cdiv(V, block_v), N, HV)](
-        q,
-        k,
-        v,
-        graw,
-        braw,
-        A_log,
-        dt_bias,
-        ssm,
-        hist_k,
-        hist_u,
-        hist_g,
-        cursor,
-        parity,
-        slots,
-        widths,
-        o,
-        scale,
-        lower_bound,
-        q.stride(0),
-        q.stride(1),
-        v.stride(0),
-        v.stride(1),
-        graw.stride(0),
-        graw.stride(1),
-        braw.stride(0),
-        braw.stride(1),
-        o.stride(0),
-        o.stride(1),
-        ssm.stride(0),
-        *hist_k.stride()[:3],
-        *hist_u.stride()[:3],
-        *hist_g.stride()[:3],
+        *verify_launch_args(tokens, state.pointers, state.strides, slots, widths, o),
         H=H,
         HV=HV,
         K=K,
@@ -364,7 +319,7 @@ def replay_window_triton(
         LOG2_BW=BW.bit_length() - 1,
         DOT_PAD=dot_pad,
         PRECOMPUTE=precompute,
-        PRECISION="tf32x3" if ssm.is_cuda else "ieee",
+        PRECISION="tf32x3" if on_gpu else "ieee",
         num_warps=num_warps,
         num_stages=num_stages,
     )

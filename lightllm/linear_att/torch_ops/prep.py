@@ -54,8 +54,13 @@ def delta_step(
     """
     S = S * g.exp()[..., None]
     u = beta[..., None] * (v - (S * k_hat[..., None]).sum(-2))
-    S = S + k_hat[..., None] * u[..., None, :]
-    return S, u
+    return add_rank_one(S, k_hat, u), u
+
+
+def add_rank_one(S: torch.Tensor, k_hat: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`S + k̂ uᵀ`: S `[n, HV, K, V]`, k_hat `[n, HV, K]`, u `[n, HV, V]` (a verified token and a merged compact
+    record take this one update, so they round alike)."""
+    return S + k_hat[..., None] * u[..., None, :]
 
 
 def read_out(S: torch.Tensor, q_hat: torch.Tensor) -> torch.Tensor:

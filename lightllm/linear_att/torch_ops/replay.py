@@ -11,12 +11,17 @@ import torch
 
 from lightllm.linear_att.torch_ops.prep import (
     activate_gates,
-    default_scale,
     delta_step,
     expand_heads,
     l2norm,
     read_out,
 )
+
+
+def replay_folds(h: torch.Tensor, width: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The replay fold rule (twin of `kernels/common.replay_folds`): a row of `width` over `h` committed records
+    folds iff its records would not fit in the capacity."""
+    return h + width > capacity
 
 
 def _total_gate(hist_g: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
@@ -39,30 +44,12 @@ def history_state(S0, hist_k, hist_u, hist_g, cursor):
     return S_h, G_h
 
 
-def replay_verify(
-    q,
-    k,
-    v,
-    graw,
-    braw,
-    A_log,
-    dt_bias,
-    ssm,
-    hist_k,
-    hist_u,
-    hist_g,
-    cursor,
-    parity,
-    slots,
-    widths,
-    *,
-    projection="inline",
-    scale=None,
-    lower_bound=None,
-):
+def replay_verify(tokens, state, slots, widths, *, projection="inline"):
     """See `lightllm.linear_att.ops.replay_verify` (`projection` only changes the Triton schedule)."""
+    q, k, v, graw, braw, A_log, dt_bias = tokens.pointers
+    ssm, hist_k, hist_u, hist_g, cursor, parity = state.pointers
     num_rows, max_width, num_v_heads, head_v = v.shape
-    cap = hist_k.shape[2]
+    cap = state.capacity
     o = torch.zeros(num_rows, max_width, num_v_heads, head_v, dtype=v.dtype, device=v.device)
     live = (widths.long() > 0).nonzero().squeeze(1)
     if live.numel() == 0:
@@ -71,12 +58,12 @@ def replay_verify(
     w = widths.long()[live]
     h = cursor[sl].long()
     p = parity[sl].long()
-    fold = h + w > cap
-    scale = default_scale(q.shape[-1], scale)
+    fold = replay_folds(h, w, cap)
+    scale = tokens.kernel_scale
     k_hat_key = l2norm(k[live])  # [n, Wmax, H, K]: records are stored per key head
     q_hat = expand_heads(l2norm(q[live]) * scale, num_v_heads)
     k_hat = expand_heads(k_hat_key, num_v_heads)
-    g, beta = activate_gates(graw[live], braw[live], A_log, dt_bias, lower_bound)
+    g, beta = activate_gates(graw[live], braw[live], A_log, dt_bias, tokens.lower_bound)
     vf = v[live].float()
 
     S_h, G_h = history_state(ssm[sl], hist_k[sl, p], hist_u[sl, p], hist_g[sl, p], h)
@@ -110,14 +97,15 @@ def replay_accept(cursor, parity, conv_offset, slots, widths, accepted, capacity
     w = widths[live].to(cursor.dtype)
     a = accepted[live].to(cursor.dtype)
     h = cursor[sl]
-    fold = h + w > capacity
+    fold = replay_folds(h, w, capacity)
     cursor[sl] = torch.where(fold, a, h + a)
     parity[sl] = torch.where(fold, 1 - parity[sl], parity[sl])
     conv_offset[sl] = (a - 1).to(conv_offset.dtype)
 
 
-def replay_fold(ssm, hist_k, hist_u, hist_g, cursor, parity, slots, *, out=None):
+def replay_fold(state, slots, *, out=None):
     """See `lightllm.linear_att.ops.replay_fold`."""
+    ssm, hist_k, hist_u, hist_g, cursor, parity = state.pointers
     sl = slots.long()
     if sl.numel() == 0:
         return

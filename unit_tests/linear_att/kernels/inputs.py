@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from lightllm.linear_att.autotune import KernelConfig
+from lightllm.linear_att.bundles import TokenInputs
 from lightllm.linear_att.gdn import reference as gdn_ref
 from lightllm.linear_att.kda import reference as kda_ref
 
@@ -49,6 +50,10 @@ class Window:
     v: torch.Tensor
     graw: torch.Tensor
     braw: torch.Tensor
+
+    def tokens(self, params: Params, lower_bound: float | None = None) -> TokenInputs:
+        return TokenInputs(self.q, self.k, self.v, self.graw, self.braw, params.A_log, params.dt_bias,
+                           lower_bound=lower_bound)  # fmt: skip
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightllm.linear_att.kernels.compact import compact_commit_triton, compact_verify_triton
-from lightllm.linear_att.kernels.native_verify import native_verify_triton
+from lightllm.linear_att.bundles import CompactBuffers, NativeBuffers
+from lightllm.linear_att.kernels.serial import compact_commit_triton, compact_verify_triton, native_verify_triton
 from lightllm.linear_att.torch_ops import verify as twin
 from unit_tests.helpers.asserts import assert_rel_close, poison_
 from unit_tests.linear_att.kernels.inputs import SHAPES, TILED, make_params, make_window, reference_row
@@ -47,11 +47,11 @@ def test_native_verify_matches_twin_and_reference(shape, max_width, state_dtype,
     ssm, ssm_index = _native_state(shape, max_width, state_dtype, gen)
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     widths = torch.tensor(_widths(max_width), dtype=torch.int32)
-    args = (win.q, win.k, win.v, win.graw, win.braw, params.A_log, params.dt_bias)
+    tokens = win.tokens(params, shape.lower_bound)
     ssm_twin, before = ssm.clone(), ssm.clone()
 
-    o = native_verify_triton(*args, ssm, ssm_index, slots, widths, lower_bound=shape.lower_bound, config=TILED)
-    o_twin = twin.native_verify(*args, ssm_twin, ssm_index, slots, widths, lower_bound=shape.lower_bound)
+    o = native_verify_triton(tokens, NativeBuffers(ssm, ssm_index), slots, widths, config=TILED)
+    o_twin = twin.native_verify(tokens, NativeBuffers(ssm_twin, ssm_index), slots, widths)
 
     assert not o.isnan().any(), "an output element was never written"
     assert_rel_close("o vs twin", o, o_twin, tol)
@@ -71,14 +71,13 @@ def test_native_verify_matches_twin_and_reference(shape, max_width, state_dtype,
 
 
 def _compact_buffers(shape, max_width, state_dtype, act_dtype, num_layers, gen):
-    """State, two poisoned window buffers per slot (nothing may be read before it is written), random parity."""
+    """State, two poisoned record buffers per slot (nothing may be read before it is written), random parity."""
     ssm = (torch.randn(num_layers, NUM_SLOTS, shape.HV, shape.K, shape.V, generator=gen) * 0.3).to(state_dtype)
     lead = (num_layers, NUM_SLOTS, 2, max_width)
     win = (
-        poison_(torch.empty(*lead, shape.H, shape.K, dtype=act_dtype)),
-        poison_(torch.empty(*lead, shape.HV, shape.V, dtype=act_dtype)),
+        poison_(torch.empty(*lead, shape.H, shape.K)),
+        poison_(torch.empty(*lead, shape.HV, shape.V)),
         poison_(torch.empty(*lead, shape.HV, shape.GK)),
-        poison_(torch.empty(*lead, shape.HV)),
     )
     pending = torch.zeros(NUM_SLOTS, dtype=torch.int32)
     parity = torch.randint(0, 2, (NUM_SLOTS,), generator=gen, dtype=torch.int32)
@@ -116,21 +115,16 @@ def test_compact_equals_native_bitwise(shape, max_width, state_dtype, act_dtype,
     for rnd in range(2):
         for layer in range(num_layers):
             w = make_window(shape, len(SLOTS), max_width, act_dtype, gen)
-            args = (w.q, w.k, w.v, w.graw, w.braw, params[layer].A_log, params[layer].dt_bias)
+            tokens = w.tokens(params[layer], shape.lower_bound)
             start = native[layer, torch.arange(NUM_SLOTS), ssm_index.long()].clone()
-            o_native = native_verify_triton(
-                *args, native[layer], ssm_index, slots, widths, lower_bound=shape.lower_bound, config=TILED
-            )
+            o_native = native_verify_triton(tokens, NativeBuffers(native[layer], ssm_index), slots, widths,
+                                            config=TILED)  # fmt: skip
             layer_win = tuple(t[layer] for t in win)
             read_before = [t[layer][torch.arange(NUM_SLOTS), parity.long()].clone() for t in win]
-            o = compact_verify_triton(
-                *args, ssm[layer], *layer_win, pending, parity, slots, widths, lower_bound=shape.lower_bound,
-                config=TILED,
-            )  # fmt: skip
-            o_twin = twin.compact_verify(
-                *args, ssm_twin[layer], *(t[layer] for t in win_twin), pending_twin, parity_twin, slots, widths,
-                lower_bound=shape.lower_bound,
-            )  # fmt: skip
+            o = compact_verify_triton(tokens, CompactBuffers(ssm[layer], *layer_win, pending, parity), slots, widths,
+                                      config=TILED)  # fmt: skip
+            twin_state = CompactBuffers(ssm_twin[layer], *(t[layer] for t in win_twin), pending_twin, parity_twin)
+            o_twin = twin.compact_verify(tokens, twin_state, slots, widths)
             assert torch.equal(o, o_native), f"round {rnd}: compact verify outputs differ from native"
             assert_rel_close("o vs twin", o, o_twin, tol)
             for slot, width in zip(SLOTS, widths.tolist()):
@@ -139,13 +133,13 @@ def test_compact_equals_native_bitwise(shape, max_width, state_dtype, act_dtype,
                     want = start[slot].view(torch.uint8)
                     assert torch.equal(ssm[layer, slot].view(torch.uint8), want), f"round {rnd}: merge != native"
                     assert_rel_close("merged state vs twin", ssm[layer, slot], ssm_twin[layer, slot], tol)
-                _check_window_written(layer_win, win_twin, layer, slot, width, int(parity[slot]), read_before)
+                _check_window_written(layer_win, win_twin, layer, slot, width, int(parity[slot]), read_before, tol)
         _accept(pending, parity, slots, widths, accepted[rnd])
         _accept(pending_twin, parity_twin, slots, widths, accepted[rnd])
         ssm_index = _native_index_after(ssm_index, slots, widths, accepted[rnd])
 
-    compact_commit_triton(ssm, *win, pending, parity, slots, config=TILED)
-    twin.compact_commit(ssm_twin, *win_twin, pending_twin, parity_twin, slots)
+    compact_commit_triton(CompactBuffers(ssm, *win, pending, parity), slots, config=TILED)
+    twin.compact_commit(CompactBuffers(ssm_twin, *win_twin, pending_twin, parity_twin), slots)
     for layer in range(num_layers):
         for slot in range(NUM_SLOTS):
             want = native[layer, slot, int(ssm_index[slot])]
@@ -161,17 +155,18 @@ def _native_index_after(index_before, slots, widths, accepted):
     return index
 
 
-def _check_window_written(layer_win, win_twin, layer, slot, width, parity, read_before):
-    """A verify writes tokens s < W of its row into buffer 1 - parity and leaves the buffer it read alone."""
+def _check_window_written(layer_win, win_twin, layer, slot, width, parity, read_before, tol):
+    """A verify writes the records of tokens s < W of its row into buffer 1 - parity and leaves the buffer it read
+    alone."""
     for t, before in zip(layer_win, read_before):
         assert torch.equal(t[slot, parity].nan_to_num(7.0), before[slot].nan_to_num(7.0)), "the read buffer changed"
     written = [t[slot, 1 - parity] for t in layer_win]
     if width == 0:
         assert written[0].isnan().all(), "a padding row wrote its window"
         return
-    # raw k / v are copied bit for bit; the activated gates come from two implementations of one formula
+    # k̂, u and g come from two implementations of one formula; u also carries the state's rounding
     twin_win = [t[layer][slot, 1 - parity, :width] for t in win_twin]
-    assert torch.equal(written[0][:width], twin_win[0]), "window k differs from the twin"
-    assert torch.equal(written[1][:width], twin_win[1]), "window v differs from the twin"
+    assert_rel_close("window k", written[0][:width], twin_win[0], 1e-6)
+    assert_rel_close("window u", written[1][:width], twin_win[1], tol)
     assert_rel_close("window g", written[2][:width], twin_win[2], 1e-6)
-    assert_rel_close("window beta", written[3][:width], twin_win[3], 1e-6)
+    assert written[0][width:].isnan().all(), "a record past the width was written"

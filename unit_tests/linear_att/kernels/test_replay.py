@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightllm.linear_att.autotune import KernelConfig
+from lightllm.linear_att.bundles import ReplayBuffers as StateBuffers
 from lightllm.linear_att.kernels.cursor import native_accept_triton, replay_accept_triton
 from lightllm.linear_att.kernels.replay_fold import replay_fold_triton
 from lightllm.linear_att.kernels.replay_verify import replay_verify_triton
@@ -43,6 +44,11 @@ class ReplayBuffers:
     def history(self):
         return self.hist_k, self.hist_u, self.hist_g
 
+    def bundle(self, layers=None) -> StateBuffers:
+        """The operators' view; `layers`: one leading layer dim (the all-layer fold)."""
+        lead = (lambda t: t) if layers is None else (lambda t: t[None])
+        return StateBuffers(lead(self.ssm), *map(lead, self.history()), self.cursor, self.parity)
+
     def poison_dead(self) -> None:
         """NaN every record no later step may read: the other buffer and the live buffer past the cursor."""
         for slot in range(NUM_SLOTS):
@@ -57,20 +63,14 @@ class ReplayBuffers:
 
 
 def _verify(buf: ReplayBuffers, shape, params, win, widths, projection, config=TILED):
-    args = (win.q, win.k, win.v, win.graw, win.braw, params.A_log, params.dt_bias)
     slots = torch.tensor(SLOTS, dtype=torch.int32)
-    return replay_verify_triton(
-        *args, buf.ssm, *buf.history(), buf.cursor, buf.parity, slots, widths,
-        projection=projection, lower_bound=shape.lower_bound, config=config,
-    )  # fmt: skip
+    return replay_verify_triton(win.tokens(params, shape.lower_bound), buf.bundle(), slots, widths,
+                                projection=projection, config=config)  # fmt: skip
 
 
 def _twin_verify(buf: ReplayBuffers, shape, params, win, widths):
-    args = (win.q, win.k, win.v, win.graw, win.braw, params.A_log, params.dt_bias)
     slots = torch.tensor(SLOTS, dtype=torch.int32)
-    return twin.replay_verify(
-        *args, buf.ssm, *buf.history(), buf.cursor, buf.parity, slots, widths, lower_bound=shape.lower_bound
-    )
+    return twin.replay_verify(win.tokens(params, shape.lower_bound), buf.bundle(), slots, widths)
 
 
 def _round_plan(r: int, max_width: int, gen) -> tuple[list[int], list[int]]:
@@ -207,15 +207,15 @@ def test_replay_fold_matches_twin_and_in_kernel_fold(shape, state_dtype):
 
     out = poison_(torch.empty(num_layers, 3, shape.HV, shape.K, shape.V, dtype=state_dtype))
     before = stacked[0].clone()
-    replay_fold_triton(*stacked, cursor, parity, fold_slots, out=out, config=TILED)
+    replay_fold_triton(StateBuffers(*stacked, cursor, parity), fold_slots, out=out, config=TILED)
     assert torch.equal(stacked[0], before), "export fold mutated the live state"
     out_twin = torch.empty_like(out)
-    twin.replay_fold(before.clone(), *stacked[1:], cursor, parity, fold_slots, out=out_twin)
+    twin.replay_fold(StateBuffers(before.clone(), *stacked[1:], cursor, parity), fold_slots, out=out_twin)
     assert_rel_close("fold out vs twin", out, out_twin, 2e-6 if state_dtype == torch.float32 else 2e-3)
     assert torch.equal(out[:, 2], before[:, NUM_SLOTS - 1]), "an empty history must export the state as is"
 
     inplace = stacked[0].clone()
-    replay_fold_triton(inplace, *stacked[1:], cursor, parity, fold_slots, config=TILED)
+    replay_fold_triton(StateBuffers(inplace, *stacked[1:], cursor, parity), fold_slots, config=TILED)
     assert torch.equal(inplace[:, fold_slots.long()], out), "in-place fold != exported fold"
 
     # every verify kernel folds slot 3 (h = 3, W = 2 > L - h) with the same helper: the same bytes as the standalone
@@ -233,8 +233,7 @@ def test_replay_fold_matches_twin_and_in_kernel_fold(shape, state_dtype):
         _verify(buf, shape, params, make_window(shape, len(SLOTS), 1, torch.float32, gen), one, "inline")
         replay_accept_triton(buf.cursor, buf.parity, buf.conv_offset, slots, one, one, capacity)
     full = poison_(torch.empty(1, 1, shape.HV, shape.K, shape.V, dtype=state_dtype))
-    replay_fold_triton(buf.ssm[None], *(t[None] for t in buf.history()), buf.cursor, buf.parity,
-                       torch.tensor([0], dtype=torch.int32), out=full, config=TILED)  # fmt: skip
+    replay_fold_triton(buf.bundle(layers=1), torch.tensor([0], dtype=torch.int32), out=full, config=TILED)
     _verify(buf, shape, params, make_window(shape, len(SLOTS), 1, torch.float32, gen), one, "inline")
     assert torch.equal(buf.ssm[0], full[0, 0]), "decode kernel fold != standalone fold"
 

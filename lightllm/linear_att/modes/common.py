@@ -10,13 +10,21 @@ import torch
 
 from lightllm.linear_att import ops
 from lightllm.linear_att.base import Checkpoint, DecodeRows, LayerParams, PrefillRows
-from lightllm.linear_att.slots import SlotAllocator
+from lightllm.linear_att.bundles import TokenInputs
+from lightllm.linear_att.modes.slots import SlotAllocator
 
 
 class StateCommon:
-    """Conv window + slots + prefill for all layers; subclasses add the SSM storage of their mode."""
+    """Conv window + slots + prefill for all layers; subclasses add the SSM storage of their mode, and the
+    algorithm packages (`gdn/`, `kda/`) bind a mode to their `Algorithm` descriptor (`algorithm`)."""
+
+    # bound by the algorithm packages: the `Algorithm` descriptor and its operator entry points (`<algo>/kernels`)
+    algorithm = None
+    kernels = None
 
     def __init__(self, spec, config):
+        if self.algorithm is not None and spec.algo != self.algorithm.name:
+            raise ValueError(f"{type(self).__name__} holds {self.algorithm.name} state, the spec is {spec.algo!r}")
         self.spec = spec
         self.config = config
         self._slots = SlotAllocator(config.max_requests)
@@ -88,7 +96,8 @@ class StateCommon:
             v.reshape(*lead, s.num_v_heads, s.head_v_dim),
         )
 
-    def _decode_inputs(self, layer: int, rows: DecodeRows, mixed_qkv: torch.Tensor, params: LayerParams):
+    def _decode_inputs(self, layer: int, rows: DecodeRows, mixed_qkv, graw, braw, params: LayerParams):
+        """(live widths, `TokenInputs`) of one layer's decode rows: the conv window step, then q / k / v."""
         widths = self._live_widths(rows)
         y = ops.causal_conv_decode(
             mixed_qkv,
@@ -100,7 +109,9 @@ class StateCommon:
             params.conv_bias,
             backend=self.backend,
         )
-        return widths, *self._split_qkv(y)
+        q, k, v = self._split_qkv(y)
+        lower_bound = self.spec.gate_lower_bound
+        return widths, TokenInputs(q, k, v, graw, braw, params.A_log, params.dt_bias, lower_bound=lower_bound)
 
     # prefill ---------------------------------------------------------------------------------------------
     def prefill(
@@ -129,7 +140,7 @@ class StateCommon:
         init = self._ssm_prefill_initial(layer, rows.slots).float()
         init = torch.where(rows.has_initial_state.to(torch.bool)[:, None, None, None], init, torch.zeros_like(init))
         # prefill follows the device (fla on CUDA, torch on CPU) even when tests force the Triton decode kernels
-        o, final = ops.chunk_delta_rule(q, k, v, g, beta, init, rows.cu_seqlens)
+        o, final = ops.chunk_delta_rule(q, k, v, g, beta, init, rows.cu_seqlens, algorithm=self.spec.algorithm)
         lens = rows.cu_seqlens[1:] - rows.cu_seqlens[:-1]
         live = lens > 0
         self._ssm_prefill_write(layer, rows.slots[live], final[live])

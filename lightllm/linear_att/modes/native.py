@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from lightllm.linear_att import ops
 from lightllm.linear_att.base import DecodeRows, LayerParams
-from lightllm.linear_att.state_common import StateCommon
+from lightllm.linear_att.bundles import NativeBuffers
+from lightllm.linear_att.modes.common import StateCommon
 
 
 class NativeState(StateCommon):
@@ -25,30 +25,17 @@ class NativeState(StateCommon):
             device=self.device,
         )
         self.ssm_index = torch.zeros(self.num_slots, dtype=torch.int32, device=self.device)
+        # one bundle of fixed views per layer, built once: every decode launches on the same addresses
+        self._layer_buffers = [NativeBuffers(self.ssm[layer], self.ssm_index) for layer in range(spec.num_layers)]
 
     def decode(self, layer: int, rows: DecodeRows, mixed_qkv, graw, braw, params: LayerParams) -> torch.Tensor:
-        widths, q, k, v = self._decode_inputs(layer, rows, mixed_qkv, params)
-        return ops.native_verify(
-            q,
-            k,
-            v,
-            graw,
-            braw,
-            params.A_log,
-            params.dt_bias,
-            self.ssm[layer],
-            self.ssm_index,
-            rows.slots,
-            widths,
-            lower_bound=self.spec.gate_lower_bound,
-            backend=self.backend,
-        )
+        widths, tokens = self._decode_inputs(layer, rows, mixed_qkv, graw, braw, params)
+        return self.kernels.native_verify(tokens, self._layer_buffers[layer], rows.slots, widths, backend=self.backend)
 
     def accept(self, rows: DecodeRows, num_accepted: torch.Tensor) -> None:
-        live = self._live_widths(rows) > 0
-        last = num_accepted.to(torch.int32) - 1
-        self._set_live_slots(self.ssm_index, rows, live, last)
-        self._set_live_slots(self.conv_offset, rows, live, last)
+        self.kernels.native_accept(
+            self.ssm_index, self.conv_offset, rows.slots, self._live_widths(rows), num_accepted, backend=self.backend
+        )
 
     def _ssm_tensors(self):
         return [(self.ssm, 1), (self.ssm_index, 0)]

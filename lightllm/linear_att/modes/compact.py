@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from lightllm.linear_att import ops
 from lightllm.linear_att.base import DecodeRows, LayerParams
-from lightllm.linear_att.state_common import StateCommon
+from lightllm.linear_att.bundles import CompactBuffers
+from lightllm.linear_att.modes.common import StateCommon
 
 
 class CompactState(StateCommon):
-    """`ssm [NL, S, HV, K, V]`, double-buffered `win_k`, `win_v [NL, S, 2, Wmax, ...]` (activation dtype) and
-    `win_g`, `win_beta` (fp32), `pending`, `parity [S]` int32.
+    """`ssm [NL, S, HV, K, V]`, double-buffered fp32 records `win_k` (k̂), `win_u` (u), `win_g` (g)
+    `[NL, S, 2, Wmax, ...]`, `pending`, `parity [S]` int32.
 
-    The current state of a slot is `ssm` with the first `pending` tokens of window buffer `parity` applied.
+    The current state of a slot is `ssm` with the first `pending` records of window buffer `parity` applied.
     """
 
     def __init__(self, spec, config):
@@ -27,35 +27,26 @@ class CompactState(StateCommon):
         nl, ns, w, dev = spec.num_layers, self.num_slots, config.max_width, self.device
         hv, kd, vd = spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
         self.ssm = torch.zeros(nl, ns, hv, kd, vd, dtype=config.state_dtype, device=dev)
-        self.win_k = torch.zeros(nl, ns, 2, w, spec.num_k_heads, kd, dtype=config.act_dtype, device=dev)
-        self.win_v = torch.zeros(nl, ns, 2, w, hv, vd, dtype=config.act_dtype, device=dev)
+        # per window token what the merge needs and the verify computed: k̂, u = β (v − Sᵀ k̂) and g, fp32
+        self.win_k = torch.zeros(nl, ns, 2, w, spec.num_k_heads, kd, dtype=torch.float32, device=dev)
+        self.win_u = torch.zeros(nl, ns, 2, w, hv, vd, dtype=torch.float32, device=dev)
         self.win_g = torch.zeros(nl, ns, 2, w, hv, spec.gate_dim, dtype=torch.float32, device=dev)
-        self.win_beta = torch.zeros(nl, ns, 2, w, hv, dtype=torch.float32, device=dev)
         self.pending = torch.zeros(ns, dtype=torch.int32, device=dev)
         self.parity = torch.zeros(ns, dtype=torch.int32, device=dev)
 
+        # one bundle of fixed views per layer, built once: every decode launches on the same addresses
+        self._layer_buffers = [self._buffers(layer) for layer in range(nl)]
+
+    def _buffers(self, layers) -> CompactBuffers:
+        """The state of `layers` (an index: one layer; a slice: a stack of layers) as one bundle."""
+        return CompactBuffers(self.ssm[layers], *self._windows(layers), self.pending, self.parity)
+
     def _windows(self, layers=slice(None)):
-        return self.win_k[layers], self.win_v[layers], self.win_g[layers], self.win_beta[layers]
+        return self.win_k[layers], self.win_u[layers], self.win_g[layers]
 
     def decode(self, layer: int, rows: DecodeRows, mixed_qkv, graw, braw, params: LayerParams) -> torch.Tensor:
-        widths, q, k, v = self._decode_inputs(layer, rows, mixed_qkv, params)
-        return ops.compact_verify(
-            q,
-            k.to(self.win_k.dtype),
-            v.to(self.win_v.dtype),
-            graw,
-            braw,
-            params.A_log,
-            params.dt_bias,
-            self.ssm[layer],
-            *self._windows(layer),
-            self.pending,
-            self.parity,
-            rows.slots,
-            widths,
-            lower_bound=self.spec.gate_lower_bound,
-            backend=self.backend,
-        )
+        widths, tokens = self._decode_inputs(layer, rows, mixed_qkv, graw, braw, params)
+        return self.kernels.compact_verify(tokens, self._layer_buffers[layer], rows.slots, widths, backend=self.backend)
 
     def accept(self, rows: DecodeRows, num_accepted: torch.Tensor) -> None:
         widths = self._live_widths(rows)
@@ -69,7 +60,7 @@ class CompactState(StateCommon):
     def settle(self, slots: torch.Tensor) -> None:
         """Merge the pending tokens of `slots` into `ssm` (all layers, one launch) and clear them: afterwards `ssm`
         holds the same bytes as native's current state. Device-side, no host sync."""
-        ops.compact_commit(self.ssm, *self._windows(), self.pending, self.parity, slots, backend=self.backend)
+        self.kernels.compact_commit(self._buffers(slice(None)), slots, backend=self.backend)
         self.pending[slots.long()] = 0
 
     def _ssm_tensors(self):
@@ -82,8 +73,7 @@ class CompactState(StateCommon):
 
     def _ssm_prefill_initial(self, layer, slots):
         # the chunk kernel reads the merged state; pending is cleared once for all layers in finish_prefill
-        sel = slice(layer, layer + 1)
-        ops.compact_commit(self.ssm[sel], *self._windows(sel), self.pending, self.parity, slots, backend=self.backend)
+        self.kernels.compact_commit(self._buffers(slice(layer, layer + 1)), slots, backend=self.backend)
         return self.ssm[layer, slots.long()]
 
     def _ssm_prefill_write(self, layer, slots, state):
@@ -94,11 +84,10 @@ class CompactState(StateCommon):
 
     def _ssm_export(self, slots):
         # merge into gathered copies (rows 0..n-1) so the live state keeps its pending tokens and bytes
-        out = self.ssm[:, slots]
-        windows = [t[:, slots] for t in self._windows()]
+        copies = self._buffers(slice(None)).gathered(slots)
         rows = torch.arange(slots.numel(), dtype=torch.int32, device=self.device)
-        ops.compact_commit(out, *windows, self.pending[slots], self.parity[slots], rows, backend=self.backend)
-        return out
+        self.kernels.compact_commit(copies, rows, backend=self.backend)
+        return copies.ssm
 
     def _ssm_import(self, slots, ssm):
         self.ssm[:, slots] = ssm.to(self.ssm.dtype)

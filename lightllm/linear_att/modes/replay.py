@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from lightllm.linear_att import ops
 from lightllm.linear_att.base import DecodeRows, LayerParams
-from lightllm.linear_att.state_common import StateCommon
+from lightllm.linear_att.bundles import ReplayBuffers
+from lightllm.linear_att.modes.common import StateCommon
+from lightllm.linear_att.torch_ops.replay import replay_folds
 
 
 class ReplayState(StateCommon):
@@ -26,36 +27,25 @@ class ReplayState(StateCommon):
         self.parity = torch.zeros(ns, dtype=torch.int32, device=dev)
         # rows folded so far (one per row and step, all layers at once); on the device so accept never syncs
         self.num_folds = torch.zeros((), dtype=torch.int64, device=dev)
+        # one bundle of fixed views per layer, built once: every decode launches on the same addresses
+        self._layer_buffers = [self._buffers(layer) for layer in range(nl)]
+
+    def _buffers(self, layers) -> ReplayBuffers:
+        """The state of `layers` (an index: one layer; a slice: a stack of layers) as one bundle."""
+        return ReplayBuffers(self.ssm[layers], self.hist_k[layers], self.hist_u[layers], self.hist_g[layers],
+                             self.cursor, self.parity)  # fmt: skip
 
     def decode(self, layer: int, rows: DecodeRows, mixed_qkv, graw, braw, params: LayerParams) -> torch.Tensor:
-        widths, q, k, v = self._decode_inputs(layer, rows, mixed_qkv, params)
-        return ops.replay_verify(
-            q,
-            k,
-            v,
-            graw,
-            braw,
-            params.A_log,
-            params.dt_bias,
-            self.ssm[layer],
-            self.hist_k[layer],
-            self.hist_u[layer],
-            self.hist_g[layer],
-            self.cursor,
-            self.parity,
-            rows.slots,
-            widths,
-            projection=self.projection,
-            lower_bound=self.spec.gate_lower_bound,
-            backend=self.backend,
-        )
+        widths, tokens = self._decode_inputs(layer, rows, mixed_qkv, graw, braw, params)
+        return self.kernels.replay_verify(tokens, self._layer_buffers[layer], rows.slots, widths,
+                                          projection=self.projection, backend=self.backend)  # fmt: skip
 
     def accept(self, rows: DecodeRows, num_accepted: torch.Tensor) -> None:
         widths = self._live_widths(rows)
         # the verify kernels folded exactly the rows this predicate selects (README: one fold rule)
-        folded = (widths > 0) & (self.cursor[rows.slots.long()] + widths > self.capacity)
+        folded = (widths > 0) & replay_folds(self.cursor[rows.slots.long()], widths, self.capacity)
         self.num_folds += folded.sum()
-        ops.replay_accept(
+        self.kernels.replay_accept(
             self.cursor,
             self.parity,
             self.conv_offset,
@@ -81,14 +71,10 @@ class ReplayState(StateCommon):
         self.cursor[slots] = 0
         self.parity[slots] = 0
 
-    def _layer_view(self, layer):
-        sel = slice(layer, layer + 1)
-        return self.ssm[sel], self.hist_k[sel], self.hist_u[sel], self.hist_g[sel]
-
     def _ssm_prefill_initial(self, layer, slots):
         # pending history must be in the canonical state before the chunk kernel reads it; the cursor is cleared
         # once for all layers in finish_prefill
-        ops.replay_fold(*self._layer_view(layer), self.cursor, self.parity, slots, backend=self.backend)
+        self.kernels.replay_fold(self._buffers(slice(layer, layer + 1)), slots, backend=self.backend)
         return self.ssm[layer, slots.long()]
 
     def _ssm_prefill_write(self, layer, slots, state):
@@ -101,17 +87,7 @@ class ReplayState(StateCommon):
         out = torch.empty(
             self.ssm.shape[0], slots.numel(), *self.ssm.shape[2:], dtype=self.ssm.dtype, device=self.device
         )
-        ops.replay_fold(
-            self.ssm,
-            self.hist_k,
-            self.hist_u,
-            self.hist_g,
-            self.cursor,
-            self.parity,
-            slots,
-            out=out,
-            backend=self.backend,
-        )
+        self.kernels.replay_fold(self._buffers(slice(None)), slots, out=out, backend=self.backend)
         return out
 
     def _ssm_import(self, slots, ssm):

@@ -1,0 +1,42 @@
+"""The algorithm descriptor: everything that differs between GDN and KDA, in one value per algorithm.
+
+GDN is KDA with one gate channel, so the state classes, the kernel bodies and the torch twins are shared; what an
+algorithm adds is its gate kind (one decay per value head, or one per key channel), whether the bounded KDA gate
+is allowed, its fla-core prefill entry point and its tuned launch tables. `gdn/algorithm.py` and
+`kda/algorithm.py` hold the two instances; `registry.py` looks them up by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    # the name models and `LinearAttSpec.algo` use
+    name: str
+    # True: one decay per key channel (gate width K); False: one per value head (gate width 1)
+    per_channel_gate: bool
+    # the bounded gate `lower_bound * sigmoid(...)` is a KDA option
+    allows_lower_bound: bool
+    # returns the fla-core chunk kernel that runs this algorithm's prefill on CUDA (imported on first use: fla is
+    # a CUDA-only dependency)
+    load_fla_chunk: Callable
+    # the algorithm's package folder (holds `tuned/*.json`)
+    package_dir: Path
+
+    def gate_dim(self, head_k_dim: int) -> int:
+        """Gate channels per value head: K for a per-channel gate, else 1."""
+        return head_k_dim if self.per_channel_gate else 1
+
+    def fla_chunk_fn(self):
+        return self.load_fla_chunk()
+
+    def fla_gate(self, g):
+        """The activated gate `[T, HV, GK]` in the layout the fla-core chunk kernel takes."""
+        return g if self.per_channel_gate else g[..., 0]
+
+    def tuned_tables(self) -> list[Path]:
+        return sorted((self.package_dir / "tuned").glob("*.json"))

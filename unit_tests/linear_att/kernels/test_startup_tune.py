@@ -1,0 +1,104 @@
+"""Start-up autotune of a serving shape outside the shipped tables (`startup_tune.tune_serving_shape`), on the
+interpreter: it tunes exactly the keys the state's decode path looks up, on scratch (the serving state keeps its
+bytes), caches them on disk per GPU and Triton version, and a later start reads the cache instead of timing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightllm.linear_att import autotune, startup_tune
+from lightllm.linear_att.autotune import ConfigTable, KernelConfig, TuneKey
+from unit_tests.linear_att import scenarios as sc
+
+ONE_CONFIG = [KernelConfig(8, 1, 1)]
+
+
+@pytest.fixture
+def fresh_table(monkeypatch):
+    """A process table of the shipped entries only, restored afterwards (what a fresh process starts with)."""
+
+    def reset():
+        monkeypatch.setattr(autotune, "TABLE", ConfigTable())
+        monkeypatch.setattr(autotune, "_shipped_loaded", False)
+
+    reset()
+    return reset
+
+
+def _native_state(lower_bound=None, backend="triton"):
+    spec = sc.make_spec("kda", num_k_heads=1, ratio=2, head_k_dim=16, head_v_dim=16, num_layers=1,
+                        lower_bound=lower_bound)  # fmt: skip
+    return sc.make_state(spec, "native", max_requests=2, max_width=2, backend=backend), spec
+
+
+def test_missing_shape_is_tuned_on_scratch_cached_and_read_back(tmp_path, fresh_table, monkeypatch):
+    state, spec = _native_state()
+    before = {name: t.clone() for name, t in sc.state_tensors(state).items()}
+    tuned = startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, num_rows=2,
+                                            configs=ONE_CONFIG)  # fmt: skip
+    key = autotune.make_key("serial", "cpu", torch.float32, torch.float32, 1, 2, 16, 16, 16, 2)
+    assert tuned == [key]
+    assert autotune.lookup(key) == ONE_CONFIG[0]
+    for name, t in sc.state_tensors(state).items():
+        assert torch.equal(t, before[name]), f"tuning wrote the serving state's {name}"
+    path = startup_tune.cache_path(tmp_path, "cpu")
+    assert path.name == f"cpu__triton-{autotune.triton_version()}.json"
+    assert ConfigTable.load(path).get(key) == ONE_CONFIG[0]
+
+    # a later start: the cache answers, nothing is timed
+    fresh_table()
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a cached shape was tuned again")
+
+    monkeypatch.setattr(autotune, "tune", no_timing)
+    assert startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False) == []
+    assert autotune.TABLE.get(key) == ONE_CONFIG[0]
+
+
+def test_the_gate_lower_bound_is_part_of_the_key(tmp_path, fresh_table):
+    state, spec = _native_state()
+    startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, num_rows=2, configs=ONE_CONFIG)
+    bounded, bounded_spec = _native_state(lower_bound=-5.0)
+    tuned = startup_tune.tune_serving_shape(bounded, bounded_spec, cache_dir=tmp_path, progress=False, num_rows=2,
+                                            configs=ONE_CONFIG)  # fmt: skip
+    assert len(tuned) == 1 and tuned[0].lower_bound == "-5.0", "the bounded gate reused the softplus gate's entry"
+    assert len(ConfigTable.load(startup_tune.cache_path(tmp_path, "cpu")).entries) == 2
+
+
+def test_replay_needs_its_projection_and_the_fold():
+    spec = sc.make_spec("gdn", num_layers=1)
+    for projection in ("inline", "precompute"):
+        state = sc.make_state(spec, "replay", max_width=4, capacity=8, projection=projection, backend="triton")
+        keys = startup_tune.needed_keys(state, spec)
+        assert [(k.family, k.projection, k.width, k.capacity) for k in keys] == [
+            ("replay", projection, 4, 8),
+            ("replay_fold", "", 0, 8),
+        ]
+
+
+def test_torch_path_tunes_nothing(tmp_path, fresh_table):
+    state, spec = _native_state(backend="torch")
+    assert startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False) == []
+    assert not any(tmp_path.iterdir())
+
+
+def test_key_string_leaves_out_an_unset_lower_bound():
+    """Keys of the shipped tables (written before the field existed) parse and match; a set bound round-trips."""
+    args = ("serial", "cpu", torch.float32, torch.bfloat16, 16, 32, 128, 128, 128, 4)
+    plain = autotune.make_key(*args)
+    assert "lower_bound" not in plain.to_str() and TuneKey.from_str(plain.to_str()) == plain
+    bounded = autotune.make_key(*args, lower_bound=-5.0)
+    assert "lower_bound=-5.0" in bounded.to_str() and TuneKey.from_str(bounded.to_str()) == bounded
+    assert bounded != plain
+
+
+def test_an_unreadable_cache_is_ignored_and_rewritten(tmp_path, fresh_table):
+    path = startup_tune.cache_path(tmp_path, "cpu")
+    path.write_text("{ not json")
+    state, spec = _native_state()
+    tuned = startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, num_rows=2,
+                                            configs=ONE_CONFIG)  # fmt: skip
+    assert len(tuned) == 1 and ConfigTable.load(path).get(tuned[0]) == ONE_CONFIG[0]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name], "a temporary file was left behind"
