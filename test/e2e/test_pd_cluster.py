@@ -26,6 +26,7 @@ from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.server.conftest import wait_for
 from unit_tests.server.pd_cluster import Master, start_node, stop
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ARCH = "qwen3_5"
 MAX_RUNNING = 2
 # a decode node's room in the master: running + queued

@@ -24,6 +24,7 @@ from unit_tests.server.conftest import scrape, wait_for
 from unit_tests.server.pd_cluster import Master, node_log, stop
 from unit_tests.server.pd_cluster import start_node as start_pd_node
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ARCH = "qwen3_5"
 MAX_RUNNING = 4
 KV_TOKENS = 1024
