@@ -125,6 +125,7 @@ class PdRouter:
                     "role": n.reg.role,
                     "inbox": n.reg.inbox,
                     "pid": n.reg.pid,
+                    "reads": n.reg.reads,
                     "num_requests": len(n.req_ids),
                     "seconds_since_heard": round(time.monotonic() - n.last_seen, 3),
                     "stats": msgspec.to_builtins(n.stats),
