@@ -2,7 +2,9 @@
 
 A child process opens the parent's buffer from the msgpack-encoded handle (the bytes a `PdTransfer` carries) and
 copies a staged region into its own memory; the tensors it rebuilds from the blobs equal the parent's bit for bit.
-Teeth: a region the parent overwrote before the child read it gives other bytes.
+Teeth: a region the parent overwrote before the child read it gives other bytes. And a 1P1D deployment (master,
+prefill and decode node processes on the one GPU) moving the state by CUDA IPC serves the monolithic engine's
+greedy tokens.
 """
 
 from __future__ import annotations
@@ -66,3 +68,50 @@ def test_a_staged_region_read_by_another_process_equals_the_tensors():
     torch.cuda.synchronize()
     found = _read_in_child(region, blobs)
     assert not any(torch.equal(got, want.cpu()) for want, got in zip(tensors, found))
+
+
+def test_a_1p1d_deployment_over_cuda_ipc_equals_the_monolithic_engine():
+    """Real node processes on one GPU (tiny Qwen3.5, fp32, MTP 2; prefill native, decode replay), the state moved by
+    CUDA IPC (the decode node registered that it reads this host's regions, nothing fell back to host bytes):
+    greedy tokens equal the monolithic engine's and logprobs agree to 1e-3 (GPU kernels, other batch shapes)."""
+    import httpx
+    import openai
+
+    from lightllm.engine.sampling_params import SamplingParams
+    from lightllm.server.llm import LLM
+    from lightllm.tools.make_tiny_model import tiny_model_dir
+    from unit_tests.server.conftest import wait_for
+    from unit_tests.server.pd_cluster import Master, node_log, start_node, stop
+
+    model_dir = str(tiny_model_dir("qwen3_5"))
+    flags = ["--device", "cuda", "--data_type", "float32", "--mtp_step", "2", "--max_total_token_num", "4096",
+             "--max_running_requests", "8", "--pd_transport", "cuda_ipc", "--pd_ipc_buffer_mb", "64"]  # fmt: skip
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    prompts = [torch.randint(10, 200, (n,), generator=gen).tolist() for n in (5, 40, 300)]
+    master = Master(model_dir, node_timeout_s=30.0)
+    procs = [
+        start_node(master, model_dir, "prefill", *flags, "--ssm_state_mode", "native"),
+        start_node(master, model_dir, "decode", *flags, "--ssm_state_mode", "replay"),
+    ]
+    try:
+        wait_for(lambda: httpx.get(f"{master.url}/pd/ready").status_code == 200, 300, "both nodes registered")
+        (reads,) = [n["reads"] for n in master.nodes("decode")]
+        assert len(reads) == 1 and reads[0].startswith("cuda_ipc@")
+        client = openai.OpenAI(base_url=f"{master.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        found = [
+            client.completions.create(model=master.args.served_model_name, prompt=p, max_tokens=16, temperature=0,
+                                      logprobs=1, extra_body={"ignore_eos": True}).choices[0]
+            for p in prompts
+        ]  # fmt: skip
+        assert "host-staged" not in node_log(procs[0])
+    finally:
+        for proc in procs:
+            stop(proc)
+        master.close()
+    reference = LLM(model_dir, device="cuda", data_type="float32", mtp_step=2, max_total_token_num=4096,
+                    max_running_requests=8)  # fmt: skip
+    want = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True))
+    for choice, expected in zip(found, want):
+        assert choice.text == expected.outputs[0].text
+        lps = choice.logprobs.token_logprobs
+        assert max(abs(a - b[0]) for a, b in zip(lps, expected.outputs[0].logprobs)) < 1e-3
