@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 # the packages that ship the `nixl_agent` API, newest CUDA first
 NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
-READ_TIMEOUT_S = 30.0
+# a read blocks the decode node's step loop: a peer that stops answering must not stall it for long
+READ_TIMEOUT_S = 10.0
 _agent_ids = itertools.count()
 
 
