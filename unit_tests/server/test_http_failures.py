@@ -32,11 +32,11 @@ def server(tmp_path_factory):
     s.close()
 
 
-def _good_prompt(server) -> list[int]:
-    # a prompt whose continuation never touches the failure tokens
+def _good_prompt(server, num_tokens: int = 8) -> list[int]:
+    # a prompt whose greedy continuation never touches the failure tokens
     for start in range(1, 100):
         prompt = [start, start + 1]
-        if not {VOCAB - 1, VOCAB - 2} & set(FakeRunner(VOCAB).greedy(prompt, 8)):
+        if not {VOCAB - 1, VOCAB - 2} & set(FakeRunner(VOCAB).greedy(prompt, num_tokens)):
             return prompt
     raise AssertionError("no safe prompt")
 
@@ -113,7 +113,10 @@ def _num_aborted(server) -> float:
 
 
 def test_dead_engine_fails_requests_and_health(server):
-    body = {"model": server.model, "prompt": "in flight", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # greedy on a prompt that stays clear of the failure tokens: only the kill may end this request
+    prompt = _good_prompt(server, 400)
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")
