@@ -9,6 +9,8 @@
 #   bash test/gpu/h200_stages.sh profile    # Nsight Compute on each decode / verify kernel (test/benchmark/profile_replay_ncu.py)
 #   bash test/gpu/h200_stages.sh memcheck   # compute-sanitizer memcheck over every Triton kernel (test/gpu/memcheck_kernels.py)
 #   bash test/gpu/h200_stages.sh startup    # the real server started 5x per state mode + once at 256 requests (startup_check.py)
+#   bash test/gpu/h200_stages.sh pd         # PD over CUDA IPC vs the monolithic engine, then transfer GB/s per transport
+#   bash test/gpu/h200_stages.sh prefix     # prefix cache: TTFT of an 8k shared prefix, cold vs hit, per state mode
 #   bash test/gpu/h200_stages.sh STAGE 420  # stop the stage's programs after 420 s (default 540), then save the cache
 #   bash test/gpu/h200_stages.sh bench 540 --state-dtypes bf16   # sweep / bench: later arguments go to the script
 #   bash test/gpu/h200_stages.sh serving 300 --skip-tiny --real-width   # models / serving: one run with these
@@ -27,7 +29,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 case "${1:-}" in
-kernels | sweep | bench | models | serving | profile | memcheck | startup) ;;
+kernels | sweep | bench | models | serving | profile | memcheck | startup | pd | prefix) ;;
 *)
     sed -n '2,/^set -uo/p' "$0" | grep '^#'
     exit 2
@@ -117,6 +119,19 @@ startup)  # later arguments go to startup_check.py (--starts N, --modes ..., --m
         grep --line-buffered -E "^\||^checkpoint|failures|Error|Traceback"
     echo "startup exit status ${PIPESTATUS[0]}"
     tar -czf "$OUT_DIR/startup_logs.tgz" -C "$logs" .  # one server log per start
+    ;;
+pd)  # later arguments go to pd_bench.py (default: its transfer part)
+    py -m pytest -q -p no:cacheprovider test/gpu/test_pd_cuda_ipc_gpu.py 2>&1 | tail -15 | tee "$OUT_DIR/pd_tests.log"
+    args=("${@:3}")
+    [ ${#args[@]} -eq 0 ] && args=(--parts transfer)
+    py test/gpu/pd_bench.py --out "$OUT_DIR" "${args[@]}" 2>&1 | tee "$OUT_DIR/pd_bench.log" |
+        grep --line-buffered -E "^\||Error|Traceback"
+    ;;
+prefix)  # later arguments go to prefix_cache_ttft.py (default: its TTFT part)
+    args=("${@:3}")
+    [ ${#args[@]} -eq 0 ] && args=(--parts ttft)
+    py test/gpu/prefix_cache_ttft.py --result_file "$OUT_DIR/prefix_cache.json" "${args[@]}" 2>&1 |
+        tee "$OUT_DIR/prefix_cache.log" | grep --line-buffered -E "^\||Error|Traceback"
     ;;
 profile)
     NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)"
