@@ -4,8 +4,8 @@ state buffers.
 Every operator, Triton wrapper and torch twin takes these instead of the flat tensor lists. A buffer bundle is built
 once per layer when the state is created (fixed views of the state's tensors: every launch, and every captured CUDA
 graph, sees the same addresses) and computes the strides its kernels take once; a `TokenInputs` is built per layer
-and step. The Triton wrappers spread `pointers` and `strides` into their launches, in this order: token pointers,
-state pointers, token strides, state strides.
+and step. The kernels take `pointers` and `strides` as tuple arguments (`tokens`, `state`, `token_strides`,
+`state_strides`) and unpack them by name, so no kernel signature spells the tensor list out.
 """
 
 from __future__ import annotations

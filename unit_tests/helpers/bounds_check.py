@@ -36,8 +36,13 @@ def _extent(name: str, t: torch.Tensor) -> tuple[int, int, str]:
 
 
 def _tensor_args(arg_names, args, kwargs) -> list[tuple[int, int, str]]:
+    """Extents of the tensor arguments, those inside tuple arguments included (named `arg[i]`)."""
     pairs = list(zip(arg_names, args)) + list(kwargs.items())
-    return [_extent(n, a) for n, a in pairs if isinstance(a, torch.Tensor)]
+    flat = []
+    for name, arg in pairs:
+        items = enumerate(arg) if isinstance(arg, tuple) else [(None, arg)]
+        flat += [(name if i is None else f"{name}[{i}]", a) for i, a in items]
+    return [_extent(n, a) for n, a in flat if isinstance(a, torch.Tensor)]
 
 
 def _check(ptrs, mask, element_bytes: int, what: str) -> None:

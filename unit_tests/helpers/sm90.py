@@ -25,6 +25,19 @@ TARGET = GPUTarget("cuda", 90, 32)
 INT_PTRS = {"cursor", "parity", "pending", "slots", "widths", "ssm_index", "accepted", "conv_offset"}
 ACT_PTRS = {"q", "k", "v", "graw", "braw", "o"}
 SCALARS = {"scale": "fp32", "lower_bound": "fp32"}
+# the tuple arguments of the linear-attention kernels (`lightllm/linear_att/bundles.py` order): q, k, v, graw, braw
+# as activations, A_log and dt_bias fp32; each kernel's state pointers (per-slot scalars int32); stride tuples
+TUPLES = {"tokens": ("*bf16",) * 5 + ("*fp32",) * 2, "token_strides": ("i64",) * 8, "o_strides": ("i64",) * 2,
+          "out_strides": ("i64",) * 2}  # fmt: skip
+_REPLAY_STATE = ("*fp32",) * 4 + ("*i32",) * 2
+KERNEL_TUPLES = {
+    "serial_verify_kernel": {"state": ("*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i32", "*i32"),
+                             "state_strides": ("i64",) * 11},
+    "compact_commit_kernel": {"state": _REPLAY_STATE, "state_strides": ("i64",) * 14},
+    "replay_decode_kernel": {"state": _REPLAY_STATE, "state_strides": ("i64",) * 10},
+    "replay_window_kernel": {"state": _REPLAY_STATE, "state_strides": ("i64",) * 10},
+    "replay_fold_kernel": {"state": _REPLAY_STATE, "state_strides": ("i64",) * 14},
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -38,23 +51,30 @@ class Allocation:
 
 def lower_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1):
     """Triton's compiled kernel (`.asm["ttgir"]`, `.asm["ptx"]`) of `jit_fn` (a `@triton.jit` function,
-    heuristics wrappers included) with `constexprs`; every other argument typed from its name: `stride_*` int64,
-    the names in `SCALARS` fp32, int32 pointers for per-slot scalars, bf16 pointers for activations, fp32 pointers
-    otherwise."""
+    heuristics wrappers included) with `constexprs`; every other argument typed from its name: the tuples of
+    `TUPLES` / `KERNEL_TUPLES`, `stride_*` int64, the names in `SCALARS` fp32, int32 pointers for per-slot scalars,
+    bf16 pointers for activations, fp32 pointers otherwise."""
     while not hasattr(jit_fn, "params"):  # `@triton.heuristics` wraps the JIT function
         jit_fn = jit_fn.fn
     names = jit_fn.arg_names
+    tuples = {**TUPLES, **KERNEL_TUPLES.get(jit_fn.__name__, {})}
     sig, consts = {}, {}
     for i, name in enumerate(names):
         if name in constexprs:
             sig[name], consts[(i,)] = "constexpr", constexprs[name]
+        elif name in tuples:
+            sig[name] = tuples[name]
         elif name.startswith("stride"):
             sig[name] = "i64"
         elif name in SCALARS:
             sig[name] = SCALARS[name]
         else:
             sig[name] = "*i32" if name in INT_PTRS else "*bf16" if name in ACT_PTRS else "*fp32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
+    aligned = [[["tt.divisibility", 16]]]
+    attrs = {(i,): aligned[0] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
+    for i, n in enumerate(names):
+        if n in tuples:
+            attrs.update({(i, j): aligned[0] for j, t in enumerate(tuples[n]) if t[0] == "*" or t == "i64"})
     return triton.compile(
         ASTSource(fn=jit_fn, signature=sig, constexprs=consts, attrs=attrs),
         target=TARGET,

@@ -26,11 +26,11 @@ def check_verify_inputs(tokens, slots, widths) -> None:
 
 
 def verify_launch_args(tokens, state_pointers, state_strides, slots, widths, o) -> tuple:
-    """The leading arguments of every verify kernel (serial, replay decode, replay window), in their order: token
-    pointers, state pointers, slots, widths, o, scale, lower_bound, token strides, o's row / token strides, state
-    strides."""
-    return (*tokens.pointers, *state_pointers, slots, widths, o, tokens.kernel_scale, tokens.lower_bound,
-            *tokens.strides, *o.stride()[:2], *state_strides)  # fmt: skip
+    """The leading arguments of every verify kernel (serial, replay decode, replay window), in their order: the
+    token pointers (a tuple), the state pointers (a tuple), slots, widths, o, scale, lower_bound, the token strides,
+    o's row / token strides and the state strides (tuples)."""
+    return (tokens.pointers, tuple(state_pointers), slots, widths, o, tokens.kernel_scale, tokens.lower_bound,
+            tokens.strides, tuple(o.stride()[:2]), tuple(state_strides))  # fmt: skip
 
 
 def serial_config(state_dtype, act_dtype, H, HV, K, V, GK, width, device, lower_bound=None) -> autotune.KernelConfig:

@@ -19,30 +19,11 @@ from lightllm.linear_att.kernels.common import fold_tile_from_records
 @triton.heuristics({"HAS_OUT": lambda args: args["out"] is not None})
 @triton.jit
 def replay_fold_kernel(
-    ssm,
-    hist_k,
-    hist_u,
-    hist_g,
-    cursor,
-    parity,
+    state,
     slots,
     out,
-    stride_ssm_l,
-    stride_ssm_s,
-    stride_hk_l,
-    stride_hk_s,
-    stride_hk_b,
-    stride_hk_j,
-    stride_hu_l,
-    stride_hu_s,
-    stride_hu_b,
-    stride_hu_j,
-    stride_hg_l,
-    stride_hg_s,
-    stride_hg_b,
-    stride_hg_j,
-    stride_out_l,
-    stride_out_n,
+    state_strides,
+    out_strides,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -54,6 +35,10 @@ def replay_fold_kernel(
     BG: tl.constexpr,
     HAS_OUT: tl.constexpr,
 ):
+    ssm, hist_k, hist_u, hist_g, cursor, parity = state
+    (stride_ssm_l, stride_ssm_s, stride_hk_l, stride_hk_s, stride_hk_b, stride_hk_j, stride_hu_l, stride_hu_s,
+     stride_hu_b, stride_hu_j, stride_hg_l, stride_hg_s, stride_hg_b, stride_hg_j) = state_strides  # fmt: skip
+    stride_out_l, stride_out_n = out_strides
     i_v, i_n, i_lhv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_l, i_hv = i_lhv // HV, i_lhv % HV
     i_h = i_hv // (HV // H)
@@ -119,11 +104,11 @@ def replay_fold_triton(
     cfg = config or fold_config(ssm.dtype, H, HV, K, V, GK, L, ssm.device)
     BV = block_v(cfg, V, ssm.device)
     replay_fold_kernel[(triton.cdiv(V, BV), n, NL * HV)](
-        *state.pointers,
+        state.pointers,
         slots,
         out,
-        *state.strides,
-        *(out.stride()[:2] if out is not None else (0, 0)),
+        state.strides,
+        tuple(out.stride()[:2]) if out is not None else (0, 0),
         H=H,
         HV=HV,
         K=K,

@@ -72,44 +72,16 @@ def window_gate_sums(p_g, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lo
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
 @triton.jit
 def replay_window_kernel(
-    q,
-    k,
-    v,
-    graw,
-    braw,
-    A_log,
-    dt_bias,
-    ssm,
-    hist_k,
-    hist_u,
-    hist_g,
-    cursor,
-    parity,
+    tokens,
+    state,
     slots,
     widths,
     o,
     scale,
     lower_bound,
-    stride_q_n,
-    stride_q_w,
-    stride_v_n,
-    stride_v_w,
-    stride_g_n,
-    stride_g_w,
-    stride_b_n,
-    stride_b_w,
-    stride_o_n,
-    stride_o_w,
-    stride_ssm_s,
-    stride_hk_s,
-    stride_hk_b,
-    stride_hk_l,
-    stride_hu_s,
-    stride_hu_b,
-    stride_hu_l,
-    stride_hg_s,
-    stride_hg_b,
-    stride_hg_l,
+    token_strides,
+    o_strides,
+    state_strides,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -128,6 +100,12 @@ def replay_window_kernel(
     PRECISION: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
 ):
+    q, k, v, graw, braw, A_log, dt_bias = tokens
+    stride_q_n, stride_q_w, stride_v_n, stride_v_w, stride_g_n, stride_g_w, stride_b_n, stride_b_w = token_strides
+    stride_o_n, stride_o_w = o_strides
+    ssm, hist_k, hist_u, hist_g, cursor, parity = state
+    (stride_ssm_s, stride_hk_s, stride_hk_b, stride_hk_l, stride_hu_s, stride_hu_b, stride_hu_l, stride_hg_s,
+     stride_hg_b, stride_hg_l) = state_strides  # fmt: skip
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_h = i_hv // (HV // H)
     width = tl.load(widths + i_n)

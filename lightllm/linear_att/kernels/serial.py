@@ -53,46 +53,16 @@ def merge_window_tokens(b_s, p_s, p_wk, p_wu, p_wg, stride_wk_w, stride_wu_w, st
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
 @triton.jit
 def serial_verify_kernel(
-    q,
-    k,
-    v,
-    graw,
-    braw,
-    A_log,
-    dt_bias,
-    ssm,
-    ssm_index,
-    win_k,
-    win_u,
-    win_g,
-    pending,
-    parity,
+    tokens,
+    state,
     slots,
     widths,
     o,
     scale,
     lower_bound,
-    stride_q_n,
-    stride_q_w,
-    stride_v_n,
-    stride_v_w,
-    stride_g_n,
-    stride_g_w,
-    stride_b_n,
-    stride_b_w,
-    stride_o_n,
-    stride_o_w,
-    stride_ssm_s,
-    stride_ssm_w,
-    stride_wk_s,
-    stride_wk_b,
-    stride_wk_w,
-    stride_wu_s,
-    stride_wu_b,
-    stride_wu_w,
-    stride_wg_s,
-    stride_wg_b,
-    stride_wg_w,
+    token_strides,
+    o_strides,
+    state_strides,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -105,6 +75,12 @@ def serial_verify_kernel(
     USE_LOWER_BOUND: tl.constexpr,
     COMPACT: tl.constexpr,
 ):
+    q, k, v, graw, braw, A_log, dt_bias = tokens
+    stride_q_n, stride_q_w, stride_v_n, stride_v_w, stride_g_n, stride_g_w, stride_b_n, stride_b_w = token_strides
+    stride_o_n, stride_o_w = o_strides
+    ssm, ssm_index, win_k, win_u, win_g, pending, parity = state
+    (stride_ssm_s, stride_ssm_w, stride_wk_s, stride_wk_b, stride_wk_w, stride_wu_s, stride_wu_b, stride_wu_w,
+     stride_wg_s, stride_wg_b, stride_wg_w) = state_strides  # fmt: skip
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_h = i_hv // (HV // H)
     width = tl.load(widths + i_n)
@@ -191,27 +167,9 @@ def serial_verify_kernel(
 
 @triton.jit
 def compact_commit_kernel(
-    ssm,
-    win_k,
-    win_u,
-    win_g,
-    pending,
-    parity,
+    state,
     slots,
-    stride_ssm_l,
-    stride_ssm_s,
-    stride_wk_l,
-    stride_wk_s,
-    stride_wk_b,
-    stride_wk_w,
-    stride_wu_l,
-    stride_wu_s,
-    stride_wu_b,
-    stride_wu_w,
-    stride_wg_l,
-    stride_wg_s,
-    stride_wg_b,
-    stride_wg_w,
+    state_strides,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -222,6 +180,9 @@ def compact_commit_kernel(
     BV: tl.constexpr,
     BG: tl.constexpr,
 ):
+    ssm, win_k, win_u, win_g, pending, parity = state
+    (stride_ssm_l, stride_ssm_s, stride_wk_l, stride_wk_s, stride_wk_b, stride_wk_w, stride_wu_l, stride_wu_s,
+     stride_wu_b, stride_wu_w, stride_wg_l, stride_wg_s, stride_wg_b, stride_wg_w) = state_strides  # fmt: skip
     i_v, i_n, i_lhv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_l, i_hv = i_lhv // HV, i_lhv % HV
     i_h = i_hv // (HV // H)
@@ -364,9 +325,9 @@ def compact_commit_triton(state: CompactBuffers, slots: torch.Tensor, *, config=
         return
     BV = min(cfg.block_v, triton.next_power_of_2(V))
     compact_commit_kernel[(triton.cdiv(V, BV), N, NL * HV)](
-        *state.pointers,
+        state.pointers,
         slots,
-        *state.strides,
+        state.strides,
         H=H,
         HV=HV,
         K=K,
