@@ -13,27 +13,17 @@ and compare it with the ordinary step, so bucketing and HOLD rows are checked wh
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from lightllm.engine.device_copy import copy_to_device
 from lightllm.linear_att.base import DecodeRows
+from lightllm.models.bucket_graphs import BucketGraphs
 from lightllm.models.context import AttentionGroup, StepContext, layout_positions
-
-logger = logging.getLogger(__name__)
 
 # int64 fields (each [rows * W] or [rows]) and int32 fields ([rows]) of the persistent input buffers
 _I64 = ("input_ids", "positions", "write_slots", "table_rows", "real")
 _I32 = ("query_len", "num_cached", "state_slots", "widths")
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """Row counts a graph is captured for: powers of two to 16, then steps of 8 to 64, then of 32."""
-    sizes = [1, 2, 4, 8, 16] + list(range(24, 65, 8)) + list(range(96, max(max_batch, 96) + 1, 32))
-    out = sorted({min(s, max_batch) for s in sizes if s <= max_batch} | {max_batch})
-    return out
 
 
 class DecodeGraphs:
@@ -42,8 +32,8 @@ class DecodeGraphs:
     def __init__(self, model, kv, state, max_batch: int, width: int, use_graphs: bool):
         self.model, self.kv, self.state = model, kv, state
         self.width = width
-        self.buckets = batch_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
+        self._graphs = BucketGraphs(max_batch, self._forward, self._fill_hold, "decode steps")
+        self.buckets, self.max_batch = self._graphs.buckets, self._graphs.max_batch
         device = kv.device
         n_tok = self.max_batch * width
         self._i64 = torch.zeros(len(_I64), n_tok, dtype=torch.int64, device=device)
@@ -54,16 +44,10 @@ class DecodeGraphs:
         cols = torch.arange(width, device=device)
         self._token_index = torch.arange(0, n_tok, width, device=device)[:, None] + cols[None, :]
         self.use_graphs = use_graphs and device.type == "cuda"
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._pool = None
 
     def bucket(self, num_rows: int) -> int | None:
         """The smallest bucket holding `num_rows` rows; None when the batch is too large for graphs."""
-        for b in self.buckets:
-            if b >= num_rows:
-                return b
-        return None
+        return self._graphs.bucket(num_rows)
 
     def _context(self, rows: int) -> StepContext:
         """A step context whose tensors are views of the persistent buffers (the same addresses every step)."""
@@ -110,25 +94,8 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture one graph per bucket, largest first (the smaller ones reuse its memory pool). Call after the
         kernels' warm-up/autotune. A capture failure turns graphs off (logged) instead of failing start-up."""
-        if not self.use_graphs:
-            return
-        try:
-            for rows in reversed(self.buckets):
-                self._fill_hold(rows)
-                # eager once: compiles kernels and settles allocations before capture
-                self._forward(rows)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._outputs[rows] = self._forward(rows)
-                self._pool = graph.pool()
-                self._graphs[rows] = graph
-            torch.cuda.synchronize()
-        except Exception:
-            logger.exception("CUDA graph capture failed; decode steps run eagerly")
-            self._graphs.clear()
-            self._outputs.clear()
-            self.use_graphs = False
+        if self.use_graphs:
+            self.use_graphs = self._graphs.capture()
 
     def run(
         self,
@@ -162,11 +129,7 @@ class DecodeGraphs:
         self._upload(rows)
         if first_tokens is not None:
             self._i64[0, : n * w : w].copy_(first_tokens)
-        if rows in self._graphs:
-            self._graphs[rows].replay()
-            hidden = self._outputs[rows]
-        else:
-            hidden = self._forward(rows)
+        hidden = self._graphs.run(rows)
         i32 = self._i32
         accept_rows = DecodeRows(
             slots=i32[_I32.index("state_slots"), :n], widths=i32[_I32.index("widths"), :n], max_width=w

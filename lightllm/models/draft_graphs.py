@@ -13,16 +13,12 @@ Without CUDA (or with graphs disabled) the same buffers run eagerly, which is ho
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from lightllm.engine.device_copy import copy_to_device, to_device
+from lightllm.models.bucket_graphs import BucketGraphs
 from lightllm.models.context import AttentionGroup, StepContext, layout_positions, padded_token_index
-from lightllm.models.decode_graphs import batch_buckets
-
-logger = logging.getLogger(__name__)
 
 # int64 fields of one phase ([rows * width] each) and int32 fields ([rows] each); phase 0 commits the pairs,
 # phase p >= 1 feeds draft p - 1
@@ -36,8 +32,8 @@ class DraftGraphs:
     def __init__(self, model, kv, max_batch: int, width: int, num_steps: int, use_graphs: bool):
         self.model, self.head, self.kv = model, model.mtp, kv
         self.width, self.num_steps = width, num_steps
-        self.buckets = batch_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
+        self._graphs = BucketGraphs(max_batch, self._forward, self._fill_hold, "MTP drafting")
+        self.max_batch = self._graphs.max_batch
         device = kv.device
         self._n_tok = self.max_batch * width
         # rows 0..: token ids of phase 0, each row's last real token, its KV row; then every phase's fields
@@ -47,15 +43,9 @@ class DraftGraphs:
         self._host32 = np.zeros(tuple(self._i32.shape), dtype=np.int32)
         self._hidden = torch.zeros(self._n_tok, model.cfg.hidden_size, dtype=model.embed.dtype, device=device)
         self.use_graphs = use_graphs and device.type == "cuda"
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pool = None
 
     def bucket(self, num_rows: int) -> int | None:
-        for b in self.buckets:
-            if b >= num_rows:
-                return b
-        return None
+        return self._graphs.bucket(num_rows)
 
     def _field64(self, phase: int, name: str) -> int:
         return 3 + phase * len(_I64) + _I64.index(name)
@@ -113,26 +103,9 @@ class DraftGraphs:
         self._upload(rows)
 
     def capture(self) -> None:
-        """One graph per bucket, largest first (the smaller ones share its memory pool); call after the decode
-        graphs. A failure turns draft graphs off (logged) instead of failing start-up."""
-        if not self.use_graphs:
-            return
-        try:
-            for rows in reversed(self.buckets):
-                self._fill_hold(rows)
-                self._forward(rows)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._outputs[rows] = self._forward(rows)
-                self._pool = graph.pool()
-                self._graphs[rows] = graph
-            torch.cuda.synchronize()
-        except Exception:
-            logger.exception("CUDA graph capture of MTP drafting failed; drafts run eagerly")
-            self._graphs.clear()
-            self._outputs.clear()
-            self.use_graphs = False
+        """One graph per bucket; call after the decode graphs. A failure leaves drafting eager (logged)."""
+        if self.use_graphs:
+            self.use_graphs = self._graphs.capture()
 
     def run(
         self, kv_rows: np.ndarray, q_lens: np.ndarray, cached: np.ndarray, tokens: list[int], hidden: torch.Tensor
@@ -167,10 +140,6 @@ class DraftGraphs:
             h32[self._field32(phase, "num_cached"), :n] = start
         self._upload(rows)
         self._hidden[to_device(layout, self._hidden.device)] = hidden.to(self._hidden.dtype)
-        if rows in self._graphs:
-            self._graphs[rows].replay()
-            drafts, logits = self._outputs[rows]
-        else:
-            drafts, logits = self._forward(rows)
+        drafts, logits = self._graphs.run(rows)
         # the outputs are the graph's buffers: the caller keeps copies
         return drafts[:n].clone(), logits[:n].clone()

@@ -53,14 +53,13 @@ def _run(fixed_buffers: bool, mode: str, continuations=None, perturb: bool = Fal
         assert isinstance(graphs, DraftGraphs)
         assert graphs.use_graphs == (device == "cuda"), "capture failed (see the log)"
         if perturb:
-            forward = graphs._forward
+            run = graphs.run
 
-            def perturbed(rows):
+            def perturbed(kv_rows, q_lens, cached, tokens, hidden):
                 # additive: the head normalizes its hidden input, so a scale would not show
-                graphs._hidden.add_(0.05)
-                return forward(rows)
+                return run(kv_rows, q_lens, cached, tokens, hidden + 0.05)
 
-            graphs._forward = perturbed
+            graphs.run = perturbed
     drafted = []
     inner = runner.draft_with_logits
 
@@ -115,7 +114,7 @@ def test_cuda_graph_drafts_equal_eager_drafts(mode):
     _check_equal(mode, "cuda", 1e-4)
 
 
-def test_a_perturbed_hidden_buffer_changes_the_drafts():
+def test_a_perturbed_hidden_input_changes_the_drafts():
     """Teeth: the comparison above sees what the fixed buffers feed the MTP head."""
     continuations = _continuations("replay")
     _, drafted, _ = _run(False, "replay", continuations)

@@ -1,0 +1,68 @@
+"""One CUDA graph per batch bucket of a forward over fixed-address buffers: batch buckets, capture, replay.
+
+The decode forward (`DecodeGraphs`) and the MTP draft (`DraftGraphs`) both run on persistent buffers whose first
+`rows` entries a step fills; each captures its forward once per bucket and replays it, or runs it eagerly where
+no graph exists (CPU, graphs off, a failed capture).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Row counts a graph is captured for: powers of two to 16, then steps of 8 to 64, then of 32."""
+    sizes = [1, 2, 4, 8, 16] + list(range(24, 65, 8)) + list(range(96, max(max_batch, 96) + 1, 32))
+    return sorted({min(s, max_batch) for s in sizes if s <= max_batch} | {max_batch})
+
+
+class BucketGraphs:
+    """`forward(rows)` captured per bucket of `buckets`; `fill_hold(rows)` loads inputs that change no state."""
+
+    def __init__(self, max_batch: int, forward: Callable[[int], object], fill_hold: Callable[[int], None], what: str):
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self._forward, self._fill_hold, self._what = forward, fill_hold, what
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, object] = {}
+
+    def bucket(self, num_rows: int) -> int | None:
+        """The smallest bucket holding `num_rows` rows; None when the batch is too large."""
+        for b in self.buckets:
+            if b >= num_rows:
+                return b
+        return None
+
+    def capture(self) -> bool:
+        """One graph per bucket, largest first (the smaller ones reuse its memory pool). Call after the kernels'
+        warm-up/autotune. A failure is logged and leaves every bucket eager; returns whether graphs exist."""
+        pool = None
+        try:
+            for rows in reversed(self.buckets):
+                self._fill_hold(rows)
+                # eager once: compiles kernels and settles allocations before capture
+                self._forward(rows)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[rows] = self._forward(rows)
+                pool = graph.pool()
+                self._graphs[rows] = graph
+            torch.cuda.synchronize()
+        except Exception:
+            logger.exception("CUDA graph capture of %s failed; it runs eagerly", self._what)
+            self._graphs.clear()
+            self._outputs.clear()
+        return bool(self._graphs)
+
+    def run(self, rows: int):
+        """The forward of a bucket over the buffers as filled: its graph's outputs, or an eager run."""
+        if rows in self._graphs:
+            self._graphs[rows].replay()
+            return self._outputs[rows]
+        return self._forward(rows)
