@@ -41,13 +41,8 @@ DEADLINE=$((SECONDS + ${2:-540}))
 py() { timeout $((DEADLINE - SECONDS > 1 ? DEADLINE - SECONDS : 1)) python "$@"; }
 OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
 mkdir -p "$OUT_DIR"
-export TRITON_CACHE_DIR="$PWD/.cache/gpu/triton" TRITON_CACHE_AUTOTUNING=1
-mkdir -p "$TRITON_CACHE_DIR"
-# the cache travels as triton.tgz, or as triton.tgz.part-* when it is over the 16 MiB a returned file may have
-if ls .cache/gpu/triton.tgz* >/dev/null 2>&1; then
-    cat $(ls .cache/gpu/triton.tgz* | sort) | tar -xzf - -C "$TRITON_CACHE_DIR"
-fi
-
+# python_env.sh set up the Triton cache in $TRITON_CACHE_DIR (seeded from a carried .cache/gpu/triton.tgz*); it
+# goes back as triton.tgz, or as triton.tgz.part-* when it is over the 16 MiB a returned file may have
 save_cache() {
     [ -n "${SKIP_CACHE_SAVE:-}" ] && return  # h200_parallel.sh saves the shared cache once, after all stages
     tar -czf /tmp/triton.tgz -C "$TRITON_CACHE_DIR" . || return

@@ -1,4 +1,4 @@
-# Sourced from the repository root by the GPU drivers (h200_stages.sh, serving_speed.sh): installs the carried
+# Sourced from the repository root by the GPU drivers (h200_stages.sh, serving_speed.sh, profile_host.sh): installs the carried
 # wheels once (see README.md here) and puts them and the repository on PYTHONPATH.
 if [ -d .whl ]; then
     bash test/gpu/install_wheels.sh || return 1
@@ -7,3 +7,11 @@ else
     export PYTHONPATH="$PWD"
 fi
 export PYTHONUNBUFFERED=1
+# compiled kernels and autotune results (ours and fla-core's, which autotunes its prefill kernels for minutes on a
+# fresh machine) live in a Triton cache under .cache/gpu; a carried .cache/gpu/triton.tgz (or its parts) seeds it
+export TRITON_CACHE_DIR="$PWD/.cache/gpu/triton" TRITON_CACHE_AUTOTUNING=1
+if [ ! -d "$TRITON_CACHE_DIR" ] && ls .cache/gpu/triton.tgz* >/dev/null 2>&1; then
+    mkdir -p "$TRITON_CACHE_DIR"
+    cat $(ls .cache/gpu/triton.tgz* | sort) | tar -xzf - -C "$TRITON_CACHE_DIR"
+fi
+mkdir -p "$TRITON_CACHE_DIR"
