@@ -27,7 +27,7 @@ from lightllm.engine.request import Request, Status
 from lightllm.engine.sampler import RowContext, Sampler, compute_logprobs
 from lightllm.engine.scheduler import ScheduledRow, SchedulePlan, Scheduler
 from lightllm.engine.speculative import create_speculator
-from lightllm.engine.speculative.verify import WindowResult, verify_window
+from lightllm.engine.speculative.verify import WindowResult, verify_greedy_windows, verify_window
 
 logger = logging.getLogger(__name__)
 
@@ -466,19 +466,9 @@ class Engine:
     def _verify_greedy(
         windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor
     ) -> list[WindowResult | None]:
-        """`_verify` when every row is greedy without penalties: argmax and NaN flags of all rows in one host
-        transfer, then each window keeps the drafts that equal the argmax before it."""
-        argmax, has_nan = torch.stack([logits.argmax(dim=-1), torch.isnan(logits).any(dim=-1)]).tolist()
-        results: list[WindowResult | None] = []
-        for _, start, width, drafts in windows:
-            if 1 in has_nan[start : start + width]:
-                results.append(None)
-                continue
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == argmax[start + accepted]:
-                accepted += 1
-            results.append(WindowResult([*drafts[:accepted], argmax[start + accepted]]))
-        return results
+        """`_verify` when every row is greedy without penalties: acceptance counted on the device, one transfer."""
+        starts, widths, drafts = [w[1] for w in windows], [w[2] for w in windows], [w[3] for w in windows]
+        return verify_greedy_windows(starts, widths, drafts, logits)
 
     def _context(self, req: Request, drafts: list[int], device: torch.device) -> RowContext:
         if req.params.seed is not None and req.generator is None:

@@ -62,3 +62,32 @@ def verify_window(
         return WindowResult(tokens)
     tokens.append(sampler.draw(probs[len(draft_ids)], row))
     return WindowResult(tokens)
+
+
+def verify_greedy_windows(
+    starts: list[int], widths: list[int], drafts: list[list[int]], logits: torch.Tensor
+) -> list[WindowResult | None]:
+    """Greedy verification of every window at once, counted on the logits' device: window i spans logits rows
+    `starts[i] .. starts[i] + widths[i] - 1` and keeps its drafts while each equals the argmax before it. One host
+    transfer brings back each window's accepted count, next token and NaN flag; None marks a window whose logits
+    hold a NaN (that request fails alone)."""
+    num = len(starts)
+    if num == 0:
+        return []
+    device = logits.device
+    argmax = logits.argmax(dim=-1)
+    # NaN rows summed per window through a prefix sum: [0, n_0, n_0 + n_1, ...]
+    nan_before = torch.cat([argmax.new_zeros(1), torch.isnan(logits).any(dim=-1).long().cumsum(0)])
+    start = torch.tensor(starts, dtype=torch.long, device=device)
+    width = torch.tensor(widths, dtype=torch.long, device=device)
+    max_drafts = max(len(d) for d in drafts)
+    if max_drafts:
+        padded = torch.tensor([d + [-1] * (max_drafts - len(d)) for d in drafts], dtype=torch.long, device=device)
+        position = (start[:, None] + torch.arange(max_drafts, device=device)[None, :]).clamp(max=argmax.numel() - 1)
+        kept = (padded == argmax[position]) & (padded >= 0)
+        accepted = kept.long().cumprod(dim=-1).sum(dim=-1)
+    else:
+        accepted = torch.zeros(num, dtype=torch.long, device=device)
+    nan_in_window = nan_before[start + width] - nan_before[start]
+    counts, next_tokens, nans = torch.stack([accepted, argmax[start + accepted], nan_in_window]).tolist()
+    return [None if bad else WindowResult([*d[:n], nxt]) for n, nxt, bad, d in zip(counts, next_tokens, nans, drafts)]
