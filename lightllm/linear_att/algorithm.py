@@ -2,15 +2,20 @@
 
 GDN is KDA with one gate channel, so the state classes, the kernel bodies and the torch twins are shared; what an
 algorithm adds is its gate kind (one decay per value head, or one per key channel), whether the bounded KDA gate
-is allowed, its fla-core prefill entry point and its tuned launch tables. `gdn/algorithm.py` and
-`kda/algorithm.py` hold the two instances; `registry.py` looks them up by name.
+is allowed, its fla-core prefill entry point and its launch-configuration table (`table`: the shipped
+`tuned/*.json`, plus what start-up tuning adds). `gdn/algorithm.py` and `kda/algorithm.py` hold the two
+instances; `registry.py` looks them up by name. A kernel launch looks its configuration up through its
+algorithm; a caller that wants another one passes it (`config=`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from lightllm.linear_att.autotune import ConfigTable, KernelConfig, TuneKey, load_table
 
 
 @dataclass(frozen=True)
@@ -40,3 +45,18 @@ class Algorithm:
 
     def tuned_tables(self) -> list[Path]:
         return sorted((self.package_dir / "tuned").glob("*.json"))
+
+    @functools.cached_property
+    def table(self) -> ConfigTable:
+        """This algorithm's launch configurations: its shipped tables, read on first use (so every process, server,
+        test or benchmark, launches with the tuned tiles without loading anything), later files winning."""
+        return load_table(self.tuned_tables())
+
+    def add_tables(self, paths) -> None:
+        """Merge more tuned table files into `table` (later files winning over earlier and shipped entries)."""
+        self.table.update(load_table(paths))
+
+    def lookup(self, key: TuneKey) -> KernelConfig:
+        """The configuration a launch of this algorithm uses for `key` (`ConfigTable.lookup`: exact, nearest, or
+        the default)."""
+        return self.table.lookup(key)

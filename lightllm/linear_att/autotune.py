@@ -5,10 +5,11 @@ dict access keyed by `TuneKey` (GPU name, Triton version, state and activation d
 width, verify width, replay capacity, projection mode); a missing entry borrows the nearest entry that differs only in
 width, capacity or head counts (`ConfigTable.lookup`), else falls back to `default_config`.
 
-Tables are JSON files (`gdn/tuned/*.json`, `kda/tuned/*.json` ship with the package). `load_tables()` reads them
-into the process-wide `TABLE` once at start-up, before any CUDA-graph capture, so every later launch (and every
-captured graph) uses one fixed layout. Native verify, compact verify and compact commit share the family
-"serial": they must run with the same tiling to stay bitwise equal.
+Tables are JSON files (`gdn/tuned/*.json`, `kda/tuned/*.json` ship with the package). Each algorithm owns its
+table (`Algorithm.table`, read on first use; start-up tuning adds to it before any CUDA-graph capture, so every
+captured graph uses one fixed layout); a launch looks its configuration up through its algorithm unless the caller
+passes one (`config=`). Native verify, compact verify and compact commit share the family "serial": they must run
+with the same tiling to stay bitwise equal.
 
 `tune(...)` searches the candidates on disposable scratch state (fresh buffers it allocates; never serving state)
 and returns the table entries; the benchmark script's `--tune` mode writes them to a file.
@@ -16,11 +17,9 @@ and returns the table entries; the benchmark script's `--tune` mode writes them 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -251,49 +250,12 @@ class ConfigTable:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
-# The process-wide table every kernel launch consults; the shipped tables are merged in on the first lookup (or
-# by an explicit `load_tables`, which can add more).
-TABLE = ConfigTable()
-_shipped_loaded = False
-
-
-def shipped_table_paths() -> list[Path]:
-    """Every algorithm package's `tuned/*.json`."""
-    from lightllm.linear_att.registry import ALGORITHMS
-
-    return sorted(path for algo in ALGORITHMS.values() for path in algo.tuned_tables())
-
-
-def load_tables(paths: list[str | Path] | None = None) -> ConfigTable:
-    """Merge the shipped tables (and `paths`, later ones winning) into `TABLE`."""
-    global _shipped_loaded
-    for path in [*shipped_table_paths(), *(paths or [])]:
-        TABLE.update(ConfigTable.load(path))
-    _shipped_loaded = True
-    return TABLE
-
-
-def lookup(key: TuneKey) -> KernelConfig:
-    """The configuration a launch uses: the shipped tables are read on the first call, so every process (server,
-    tests, benchmarks) launches with the tuned tiles without having to remember to load them."""
-    if not _shipped_loaded:
-        load_tables()
-    return TABLE.lookup(key)
-
-
-@contextlib.contextmanager
-def using(configs: dict[TuneKey, KernelConfig]) -> Iterator[None]:
-    """Temporarily pin configurations (tests, the tuner's own trials); restores the table afterwards."""
-    if not _shipped_loaded:
-        load_tables()  # first, so the shipped entries cannot replace the pinned ones on a later first lookup
-    saved = dict(TABLE.entries)
-    try:
-        for key, cfg in configs.items():
-            TABLE.put(key, cfg)
-        yield
-    finally:
-        TABLE.entries = saved
-        TABLE._resolved.clear()
+def load_table(paths) -> ConfigTable:
+    """The entries of the table files `paths` merged, later files winning."""
+    table = ConfigTable()
+    for path in paths:
+        table.update(ConfigTable.load(path))
+    return table
 
 
 def candidates(family: str) -> list[KernelConfig]:
@@ -339,14 +301,6 @@ def served_cases(algorithm, heads, head_dim: int, *, state_dtypes=(torch.float32
         for dt in state_dtypes
         for w in widths
     ]
-
-
-def algorithm_table(algorithm) -> ConfigTable:
-    """One algorithm's shipped entries (every file of its `tuned/`, later files winning)."""
-    table = ConfigTable()
-    for path in algorithm.tuned_tables():
-        table.update(ConfigTable.load(path))
-    return table
 
 
 def _scratch_inputs(case: TuneCase, num_rows: int, device, gen):
@@ -491,7 +445,6 @@ def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log, configs
 
 __all__ = [
     "FAMILIES",
-    "TABLE",
     "ConfigTable",
     "KernelConfig",
     "TuneCase",
@@ -500,9 +453,7 @@ __all__ = [
     "case_keys",
     "default_config",
     "device_name",
-    "load_tables",
-    "lookup",
+    "load_table",
     "make_key",
     "tune",
-    "using",
 ]

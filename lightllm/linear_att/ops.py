@@ -3,7 +3,12 @@
 Each function runs the Triton kernel on CUDA tensors and the torch twin (`torch_ops/`) on CPU tensors.
 `backend="triton"` forces the kernel (CPU interpreter tests), `backend="torch"` forces the twin. `IMPLEMENTATIONS`
 is the table of both per op: the Triton host wrappers (`kernels/<family>.py`, `<op>_triton`) and the twins take
-the same arguments as the op here (minus `backend`). Kernels compile on their first launch, not on import.
+the same arguments as the op here (minus `backend`, and minus `config` / `algorithm` for the twins). Kernels
+compile on their first launch, not on import.
+
+The tuned ops (verify, commit, fold) take `config` (a `KernelConfig` to launch with) and `algorithm` (the
+`Algorithm` whose table gives the configuration when `config` is None; None: the one of the gate width). Both
+only reach the Triton kernel; the algorithm packages' entry points (`<algo>/kernels`) pass their algorithm.
 
 Shared names (see README.md of this package): `N` rows, `Wmax` padded window width, `H`/`HV` key/value heads,
 `K`/`V` head dims, `GK` gate width (1 GDN, K KDA), `C = 2·H·K + HV·V` conv channels, `Kc` conv kernel size,
@@ -25,6 +30,8 @@ when it folds it into `ssm`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -67,6 +74,14 @@ def _impl(op: str, backend: str | None, like: torch.Tensor):
     """The Triton wrapper or the torch twin of `op`, by backend / device of `like`."""
     triton_fn, torch_fn = IMPLEMENTATIONS[op]
     return triton_fn if _use_triton(backend, like) else torch_fn
+
+
+def _tuned_impl(op: str, backend: str | None, like: torch.Tensor, config, algorithm):
+    """`_impl` of an op with a launch configuration: the Triton wrapper gets `config` and `algorithm`."""
+    triton_fn, torch_fn = IMPLEMENTATIONS[op]
+    if _use_triton(backend, like):
+        return functools.partial(triton_fn, config=config, algorithm=algorithm)
+    return torch_fn
 
 
 def activate_gates(
@@ -129,20 +144,18 @@ def causal_conv_decode(
     return fn(x, conv, conv_offset, slots, widths, weight, bias)
 
 
-def native_verify(
-    tokens: TokenInputs, state: NativeBuffers, slots: torch.Tensor, widths: torch.Tensor, *, backend: str | None = None
-) -> torch.Tensor:
+def native_verify(tokens: TokenInputs, state: NativeBuffers, slots: torch.Tensor, widths: torch.Tensor, *,
+                  config=None, algorithm=None, backend: str | None = None) -> torch.Tensor:  # fmt: skip
     """Native decode/verify of one layer. state: ssm `[S, Wmax, HV, K, V]` (state dtype), ssm_index `[S]` int32.
 
     Reads `ssm[slot, ssm_index[slot]]`; in place: writes the state after window token s into `ssm[slot, s]` for
     s < W (rounded to the state dtype after every token). Returns o `[N, Wmax, HV, V]`.
     """
-    return _impl("native_verify", backend, tokens.q)(tokens, state, slots, widths)
+    return _tuned_impl("native_verify", backend, tokens.q, config, algorithm)(tokens, state, slots, widths)
 
 
-def compact_verify(
-    tokens: TokenInputs, state: CompactBuffers, slots: torch.Tensor, widths: torch.Tensor, *, backend: str | None = None
-) -> torch.Tensor:
+def compact_verify(tokens: TokenInputs, state: CompactBuffers, slots: torch.Tensor, widths: torch.Tensor, *,
+                   config=None, algorithm=None, backend: str | None = None) -> torch.Tensor:  # fmt: skip
     """Compact verify of one layer: merge the previous window's accepted tokens, then verify like `native_verify`.
 
     state: ssm `[S, HV, K, V]`; two fp32 record buffers per slot of what the verify computed for each window token:
@@ -156,10 +169,12 @@ def compact_verify(
     Rows with W = 0 touch nothing (their pending tokens stay pending). Returns o `[N, Wmax, HV, V]`, bitwise equal to
     `native_verify`'s from the same (merged) state.
     """
-    return _impl("compact_verify", backend, tokens.q)(tokens, state, slots, widths)
+    return _tuned_impl("compact_verify", backend, tokens.q, config, algorithm)(tokens, state, slots, widths)
 
 
-def compact_commit(state: CompactBuffers, slots: torch.Tensor, *, backend: str | None = None) -> None:
+def compact_commit(
+    state: CompactBuffers, slots: torch.Tensor, *, config=None, algorithm=None, backend: str | None = None
+) -> None:
     """Merge the pending tokens of the slots of `slots [N]` into the state, all layers in one call.
 
     state: ssm `[NL, S, HV, K, V]`, win_* `[NL, S, 2, Wmax, ...]` (any leading layer count: pass `[l : l + 1]` views
@@ -169,7 +184,7 @@ def compact_commit(state: CompactBuffers, slots: torch.Tensor, *, backend: str |
     `pending` is not cleared (the caller clears it once the merge is no longer needed). Pass gathered copies
     (`CompactBuffers.gathered`, slots `0..n-1`) to merge into copies and leave the state alone (checkpoint export).
     """
-    return _impl("compact_commit", backend, state.ssm)(state, slots)
+    return _tuned_impl("compact_commit", backend, state.ssm, config, algorithm)(state, slots)
 
 
 def replay_verify(
@@ -179,6 +194,8 @@ def replay_verify(
     widths: torch.Tensor,
     *,
     projection: str = "inline",
+    config=None,
+    algorithm=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Replay decode/verify of one layer from the canonical state plus the committed history.
@@ -196,7 +213,8 @@ def replay_verify(
     """
     if projection not in ("inline", "precompute"):
         raise ValueError(f"projection must be 'inline' or 'precompute', got {projection!r}")
-    return _impl("replay_verify", backend, tokens.q)(tokens, state, slots, widths, projection=projection)
+    fn = _tuned_impl("replay_verify", backend, tokens.q, config, algorithm)
+    return fn(tokens, state, slots, widths, projection=projection)
 
 
 def native_accept(
@@ -237,7 +255,13 @@ def replay_accept(
 
 
 def replay_fold(
-    state: ReplayBuffers, slots: torch.Tensor, *, out: torch.Tensor | None = None, backend: str | None = None
+    state: ReplayBuffers,
+    slots: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config=None,
+    algorithm=None,
+    backend: str | None = None,
 ) -> None:
     """Fold the committed history of `slots` into the canonical state, all layers in one call.
 
@@ -246,7 +270,7 @@ def replay_fold(
     caller clears them once for all layers). With `out [NL, n, HV, K, V]` (n = len(slots)), writes the folded
     states there and leaves `ssm` untouched (checkpoint export).
     """
-    return _impl("replay_fold", backend, state.ssm)(state, slots, out=out)
+    return _tuned_impl("replay_fold", backend, state.ssm, config, algorithm)(state, slots, out=out)
 
 
 def chunk_delta_rule(

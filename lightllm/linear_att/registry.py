@@ -30,6 +30,16 @@ def algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
+def algorithm_of_gate(gate_dim: int, head_k_dim: int) -> Algorithm:
+    """The algorithm whose gate is `gate_dim` channels wide at key head dim `head_k_dim` (GDN when K = 1 makes
+    both one channel wide): the table a kernel launched without an algorithm looks its configuration up in. The
+    tune key holds the gate width, so no entry of the other algorithm's table could match anyway."""
+    for algo in ALGORITHMS.values():
+        if algo.gate_dim(head_k_dim) == gate_dim:
+            return algo
+    raise ValueError(f"no algorithm has a gate of width {gate_dim} at key head dim {head_k_dim}")
+
+
 def state_class(algo: str, mode):
     """The class for `algo` in `mode` (a StateMode or its string value)."""
     algorithm(algo)

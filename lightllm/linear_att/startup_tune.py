@@ -3,7 +3,7 @@
 The launch configuration of a decode / verify kernel is looked up per shape (`autotune.TuneKey`). A shape outside the
 shipped tables (`gdn/tuned/`, `kda/tuned/`) would launch with the untuned default; `tune_serving_shape` instead
 times the candidates once, on scratch buffers it allocates (never the serving state), and adds the winners to the
-process table. It must run before any CUDA graph is captured: a graph keeps the configuration it was captured with.
+algorithm's table (`Algorithm.table`, which every launch of that algorithm looks its configuration up in). It must run before any CUDA graph is captured: a graph keeps the configuration it was captured with.
 `ModelRunner.warmup` calls it next to the prefill warm-up.
 
 Results are cached on disk, one JSON table per GPU model and Triton version (`cache_path`); every entry's key also
@@ -73,21 +73,23 @@ def tune_serving_shape(
     progress: bool = True,
     num_rows: int | None = None,
     configs: list[autotune.KernelConfig] | None = None,
+    algorithm=None,
 ) -> list[autotune.TuneKey]:
     """Tune the keys of `needed_keys` that neither the shipped tables nor the cache hold; returns them.
 
     state / spec: the serving `LinearAttState` and its `LinearAttSpec` (only shapes, dtypes, mode and device are
     read; no state tensor is touched). cache_dir: the on-disk cache (default `DEFAULT_CACHE_DIR`). num_rows: rows
     of the timed scratch step (default: the state's request slots, at most 256). configs: replaces the search space.
+    algorithm: the `Algorithm` whose table gets the entries (default: the spec's).
     A state on the torch path has nothing to tune. Blocks until the device is done.
     """
     if not uses_triton(state):
         return []
-    autotune.load_tables()
+    table = (algorithm or spec.algorithm).table
     path = cache_path(cache_dir or DEFAULT_CACHE_DIR, state.device)
     cached = _read_cache(path)
-    autotune.TABLE.update(cached)
-    missing = [key for key in needed_keys(state, spec) if autotune.TABLE.get(key) is None]
+    table.update(cached)
+    missing = [key for key in needed_keys(state, spec) if table.get(key) is None]
     if not missing:
         return []
     rows = num_rows or max(1, min(256, state.config.max_requests))
@@ -105,7 +107,7 @@ def tune_serving_shape(
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     cached.save(tmp)
     os.replace(tmp, path)
-    autotune.TABLE.update(found)
+    table.update(found)
     return missing
 
 

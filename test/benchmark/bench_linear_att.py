@@ -181,7 +181,7 @@ def num_pools(bytes_per_pool: int, device) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------- steps
-def native_steps(shape, inp, N, W, state_dtype, device):
+def native_steps(shape, inp, N, W, state_dtype, device, config=None):
     from lightllm.linear_att.kernels.cursor import native_accept_triton
     from lightllm.linear_att.kernels.serial import native_verify_triton
 
@@ -193,7 +193,7 @@ def native_steps(shape, inp, N, W, state_dtype, device):
         offset = torch.zeros_like(state.ssm_index)
 
         def step(state=state, offset=offset):
-            native_verify_triton(tokens, state, inp.slots, inp.widths)
+            native_verify_triton(tokens, state, inp.slots, inp.widths, config=config)
             native_accept_triton(state.ssm_index, offset, inp.slots, inp.widths, inp.accepted)
 
         steps.append(step)
@@ -214,7 +214,7 @@ def compact_buffers(shape, N, W, state_dtype, act_dtype, device):
     return ssm, win, pending, parity
 
 
-def compact_steps(shape, inp, N, W, state_dtype, device):
+def compact_steps(shape, inp, N, W, state_dtype, device, config=None):
     """One compact step is one verify launch (it merges the previous window's pending tokens); accept runs no
     kernel, so pending / parity stay fixed here and every step merges W - 1 tokens from buffer 0."""
     from lightllm.linear_att.kernels.serial import compact_verify_triton
@@ -227,7 +227,7 @@ def compact_steps(shape, inp, N, W, state_dtype, device):
         state = CompactBuffers(ssm[0], *(t[0] for t in win), pending, parity)
 
         def step(state=state):
-            compact_verify_triton(tokens, state, inp.slots, inp.widths)
+            compact_verify_triton(tokens, state, inp.slots, inp.widths, config=config)
 
         steps.append(step)
     return steps
@@ -247,7 +247,7 @@ def replay_buffers(shape, N, L, state_dtype, device, seed=1):
     return ssm, hist, cursor, parity
 
 
-def replay_steps(shape, inp, N, W, L, state_dtype, projection, device):
+def replay_steps(shape, inp, N, W, L, state_dtype, projection, device, config=None):
     from lightllm.linear_att.kernels.cursor import replay_accept_triton
     from lightllm.linear_att.kernels.replay_verify import replay_verify_triton
 
@@ -259,7 +259,7 @@ def replay_steps(shape, inp, N, W, L, state_dtype, projection, device):
         offset = torch.zeros_like(cursor)
 
         def step(state=state, offset=offset):
-            replay_verify_triton(tokens, state, inp.slots, inp.widths, projection=projection)
+            replay_verify_triton(tokens, state, inp.slots, inp.widths, projection=projection, config=config)
             replay_accept_triton(state.cursor, state.parity, offset, inp.slots, inp.widths, inp.accepted, L)
 
         steps.append(step)
@@ -419,9 +419,11 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu for the interpreter smoke run")
         return 1
-    from lightllm.linear_att import autotune
+    from lightllm.linear_att.registry import ALGORITHMS
 
-    autotune.load_tables(args.tables)
+    # a table file may hold either algorithm's entries: the gate width in every key keeps them apart
+    for algorithm in ALGORITHMS.values():
+        algorithm.add_tables(args.tables)
     shapes = [(SHAPES | TINY)[s] for s in args.shapes.split(",")]
     state_dtypes = [DTYPES[s] for s in args.state_dtypes.split(",")]
     act_dtype = DTYPES[args.act_dtype]

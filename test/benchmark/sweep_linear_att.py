@@ -49,16 +49,17 @@ def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, proje
     key_args = (device, state, act, shape.H, shape.HV, shape.K, shape.V, shape.GK, W)
     if family == "serial":
         key = autotune.make_key("serial", *key_args)
-        build = lambda: bench.native_steps(shape, inp, N, W, state, device)  # noqa: E731
+        build = lambda cfg: bench.native_steps(shape, inp, N, W, state, device, config=cfg)  # noqa: E731
     else:
         key = autotune.make_key("replay", *key_args, capacity, projection)
-        build = lambda: bench.replay_steps(shape, inp, N, W, capacity, state, projection, device)  # noqa: E731
+        build = lambda cfg: bench.replay_steps(  # noqa: E731
+            shape, inp, N, W, capacity, state, projection, device, config=cfg
+        )
     out = {}
     for cfg in configs:
         try:
-            with autotune.using({key: cfg}):
-                steps = build()
-                out[cfg] = timer(steps)
+            steps = build(cfg)
+            out[cfg] = timer(steps)
         except Exception as err:
             log(f"  {shape.name} {family} W={W} N={N} {cfg}: {type(err).__name__}: {str(err)[:160]}")
         finally:

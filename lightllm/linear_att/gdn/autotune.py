@@ -20,4 +20,5 @@ def tune_cases(**kwargs) -> list[autotune.TuneCase]:
 
 
 def shipped_table() -> autotune.ConfigTable:
-    return autotune.algorithm_table(GDN)
+    """The entries of `tuned/*.json` as shipped (what launches use is `GDN.table`: these plus start-up tuning)."""
+    return autotune.load_table(GDN.tuned_tables())

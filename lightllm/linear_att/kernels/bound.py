@@ -1,5 +1,6 @@
 """An algorithm's operator entry points: the shared ops (`ops.py`: Triton kernel or torch twin) bound to its gate
-kind. The algorithm packages' `kernels/` modules are made of these; the state classes call them."""
+kind and its launch-configuration table. The algorithm packages' `kernels/` modules are made of these; the state
+classes call them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from lightllm.linear_att import ops
 
 
 def bind(algorithm, *names: str):
-    """`ops.<name>` for each of `names`, checking that the gate of the first argument (a `TokenInputs` or a buffer
+    """`ops.<name>` for each of `names` with `algorithm=algorithm` (its table gives the launch configuration
+    unless the caller passes `config=`), checking that the gate of the first argument (a `TokenInputs` or a buffer
     bundle: `gate_dims()`) has `algorithm`'s gate width for its key head dim."""
 
     def bound(name):
@@ -21,7 +23,7 @@ def bind(algorithm, *names: str):
             if gate_dim != algorithm.gate_dim(head_k_dim):
                 raise ValueError(f"{algorithm.name} {name}: gate width {gate_dim}, expected "
                                  f"{algorithm.gate_dim(head_k_dim)}")  # fmt: skip
-            return op(*args, **kwargs)
+            return op(*args, algorithm=algorithm, **kwargs)
 
         return run
 

@@ -33,18 +33,31 @@ def verify_launch_args(tokens, state_pointers, state_strides, slots, widths, o) 
             tokens.strides, tuple(o.stride()[:2]), tuple(state_strides))  # fmt: skip
 
 
-def serial_config(state_dtype, act_dtype, H, HV, K, V, GK, width, device, lower_bound=None) -> autotune.KernelConfig:
+def tuned(config, algorithm, GK: int, K: int, key: autotune.TuneKey) -> autotune.KernelConfig:
+    """The configuration of one launch: `config` when the caller pins one, else `algorithm`'s table entry for
+    `key` (no algorithm given: the one whose gate width `GK` is, `registry.algorithm_of_gate`)."""
+    if config is not None:
+        return config
+    if algorithm is None:
+        from lightllm.linear_att.registry import algorithm_of_gate
+
+        algorithm = algorithm_of_gate(GK, K)
+    return algorithm.lookup(key)
+
+
+def serial_config(config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, width, device, lower_bound=None):
     """Native and compact verify share one tiling (their outputs are bitwise equal only with the same reductions)."""
     key = autotune.make_key("serial", device, state_dtype, act_dtype, H, HV, K, V, GK, width, lower_bound=lower_bound)
-    return autotune.lookup(key)
+    return tuned(config, algorithm, GK, K, key)
 
 
-def replay_config(state_dtype, act_dtype, H, HV, K, V, GK, width, capacity, projection, device, lower_bound=None):
+def replay_config(config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, width, capacity, projection, device,
+                  lower_bound=None):  # fmt: skip
     key = autotune.make_key("replay", device, state_dtype, act_dtype, H, HV, K, V, GK, width, capacity, projection,
                             lower_bound)  # fmt: skip
-    return autotune.lookup(key)
+    return tuned(config, algorithm, GK, K, key)
 
 
-def fold_config(state_dtype, H, HV, K, V, GK, capacity, device) -> autotune.KernelConfig:
+def fold_config(config, algorithm, state_dtype, H, HV, K, V, GK, capacity, device) -> autotune.KernelConfig:
     key = autotune.make_key("replay_fold", device, state_dtype, torch.float32, H, HV, K, V, GK, 0, capacity)
-    return autotune.lookup(key)
+    return tuned(config, algorithm, GK, K, key)

@@ -81,12 +81,14 @@ def replay_fold_triton(
     *,
     out: torch.Tensor | None = None,
     config=None,
+    algorithm=None,
 ) -> None:
     """Fold the committed history of `slots` into the canonical state, all layers (see `ops.replay_fold`).
 
     `state` holds all layers: ssm `[NL, S, HV, K, V]`, fp32 history `[NL, S, 2, L, ...]`, cursor / parity `[S]`
     int32 (read only; the caller clears them); slots `[n]` int32.
     out=None: in place `ssm[:, slot] <- S_h` (rounded once). out `[NL, n, HV, K, V]`: written instead, ssm read only.
+    `config` pins the launch configuration, else `algorithm`'s table gives it (no algorithm: the gate width's).
     """
     from lightllm.linear_att.kernels.launch import fold_config
     from lightllm.linear_att.kernels.replay_verify import block_v, check_history
@@ -101,7 +103,7 @@ def replay_fold_triton(
         assert out.shape == (NL, n, HV, K, V) and out.stride(2) == K * V and out.stride(4) == 1 and out.stride(3) == V
     if n == 0 or NL == 0:
         return
-    cfg = config or fold_config(ssm.dtype, H, HV, K, V, GK, L, ssm.device)
+    cfg = fold_config(config, algorithm, ssm.dtype, H, HV, K, V, GK, L, ssm.device)
     BV = block_v(cfg, V, ssm.device)
     replay_fold_kernel[(triton.cdiv(V, BV), n, NL * HV)](
         state.pointers,

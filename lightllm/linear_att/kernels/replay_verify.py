@@ -33,15 +33,22 @@ from lightllm.linear_att.kernels.replay_window import replay_window_triton
 
 
 def replay_verify_triton(
-    tokens: TokenInputs, state: ReplayBuffers, slots, widths, *, projection: str = "inline", config=None
+    tokens: TokenInputs,
+    state: ReplayBuffers,
+    slots,
+    widths,
+    *,
+    projection: str = "inline",
+    config=None,
+    algorithm=None,
 ) -> torch.Tensor:
     """Replay verify of one layer (see `ops.replay_verify`), one launch, fold decided on the device.
 
     `state`: ssm `[S, HV, K, V]` (state dtype; in place only for rows that fold: `ssm[slot] <- S_h`), fp32 history
     `[S, 2, L, ...]` (in place: the window's records, positions h..h+W-1 of buffer p, or 0..W-1 of buffer 1-p on a
     fold), cursor / parity `[S]` int32 (read only); slots / widths `[N]` int32. Returns o `[N, Wmax, HV, V]` (dtype
-    of v, zeros for s >= W). `config`: a `KernelConfig` (V tile, warps) or None for the tuned / default one of this
-    shape, width and projection.
+    of v, zeros for s >= W). `config`: a `KernelConfig` (V tile, warps) to launch with, or None for the one
+    `algorithm`'s table holds for this shape, width and projection (no algorithm: the one of the gate width).
     """
     from lightllm.linear_att.kernels.launch import check_verify_inputs, replay_config
 
@@ -54,8 +61,8 @@ def replay_verify_triton(
     assert L >= WMAX, f"replay capacity {L} must cover the verify width {WMAX}"
     assert ssm.dim() == 4 and ssm.shape[1:] == (HV, K, V) and ssm.stride(1) == K * V and ssm.stride(3) == 1
     check_history(state, H, HV, K, V, GK, leading=1)
-    cfg = config or replay_config(ssm.dtype, tokens.v.dtype, H, HV, K, V, GK, WMAX, L, projection, ssm.device,
-                                  tokens.lower_bound)  # fmt: skip
+    cfg = replay_config(config, algorithm, ssm.dtype, tokens.v.dtype, H, HV, K, V, GK, WMAX, L, projection,
+                        ssm.device, tokens.lower_bound)  # fmt: skip
     launch = dict(block_v=block_v(cfg, V, ssm.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if WMAX == 1:
         return replay_decode_triton(tokens, state, slots, widths, **launch)

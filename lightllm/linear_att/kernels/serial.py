@@ -217,10 +217,11 @@ def compact_commit_kernel(
     )
 
 
-def _launch_verify(tokens: TokenInputs, slots, widths, state, state_strides, compact: bool, config):
+def _launch_verify(tokens: TokenInputs, slots, widths, state, state_strides, compact: bool, config, algorithm):
     """The one launch of `serial_verify_kernel`: `state` its seven state pointers (ssm, ssm_index, win_k, win_u,
     win_g, pending, parity; a mode passes its own tensors where the other mode's are never read) and
-    `state_strides` its eleven state strides."""
+    `state_strides` its eleven state strides; `config` pins the launch configuration, else `algorithm`'s table
+    gives it."""
     from lightllm.linear_att.kernels.launch import check_verify_inputs, serial_config, verify_launch_args
 
     N, WMAX, H, K = tokens.q.shape
@@ -228,7 +229,8 @@ def _launch_verify(tokens: TokenInputs, slots, widths, state, state_strides, com
     GK = tokens.graw.shape[-1]
     check_verify_inputs(tokens, slots, widths)
     ssm = state[0]
-    cfg = config or serial_config(ssm.dtype, tokens.v.dtype, H, HV, K, V, GK, WMAX, ssm.device, tokens.lower_bound)
+    cfg = serial_config(config, algorithm, ssm.dtype, tokens.v.dtype, H, HV, K, V, GK, WMAX, ssm.device,
+                        tokens.lower_bound)  # fmt: skip
     o = torch.empty_like(tokens.v)
     if N == 0:
         return o
@@ -251,10 +253,11 @@ def _launch_verify(tokens: TokenInputs, slots, widths, state, state_strides, com
     return o
 
 
-def native_verify_triton(tokens: TokenInputs, state: NativeBuffers, slots, widths, *, config=None) -> torch.Tensor:
+def native_verify_triton(tokens: TokenInputs, state: NativeBuffers, slots, widths, *, config=None, algorithm=None):
     """Native verify of one layer (see `ops.native_verify`): in place, slot s of `state.ssm [S, Wmax_s, HV, K, V]`
     <- the state after window token s (s < W) of each row. Returns o `[N, Wmax, HV, V]` (dtype of v, zeros for
-    tokens s >= W). `config`: a `KernelConfig` (block_v, num_warps, num_stages); None = tuned/default."""
+    tokens s >= W). `config`: a `KernelConfig` (block_v, num_warps, num_stages) to launch with; None: the one `algorithm` (an
+    `Algorithm`; None: the one of the gate width) holds for this shape."""
     ssm, HV, K, V = state.ssm, tokens.v.shape[2], tokens.q.shape[3], tokens.v.shape[3]
     assert ssm.dim() == 5 and ssm.shape[2:] == (HV, K, V) and ssm.is_contiguous(), (
         f"ssm must be a contiguous [S, Wmax, {HV}, {K}, {V}] buffer, got {tuple(ssm.shape)}"
@@ -262,10 +265,10 @@ def native_verify_triton(tokens: TokenInputs, state: NativeBuffers, slots, width
     # the compact pointers are never read (COMPACT is off): the native tensors stand in for them
     index = state.ssm_index
     pointers = (ssm, index, ssm, ssm, ssm, index, index)
-    return _launch_verify(tokens, slots, widths, pointers, state.strides + (0,) * 9, False, config)
+    return _launch_verify(tokens, slots, widths, pointers, state.strides + (0,) * 9, False, config, algorithm)
 
 
-def compact_verify_triton(tokens: TokenInputs, state: CompactBuffers, slots, widths, *, config=None) -> torch.Tensor:
+def compact_verify_triton(tokens: TokenInputs, state: CompactBuffers, slots, widths, *, config=None, algorithm=None):
     """Compact verify of one layer (see `ops.compact_verify`); outputs bitwise equal to `native_verify_triton`.
 
     In place for rows with W > 0: `state.ssm [S, HV, K, V]` of the slot gets its `pending` records from buffer
@@ -279,7 +282,7 @@ def compact_verify_triton(tokens: TokenInputs, state: CompactBuffers, slots, wid
     check_slot_scalars(state.pending, state.parity, ssm.shape[0])
     pointers = (ssm, state.pending, *state.windows, state.pending, state.parity)
     strides = state.strides[:1] + (0,) + state.strides[1:]
-    return _launch_verify(tokens, slots, widths, pointers, strides, True, config)
+    return _launch_verify(tokens, slots, widths, pointers, strides, True, config, algorithm)
 
 
 def check_window(state: CompactBuffers, H, HV, K, V, GK, WMAX, leading):
@@ -301,7 +304,7 @@ def check_slot_scalars(pending, parity, num_slots):
         assert t.shape == (num_slots,) and t.dtype == torch.int32, f"{name} must be int32 [{num_slots}]"
 
 
-def compact_commit_triton(state: CompactBuffers, slots: torch.Tensor, *, config=None) -> None:
+def compact_commit_triton(state: CompactBuffers, slots: torch.Tensor, *, config=None, algorithm=None) -> None:
     """Merge the pending records of every row's slot into the state, all layers in one launch (`ops.compact_commit`).
 
     `state` holds all layers (`ssm [NL, S, HV, K, V]`, records `[NL, S, 2, Wmax, ...]`). In place: `ssm[:, slot]`
@@ -320,7 +323,7 @@ def compact_commit_triton(state: CompactBuffers, slots: torch.Tensor, *, config=
     assert win_k.shape[:2] == (NL, S) and slots.shape == (N,) and slots.dtype == torch.int32
     # the merge is elementwise on the tile (no reduction over K), so any tiling writes the same bytes as the
     # verify's; the records are fp32, so the verify's activation dtype is not known here and the lookup uses fp32
-    cfg = config or serial_config(ssm.dtype, torch.float32, H, HV, K, V, GK, WMAX, ssm.device)
+    cfg = serial_config(config, algorithm, ssm.dtype, torch.float32, H, HV, K, V, GK, WMAX, ssm.device)
     if N == 0 or NL == 0:
         return
     BV = min(cfg.block_v, triton.next_power_of_2(V))

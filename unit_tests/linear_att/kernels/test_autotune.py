@@ -1,5 +1,5 @@
-"""autotune: key format, JSON round trip, lookup (exact, nearest width / capacity / heads, default), pinning. CPU only,
-no kernels."""
+"""autotune: key format, JSON round trip, lookup (exact, nearest width / capacity / heads, default), each
+algorithm's own table, pinning a configuration by argument. CPU only, no kernels."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import torch
 
 from lightllm.linear_att import autotune
 from lightllm.linear_att.autotune import ConfigTable, KernelConfig, TuneKey, make_key
+from lightllm.linear_att.gdn.algorithm import GDN
+from lightllm.linear_att.kernels import launch
+from lightllm.linear_att.registry import ALGORITHMS
 
 
 def _key(family="serial", width=4, capacity=0, projection="", state_dtype=torch.float32, gpu="NVIDIA H200"):
@@ -102,27 +105,30 @@ def test_default_on_the_interpreter_tiles_v():
         assert cfg.block_v >= 16 and cfg.num_warps >= 1
 
 
-def test_using_pins_and_restores_the_process_table():
+def test_a_pinned_config_is_an_argument_and_leaves_the_table_alone():
     key = make_key("serial", "cpu", torch.float32, torch.float32, 1, 1, 16, 16, 1, 1)
-    before = autotune.lookup(key)
-    with autotune.using({key: KernelConfig(16, 1, 1)}):
-        assert autotune.lookup(key) == KernelConfig(16, 1, 1)
-    assert autotune.lookup(key) == before
+    shape = (torch.float32, torch.float32, 1, 1, 16, 16, 1, 1, "cpu")
+    entries = dict(GDN.table.entries)
+    before = launch.serial_config(None, GDN, *shape)
+    assert before == GDN.lookup(key)
+    pinned = KernelConfig(16, 1, 1)
+    assert pinned != before
+    assert launch.serial_config(pinned, GDN, *shape) == pinned
+    assert launch.serial_config(None, GDN, *shape) == before
+    assert GDN.table.entries == entries
 
 
-def test_load_tables_merges_files(tmp_path):
+def test_add_tables_merges_files_into_one_algorithms_table(tmp_path):
     key = make_key("replay_fold", "cpu", torch.float32, torch.float32, 1, 2, 16, 16, 1, 0, 8)
     table = ConfigTable()
     table.put(key, KernelConfig(4, 1, 1))
     path = tmp_path / "t.json"
     table.save(path)
-    saved = dict(autotune.TABLE.entries)
-    try:
-        autotune.load_tables([path])
-        assert autotune.lookup(key) == KernelConfig(4, 1, 1)
-    finally:
-        autotune.TABLE.entries = saved
-        autotune.TABLE.update(ConfigTable())
+    algo = dataclasses.replace(GDN)  # a descriptor of its own: its table starts from the shipped files
+    assert algo.lookup(key) != KernelConfig(4, 1, 1)
+    algo.add_tables([path])
+    assert algo.lookup(key) == KernelConfig(4, 1, 1)
+    assert GDN.lookup(key) != KernelConfig(4, 1, 1), "adding to one descriptor's table changed another's"
 
 
 def test_candidates_respect_tensor_core_minimum():
@@ -142,20 +148,25 @@ def test_tune_plumbing_on_the_interpreter(tmp_path):
     assert ConfigTable.load(tmp_path / "t.json").entries == table.entries
 
 
-def test_first_lookup_reads_the_shipped_tables(monkeypatch):
-    """A process that never calls `load_tables` (the server, the GPU checks) still launches with the tuned tiles."""
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_first_lookup_reads_the_shipped_tables(name):
+    """A process that never loads a table (the server, the GPU checks) still launches with the tuned tiles: each
+    algorithm reads its own shipped files on its first lookup, and a launch without an algorithm finds the one of
+    its gate width."""
     import json
 
-    path = autotune.shipped_table_paths()[0]
+    path = ALGORITHMS[name].tuned_tables()[0]
     key_str, entry = next(iter(json.loads(path.read_text())["entries"].items()))
-    monkeypatch.setattr(autotune, "TABLE", ConfigTable())
-    monkeypatch.setattr(autotune, "_shipped_loaded", False)
-    assert autotune.lookup(TuneKey.from_str(key_str)) == KernelConfig.from_dict(entry)
-    # a pinned entry survives the lazy load, whichever comes first
-    monkeypatch.setattr(autotune, "TABLE", ConfigTable())
-    monkeypatch.setattr(autotune, "_shipped_loaded", False)
-    with autotune.using({TuneKey.from_str(key_str): KernelConfig(8, 1, 1)}):
-        assert autotune.lookup(TuneKey.from_str(key_str)) == KernelConfig(8, 1, 1)
+    key = TuneKey.from_str(key_str)
+    fresh = dataclasses.replace(ALGORITHMS[name])
+    assert fresh.lookup(key) == KernelConfig.from_dict(entry)
+    assert launch.tuned(None, None, key.gate_dim, key.head_k_dim, key) == KernelConfig.from_dict(entry)
+    # a pinned config wins over the table's entry, whichever comes first, and leaves the entry in place
+    pinned = KernelConfig(8, 1, 1)
+    assert pinned != KernelConfig.from_dict(entry)
+    fresh = dataclasses.replace(ALGORITHMS[name])
+    assert launch.tuned(pinned, fresh, key.gate_dim, key.head_k_dim, key) == pinned
+    assert fresh.lookup(key) == KernelConfig.from_dict(entry)
 
 
 def test_replay_window_widths_never_borrow_the_decode_tile():

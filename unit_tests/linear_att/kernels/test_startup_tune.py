@@ -4,26 +4,24 @@ bytes), caches them on disk per GPU and Triton version, and a later start reads 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from lightllm.linear_att import autotune, startup_tune
 from lightllm.linear_att.autotune import ConfigTable, KernelConfig, TuneKey
+from lightllm.linear_att.kda.algorithm import KDA
 from unit_tests.linear_att import scenarios as sc
 
 ONE_CONFIG = [KernelConfig(8, 1, 1)]
 
 
 @pytest.fixture
-def fresh_table(monkeypatch):
-    """A process table of the shipped entries only, restored afterwards (what a fresh process starts with)."""
-
-    def reset():
-        monkeypatch.setattr(autotune, "TABLE", ConfigTable())
-        monkeypatch.setattr(autotune, "_shipped_loaded", False)
-
-    reset()
-    return reset
+def fresh_kda():
+    """A KDA descriptor whose table holds the shipped entries only (what a fresh process starts with); calling it
+    gives another one (a later start). The tests pass it to `tune_serving_shape`, so KDA's own table is untouched."""
+    return lambda: dataclasses.replace(KDA)
 
 
 def _native_state(lower_bound=None, backend="triton"):
@@ -32,14 +30,15 @@ def _native_state(lower_bound=None, backend="triton"):
     return sc.make_state(spec, "native", max_requests=2, max_width=2, backend=backend), spec
 
 
-def test_missing_shape_is_tuned_on_scratch_cached_and_read_back(tmp_path, fresh_table, monkeypatch):
+def test_missing_shape_is_tuned_on_scratch_cached_and_read_back(tmp_path, fresh_kda, monkeypatch):
     state, spec = _native_state()
     before = {name: t.clone() for name, t in sc.state_tensors(state).items()}
+    algo = fresh_kda()
     tuned = startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, num_rows=2,
-                                            configs=ONE_CONFIG)  # fmt: skip
+                                            configs=ONE_CONFIG, algorithm=algo)  # fmt: skip
     key = autotune.make_key("serial", "cpu", torch.float32, torch.float32, 1, 2, 16, 16, 16, 2)
     assert tuned == [key]
-    assert autotune.lookup(key) == ONE_CONFIG[0]
+    assert algo.lookup(key) == ONE_CONFIG[0]
     for name, t in sc.state_tensors(state).items():
         assert torch.equal(t, before[name]), f"tuning wrote the serving state's {name}"
     path = startup_tune.cache_path(tmp_path, "cpu")
@@ -47,22 +46,25 @@ def test_missing_shape_is_tuned_on_scratch_cached_and_read_back(tmp_path, fresh_
     assert ConfigTable.load(path).get(key) == ONE_CONFIG[0]
 
     # a later start: the cache answers, nothing is timed
-    fresh_table()
+    later = fresh_kda()
+    assert later.table.get(key) is None
 
     def no_timing(*args, **kwargs):
         raise AssertionError("a cached shape was tuned again")
 
     monkeypatch.setattr(autotune, "tune", no_timing)
-    assert startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False) == []
-    assert autotune.TABLE.get(key) == ONE_CONFIG[0]
+    assert startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, algorithm=later) == []
+    assert later.table.get(key) == ONE_CONFIG[0]
 
 
-def test_the_gate_lower_bound_is_part_of_the_key(tmp_path, fresh_table):
+def test_the_gate_lower_bound_is_part_of_the_key(tmp_path, fresh_kda):
     state, spec = _native_state()
-    startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, num_rows=2, configs=ONE_CONFIG)
+    algo = fresh_kda()
+    startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, num_rows=2, configs=ONE_CONFIG,
+                                    algorithm=algo)  # fmt: skip
     bounded, bounded_spec = _native_state(lower_bound=-5.0)
     tuned = startup_tune.tune_serving_shape(bounded, bounded_spec, cache_dir=tmp_path, progress=False, num_rows=2,
-                                            configs=ONE_CONFIG)  # fmt: skip
+                                            configs=ONE_CONFIG, algorithm=algo)  # fmt: skip
     assert len(tuned) == 1 and tuned[0].lower_bound == "-5.0", "the bounded gate reused the softplus gate's entry"
     assert len(ConfigTable.load(startup_tune.cache_path(tmp_path, "cpu")).entries) == 2
 
@@ -78,9 +80,10 @@ def test_replay_needs_its_projection_and_the_fold():
         ]
 
 
-def test_torch_path_tunes_nothing(tmp_path, fresh_table):
+def test_torch_path_tunes_nothing(tmp_path, fresh_kda):
     state, spec = _native_state(backend="torch")
-    assert startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False) == []
+    algo = fresh_kda()
+    assert startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, algorithm=algo) == []
     assert not any(tmp_path.iterdir())
 
 
@@ -94,11 +97,11 @@ def test_key_string_leaves_out_an_unset_lower_bound():
     assert bounded != plain
 
 
-def test_an_unreadable_cache_is_ignored_and_rewritten(tmp_path, fresh_table):
+def test_an_unreadable_cache_is_ignored_and_rewritten(tmp_path, fresh_kda):
     path = startup_tune.cache_path(tmp_path, "cpu")
     path.write_text("{ not json")
     state, spec = _native_state()
     tuned = startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, num_rows=2,
-                                            configs=ONE_CONFIG)  # fmt: skip
+                                            configs=ONE_CONFIG, algorithm=fresh_kda())  # fmt: skip
     assert len(tuned) == 1 and ConfigTable.load(path).get(tuned[0]) == ONE_CONFIG[0]
     assert [p.name for p in tmp_path.iterdir()] == [path.name], "a temporary file was left behind"
