@@ -15,7 +15,7 @@ and 4, batches of 3 and 7 rows (the highest real slot, slot 0, the HOLD slot and
 state mode: native, compact (a merge of pending tokens inside the verify, the all-layer commit, the export on
 gathered copies) and replay (a fold inside the verify, both projections, the standalone fold in place and into an
 export buffer). The state classes then run the server's own call sequence (prefill, verify/accept rounds through a
-fold, a second prefill chunk on top of pending tokens, settle, checkpoint export/import), driven by
+fold, a second prefill chunk on top of pending tokens, checkpoint export/import), driven by
 `unit_tests/linear_att/scenarios.py`. The prefill conv runs on packed rows whose last row ends exactly at the end
 of `x` with a length that is not a multiple of the 16-token tile (the shape of the start-up crash on the H200).
 
@@ -454,7 +454,7 @@ SECOND_CHUNK = (13, 2, 9, 1, 0, 21)
 
 def case_state(shape: StateShape, mode: str, requests: int, w: int, projection: str = "inline") -> Callable:
     """The server's call sequence on a state object: prefill, verify/accept rounds (replay: through a fold), a second
-    prefill chunk, settle (compact), checkpoint export and import."""
+    prefill chunk, checkpoint export and import."""
 
     def run(ctx: Ctx) -> str:
         from lightllm.linear_att import LinearAttSpec, StateConfig, StateMode, create_state, ops
@@ -493,8 +493,6 @@ def case_state(shape: StateShape, mode: str, requests: int, w: int, projection: 
             folds = int(state.num_folds)
             assert folds > 0, "no row folded: the case misses the fold path"
             note = f"{folds} row folds"
-        if mode == "compact":
-            state.settle(ctx.ints(slots))
         for layer in run.outputs:
             for outs in layer:
                 assert bool(torch.isfinite(torch.stack(outs)).all()), "non-finite outputs"

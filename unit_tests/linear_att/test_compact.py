@@ -31,7 +31,7 @@ def test_compact_equals_native_bitwise(algo, act_dtype, state_dtype):
     assert torch.equal(states["native"].conv, states["compact"].conv), "conv windows differ"
 
 
-# lazy commit: `accept` leaves the accepted tokens pending; the next verify (or `settle`, or export) merges them
+# lazy commit: `accept` leaves the accepted tokens pending; the next verify, a prefill chunk or export merges them
 LAZY_BACKENDS = ["torch", "triton"]
 
 
@@ -61,6 +61,13 @@ def _lazy_round(spec, params, streams, slots, pair, r, choose_gen, seed):
     return widths, accepted
 
 
+def _merge_pending(compact, spec, params, streams, slots, run):
+    """Merge the pending tokens of `slots` into the live state through the public path: a prefill chunk of no
+    tokens (prefill merges before the chunk kernel reads the state, all layers, and `finish_prefill` clears
+    pending; no token is added)."""
+    sc.prefill(compact, spec, params, streams, slots, [0] * len(slots), run)
+
+
 def _native_current(native, slots) -> torch.Tensor:
     sl = torch.tensor(slots)
     return native.ssm[:, sl, native.ssm_index[sl].long()]
@@ -70,10 +77,11 @@ def _native_current(native, slots) -> torch.Tensor:
 @pytest.mark.parametrize("algo", ["gdn", "kda"])
 def test_lazy_commit_settles_to_native_state_bitwise(algo, backend):
     """Many MTP rounds (random accepted counts, all-accept and accept-only-the-first rounds, padding rows): the
-    outputs equal native's every round, and the state after settle (every 3rd round, so most verifies merge pending
-    tokens themselves) and the exported state (every round) equal native's current state byte for byte."""
+    outputs equal native's every round, and the state after an empty prefill chunk merged the pending tokens in
+    place (every 3rd round, so most verifies merge pending tokens themselves) and the exported state (every round)
+    equal native's current state byte for byte."""
     spec, params, streams, slots, pair = _lazy_pair(algo, backend)
-    native, compact = pair["native"][0], pair["compact"][0]
+    native, (compact, compact_run) = pair["native"][0], pair["compact"]
     choose_gen = torch.Generator().manual_seed(23)
     num_rounds = 24 if backend == "torch" else 9
     saw_pending = False
@@ -84,10 +92,10 @@ def test_lazy_commit_settles_to_native_state_bitwise(algo, backend):
         exported = compact.export_checkpoint(torch.tensor(slots, dtype=torch.int32)).ssm
         assert torch.equal(exported.view(torch.uint8), want.view(torch.uint8)), f"round {r}: export != native"
         if r % 3 == 2:
-            compact.settle(torch.tensor(slots, dtype=torch.int32))
-            assert (compact.pending[slots] == 0).all(), "settle left tokens pending"
+            _merge_pending(compact, spec, params, streams, slots, compact_run)
+            assert (compact.pending[slots] == 0).all(), "the merge left tokens pending"
             got = compact.ssm[:, slots]
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"round {r}: settled state != native"
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"round {r}: merged state != native"
     assert saw_pending, "no round left accepted tokens pending: the lazy path was not exercised"
     runs = {mode: run for mode, (_, run) in pair.items()}
     for layer in range(spec.num_layers):
@@ -98,7 +106,8 @@ def test_lazy_commit_settles_to_native_state_bitwise(algo, backend):
 
 
 def _pending_after_rounds(algo, backend, num_rounds=3):
-    """Run until every request has accepted tokens pending (an all-accept round last); returns the pair."""
+    """Run until every request has accepted tokens pending (an all-accept round last); returns the scenario (spec,
+    params, streams), the slots and the pair."""
     spec, params, streams, slots, pair = _lazy_pair(algo, backend)
     choose_gen = torch.Generator().manual_seed(31)
     for r in range(num_rounds):
@@ -110,13 +119,13 @@ def _pending_after_rounds(algo, backend, num_rounds=3):
         sc.poison_dead(st)
     compact = pair["compact"][0]
     assert compact.pending[slots].tolist() == [4, 2, 3]
-    return slots, pair
+    return (spec, params, streams), slots, pair
 
 
 @pytest.mark.parametrize("backend", LAZY_BACKENDS)
 @pytest.mark.parametrize("algo", ["gdn", "kda"])
 def test_export_with_pending_tokens_merges_into_the_copy_only(algo, backend):
-    slots, pair = _pending_after_rounds(algo, backend)
+    _, slots, pair = _pending_after_rounds(algo, backend)
     native, compact = pair["native"][0], pair["compact"][0]
     before = {name: t.clone() for name, t in sc.state_tensors(compact).items()}
     ckpt = compact.export_checkpoint(torch.tensor(slots, dtype=torch.int32))
@@ -136,9 +145,9 @@ TEETH = [("torch", r) for r in ("win_k", "win_u", "win_g")] + [("triton", "win_u
 @pytest.mark.parametrize(("backend", "record"), TEETH, ids=[f"{b}-{r}" for b, r in TEETH])
 def test_teeth_a_perturbed_pending_record_breaks_equality(record, backend):
     """Teeth: change one element of the last pending token of one slot's current window buffer; the merged state
-    (export and settle) must then differ from native's."""
-    slots, pair = _pending_after_rounds("kda", backend)
-    native, compact = pair["native"][0], pair["compact"][0]
+    (export, and the in-place merge of an empty prefill chunk) must then differ from native's."""
+    scenario, slots, pair = _pending_after_rounds("kda", backend)
+    native, (compact, compact_run) = pair["native"][0], pair["compact"]
     slot = slots[1]
     last = int(compact.pending[slot]) - 1
     t = getattr(compact, record)[1, slot, int(compact.parity[slot]), last]
@@ -146,6 +155,6 @@ def test_teeth_a_perturbed_pending_record_breaks_equality(record, backend):
     want = _native_current(native, slots)
     sl = torch.tensor(slots, dtype=torch.int32)
     assert not torch.equal(compact.export_checkpoint(sl).ssm[1, 1], want[1, 1]), "export missed the perturbation"
-    compact.settle(sl)
-    assert not torch.equal(compact.ssm[1, slot], want[1, 1]), "settle missed the perturbation"
-    assert torch.equal(compact.ssm[0, slots].view(torch.uint8), want[0].view(torch.uint8)), "layer 0 was not settled"
+    _merge_pending(compact, *scenario, slots, compact_run)
+    assert not torch.equal(compact.ssm[1, slot], want[1, 1]), "the merge missed the perturbation"
+    assert torch.equal(compact.ssm[0, slots].view(torch.uint8), want[0].view(torch.uint8)), "layer 0 was not merged"

@@ -18,8 +18,8 @@ of a verified token, and it reproduces native's per-token state bit for bit (sam
 Programs of one launch share records (the V tiles of a value head share `g`, the value heads of a key group share
 `k̂`), so a launch reads only buffer `parity` and writes only buffer `1 - parity`.
 
-`compact_commit_kernel` (all layers, one launch) runs the same merge standalone: `CompactState.settle`, checkpoint
-export and prefill bring `ssm` up to date with it.
+`compact_commit_kernel` (any stack of layers, one launch) runs the same merge standalone: checkpoint export (all
+layers, into gathered copies) and prefill (per layer, in place) bring the state up to date with it.
 """
 
 from __future__ import annotations

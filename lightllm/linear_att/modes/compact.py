@@ -2,8 +2,8 @@
 
 `accept` only records how many tokens of the window just verified were accepted (`pending`) and flips `parity`
 (which window buffer holds them); the slot's next `decode` merges them into `ssm` in the same kernel that verifies
-the new window, so a step reads and writes the state once. `settle` merges them on demand; export merges into the
-checkpoint copy; prefill merges per layer before the chunk kernel reads the state.
+the new window, so a step reads and writes the state once. Export merges them into the checkpoint copy; prefill
+merges them per layer before the chunk kernel reads the state.
 """
 
 from __future__ import annotations
@@ -56,12 +56,6 @@ class CompactState(StateCommon):
         self._set_live_slots(self.pending, rows, live, torch.minimum(accepted, widths))
         self._set_live_slots(self.parity, rows, live, 1 - self.parity[rows.slots.long()])
         self._set_live_slots(self.conv_offset, rows, live, accepted - 1)
-
-    def settle(self, slots: torch.Tensor) -> None:
-        """Merge the pending tokens of `slots` into `ssm` (all layers, one launch) and clear them: afterwards `ssm`
-        holds the same bytes as native's current state. Device-side, no host sync."""
-        self.kernels.compact_commit(self._buffers(slice(None)), slots, backend=self.backend)
-        self.pending[slots.long()] = 0
 
     def _ssm_tensors(self):
         return [(self.ssm, 1), *((t, 1) for t in self._windows()), (self.pending, 0), (self.parity, 0)]
