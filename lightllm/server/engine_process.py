@@ -29,12 +29,13 @@ from lightllm.server.runner_factory import load_factory
 IDLE_POLL_MS = 50
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Have the kernel kill this process when its parent dies (Linux), so no orphan keeps a device busy."""
     try:
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
-        # not Linux: the parent-pid check in the loop still ends the process
+        # not Linux: the caller's own liveness checks (a parent-pid poll, a failed broadcast) end it
         pass
 
 
@@ -83,7 +84,7 @@ def engine_main(
     # the parent stops us with SIGTERM: exit through Python so multiprocessing's finalizers release what they hold
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     _no_process_shared_locks()
-    _die_with_parent()
+    die_with_parent()
     parent = os.getppid()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     try:

@@ -7,25 +7,17 @@ parent-death signal, or when the control group's next broadcast fails.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import pickle
 import signal
 import sys
 import traceback
 
-
-def _die_with_parent() -> None:
-    try:
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        # not Linux: a failed broadcast from the dead rank 0 ends the loop
-        pass
+from lightllm.server.engine_process import die_with_parent
 
 
 def main() -> int:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup = pickle.loads(sys.stdin.buffer.read())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp rank {setup.rank} %(levelname)s %(message)s")
