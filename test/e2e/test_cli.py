@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
@@ -25,13 +24,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _server(*flags: str) -> subprocess.Popen:
+def _server(*flags: str, tmpdir: str | None = None) -> subprocess.Popen:
+    """The server as a user starts it; with `tmpdir`, its temporary files (the socket folder) go there, so a test
+    sees its own server's and no other process's."""
     cmd = [sys.executable, "-m", "lightllm.server.api_server", *flags]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=single_threaded_env())
+    env = single_threaded_env()
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def _socket_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "lightllm-*")))
+def _socket_dirs(tmpdir) -> set[str]:
+    return set(glob.glob(os.path.join(str(tmpdir), "lightllm-*")))
 
 
 def _wait_up(proc: subprocess.Popen, base: str) -> None:
@@ -89,13 +93,15 @@ def test_cli_refuses_bad_flags(flags, message):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_cli_serves_demo_model_and_shuts_down(sig):
+def test_cli_serves_demo_model_and_shuts_down(sig, tmp_path):
     port = _free_port()
-    before = _socket_dirs()
-    proc = _server("--port", str(port), "--device", "cpu", "--ssm_state_mode", "replay", "--mtp_step", "2")
+    proc = _server(
+        "--port", str(port), "--device", "cpu", "--ssm_state_mode", "replay", "--mtp_step", "2", tmpdir=tmp_path
+    )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_up(proc, base)
+        assert _socket_dirs(tmp_path), "the running server's socket folder should be in its TMPDIR"
         models = httpx.get(f"{base}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["tiny-qwen3_5"]
         body = {"model": "tiny-qwen3_5", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
@@ -110,27 +116,27 @@ def test_cli_serves_demo_model_and_shuts_down(sig):
         # nothing left behind: no leaked-semaphore warning, no socket folder
         log = proc.stdout.read()
         assert "leaked" not in log and "Traceback" not in log, log[-2000:]
-        assert _socket_dirs() <= before
+        assert not _socket_dirs(tmp_path), "the socket folder outlived the server"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-def test_cli_exits_nonzero_when_the_engine_dies():
+def test_cli_exits_nonzero_when_the_engine_dies(tmp_path):
     port = _free_port()
-    before = _socket_dirs()
-    proc = _server("--port", str(port), "--device", "cpu")
+    proc = _server("--port", str(port), "--device", "cpu", tmpdir=tmp_path)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_up(proc, base)
+        assert _socket_dirs(tmp_path), "the running server's socket folder should be in its TMPDIR"
         os.kill(_engine_pid(proc.pid), signal.SIGKILL)
         # a supervisor sees a non-zero exit and restarts the server
         assert proc.wait(timeout=60) == 3
         log = proc.stdout.read()
         assert "the engine process exited (exit code -9)" in log
         assert "leaked" not in log, log[-2000:]
-        assert _socket_dirs() <= before, "the socket folder outlived the server"
+        assert not _socket_dirs(tmp_path), "the socket folder outlived the server"
     finally:
         if proc.poll() is None:
             proc.kill()
