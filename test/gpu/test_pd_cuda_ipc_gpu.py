@@ -9,36 +9,14 @@ greedy tokens.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
-import msgspec
 import pytest
 import torch
 
-from lightllm.engine.transfer.payload import TensorBlob
-from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads, share_cuda_buffer
-from lightllm.server.pd.staging import DeviceRegion, RegionReader, StagingBuffer
+from lightllm.server.pd.cuda_ipc import share_cuda_buffer
+from lightllm.server.pd.staging import StagingBuffer
+from unit_tests.helpers.region_reader_child import read_region_in_child
 
 pytestmark = pytest.mark.gpu
-
-
-def _child(wire: bytes, blobs_wire: bytes, conn) -> None:
-    region = msgspec.msgpack.decode(wire, type=DeviceRegion)
-    blobs = msgspec.msgpack.decode(blobs_wire, type=list[TensorBlob])
-    local = RegionReader("cuda", {CudaIpcHandle: CudaIpcReads()}, ["cuda_ipc@here"]).pull(region)
-    conn.send([b.view_in(local).cpu() for b in blobs])
-    conn.close()
-
-
-def _read_in_child(region: DeviceRegion, blobs: list[TensorBlob]) -> list[torch.Tensor]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child, args=(msgspec.msgpack.encode(region), msgspec.msgpack.encode(blobs), child))
-    proc.start()
-    tensors = parent.recv()
-    proc.join(60)
-    assert proc.exitcode == 0
-    return tensors
 
 
 def test_a_staged_region_read_by_another_process_equals_the_tensors():
@@ -55,7 +33,7 @@ def test_a_staged_region_read_by_another_process_equals_the_tensors():
     ]
     region, blobs = staging.stage(tensors)
     assert region.offset > 0 and all(b.data == b"" for b in blobs)
-    found = _read_in_child(region, blobs)
+    found = read_region_in_child(region, blobs)
     for want, got in zip(tensors, found):
         assert got.dtype == want.dtype and torch.equal(got, want.cpu())
     staging.release(region)
@@ -66,7 +44,7 @@ def test_a_staged_region_read_by_another_process_equals_the_tensors():
     region, blobs = staging.stage(tensors)
     staging.buffer[region.offset : region.offset + region.nbytes] = 0
     torch.cuda.synchronize()
-    found = _read_in_child(region, blobs)
+    found = read_region_in_child(region, blobs)
     assert not any(torch.equal(got, want.cpu()) for want, got in zip(tensors, found))
 
 
