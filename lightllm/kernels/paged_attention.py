@@ -10,6 +10,12 @@ heads sharing key head `i_kh`: the tile's `BT * GROUP` (token, head) pairs are t
 block, so every K/V block is loaded once per key head (not once per query head) and decode windows still fill
 the 16-row minimum of a tensor-core dot.
 
+Split context: when those programs are too few to fill the GPU (a short chunk after a long cached prefix, a small
+decode batch over long contexts) each one is split `NUM_SPLITS` ways along its context, every split writes its
+unnormalised output and softmax statistics (max, sum) in fp32, and `paged_attention_combine_kernel` merges them.
+Each row's context is cut into equal spans of whole key blocks on the device, so the split count is a host
+choice that holds for any context length (CUDA graphs capture it once per batch bucket).
+
 Precision: scores, softmax statistics and the output accumulator are fp32. fp32 inputs use `ieee` dots (the fp32
 pools exist for parity tests; tf32 would cost ~1e-3 relative error); fp16/bf16 inputs run native tensor-core dots
 with fp32 accumulation, and the probabilities are cast to V's dtype for the P·V dot.
@@ -18,6 +24,8 @@ The torch fallback (and the only CPU implementation) is the SDPA path in `lightl
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -34,12 +42,16 @@ def paged_attention_kernel(
     k_pool,  # [S, HK, DK]
     v_pool,  # [S, HK, DV]
     o,  # [T, H, DV]
+    o_part,  # [NUM_SPLITS, T, H, DV] fp32 unnormalised split outputs (unused when NUM_SPLITS == 1)
+    ml_part,  # [NUM_SPLITS, T, H, 2] fp32 split max (log2 domain) and sum of exponentials
     slot_table,  # [R', L] pool slot of each context position
     table_rows,  # [R] row of slot_table holding row r's slots (None: row r itself)
     query_start,  # [R] first flat token of the row
     query_len,  # [R] new tokens of the row
     num_cached,  # [R] cached prefix length of the row
     qk_scale,  # softmax scale * log2(e)
+    num_tokens,  # T
+    num_heads,  # H
     stride_q_t,
     stride_q_h,
     stride_k_s,
@@ -58,9 +70,11 @@ def paged_attention_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     HAS_TABLE_ROWS: tl.constexpr,
 ):
-    i_m, i_r, i_kh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_ms, i_r, i_kh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_m, i_s = i_ms // NUM_SPLITS, i_ms % NUM_SPLITS
     i_r64 = i_r.to(tl.int64)
     n_q = tl.load(query_len + i_r64).to(tl.int64)
     if i_m * BT >= n_q:
@@ -84,6 +98,10 @@ def paged_attention_kernel(
     # last visible position of each tile row; keys past the tile's last real token are never needed
     b_limit = n_c + o_tok  # [BM]
     kv_end = n_c + tl.minimum((i_m + 1) * BT, n_q)
+    # this split's keys: span `i_s` of NUM_SPLITS equal spans of whole BN blocks (later spans may be empty)
+    span = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BN) * BN
+    kv_lo = i_s * span
+    kv_hi = tl.minimum(kv_lo + span, kv_end)
 
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
@@ -94,9 +112,9 @@ def paged_attention_kernel(
         i_row = i_r64
     p_table = slot_table + i_row * stride_table_r
     kh64 = i_kh.to(tl.int64)
-    for start in range(0, kv_end, BN):
+    for start in range(kv_lo, kv_hi, BN):
         o_n = start + tl.arange(0, BN).to(tl.int64)  # [BN] context positions
-        m_n = o_n < kv_end
+        m_n = o_n < kv_hi
         b_slot = tl.load(p_table + o_n, mask=m_n, other=0).to(tl.int64)  # [BN]
         p_k = k_pool + b_slot[None, :] * stride_k_s + kh64 * stride_k_h + o_dk[:, None]
         b_kt = tl.load(p_k, mask=m_dk[:, None] & m_n[None, :], other=0.0)  # [BK, BN]
@@ -113,10 +131,53 @@ def paged_attention_kernel(
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
 
-    # every real row sees at least its own position, so l > 0 there; padded rows are masked on store
-    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    p_o = o + (q0 + o_tok)[:, None] * stride_o_t + o_head[:, None] * stride_o_h + o_dv[None, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
+    if NUM_SPLITS == 1:
+        # every real row sees at least its own position, so l > 0 there; padded rows are masked on store
+        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+        p_o = o + (q0 + o_tok)[:, None] * stride_o_t + o_head[:, None] * stride_o_h + o_dv[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
+    else:
+        # a split that saw no key of a row leaves max -1e30 and sum 0: it weighs nothing in the combine
+        part = (i_s * num_tokens + q0 + o_tok) * num_heads + o_head  # [BM]
+        tl.store(o_part + part[:, None] * DV + o_dv[None, :], b_acc, mask=m_row[:, None] & m_dv[None, :])
+        tl.store(ml_part + part * 2, tl.maximum(b_m, -1e30), mask=m_row)
+        tl.store(ml_part + part * 2 + 1, b_l, mask=m_row)
+
+
+@triton.jit
+def paged_attention_combine_kernel(
+    o_part,  # [NUM_SPLITS, T, H, DV] fp32
+    ml_part,  # [NUM_SPLITS, T, H, 2] fp32
+    o,  # [T, H, DV]
+    query_start,  # [R]
+    query_len,  # [R]
+    num_tokens,  # T
+    num_heads,  # H
+    stride_o_t,
+    stride_o_h,
+    NUM_SPLITS: tl.constexpr,
+    SP: tl.constexpr,  # NUM_SPLITS padded to a power of two
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """Program `(i_t, i_r, i_h)`: token `i_t` of row `i_r`, query head `i_h`: softmax-weighted sum of the splits."""
+    i_t, i_r, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_r64 = i_r.to(tl.int64)
+    if i_t >= tl.load(query_len + i_r64):
+        return
+    tok = tl.load(query_start + i_r64).to(tl.int64) + i_t
+    o_s = tl.arange(0, SP)
+    m_s = o_s < NUM_SPLITS
+    o_dv = tl.arange(0, BV)
+    m_dv = o_dv < DV
+    part = (o_s.to(tl.int64) * num_tokens + tok) * num_heads + i_h  # [SP]
+    b_m = tl.load(ml_part + part * 2, mask=m_s, other=-1e30)
+    b_l = tl.load(ml_part + part * 2 + 1, mask=m_s, other=0.0)
+    b_w = tl.exp2(b_m - tl.max(b_m, axis=0))  # [SP]
+    b_sum = tl.sum(b_l * b_w, axis=0)
+    b_acc = tl.load(o_part + part[:, None] * DV + o_dv[None, :], mask=m_s[:, None] & m_dv[None, :], other=0.0)
+    b_o = tl.sum(b_acc * b_w[:, None], axis=0) / tl.where(b_sum > 0, b_sum, 1.0)
+    tl.store(o + tok * stride_o_t + i_h * stride_o_h + o_dv, b_o.to(o.dtype.element_ty), mask=m_dv)
 
 
 def _tile(max_query_len: int, group: int, bk: int) -> tuple[int, int, int]:
@@ -127,6 +188,27 @@ def _tile(max_query_len: int, group: int, bk: int) -> tuple[int, int, int]:
     # large heads (Dk = 256) keep the [BK, BN] key block and [BM, BV] accumulator within registers
     bn = 32 if bk > 128 else 64
     return bt, bm, bn
+
+
+# the most splits of one program's context; the partial outputs grow with it
+MAX_SPLITS = 32
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_context_splits(programs: int, max_context_len: int, bn: int, device: torch.device) -> int:
+    """Splits per program so that a launch of `programs` programs fills about two waves of the GPU's SMs, each
+    split keeping at least two key blocks of the longest context; 1 off CUDA (nothing to fill) and for launches
+    that already fill the GPU."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return max(1, min(MAX_SPLITS, 2 * sms // programs, triton.cdiv(max_context_len, 2 * bn)))
 
 
 def paged_attention(
@@ -141,6 +223,8 @@ def paged_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each row's new tokens over its cached prefix and itself, through the slot table.
 
@@ -166,18 +250,33 @@ def paged_attention(
     # tensor-core dots need every dimension >= 16; padded head dims are masked on load and store
     bk, bv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
     bt, bm, bn = _tile(max_query_len, group, bk)
-    grid = (triton.cdiv(max_query_len, bt), rows, hk)
+    m_tiles = triton.cdiv(max_query_len, bt)
+    if num_splits is None:
+        num_splits = (
+            1 if max_context_len is None else num_context_splits(m_tiles * rows * hk, max_context_len, bn, q.device)
+        )
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits {num_splits} not in 1..{MAX_SPLITS}"
+    if num_splits > 1:
+        o_part = torch.empty(num_splits, t, h, dv, dtype=torch.float32, device=q.device)
+        ml_part = torch.empty(num_splits, t, h, 2, dtype=torch.float32, device=q.device)
+    else:
+        o_part = ml_part = out  # not read: the kernel writes `out` directly
+    grid = (m_tiles * num_splits, rows, hk)
     paged_attention_kernel[grid](
         q,
         k_pool,
         v_pool,
         out,
+        o_part,
+        ml_part,
         slot_table,
         table_rows,
         query_start,
         query_len,
         num_cached,
         scale * _LOG2E,
+        t,
+        h,
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
@@ -196,7 +295,24 @@ def paged_attention(
         BK=bk,
         BV=bv,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=num_splits,
         num_warps=8 if max(bk, bv) > 128 else 4,
         num_stages=2,
     )
+    if num_splits > 1:
+        paged_attention_combine_kernel[(max_query_len, rows, h)](
+            o_part,
+            ml_part,
+            out,
+            query_start,
+            query_len,
+            t,
+            h,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SP=triton.next_power_of_2(num_splits),
+            DV=dv,
+            BV=bv,
+        )
     return out

@@ -384,10 +384,10 @@ def case_cursor(n: int) -> Callable[[Ctx], None]:
     return run
 
 
-def case_paged_attention(shape: AttentionShape, rows: list[tuple[int, int]]) -> Callable[[Ctx], str]:
+def case_paged_attention(shape: AttentionShape, rows: list[tuple[int, int]], splits: int) -> Callable[[Ctx], str]:
     """rows: (cached prefix, new tokens). The pool has exactly the rows' context slots (every one used, the last
     included), the slot table exactly the longest context's width (that row last), q and out exactly the new
-    tokens."""
+    tokens; `splits` > 1 splits each context (the split outputs and the combine kernel)."""
 
     def run(ctx: Ctx) -> str:
         from lightllm.kernels.paged_attention import paged_attention
@@ -408,7 +408,7 @@ def case_paged_attention(shape: AttentionShape, rows: list[tuple[int, int]]) -> 
         out = torch.empty(sum(q_lens), shape.heads, shape.dv, dtype=q.dtype, device=ctx.device)
         starts = ctx.ints([0, *torch.tensor(q_lens[:-1]).cumsum(0).tolist()])
         paged_attention(q, k_pool, v_pool, ctx.to_device(table), starts, ctx.ints(q_lens), ctx.ints(c for c, _ in rows),
-                        shape.dk**-0.5, max(q_lens), out)  # fmt: skip
+                        shape.dk**-0.5, max(q_lens), out, num_splits=splits)  # fmt: skip
         assert bool(torch.isfinite(out).all()), "non-finite attention outputs"
         return f"pool {sum(totals)} slots"
 
@@ -549,10 +549,14 @@ def build_cases() -> list[Case]:
                       True, case_cursor(1031)))  # fmt: skip
     for a in ATTENTION_SHAPES:
         # prefill chunks after a prefix and fresh, decode / verify windows of 1, 2 and 4; the longest context last
+        # (rows of short contexts leave later splits empty)
         for rows in ([(0, 37), (19, 13), (61, 1), (7, 4), (0, 2), (33, 1), (90, 23)], [(12, 4), (0, 1), (40, 2)]):
-            detail = f"N={len(rows)} " + " ".join(f"{c}+{q}" for c, q in rows)
-            cases.append(Case("paged_attention", a.name, detail, ("paged_attention_kernel",), a.tiny,
-                              case_paged_attention(a, rows)))  # fmt: skip
+            for splits in (1, 3):
+                detail = f"N={len(rows)} " + " ".join(f"{c}+{q}" for c, q in rows) + f" splits={splits}"
+                kernels = ("paged_attention_kernel",) + (("paged_attention_combine_kernel",) if splits > 1 else ())
+                cases.append(
+                    Case("paged_attention", a.name, detail, kernels, a.tiny, case_paged_attention(a, rows, splits))
+                )
     return cases
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from lightllm.kernels.paged_attention import paged_attention
 from unit_tests.helpers.asserts import assert_rel_close
@@ -27,6 +28,33 @@ def test_paged_attention_on_gpu_matches_reference(shape, dtype):
     q = torch.randn(sum(q_lens), heads, dk, generator=gen).to(dtype)
     scale = dk**-0.5
     out = _run_on_cuda(q, k_pool, v_pool, slots, cached, q_lens, scale)
+    _assert_rows(shape, out, q, k_pool, v_pool, slots, cached, q_lens, scale, dtype)
+
+
+# launches with too few programs to fill the GPU, so the context is split (asserted): a 100-token chunk after an
+# 8k cached prefix (a prefix-cache hit), and small decode / verify batches over long contexts
+SPLIT_ROWS = {"hit-8192+100": ([8192], [100]), "decode-long": ([4000, 20, 900], [1, 4, 1])}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", list(SPLIT_ROWS), ids=list(SPLIT_ROWS))
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_split_context_on_gpu_matches_reference(shape, rows, dtype):
+    from lightllm.kernels import paged_attention as kernel
+
+    heads, kv_heads, dk, dv = SHAPES[shape]
+    cached, q_lens = SPLIT_ROWS[rows]
+    longest = max(c + n for c, n in zip(cached, q_lens))
+    bt, _, bn = kernel._tile(max(q_lens), heads // kv_heads, max(16, triton.next_power_of_2(dk)))
+    programs = -(-max(q_lens) // bt) * len(q_lens) * kv_heads
+    assert kernel.num_context_splits(programs, longest, bn, torch.device("cuda")) > 1
+    k_pool, v_pool, slots = scattered_pool(cached, q_lens, kv_heads, dk, dv, dtype, seed=11)
+    q = torch.randn(sum(q_lens), heads, dk, generator=torch.Generator().manual_seed(12)).to(dtype)
+    out = _run_on_cuda(q, k_pool, v_pool, slots, cached, q_lens, dk**-0.5, max_context_len=longest)
+    _assert_rows(shape, out, q, k_pool, v_pool, slots, cached, q_lens, dk**-0.5, dtype)
+
+
+def _assert_rows(shape, out, q, k_pool, v_pool, slots, cached, q_lens, scale, dtype):
     start = 0
     for i, (c, n) in enumerate(zip(cached, q_lens)):
         expected = reference(q[start : start + n], k_pool[slots[i]], v_pool[slots[i]], c, scale)
@@ -34,7 +62,7 @@ def test_paged_attention_on_gpu_matches_reference(shape, dtype):
         start += n
 
 
-def _run_on_cuda(q, k_pool, v_pool, slots, cached, q_lens, scale):
+def _run_on_cuda(q, k_pool, v_pool, slots, cached, q_lens, scale, max_context_len=None):
     table = torch.full((len(slots), max(s.numel() for s in slots) + 3), -1, dtype=torch.int64)
     for i, s in enumerate(slots):
         table[i, : s.numel()] = s
@@ -43,5 +71,5 @@ def _run_on_cuda(q, k_pool, v_pool, slots, cached, q_lens, scale):
     dev = "cuda"
     out = torch.full((q.shape[0], q.shape[1], v_pool.shape[-1]), float("nan"), dtype=q.dtype, device=dev)
     args = [t.to(dev) for t in (q, k_pool, v_pool, table, starts, lens, prefix)]
-    paged_attention(*args, scale, max(q_lens), out)
+    paged_attention(*args, scale, max(q_lens), out, max_context_len=max_context_len)
     return out

@@ -47,7 +47,7 @@ def scattered_pool(cached, q_lens, kv_heads, dk, dv, dtype, seed):
     return k_pool, v_pool, slots
 
 
-def run_kernel(q, k_pool, v_pool, slots, cached, q_lens, scale):
+def run_kernel(q, k_pool, v_pool, slots, cached, q_lens, scale, num_splits=None):
     width = max(s.numel() for s in slots) + 3
     table = torch.full((len(slots), width), -1, dtype=torch.int64)
     for i, s in enumerate(slots):
@@ -55,7 +55,7 @@ def run_kernel(q, k_pool, v_pool, slots, cached, q_lens, scale):
     starts = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(torch.int32)
     out = poison_(q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1]))
     lens, prefix = torch.tensor(q_lens, dtype=torch.int32), torch.tensor(cached, dtype=torch.int32)
-    paged_attention(q, k_pool, v_pool, table, starts, lens, prefix, scale, max(q_lens), out)
+    paged_attention(q, k_pool, v_pool, table, starts, lens, prefix, scale, max(q_lens), out, num_splits=num_splits)
     return out
 
 
@@ -98,6 +98,52 @@ def test_paged_attention_matches_masked_softmax(rows, heads, dtype):
     out = run_kernel(q, k_pool, v_pool, slots, cached, q_lens, scale)
     expected = expected_rows(q, k_pool, v_pool, slots, cached, q_lens, scale)
     assert_rel_close(f"paged_attention {dtype}", out, expected, MAX_REL[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "rows", [ROW_SETS[k] for k in ("prefill-after-long-prefix", "verify-w1to4", "mixed")],
+    ids=["prefill-after-long-prefix", "verify-w1to4", "mixed"],
+)  # fmt: skip
+def test_split_context_matches_masked_softmax(rows, dtype, num_splits):
+    """Contexts split across programs and merged by the combine kernel: rows of 1..98 keys over 2 or 5 splits of
+    whole 64-key blocks, so some splits of short rows hold no key at all and padded tile rows see nothing."""
+    cached, q_lens = rows
+    h, hk, dk, dv = HEAD_SETS["gqa4-dk12-dv20"]
+    seed = 7 * sum(cached) + num_splits
+    k_pool, v_pool, slots = scattered_pool(cached, q_lens, hk, dk, dv, dtype, seed)
+    q = torch.randn(sum(q_lens), h, dk, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    out = run_kernel(q, k_pool, v_pool, slots, cached, q_lens, 0.3, num_splits)
+    expected = expected_rows(q, k_pool, v_pool, slots, cached, q_lens, 0.3)
+    assert_rel_close(f"split x{num_splits} {dtype}", out, expected, MAX_REL[dtype])
+
+
+def test_split_context_reads_every_span():
+    """Twin of the split test: keys in the last split's span of a 98-key row perturbed after the reference was
+    taken must change that row's output (a combine that dropped a split would pass the equality test otherwise
+    only by luck; here it must not)."""
+    cached, q_lens = [61], [37]
+    k_pool, v_pool, slots = scattered_pool(cached, q_lens, 2, 12, 20, torch.float32, 3)
+    q = torch.randn(37, 8, 12, generator=torch.Generator().manual_seed(4))
+    expected = expected_rows(q, k_pool, v_pool, slots, cached, q_lens, 0.3)
+    v_pool[slots[0][64:]] += 1.0  # positions 64..97: the second of two 64-key spans
+    out = run_kernel(q, k_pool, v_pool, slots, cached, q_lens, 0.3, num_splits=2)
+    # queries at positions >= 64 (query 3 on) see the perturbed values; earlier ones do not
+    assert_rel_close("queries before the span", out[:3], expected[:3], 1e-5)
+    assert (out[3:] - expected[3:]).abs().amax() > 0.1
+
+
+def test_split_count_fills_the_gpu_only_when_needed(monkeypatch):
+    from lightllm.kernels import paged_attention as kernel
+
+    monkeypatch.setattr(kernel, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert kernel.num_context_splits(26, 8292, 32, cuda) == 10  # a 100-token chunk after an 8k prefix
+    assert kernel.num_context_splits(2, 8292, 32, cuda) == kernel.MAX_SPLITS  # one decode row, long context
+    assert kernel.num_context_splits(2, 100, 32, cuda) == 2  # short context: at least two key blocks per split
+    assert kernel.num_context_splits(512, 8292, 32, cuda) == 1  # b256 decode fills the GPU already
+    assert kernel.num_context_splits(2, 8292, 32, torch.device("cpu")) == 1
 
 
 def test_paged_attention_leaves_other_tokens_untouched():

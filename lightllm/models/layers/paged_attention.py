@@ -94,5 +94,6 @@ def _attend_triton(
             g.token_index.shape[1],
             out,
             table_rows=rows,
+            max_context_len=g.context_len,
         )
     return out
