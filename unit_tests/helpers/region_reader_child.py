@@ -18,12 +18,13 @@ from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads
 from lightllm.server.pd.staging import DeviceRegion, RegionReader
 
 
-def _child(wire: bytes, blobs_wire: bytes, conn) -> None:
+def _child(wire: bytes, conn) -> None:
     try:
         region = msgspec.msgpack.decode(wire, type=DeviceRegion)
-        blobs = msgspec.msgpack.decode(blobs_wire, type=list[TensorBlob])
         local = RegionReader("cuda", {CudaIpcHandle: CudaIpcReads()}, ["cuda_ipc@here"]).pull(region)
-        conn.send(("ok", [b.view_in(local).cpu() for b in blobs]))
+        # plain bytes: a pickled torch tensor is passed as a shared-memory handle that this process serves, and
+        # it may have exited by the time the parent unpickles it
+        conn.send(("ok", local.cpu().numpy().tobytes()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
@@ -34,7 +35,7 @@ def read_region_in_child(region: DeviceRegion, blobs: list[TensorBlob], timeout_
     """The blobs' tensors as another process reads them from `region` by CUDA IPC (on the CPU)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(msgspec.msgpack.encode(region), msgspec.msgpack.encode(blobs), child))
+    proc = ctx.Process(target=_child, args=(msgspec.msgpack.encode(region), child))
     proc.start()
     child.close()  # the child's end lives in the child only: its exit then ends our wait
     try:
@@ -50,4 +51,5 @@ def read_region_in_child(region: DeviceRegion, blobs: list[TensorBlob], timeout_
             proc.kill()
     if status != "ok":
         raise RuntimeError(f"the reader process failed:\n{found}")
-    return found
+    local = torch.frombuffer(bytearray(found), dtype=torch.uint8)
+    return [b.view_in(local) for b in blobs]
