@@ -100,9 +100,9 @@ def build(model_dir: str, a, cache: bool, **mode):
     return build_engine(args, info, RUNNER), info.vocab_size
 
 
-def time_to_first_token(engine, req_id: str, prompt: list[int]) -> tuple[float, int]:
+def time_to_first_token(engine, req_id: str, prompt: list[int], steps: list | None = None) -> tuple[float, int]:
     """Seconds from `add_request` to the step that emits the request's first token (then run to its end), and the
-    cached tokens it reported."""
+    cached tokens it reported; `steps` gets the seconds of each step up to that token."""
     from lightllm.engine.messages import Finished, NewRequest, TokenChunk
     from lightllm.engine.sampling_params import SamplingParams
 
@@ -113,7 +113,10 @@ def time_to_first_token(engine, req_id: str, prompt: list[int]) -> tuple[float, 
     while first is None:
         if not engine.has_work():
             raise RuntimeError(f"{req_id} finished without a token")
+        step_start = time.perf_counter()
         outputs = engine.step()
+        if steps is not None:
+            steps.append(time.perf_counter() - step_start)
         first = next((o for o in outputs if isinstance(o, TokenChunk) and o.req_id == req_id), None)
         failed = next((o for o in outputs if isinstance(o, Finished) and o.error), None)
         if failed is not None:
@@ -122,6 +125,26 @@ def time_to_first_token(engine, req_id: str, prompt: list[int]) -> tuple[float, 
     while engine.has_work():
         engine.step()
     return seconds, first.num_cached_tokens or 0
+
+
+def profile_hit(engine, prompt: list[int], mode: str) -> None:
+    """One more hit under the PyTorch profiler: the steps it took, then the ops with the most host time and the
+    most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    steps: list[float] = []
+    with profile(activities=activities) as prof:
+        seconds, cached = time_to_first_token(engine, "profiled-hit", prompt, steps)
+    print(f"\nprofiled hit ({mode}): TTFT {1e3 * seconds:.1f} ms (under the profiler), {cached} cached tokens, "
+          f"steps ms: {' / '.join(f'{1e3 * t:.1f}' for t in steps)}")  # fmt: skip
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    if torch.cuda.is_available():
+        device_key = (
+            "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+        )
+        print(averages.table(sort_by=device_key, row_limit=25, max_name_column_width=60), flush=True)
 
 
 def ttft_rows(model_dir: str, a, emit) -> None:
@@ -151,6 +174,9 @@ def ttft_rows(model_dir: str, a, emit) -> None:
                     cached.append(n)
                     repeat.append(e)
                     repeat_cached.append(m)
+        if cache and a.profile_hit:
+            profile_hit(engine, prefix + tokens(a.suffix_len), mode)
+            a.profile_hit = False  # the first mode only
         row = {"part": "ttft", "mode": mode, "cache": cache, "prefix_len": a.prefix_len, "suffix_len": a.suffix_len,
                "cold_ms": 1e3 * statistics.median(cold), "build_s": build_s}  # fmt: skip
         if cache:
@@ -256,6 +282,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log_dir", default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--start_timeout", type=float, default=300)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile_hit", action="store_true", help="profile one more hit of the first mode (op tables)")
     p.add_argument("--result_file", default=None)
     a = p.parse_args(argv)
     if a.tiny:
