@@ -3,10 +3,13 @@ decode node's side, which opens each peer's buffer once and copies regions out o
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
+
+from lightllm.server.pd.peers import PEER_IDLE_S, IdlePeers
 
 if TYPE_CHECKING:
     from lightllm.server.pd.staging import DeviceRegion
@@ -62,14 +65,21 @@ def open_cuda_buffer(handle: CudaIpcHandle) -> torch.Tensor:
 
 
 class CudaIpcReads:
-    """Reads regions of peers' CUDA IPC buffers; `open` maps a handle to the peer's buffer (each opened once)."""
+    """Reads regions of peers' CUDA IPC buffers; `open` maps a handle to the peer's buffer, opened once and released
+    (the last reference to the opened storage closes the IPC mapping) when that peer has been idle (`peers.py`)."""
 
-    def __init__(self, open=open_cuda_buffer):
-        self._open = open
-        self._buffers: dict[bytes, torch.Tensor] = {}
+    def __init__(self, open=open_cuda_buffer, idle_s: float = PEER_IDLE_S, clock=time.monotonic):
+        self._buffers: IdlePeers[bytes, torch.Tensor] = IdlePeers(open, lambda buffer: None, idle_s, clock)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._buffers)
 
     def __call__(self, region: DeviceRegion, into: torch.Tensor) -> None:
-        buffer = self._buffers.get(region.buffer.handle)
-        if buffer is None:
-            buffer = self._buffers[region.buffer.handle] = self._open(region.buffer)
-        into.copy_(buffer[region.offset : region.offset + region.nbytes])
+        key = region.buffer.handle
+        buffer = self._buffers.get(key, region.buffer)
+        try:
+            into.copy_(buffer[region.offset : region.offset + region.nbytes])
+        except Exception:
+            self._buffers.drop(key)
+            raise

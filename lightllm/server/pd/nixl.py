@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+from lightllm.server.pd.peers import PEER_IDLE_S, IdlePeers
+
 if TYPE_CHECKING:
     from lightllm.server.pd.staging import DeviceRegion
 
@@ -62,16 +64,27 @@ def _mem_type(tensor: torch.Tensor) -> str:
 class NixlEndpoint:
     """One NIXL agent (UCX backend) of this process: shares staging buffers and reads peers' regions."""
 
-    def __init__(self, role: str):
-        name = nixl_module_name()
-        if name is None:
-            raise RuntimeError("--pd_transport nixl: no NIXL package is installed (pip install nixl-cu13)")
-        api = importlib.import_module(name)
+    def __init__(self, role: str, agent=None, idle_s: float = PEER_IDLE_S, clock=time.monotonic):
+        """`agent`: a `nixl_agent` to use (None: a new one with the UCX backend)."""
         self.name = f"lightllm-{role}-{os.getpid()}-{next(_agent_ids)}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
-        # peer agent name -> connected
-        self._peers: set[str] = set()
+        if agent is None:
+            name = nixl_module_name()
+            if name is None:
+                raise RuntimeError("--pd_transport nixl: no NIXL package is installed (pip install nixl-cu13)")
+            api = importlib.import_module(name)
+            agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self.agent = agent
+        # connected peer agents by name, disconnected when idle (`peers.py`)
+        self._peers: IdlePeers[str, str] = IdlePeers(self._connect, agent.remove_remote_agent, idle_s, clock)
         self._registered: list = []
+
+    def _connect(self, handle: NixlHandle) -> str:
+        self.agent.add_remote_agent(handle.metadata)
+        return handle.agent
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
 
     def share(self, buffer: torch.Tensor) -> NixlHandle:
         self._registered.append(self.agent.register_memory(buffer))
@@ -83,9 +96,14 @@ class NixlEndpoint:
     def read(self, region: DeviceRegion, into: torch.Tensor) -> None:
         """READ the region from its agent into `into` (contiguous, `region.nbytes` bytes); returns when done."""
         handle = region.buffer
-        if handle.agent not in self._peers:
-            self.agent.add_remote_agent(handle.metadata)
-            self._peers.add(handle.agent)
+        self._peers.get(handle.agent, handle)
+        try:
+            self._read(handle, region, into)
+        except Exception:
+            self._peers.drop(handle.agent)  # the next transfer from it reconnects
+            raise
+
+    def _read(self, handle: NixlHandle, region: DeviceRegion, into: torch.Tensor) -> None:
         reg = self.agent.register_memory(into)
         try:
             local = self.agent.get_xfer_descs(into)
