@@ -11,10 +11,11 @@ block, so every K/V block is loaded once per key head (not once per query head) 
 the 16-row minimum of a tensor-core dot.
 
 Split context: when those programs are too few to fill the GPU (a short chunk after a long cached prefix, a small
-decode batch over long contexts) each one is split `NUM_SPLITS` ways along its context, every split writes its
+decode batch over long contexts) each one is split `num_splits` ways along its context, every split writes its
 unnormalised output and softmax statistics (max, sum) in fp32, and `paged_attention_combine_kernel` merges them.
 Each row's context is cut into equal spans of whole key blocks on the device, so the split count is a host
-choice that holds for any context length (CUDA graphs capture it once per batch bucket).
+choice that holds for any context length (CUDA graphs capture it once per batch bucket). The count is a runtime
+argument: a serving process meets many counts and must not compile a kernel for each in the middle of a step.
 
 Precision: scores, softmax statistics and the output accumulator are fp32. fp32 inputs use `ieee` dots (the fp32
 pools exist for parity tests; tf32 would cost ~1e-3 relative error); fp16/bf16 inputs run native tensor-core dots
@@ -42,8 +43,8 @@ def paged_attention_kernel(
     k_pool,  # [S, HK, DK]
     v_pool,  # [S, HK, DV]
     o,  # [T, H, DV]
-    o_part,  # [NUM_SPLITS, T, H, DV] fp32 unnormalised split outputs (unused when NUM_SPLITS == 1)
-    ml_part,  # [NUM_SPLITS, T, H, 2] fp32 split max (log2 domain) and sum of exponentials
+    o_part,  # [num_splits, T, H, DV] fp32 unnormalised split outputs (unused without SPLIT)
+    ml_part,  # [num_splits, T, H, 2] fp32 split max (log2 domain) and sum of exponentials
     slot_table,  # [R', L] pool slot of each context position
     table_rows,  # [R] row of slot_table holding row r's slots (None: row r itself)
     query_start,  # [R] first flat token of the row
@@ -52,6 +53,7 @@ def paged_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_tokens,  # T
     num_heads,  # H
+    num_splits,  # splits of each program's context (1 without SPLIT)
     stride_q_t,
     stride_q_h,
     stride_k_s,
@@ -70,11 +72,11 @@ def paged_attention_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     HAS_TABLE_ROWS: tl.constexpr,
 ):
     i_ms, i_r, i_kh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_m, i_s = i_ms // NUM_SPLITS, i_ms % NUM_SPLITS
+    i_m, i_s = i_ms // num_splits, i_ms % num_splits
     i_r64 = i_r.to(tl.int64)
     n_q = tl.load(query_len + i_r64).to(tl.int64)
     if i_m * BT >= n_q:
@@ -98,8 +100,8 @@ def paged_attention_kernel(
     # last visible position of each tile row; keys past the tile's last real token are never needed
     b_limit = n_c + o_tok  # [BM]
     kv_end = n_c + tl.minimum((i_m + 1) * BT, n_q)
-    # this split's keys: span `i_s` of NUM_SPLITS equal spans of whole BN blocks (later spans may be empty)
-    span = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BN) * BN
+    # this split's keys: span `i_s` of num_splits equal spans of whole BN blocks (later spans may be empty)
+    span = tl.cdiv(tl.cdiv(kv_end, num_splits), BN) * BN
     kv_lo = i_s * span
     kv_hi = tl.minimum(kv_lo + span, kv_end)
 
@@ -131,7 +133,7 @@ def paged_attention_kernel(
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # every real row sees at least its own position, so l > 0 there; padded rows are masked on store
         b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
         p_o = o + (q0 + o_tok)[:, None] * stride_o_t + o_head[:, None] * stride_o_h + o_dv[None, :]
@@ -146,17 +148,17 @@ def paged_attention_kernel(
 
 @triton.jit
 def paged_attention_combine_kernel(
-    o_part,  # [NUM_SPLITS, T, H, DV] fp32
-    ml_part,  # [NUM_SPLITS, T, H, 2] fp32
+    o_part,  # [num_splits, T, H, DV] fp32
+    ml_part,  # [num_splits, T, H, 2] fp32
     o,  # [T, H, DV]
     query_start,  # [R]
     query_len,  # [R]
     num_tokens,  # T
     num_heads,  # H
+    num_splits,
     stride_o_t,
     stride_o_h,
-    NUM_SPLITS: tl.constexpr,
-    SP: tl.constexpr,  # NUM_SPLITS padded to a power of two
+    SP: tl.constexpr,  # the most splits (MAX_SPLITS, a power of two): one compiled kernel for every count
     DV: tl.constexpr,
     BV: tl.constexpr,
 ):
@@ -167,7 +169,7 @@ def paged_attention_combine_kernel(
         return
     tok = tl.load(query_start + i_r64).to(tl.int64) + i_t
     o_s = tl.arange(0, SP)
-    m_s = o_s < NUM_SPLITS
+    m_s = o_s < num_splits
     o_dv = tl.arange(0, BV)
     m_dv = o_dv < DV
     part = (o_s.to(tl.int64) * num_tokens + tok) * num_heads + i_h  # [SP]
@@ -190,7 +192,8 @@ def _tile(max_query_len: int, group: int, bk: int) -> tuple[int, int, int]:
     return bt, bm, bn
 
 
-# the most splits of one program's context; the partial outputs grow with it
+# the most splits of one program's context (a power of two: the combine kernel's block); the partial outputs grow
+# with it
 MAX_SPLITS = 32
 
 
@@ -277,6 +280,7 @@ def paged_attention(
         scale * _LOG2E,
         t,
         h,
+        num_splits,
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
@@ -295,7 +299,7 @@ def paged_attention(
         BK=bk,
         BV=bv,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         num_warps=8 if max(bk, bv) > 128 else 4,
         num_stages=2,
     )
@@ -308,10 +312,10 @@ def paged_attention(
             query_len,
             t,
             h,
+            num_splits,
             out.stride(0),
             out.stride(1),
-            NUM_SPLITS=num_splits,
-            SP=triton.next_power_of_2(num_splits),
+            SP=MAX_SPLITS,
             DV=dv,
             BV=bv,
         )

@@ -73,3 +73,33 @@ def _run_on_cuda(q, k_pool, v_pool, slots, cached, q_lens, scale, max_context_le
     args = [t.to(dev) for t in (q, k_pool, v_pool, table, starts, lens, prefix)]
     paged_attention(*args, scale, max(q_lens), out, max_context_len=max_context_len)
     return out
+
+
+def _compiled_variants(kernel) -> int:
+    while not hasattr(kernel, "device_caches"):  # `@triton.heuristics` wraps the JIT function
+        kernel = kernel.fn
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def test_split_counts_share_one_compiled_kernel():
+    """The split count is a runtime argument: a serving process that meets counts 2, 3, 5 and 7 (other batch
+    sizes, other context bounds) compiles each kernel once for them, not once per count mid-step."""
+    from lightllm.kernels import paged_attention as kernel
+
+    heads, kv_heads, dk, dv = SHAPES["qwen3-next"]
+    cached, q_lens = [300, 41], [3, 1]
+    k_pool, v_pool, slots = scattered_pool(cached, q_lens, kv_heads, dk, dv, torch.bfloat16, seed=13)
+    q = torch.randn(sum(q_lens), heads, dk, generator=torch.Generator().manual_seed(14)).bfloat16()
+    table = torch.full((2, 310), -1, dtype=torch.int64)
+    for i, s in enumerate(slots):
+        table[i, : s.numel()] = s
+    args = [t.cuda() for t in (q, k_pool, v_pool, table, torch.tensor([0, 3]).int(), torch.tensor(q_lens).int(),
+                               torch.tensor(cached).int())]  # fmt: skip
+    outputs, counts = [], []
+    for splits in (2, 3, 5, 7):
+        outputs.append(kernel.paged_attention(*args, dk**-0.5, 3, num_splits=splits))
+        counts.append((_compiled_variants(kernel.paged_attention_kernel),
+                       _compiled_variants(kernel.paged_attention_combine_kernel)))  # fmt: skip
+    assert counts[1:] == counts[:1] * 3, f"compiled variants after each split count: {counts}"
+    for out in outputs[1:]:
+        assert_rel_close("split counts agree", out.float().cpu(), outputs[0].float().cpu(), 2e-2)
