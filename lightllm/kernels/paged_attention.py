@@ -36,8 +36,10 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 
+# the flat token count and the split count vary from launch to launch: specialising on them (== 1, % 16) would
+# compile variants in the middle of serving steps
 @triton.heuristics({"HAS_TABLE_ROWS": lambda args: args["table_rows"] is not None})
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def paged_attention_kernel(
     q,  # [T, H, DK]
     k_pool,  # [S, HK, DK]
@@ -146,7 +148,7 @@ def paged_attention_kernel(
         tl.store(ml_part + part * 2 + 1, b_l, mask=m_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def paged_attention_combine_kernel(
     o_part,  # [num_splits, T, H, DV] fp32
     ml_part,  # [num_splits, T, H, 2] fp32
@@ -182,10 +184,15 @@ def paged_attention_combine_kernel(
     tl.store(o + tok * stride_o_t + i_h * stride_o_h + o_dv, b_o.to(o.dtype.element_ty), mask=m_dv)
 
 
+def _max_tile_tokens(group: int) -> int:
+    # ~64 (token, head) rows per prefill tile
+    return max(1, 64 // group)
+
+
 def _tile(max_query_len: int, group: int, bk: int) -> tuple[int, int, int]:
-    """(BT tokens per tile, BM = padded BT * GROUP tile rows, BN keys per block)."""
-    # ~64 (token, head) rows per prefill tile; a decode window fits in one tile
-    bt = max(1, min(max_query_len, max(1, 64 // group)))
+    """(BT tokens per tile, BM = padded BT * GROUP tile rows, BN keys per block). BT is a power of two (or the
+    largest tile): a handful of compiled variants serve every query length; a decode window fits in one tile."""
+    bt = min(triton.next_power_of_2(max(1, max_query_len)), _max_tile_tokens(group))
     bm = max(16, triton.next_power_of_2(bt * group))
     # large heads (Dk = 256) keep the [BK, BN] key block and [BM, BV] accumulator within registers
     bn = 32 if bk > 128 else 64
@@ -320,3 +327,36 @@ def paged_attention(
             BV=bv,
         )
     return out
+
+
+def tile_query_lengths(group: int) -> list[int]:
+    """One query length per tile variant a launch can take (`_tile`): the powers of two below the largest tile,
+    and the largest tile."""
+    largest = _max_tile_tokens(group)
+    return [1 << i for i in range(largest.bit_length()) if 1 << i < largest] + [largest]
+
+
+def warmup_paged_attention(
+    heads: int, kv_heads: int, dk: int, dv: int, dtype: torch.dtype, device, table_rows: bool
+) -> int:
+    """Compile every variant of the kernels a model's attention launches (each tile size, split and unsplit) on
+    scratch tensors, so no serving step compiles one; returns the launch count. `table_rows`: whether the caller
+    addresses the KV cache's request table by row (the pool path) or passes its own table (gathered KV)."""
+    group = heads // kv_heads
+    bn = _tile(1, group, max(16, triton.next_power_of_2(dk)))[2]
+    cached = 2 * bn  # two key blocks: a split launch has something to split
+    launches = 0
+    for query_len in tile_query_lengths(group):
+        total = cached + query_len
+        q = torch.randn(query_len, heads, dk, device=device).to(dtype)
+        k_pool = torch.randn(total, kv_heads, dk, device=device).to(dtype)
+        v_pool = torch.randn(total, kv_heads, dv, device=device).to(dtype)
+        table = torch.arange(total, device=device)[None]
+        ints = dict(dtype=torch.int32, device=device)
+        rows = torch.zeros(1, dtype=torch.int64, device=device) if table_rows else None
+        for splits in (1, 2):
+            paged_attention(q, k_pool, v_pool, table, torch.zeros(1, **ints), torch.full((1,), query_len, **ints),
+                            torch.full((1,), cached, **ints), dk**-0.5, query_len, table_rows=rows,
+                            num_splits=splits)  # fmt: skip
+            launches += 1
+    return launches

@@ -10,7 +10,7 @@ index, so the destination may run another state mode than the source.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -411,14 +411,30 @@ class ModelRunner:
         return self.drafter.draft(handles, [self._requests[h] for h in handles], next_tokens.tolist(), num_steps)
 
     def warmup(self, max_num_tokens: int, progress: bool = True) -> int:
-        """Compile/autotune the linear-attention prefill kernels at the serving shapes on scratch tensors, and tune
-        the decode kernels of a shape the shipped tables lack (call once at start-up, before serving and before
-        `init_decode_graphs`; a no-op on CPU). Returns the number of prefill warm-up calls."""
+        """Compile/autotune the linear-attention prefill kernels at the serving shapes on scratch tensors, tune the
+        decode kernels of a shape the shipped tables lack, and compile every variant of the attention kernel the
+        model's attention layers launch (call once at start-up, before serving and before `init_decode_graphs`; a
+        no-op on CPU). Returns the number of warm-up calls."""
         from lightllm.linear_att.startup_tune import tune_serving_shape
         from lightllm.linear_att.warmup import warmup_prefill
 
         tune_serving_shape(self.state, self.linear_spec, progress=progress)
-        return warmup_prefill(self.state, self.linear_spec, max_num_tokens=max_num_tokens, progress=progress)
+        calls = warmup_prefill(self.state, self.linear_spec, max_num_tokens=max_num_tokens, progress=progress)
+        return calls + self.warmup_attention()
+
+    def warmup_attention(self) -> int:
+        """Every tile size and split variant of the attention kernel at each attention shape of the model (the MTP
+        head's included), on scratch tensors: a short prompt chunk or a prefix-cache hit's few new tokens would
+        otherwise compile one in the middle of a serving step. A no-op on CPU; returns the launch count."""
+        from lightllm.kernels.paged_attention import warmup_paged_attention
+
+        if self.device.type != "cuda":
+            return 0
+        shapes = {m.attention_kernel_shape() for m in self.model.modules() if hasattr(m, "attention_kernel_shape")}
+        with torch.no_grad():
+            launches = sum(warmup_paged_attention(*shape[:4], self.dtype, self.device, shape[4]) for shape in shapes)
+        torch.cuda.synchronize(self.device)
+        return launches
 
     # checkpoints (prefix cache, PD) ----------------------------------------------------------------------
     def export_checkpoint(self, handles: list[int]) -> Checkpoint:

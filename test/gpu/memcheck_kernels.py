@@ -65,7 +65,7 @@ def project_kernels(root: Path = ROOT) -> dict[str, str]:
     found = {}
     for path in sorted((root / "lightllm").rglob("*.py")):
         src = path.read_text()
-        for name in re.findall(r"@triton\.jit\s*\n\s*def (\w+)", src):
+        for name in re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\n\s*def (\w+)", src):
             if re.search(rf"\b{name}\[", src):
                 found[name] = str(path.relative_to(root))
     return found

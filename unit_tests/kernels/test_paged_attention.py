@@ -213,3 +213,30 @@ def test_model_forward_triton_attention_equals_torch(tiny_model, arch):
         runner.accept([h], [3])
         logits[backend] = torch.cat([last[None], window])
     assert_rel_close(f"{arch} logits", logits["triton"], logits["torch"], 1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_a_few_tile_variants_serve_every_query_length(group):
+    """Query lengths 1..2000 map to the tile variants `tile_query_lengths` lists (what the warm-up compiles): the
+    powers of two below the largest tile and the largest tile, a handful instead of one per length."""
+    from lightllm.kernels.paged_attention import _tile, tile_query_lengths
+
+    variants = {_tile(n, group, 128) for n in range(1, 2001)}
+    warmed = {_tile(n, group, 128) for n in tile_query_lengths(group)}
+    assert variants == warmed
+    assert len(variants) <= (64 // group).bit_length() + 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])
+def test_attention_warmup_runs_each_layer_shape(tiny_model, arch):
+    """The start-up attention warm-up at a tiny model's attention shapes (GQA over the pool, MLA over gathered
+    KV), under the interpreter: every tile size, split and unsplit, launches."""
+    from lightllm.kernels.paged_attention import tile_query_lengths, warmup_paged_attention
+
+    runner = make_runner(str(tiny_model(arch)), max_width=2)
+    shapes = {m.attention_kernel_shape() for m in runner.model.modules() if hasattr(m, "attention_kernel_shape")}
+    assert shapes, "the model has attention layers"
+    for heads, kv_heads, dk, dv, by_row in shapes:
+        launches = warmup_paged_attention(heads, kv_heads, dk, dv, torch.float32, "cpu", by_row)
+        assert launches == 2 * len(tile_query_lengths(heads // kv_heads))
+    assert runner.warmup_attention() == 0  # on the CPU nothing is compiled

@@ -32,6 +32,11 @@ class GatedAttention(nn.Module):
         # "torch" | "triton" forces the attention backend (tests); None = by device
         self.attention_backend: str | None = None
 
+    def attention_kernel_shape(self) -> tuple[int, int, int, int, bool]:
+        """(query heads, key heads, key dim, value dim, addressed by table row) of this layer's attention launches
+        (`lightllm.kernels.paged_attention.warmup_paged_attention`)."""
+        return self.num_heads, self.num_kv_heads, self.cfg.head_dim, self.cfg.head_dim, True
+
     def checkpoint_shapes(self, prefix: str, hidden: int) -> Shapes:
         c, prefix = self.cfg, f"{prefix}self_attn."
         # q_proj rows hold each head's query and its output gate

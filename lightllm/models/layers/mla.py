@@ -30,6 +30,11 @@ class LatentAttention(nn.Module):
         # "torch" | "triton" forces the attention backend (tests); None = by device
         self.attention_backend: str | None = None
 
+    def attention_kernel_shape(self) -> tuple[int, int, int, int, bool]:
+        """(query heads, key heads, key dim, value dim, addressed by table row) of this layer's attention launches
+        over its expanded latents (`lightllm.kernels.paged_attention.warmup_paged_attention`)."""
+        return self.num_heads, self.num_heads, self.cfg.qk_head_dim, self.cfg.v_head_dim, False
+
     def checkpoint_shapes(self, prefix: str, hidden: int) -> Shapes:
         c, h = self.cfg, self.cfg.num_heads
         shapes = {
