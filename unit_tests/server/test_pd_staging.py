@@ -81,6 +81,31 @@ def test_transport_choice(mode, device, expected):
     assert uses_cuda_ipc(mode, device) is expected
 
 
+@pytest.mark.parametrize("run_mode", ["prefill", "decode"])
+def test_a_prefill_node_allocates_its_staging_buffer_before_the_kv_cache_is_sized(monkeypatch, run_mode):
+    """The engine sizes its KV cache from the device memory left: a staging buffer allocated afterwards would take
+    bytes the cache counted on. A decode node allocates none."""
+    from lightllm.server.args import load_server_args
+    from lightllm.server.pd import node
+    from lightllm.tools.make_tiny_model import tiny_model_dir
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def build_engine(*args, **kwargs):
+        calls.append("engine")
+        raise Stop
+
+    monkeypatch.setattr(node, "staging_buffer", lambda args, device: calls.append(("staging", device.type)))
+    monkeypatch.setattr(node, "build_engine", build_engine)
+    args, info = load_server_args([], model_dir=str(tiny_model_dir("qwen3_5")), device="cpu", run_mode=run_mode)
+    with pytest.raises(Stop):
+        node.serve_node(args, info)
+    assert calls == ([("staging", "cpu"), "engine"] if run_mode == "prefill" else ["engine"])
+
+
 def test_refused_transport_flags_name_the_fix():
     from lightllm.server.args import load_server_args
     from lightllm.tools.make_tiny_model import tiny_model_dir

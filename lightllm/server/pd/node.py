@@ -72,6 +72,9 @@ def register(master_url: str, body: dict, wait_s: float) -> None:
 
 def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY) -> int:
     """Run a prefill or decode node until SIGTERM/SIGINT; returns the exit code (2: the master refused it)."""
+    # a prefill node's staging buffer exists before the engine sizes its KV cache from the memory left, so the
+    # cache does not take the bytes the buffer needs
+    staging = staging_buffer(args, torch.device(args.device)) if args.run_mode == "prefill" else None
     engine = build_engine(args, info, runner_factory)
     logger.info("%s node engine ready: %s", args.run_mode, engine.capacity_report())
     header = runner_header(engine.runner, info.model_dir)
@@ -85,7 +88,6 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
     fingerprint = header.fingerprint()
     reader = None
     if args.run_mode == "prefill":
-        staging = staging_buffer(args, engine.runner.device)
         role = PrefillRole(engine, transport, fingerprint, inbox_addr, args.pd_transfer_timeout_s, staging)
     else:
         reader = region_reader(args, engine.runner.device)
