@@ -61,7 +61,7 @@ def export_request(
 @torch.inference_mode()
 def import_request(runner, state: RequestState, region: torch.Tensor | None = None) -> int:
     """A new request holding `state` in a fresh state slot and KV row; returns its handle. Blobs whose bytes lie
-    in a device region are read from `region` (flat uint8, on this runner's device). Raises RuntimeError when no
+    in a device region are read from `region` (flat uint8, on this runner's device or in host memory). Raises RuntimeError when no
     slot or not enough KV is free (nothing is kept then)."""
     if hasattr(runner, "import_request"):
         # a tensor-parallel runner hands every rank its heads itself
@@ -75,7 +75,7 @@ def import_request(runner, state: RequestState, region: torch.Tensor | None = No
             return blob.tensor(device)
         if region is None:
             raise RuntimeError("the transfer's state lies in a device region this node was not given")
-        return blob.view_in(region)
+        return blob.view_in(region).to(device)  # a region kept in host memory moves here
 
     handle = runner.add_request(None)
     try:

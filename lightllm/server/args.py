@@ -54,7 +54,10 @@ class ServerArgs:
         ("auto", "host", "cuda_ipc", "nixl"),
     )
     pd_ipc_buffer_mb: int = _flag(
-        1024, "prefill node with CUDA IPC or NIXL: staging buffer for transfers in flight, MiB", type=int
+        1024,
+        "CUDA IPC or NIXL, MiB: a prefill node's staging buffer for transfers in flight; a decode node's device "
+        "memory for copies of transfers waiting for a slot (beyond it they wait in host memory)",
+        type=int,
     )
     pd_node_timeout_s: float = _flag(
         5.0, "pd_master: seconds without a heartbeat after which a node is dropped and its requests fail", type=float

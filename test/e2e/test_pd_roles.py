@@ -62,7 +62,7 @@ class WireTransport:
 class Pair:
     def __init__(
         self, arch: str, p_mode: str, d_mode: str, mtp_step: int, engines=None, staging_bytes: int = 0, nixl=False,
-        reader_kinds=("cuda_ipc@this host",),
+        reader_kinds=("cuda_ipc@this host",), decode_budget=None,
     ):  # fmt: skip
         self.prefill, self.decode = engines or (_engine(arch, p_mode, mtp_step), _engine(arch, d_mode, mtp_step))
         self.wire = WireTransport()
@@ -83,7 +83,17 @@ class Pair:
                 reader = RegionReader("cpu", {CudaIpcHandle: CudaIpcReads(open=lambda _: buffer)}, list(reader_kinds))
             self.reads = reader.kinds
         self.p = PrefillRole(self.prefill, self.wire, fingerprint, "P", transfer_timeout_s=30.0, staging=self.staging)
-        self.d = DecodeRole(self.decode, self.wire, fingerprint, reader)
+        self.d = DecodeRole(self.decode, self.wire, fingerprint, reader, device_budget_bytes=decode_budget)
+        # where each region copy went: True = host memory (past the decode node's device budget)
+        self.pulled_to_host: list[bool] = []
+        if reader is not None:
+            pull = reader.pull
+
+            def recording_pull(region, host=False):
+                self.pulled_to_host.append(host)
+                return pull(region, host=host)
+
+            reader.pull = recording_pull
 
     def run(self, prompts, params=PARAMS, between=None, prefix="r"):
         tokens: dict[str, list[tuple[int, float]]] = {}
@@ -121,6 +131,7 @@ class Pair:
             engine.runner.evict_prefix_cache()
             assert engine.runner.kv.num_free_tokens() == 1024
         assert not self.p.held and not self.d.pending and not self.d._regions
+        assert self.d.device_region_bytes == 0 and not self.d._device_region_sizes
         if self.staging is not None:
             assert self.staging.allocator.num_free_bytes() == self.staging.buffer.numel()
 
@@ -171,27 +182,35 @@ NO_NIXL = pytest.mark.skipif(nixl_module_name() is None, reason="no NIXL package
 
 
 @pytest.mark.parametrize(
-    "staging_bytes, nixl, reader_kinds",
+    "staging_bytes, nixl, reader_kinds, decode_budget",
     [
-        pytest.param(1 << 20, False, ["cuda_ipc@this host"], id="device-region"),
-        pytest.param(1 << 20, False, ["cuda_ipc@another host"], id="reader-elsewhere-goes-host"),
-        pytest.param(1024, False, ["cuda_ipc@this host"], id="region-full-goes-host"),
-        pytest.param(1 << 20, True, [], id="nixl", marks=NO_NIXL),
+        pytest.param(1 << 20, False, ["cuda_ipc@this host"], None, id="device-region"),
+        pytest.param(1 << 20, False, ["cuda_ipc@this host"], 0, id="device-region-waits-in-host-memory"),
+        pytest.param(1 << 20, False, ["cuda_ipc@another host"], None, id="reader-elsewhere-goes-host"),
+        pytest.param(1024, False, ["cuda_ipc@this host"], None, id="region-full-goes-host"),
+        pytest.param(1 << 20, True, [], None, id="nixl", marks=NO_NIXL),
     ],
 )
-def test_a_transfer_through_a_device_region_equals_monolithic_and_frees_it(staging_bytes, nixl, reader_kinds):
+def test_a_transfer_through_a_device_region_equals_monolithic_and_frees_it(
+    staging_bytes, nixl, reader_kinds, decode_budget
+):
+    """`decode_budget` 0: the decode node keeps every waiting region copy in host memory (its device budget for
+    them is spent), and imports from there."""
     expected = _monolithic("qwen3_5", "native", PROMPTS, mtp_step=2)
-    pair = Pair("qwen3_5", "native", "compact", 2, staging_bytes=staging_bytes, nixl=nixl, reader_kinds=reader_kinds)
+    pair = Pair("qwen3_5", "native", "compact", 2, staging_bytes=staging_bytes, nixl=nixl, reader_kinds=reader_kinds,
+                decode_budget=decode_budget)  # fmt: skip
     sent: list[PdTransfer] = []
     pair.wire.corrupt = sent.append
     tokens, _ = pair.run(PROMPTS)
     _assert_close(expected, tokens)
     pair.assert_pools_empty()
     assert len(sent) == 2
+    assert pair.pulled_to_host == [decode_budget == 0] * len(pair.pulled_to_host)
     if staging_bytes == 1024 or reader_kinds == ["cuda_ipc@another host"]:
         # nothing fits, or the decode node cannot read this buffer: both went host-staged
         assert all(t.region is None and t.state.ssm.data for t in sent)
         return
+    assert len(pair.pulled_to_host) == 2
     # the messages carry shapes and offsets only; the bytes were read out of the region
     for transfer in sent:
         assert transfer.region is not None and transfer.region.nbytes > 0

@@ -91,7 +91,7 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
         role = PrefillRole(engine, transport, fingerprint, inbox_addr, args.pd_transfer_timeout_s, staging)
     else:
         reader = region_reader(args, engine.runner.device)
-        role = DecodeRole(engine, transport, fingerprint, reader)
+        role = DecodeRole(engine, transport, fingerprint, reader, device_budget_bytes=args.pd_ipc_buffer_mb << 20)
     master_url = f"http://{args.pd_master_ip}:{args.pd_master_port}"
     # one line per periodic re-registration would drown the node's log
     logging.getLogger("httpx").setLevel(logging.WARNING)

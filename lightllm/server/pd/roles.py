@@ -178,7 +178,16 @@ class PrefillRole:
 class DecodeRole:
     on_undecodable = staticmethod(_drop_undecodable)
 
-    def __init__(self, engine: Engine, transport: StateTransport, fingerprint: str, reader: RegionReader | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        transport: StateTransport,
+        fingerprint: str,
+        reader: RegionReader | None = None,
+        device_budget_bytes: int | None = None,
+    ):
+        """`device_budget_bytes`: device memory for the copies of regions whose transfer waits for a slot (None:
+        no bound); copies past it are kept in host memory until their import."""
         self.engine = engine
         self.transport = transport
         self.fingerprint = fingerprint
@@ -188,6 +197,12 @@ class DecodeRole:
         self.pending: deque[PdTransfer] = deque()
         # req_id -> a pending transfer's bytes copied out of its prefill node's region
         self._regions: dict[str, torch.Tensor] = {}
+        # a waiting transfer's region copy lives outside the KV cache's budget: under backpressure (up to
+        # --max_queue_len transfers waiting) device copies would exhaust the GPU, so past the budget they wait
+        # in host memory
+        self.device_budget_bytes = device_budget_bytes
+        self.device_region_bytes = 0
+        self._device_region_sizes: dict[str, int] = {}
         self._aborted: dict[str, float] = {}
 
     def has_work(self) -> bool:
@@ -207,7 +222,7 @@ class DecodeRole:
             for transfer in self.pending:
                 if transfer.request.req_id == msg.req_id:
                     self.pending.remove(transfer)
-                    self._regions.pop(msg.req_id, None)
+                    self._take_region(msg.req_id)
                     return [self._aborted_finish(transfer)]
             if msg.req_id in self.engine.requests:
                 return self.engine.abort(msg.req_id)
@@ -230,7 +245,7 @@ class DecodeRole:
         if error is not None:
             return []
         if self._aborted.pop(req_id, None) is not None:
-            self._regions.pop(req_id, None)
+            self._take_region(req_id)
             return [self._aborted_finish(transfer)]
         self.pending.append(transfer)
         return []
@@ -240,12 +255,22 @@ class DecodeRole:
         timeout); the reason when that cannot be done."""
         if self.reader is None:
             return "the decode node refused the transfer: it does not read staging regions (--pd_transport host)"
+        req_id, nbytes = transfer.request.req_id, transfer.region.nbytes
+        budget = self.device_budget_bytes
+        host = budget is not None and self.device_region_bytes + nbytes > budget
         try:
-            self._regions[transfer.request.req_id] = self.reader.pull(transfer.region)
+            self._regions[req_id] = self.reader.pull(transfer.region, host=host)
         except Exception as exc:
-            logger.exception("reading the device region of %s failed", transfer.request.req_id)
+            logger.exception("reading the device region of %s failed", req_id)
             return f"the decode node could not read the transfer's device region: {exc}"
+        if not host:
+            self.device_region_bytes += nbytes
+            self._device_region_sizes[req_id] = nbytes
         return None
+
+    def _take_region(self, req_id: str) -> torch.Tensor | None:
+        self.device_region_bytes -= self._device_region_sizes.pop(req_id, 0)
+        return self._regions.pop(req_id, None)
 
     def _send_ack(self, transfer: PdTransfer, ack: TransferAck) -> None:
         try:
@@ -283,7 +308,7 @@ class DecodeRole:
         engine, msg = self.engine, transfer.request
         req_id = msg.req_id
         try:
-            handle = import_request(engine.runner, transfer.state, self._regions.pop(req_id, None))
+            handle = import_request(engine.runner, transfer.state, self._take_region(req_id))
         except RuntimeError as exc:
             logger.error("import of %s failed: %s", req_id, exc)
             return [Finished(req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=f"import failed: {exc}")]

@@ -162,13 +162,17 @@ class RegionReader:
         self.kinds = kinds
         self._synchronize = synchronize or _stream_sync(self.device)
 
-    def pull(self, region: DeviceRegion) -> torch.Tensor:
-        """The region's bytes as a flat uint8 tensor on this node's device, copied and complete: the peer may
-        reuse its region once this returns."""
+    def pull(self, region: DeviceRegion, host: bool = False) -> torch.Tensor:
+        """The region's bytes as a flat uint8 tensor on this node's device (`host`: in host memory, pinned when the
+        device is a GPU), copied and complete: the peer may reuse its region once this returns."""
         read = self._reads.get(type(region.buffer))
         if read is None:
             raise RuntimeError(f"this decode node does not read {type(region.buffer).__name__} regions")
-        local = torch.empty(region.nbytes, dtype=torch.uint8, device=self.device)
+        if host:
+            pin = self.device.type == "cuda"
+            local = torch.empty(region.nbytes, dtype=torch.uint8, pin_memory=pin)
+        else:
+            local = torch.empty(region.nbytes, dtype=torch.uint8, device=self.device)
         read(region, local)
         self._synchronize()
         return local
