@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from lightllm.linear_att.base import Checkpoint, DecodeRows, LayerParams, LinearAttState, PrefillRows
+from lightllm.linear_att.registry import algorithm
+from lightllm.linear_att.states import state_class
 
 REPLAY_CAPACITIES = (4, 8, 16, 32, 64)
 
@@ -36,8 +38,6 @@ class LinearAttSpec:
     @property
     def algorithm(self):
         """The `Algorithm` descriptor of `algo` (raises ValueError for an unknown name)."""
-        from lightllm.linear_att.registry import algorithm
-
         return algorithm(self.algo)
 
     @property
@@ -108,8 +108,6 @@ def validate_state_config(spec: LinearAttSpec, config: StateConfig) -> None:
 
 def create_state(spec: LinearAttSpec, config: StateConfig) -> LinearAttState:
     """Build the state object for `spec.algo` in `config.mode` (validated here, not by callers)."""
-    from lightllm.linear_att.registry import state_class
-
     validate_state_config(spec, config)
     return state_class(spec.algo, config.mode)(spec, config)
 

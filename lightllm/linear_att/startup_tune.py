@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lightllm.linear_att import autotune
+from lightllm.linear_att import autotune, tuning
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +34,10 @@ def cache_path(cache_dir: str | Path, device) -> Path:
     return Path(cache_dir) / f"{gpu}__triton-{autotune.triton_version()}.json"
 
 
-def serving_case(state, spec) -> autotune.TuneCase:
+def serving_case(state, spec) -> tuning.TuneCase:
     """The tuning case of a serving state: its heads, dims, dtypes, verify width, replay capacity and gate."""
     config = state.config
-    return autotune.TuneCase(
+    return tuning.TuneCase(
         spec.algo,
         spec.num_k_heads,
         spec.num_v_heads,
@@ -54,7 +54,7 @@ def serving_case(state, spec) -> autotune.TuneCase:
 def needed_keys(state, spec) -> list[autotune.TuneKey]:
     """The keys the state's decode path looks up: the serial family (native, compact), or replay's verify in its
     projection and its fold."""
-    serial, inline, precompute, fold = autotune.case_keys(serving_case(state, spec), state.device)
+    serial, inline, precompute, fold = tuning.case_keys(serving_case(state, spec), state.device)
     mode = getattr(state.config.mode, "value", state.config.mode)
     if mode != "replay":
         return [serial]
@@ -95,7 +95,7 @@ def tune_serving_shape(
     rows = num_rows or max(1, min(256, state.config.max_requests))
     with torch.no_grad(), tqdm(total=len(missing), desc="decode kernel autotune", unit="kernel",
                                disable=not progress) as bar:  # fmt: skip
-        found, _ = autotune.tune([serving_case(state, spec)], num_rows=rows, device=state.device,
+        found, _ = tuning.tune([serving_case(state, spec)], num_rows=rows, device=state.device,
                                  log=lambda _: None, configs=configs, only=set(missing),
                                  on_done=lambda _: bar.update())  # fmt: skip
     if state.device.type == "cuda":

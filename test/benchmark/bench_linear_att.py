@@ -23,7 +23,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
+# the CPU smoke run needs Triton's interpreter, which is chosen when the kernels are defined (at import)
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1 :][:1] == ["cpu"]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
@@ -389,10 +393,10 @@ def ratio(a, b) -> str:
 
 def run_tune(args, shapes, state_dtypes, act_dtype, device) -> None:
     """Tune case by case, saving after each one, so a run cut short still leaves a usable table."""
-    from lightllm.linear_att import autotune
+    from lightllm.linear_att import autotune, tuning
 
     cases = [
-        autotune.TuneCase(shape.algo, shape.H, shape.HV, shape.K, shape.V, dt, act_dtype, W, args.capacity)
+        tuning.TuneCase(shape.algo, shape.H, shape.HV, shape.K, shape.V, dt, act_dtype, W, args.capacity)
         for shape in shapes
         for dt in state_dtypes
         for W in [int(w) for w in args.ws.split(",")]
@@ -403,7 +407,7 @@ def run_tune(args, shapes, state_dtypes, act_dtype, device) -> None:
         if time.time() - t0 > args.budget_s:
             print(f"time budget reached: {len(cases) - i} cases left untuned")
             break
-        part, info = autotune.tune([case], num_rows=256 if device.type == "cuda" else 2, device=device)
+        part, info = tuning.tune([case], num_rows=256 if device.type == "cuda" else 2, device=device)
         table.update(part)
         extra.update(info)
         table.save(args.tune, extra)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightllm.linear_att import gdn, kda, registry
+from lightllm.linear_att import gdn, kda, states
 from lightllm.linear_att.bundles import NativeBuffers, TokenInputs
 from lightllm.linear_att.gdn.algorithm import GDN
 from lightllm.linear_att.gdn.native import GdnNativeState
@@ -19,7 +19,7 @@ from unit_tests.linear_att import scenarios as sc
 def test_each_pair_binds_its_descriptor_and_kernels(algo, descriptor, package, mode):
     spec = sc.make_spec(algo, head_k_dim=8)
     state = sc.make_state(spec, mode, max_width=2, capacity=4)
-    assert type(state) is registry.state_class(algo, mode)
+    assert type(state) is states.state_class(algo, mode)
     assert state.algorithm is descriptor and state.kernels is package.kernels
     assert spec.gate_dim == (8 if algo == "kda" else 1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightllm.linear_att import autotune
+from lightllm.linear_att.registry import algorithm_of_gate
 
 
 def check_verify_inputs(tokens, slots, widths) -> None:
@@ -39,8 +40,6 @@ def tuned(config, algorithm, GK: int, K: int, key: autotune.TuneKey) -> autotune
     if config is not None:
         return config
     if algorithm is None:
-        from lightllm.linear_att.registry import algorithm_of_gate
-
         algorithm = algorithm_of_gate(GK, K)
     return algorithm.lookup(key)
 

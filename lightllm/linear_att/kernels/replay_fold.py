@@ -14,6 +14,8 @@ import triton.language as tl
 
 from lightllm.linear_att.bundles import ReplayBuffers
 from lightllm.linear_att.kernels.common import fold_tile_from_records
+from lightllm.linear_att.kernels.launch import fold_config
+from lightllm.linear_att.kernels.replay_verify import block_v, check_history
 
 
 @triton.heuristics({"HAS_OUT": lambda args: args["out"] is not None})
@@ -90,8 +92,6 @@ def replay_fold_triton(
     out=None: in place `ssm[:, slot] <- S_h` (rounded once). out `[NL, n, HV, K, V]`: written instead, ssm read only.
     `config` pins the launch configuration, else `algorithm`'s table gives it (no algorithm: the gate width's).
     """
-    from lightllm.linear_att.kernels.launch import fold_config
-    from lightllm.linear_att.kernels.replay_verify import block_v, check_history
 
     ssm, hist_k, hist_g = state.ssm, state.hist_k, state.hist_g
     NL, _, HV, K, V = ssm.shape

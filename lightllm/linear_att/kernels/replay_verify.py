@@ -28,6 +28,7 @@ import torch
 import triton
 
 from lightllm.linear_att.bundles import ReplayBuffers, TokenInputs
+from lightllm.linear_att.kernels.launch import check_verify_inputs, replay_config
 from lightllm.linear_att.kernels.replay_decode import replay_decode_triton
 from lightllm.linear_att.kernels.replay_window import replay_window_triton
 
@@ -50,7 +51,6 @@ def replay_verify_triton(
     of v, zeros for s >= W). `config`: a `KernelConfig` (V tile, warps) to launch with, or None for the one
     `algorithm`'s table holds for this shape, width and projection (no algorithm: the one of the gate width).
     """
-    from lightllm.linear_att.kernels.launch import check_verify_inputs, replay_config
 
     N, WMAX, H, K = tokens.q.shape
     HV, V = tokens.v.shape[2:]

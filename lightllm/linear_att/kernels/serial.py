@@ -30,6 +30,7 @@ import triton.language as tl
 
 from lightllm.linear_att.bundles import CompactBuffers, NativeBuffers, TokenInputs
 from lightllm.linear_att.kernels.common import add_rank_one, delta_rule_step, load_token, round_like
+from lightllm.linear_att.kernels.launch import check_verify_inputs, serial_config, verify_launch_args
 
 
 @triton.jit
@@ -222,7 +223,6 @@ def _launch_verify(tokens: TokenInputs, slots, widths, state, state_strides, com
     win_g, pending, parity; a mode passes its own tensors where the other mode's are never read) and
     `state_strides` its eleven state strides; `config` pins the launch configuration, else `algorithm`'s table
     gives it."""
-    from lightllm.linear_att.kernels.launch import check_verify_inputs, serial_config, verify_launch_args
 
     N, WMAX, H, K = tokens.q.shape
     HV, V = tokens.v.shape[2:]
@@ -311,7 +311,6 @@ def compact_commit_triton(state: CompactBuffers, slots: torch.Tensor, *, config=
     <- the state after the first `pending[slot]` records of buffer `parity[slot]`, native's update and per-token
     rounding; untouched when pending is 0. slots `[N]` int32. `pending` is left as it is (the caller clears it).
     """
-    from lightllm.linear_att.kernels.launch import serial_config
 
     ssm, win_k, win_g = state.ssm, state.win_k, state.win_g
     NL, S, HV, K, V = ssm.shape

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from lightllm.linear_att import autotune
+from lightllm.linear_att import autotune, tuning
 from lightllm.linear_att.autotune import ConfigTable, KernelConfig, TuneKey, make_key
 from lightllm.linear_att.gdn.algorithm import GDN
 from lightllm.linear_att.kernels import launch
@@ -138,8 +138,8 @@ def test_candidates_respect_tensor_core_minimum():
 
 def test_tune_plumbing_on_the_interpreter(tmp_path):
     """The search runs every family on scratch buffers and returns one entry per key (one candidate here)."""
-    case = autotune.TuneCase("gdn", 1, 2, 16, 16, torch.float32, torch.float32, width=2, capacity=4)
-    table, extra = autotune.tune([case], num_rows=2, device="cpu", log=lambda _: None,
+    case = tuning.TuneCase("gdn", 1, 2, 16, 16, torch.float32, torch.float32, width=2, capacity=4)
+    table, extra = tuning.tune([case], num_rows=2, device="cpu", log=lambda _: None,
                                  configs=[KernelConfig(16, 1, 1)])  # fmt: skip
     families = sorted(TuneKey.from_str(k).family + TuneKey.from_str(k).projection for k in table.entries)
     assert families == ["replay_fold", "replayinline", "replayprecompute", "serial"]

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from lightllm.linear_att import autotune, startup_tune
+from lightllm.linear_att import autotune, startup_tune, tuning
 from lightllm.linear_att.autotune import ConfigTable, KernelConfig, TuneKey
 from lightllm.linear_att.kda.algorithm import KDA
 from unit_tests.linear_att import scenarios as sc
@@ -52,7 +52,7 @@ def test_missing_shape_is_tuned_on_scratch_cached_and_read_back(tmp_path, fresh_
     def no_timing(*args, **kwargs):
         raise AssertionError("a cached shape was tuned again")
 
-    monkeypatch.setattr(autotune, "tune", no_timing)
+    monkeypatch.setattr(tuning, "tune", no_timing)
     assert startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, algorithm=later) == []
     assert later.table.get(key) == ONE_CONFIG[0]
 
