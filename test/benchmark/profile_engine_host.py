@@ -127,7 +127,7 @@ def _print_top_ops(engine, steps: int, top: int) -> None:
         for _ in range(steps):
             engine.step()
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    print(f"| host operator | calls per step | self CPU ms per step |")
+    print("| host operator | calls per step | self CPU ms per step |")
     print("|---|---|---|")
     for e in rows:
         print(f"| {e.key} | {e.count / steps:.1f} | {e.self_cpu_time_total / 1000 / steps:.3f} |")
