@@ -4,29 +4,11 @@ decode node's side, which opens each peer's buffer once and copies regions out o
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 
 from lightllm.server.pd.peers import PEER_IDLE_S, IdlePeers
-
-if TYPE_CHECKING:
-    from lightllm.server.pd.staging import DeviceRegion
-
-
-class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda_ipc"):
-    """What `torch.UntypedStorage._share_cuda_` returns for a storage, with the device named by UUID (device
-    indices differ between processes with different CUDA_VISIBLE_DEVICES)."""
-
-    device_uuid: str
-    handle: bytes
-    size_bytes: int
-    offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
+from lightllm.server.pd.region import CudaIpcHandle, DeviceRegion
 
 
 def cuda_ipc_kind(host: str) -> str:

@@ -13,34 +13,17 @@ import importlib.util
 import itertools
 import os
 import time
-from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 
 from lightllm.server.pd.peers import PEER_IDLE_S, IdlePeers
-
-if TYPE_CHECKING:
-    from lightllm.server.pd.staging import DeviceRegion
+from lightllm.server.pd.region import DeviceRegion, NixlHandle
 
 # the packages that ship the `nixl_agent` API, newest CUDA first
 NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
 # a read blocks the decode node's step loop: a peer that stops answering must not stall it for long
 READ_TIMEOUT_S = 10.0
 _agent_ids = itertools.count()
-
-
-class NixlHandle(msgspec.Struct, frozen=True, tag="nixl"):
-    """A staging buffer registered with the prefill node's NIXL agent."""
-
-    agent: str
-    # the agent's metadata (`get_agent_metadata`): what a peer needs to connect and read
-    metadata: bytes
-    address: int
-    size: int
-    device_id: int
-    # NIXL's memory type: VRAM or DRAM
-    mem_type: str
 
 
 NIXL_KIND = "nixl"

@@ -22,23 +22,13 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
-import msgspec
 import torch
 
 from lightllm.engine.transfer.payload import TensorBlob
-from lightllm.server.pd.cuda_ipc import CudaIpcHandle
-from lightllm.server.pd.nixl import NixlHandle
+from lightllm.server.pd.region import CudaIpcHandle, DeviceRegion, NixlHandle
 
 # every tensor of a region starts at a multiple of this (any dtype's alignment, and the copy kernels')
 ALIGN = 256
-
-
-class DeviceRegion(msgspec.Struct, frozen=True):
-    """Where a transfer's bytes lie: `nbytes` at `offset` of the sender's staging buffer."""
-
-    buffer: CudaIpcHandle | NixlHandle
-    offset: int
-    nbytes: int
 
 
 def host_identity() -> str:
