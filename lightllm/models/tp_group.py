@@ -7,8 +7,8 @@ device state is broadcast as a `Plan` before rank 0 runs it itself, and the foll
 which the HTTP front-end reports as an unhealthy engine and turns into failed requests); a collective never waits
 on a dead rank for long.
 
-One group outlives the runners built on it (`build_runner`, then `LockstepRunner.close`), so tests can run many
-engines on one set of processes.
+One group outlives the runners built on it (`lightllm.server.runner_factory.create_tp_runner`, then
+`LockstepRunner.close`), so tests can run many engines on one set of processes.
 """
 
 from __future__ import annotations
@@ -123,19 +123,8 @@ class TPGroup:
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
         self.control = join_group(RankSetup(0, size, init, backend, num_threads))
 
-    def rank_device(self, rank: int) -> str:
-        return f"cuda:{rank}" if self.device == "cuda" else "cpu"
-
     def send(self, plan: Plan) -> None:
         broadcast_plan(plan, self.control)
-
-    def build_runner(self, args, info):
-        """Every rank builds its runner from the same server args; rank 0's comes back wrapped so each call that
-        changes device state runs on all ranks."""
-        from lightllm.models.tp_runner import LockstepRunner, build_rank_runner
-
-        self.send(Plan("build", (args, info)))
-        return LockstepRunner(build_rank_runner(args, info, 0, self.rank_device(0)), self)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the followers and leave the process group."""
