@@ -1,19 +1,31 @@
 """KV-cache sizing: how many token slots the full-attention layers get when `max_total_token_num` is not given.
 
-The runner loads the weights and allocates the linear-attention state first, then asks `kv_tokens_to_allocate`
-for the KV size, so the sizing sees exactly what is left. On CUDA the answer comes from a memory probe
-(`(free, total)` bytes of the device); on CPU there is no device memory to size from, so every request slot gets
-a full-length request's worth of tokens, capped.
+The runner loads the weights and allocates the linear-attention state first, then asks `kv_tokens_for_memory`
+for the KV size, so the sizing sees exactly what is left. On CUDA the answer comes from a memory probe (free,
+total and this process's bytes of the device); on CPU there is no device memory to size from, so every request
+slot gets a full-length request's worth of tokens, capped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-# `() -> (free_bytes, total_bytes)` of the runner's device, read after weights and state are allocated
-MemoryProbe = Callable[[], tuple[int, int]]
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes of the runner's device: `free` and `total` as the driver reports them, `own` what this process's
+    allocator holds (weights, state) once its cached temporaries are returned."""
+
+    free: int
+    total: int
+    own: int
+
+
+# `() -> DeviceMemory` of the runner's device, read after weights and state are allocated
+MemoryProbe = Callable[[], DeviceMemory]
 
 # KV tokens on CPU when max_total_token_num is not given (no device memory to size it from)
 CPU_MAX_KV_TOKENS = 1 << 16
@@ -22,14 +34,15 @@ ACTIVATION_RESERVE_BYTES = 1 << 30
 
 
 def cuda_memory_probe(device: torch.device) -> MemoryProbe:
-    """The real probe: free and total bytes of `device` once its queued work (weight copies) has finished and
-    the allocator's cached loading temporaries are returned to the driver."""
+    """The real probe, read once the device's queued work (weight copies) has finished and the allocator's cached
+    loading temporaries are returned to the driver. `own` comes from this process's allocator, not from a
+    difference of free bytes, so a second server starting on the same device at the same time does not count."""
 
-    def probe() -> tuple[int, int]:
+    def probe() -> DeviceMemory:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total)
+        return DeviceMemory(int(free), int(total), int(torch.cuda.memory_reserved(device)))
 
     return probe
 
@@ -40,8 +53,7 @@ def cpu_kv_tokens(max_running_requests: int, max_req_total_len: int) -> int:
 
 
 def kv_tokens_for_memory(
-    free: int,
-    total: int,
+    memory: DeviceMemory,
     *,
     mem_fraction: float,
     bytes_per_token: int,
@@ -49,24 +61,33 @@ def kv_tokens_for_memory(
     max_req_total_len: int,
     reserve_bytes: int = ACTIVATION_RESERVE_BYTES,
 ) -> int:
-    """KV tokens that fit in `total * mem_fraction`, given `free` bytes left after weights and state.
+    """KV tokens that fit in this process's share `total * mem_fraction` of the device.
 
-    Everything already in use (`total - free`: weights, state, other processes) counts against the budget, as do
-    `reserve_bytes` for activations and `fixed_bytes` of KV bookkeeping that does not scale with the token count
-    (slot tables, the hold slot, the MTP head's extra slots). Raises ValueError naming the flags to change when
-    not even one `max_req_total_len`-token request fits.
+    The share is per process, so two servers (a prefill and a decode node, say) can each take a part of one
+    device: what this process already holds (`own`: weights, state) counts against its share, memory of other
+    processes does not, except that the KV cache never takes more than is `free`. `reserve_bytes` for activations
+    and `fixed_bytes` of KV bookkeeping that does not scale with the token count (slot tables, the hold slot, the
+    MTP head's extra slots) come out of it as well. Raises ValueError naming the flags to change when not even one
+    `max_req_total_len`-token request fits.
     """
     if bytes_per_token <= 0:
         raise ValueError(f"bytes_per_token must be positive, got {bytes_per_token}")
-    used = total - free
-    budget = int(total * mem_fraction) - used - reserve_bytes - fixed_bytes
+    share_left = int(memory.total * mem_fraction) - memory.own
+    budget = min(share_left, memory.free) - reserve_bytes - fixed_bytes
     tokens = max(budget, 0) // bytes_per_token
     if tokens < max_req_total_len:
         gib = 1 << 30
+        if share_left <= memory.free:
+            why = (f"--mem_fraction {mem_fraction} of {memory.total / gib:.1f} GiB, with {memory.own / gib:.1f} GiB "
+                   "held by this server (weights, linear-attention state)")  # fmt: skip
+            fix = "raise --mem_fraction"
+        else:
+            why = (f"{memory.free / gib:.1f} GiB free on the device ({(memory.total - memory.free - memory.own) / gib:.1f}"
+                   " GiB held by other processes)")  # fmt: skip
+            fix = "free the device, lower --mem_fraction of the other servers on it"
         raise ValueError(
-            f"--mem_fraction {mem_fraction} of {total / gib:.1f} GiB, with {used / gib:.1f} GiB already in use "
-            f"(weights, linear-attention state, other processes) and {reserve_bytes / gib:.1f} GiB kept for "
-            f"activations, leaves room for {tokens} KV tokens, fewer than one {max_req_total_len}-token request: "
-            "raise --mem_fraction, or lower --max_req_total_len / --max_running_requests"
+            f"{why} and {reserve_bytes / gib:.1f} GiB kept for activations leave room for {tokens} KV tokens, fewer "
+            f"than one {max_req_total_len}-token request: {fix}, or lower --max_req_total_len / "
+            "--max_running_requests"
         )
     return tokens

@@ -62,7 +62,8 @@ class ModelRunner:
     """Weights, linear-attention state and KV cache of one model (one TP rank), allocated in that order.
 
     With `config.max_total_token_num=None` the KV cache is sized after weights and state are in memory: from
-    `memory_probe` (default on CUDA: the device's free/total bytes) within `config.mem_fraction`, or on CPU
+    `memory_probe` (default on CUDA: the device's free, total and own bytes) within this process's share
+    `config.mem_fraction` of the device, or on CPU
     without a probe to every request slot at full length (capped). Raises ValueError when not even one
     `max_req_total_len`-token request fits.
     """
@@ -180,10 +181,8 @@ class ModelRunner:
                 fixed += c.prefix_cache_state_bytes
             else:
                 bytes_per_token = int(bytes_per_token * (1 + state_fraction(c.prefix_cache_state_fraction)))
-        free, total = probe()
         return kv_tokens_for_memory(
-            free,
-            total,
+            probe(),
             mem_fraction=c.mem_fraction,
             bytes_per_token=bytes_per_token,
             fixed_bytes=fixed,

@@ -140,6 +140,17 @@ def _state_bytes(transfer: PdTransfer) -> int:
     return sum(b.nbytes for b in blobs)
 
 
+def _recv_while_alive(sock: zmq.Socket, child, timeout_s: float = 120.0) -> bytes:
+    """The next message on `sock`; raises when `child` exits first or nothing comes within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not sock.poll(1000):
+        if not child.is_alive():
+            raise RuntimeError(f"the decode process exited (code {child.exitcode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no report from the decode process within {timeout_s:g} s")
+    return sock.recv()
+
+
 def _staging(a, transport: str, device: torch.device) -> StagingBuffer | None:
     if transport == "host":
         return None
@@ -165,6 +176,7 @@ def transfer_part(a) -> None:
     parent_conn, child_conn = spawn.Pipe()
     child = spawn.Process(target=_decode_child, args=(a, decode_addr, report_addr, child_conn), daemon=True)
     child.start()
+    child_conn.close()  # a child that dies before it answers then ends the parent's wait (EOFError)
     engine = build_engine(args, info, REAL_RUNNER)
     fingerprint = runner_header(engine.runner, info.model_dir).fingerprint()
     sent: list[PdTransfer] = []
@@ -176,7 +188,10 @@ def transfer_part(a) -> None:
             super().send(addr, msg)
 
     transport = Recording(ctx)
-    decode_reads = parent_conn.recv()
+    try:
+        decode_reads = parent_conn.recv()
+    except EOFError:
+        raise RuntimeError(f"the decode process exited (code {child.exitcode}) before it was ready") from None
     ack_decoder = msgspec.msgpack.Decoder(NodeInput)
     try:
         for name in a.transports:
@@ -187,9 +202,9 @@ def transfer_part(a) -> None:
                 for k in range(a.repeats + 1):
                     req_id = f"{name}-{n}-{k}"
                     t0 = _prefilled(engine, role, min(info.vocab_size, 30000), n, req_id, decode_addr, decode_reads)
-                    got_id, done, ok = msgspec.msgpack.decode(report.recv())
+                    got_id, done, ok = msgspec.msgpack.decode(_recv_while_alive(report, child))
                     assert got_id == req_id and ok, f"the decode side did not import {req_id}"
-                    ack = ack_decoder.decode(inbox.recv())
+                    ack = ack_decoder.decode(_recv_while_alive(inbox, child))
                     assert isinstance(ack, TransferAck) and ack.error is None, ack
                     role.on_message(ack)
                     if k:  # the first of each length warms up allocations

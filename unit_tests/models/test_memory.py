@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from lightllm.models.memory import ACTIVATION_RESERVE_BYTES, CPU_MAX_KV_TOKENS, cpu_kv_tokens, kv_tokens_for_memory
+from lightllm.models.memory import (
+    ACTIVATION_RESERVE_BYTES,
+    CPU_MAX_KV_TOKENS,
+    DeviceMemory,
+    cpu_kv_tokens,
+    kv_tokens_for_memory,
+)
 from lightllm.models.runner import ModelRunner
 from lightllm.models.runner_config import RunnerConfig
 from lightllm.server.args import load_server_args
@@ -22,27 +28,42 @@ def test_cpu_rule_is_every_slot_at_full_length_capped():
     assert cpu_kv_tokens(16, 8192) == 65536
 
 
-def test_memory_rule_counts_used_reserve_and_fixed_bytes_and_floors():
-    # 8 GiB x 0.75 = 6 GiB; 2 GiB in use, 1 GiB reserve, 1000 fixed bytes -> 3 GiB - 1000 bytes for 1024-byte tokens
-    tokens = kv_tokens_for_memory(
-        6 * GIB, 8 * GIB, mem_fraction=0.75, bytes_per_token=1024, fixed_bytes=1000, max_req_total_len=4096
-    )
+def _rule(free: int, total: int, own: int, **kw) -> int:
+    return kv_tokens_for_memory(DeviceMemory(free, total, own), **kw)
+
+
+def test_memory_rule_counts_own_reserve_and_fixed_bytes_and_floors():
+    # 8 GiB x 0.75 = 6 GiB; 2 GiB held by this process, 1 GiB reserve, 1000 fixed bytes -> 3 GiB - 1000 bytes
+    # for 1024-byte tokens
+    tokens = _rule(6 * GIB, 8 * GIB, 2 * GIB, mem_fraction=0.75, bytes_per_token=1024, fixed_bytes=1000,
+                   max_req_total_len=4096)  # fmt: skip
     assert tokens == 3 * 1024 * 1024 - 1  # (3 GiB - 1000) // 1024
     assert ACTIVATION_RESERVE_BYTES == GIB
     # a custom reserve
-    tokens = kv_tokens_for_memory(
-        6 * GIB, 8 * GIB, mem_fraction=0.75, bytes_per_token=1024, fixed_bytes=0, max_req_total_len=1, reserve_bytes=0
-    )
+    tokens = _rule(6 * GIB, 8 * GIB, 2 * GIB, mem_fraction=0.75, bytes_per_token=1024, fixed_bytes=0,
+                   max_req_total_len=1, reserve_bytes=0)  # fmt: skip
     assert tokens == 4 * 1024 * 1024
+
+
+def test_memory_share_is_per_process_but_never_more_than_is_free():
+    """Two servers on one device at 0.4 each: the second's share does not shrink by what the first holds, as long
+    as that much is free; once other processes leave less free than the share, free memory is the limit."""
+    rule = dict(mem_fraction=0.4, bytes_per_token=GIB // 1024, fixed_bytes=0, max_req_total_len=1, reserve_bytes=0)
+    alone = _rule(9 * GIB, 10 * GIB, GIB, **rule)
+    beside_another = _rule(5 * GIB, 10 * GIB, GIB, **rule)  # another server holds 4 GiB
+    assert alone == beside_another == 3 * 1024  # 4 GiB share - 1 GiB own
+    assert _rule(2 * GIB, 10 * GIB, GIB, **rule) == 2 * 1024  # 2 GiB free < 3 GiB left of the share
+    with pytest.raises(ValueError, match=r"0.0 GiB free on the device \(9.0 GiB held by other processes\)"):
+        _rule(0, 10 * GIB, GIB, **rule)
 
 
 def test_memory_rule_accepts_exactly_one_max_length_request():
     total, per_token, max_len = 4 * GIB, 512, 32768
-    used = total // 2 - GIB - per_token * max_len  # at 0.5 with the 1 GiB reserve: room for exactly max_len tokens
+    own = total // 2 - GIB - per_token * max_len  # at 0.5 with the 1 GiB reserve: room for exactly max_len tokens
     rule = dict(mem_fraction=0.5, bytes_per_token=per_token, fixed_bytes=0, max_req_total_len=max_len)
-    assert kv_tokens_for_memory(total - used, total, **rule) == max_len
+    assert _rule(total - own, total, own, **rule) == max_len
     with pytest.raises(ValueError) as err:
-        kv_tokens_for_memory(total - used - 1, total, **rule)
+        _rule(total - own - 1, total, own + 1, **rule)
     msg = str(err.value)
     assert "room for 32767 KV tokens, fewer than one 32768-token request" in msg
     for flag in ("--mem_fraction 0.5", "--max_req_total_len", "--max_running_requests"):
@@ -51,18 +72,19 @@ def test_memory_rule_accepts_exactly_one_max_length_request():
 
 def test_memory_rule_refuses_when_already_over_budget():
     with pytest.raises(ValueError, match="room for 0 KV tokens"):
-        kv_tokens_for_memory(GIB, 8 * GIB, mem_fraction=0.9, bytes_per_token=256, fixed_bytes=0, max_req_total_len=1)
+        _rule(7 * GIB, 8 * GIB, 7 * GIB + GIB // 2, mem_fraction=0.9, bytes_per_token=256, fixed_bytes=0,
+              max_req_total_len=1)  # fmt: skip
 
 
 class FakeProbe:
-    """`(free, total)` bytes as a device would report them; counts calls."""
+    """Device memory as a probe would report it, this process holding `total - free`; counts calls."""
 
     def __init__(self, free: int, total: int):
         self.free, self.total, self.calls = free, total, 0
 
-    def __call__(self) -> tuple[int, int]:
+    def __call__(self) -> DeviceMemory:
         self.calls += 1
-        return self.free, self.total
+        return DeviceMemory(self.free, self.total, self.total - self.free)
 
 
 def _auto_config(mtp_step: int = 0, **flags) -> RunnerConfig:
