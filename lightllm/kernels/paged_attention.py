@@ -36,10 +36,21 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 
-# the flat token count and the split count vary from launch to launch: specialising on them (== 1, % 16) would
-# compile variants in the middle of serving steps
+# the flat token count, the split count and the width of a gathered slot table vary from launch to launch, and
+# the per-row tables are slices of a step's packed metadata, at offsets that vary with the batch: specialising on
+# them (== 1, % 16, 16-byte aligned) would compile variants in the middle of serving steps
 @triton.heuristics({"HAS_TABLE_ROWS": lambda args: args["table_rows"] is not None})
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+@triton.jit(
+    do_not_specialize=[
+        "table_rows",
+        "query_start",
+        "query_len",
+        "num_cached",
+        "num_tokens",
+        "num_splits",
+        "stride_table_r",
+    ]
+)
 def paged_attention_kernel(
     q,  # [T, H, DK]
     k_pool,  # [S, HK, DK]
@@ -148,7 +159,7 @@ def paged_attention_kernel(
         tl.store(ml_part + part * 2 + 1, b_l, mask=m_row)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+@triton.jit(do_not_specialize=["query_start", "query_len", "num_tokens", "num_splits"])
 def paged_attention_combine_kernel(
     o_part,  # [num_splits, T, H, DV] fp32
     ml_part,  # [num_splits, T, H, 2] fp32

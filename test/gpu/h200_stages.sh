@@ -11,6 +11,7 @@
 #   bash test/gpu/h200_stages.sh startup    # the real server started 5x per state mode + once at 256 requests (startup_check.py)
 #   bash test/gpu/h200_stages.sh pd         # PD over CUDA IPC vs the monolithic engine, then transfer GB/s per transport
 #   bash test/gpu/h200_stages.sh prefix     # prefix cache: TTFT of an 8k shared prefix, cold vs hit, per state mode
+#   bash test/gpu/h200_stages.sh compiles   # rounds of changing batch sizes: TTFT and kernels compiled while serving
 #   bash test/gpu/h200_stages.sh STAGE 420  # stop the stage's programs after 420 s (default 540), then save the cache
 #   bash test/gpu/h200_stages.sh bench 540 --state-dtypes bf16   # sweep / bench: later arguments go to the script
 #   bash test/gpu/h200_stages.sh serving 300 --skip-tiny --real-width   # models / serving: one run with these
@@ -29,7 +30,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 case "${1:-}" in
-kernels | sweep | bench | models | serving | profile | memcheck | startup | pd | prefix) ;;
+kernels | sweep | bench | models | serving | profile | memcheck | startup | pd | prefix | compiles) ;;
 *)
     sed -n '2,/^set -uo/p' "$0" | grep '^#'
     exit 2
@@ -127,6 +128,11 @@ prefix)  # later arguments go to prefix_cache_ttft.py (default: its TTFT part)
     [ ${#args[@]} -eq 0 ] && args=(--parts ttft)
     py test/gpu/prefix_cache_ttft.py --result_file "$OUT_DIR/prefix_cache.json" "${args[@]}" 2>&1 |
         tee "$OUT_DIR/prefix_cache.log" | grep --line-buffered -E "^\||Error|Traceback"
+    ;;
+compiles)  # later arguments go to serving_compiles.py (--mode, --mtp_step)
+    py test/gpu/serving_compiles.py --log "$OUT_DIR/serving_compiles_server.log" "${@:3}" 2>&1 |
+        tee "$OUT_DIR/serving_compiles.log" | grep --line-buffered -E "^\||Error|Traceback"
+    echo "serving_compiles exit status ${PIPESTATUS[0]}"
     ;;
 profile)
     NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)"

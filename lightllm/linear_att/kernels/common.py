@@ -13,6 +13,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Kernel arguments that are slices of a step's packed per-row metadata, at offsets that vary with the batch, or
+# counts of its rows. A compiled launch specialises on an integer being 1 or a multiple of 16 and on a pointer
+# being 16-byte aligned, so each would compile a new variant in the middle of a serving step whenever the batch
+# changes; every kernel passes this to `triton.jit(do_not_specialize=...)` (names it lacks are ignored).
+BATCH_VARYING_ARGS = ("slots", "widths", "accepted", "conv_offset", "cu_seqlens", "has_initial_state", "N")
+
 
 @triton.jit
 def sigmoid(x):

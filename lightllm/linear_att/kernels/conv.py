@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightllm.linear_att.kernels.common import sigmoid
+from lightllm.linear_att.kernels.common import BATCH_VARYING_ARGS, sigmoid
 
 
 @triton.jit
@@ -21,7 +21,7 @@ def _silu(x):
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias"] is not None})
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def causal_conv_decode_kernel(
     x,
     conv,
@@ -131,7 +131,7 @@ def _tap_source_strided(p_x, p_hist, pos, length, stride_x_t, m_c, has_init):
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias"] is not None})
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def causal_conv_prefill_kernel(
     x,
     conv,

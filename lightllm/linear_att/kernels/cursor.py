@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lightllm.linear_att.kernels.common import replay_folds
+from lightllm.linear_att.kernels.common import BATCH_VARYING_ARGS, replay_folds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def replay_accept_kernel(
     cursor,
     parity,
@@ -75,7 +75,7 @@ def replay_accept_triton(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def native_accept_kernel(ssm_index, conv_offset, slots, widths, accepted, N, BLOCK: tl.constexpr):
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m_n = o_n < N

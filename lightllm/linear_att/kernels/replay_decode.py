@@ -27,6 +27,7 @@ import triton.language as tl
 
 from lightllm.linear_att.bundles import ReplayBuffers, TokenInputs
 from lightllm.linear_att.kernels.common import (
+    BATCH_VARYING_ARGS,
     fold_if_full,
     gate_activation,
     history_weights,
@@ -39,7 +40,7 @@ from lightllm.linear_att.kernels.launch import verify_launch_args
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def replay_decode_kernel(
     tokens,
     state,

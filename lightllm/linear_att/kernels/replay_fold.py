@@ -13,13 +13,13 @@ import triton
 import triton.language as tl
 
 from lightllm.linear_att.bundles import ReplayBuffers
-from lightllm.linear_att.kernels.common import fold_tile_from_records
+from lightllm.linear_att.kernels.common import BATCH_VARYING_ARGS, fold_tile_from_records
 from lightllm.linear_att.kernels.launch import fold_config
 from lightllm.linear_att.kernels.replay_verify import block_v, check_history
 
 
 @triton.heuristics({"HAS_OUT": lambda args: args["out"] is not None})
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def replay_fold_kernel(
     state,
     slots,

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from lightllm.linear_att.bundles import ReplayBuffers, TokenInputs
 from lightllm.linear_att.kernels.common import (
+    BATCH_VARYING_ARGS,
     commit_fold,
     cumsum_rows,
     first_half_rows,
@@ -70,7 +71,7 @@ def window_gate_sums(p_g, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lo
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def replay_window_kernel(
     tokens,
     state,

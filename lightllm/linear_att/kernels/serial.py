@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from lightllm.linear_att.bundles import CompactBuffers, NativeBuffers, TokenInputs
-from lightllm.linear_att.kernels.common import add_rank_one, delta_rule_step, load_token, round_like
+from lightllm.linear_att.kernels.common import BATCH_VARYING_ARGS, add_rank_one, delta_rule_step, load_token, round_like
 from lightllm.linear_att.kernels.launch import check_verify_inputs, serial_config, verify_launch_args
 
 
@@ -52,7 +52,7 @@ def merge_window_tokens(b_s, p_s, p_wk, p_wu, p_wg, stride_wk_w, stride_wu_w, st
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def serial_verify_kernel(
     tokens,
     state,
@@ -166,7 +166,7 @@ def serial_verify_kernel(
         tl.store(p_o + s * stride_o_w, tl.zeros([BV], dtype=p_o.dtype.element_ty), mask=m_v)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def compact_commit_kernel(
     state,
     slots,

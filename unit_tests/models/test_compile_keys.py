@@ -1,0 +1,122 @@
+"""No kernel compiles in the middle of serving: the compile key of every Triton launch a serving step makes (see
+`unit_tests.helpers.launch_keys`) depends only on the model and the step's kind, never on how many rows or tokens
+the batch has or where its per-row metadata sits in the step's buffers.
+
+On a GPU a new key is a compile (seconds for the attention and state kernels) inside that step: before the
+kernels stopped specialising on their per-row tables and counts, the first rounds of a real-width benchmark spent
+seconds compiling variants of `paged_attention_kernel`, `serial_verify_kernel`, `causal_conv_decode_kernel` and
+`native_accept_kernel` for batch sizes the start-up had not met. Here a tiny model runs its Triton kernels under
+the interpreter through steps of many shapes: prefill alone, decode of 1, 2, 3, 4, 5 and 16 rows (through the
+decode buffers that graphs are captured over), and mixed steps of prefill chunks of 1 to 21 tokens beside decode
+rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from lightllm.engine.batch import ForwardBatch
+from lightllm.kernels.paged_attention import warmup_paged_attention
+from lightllm.models.layers.attention import GatedAttention
+from lightllm.models.layers.mla import LatentAttention
+from unit_tests.helpers.launch_keys import launch_keys
+from unit_tests.models.drive import make_runner
+
+NUM_REQUESTS = 17
+
+
+def _triton_runner(model_dir: str, mode: str, width: int):
+    runner = make_runner(model_dir, mode=mode, max_width=width, state_backend="triton",
+                         max_running_requests=NUM_REQUESTS + 1, max_total_token_num=2048)  # fmt: skip
+    for module in runner.model.modules():
+        if isinstance(module, (GatedAttention, LatentAttention)):
+            module.attention_backend = "triton"
+    runner.init_decode_graphs(use_graphs=False)  # decode-only steps through the graphs' fixed buffers, eagerly
+    return runner
+
+
+def _serve_steps(runner, width: int, seed: int = 0) -> None:
+    """Steps of many shapes; decode rows verify windows of `width` and accept a random prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    handles = [runner.add_request() for _ in range(NUM_REQUESTS)]
+
+    def step(prefill: list[tuple[int, int]], decode: list[int]) -> None:
+        rows = [h for h, _ in prefill] + decode
+        query_lens = [n for _, n in prefill] + [width] * len(decode)
+        cached = [runner.num_tokens(h) for h in rows]
+        ids = torch.randint(1, 400, (sum(query_lens),), generator=gen)
+        runner.forward(ForwardBatch(rows, query_lens, cached, len(prefill), ids, [True] * len(prefill)))
+        if decode:
+            runner.accept(decode, torch.randint(1, width + 1, (len(decode),), generator=gen).tolist())
+
+    h = handles
+    step([(h[0], 7)], [])
+    step([(h[1], 21), (h[2], 16)], [])
+    step([], h[:1])
+    step([], h[:2])
+    step([], h[:3])
+    step([(h[3], 5)], h[:2])
+    step([(h[4], 1), (h[5], 3)], h[:4])
+    step([(r, 2) for r in h[6:]], [])
+    step([], h[:16])
+    step([], h[:5])
+    step([(h[16], 4)], h[:16])
+
+
+@pytest.mark.parametrize(
+    "arch, mode, width",
+    [("qwen3_next", "native", 1), ("qwen3_next", "compact", 3), ("kimi_linear", "replay", 3)],
+)
+def test_serving_steps_meet_one_compile_key_per_kernel_variant_and_warmed_attention(tiny_model, arch, mode, width):
+    """One key per kernel and constexpr variant over every step; the attention kernels' keys are among those the
+    start-up attention warm-up (scratch tensors at the model's attention shapes) meets."""
+    runner = _triton_runner(str(tiny_model(arch)), mode, width)
+    shapes = {m.attention_kernel_shape() for m in runner.model.modules() if hasattr(m, "attention_kernel_shape")}
+    with launch_keys() as warmed:
+        for heads, kv_heads, dk, dv, by_row in shapes:
+            warmup_paged_attention(heads, kv_heads, dk, dv, torch.float32, "cpu", by_row)
+    with launch_keys() as served:
+        _serve_steps(runner, width)
+    kernels = set(served.by_kernel)
+    assert {"paged_attention_kernel", "causal_conv_decode_kernel", "causal_conv_prefill_kernel"} <= kernels
+    state_kernels = {"replay_window_kernel", "replay_accept_kernel"} if mode == "replay" else {"serial_verify_kernel"}
+    assert state_kernels <= kernels
+    assert served.varying() == {}
+    for const, runtime in served.by_kernel["paged_attention_kernel"].items():
+        assert runtime <= warmed.by_kernel["paged_attention_kernel"][const], f"{dict(const)} is not warmed up"
+
+
+@triton.jit
+def _scale_rows_kernel(x, slots, y, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    slot = tl.load(slots + offs, mask=mask, other=0)
+    tl.store(y + offs, tl.load(x + slot, mask=mask, other=0.0) * 2.0, mask=mask)
+
+
+@triton.jit(do_not_specialize=["slots", "N"])
+def _scale_rows_unspecialised_kernel(x, slots, y, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    slot = tl.load(slots + offs, mask=mask, other=0)
+    tl.store(y + offs, tl.load(x + slot, mask=mask, other=0.0) * 2.0, mask=mask)
+
+
+def test_the_recorder_sees_a_kernel_that_specialises_on_the_batch():
+    """The twin: the same kernel launched for 1, 3 and 16 rows whose slot table starts at offsets 0, 1 and 4 of a
+    packed buffer meets three keys (its row count and the table's alignment), and one key once it does not
+    specialise on them; the outputs are right either way."""
+    x = torch.randn(64)
+    packed = torch.randperm(64).to(torch.int32)
+    with launch_keys() as keys:
+        for kernel in (_scale_rows_kernel, _scale_rows_unspecialised_kernel):
+            for n, start in ((1, 0), (3, 1), (16, 4)):
+                slots = packed[start : start + n]
+                y = torch.full((n,), float("nan"))
+                kernel[(1,)](x, slots, y, n, BLOCK=16)
+                torch.testing.assert_close(y, x[slots.long()] * 2)
+    assert keys.varying() == {"_scale_rows_kernel": ["N", "slots"]}
+    assert len(next(iter(keys.by_kernel["_scale_rows_unspecialised_kernel"].values()))) == 1
