@@ -266,11 +266,12 @@ def _serve_and_measure(a, name: str, base_url: str) -> None:
     flags = ["--base_url", base_url, "--num_prompts", str(a.concurrency), "--max_concurrency", str(a.concurrency),
              "--input_len", str(a.input_len), "--output_len", str(a.output_len),
              "--result_file", os.path.join(a.out, f"pd_bench_{name}.json")]  # fmt: skip
-    # a warm-up round (graphs, allocator, first-call compiles; other prompts, so the prefix cache cannot serve the
-    # measured ones), then the measured one; bench_serving's own report is not printed
+    # a warm-up round at the measured concurrency (allocator, fla-core's first varlen calls at this batch; other
+    # prompts, so the prefix cache cannot serve the measured ones), then the measured one; bench_serving's own
+    # report is not printed
     with contextlib.redirect_stdout(io.StringIO()):
-        bench_serving([*flags[:2], "--num_prompts", "4", "--max_concurrency", "4", "--input_len", str(a.input_len),
-                       "--output_len", "8", "--seed", "1"])  # fmt: skip
+        bench_serving([*flags[:2], "--num_prompts", str(a.concurrency), "--max_concurrency", str(a.concurrency),
+                       "--input_len", str(a.input_len), "--output_len", "8", "--seed", "1"])  # fmt: skip
         s = bench_serving(flags)
     cells = [f"{s[m][k]:.1f}" if s[m][k] is not None else "-" for m in ("ttft", "tpot") for k in
              ("mean_ms", "median_ms", "p99_ms")]  # fmt: skip
