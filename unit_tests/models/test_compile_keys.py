@@ -23,23 +23,26 @@ from lightllm.kernels.paged_attention import warmup_paged_attention
 from lightllm.models.layers.attention import GatedAttention
 from lightllm.models.layers.mla import LatentAttention
 from unit_tests.helpers.launch_keys import launch_keys
+from unit_tests.models.conftest import MODEL_CASES, case_dir
 from unit_tests.models.drive import make_runner
 
 NUM_REQUESTS = 17
 
 
-def _triton_runner(model_dir: str, mode: str, width: int):
-    runner = make_runner(model_dir, mode=mode, max_width=width, state_backend="triton",
+def _triton_runner(model_dir: str, mode: str, width: int, mtp_step: int = 0):
+    runner = make_runner(model_dir, mode=mode, max_width=width, mtp_step=mtp_step, state_backend="triton",
                          max_running_requests=NUM_REQUESTS + 1, max_total_token_num=2048)  # fmt: skip
     for module in runner.model.modules():
         if isinstance(module, (GatedAttention, LatentAttention)):
             module.attention_backend = "triton"
-    runner.init_decode_graphs(use_graphs=False)  # decode-only steps through the graphs' fixed buffers, eagerly
+    # decode-only steps (and MTP drafts) through the graphs' fixed buffers, eagerly
+    runner.init_decode_graphs(use_graphs=False)
     return runner
 
 
 def _serve_steps(runner, width: int, seed: int = 0) -> None:
-    """Steps of many shapes; decode rows verify windows of `width` and accept a random prefix."""
+    """Steps of many shapes; decode rows verify windows of `width` and accept a random prefix; with an MTP head,
+    every decode row then drafts `width - 1` tokens."""
     gen = torch.Generator().manual_seed(seed)
     handles = [runner.add_request() for _ in range(NUM_REQUESTS)]
 
@@ -51,6 +54,8 @@ def _serve_steps(runner, width: int, seed: int = 0) -> None:
         runner.forward(ForwardBatch(rows, query_lens, cached, len(prefill), ids, [True] * len(prefill)))
         if decode:
             runner.accept(decode, torch.randint(1, width + 1, (len(decode),), generator=gen).tolist())
+            if runner.drafter is not None:
+                runner.draft(decode, torch.randint(1, 400, (len(decode),), generator=gen), width - 1)
 
     h = handles
     step([(h[0], 7)], [])
@@ -67,13 +72,16 @@ def _serve_steps(runner, width: int, seed: int = 0) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch, mode, width",
-    [("qwen3_next", "native", 1), ("qwen3_next", "compact", 3), ("kimi_linear", "replay", 3)],
+    "model, mode, width, mtp_step",
+    [("qwen3_next", "native", 1, 0), ("qwen3_5-hv2", "compact", 3, 2), ("kimi_linear", "replay", 3, 0)],
 )
-def test_serving_steps_meet_one_compile_key_per_kernel_variant_and_warmed_attention(tiny_model, arch, mode, width):
+def test_serving_steps_meet_one_compile_key_per_kernel_variant_and_warmed_attention(
+    tiny_model, model, mode, width, mtp_step
+):
     """One key per kernel and constexpr variant over every step; the attention kernels' keys are among those the
-    start-up attention warm-up (scratch tensors at the model's attention shapes) meets."""
-    runner = _triton_runner(str(tiny_model(arch)), mode, width)
+    start-up attention warm-up (scratch tensors at the model's attention shapes, the MTP head's included) meets."""
+    model_dir = case_dir(model) if model in MODEL_CASES else str(tiny_model(model))
+    runner = _triton_runner(model_dir, mode, width, mtp_step)
     shapes = {m.attention_kernel_shape() for m in runner.model.modules() if hasattr(m, "attention_kernel_shape")}
     with launch_keys() as warmed:
         for heads, kv_heads, dk, dv, by_row in shapes:
