@@ -28,5 +28,9 @@ setup(
         # the benchmark clients (lightllm.tools.bench_serving)
         "httpx",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "openai", "httpx", "ruff"]},
+    extras_require={
+        # the NIXL transport of prefill/decode disaggregation (--pd_transport nixl)
+        "nixl": ["nixl-cu13"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "openai", "httpx", "ruff", "nixl-cu13"],
+    },
 )
