@@ -2,7 +2,8 @@
 
 Triton lowers to PTX on the CPU and the `ptxas` bundled with it assembles for sm_90a, so a kernel that would fail to
 lower on the H200 (or spill) is caught here. The signature mimics a launch: pointers 16-byte aligned and strides
-multiples of 16 (what Triton specialises on at these head sizes), so loads vectorise as they do on the device.
+multiples of 16 (what Triton specialises on at these head sizes), so loads vectorise as they do on the device;
+arguments a kernel lists in `do_not_specialize` get no alignment, as at a launch.
 """
 
 from __future__ import annotations
@@ -71,7 +72,13 @@ def lower_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1):
         else:
             sig[name] = "*i32" if name in INT_PTRS else "*bf16" if name in ACT_PTRS else "*fp32"
     aligned = [[["tt.divisibility", 16]]]
-    attrs = {(i,): aligned[0] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
+    # what the kernel declines to specialise on (`do_not_specialize`) is not known aligned at a launch either
+    unspecialised = set(jit_fn.do_not_specialize or ())
+    attrs = {
+        (i,): aligned[0]
+        for i, n in enumerate(names)
+        if (sig[n][0] == "*" or n.startswith("stride")) and n not in unspecialised and i not in unspecialised
+    }
     for i, n in enumerate(names):
         if n in tuples:
             attrs.update({(i, j): aligned[0] for j, t in enumerate(tuples[n]) if t[0] == "*" or t == "i64"})
