@@ -6,7 +6,9 @@ server, with the TTFT of each round and the Triton kernels written to the cache 
 
 Start-up compiles (prefill warm-up, attention warm-up, decode graph capture); a kernel compiled during a round is a
 compile inside a serving step, which stalls every request of that step for as long as the compile takes. The
-rounds: 4, 64, 64, 1, 16, 5 and 64 requests of 256 random prompt tokens and 32 new tokens, all sent at once.
+rounds (`ROUNDS`): 4, 64, 64, 1, 16 and 5 requests of 256 random prompt tokens and 32 new tokens, all sent at
+once; 32 arriving at 40 per second (prefill chunks beside decode rows, a different mix every step); multi-turn
+conversations (prefix-cache hits: a few new tokens after a long cached prefix); 64 at once again.
 Needs `TRITON_CACHE_DIR` (test/gpu/python_env.sh sets it). Prints one row per round; exits 1 when any round
 compiled.
 """
@@ -25,7 +27,14 @@ import time
 # run as a script, this folder is on sys.path
 from pd_bench import _free_port, _model_dir, _start, _stop, _wait  # noqa: E402
 
-ROUNDS = (4, 64, 64, 1, 16, 5, 64)
+# (dataset, requests or conversations, arrivals per second: 0 = all at once)
+ROUNDS = (
+    *(("random", n, 0) for n in (4, 64, 64, 1, 16, 5)),
+    ("random", 32, 40),
+    ("multi_turn", 8, 0),
+    ("multi_turn", 16, 0),
+    ("random", 64, 0),
+)
 
 
 def kernels_written_since(cache_dir: str, since: float) -> list[str]:
@@ -58,17 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     compiled_rounds = 0
     try:
         _wait(f"http://127.0.0.1:{port}/health", procs, a.start_timeout_s)
-        print(f"server log {log}\n| round | requests | TTFT mean ms | TTFT p99 ms | TPOT mean ms | kernels compiled |")
-        print("|---|---|---|---|---|---|", flush=True)
-        for i, n in enumerate(ROUNDS):
+        print(f"server log {log}")
+        print("| round | dataset | requests | TTFT mean ms | TTFT p99 ms | TPOT mean ms | kernels compiled |")
+        print("|---|---|---|---|---|---|---|", flush=True)
+        for i, (dataset, n, rate) in enumerate(ROUNDS):
             mark = time.time()
             with contextlib.redirect_stdout(io.StringIO()):
-                s = bench_serving(["--base_url", f"http://127.0.0.1:{port}", "--num_prompts", str(n),
-                                   "--max_concurrency", str(n), "--input_len", "256", "--output_len", "32",
-                                   "--seed", str(100 + i)])  # fmt: skip
+                s = bench_serving(["--base_url", f"http://127.0.0.1:{port}", "--dataset", dataset, "--num_prompts",
+                                   str(n), "--max_concurrency", str(n), "--request_rate", str(rate), "--input_len",
+                                   "256", "--output_len", "32", "--seed", str(100 + i)])  # fmt: skip
             compiled = kernels_written_since(cache_dir, mark)
             compiled_rounds += bool(compiled)
-            print(f"| {i} | {n} | {s['ttft']['mean_ms']:.1f} | {s['ttft']['p99_ms']:.1f} | {s['tpot']['mean_ms']:.2f} "
+            kind = f"{dataset} at {rate}/s" if rate else dataset
+            cells = [s["ttft"]["mean_ms"], s["ttft"]["p99_ms"], s["tpot"]["mean_ms"]]
+            print(f"| {i} | {kind} | {s['num_requests']} | {' | '.join(f'{c:.1f}' for c in cells)} "
                   f"| {', '.join(compiled) or '-'} |", flush=True)  # fmt: skip
     finally:
         _stop(procs)
