@@ -52,6 +52,9 @@ class PrefillRows:
     cu_seqlens: torch.Tensor
     # [N] bool: start from the slot's state (a later chunk, or a prefix-cache hit) instead of zeros
     has_initial_state: torch.Tensor
+    # [T] bool, only for one row padded to a fixed token count (a prefill replayed as a CUDA graph): its real
+    # tokens come first, `cu_seqlens` ends at their count, and the padding tokens after them change no state
+    padded_valid: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

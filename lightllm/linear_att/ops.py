@@ -117,7 +117,8 @@ def causal_conv_prefill(
     None; has_initial_state `[N]` bool (False: the history is zeros).
     Row i's history is `conv[slots[i], :, off : off + Kc - 1]` (`off = conv_offset[slots[i]]`).
     In place: writes the last `Kc - 1` inputs of each row's `[history | x]` back at the same columns (rows with
-    no tokens write nothing). Returns `y [T, C]` in the dtype of `x`.
+    no tokens write nothing). Returns `y [T, C]` in the dtype of `x`; tokens past `cu_seqlens[-1]` are in no row
+    and their `y` is unspecified.
     """
     fn = _impl("causal_conv_prefill", backend, x)
     return fn(x, conv, conv_offset, slots, cu_seqlens, weight, bias, has_initial_state)
@@ -280,7 +281,7 @@ def chunk_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
     *,
     scale: float | None = None,
     algorithm=None,
@@ -289,7 +290,9 @@ def chunk_delta_rule(
     """Chunked prefill over packed varlen rows of one `Algorithm` (required on CUDA: it picks fla's kernel).
 
     q, k `[T, H, K]` raw (l2norm inside), v `[T, HV, V]`, g `[T, HV, GK]` fp32 activated log decay (<= 0),
-    beta `[T, HV]` fp32 activated, initial_state `[N, HV, K, V]` or None (zeros), cu_seqlens `[N + 1]`.
+    beta `[T, HV]` fp32 activated, initial_state `[N, HV, K, V]` or None (zeros), cu_seqlens `[N + 1]`, or None for
+    one row of all T tokens (no offsets to read: fla's varlen path reads them on the host, which a CUDA graph
+    cannot).
     Returns `(o [T, HV, V] dtype of v, final_state [N, HV, K, V] fp32)`. Pure: writes no state.
     CUDA runs fla-core's `chunk_gated_delta_rule` / `chunk_kda`; CPU the torch chunked form.
     """

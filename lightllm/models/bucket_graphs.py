@@ -1,7 +1,7 @@
-"""One CUDA graph per batch bucket of a forward over fixed-address buffers: batch buckets, capture, replay.
+"""One CUDA graph per bucket of a forward over fixed-address buffers: batch buckets, capture, replay.
 
-The decode forward (`DecodeGraphs`) and the MTP draft (`DraftGraphs`) both run on persistent buffers whose first
-`rows` entries a step fills; each captures its forward once per bucket and replays it, or runs it eagerly where
+The decode forward (`DecodeGraphs`), the MTP draft (`DraftGraphs`) and the short prefill (`PrefillGraphs`, whose
+buckets count tokens) run on persistent buffers whose first entries a step fills; each captures its forward once per bucket and replays it, or runs it eagerly where
 no graph exists (CPU, graphs off, a failed capture).
 """
 
@@ -22,19 +22,21 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class BucketGraphs:
-    """`forward(rows)` captured per bucket of `buckets`; `fill_hold(rows)` loads inputs that change no state."""
+    """`forward(size)` captured per bucket of `buckets` (ascending sizes: rows of a batch, or tokens);
+    `fill_hold(size)` loads inputs that change no state."""
 
-    def __init__(self, max_batch: int, forward: Callable[[int], object], fill_hold: Callable[[int], None], what: str):
-        self.buckets = batch_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
+    def __init__(
+        self, buckets: list[int], forward: Callable[[int], object], fill_hold: Callable[[int], None], what: str
+    ):
+        self.buckets = buckets
         self._forward, self._fill_hold, self._what = forward, fill_hold, what
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, object] = {}
 
-    def bucket(self, num_rows: int) -> int | None:
-        """The smallest bucket holding `num_rows` rows; None when the batch is too large."""
+    def bucket(self, size: int) -> int | None:
+        """The smallest bucket holding `size`; None when it is larger than every bucket."""
         for b in self.buckets:
-            if b >= num_rows:
+            if b >= size:
                 return b
         return None
 

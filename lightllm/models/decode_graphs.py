@@ -18,7 +18,7 @@ import torch
 
 from lightllm.engine.device_copy import copy_to_device
 from lightllm.linear_att.base import DecodeRows
-from lightllm.models.bucket_graphs import BucketGraphs
+from lightllm.models.bucket_graphs import BucketGraphs, batch_buckets
 from lightllm.models.context import AttentionGroup, StepContext, layout_positions
 
 # int64 fields (each [rows * W] or [rows]) and int32 fields ([rows]) of the persistent input buffers
@@ -32,8 +32,9 @@ class DecodeGraphs:
     def __init__(self, model, kv, state, max_batch: int, width: int, use_graphs: bool):
         self.model, self.kv, self.state = model, kv, state
         self.width = width
-        self._graphs = BucketGraphs(max_batch, self._forward, self._fill_hold, "decode steps")
-        self.buckets, self.max_batch = self._graphs.buckets, self._graphs.max_batch
+        self._graphs = BucketGraphs(batch_buckets(max_batch), self._forward, self._fill_hold, "decode steps")
+        self.buckets = self._graphs.buckets
+        self.max_batch = self.buckets[-1]
         device = kv.device
         n_tok = self.max_batch * width
         self._i64 = torch.zeros(len(_I64), n_tok, dtype=torch.int64, device=device)

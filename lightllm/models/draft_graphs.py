@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from lightllm.engine.device_copy import copy_to_device, to_device
-from lightllm.models.bucket_graphs import BucketGraphs
+from lightllm.models.bucket_graphs import BucketGraphs, batch_buckets
 from lightllm.models.context import AttentionGroup, StepContext, layout_positions, padded_token_index
 
 # int64 fields of one phase ([rows * width] each) and int32 fields ([rows] each); phase 0 commits the pairs,
@@ -32,8 +32,8 @@ class DraftGraphs:
     def __init__(self, model, kv, max_batch: int, width: int, num_steps: int, use_graphs: bool):
         self.model, self.head, self.kv = model, model.mtp, kv
         self.width, self.num_steps = width, num_steps
-        self._graphs = BucketGraphs(max_batch, self._forward, self._fill_hold, "MTP drafting")
-        self.max_batch = self._graphs.max_batch
+        self._graphs = BucketGraphs(batch_buckets(max_batch), self._forward, self._fill_hold, "MTP drafting")
+        self.max_batch = self._graphs.buckets[-1]
         device = kv.device
         self._n_tok = self.max_batch * width
         # rows 0..: token ids of phase 0, each row's last real token, its KV row; then every phase's fields

@@ -28,6 +28,7 @@ from lightllm.models.drafting import MtpDrafter
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.loader import load_weights
 from lightllm.models.memory import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
+from lightllm.models.prefill_graphs import PrefillGraphs
 from lightllm.models.prefix_state import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.models.registry import load_model_config
 from lightllm.models.runner_config import RunnerConfig
@@ -133,14 +134,13 @@ class ModelRunner:
         self._requests: dict[int, _Request] = {}
         self._pending: _PendingVerify | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     def init_decode_graphs(self, use_graphs: bool = True) -> bool:
         """Run decode-only steps through fixed buffers, captured as CUDA graphs when `use_graphs` and on CUDA
         (call after `warmup`). Models whose forward needs the host mid-step (MoE routing counts, MLA's gathered
         latents) keep the eager path. Returns whether the fixed-buffer path is on."""
-        cfg = self.model_config
-        if cfg.moe is not None or cfg.attention.kind == "mla":
-            logger.info("decode steps run eagerly: %s", "MoE routing" if cfg.moe is not None else "MLA attention")
+        if self._needs_host_mid_step("decode steps"):
             return False
         max_batch = min(self.config.graph_max_batch_size, self.config.max_running_requests)
         self.decode_graphs = DecodeGraphs(self.model, self.kv, self.state, max_batch, self.max_width, use_graphs)
@@ -151,6 +151,26 @@ class ModelRunner:
                 self.model, drafter.kv, max_batch, drafter.max_width, self.num_mtp_steps, use_graphs
             )
             drafter.graphs.capture()
+        return True
+
+    def init_prefill_graphs(self, use_graphs: bool = True) -> bool:
+        """Run steps whose only row is a prefill of at most `config.prefill_graph_max_tokens` new tokens through
+        fixed buffers (`PrefillGraphs`), captured per token bucket when `use_graphs` and on CUDA (call after
+        `warmup`). Returns whether the fixed-buffer path is on."""
+        if self.config.prefill_graph_max_tokens == 0 or self._needs_host_mid_step("short prefill steps"):
+            return False
+        max_tokens = min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
+        self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.state, max_tokens, use_graphs)
+        self.prefill_graphs.capture()
+        return True
+
+    def _needs_host_mid_step(self, what: str) -> bool:
+        """Models whose forward needs the host mid-step (MoE routing counts, MLA's gathered latents) cannot run
+        from fixed buffers or graphs: `what` stays eager (logged)."""
+        cfg = self.model_config
+        if cfg.moe is None and cfg.attention.kind != "mla":
+            return False
+        logger.info("%s run eagerly: %s", what, "MoE routing" if cfg.moe is not None else "MLA attention")
         return True
 
     def _mtp_extra_tokens(self) -> int:
@@ -293,10 +313,13 @@ class ModelRunner:
         first_tokens = batch.decode_input_ids
         if first_tokens is not None and self.drafter is not None:
             raise ValueError("decode_input_ids cannot feed an MTP drafter, which needs the tokens on the host")
-        graphs = self.decode_graphs
+        graphs, short_prefill = self.decode_graphs, self.prefill_graphs
         if np_ == 0 and graphs is not None and graphs.bucket(len(reqs)) is not None:
             cached = np.asarray(batch.num_cached_tokens)
             hidden, decode_rows = graphs.run(ids, q_lens, cached, handles, np.asarray(state_slots), first_tokens)
+        elif np_ == len(reqs) == 1 and short_prefill is not None and short_prefill.bucket(len(ids)) is not None:
+            hidden = short_prefill.run(ids, batch.num_cached_tokens[0], int(handles[0]), state_slots[0])
+            decode_rows = None
         else:
             ctx = build_context(
                 batch.query_lens,

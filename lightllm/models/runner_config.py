@@ -40,6 +40,8 @@ class RunnerConfig:
     show_progress: bool = False
     # decode-only steps of up to this many rows replay CUDA graphs (captured per batch bucket at start-up)
     graph_max_batch_size: int = 256
+    # a step whose only row prefills at most this many tokens replays a CUDA graph (buckets 16, 32, ...); 0: never
+    prefill_graph_max_tokens: int = 512
     disable_cudagraph: bool = False
     # prefix cache: shared KV of committed prefixes + a pool of linear-state checkpoints, sized by bytes or as a
     # fraction of the KV cache's bytes (None and None: 0.1)

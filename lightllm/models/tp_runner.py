@@ -41,7 +41,7 @@ LOCAL = frozenset(
     }
 )  # fmt: skip
 # run by every rank while it builds its runner, never later
-START_UP = frozenset({"warmup", "warmup_attention", "init_decode_graphs"})
+START_UP = frozenset({"warmup", "warmup_attention", "init_decode_graphs", "init_prefill_graphs"})
 
 
 def _map_leaves(value, leaf: type, f: Callable):

@@ -164,6 +164,12 @@ class ServerArgs:
     graph_max_batch_size: int = _flag(
         256, "decode steps of up to this many requests replay CUDA graphs (one per batch bucket)", type=int
     )
+    prefill_graph_max_tokens: int = _flag(
+        512,
+        "a step that only prefills one request's at most this many new tokens (a prefix-cache hit's suffix, a short "
+        "prompt) replays a CUDA graph (one per token bucket 16, 32, ...); 0 runs every prefill eagerly",
+        type=int,
+    )
 
     @property
     def max_width(self) -> int:
@@ -288,7 +294,10 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name} must be positive, got {value}")
-    for name, low in (("max_request_body_bytes", 1), ("max_queue_len", 0), ("max_sequences_per_request", 1)):
+    for name, low in (
+        ("max_request_body_bytes", 1), ("max_queue_len", 0), ("max_sequences_per_request", 1),
+        ("prefill_graph_max_tokens", 0),
+    ):  # fmt: skip
         if getattr(args, name) < low:
             raise ValueError(f"--{name} must be at least {low}, got {getattr(args, name)}")
     if args.log_stats_interval < 0:

@@ -49,7 +49,7 @@ def create_tp_runner(args: ServerArgs, info: ModelInfo, group, owns_group: bool 
 
 
 def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: int = 1):
-    """This rank's `ModelRunner`, warmed up (and with its decode graphs captured on CUDA)."""
+    """This rank's `ModelRunner`, warmed up (and with its decode and short-prefill graphs captured on CUDA)."""
     from lightllm.models.runner import ModelRunner, RunnerConfig
 
     names = {f.name for f in dataclasses.fields(RunnerConfig)}
@@ -65,6 +65,7 @@ def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: in
     runner.warmup(args.chunked_prefill_size, progress=rank == 0)
     if runner.device.type == "cuda" and not args.disable_cudagraph:
         runner.init_decode_graphs()
+        runner.init_prefill_graphs()
     return runner
 
 

@@ -9,25 +9,32 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
-from lightllm.engine.messages import NewRequest, TokenChunk
+from lightllm.engine.messages import NewRequest
 from lightllm.engine.prefix_cache import CheckpointPool
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.engine.speculative import NoSpeculator
 from lightllm.linear_att.base import Checkpoint
-from lightllm.server.args import load_server_args
-from lightllm.server.engine_process import build_engine
 from lightllm.tools.make_tiny_model import tiny_model_dir
+from unit_tests.helpers.prefix_scenario import (
+    MAX_TOKENS,
+    VOCAB,
+    Result,
+    assert_same,
+    drain,
+    fresh,
+    make_engine,
+    run_one_by_one,
+    run_scenario,
+    scenario,
+    submit,
+)
 from unit_tests.helpers.scripted_drafts import ScriptedDrafts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-VOCAB = 512
-INTERVAL = 16
-CHUNK = 8
 COMBOS = [
     ("qwen3_5", "native", {}),
     ("qwen3_5", "native", {"spec_ngram": 2}),
@@ -46,116 +53,6 @@ COMBOS = [
 def _id(combo) -> str:
     arch, mode, spec = combo
     return "-".join([arch, mode, *(f"{k}{v}" for k, v in spec.items())] or ["nospec"])
-
-
-def make_engine(arch: str, mode: str, spec: dict, cache: bool = True, **flags):
-    sizes = dict(max_running_requests=4, chunked_prefill_size=CHUNK, max_total_token_num=512)
-    sizes.update(flags)
-    if cache:
-        sizes.setdefault("prefix_cache_state_bytes", 64 * 20_000)
-    args, info = load_server_args(
-        [], model_dir=str(tiny_model_dir(arch)), device="cpu", ssm_state_mode=mode,
-        prefix_cache_checkpoint_interval=INTERVAL, disable_prefix_cache=not cache, **spec, **sizes,
-    )  # fmt: skip
-    return build_engine(args, info, "lightllm.server.runner_factory:create_runner")
-
-
-class Result:
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.cached: int | None = None
-        self.reason: str | None = None
-
-
-def submit(engine, req_id: str, prompt: list[int], max_tokens: int) -> None:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    assert engine.add_request(NewRequest(req_id, prompt, params)) == []
-
-
-def drain(engine, results: dict[str, Result], abort_after: dict[str, int] | None = None) -> None:
-    """Step until idle; `abort_after[req_id] = k` aborts that request after its k-th engine step with output."""
-    abort_after = dict(abort_after or {})
-    seen: dict[str, int] = {}
-
-    def absorb(outputs) -> None:
-        for o in outputs:
-            res = results.get(getattr(o, "req_id", None))
-            if res is None:
-                continue
-            if isinstance(o, TokenChunk):
-                res.tokens += o.token_ids
-                res.logprobs += o.logprobs
-                if o.num_cached_tokens is not None:
-                    res.cached = o.num_cached_tokens
-                seen[o.req_id] = seen.get(o.req_id, 0) + 1
-            elif hasattr(o, "reason"):
-                res.reason = o.reason
-
-    while engine.has_work():
-        absorb(engine.step())
-        for rid, k in list(abort_after.items()):
-            if seen.get(rid, 0) >= k:
-                absorb(engine.abort(rid))
-                del abort_after[rid]
-
-
-def run_one_by_one(engine, prompts: list[list[int]], max_tokens: int) -> list[Result]:
-    """Each request runs alone to its end before the next arrives, so it sees everything earlier ones cached."""
-    out = []
-    for i, prompt in enumerate(prompts):
-        res = {f"q{i}": Result()}
-        submit(engine, f"q{i}", prompt, max_tokens)
-        drain(engine, res)
-        out.append(res[f"q{i}"])
-    return out
-
-
-def assert_same(hot: list[Result], cold: list[Result]) -> None:
-    for i, (h, c) in enumerate(zip(hot, cold)):
-        assert h.tokens == c.tokens, f"request {i}: tokens differ from the cold run"
-        np.testing.assert_allclose(h.logprobs, c.logprobs, atol=1e-5, err_msg=f"request {i}: logprobs")
-
-
-def fresh(rng: random.Random, n: int, avoid: int | None = None) -> list[int]:
-    """`n` random token ids; the first differs from `avoid` (so a prompt branches exactly there)."""
-    out = [rng.randrange(1, VOCAB) for _ in range(n)]
-    while avoid is not None and out and out[0] == avoid:
-        out[0] = rng.randrange(1, VOCAB)
-    return out
-
-
-MAX_TOKENS = 6
-
-
-def scenario(seed: int) -> tuple[list[list[int]], list[int]]:
-    """Prompts run one after another, and the tokens each is expected to resume (interval 16, chunks of 8)."""
-    rng = random.Random(seed)
-    base = fresh(rng, 40)
-    return (
-        [
-            base,  # cold: checkpoints at 16 and 32 (interval), 39 (prefill end), 45 (end of prompt + output)
-            base[:37] + fresh(rng, 5, base[37]),  # between checkpoints: resumes at 32 (and checkpoints its branch, 37)
-            base[:10] + fresh(rng, 6, base[10]),  # inside the first interval: nothing yet; checkpoints the branch, 10
-            base[:10] + fresh(rng, 8, base[10]),  # resumes at the learned branch point
-            base[:24] + fresh(rng, 4, base[24]),  # at the interval checkpoint (a prefill-chunk boundary too)
-            None,  # the next turn (first prompt + its output + new tokens): resumes at the first request's end but
-            # its last output token (45 = 40 + 6 - 1; that token was sampled, never fed), prefilled with the new ones
-            base,  # the first repeat: resumes before its last token (39) and feeds only that token
-            base,  # again
-            base[:5] + fresh(rng, 3, base[5]),  # a 5-token shared prefix: branch point 5 ...
-            base[:5] + fresh(rng, 4, base[5]),  # ... then resumes there
-        ],
-        [0, 32, 0, 10, 16, 45, 39, 39, 0, 5],
-    )
-
-
-def run_scenario(engine, seed: int) -> list[Result]:
-    prompts, _ = scenario(seed)
-    results = run_one_by_one(engine, prompts[:5], MAX_TOKENS)
-    follow_up = prompts[0] + results[0].tokens + fresh(random.Random(seed + 1), 3)
-    results += run_one_by_one(engine, [follow_up], MAX_TOKENS)
-    return results + run_one_by_one(engine, prompts[6:], MAX_TOKENS)
 
 
 class DraftRecorder:

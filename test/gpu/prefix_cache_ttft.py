@@ -8,7 +8,8 @@ without the cache.
 The checkpoint is the serving benchmark's random-weight Qwen3.5 at real width (`SERVING_BENCH_SIZES` of
 `lightllm.tools.bench_throughput`: hidden 2048, 8 layers, bf16, fp32 state), built once and cached.
 
-`ttft` (offline engine, one per state mode; `MODE+mtp` adds `--mtp_step 2`): each repeat draws a fresh random
+`ttft` (offline engine, one per state mode; `MODE+mtp` adds `--mtp_step 2`, `MODE+eager` runs short prefills
+eagerly instead of through their CUDA graphs, `--prefill_graph_max_tokens 0`): each repeat draws a fresh random
 prefix of `--prefix_len` tokens (8192) and sends it with a random `--suffix_len`-token suffix (100), cache on but
 nothing cached (cold), then the same prefix with another suffix (hit: it resumes the checkpoint at the prefix end,
 where the cold request's first prefill chunk ended at an interval boundary, and prefills the suffix), then the
@@ -62,11 +63,14 @@ TINY = dict(
 
 
 def parse_mode(mode: str) -> dict:
-    """`MODE` or `MODE+mtp` -> engine flags."""
-    state, _, extra = mode.partition("+")
-    if extra not in ("", "mtp"):
-        raise ValueError(f"mode {mode!r}: expected STATE_MODE or STATE_MODE+mtp")
-    return {"ssm_state_mode": state, "mtp_step": 2 if extra else 0}
+    """`MODE[+mtp][+eager]` -> engine flags (`+eager`: short prefills run eagerly, no prefill graphs)."""
+    state, *extras = mode.split("+")
+    if not set(extras) <= {"mtp", "eager"}:
+        raise ValueError(f"mode {mode!r}: expected STATE_MODE[+mtp][+eager]")
+    flags = {"ssm_state_mode": state, "mtp_step": 2 if "mtp" in extras else 0}
+    if "eager" in extras:
+        flags["prefill_graph_max_tokens"] = 0
+    return flags
 
 
 def checkpoint(a) -> str:

@@ -135,12 +135,25 @@ class StateCommon:
             rows.has_initial_state,
             backend=self.backend,
         )
-        q, k, v = self._split_qkv(y)
         g, beta = ops.activate_gates(graw, braw, params.A_log, params.dt_bias, self.spec.gate_lower_bound)
+        valid = rows.padded_valid
+        if valid is not None:
+            # padding tokens: finite inputs (their conv output is unspecified), no decay (g = 0) and no update
+            # (beta = 0), so the state after the last token is the state after the last real one
+            y = torch.where(valid[:, None], y, torch.zeros_like(y))
+            g = torch.where(valid[:, None, None], g, torch.zeros_like(g))
+            beta = torch.where(valid[:, None], beta, torch.zeros_like(beta))
+        q, k, v = self._split_qkv(y)
         init = self._ssm_prefill_initial(layer, rows.slots).float()
         init = torch.where(rows.has_initial_state.to(torch.bool)[:, None, None, None], init, torch.zeros_like(init))
         # prefill follows the device (fla on CUDA, torch on CPU) even when tests force the Triton decode kernels
-        o, final = ops.chunk_delta_rule(q, k, v, g, beta, init, rows.cu_seqlens, algorithm=self.spec.algorithm)
+        # a padded row runs as one sequence of all its tokens, without offsets a CUDA graph could not read
+        cu_seqlens = None if valid is not None else rows.cu_seqlens
+        o, final = ops.chunk_delta_rule(q, k, v, g, beta, init, cu_seqlens, algorithm=self.spec.algorithm)
+        if valid is not None:
+            # one row with at least one real token: no data-dependent selection (a host sync) needed
+            self._ssm_prefill_write(layer, rows.slots, final)
+            return o
         lens = rows.cu_seqlens[1:] - rows.cu_seqlens[:-1]
         live = lens > 0
         self._ssm_prefill_write(layer, rows.slots[live], final[live])

@@ -43,9 +43,12 @@ def causal_conv_prefill(x, conv, conv_offset, slots, cu_seqlens, weight, bias, h
     padded = torch.zeros(num_rows, hist_len + max_len, num_ch, dtype=torch.float32, device=x.device)
     padded[:, :hist_len] = hist
     row_of_token = torch.repeat_interleave(torch.arange(num_rows, device=x.device), lens)
-    pos_in_row = torch.arange(x.shape[0], device=x.device) - cu[:-1][row_of_token]
-    padded[row_of_token, hist_len + pos_in_row] = x.float()
-    y = _taps(padded, weight, bias, max_len)[row_of_token, pos_in_row].to(x.dtype)
+    # tokens past the last row (padding of a fixed-size step) are in no row: they get zeros
+    num_real = row_of_token.numel()
+    pos_in_row = torch.arange(num_real, device=x.device) - cu[:-1][row_of_token]
+    padded[row_of_token, hist_len + pos_in_row] = x[:num_real].float()
+    y = torch.zeros_like(x)
+    y[:num_real] = _taps(padded, weight, bias, max_len)[row_of_token, pos_in_row].to(x.dtype)
     tail = padded[torch.arange(num_rows, device=x.device)[:, None], lens[:, None] + torch.arange(hist_len)]
     live = lens > 0
     conv[sl[live][:, None], :, cols[live]] = tail[live].to(conv.dtype)

@@ -35,7 +35,7 @@ def chunk_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, *, scale=None,
     """See `lightllm.linear_att.ops.chunk_delta_rule`."""
     num_tokens, num_v_heads, head_v = v.shape
     head_k = k.shape[-1]
-    cu = cu_seqlens.long()
+    cu = torch.tensor([0, num_tokens], device=v.device) if cu_seqlens is None else cu_seqlens.long()
     num_rows = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
     dev = v.device

@@ -1,0 +1,114 @@
+"""Short prefill steps through the fixed buffers of `PrefillGraphs` (the path CUDA graphs replay; eager on the CPU):
+one request's chunk padded to a token bucket gives the tokens and logprobs of an ordinary engine (cold, no fixed
+buffers) in every state mode and speculation, on prefix-cache hits (the suffix after a checkpoint), chunked
+prompts (each chunk starting from the state the previous one wrote), next turns and exact repeats; and matches
+transformers on its own."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightllm.models.prefill_graphs import PrefillGraphs, prefill_buckets
+from lightllm.tools.make_tiny_model import tiny_model_dir
+from unit_tests.helpers.prefix_scenario import (
+    MAX_TOKENS,
+    assert_same,
+    fresh,
+    make_engine,
+    run_one_by_one,
+    run_scenario,
+    scenario,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# dense GQA models only: MoE routing and MLA keep their steps eager
+COMBOS = [("native", {}), ("compact", {"spec_ngram": 3}), ("replay", {"mtp_step": 2}), ("replay", {"spec_ngram": 2})]
+
+
+def _with_fixed_buffers(engine, calls: list[tuple[int, int]] | None = None):
+    """The engine with decode and short-prefill steps through fixed buffers (no graphs on the CPU); `calls`
+    records each prefill run as (tokens, bucket)."""
+    runner = engine.runner
+    assert runner.init_decode_graphs(use_graphs=False)
+    assert runner.init_prefill_graphs(use_graphs=False)
+    if calls is not None:
+        graphs = runner.prefill_graphs
+        run = graphs.run
+
+        def counted(input_ids, *rest):
+            calls.append((len(input_ids), graphs.bucket(len(input_ids))))
+            return run(input_ids, *rest)
+
+        graphs.run = counted
+    return engine
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join([c[0], *(f"{k}{v}" for k, v in c[1].items())]))
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_padded_prefill_steps_equal_the_eager_engine(combo, chunk):
+    mode, spec = combo
+    calls: list[tuple[int, int]] = []
+    cold = make_engine("qwen3_5", mode, spec, cache=False, chunked_prefill_size=chunk)
+    hot = _with_fixed_buffers(make_engine("qwen3_5", mode, spec, chunked_prefill_size=chunk), calls)
+    expected = run_scenario(cold, seed=23)
+    got = run_scenario(hot, seed=23)
+    if chunk == 8:
+        assert [r.cached for r in got] == scenario(23)[1]
+    else:
+        # one chunk per prompt: checkpoints only at prefill ends and request ends, still hit by the later requests
+        assert sum(r.cached for r in got) > 0
+    assert_same(got, expected)
+    # every prefill ran through the buffers, padded up to its bucket
+    assert calls and all(bucket is not None for _, bucket in calls)
+    assert any(n < bucket for n, bucket in calls), calls
+    assert hot.runner.num_free_kv_tokens() == 512 and hot.runner.num_free_requests() == 4
+
+
+def test_padded_prefill_matches_transformers(hf_oracle):
+    """A cold prompt of 37 tokens in chunks of 16, 16 and 5 (buckets 16, 16, 16) and a 3-token next turn."""
+    model_dir = str(tiny_model_dir("qwen3_5"))
+    calls: list[tuple[int, int]] = []
+    engine = _with_fixed_buffers(make_engine("qwen3_5", "replay", {}, chunked_prefill_size=16), calls)
+    rng = random.Random(5)
+    prompt = fresh(rng, 37)
+    first = run_one_by_one(engine, [prompt], MAX_TOKENS)[0]
+    oracle = hf_oracle(model_dir)
+    assert first.tokens == oracle.greedy(prompt, MAX_TOKENS)
+    turn = prompt + first.tokens + fresh(rng, 3)
+    second = run_one_by_one(engine, [turn], MAX_TOKENS)[0]
+    assert second.cached > 0
+    assert second.tokens == oracle.greedy(turn, MAX_TOKENS)
+    assert [n for n, _ in calls][:3] == [16, 16, 4]
+
+
+def test_padding_that_updates_the_state_breaks_the_text(monkeypatch):
+    """Teeth: the same run with the padding tokens marked real (they decay and update the linear state and write
+    KV past the row's end) must not give the eager engine's text."""
+    upload = PrefillGraphs._upload
+
+    def padding_is_real(self, tokens):
+        self._host64[4, :tokens] = 1  # the "real" field
+        upload(self, tokens)
+
+    monkeypatch.setattr(PrefillGraphs, "_upload", padding_is_real)
+    cold = make_engine("qwen3_5", "native", {}, cache=False)
+    hot = _with_fixed_buffers(make_engine("qwen3_5", "native", {}))
+    with pytest.raises(AssertionError):
+        assert_same(run_scenario(hot, seed=23), run_scenario(cold, seed=23))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])
+def test_moe_and_mla_models_keep_prefill_eager(arch):
+    engine = make_engine(arch, "native", {})
+    assert not engine.runner.init_prefill_graphs(use_graphs=False)
+    assert engine.runner.prefill_graphs is None
+
+
+def test_prefill_buckets():
+    assert prefill_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert prefill_buckets(100) == [16, 32, 64, 100]
+    assert prefill_buckets(16) == [16]
+    assert prefill_buckets(0) == []
