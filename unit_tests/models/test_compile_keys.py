@@ -6,7 +6,7 @@ On a GPU a new key is a compile (seconds for the attention and state kernels) in
 kernels stopped specialising on their per-row tables and counts, the first rounds of a real-width benchmark spent
 seconds compiling variants of `paged_attention_kernel`, `serial_verify_kernel`, `causal_conv_decode_kernel` and
 `native_accept_kernel` for batch sizes the start-up had not met. Here a tiny model runs its Triton kernels under
-the interpreter through steps of many shapes: prefill alone, decode of 1, 2, 3, 4, 5 and 16 rows (through the
+the interpreter through steps of many shapes: prefill alone, decode of 1, 2, 3, 4, 5, 16 and 17 rows (through the
 decode buffers that graphs are captured over), and mixed steps of prefill chunks of 1 to 21 tokens beside decode
 rows.
 """
@@ -69,6 +69,7 @@ def _serve_steps(runner, width: int, seed: int = 0) -> None:
     step([], h[:16])
     step([], h[:5])
     step([(h[16], 4)], h[:16])
+    step([], h[:17])
 
 
 @pytest.mark.parametrize(
@@ -93,6 +94,9 @@ def test_serving_steps_meet_one_compile_key_per_kernel_variant_and_warmed_attent
     state_kernels = {"replay_window_kernel", "replay_accept_kernel"} if mode == "replay" else {"serial_verify_kernel"}
     assert state_kernels <= kernels
     assert served.varying() == {}
+    # kernels with no shape-driven constexpr: one compiled variant whatever the batch size
+    for name in {"replay_accept_kernel", "native_accept_kernel", "causal_conv_decode_kernel"} & kernels:
+        assert len(served.by_kernel[name]) == 1, f"{name}: {list(served.by_kernel[name])}"
     for const, runtime in served.by_kernel["paged_attention_kernel"].items():
         assert runtime <= warmed.by_kernel["paged_attention_kernel"][const], f"{dict(const)} is not warmed up"
 

@@ -14,6 +14,10 @@ import triton.language as tl
 
 from lightllm.linear_att.kernels.common import BATCH_VARYING_ARGS, replay_folds
 
+# rows per program, the same for every batch size: a block sized to the batch would be a new compile (seconds, in
+# the middle of a serving step) the first time a batch of a new power-of-two size accepts
+ACCEPT_BLOCK = 128
+
 
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def replay_accept_kernel(
@@ -60,8 +64,7 @@ def replay_accept_triton(
     assert cursor.dtype == parity.dtype == conv_offset.dtype == torch.int32
     if N == 0:
         return
-    BLOCK = min(1024, max(16, triton.next_power_of_2(N)))
-    replay_accept_kernel[(triton.cdiv(N, BLOCK),)](
+    replay_accept_kernel[(triton.cdiv(N, ACCEPT_BLOCK),)](
         cursor,
         parity,
         conv_offset,
@@ -70,7 +73,7 @@ def replay_accept_triton(
         accepted,
         N,
         L=capacity,
-        BLOCK=BLOCK,
+        BLOCK=ACCEPT_BLOCK,
         num_warps=4,
     )
 
@@ -99,5 +102,6 @@ def native_accept_triton(
     assert widths.shape == accepted.shape == (N,)
     if N == 0:
         return
-    BLOCK = min(1024, max(16, triton.next_power_of_2(N)))
-    native_accept_kernel[(triton.cdiv(N, BLOCK),)](ssm_index, conv_offset, slots, widths, accepted, N, BLOCK=BLOCK)
+    native_accept_kernel[(triton.cdiv(N, ACCEPT_BLOCK),)](
+        ssm_index, conv_offset, slots, widths, accepted, N, BLOCK=ACCEPT_BLOCK
+    )
