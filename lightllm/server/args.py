@@ -157,7 +157,9 @@ class ServerArgs:
         None, "checkpoint pool size in bytes (auto: from --prefix_cache_state_fraction)", type=int
     )
 
-    disable_cudagraph: bool = _flag(False, "run decode steps eagerly instead of replaying CUDA graphs", type=bool)
+    disable_cudagraph: bool = _flag(
+        False, "run decode and short prefill steps eagerly instead of replaying CUDA graphs", type=bool
+    )
     disable_overlap_schedule: bool = _flag(
         False, "read each decode step's tokens back before launching the next (no host/GPU overlap)", type=bool
     )

@@ -150,6 +150,7 @@ def test_edge_flags_parse():
         (("--max_sequences_per_request", "0"), "--max_sequences_per_request must be at least 1"),
         (("--max_request_body_bytes", "0"), "--max_request_body_bytes must be at least 1"),
         (("--log_stats_interval", "-2"), "--log_stats_interval must be >= 0"),
+        (("--prefill_graph_max_tokens", "-1"), "--prefill_graph_max_tokens must be at least 0"),
     ],
     ids=lambda v: v[0] if isinstance(v, tuple) else None,
 )
