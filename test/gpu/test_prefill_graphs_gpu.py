@@ -48,5 +48,6 @@ def test_cuda_graph_prefill_equals_eager(combo, chunk):
     for i, (e, g) in enumerate(zip(expected, got)):
         assert g.tokens == e.tokens, f"request {i}"
         assert g.cached == e.cached, f"request {i}"
-        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4), f"request {i}"
+        # fla's chunk kernels take fp32 dots as tf32: the padded one-sequence launch and the varlen one round apart
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-3), f"request {i}"
     assert graph.runner.num_free_kv_tokens() == 512 and graph.runner.num_free_requests() == 4

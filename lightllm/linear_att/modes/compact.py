@@ -74,7 +74,9 @@ class CompactState(StateCommon):
         self.ssm[layer, slots.long()] = state.to(self.ssm.dtype)
 
     def _ssm_finish_prefill(self, slots):
-        self.pending[slots] = 0
+        # index_fill_ takes its value as a scalar argument: capturable in the prefill graphs (a setitem of 0
+        # would copy a host tensor)
+        self.pending.index_fill_(0, slots, 0)
 
     def _ssm_export(self, slots):
         # merge into gathered copies (rows 0..n-1) so the live state keeps its pending tokens and bytes

@@ -81,7 +81,9 @@ class ReplayState(StateCommon):
         self.ssm[layer, slots.long()] = state.to(self.ssm.dtype)
 
     def _ssm_finish_prefill(self, slots):
-        self.cursor[slots] = 0
+        # index_fill_ takes its value as a scalar argument: capturable in the prefill graphs (a setitem of 0
+        # would copy a host tensor)
+        self.cursor.index_fill_(0, slots, 0)
 
     def _ssm_export(self, slots):
         out = torch.empty(
