@@ -127,7 +127,7 @@ prefix)  # later arguments go to prefix_cache_ttft.py (default: its TTFT part)
     args=("${@:3}")
     [ ${#args[@]} -eq 0 ] && args=(--parts ttft)
     py test/gpu/prefix_cache_ttft.py --result_file "$OUT_DIR/prefix_cache.json" "${args[@]}" 2>&1 |
-        tee "$OUT_DIR/prefix_cache.log" | grep --line-buffered -E "^\||Error|Traceback"
+        tee -a "$OUT_DIR/prefix_cache.log" | grep --line-buffered -E "^\||Error|Traceback"
     ;;
 compiles)  # later arguments go to serving_compiles.py (--mode, --mtp_step)
     py test/gpu/serving_compiles.py --log "$OUT_DIR/serving_compiles_server.log" "${@:3}" 2>&1 |
