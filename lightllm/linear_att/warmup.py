@@ -46,6 +46,7 @@ def warmup_prefill(
     *,
     max_num_tokens: int = 8192,
     token_counts: list[int] | None = None,
+    one_sequence_counts: list[int] = (),
     progress: bool = True,
 ) -> int:
     """Run the prefill kernels (conv + fla chunk) on scratch tensors at the serving shapes; returns the call count.
@@ -53,16 +54,20 @@ def warmup_prefill(
     state: the serving `LinearAttState` (only its device, activation dtype and backend are read; its tensors are
     never written). spec: its `LinearAttSpec` (per tensor-parallel rank). max_num_tokens: the largest prefill
     chunk of one engine step (`chunked_prefill_size`). token_counts: override the counts from
-    `warmup_token_counts`. Each count runs as one row, plus one call with three rows (varlen). Blocks until the
-    device is done. On a CPU state this returns 0 at once: the torch path has nothing to tune.
+    `warmup_token_counts`. Each count runs as one row, plus one call with three rows (varlen).
+    one_sequence_counts: token counts that also run as one sequence without offsets (the padded prefills that
+    replay as CUDA graphs: fla compiles and tunes that variant apart). Blocks until the device is done. On a CPU state this returns 0 at once: the torch path has nothing to tune.
     """
     if state.device.type != "cuda":
         return 0
     counts = warmup_token_counts(max_num_tokens, spec.num_k_heads) if token_counts is None else sorted(token_counts)
-    calls = [[t] for t in counts] + [[1, 2, max(1, min(max_num_tokens, 192) - 3)]]
+    calls = [([t], False) for t in counts] + [([1, 2, max(1, min(max_num_tokens, 192) - 3)], False)]
+    calls += [([t], True) for t in one_sequence_counts]
     with torch.no_grad():
-        for lengths in tqdm(calls, desc="prefill warm-up", unit="shape", disable=not progress):
-            run_prefill_once(spec, lengths, state.conv.dtype, state.device, state.backend, state.conv.shape[-1])
+        for lengths, one_sequence in tqdm(calls, desc="prefill warm-up", unit="shape", disable=not progress):
+            run_prefill_once(
+                spec, lengths, state.conv.dtype, state.device, state.backend, state.conv.shape[-1], one_sequence
+            )
     torch.cuda.synchronize(state.device)
     return len(calls)
 
@@ -74,13 +79,15 @@ def run_prefill_once(
     device,
     backend: str | None = None,
     conv_cols: int | None = None,
+    one_sequence: bool = False,
 ) -> None:
     """One prefill of rows of `lengths` tokens through the serving ops, on fresh scratch tensors.
 
     The same calls `StateCommon.prefill` makes (conv with a slot history, gate activation, chunk with an initial
     state), so the tuning keys (shapes, dtypes, optional arguments present) are the serving ones. `conv_cols`: the
     column count of the serving conv buffer (its stride selects the compiled conv variant); the conv has no bias,
-    like the GDN and KDA layers of the supported models.
+    like the GDN and KDA layers of the supported models. `one_sequence`: the chunk runs without `cu_seqlens`, as
+    for a padded prefill (one row).
     """
     num_rows, total = len(lengths), sum(lengths)
     hv, gk, kc = spec.num_v_heads, spec.gate_dim, spec.conv_kernel_size
@@ -115,6 +122,6 @@ def run_prefill_once(
         g,
         beta,
         init,
-        cu,
+        None if one_sequence else cu,
         algorithm=spec.algorithm,
     )

@@ -28,7 +28,7 @@ from lightllm.models.drafting import MtpDrafter
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.loader import load_weights
 from lightllm.models.memory import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
-from lightllm.models.prefill_graphs import PrefillGraphs
+from lightllm.models.prefill_graphs import PrefillGraphs, prefill_buckets
 from lightllm.models.prefix_state import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.models.registry import load_model_config
 from lightllm.models.runner_config import RunnerConfig
@@ -433,15 +433,23 @@ class ModelRunner:
         return self.drafter.draft(handles, [self._requests[h] for h in handles], next_tokens.tolist(), num_steps)
 
     def warmup(self, max_num_tokens: int, progress: bool = True) -> int:
-        """Compile/autotune the linear-attention prefill kernels at the serving shapes on scratch tensors, tune the
-        decode kernels of a shape the shipped tables lack, and compile every variant of the attention kernel the
-        model's attention layers launch (call once at start-up, before serving and before `init_decode_graphs`; a
-        no-op on CPU). Returns the number of warm-up calls."""
+        """Compile/autotune the linear-attention prefill kernels at the serving shapes on scratch tensors (the
+        padded one-sequence prefills of `init_prefill_graphs` included), tune the decode kernels of a shape the
+        shipped tables lack, and compile every variant of the attention kernel the model's attention layers launch
+        (call once at start-up, before serving and before `init_decode_graphs`; a no-op on CPU). Returns the number
+        of warm-up calls."""
         from lightllm.linear_att.startup_tune import tune_serving_shape
         from lightllm.linear_att.warmup import warmup_prefill
 
         tune_serving_shape(self.state, self.linear_spec, progress=progress)
-        calls = warmup_prefill(self.state, self.linear_spec, max_num_tokens=max_num_tokens, progress=progress)
+        graph_tokens = min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
+        calls = warmup_prefill(
+            self.state,
+            self.linear_spec,
+            max_num_tokens=max_num_tokens,
+            one_sequence_counts=prefill_buckets(graph_tokens),
+            progress=progress,
+        )
         return calls + self.warmup_attention()
 
     def warmup_attention(self) -> int:

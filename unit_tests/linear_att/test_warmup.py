@@ -68,3 +68,20 @@ def test_run_prefill_once_uses_serving_shapes(algo, backend, monkeypatch):
     assert seen["beta"].shape == (10, hv) and seen["beta"].dtype == torch.float32
     assert seen["init"].shape == (3, hv, spec.head_k_dim, spec.head_v_dim) and seen["init"].dtype == torch.float32
     assert seen["cu"].tolist() == [0, 1, 3, 10]
+
+
+def test_run_prefill_once_one_sequence_calls_the_chunk_without_offsets(monkeypatch):
+    """The padded prefill's variant: one row, no `cu_seqlens` (what `PrefillGraphs` launches); the varlen twin
+    passes them."""
+    spec = sc.make_spec("gdn", num_k_heads=1, ratio=2, head_k_dim=8, head_v_dim=8)
+    seen = []
+    real = ops.chunk_delta_rule
+
+    def record(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
+        seen.append(cu_seqlens)
+        return real(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs)
+
+    monkeypatch.setattr(ops, "chunk_delta_rule", record)
+    warmup.run_prefill_once(spec, [16], torch.float32, "cpu", "torch", conv_cols=5, one_sequence=True)
+    warmup.run_prefill_once(spec, [16], torch.float32, "cpu", "torch", conv_cols=5)
+    assert seen[0] is None and seen[1].tolist() == [0, 16]
