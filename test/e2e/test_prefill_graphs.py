@@ -14,12 +14,15 @@ from lightllm.models.prefill_graphs import PrefillGraphs, prefill_buckets
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.helpers.prefix_scenario import (
     MAX_TOKENS,
+    Result,
     assert_same,
+    drain,
     fresh,
     make_engine,
     run_one_by_one,
     run_scenario,
     scenario,
+    submit,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -112,3 +115,31 @@ def test_prefill_buckets():
     assert prefill_buckets(100) == [16, 32, 64, 100]
     assert prefill_buckets(16) == [16]
     assert prefill_buckets(0) == []
+
+
+def test_preempted_and_aborted_requests_through_the_buffers_equal_the_cold_run():
+    """KV for fewer tokens than three requests need (preemption; re-admissions resume from their own checkpoints)
+    and one more request aborted after its first tokens: the survivors' text is the cold run's, some prefills ran
+    through the buffers, and every pool is back to its start once idle."""
+    rng = random.Random(33)
+    prompts = [fresh(rng, 36) for _ in range(3)]
+    kwargs = dict(max_total_token_num=128, max_req_total_len=64, chunked_prefill_size=16)
+    outputs, calls = [], []
+    for cache in (False, True):
+        engine = make_engine("qwen3_5", "replay", {"spec_ngram": 2}, cache=cache, **kwargs)
+        if cache:
+            _with_fixed_buffers(engine, calls)
+        res = {f"p{i}": Result() for i in range(3)}
+        for i, p in enumerate(prompts):
+            submit(engine, f"p{i}", p, 14)
+        drain(engine, res)
+        assert engine.scheduler.num_preemptions > 0
+        aborted = {"x": Result()}
+        submit(engine, "x", prompts[0][:20] + fresh(rng, 9), 10)
+        drain(engine, aborted, abort_after={"x": 2})
+        assert aborted["x"].reason == "abort"
+        outputs.append([res[f"p{i}"] for i in range(3)])
+    assert_same(outputs[1], outputs[0])
+    assert calls, "no prefill step went through the buffers"
+    runner = engine.runner
+    assert runner.num_free_requests() == 4 and runner.num_free_kv_tokens() == 128
