@@ -65,6 +65,7 @@ class Engine:
         state_mode: str | None = None,
         prefix_cache_checkpoint_interval: int = 0,
         overlap_schedule: bool = False,
+        short_resume_tokens: int = 0,
     ):
         self.runner = runner
         # only labels the state-memory statistic; the engine never acts on the mode
@@ -73,8 +74,9 @@ class Engine:
         self.speculator = create_speculator(mtp_step, spec_ngram)
         max_width = min(runner.max_width, self.speculator.num_drafts + 1)
         self.scheduler = Scheduler(
-            runner, max_running_requests, chunked_prefill_size, max_width, prefix_cache_checkpoint_interval
-        )
+            runner, max_running_requests, chunked_prefill_size, max_width, prefix_cache_checkpoint_interval,
+            short_resume_tokens,
+        )  # fmt: skip
         self.sampler = Sampler(seed)
         self.requests: dict[str, Request] = {}
         # True between a forward with decode rows and its accept (so a failure in between can settle the runner)

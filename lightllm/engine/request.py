@@ -49,6 +49,9 @@ class Request:
     num_cached_tokens: int = 0
     # prefill position where the tokens branch off a cached path (a checkpoint is taken there); 0 = none
     branch_point: int = 0
+    # resumed from the prefix cache with a short suffix: the prefill feeds the last prompt token too (one step
+    # less to the first token; its prefill-end checkpoint is after that token, not before it)
+    prefills_last_token: bool = False
     # prompt positions the front-end asked to checkpoint, ascending
     checkpoint_hints: list[int] = field(default_factory=list)
     # seeded requests draw every random number from their own generator, so batching cannot change them

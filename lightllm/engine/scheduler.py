@@ -13,7 +13,11 @@ With a prefix cache, admission resumes a request from the deepest cached checkpo
 (finished, aborted or preempted) first publishes its committed tokens (`runner.publish`). The prefill rows stop one
 token short of the prompt and the last token runs as a one-token decode window: the checkpoint at the prefill end is
 then the state just before the last token, from which a later request with the same tokens produces its first
-output token without prefilling anything.
+output token without prefilling anything. A request that resumed from the cache with at most
+`short_resume_tokens` (and at least two) tokens left is the exception: its one prefill chunk feeds the last token
+too, so a hit (a later turn, a shared prefix with a short question) reaches its first token one step sooner. Its
+prefill end is checkpointed after the last token: a prompt extending it resumes there, while an exact repeat
+resumes at an earlier checkpoint (the one the hit itself resumed from) and prefills the short rest again.
 """
 
 from __future__ import annotations
@@ -64,10 +68,13 @@ class Scheduler:
         token_budget: int,
         max_width: int,
         checkpoint_interval: int = 0,
+        short_resume_tokens: int = 0,
     ):
         self.runner = runner
         # prefill chunks end at multiples of this when they cross one (0 = no alignment)
         self.checkpoint_interval = checkpoint_interval
+        # a resume with at most this many tokens left prefills its last prompt token in the same chunk
+        self.short_resume_tokens = short_resume_tokens
         # KV tokens of an empty cache: a request whose prefill alone exceeds this can never run
         self.kv_capacity = runner.num_free_kv_tokens()
         self.max_running_requests = max_running_requests
@@ -129,7 +136,7 @@ class Scheduler:
         resumes there and feeds only that token, whose logits give its first output token; one that extends them
         resumes there too and prefills one token more than it would from a checkpoint after the last token."""
         n = req.num_prefill_tokens
-        return n - 1 if self.checkpoint_interval and n > 1 else n
+        return n - 1 if self.checkpoint_interval and n > 1 and not req.prefills_last_token else n
 
     def awaits_last_token(self, req: Request) -> bool:
         """Prefilled up to `prefill_end` short of its last token: its next row is that token's decode window."""
@@ -215,6 +222,8 @@ class Scheduler:
             # later requests sharing this prefix resume there
             req.branch_point = match.num_matched if match.num_matched > req.num_computed_tokens else 0
             req.num_prefill_tokens = num_prefill
+            left = num_prefill - req.num_computed_tokens
+            req.prefills_last_token = req.num_computed_tokens > 0 and 2 <= left <= self.short_resume_tokens
             self._admit_seq += 1
             req.admit_seq = self._admit_seq
             self.running.append(req)

@@ -63,6 +63,8 @@ def engine_for_runner(args: ServerArgs, runner) -> Engine:
         state_mode=args.ssm_state_mode,
         prefix_cache_checkpoint_interval=0 if args.disable_prefix_cache else args.prefix_cache_checkpoint_interval,
         overlap_schedule=not args.disable_overlap_schedule,
+        # a hit whose suffix is one short prefill (a graph on CUDA) feeds its last prompt token in it
+        short_resume_tokens=args.prefill_graph_max_tokens,
     )
 
 

@@ -71,7 +71,8 @@ def test_four_turn_chat_resumes_every_turn_and_equals_the_cold_run(served):
 
 def test_completions_report_cached_tokens_plain_and_streamed(served):
     """An exact repeat resumes before its last token (the second occurrence already hits); the next turn (prompt +
-    answer + new tokens) resumes at the answer's end but its last token, which was sampled and never fed."""
+    answer + new tokens) resumes at the answer's end but its last token, which was sampled and never fed; a prompt
+    extending that turn by one token resumes after the turn's last token (a hit with a short rest prefills it)."""
     server, cold = served
     rng = random.Random(8)
     prompt = [rng.randrange(1, 500) for _ in range(40)]
@@ -97,11 +98,11 @@ def test_completions_report_cached_tokens_plain_and_streamed(served):
         stream_options={"include_usage": True},
     )
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
-    # the previous request's prefill end, one short of its 46 tokens
-    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 45
+    # the previous request's prefill end: it resumed with a short rest, so it fed all its 46 tokens in its prefill
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 46
     # engine statistics reach /metrics shortly after the requests finish
     wait_for(
-        lambda: scrape(server.base_url, "lightllm_prefix_cache_hit_tokens_total") >= before + 39 + 42 + 45,
+        lambda: scrape(server.base_url, "lightllm_prefix_cache_hit_tokens_total") >= before + 39 + 42 + 46,
         what="the hit tokens on /metrics",
     )
     assert scrape(server.base_url, "lightllm_prefix_cache_checkpoints_stored_total") > 0

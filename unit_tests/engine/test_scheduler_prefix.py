@@ -41,9 +41,9 @@ class CachingFakeRunner(FakeRunner):
         return max((len(k) for k in self.hits if tuple(token_ids[: len(k)]) == k), default=0)
 
 
-def _engine(runner, interval: int, chunk: int = 64, max_len: int = 64) -> Engine:
+def _engine(runner, interval: int, chunk: int = 64, max_len: int = 64, short_resume: int = 0) -> Engine:
     return Engine(runner, max_running_requests=4, chunked_prefill_size=chunk, max_req_total_len=max_len,
-                  prefix_cache_checkpoint_interval=interval)  # fmt: skip
+                  prefix_cache_checkpoint_interval=interval, short_resume_tokens=short_resume)  # fmt: skip
 
 
 def _drain(engine, msgs) -> dict[str, list[int]]:
@@ -146,3 +146,26 @@ def test_a_one_token_prompt_samples_from_its_prefill():
     tokens = _drain(_engine(runner, interval=8), [NewRequest("a", [7], GREEDY)])
     assert _batches(runner) == [([1], [0], 1), ([1], [1], 0)]
     assert tokens["a"] == FakeRunner().greedy([7], 2)
+
+
+def test_a_hit_with_a_short_suffix_feeds_its_last_token_in_the_prefill():
+    """Resumed with at most `short_resume_tokens` left: the chunk after the branch point runs to the end of the
+    prompt and its logits give the first token (one step sooner than a decode window of the last token); no
+    checkpoint at the prompt end is after its last token. The twin with a smaller bound keeps the decode window."""
+    prompt = list(range(1, 26))
+    for bound, expected, published in (
+        (9, [([4], [16], 1), ([5], [20], 1), ([1], [25], 0)], [(0, 20), (0, 25), (0, 26)]),
+        (8, [([4], [16], 1), ([4], [20], 1), ([1], [24], 0), ([1], [25], 0)], [(0, 20), (0, 24), (0, 26)]),
+    ):
+        runner = CachingFakeRunner(kv_tokens=200, hits={tuple(prompt[:16]): (16, 20)})
+        engine = _engine(runner, interval=8, short_resume=bound)
+        engine.add_request(NewRequest("a", prompt, GREEDY))
+        steps = [engine.step() for _ in range(len(expected) - 1)]
+        first_at = next(i for i, out in enumerate(steps) if any(getattr(o, "token_ids", None) for o in out))
+        assert first_at == (1 if bound == 9 else 2)
+        while engine.has_work():
+            steps.append(engine.step())
+        assert _batches(runner) == expected
+        assert runner.published == published
+        tokens = [t for out in steps for o in out for t in getattr(o, "token_ids", [])]
+        assert tokens == FakeRunner().greedy(prompt, 2)
