@@ -134,7 +134,8 @@ class Scheduler:
         `num_prefill_tokens`: the last token is fed as a one-token decode window instead (the same math, in the
         decode batch), so the prefill end is checkpointed just before it. A later request for the same tokens
         resumes there and feeds only that token, whose logits give its first output token; one that extends them
-        resumes there too and prefills one token more than it would from a checkpoint after the last token."""
+        resumes there too and prefills one token more than it would from a checkpoint after the last token. A
+        request resumed with a short rest (`prefills_last_token`) prefills to `num_prefill_tokens`."""
         n = req.num_prefill_tokens
         return n - 1 if self.checkpoint_interval and n > 1 and not req.prefills_last_token else n
 
