@@ -313,13 +313,9 @@ class ModelRunner:
         first_tokens = batch.decode_input_ids
         if first_tokens is not None and self.drafter is not None:
             raise ValueError("decode_input_ids cannot feed an MTP drafter, which needs the tokens on the host")
-        graphs, short_prefill = self.decode_graphs, self.prefill_graphs
-        if np_ == 0 and graphs is not None and graphs.bucket(len(reqs)) is not None:
-            cached = np.asarray(batch.num_cached_tokens)
-            hidden, decode_rows = graphs.run(ids, q_lens, cached, handles, np.asarray(state_slots), first_tokens)
-        elif np_ == len(reqs) == 1 and short_prefill is not None and short_prefill.bucket(len(ids)) is not None:
-            hidden = short_prefill.run(ids, batch.num_cached_tokens[0], int(handles[0]), state_slots[0])
-            decode_rows = None
+        fixed = self._forward_fixed_buffers(batch, ids, q_lens, handles, state_slots, first_tokens)
+        if fixed is not None:
+            hidden, decode_rows = fixed
         else:
             ctx = build_context(
                 batch.query_lens,
@@ -353,6 +349,43 @@ class ModelRunner:
         if any(batch.prefill_prompt_logits):
             out.prompt_logits, out.prompt_logits_offsets = self._prompt_logits(batch, hidden, real)
         return out
+
+    def _forward_fixed_buffers(
+        self,
+        batch: ForwardBatch,
+        ids: np.ndarray,
+        q_lens: np.ndarray,
+        handles: np.ndarray,
+        state_slots: list[int],
+        first_tokens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, DecodeRows | None] | None:
+        """The step through the graphs' fixed buffers when its shape has them: decode rows only (a decode graph),
+        one short prefill row (a prefill graph), or one short prefill row beside decode rows (both graphs, one after
+        the other: the rows share no state, KV or attention, so two forwards compute what one would, without the
+        launches of an eager mixed step). Returns the step's hidden states in its token layout and the decode
+        rows (or None), or None when the step runs eagerly."""
+        np_ = batch.num_prefill_rows
+        num_decode = len(q_lens) - np_
+        decode, prefill = self.decode_graphs, self.prefill_graphs
+        if len(q_lens) == 0:
+            return None
+        if num_decode and (decode is None or decode.bucket(num_decode) is None):
+            return None
+        if np_ > 1 or (np_ == 1 and (prefill is None or prefill.bucket(int(q_lens[0])) is None)):
+            return None
+        parts, decode_rows = [], None
+        num_prefill_tokens = int(q_lens[:np_].sum())
+        if np_:
+            hidden = prefill.run(ids[:num_prefill_tokens], batch.num_cached_tokens[0], int(handles[0]), state_slots[0])
+            parts.append(hidden[:num_prefill_tokens])
+        if num_decode:
+            cached = np.asarray(batch.num_cached_tokens[np_:])
+            hidden, decode_rows = decode.run(
+                ids[num_prefill_tokens:], q_lens[np_:], cached, handles[np_:], np.asarray(state_slots[np_:]),
+                first_tokens,
+            )  # fmt: skip
+            parts.append(hidden)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), decode_rows
 
     def _logit_rows(self, batch: ForwardBatch) -> torch.Tensor:
         """Real-token indices (flat row order) that get logits: every decode token, the last prompt token."""

@@ -21,7 +21,9 @@ from unit_tests.helpers.prefix_scenario import (
     make_engine,
     run_one_by_one,
     run_scenario,
+    run_staggered,
     scenario,
+    staggered_prompts,
     submit,
 )
 
@@ -143,3 +145,45 @@ def test_preempted_and_aborted_requests_through_the_buffers_equal_the_cold_run()
     assert calls, "no prefill step went through the buffers"
     runner = engine.runner
     assert runner.num_free_requests() == 4 and runner.num_free_kv_tokens() == 128
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join([c[0], *(f"{k}{v}" for k, v in c[1].items())]))
+def test_a_short_prefill_beside_decode_rows_replays_both_graphs(combo):
+    """Requests arriving while others decode: a step with one short prefill row (a cache hit's suffix, a new
+    prompt's chunk) and decode rows runs the prefill graph's buffers, then the decode graph's; tokens and
+    logprobs equal an eager engine's (no cache), every pool is back at its start."""
+    mode, spec = combo
+    prompts = staggered_prompts(random.Random(41))
+    cold = make_engine("qwen3_5", mode, spec, cache=False)
+    hot = _with_fixed_buffers(make_engine("qwen3_5", mode, spec))
+    shapes = []
+    run = hot.runner._forward_fixed_buffers
+
+    def recorded(batch, *rest):
+        out = run(batch, *rest)
+        shapes.append((batch.num_prefill_rows, len(batch.query_lens) - batch.num_prefill_rows, out is not None))
+        return out
+
+    hot.runner._forward_fixed_buffers = recorded
+    expected, got = (run_staggered(e, prompts) for e in (cold, hot))
+    assert_same(got, expected)
+    assert sum(r.cached for r in got) > 0
+    # mixed steps (one prefill row, decode rows) went through the buffers
+    assert any(np_ == 1 and nd > 0 and fixed for np_, nd, fixed in shapes), shapes
+    assert hot.runner.num_free_kv_tokens() == 512 and hot.runner.num_free_requests() == 4
+
+
+def test_a_mixed_step_with_misplaced_prefill_rows_breaks_the_text(monkeypatch):
+    """Teeth of the mixed-step test: the same arrivals with the prefill graph's hidden states one row off in the
+    step's token layout must not give the eager engine's text."""
+    run = PrefillGraphs.run
+
+    def shifted(self, *args):
+        return run(self, *args).roll(1, 0)
+
+    prompts = staggered_prompts(random.Random(41))
+    expected = run_staggered(make_engine("qwen3_5", "native", {}, cache=False), prompts)
+    monkeypatch.setattr(PrefillGraphs, "run", shifted)
+    hot = _with_fixed_buffers(make_engine("qwen3_5", "native", {}))
+    with pytest.raises(AssertionError):
+        assert_same(run_staggered(hot, prompts), expected)

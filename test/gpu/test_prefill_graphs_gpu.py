@@ -4,10 +4,12 @@ state mode and speculation, and leaves every pool as it started."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from unit_tests.helpers.prefix_scenario import make_engine, run_scenario, scenario
+from unit_tests.helpers.prefix_scenario import make_engine, run_scenario, run_staggered, scenario, staggered_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -49,5 +51,19 @@ def test_cuda_graph_prefill_equals_eager(combo, chunk):
         assert g.tokens == e.tokens, f"request {i}"
         assert g.cached == e.cached, f"request {i}"
         # fla's chunk kernels take fp32 dots as tf32: the padded one-sequence launch and the varlen one round apart
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-3), f"request {i}"
+    assert graph.runner.num_free_kv_tokens() == 512 and graph.runner.num_free_requests() == 4
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join([c[0], *(f"{k}{v}" for k, v in c[1].items())]))
+def test_mixed_steps_replay_both_graphs_like_eager(combo):
+    """Requests arriving while others decode: steps of one short prefill row beside decode rows replay the prefill
+    graph, then the decode graph; the text is the eager engine's."""
+    mode, spec = combo
+    prompts = staggered_prompts(random.Random(41))
+    eager, graph = _engine(mode, spec, False, 64), _engine(mode, spec, True, 64)
+    expected, got = run_staggered(eager, prompts), run_staggered(graph, prompts)
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert g.tokens == e.tokens, f"request {i}"
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-3), f"request {i}"
     assert graph.runner.num_free_kv_tokens() == 512 and graph.runner.num_free_requests() == 4

@@ -129,3 +129,29 @@ def run_scenario(engine, seed: int) -> list[Result]:
     follow_up = prompts[0] + results[0].tokens + fresh(random.Random(seed + 1), 3)
     results += run_one_by_one(engine, [follow_up], MAX_TOKENS)
     return results + run_one_by_one(engine, prompts[6:], MAX_TOKENS)
+
+
+def staggered_prompts(rng: random.Random) -> list[list[int]]:
+    """Six prompts sharing a 21-token system prompt, each with its own 3..11-token question."""
+    system = fresh(rng, 21)
+    return [system + fresh(rng, rng.randrange(3, 12)) for _ in range(6)]
+
+
+def run_staggered(engine, prompts: list[list[int]], gap: int = 3, max_tokens: int = 8) -> list[Result]:
+    """Prompt i arrives after `i * gap` engine steps, while the earlier ones decode: steps mix one request's
+    prefill (a cache hit's suffix, once the system prompt is cached) with the others' decode rows."""
+    results = [Result() for _ in prompts]
+    step = submitted = 0
+    while submitted < len(prompts) or engine.has_work():
+        while submitted < len(prompts) and step >= submitted * gap:
+            submit(engine, f"s{submitted}", prompts[submitted], max_tokens)
+            submitted += 1
+        for out in engine.step():
+            if isinstance(out, TokenChunk):
+                res = results[int(out.req_id[1:])]
+                res.tokens += out.token_ids
+                res.logprobs += out.logprobs
+                if out.num_cached_tokens is not None:
+                    res.cached = out.num_cached_tokens
+        step += 1
+    return results
