@@ -154,15 +154,18 @@ class ModelRunner:
         return True
 
     def init_prefill_graphs(self, use_graphs: bool = True) -> bool:
-        """Run steps whose only row is a prefill of at most `config.prefill_graph_max_tokens` new tokens through
-        fixed buffers (`PrefillGraphs`), captured per token bucket when `use_graphs` and on CUDA (call after
-        `warmup`). Returns whether the fixed-buffer path is on."""
-        if self.config.prefill_graph_max_tokens == 0 or self._needs_host_mid_step("short prefill steps"):
+        """Run a step's one prefill row of at most `config.prefill_graph_max_tokens` new tokens (alone, or beside
+        decode rows that fit a decode bucket) through fixed buffers (`PrefillGraphs`), captured per token bucket
+        when `use_graphs` and on CUDA (call after `warmup`). Returns whether the fixed-buffer path is on."""
+        if self._prefill_graph_tokens() == 0 or self._needs_host_mid_step("short prefill steps"):
             return False
-        max_tokens = min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
-        self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.state, max_tokens, use_graphs)
+        self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.state, self._prefill_graph_tokens(), use_graphs)
         self.prefill_graphs.capture()
         return True
+
+    def _prefill_graph_tokens(self) -> int:
+        """The largest prefill bucket: the flag, capped at the longest request."""
+        return min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
 
     def _needs_host_mid_step(self, what: str) -> bool:
         """Models whose forward needs the host mid-step (MoE routing counts, MLA's gathered latents) cannot run
@@ -367,11 +370,11 @@ class ModelRunner:
         np_ = batch.num_prefill_rows
         num_decode = len(q_lens) - np_
         decode, prefill = self.decode_graphs, self.prefill_graphs
-        if len(q_lens) == 0:
+        if len(q_lens) == 0 or np_ > 1:
             return None
         if num_decode and (decode is None or decode.bucket(num_decode) is None):
             return None
-        if np_ > 1 or (np_ == 1 and (prefill is None or prefill.bucket(int(q_lens[0])) is None)):
+        if np_ == 1 and (prefill is None or prefill.bucket(int(q_lens[0])) is None):
             return None
         parts, decode_rows = [], None
         num_prefill_tokens = int(q_lens[:np_].sum())
@@ -475,12 +478,11 @@ class ModelRunner:
         from lightllm.linear_att.warmup import warmup_prefill
 
         tune_serving_shape(self.state, self.linear_spec, progress=progress)
-        graph_tokens = min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
         calls = warmup_prefill(
             self.state,
             self.linear_spec,
             max_num_tokens=max_num_tokens,
-            one_sequence_counts=prefill_buckets(graph_tokens),
+            one_sequence_counts=prefill_buckets(self._prefill_graph_tokens()),
             progress=progress,
         )
         return calls + self.warmup_attention()
