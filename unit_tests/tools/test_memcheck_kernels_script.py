@@ -20,6 +20,7 @@ SCRIPT = ROOT / "test" / "gpu" / "memcheck_kernels.py"
 # one case of every family and state mode, all on the tiny shapes; together they launch every kernel
 CPU_CASES = [
     "conv_prefill/tiny-kda/N=7",
+    "conv_prefill/tiny-kda/N=1 lens=23 Wmax=2 padded",
     "conv_decode/tiny-kda/N=3 W=2",
     "native/tiny-kda/N=3 W=4",
     "compact/tiny-kda/N=3",
