@@ -8,13 +8,14 @@ without the cache.
 The checkpoint is the serving benchmark's random-weight Qwen3.5 at real width (`SERVING_BENCH_SIZES` of
 `lightllm.tools.bench_throughput`: hidden 2048, 8 layers, bf16, fp32 state), built once and cached.
 
-`ttft` (offline engine, one per state mode; `MODE+mtp` adds `--mtp_step 2`, `MODE+eager` runs short prefills
-eagerly instead of through their CUDA graphs, `--prefill_graph_max_tokens 0`): each repeat draws a fresh random
-prefix of `--prefix_len` tokens (8192) and sends it with a random `--suffix_len`-token suffix (100), cache on but
-nothing cached (cold), then the same prefix with another suffix (hit: it resumes the checkpoint at the prefix end,
-where the cold request's first prefill chunk ended at an interval boundary, and prefills the suffix), then the
-cold prompt again (exact repeat: it resumes before its last token and feeds only that one). Time to first token is from `add_request` to the step that emits
-the token, alone in the engine; the table gives the median over `--repeats` after one untimed warm-up round, the
+`ttft` (offline engine, one per state mode; `MODE+mtp` adds `--mtp_step 2`, `MODE+eager` sets
+`--prefill_graph_max_tokens 0`: short prefills run eagerly instead of through their CUDA graphs, and a hit's last
+prompt token runs as a decode step of its own): each repeat draws a fresh random prefix of `--prefix_len` tokens
+(8192) and sends it with a random `--suffix_len`-token suffix (100), cache on but nothing cached (cold), then the
+same prefix with another suffix (hit: it resumes the checkpoint at the prefix end, where the cold request's first
+prefill chunk ended at an interval boundary, and prefills the suffix), then the cold prompt again (exact repeat:
+it resumes before its last token and feeds only that one). Time to first token is from `add_request` to the step
+that emits the token, alone in the engine; the table gives the median over `--repeats` after one untimed warm-up round, the
 hit's speed-up and the cached tokens each request reported. A last row runs the cold request with the cache disabled.
 
 `multiturn`: the HTTP server (`--serving_mode`, every other flag at its default) with the cache, then with
