@@ -7,6 +7,7 @@ no graph exists (CPU, graphs off, a failed capture).
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 
@@ -44,6 +45,13 @@ class BucketGraphs:
         """One graph per bucket, largest first (the smaller ones reuse its memory pool). Call after the kernels'
         warm-up/autotune. A failure is logged and leaves every bucket eager; returns whether graphs exist."""
         pool = None
+        # Python's collector must not run mid-capture: a dead engine's graph it destroys frees its memory pool, an
+        # illegal call while a stream captures, which invalidates this capture
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        rng = torch.cuda.default_generators[torch.cuda.current_device()]
+        rng_state = rng.clone_state()
         try:
             for rows in reversed(self.buckets):
                 self._fill_hold(rows)
@@ -60,6 +68,12 @@ class BucketGraphs:
             logger.exception("CUDA graph capture of %s failed; it runs eagerly", self._what)
             self._graphs.clear()
             self._outputs.clear()
+            # a capture that ends in an error leaves the generator marked as capturing, and every later random
+            # draw on the device raises: the eager fallback gets the state from before the capture back
+            rng.graphsafe_set_state(rng_state)
+        finally:
+            if collecting:
+                gc.enable()
         return bool(self._graphs)
 
     def run(self, rows: int):
