@@ -3,6 +3,7 @@
     python test/benchmark/sweep_linear_att.py --out-dir lightllm/linear_att   # writes gdn/tuned, kda/tuned
     python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 --out-dir lightllm/linear_att
     python test/benchmark/sweep_linear_att.py --state-dtype bf16 --out-dir lightllm/linear_att   # bf16-state entries
+    python test/benchmark/sweep_linear_att.py --families serial,compact --cells 4x256   # compact verify per tiling
 
 Entries of an existing table that a sweep does not retime are kept.
 
@@ -47,9 +48,10 @@ def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, proje
     act = torch.bfloat16
     inp = bench.make_inputs(shape, N, W, act, device)
     key_args = (device, state, act, shape.H, shape.HV, shape.K, shape.V, shape.GK, W)
-    if family == "serial":
+    if family in ("serial", "compact"):
         key = autotune.make_key("serial", *key_args)
-        build = lambda cfg: bench.native_steps(shape, inp, N, W, state, device, config=cfg)  # noqa: E731
+        steps = bench.native_steps if family == "serial" else bench.compact_steps
+        build = lambda cfg: steps(shape, inp, N, W, state, device, config=cfg)  # noqa: E731
     else:
         key = autotune.make_key("replay", *key_args, capacity, projection)
         build = lambda cfg: bench.replay_steps(  # noqa: E731
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=None, help="package dir: writes <algo>/tuned/h200.json under it")
     p.add_argument("--capacity", type=int, default=16)
     p.add_argument("--shapes", default="qwen3-next-tp1,kimi-linear-tp1")
-    p.add_argument("--families", default="serial,replay")
+    p.add_argument("--families", default="serial,replay", help="serial (native verify), replay; compact: timed only")
     p.add_argument("--cells", default="1x256,4x128", help="WxN pairs to time, e.g. 1x256,4x128")
     p.add_argument(
         "--state-dtype", default="fp32", choices=sorted(bench.DTYPES), help="state dtype the entries are for"
@@ -94,7 +96,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     for name in args.shapes.split(","):
         shape = bench.SHAPES[name]
-        families = {"serial": SERIAL, "replay": REPLAY}
+        families = {"serial": SERIAL, "compact": SERIAL, "replay": REPLAY}
         if args.configs:
             custom = parse_configs(args.configs)
             families = {name: custom for name in families}
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
                     key, res = sweep_cell(
                         shape, W, N, family, configs, args.capacity, device, timer, print, projection, state
                     )
-                    if not res:
+                    if not res or family == "compact":  # compact runs native's tiling: its times are printed only
                         continue
                     best = min(res, key=res.get)
                     tables[shape.algo].put(key, best)

@@ -100,12 +100,17 @@ def load_token(
     `p_*` point at the token's head rows.
     """
     b_q = tl.load(p_q + o_k, mask=m_k, other=0).to(tl.float32)  # [BK]
-    b_k = tl.load(p_k + o_k, mask=m_k, other=0).to(tl.float32)  # [BK]
+    # the key stays in its input dtype until every load of the token is issued: converting it at its load changes
+    # how the serial kernel's token loop is scheduled, and on sm_90 native and compact verify ran 5-12% slower
+    # (test/benchmark/results/h200_linear_att_before_after.md)
+    b_kr = tl.load(p_k + o_k, mask=m_k, other=0)  # [BK]
     b_v = tl.load(p_v + o_v, mask=m_v, other=0).to(tl.float32)  # [BV]
     b_graw = tl.load(p_graw + o_g, mask=m_g, other=0).to(tl.float32)  # [BG]
     b_g = gate_activation(b_graw, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND)
     b_beta = sigmoid(tl.load(p_braw).to(tl.float32))
-    return l2norm(b_q) * scale, l2norm(b_k), b_v, b_g, b_beta
+    b_q = l2norm(b_q) * scale
+    b_k = l2norm(b_kr.to(tl.float32))
+    return b_q, b_k, b_v, b_g, b_beta
 
 
 @triton.jit
