@@ -100,8 +100,8 @@ def load_token(
     `p_*` point at the token's head rows.
     """
     b_q = tl.load(p_q + o_k, mask=m_k, other=0).to(tl.float32)  # [BK]
-    # the key stays in its input dtype until every load of the token is issued: converting it at its load changes
-    # how the serial kernel's token loop is scheduled, and on sm_90 native and compact verify ran 5-12% slower
+    # the key stays in its input dtype until every load of the token is issued: converted at its load, it makes the
+    # compiler schedule the serial kernel's token loop measurably worse on sm_90, in native and compact verify alike
     # (test/benchmark/results/h200_linear_att_before_after.md)
     b_kr = tl.load(p_k + o_k, mask=m_k, other=0)  # [BK]
     b_v = tl.load(p_v + o_v, mask=m_v, other=0).to(tl.float32)  # [BV]
