@@ -8,8 +8,10 @@ width, capacity or head counts (`ConfigTable.lookup`), else falls back to `defau
 Tables are JSON files (`gdn/tuned/*.json`, `kda/tuned/*.json` ship with the package). Each algorithm owns its
 table (`Algorithm.table`, read on first use; start-up tuning adds to it before any CUDA-graph capture, so every
 captured graph uses one fixed layout); a launch looks its configuration up through its algorithm unless the caller
-passes one (`config=`). Native verify, compact verify and compact commit share the family "serial": they must run
-with the same tiling to stay bitwise equal.
+passes one (`config=`). Native verify is the family "serial"; compact verify and compact commit run the same
+kernel body under the family "compact", which has its own entries because compact is bound by its per-token work
+where native is bound by its W state writes. Compact equals native bitwise under the same tiling, and a compact key
+with no entry at its width borrows the serial one, so an untuned compact launch runs native's tiling.
 
 The search that fills the tables (it launches the kernels) is `tuning.py`; this module is data only, so the
 algorithm descriptors and the kernel launchers can read their tables without importing the kernels.
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("serial", "replay", "replay_fold")
+FAMILIES = ("serial", "compact", "replay", "replay_fold")
 TABLE_VERSION = 1
 
 
@@ -149,7 +151,7 @@ def default_config(key: TuneKey) -> KernelConfig:
     """Untuned fallback. On the CPU interpreter BV is half of V so tests always cover two or more V tiles."""
     if key.gpu == "cpu":
         return KernelConfig(block_v=max(4, _pow2(key.head_v_dim) // 2), num_warps=1, num_stages=1)
-    if key.family == "serial":
+    if key.family in ("serial", "compact"):
         return KernelConfig(block_v=16, num_warps=2, num_stages=2)
     if key.family == "replay" and key.width > 1 and key.projection == "precompute":
         # the tf32x3 tensor-core products hold hi/lo copies of both operands: 255 registers at [128, 64] x 8 warps
@@ -180,7 +182,8 @@ class ConfigTable:
     def lookup(self, key: TuneKey) -> KernelConfig:
         """Exact entry, else the nearest entry that differs only in verify width, replay capacity, head counts or
         gate lower bound (nearest width first, then capacity, then the same heads before other heads, then the same
-        bound; for replay only among W = 1 or only among W > 1 entries), else default.
+        bound; for replay only among W = 1 or only among W > 1 entries; for compact only at its own width, else the
+        serial entry for the key), else default.
 
         Head counts only set the grid: a program's work (its `[K, BV]` tile, the window, the records) depends on
         the head dims, gate width and dtypes, which must match. The H200 sweep ranks the window kernel's tiles the
@@ -203,6 +206,8 @@ class ConfigTable:
                 continue
             if key.family == "replay" and (other.width == 1) != (key.width == 1):
                 continue  # plain decode and window verify are different replay kernels: never borrow a tile
+            if key.family == "compact" and other.width != key.width:
+                continue  # another width's compact tile is no better a guess than native's tile at this width
             heads = (other.num_k_heads, other.num_v_heads) != (key.num_k_heads, key.num_v_heads)
             dist = (
                 abs(other.width - key.width),
@@ -214,6 +219,8 @@ class ConfigTable:
             )
             if best_dist is None or dist < best_dist:
                 best, best_dist = cfg, dist
+        if best is None and key.family == "compact":
+            best = self.lookup(replace(key, family="serial"))
         self._resolved[key] = best or default_config(key)
         return self._resolved[key]
 
@@ -259,8 +266,9 @@ def candidates(family: str) -> list[KernelConfig]:
     """The search space. BV >= 16 for the replay families (tensor-core dots); the serial family also tries the
     narrow tiles that give small batches more programs. On the H200 the W = 1 kernels ran fastest at BV = 64 with
     2 warps (a [128, 64] fp32 tile held by 64 threads), so wide tiles on few warps stay in the grid."""
-    block_vs = (8, 16, 32, 64) if family == "serial" else (16, 32, 64)
-    warps = (1, 2, 4) if family == "serial" else (2, 4, 8)
+    serial = family in ("serial", "compact")
+    block_vs = (8, 16, 32, 64) if serial else (16, 32, 64)
+    warps = (1, 2, 4) if serial else (2, 4, 8)
     # the fold has no loop to pipeline: one stage
     stages = (1,) if family == "replay_fold" else (1, 2)
     return [KernelConfig(bv, nw, ns) for bv in block_vs for nw in warps for ns in stages]

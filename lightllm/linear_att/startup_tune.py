@@ -52,9 +52,9 @@ def serving_case(state, spec) -> tuning.TuneCase:
 
 
 def needed_keys(state, spec) -> list[autotune.TuneKey]:
-    """The keys the state's decode path looks up: the serial family (native, compact), or replay's verify in its
-    projection and its fold."""
-    serial, inline, precompute, fold = tuning.case_keys(serving_case(state, spec), state.device)
+    """The keys the state's decode path looks up: the serial family (native; compact borrows its entry where the
+    tables have no compact one of its own), or replay's verify in its projection and its fold."""
+    serial, _, inline, precompute, fold = tuning.case_keys(serving_case(state, spec), state.device)
     mode = getattr(state.config.mode, "value", state.config.mode)
     if mode != "replay":
         return [serial]

@@ -12,17 +12,17 @@ from dataclasses import dataclass
 import torch
 
 from lightllm.linear_att.autotune import ConfigTable, KernelConfig, TuneKey, candidates, make_key
-from lightllm.linear_att.bundles import NativeBuffers, ReplayBuffers, TokenInputs
+from lightllm.linear_att.bundles import CompactBuffers, NativeBuffers, ReplayBuffers, TokenInputs
 from lightllm.linear_att.kernels.cursor import native_accept_triton, replay_accept_triton
 from lightllm.linear_att.kernels.replay_fold import replay_fold_triton
 from lightllm.linear_att.kernels.replay_verify import replay_verify_triton
-from lightllm.linear_att.kernels.serial import native_verify_triton
+from lightllm.linear_att.kernels.serial import compact_verify_triton, native_verify_triton
 from lightllm.linear_att.registry import algorithm
 
 
 @dataclass(frozen=True)
 class TuneCase:
-    """One shape to tune: the families "serial" (native/compact), "replay" (per projection) and "replay_fold"."""
+    """One shape to tune: the families "serial" (native), "compact", "replay" (per projection) and "replay_fold"."""
 
     algo: str
     H: int
@@ -125,11 +125,13 @@ def tune(
 
 
 def case_keys(case: TuneCase, device) -> list[TuneKey]:
-    """The keys `tune` fills for `case`, in its order: serial, replay inline, replay precompute, replay fold."""
+    """The keys `tune` fills for `case`, in its order: serial, compact, replay inline, replay precompute, replay
+    fold."""
     shape = (case.state_dtype, case.act_dtype, case.H, case.HV, case.K, case.V, case.GK)
     W, L, lb = case.width, case.capacity, case.lower_bound
     return [
         make_key("serial", device, *shape, W, lower_bound=lb),
+        make_key("compact", device, *shape, W, lower_bound=lb),
         make_key("replay", device, *shape, W, L, "inline", lb),
         make_key("replay", device, *shape, W, L, "precompute", lb),
         make_key("replay_fold", device, case.state_dtype, torch.float32, *shape[2:], 0, L),
@@ -140,7 +142,7 @@ def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log, configs
     gen = torch.Generator(device=device).manual_seed(0)
     tokens, slots, widths = _scratch_inputs(case, num_rows, device, gen)
     W, H, HV, K, V, GK, L = case.width, case.H, case.HV, case.K, case.V, case.GK, case.capacity
-    serial_key, inline_key, precompute_key, fold_key = case_keys(case, device)
+    serial_key, compact_key, inline_key, precompute_key, fold_key = case_keys(case, device)
     offset = torch.zeros(num_rows, device=device, dtype=torch.int32)
 
     native = NativeBuffers(
@@ -151,6 +153,20 @@ def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log, configs
     def serial_step(cfg):
         native_verify_triton(tokens, native, slots, widths, config=cfg)
         native_accept_triton(native.ssm_index, offset, slots, widths, widths)
+
+    # every slot merges W - 1 pending records per verify (a round that accepted all but the bonus token); compact's
+    # accept launches nothing, so the verify is the whole step
+    compact = CompactBuffers(
+        torch.zeros(num_rows, HV, K, V, device=device, dtype=case.state_dtype),
+        torch.randn(num_rows, 2, W, H, K, device=device, generator=gen) * 0.1,
+        torch.randn(num_rows, 2, W, HV, V, device=device, generator=gen) * 0.1,
+        -torch.rand(num_rows, 2, W, HV, GK, device=device, generator=gen),
+        torch.full((num_rows,), max(1, W - 1), device=device, dtype=torch.int32),
+        torch.zeros(num_rows, device=device, dtype=torch.int32),
+    )
+
+    def compact_step(cfg):
+        compact_verify_triton(tokens, compact, slots, widths, config=cfg)
 
     # cursors spread over the whole cycle and advanced by every accept, so the timed mix holds the amortised share
     # of folding rows
@@ -171,6 +187,7 @@ def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log, configs
     stacked = ReplayBuffers(*(t[None] for t in replay.pointers[:4]), full, replay.parity)
     jobs = [
         (serial_key, "serial", serial_step),
+        *([(compact_key, "compact", compact_step)] if W > 1 else []),  # compact mode verifies windows of 2 or more
         (inline_key, "replay", lambda cfg: replay_step(cfg, "inline")),
         (precompute_key, "replay", lambda cfg: replay_step(cfg, "precompute")),
         (fold_key, "replay_fold", lambda cfg: replay_fold_triton(stacked, slots, config=cfg)),

@@ -3,7 +3,7 @@
     python test/benchmark/sweep_linear_att.py --out-dir lightllm/linear_att   # writes gdn/tuned, kda/tuned
     python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 --out-dir lightllm/linear_att
     python test/benchmark/sweep_linear_att.py --state-dtype bf16 --out-dir lightllm/linear_att   # bf16-state entries
-    python test/benchmark/sweep_linear_att.py --families serial,compact --cells 4x256   # compact verify per tiling
+    python test/benchmark/sweep_linear_att.py --families serial,compact --cells 2x256,4x256 --out-dir lightllm/linear_att
 
 Entries of an existing table that a sweep does not retime are kept.
 
@@ -39,6 +39,9 @@ def parse_configs(text: str) -> list[KernelConfig]:
 # 128 x 4 warps: the same 128 tile elements per thread as 64 x 2, one program per head instead of two (fewer static
 # instructions per head, but slower in every H200 sweep: fewer resident blocks)
 SERIAL = parse_configs("64x2,32x4,32x2,64x4,128x4")
+# compact does W + pending token updates per program and one state write: wider tiles share each token's loads,
+# norms and gates across more of V
+COMPACT = parse_configs("64x2,64x4,32x2,32x4,128x4,128x8")
 REPLAY = parse_configs("32x4,64x8,64x2,32x2,64x4,128x8,128x4")
 
 
@@ -49,7 +52,7 @@ def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, proje
     inp = bench.make_inputs(shape, N, W, act, device)
     key_args = (device, state, act, shape.H, shape.HV, shape.K, shape.V, shape.GK, W)
     if family in ("serial", "compact"):
-        key = autotune.make_key("serial", *key_args)
+        key = autotune.make_key(family, *key_args)
         steps = bench.native_steps if family == "serial" else bench.compact_steps
         build = lambda cfg: steps(shape, inp, N, W, state, device, config=cfg)  # noqa: E731
     else:
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=None, help="package dir: writes <algo>/tuned/h200.json under it")
     p.add_argument("--capacity", type=int, default=16)
     p.add_argument("--shapes", default="qwen3-next-tp1,kimi-linear-tp1")
-    p.add_argument("--families", default="serial,replay", help="serial (native verify), replay; compact: timed only")
+    p.add_argument("--families", default="serial,replay", help="serial (native verify), compact, replay")
     p.add_argument("--cells", default="1x256,4x128", help="WxN pairs to time, e.g. 1x256,4x128")
     p.add_argument(
         "--state-dtype", default="fp32", choices=sorted(bench.DTYPES), help="state dtype the entries are for"
@@ -96,13 +99,15 @@ def main(argv=None) -> int:
     t0 = time.time()
     for name in args.shapes.split(","):
         shape = bench.SHAPES[name]
-        families = {"serial": SERIAL, "compact": SERIAL, "replay": REPLAY}
+        families = {"serial": SERIAL, "compact": COMPACT, "replay": REPLAY}
         if args.configs:
             custom = parse_configs(args.configs)
             families = {name: custom for name in families}
         for family in args.families.split(","):
             configs = families[family]
             for W, N in (tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")):
+                if family == "compact" and W == 1:
+                    continue  # compact mode verifies windows of 2 or more
                 # plain decode has one kernel; for W > 1 "inline" (FMA reductions per token) and "precompute"
                 # (tensor-core products, block solve) are different code in the window kernel, each tuned for itself
                 projections = args.projections.split(",") if family == "replay" and W > 1 else ("inline",)
@@ -110,7 +115,7 @@ def main(argv=None) -> int:
                     key, res = sweep_cell(
                         shape, W, N, family, configs, args.capacity, device, timer, print, projection, state
                     )
-                    if not res or family == "compact":  # compact runs native's tiling: its times are printed only
+                    if not res:
                         continue
                     best = min(res, key=res.get)
                     tables[shape.algo].put(key, best)

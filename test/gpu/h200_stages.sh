@@ -71,7 +71,7 @@ kernels)  # later arguments: the tests to run instead of both suites (pytest nod
         grep --line-buffered -v "Warning\|warn(" | tee "$OUT_DIR/kernels.log"
     ;;
 sweep)
-    py test/benchmark/sweep_linear_att.py --families replay,serial --cells 1x256,4x128 \
+    py test/benchmark/sweep_linear_att.py --families replay,serial,compact --cells 1x256,4x128 \
         --shapes qwen3-next-tp1,qwen3.5-tp1,kimi-linear-tp1 --out-dir lightllm/linear_att "${@:3}" 2>&1 |
         grep --line-buffered -v "Warning\|warn(" | tee "$OUT_DIR/sweep.log"
     tables_out

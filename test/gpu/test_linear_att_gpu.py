@@ -102,6 +102,7 @@ def _replay_step(rep, args, slots, widths, accepted, projection, lower_bound=Non
 @pytest.mark.parametrize("state_dtype", STATE)
 def test_native_and_compact_match_twin_and_each_other(shape, state_dtype):
     from lightllm.linear_att import ops
+    from lightllm.linear_att.kernels.launch import serial_config
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     _, H, HV, K, V = shape
@@ -114,7 +115,10 @@ def test_native_and_compact_match_twin_and_each_other(shape, state_dtype):
     index = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
     native_t = native.clone()
     tokens = TokenInputs(*args)
-    o = ops.native_verify(tokens, NativeBuffers(native, index), slots, widths, backend="triton")
+    # native's tuned tiling for both modes: compact is native bitwise under the same tiling (its own tuned family
+    # may pick another)
+    cfg = serial_config(None, None, state_dtype, args[2].dtype, H, HV, K, V, args[3].shape[-1], W, "cuda")
+    o = ops.native_verify(tokens, NativeBuffers(native, index), slots, widths, config=cfg, backend="triton")
     o_t = ops.native_verify(tokens, NativeBuffers(native_t, index), slots, widths, backend="torch")
     tol = 2e-2
     assert_rel_close("native o", o, o_t, tol)
@@ -130,7 +134,7 @@ def test_native_and_compact_match_twin_and_each_other(shape, state_dtype):
     pending = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
     parity = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
     layer = CompactBuffers(ssm[0], *(t[0] for t in win), pending, parity)
-    o_c = ops.compact_verify(tokens, layer, slots, widths, backend="triton")
+    o_c = ops.compact_verify(tokens, layer, slots, widths, config=cfg, backend="triton")
     assert torch.equal(o_c, o), "compact verify outputs != native outputs (bitwise)"
     assert torch.equal(ssm[0], base), "compact verify with nothing pending wrote the state"
     # what CompactState.accept does: the window just written (buffer 1) holds the pending tokens

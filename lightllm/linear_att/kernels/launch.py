@@ -44,9 +44,12 @@ def tuned(config, algorithm, GK: int, K: int, key: autotune.TuneKey) -> autotune
     return algorithm.lookup(key)
 
 
-def serial_config(config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, width, device, lower_bound=None):
-    """Native and compact verify share one tiling (their outputs are bitwise equal only with the same reductions)."""
-    key = autotune.make_key("serial", device, state_dtype, act_dtype, H, HV, K, V, GK, width, lower_bound=lower_bound)
+def serial_config(config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, width, device, lower_bound=None,
+                  compact=False):  # fmt: skip
+    """The tiling of the serial kernel body: native verify's ("serial") or compact's ("compact", which borrows the
+    serial entry where it has none; the two modes' outputs are bitwise equal only under the same tiling)."""
+    family = "compact" if compact else "serial"
+    key = autotune.make_key(family, device, state_dtype, act_dtype, H, HV, K, V, GK, width, lower_bound=lower_bound)
     return tuned(config, algorithm, GK, K, key)
 
 

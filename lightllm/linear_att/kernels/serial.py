@@ -2,8 +2,10 @@
 
 Both modes run one kernel body (`serial_verify_kernel`, switched by the constexpr `COMPACT`): a program owns one
 (V tile, row, value head), keeps the `[K, BV]` fp32 tile in registers through the window and rounds it to the
-storage dtype after every token; outputs are read before that rounding. Sharing the body (and the tiling, the
-"serial" autotune family) is what makes compact bitwise equal to native.
+storage dtype after every token; outputs are read before that rounding. Sharing the body is what makes compact
+bitwise equal to native under the same tiling. Each mode looks its tiling up in its own autotune family ("serial",
+"compact": native is bound by its W state writes, compact by its per-token work, so their best tiles differ); an
+untuned compact shape borrows native's.
 
 Native (`ssm [S, Wmax, HV, K, V]`, `ssm_index [S]`) reads slot `ssm_index[slot]` and writes the state after token s
 into slot s: one read and W writes of the state per step.
@@ -230,7 +232,7 @@ def _launch_verify(tokens: TokenInputs, slots, widths, state, state_strides, com
     check_verify_inputs(tokens, slots, widths)
     ssm = state[0]
     cfg = serial_config(config, algorithm, ssm.dtype, tokens.v.dtype, H, HV, K, V, GK, WMAX, ssm.device,
-                        tokens.lower_bound)  # fmt: skip
+                        tokens.lower_bound, compact)  # fmt: skip
     o = torch.empty_like(tokens.v)
     if N == 0:
         return o
@@ -322,7 +324,7 @@ def compact_commit_triton(state: CompactBuffers, slots: torch.Tensor, *, config=
     assert win_k.shape[:2] == (NL, S) and slots.shape == (N,) and slots.dtype == torch.int32
     # the merge is elementwise on the tile (no reduction over K), so any tiling writes the same bytes as the
     # verify's; the records are fp32, so the verify's activation dtype is not known here and the lookup uses fp32
-    cfg = serial_config(config, algorithm, ssm.dtype, torch.float32, H, HV, K, V, GK, WMAX, ssm.device)
+    cfg = serial_config(config, algorithm, ssm.dtype, torch.float32, H, HV, K, V, GK, WMAX, ssm.device, compact=True)
     if N == 0 or NL == 0:
         return
     BV = min(cfg.block_v, triton.next_power_of_2(V))

@@ -142,8 +142,12 @@ def test_tune_plumbing_on_the_interpreter(tmp_path):
     table, extra = tuning.tune([case], num_rows=2, device="cpu", log=lambda _: None,
                                  configs=[KernelConfig(16, 1, 1)])  # fmt: skip
     families = sorted(TuneKey.from_str(k).family + TuneKey.from_str(k).projection for k in table.entries)
-    assert families == ["replay_fold", "replayinline", "replayprecompute", "serial"]
+    assert families == ["compact", "replay_fold", "replayinline", "replayprecompute", "serial"]
     assert all(info["us"] > 0 for info in extra.values())
+    # compact mode verifies windows of 2 or more: a W = 1 case has no compact entry
+    plain, _ = tuning.tune([dataclasses.replace(case, width=1)], num_rows=2, device="cpu", log=lambda _: None,
+                           configs=[KernelConfig(16, 1, 1)])  # fmt: skip
+    assert "compact" not in {TuneKey.from_str(k).family for k in plain.entries} and plain.entries
     table.save(tmp_path / "t.json", extra)
     assert ConfigTable.load(tmp_path / "t.json").entries == table.entries
 
@@ -181,6 +185,27 @@ def test_replay_window_widths_never_borrow_the_decode_tile():
     table.put(make_key("serial", *args, 1), KernelConfig(64, 2, 1))
     table.put(make_key("serial", *args, 4), KernelConfig(32, 2, 1))
     assert table.lookup(make_key("serial", *args, 2)) == KernelConfig(64, 2, 1)
+
+
+def test_compact_has_its_own_tile_and_borrows_natives_where_it_has_none():
+    """Compact's tile is its own entry at its width; without one it is native's (the serial lookup, nearest width
+    and all), never another width's compact tile; the launch wrapper asks for the family of its mode."""
+    table = ConfigTable()
+    args = ("cpu", torch.float32, torch.float32, 1, 2, 16, 16, 1)
+    table.put(make_key("serial", *args, 2), KernelConfig(32, 2, 1))
+    table.put(make_key("serial", *args, 4), KernelConfig(16, 1, 1))
+    assert table.lookup(make_key("compact", *args, 4)) == KernelConfig(16, 1, 1)
+    table.put(make_key("compact", *args, 4), KernelConfig(64, 4, 1))
+    assert table.lookup(make_key("compact", *args, 4)) == KernelConfig(64, 4, 1)
+    assert table.lookup(make_key("serial", *args, 4)) == KernelConfig(16, 1, 1), "native took compact's tile"
+    assert table.lookup(make_key("compact", *args, 2)) == KernelConfig(32, 2, 1), "borrowed another width's"
+    assert table.lookup(make_key("compact", *args, 3)) == KernelConfig(32, 2, 1)  # serial's nearest width
+    algo = dataclasses.replace(GDN)
+    algo.table.entries.clear()
+    algo.table.update(table)
+    shape = (torch.float32, torch.float32, 1, 2, 16, 16, 1, 4, "cpu")
+    assert launch.serial_config(None, algo, *shape) == KernelConfig(16, 1, 1)
+    assert launch.serial_config(None, algo, *shape, compact=True) == KernelConfig(64, 4, 1)
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

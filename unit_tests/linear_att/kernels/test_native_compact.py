@@ -170,3 +170,34 @@ def _check_window_written(layer_win, win_twin, layer, slot, width, parity, read_
     assert_rel_close("window u", written[1][:width], twin_win[1], tol)
     assert_rel_close("window g", written[2][:width], twin_win[2], 1e-6)
     assert written[0][width:].isnan().all(), "a record past the width was written"
+
+
+def test_each_mode_launches_with_its_own_tuned_family(monkeypatch):
+    """Native verify looks its tile up as "serial", compact verify and commit as "compact" (the lookups a compact
+    entry in the table answers)."""
+    import inspect
+
+    from lightllm.linear_att.kernels import launch, serial
+
+    families = []
+    signature = inspect.signature(launch.serial_config)
+
+    def spy(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        families.append("compact" if bound.arguments["compact"] else "serial")
+        return launch.serial_config(*args, **kwargs)
+
+    monkeypatch.setattr(serial, "serial_config", spy)
+    shape, max_width = SHAPES[1], 2
+    gen = torch.Generator().manual_seed(3)
+    tokens = make_window(shape, len(SLOTS), max_width, torch.float32, gen).tokens(make_params(shape, gen),
+                                                                                     shape.lower_bound)  # fmt: skip
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    widths = torch.tensor(_widths(max_width), dtype=torch.int32)
+    ssm, ssm_index = _native_state(shape, max_width, torch.float32, gen)
+    native_verify_triton(tokens, NativeBuffers(ssm, ssm_index), slots, widths)
+    ssm, win, pending, parity = _compact_buffers(shape, max_width, torch.float32, torch.float32, 1, gen)
+    compact_verify_triton(tokens, CompactBuffers(ssm[0], *(t[0] for t in win), pending, parity), slots, widths)
+    compact_commit_triton(CompactBuffers(ssm, *win, pending, parity), slots)
+    assert families == ["serial", "compact", "compact"]
