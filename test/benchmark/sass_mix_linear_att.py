@@ -1,4 +1,4 @@
-"""Static sm_90 instruction mix of the replay decode / window kernels, per kernel and per source line, without a GPU.
+"""Static sm_90 instruction mix of the decode / verify kernels, per kernel and per source line, without a GPU.
 
     python test/benchmark/sass_mix_linear_att.py                       # H200 table configs, Qwen3-Next + Kimi-Linear
     python test/benchmark/sass_mix_linear_att.py --kernels window-inline --configs 32x1,64x2 --top 20
@@ -26,11 +26,12 @@ sys.path.insert(0, ROOT)
 
 from lightllm.linear_att.kernels import replay_decode as rd  # noqa: E402
 from lightllm.linear_att.kernels import replay_window as rw  # noqa: E402
+from lightllm.linear_att.kernels import serial  # noqa: E402
 from unit_tests.helpers import sm90  # noqa: E402
 
 # H, HV, gate width: the TP1 heads the tuned tables cover (K = V = 128)
 SHAPES = {"qwen3-next-tp1": (16, 32, 1), "qwen3.5-tp1": (16, 64, 1), "kimi-linear-tp1": (32, 32, 128)}
-KERNELS = ("decode", "window-inline", "window-precompute")
+KERNELS = ("decode", "window-inline", "window-precompute", "native", "compact")
 COLUMNS = ("FFMA", "FMUL", "FADD", "MUFU", "SHFL", "BAR", "LDS", "STS", "LDG", "STG", "HMMA")
 SOURCE_DIRS = (os.path.dirname(rw.__file__), os.path.join(os.path.dirname(triton.__file__), "language"))
 
@@ -41,6 +42,9 @@ def lower(kernel: str, shape: str, W: int, L: int, BV: int, num_warps: int):
     c.update(USE_LOWER_BOUND=False, lower_bound=None)
     if kernel == "decode":
         return sm90.lower_sm90(rd.replay_decode_kernel, dict(c, BL=L), num_warps)
+    if kernel in ("native", "compact"):
+        del c["L"]
+        return sm90.lower_sm90(serial.serial_verify_kernel, dict(c, WMAX=W, COMPACT=kernel == "compact"), num_warps)
     precompute = kernel == "window-precompute"
     bw, dot_pad = rw.window_blocks(W, precompute, on_gpu=True)
     c.update(WMAX=W, BL=max(16, L), BW=bw, LOG2_BW=bw.bit_length() - 1, DOT_PAD=dot_pad, PRECOMPUTE=precompute)
