@@ -10,6 +10,7 @@ subprocess because this test session runs Triton as the interpreter.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -52,3 +53,21 @@ def test_sass_mix_attributes_instructions_to_source_lines():
     assert int(cells["FFMA"]) >= 2 * 128, row
     fold_updates = [line for line in lines if "b_s += (b_k" in line]
     assert len(fold_updates) == 2 and all("FFMA 128 " in line for line in fold_updates), "\n".join(lines)
+
+
+@pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is not installed")
+def test_sass_mix_covers_the_serial_kernel_in_both_modes():
+    """The serial verify kernel in the tool: at BV = 32 x 2 warps a thread holds 128 x 32 / 64 = 64 tile elements,
+    so the shared rank-one update (`add_rank_one`) is 64 FFMA in native (the verify) and 128 in compact (the verify
+    and the merge of pending records call the same line)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    tool = os.path.join(ROOT, "test", "benchmark", "sass_mix_linear_att.py")
+    args = ["--kernels", "native,compact", "--shapes", "kimi-linear-tp1", "--configs", "32x2", "--top", "40"]
+    run = subprocess.run([sys.executable, tool, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout.split("| compact |")
+    assert len(out) == 2, run.stdout
+    rank_one = [[line for line in part.splitlines() if "tl.fma(b_kk, b_uu, b_s)" in line] for part in out]
+    assert re.search(r"\[FFMA 64\b", rank_one[0][0]), run.stdout
+    assert re.search(r"\[FFMA 128\b", rank_one[1][0]), run.stdout
