@@ -33,18 +33,23 @@ def test_every_state_kernel_lowers_to_sm90():
     assert table.count("\n| ") >= 4 * 16, f"too few kernels compiled:\n{table}"
 
 
+def _sass_mix(*args: str) -> subprocess.CompletedProcess:
+    """`test/benchmark/sass_mix_linear_att.py` with `args`, compiled (not interpreted) in a subprocess."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    tool = os.path.join(ROOT, "test", "benchmark", "sass_mix_linear_att.py")
+    run = subprocess.run([sys.executable, tool, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 @pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is not installed")
 def test_sass_mix_attributes_instructions_to_source_lines():
     """`test/benchmark/sass_mix_linear_att.py` (the CPU-side estimate of a kernel change) counts the right things: in
     the replay decode at BV = 64 x 2 warps each thread holds 128 x 64 / 64 = 128 tile elements, so the fold's
     rank-1 updates (two records per loop step) are exactly 128 FFMA each on their source lines, and the two S0
     contractions at least 2 x 128 FFMA."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    tool = os.path.join(ROOT, "test", "benchmark", "sass_mix_linear_att.py")
-    args = ["--kernels", "decode", "--shapes", "qwen3-next-tp1", "--configs", "64x2", "--top", "40"]
-    run = subprocess.run([sys.executable, tool, *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _sass_mix("--kernels", "decode", "--shapes", "qwen3-next-tp1", "--configs", "64x2", "--top", "40")
     lines = run.stdout.splitlines()
     header = next(line for line in lines if line.startswith("| kernel"))
     row = next(line for line in lines if line.startswith("| decode"))
@@ -60,12 +65,7 @@ def test_sass_mix_covers_the_serial_kernel_in_both_modes():
     """The serial verify kernel in the tool: at BV = 32 x 2 warps a thread holds 128 x 32 / 64 = 64 tile elements,
     so the shared rank-one update (`add_rank_one`) is 64 FFMA in native (the verify) and 128 in compact (the verify
     and the merge of pending records call the same line)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    tool = os.path.join(ROOT, "test", "benchmark", "sass_mix_linear_att.py")
-    args = ["--kernels", "native,compact", "--shapes", "kimi-linear-tp1", "--configs", "32x2", "--top", "40"]
-    run = subprocess.run([sys.executable, tool, *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _sass_mix("--kernels", "native,compact", "--shapes", "kimi-linear-tp1", "--configs", "32x2", "--top", "40")
     out = run.stdout.split("| compact |")
     assert len(out) == 2, run.stdout
     rank_one = [[line for line in part.splitlines() if "tl.fma(b_kk, b_uu, b_s)" in line] for part in out]
