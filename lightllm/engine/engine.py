@@ -155,7 +155,7 @@ class Engine:
                 return outputs + self._complete(inflight)
             self._inflight = None
             outputs += self._complete(inflight)
-        self.speculator.propose([r for r in self.scheduler.running if not r.is_prefilling])
+        outputs += self._propose()
         plan = self.scheduler.schedule()
         for req in plan.unfittable:
             outputs += self._finish(req, "error", error=f"{req.num_tokens} tokens do not fit in the KV cache")
@@ -180,6 +180,18 @@ class Engine:
                     # clients see a message; the exception and its traceback are in the engine log
                     outputs += self._finish(row.req, "error", error="the model step failed (see the engine log)")
         return outputs
+
+    def _propose(self) -> list[EngineOutput]:
+        """Drafts for the running requests' next windows (MTP drafts those that got a token in the last step)."""
+        reqs = [r for r in self.scheduler.running if not r.is_prefilling]
+        try:
+            self.speculator.propose(reqs)
+        except Exception:
+            # the MTP head ran for the requests that got a token in the last step: which one failed is unknown
+            logger.exception("drafting failed; finishing %d requests with an error", len(reqs))
+            return [o for req in reqs for o in self._finish(req, "error", error="the model step failed (see the "
+                                                                                "engine log)")]  # fmt: skip
+        return []
 
     # overlap ------------------------------------------------------------------------------------------------
     def _can_overlap(self, plan: SchedulePlan) -> bool:

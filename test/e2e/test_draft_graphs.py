@@ -30,10 +30,14 @@ class _ScriptedWindows:
         self.num_drafts, self.mtp, self.scripted = mtp.num_drafts, mtp, scripted
 
     def propose(self, reqs):
+        self.mtp.flush()
         self.scripted.propose(reqs)
 
     def after_step(self, runner, rows, hidden):
         self.mtp.after_step(runner, rows, hidden)
+
+    def flush(self, reqs=None):
+        self.mtp.flush(reqs)
 
 
 def _run(fixed_buffers: bool, mode: str, continuations=None, perturb: bool = False, device: str = "cpu"):

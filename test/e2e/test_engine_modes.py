@@ -119,6 +119,9 @@ class OracleDrafts:
     def after_step(self, runner, rows, hidden) -> None:
         pass
 
+    def flush(self, reqs=None) -> None:
+        pass
+
 
 @pytest.mark.parametrize("mode", ["native", "compact", "replay"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])

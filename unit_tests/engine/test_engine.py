@@ -213,3 +213,75 @@ def test_engine_failure_between_forward_and_accept_leaves_runner_usable(monkeypa
     tokens, finished = run(engine, {"b": [5, 6, 7]}, GREEDY)
     assert tokens["b"] == FakeRunner().greedy([5, 6, 7], 24)
     assert runner.num_free_requests() == 8
+
+
+def _drain(engine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def _drafting_engine(runner: FakeRunner):
+    """An MTP engine whose runner logs every draft call (handles) next to the engine's steps."""
+    log: list[tuple[str, list[int]]] = []
+    inner = runner.draft
+
+    def draft(handles, next_tokens, num_steps):
+        log.append(("draft", list(handles)))
+        return inner(handles, next_tokens, num_steps)
+
+    runner.draft = draft
+    return make_engine(runner, mtp_step=2), log
+
+
+def test_mtp_drafts_after_the_step_that_emits_the_token():
+    """A step returns its tokens before the MTP head runs: the drafts for them are made at the start of the next
+    step, before that step's forward, so a request's first token does not wait for its drafts."""
+    runner = FakeRunner(max_width=3)
+    engine, log = _drafting_engine(runner)
+    forward = runner.forward
+
+    def logged_forward(batch):
+        log.append(("forward", list(batch.req_handles)))
+        return forward(batch)
+
+    runner.forward = logged_forward
+    engine.add_request(NewRequest("a", [3, 1, 4, 1, 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+    first = engine.step()
+    assert [o.token_ids for o in first if hasattr(o, "token_ids")] == [FakeRunner().greedy([3, 1, 4, 1, 5], 1)]
+    assert [kind for kind, _ in log] == ["forward"], "the step drafted before returning its token"
+    engine.step()
+    assert [kind for kind, _ in log] == ["forward", "draft", "forward"]
+    _drain(engine)
+    assert log[-1][0] == "forward", "a finished request was drafted for"
+
+
+def test_mtp_draft_due_for_an_aborted_request_is_dropped():
+    runner = FakeRunner(max_width=3, max_requests=2)
+    engine, log = _drafting_engine(runner)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request(NewRequest("a", [3, 1, 4], params))
+    engine.add_request(NewRequest("b", [2, 7, 1, 8], params))
+    engine.step()  # both prefill and get a token: both due a draft
+    handle_b = engine.requests["b"].handle
+    assert [o.reason for o in engine.abort("a")] == ["abort"]
+    engine.step()
+    assert log[0] == ("draft", [handle_b]), "the aborted request's freed handle was drafted for"
+    _drain(engine)
+    assert runner.num_free_requests() == 2
+
+
+def test_mtp_draft_failure_finishes_its_requests_and_the_engine_goes_on():
+    runner = FakeRunner(max_width=3)
+    engine, _ = _drafting_engine(runner)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    real = runner.draft
+    runner.draft = lambda *a: (_ for _ in ()).throw(RuntimeError("head failed"))
+    engine.add_request(NewRequest("a", [3, 1, 4], params))
+    engine.step()
+    outputs = engine.step()
+    assert [(o.req_id, o.reason, o.error) for o in outputs if hasattr(o, "reason")] == [
+        ("a", "error", "the model step failed (see the engine log)")
+    ]
+    runner.draft = real
+    tokens, finished = run(engine, {"b": [1, 2]}, GREEDY)
+    assert tokens["b"] == FakeRunner().greedy([1, 2], 24) and runner.num_free_requests() == 8

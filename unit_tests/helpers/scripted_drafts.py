@@ -50,3 +50,6 @@ class ScriptedDrafts:
 
     def after_step(self, runner, rows, hidden) -> None:
         pass
+
+    def flush(self, reqs=None) -> None:
+        pass

@@ -1,7 +1,8 @@
 """Speculative decoding strategies, chosen once at start-up: none, n-gram prompt lookup, or MTP.
 
 A strategy has `num_drafts` (largest draft count per window), `propose(reqs)` (set `req.draft_ids` before a
-step) and `after_step(runner, rows, hidden)` (see something produced by the step, e.g. hidden states for MTP).
+step), `after_step(runner, rows, hidden)` (see something produced by the step, e.g. hidden states for MTP) and
+`flush(reqs)` (settle what `after_step` left for the next `propose`, for requests leaving the engine now).
 Verification is shared by all of them (`verify.py`).
 """
 
@@ -19,6 +20,9 @@ class NoSpeculator:
         pass
 
     def after_step(self, runner, rows, hidden) -> None:
+        pass
+
+    def flush(self, reqs=None) -> None:
         pass
 
 

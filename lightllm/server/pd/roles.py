@@ -121,6 +121,8 @@ class PrefillRole:
         route = self._routes.pop(req.req_id)
         request, decode_addr = route.request, route.decode_addr
         engine = self.engine
+        # the decode node verifies the request's drafts first, and its exported MTP state must be the one after them
+        engine.speculator.flush([req])
         engine.requests.pop(req.req_id)
         engine.scheduler.running.remove(req)
         handle, req.handle, req.status = req.handle, None, Status.FINISHED
