@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,13 +53,21 @@ def serving_case(state, spec) -> tuning.TuneCase:
 
 
 def needed_keys(state, spec) -> list[autotune.TuneKey]:
-    """The keys the state's decode path looks up: the serial family (native; compact borrows its entry where the
-    tables have no compact one of its own), or replay's verify in its projection and its fold."""
-    serial, _, inline, precompute, fold = tuning.case_keys(serving_case(state, spec), state.device)
+    """The keys the state's decode path looks up: native's verify ("serial"), compact's ("compact"), or replay's
+    verify in its projection and its fold."""
+    serial, compact, inline, precompute, fold = tuning.case_keys(serving_case(state, spec), state.device)
     mode = getattr(state.config.mode, "value", state.config.mode)
-    if mode != "replay":
-        return [serial]
-    return [inline if state.config.projection == "inline" else precompute, fold]
+    if mode == "replay":
+        return [inline if state.config.projection == "inline" else precompute, fold]
+    return [compact] if mode == "compact" else [serial]
+
+
+def _held(table: autotune.ConfigTable, key: autotune.TuneKey) -> bool:
+    """Whether the table answers `key` with a tuned entry: its own, or for compact the serial entry of the same
+    shape, which compact borrows (native's tile, under which compact equals native bitwise)."""
+    if table.get(key) is not None:
+        return True
+    return key.family == "compact" and table.get(replace(key, family="serial")) is not None
 
 
 def uses_triton(state) -> bool:
@@ -89,7 +98,7 @@ def tune_serving_shape(
     path = cache_path(cache_dir or DEFAULT_CACHE_DIR, state.device)
     cached = _read_cache(path)
     table.update(cached)
-    missing = [key for key in needed_keys(state, spec) if table.get(key) is None]
+    missing = [key for key in needed_keys(state, spec) if not _held(table, key)]
     if not missing:
         return []
     rows = num_rows or max(1, min(256, state.config.max_requests))

@@ -105,3 +105,25 @@ def test_an_unreadable_cache_is_ignored_and_rewritten(tmp_path, fresh_kda):
                                             configs=ONE_CONFIG, algorithm=fresh_kda())  # fmt: skip
     assert len(tuned) == 1 and ConfigTable.load(path).get(tuned[0]) == ONE_CONFIG[0]
     assert [p.name for p in tmp_path.iterdir()] == [path.name], "a temporary file was left behind"
+
+
+def test_compact_tunes_its_own_kernel_unless_natives_tile_is_held(tmp_path, fresh_kda):
+    """Compact mode needs the compact key: a shape the tables lack entirely is tuned by timing compact's own verify;
+    a shape with native's tuned entry (what an untuned compact key borrows) is not tuned again. A compact entry
+    does not stand in for native's."""
+    spec = sc.make_spec("kda", num_k_heads=1, ratio=2, head_k_dim=16, head_v_dim=16, num_layers=1)
+    compact = sc.make_state(spec, "compact", max_requests=2, max_width=2, backend="triton")
+    algo = fresh_kda()
+    tuned = startup_tune.tune_serving_shape(compact, spec, cache_dir=tmp_path / "a", progress=False, num_rows=2,
+                                            configs=ONE_CONFIG, algorithm=algo)  # fmt: skip
+    assert [k.family for k in tuned] == ["compact"] and algo.table.get(tuned[0]) == ONE_CONFIG[0]
+    native, _ = _native_state()
+    tuned_native = startup_tune.tune_serving_shape(native, spec, cache_dir=tmp_path / "a", progress=False,
+                                                   num_rows=2, configs=ONE_CONFIG, algorithm=algo)  # fmt: skip
+    assert [k.family for k in tuned_native] == ["serial"], "compact's entry stood in for native's"
+
+    algo = fresh_kda()
+    startup_tune.tune_serving_shape(native, spec, cache_dir=tmp_path / "b", progress=False, num_rows=2,
+                                    configs=ONE_CONFIG, algorithm=algo)  # fmt: skip
+    assert startup_tune.tune_serving_shape(compact, spec, cache_dir=tmp_path / "b", progress=False, num_rows=2,
+                                           configs=ONE_CONFIG, algorithm=algo) == []  # fmt: skip
