@@ -94,7 +94,7 @@ def test_failed_capture_without_the_restore_leaves_the_generator_unusable():
     rng = torch.cuda.default_generators[torch.cuda.current_device()]
     state = rng.clone_state()
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 torch.cuda.synchronize()
         with pytest.raises(RuntimeError, match="graph capture"):
