@@ -53,8 +53,8 @@ def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, proje
     key_args = (device, state, act, shape.H, shape.HV, shape.K, shape.V, shape.GK, W)
     if family in ("serial", "compact"):
         key = autotune.make_key(family, *key_args)
-        steps = bench.native_steps if family == "serial" else bench.compact_steps
-        build = lambda cfg: steps(shape, inp, N, W, state, device, config=cfg)  # noqa: E731
+        make_steps = bench.native_steps if family == "serial" else bench.compact_steps
+        build = lambda cfg: make_steps(shape, inp, N, W, state, device, config=cfg)  # noqa: E731
     else:
         key = autotune.make_key("replay", *key_args, capacity, projection)
         build = lambda cfg: bench.replay_steps(  # noqa: E731

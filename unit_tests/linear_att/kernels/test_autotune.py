@@ -230,6 +230,29 @@ def test_sweep_times_and_keys_entries_by_the_state_dtype_it_ran(state_dtype):
     assert list(times) == [config] and times[config] > 0
 
 
+@pytest.mark.parametrize("family", ["serial", "compact", "replay"])
+def test_sweep_times_every_config_of_a_family(family):
+    """A sweep cell times each candidate it is given, not only the first (tiny KDA shape on the interpreter, W = 2,
+    two rows, two configs); the key is the family's own."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "test", "benchmark"))
+    import bench_linear_att as bench
+    import sweep_linear_att as sweep
+
+    cpu = torch.device("cpu")
+    configs = [KernelConfig(8, 1, 1), KernelConfig(16, 2, 1)]
+    errors = []
+    key, times = sweep.sweep_cell(
+        bench.TINY["tiny-kda"], 2, 2, family, configs, 4, cpu, bench.Timer(cpu, reps=1), errors.append,
+        "inline", torch.float32,
+    )  # fmt: skip
+    assert key.family == family and key.width == 2
+    assert [line for line in errors if "Error" in line] == []
+    assert list(times) == configs and all(t > 0 for t in times.values())
+
+
 def test_sweep_saves_merge_into_the_existing_table(tmp_path):
     """A sweep saves after every shape: a retimed entry replaces the old one, every other entry (and its note)
     stays, and saving the same sweep again changes nothing."""
