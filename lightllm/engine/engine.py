@@ -87,6 +87,11 @@ class Engine:
         self._inflight: _InFlight | None = None
         # finishes of a failed overlapped launch, reported by the next step() call
         self._failed_outputs: list[EngineOutput] = []
+        # the prefix-cache publishes of a step's requests (and the resources of those that finished, which a
+        # publish reads), run by the next step() call: a step's tokens go out without waiting for the checkpoint
+        # export, nor with MTP for the head's pass over the prompt (the next step's drafts make that pass anyway)
+        self._after_outputs: list[tuple[Request, bool]] = []
+        self._in_step = False
         if max_req_total_len > self.scheduler.kv_capacity:
             raise ValueError(
                 f"max_req_total_len={max_req_total_len} exceeds the KV cache ({self.scheduler.kv_capacity} tokens): "
@@ -121,7 +126,12 @@ class Engine:
         )
 
     def has_work(self) -> bool:
-        return self._inflight is not None or bool(self._failed_outputs) or self.scheduler.has_work()
+        return (
+            self._inflight is not None
+            or bool(self._failed_outputs)
+            or bool(self._after_outputs)
+            or self.scheduler.has_work()
+        )
 
     def add_request(self, msg: NewRequest) -> list[EngineOutput]:
         """Queue a request. Invalid ones finish at once with reason "error" (the front-end validates first)."""
@@ -146,9 +156,20 @@ class Engine:
     def step(self) -> list[EngineOutput]:
         """Run one model step over the scheduled batch; returns the tokens and finishes it produced (with overlap,
         those of the step launched by the previous call)."""
+        self._in_step = True
+        try:
+            return self._step()
+        finally:
+            self._in_step = False
+
+    def _step(self) -> list[EngineOutput]:
         outputs, self._failed_outputs = self._failed_outputs, []
+        due, self._after_outputs = self._after_outputs, []
         inflight = self._inflight
         if inflight is not None:
+            # an overlapped step has no drafts: its publishes wait for nothing
+            self._publish_after_outputs(due)
+            due = []
             if self._can_chain(inflight):
                 self._inflight = None
                 self._launch_overlapped(self._chained_plan(inflight), inflight.tokens)
@@ -156,6 +177,8 @@ class Engine:
             self._inflight = None
             outputs += self._complete(inflight)
         outputs += self._propose()
+        # after the drafts: the MTP head's KV they commit is the part of a publish that costs a forward
+        self._publish_after_outputs(due)
         plan = self.scheduler.schedule()
         for req in plan.unfittable:
             outputs += self._finish(req, "error", error=f"{req.num_tokens} tokens do not fit in the KV cache")
@@ -288,12 +311,36 @@ class Engine:
         return outputs
 
     def _publish_prefills(self, plan: SchedulePlan) -> None:
-        """Offer the prefix cache the prefill rows (committed, after the step) that stand where a checkpoint is
-        due; rows that finished were offered when they left."""
+        """Queue for the prefix cache the prefill rows (committed, after the step) that stand where a checkpoint
+        is due; rows that finished are queued by their finish."""
         for row in plan.prefill:
             req = row.req
-            if req.handle is not None and self.scheduler.is_checkpoint_due(req):
-                self.runner.publish(req.handle, req.all_ids[: req.num_computed_tokens])
+            if req.handle is not None and not req.is_finished and self.scheduler.is_checkpoint_due(req):
+                self._after_outputs.append((req, False))
+
+    def publish_now(self, reqs: list[Request]) -> None:
+        """Run the queued publishes of `reqs` now (a request leaving the engine with its state: a PD hand-off)."""
+        ids = {id(req) for req in reqs}
+        self._publish_after_outputs([e for e in self._after_outputs if id(e[0]) in ids])
+        self._after_outputs = [e for e in self._after_outputs if id(e[0]) not in ids]
+
+    def _publish_after_outputs(self, entries: list[tuple[Request, bool]]) -> None:
+        """Publish each queued request's committed tokens; a finished one (`left`) then gives its resources back.
+        A request that left meanwhile (an abort publishes and releases at once) is skipped. A failure costs the
+        cache its entry, never the request (its tokens are out) nor the others."""
+        for req, left in entries:
+            try:
+                if left:
+                    self.scheduler.release(req, publish=True)
+                elif req.handle is not None and not req.is_finished:
+                    self.runner.publish(req.handle, req.all_ids[: req.num_computed_tokens])
+            except Exception:
+                logger.exception("prefix-cache publish of %s failed", req.req_id)
+                if left:
+                    try:
+                        self.scheduler.release(req, publish=False)
+                    except Exception:
+                        logger.exception("could not release %s", req.req_id)
 
     def _prefix_cache_stats(self) -> dict[str, int] | None:
         stats = getattr(self.runner, "prefix_cache_stats", None)
@@ -539,7 +586,12 @@ class Engine:
         if req.is_finished:
             return []
         # after a failed step the state is suspect: only cleanly finished or aborted requests feed the cache
-        self.scheduler.remove(req, publish=reason != "error")
+        publish = reason != "error"
+        # a finish inside a step publishes after the step's outputs are out (the next step); its resources wait
+        later = publish and self._in_step and req.handle is not None
+        self.scheduler.remove(req, publish=publish, keep_resources=later)
+        if later:
+            self._after_outputs.append((req, True))
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         self.requests.pop(req.req_id, None)
         return [

@@ -90,16 +90,20 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def remove(self, req: Request, publish: bool = False) -> None:
+    def remove(self, req: Request, publish: bool = False, keep_resources: bool = False) -> None:
         """Take a request out of the queues and give its runner resources back (abort or finish); `publish`
-        offers its committed tokens to the prefix cache first (never after a failed step: its state is suspect)."""
+        offers its committed tokens to the prefix cache first (never after a failed step: its state is suspect).
+        `keep_resources` leaves both to a later `release` by the caller."""
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        self._release(req, publish)
+        if not keep_resources:
+            self.release(req, publish)
 
-    def _release(self, req: Request, publish: bool) -> None:
+    def release(self, req: Request, publish: bool) -> None:
+        """Give the runner resources of a request out of the queues back, publishing its committed tokens first
+        when `publish`; a request without resources is left as it is."""
         if req.handle is None:
             return
         # a stop token inside an accepted window leaves committed tokens past the output: publish what is kept
@@ -245,7 +249,7 @@ class Scheduler:
         free_before = self.runner.num_free_kv_tokens()
         self.running.remove(req)
         # its committed tokens stay cached (reclaimable), so the re-admission resumes where it stopped
-        self._release(req, publish=True)
+        self.release(req, publish=True)
         freed = self.runner.num_free_kv_tokens() - free_before
         req.status = Status.WAITING
         req.num_computed_tokens = 0

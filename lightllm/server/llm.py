@@ -101,7 +101,8 @@ class LLM:
                     ),
                     seqs,
                 )
-        while any(not s.finished for s in seqs.values()):
+        # until idle: the last step's prefix-cache publishes run in one more step
+        while any(not s.finished for s in seqs.values()) or self.engine.has_work():
             self._absorb(self.engine.step(), seqs)
         for p, result in enumerate(results):
             result.num_cached_tokens = seqs[f"{base}-{p}-0"].num_cached_tokens

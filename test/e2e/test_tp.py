@@ -282,6 +282,9 @@ def _disaggregated(prefill, decode, model_dir: str, prompts) -> list[list[int]]:
         absorb(d.admit())
         if decode.has_work():
             absorb(decode.step())
+    for engine in (prefill, decode):  # the last step's publishes and releases run in one more step
+        if engine.has_work():
+            assert engine.step() == []
     assert not p.held and prefill.runner.num_free_requests() == decode.runner.num_free_requests() == 4
     return [out[f"pd{i}"] for i in range(len(prompts))]
 

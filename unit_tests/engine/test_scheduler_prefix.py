@@ -116,8 +116,11 @@ def test_publish_on_finish_abort_and_preemption_never_after_failure():
     runner.published.clear()
     engine.add_request(NewRequest("C", [5, 6, 7], params))
     engine.step()
+    assert runner.published == []  # the prefill end's publish waits for the next step
     engine.abort("C")
-    assert runner.published == [(0, 2), (0, 2)]
+    assert runner.published == [(0, 2)]
+    engine.step()  # the queued publish of the aborted request is dropped
+    assert runner.published == [(0, 2)] and not engine.has_work()
     # a failed step publishes nothing
     failing = CachingFakeRunner(kv_tokens=100, fail_token=9)
     _drain(_engine(failing, interval=4), [NewRequest("D", [1, 2, 3, 4, 5, 9, 7], GREEDY)])
@@ -169,3 +172,47 @@ def test_a_hit_with_a_short_suffix_feeds_its_last_token_in_the_prefill():
         assert runner.published == published
         tokens = [t for out in steps for o in out for t in getattr(o, "token_ids", [])]
         assert tokens == FakeRunner().greedy(prompt, 2)
+
+
+def test_a_steps_publishes_and_releases_come_after_its_outputs():
+    """The step that emits tokens returns before the runner publishes anything of it (the checkpoint export would
+    delay the tokens); the next step publishes first, then a finished request's slot is free again."""
+    prompt = list(range(1, 31))
+    runner = CachingFakeRunner(max_requests=2, kv_tokens=200)
+    engine = _engine(runner, interval=8, chunk=20)
+    engine.add_request(NewRequest("a", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)))
+    assert engine.step() == [] and runner.published == []  # prefill 0 -> 16
+    assert engine.step() == [] and runner.published == [(0, 16)]  # 16 -> 29
+    out = engine.step()  # the last prompt token's window: the one token, and the finish
+    assert [o.token_ids for o in out if hasattr(o, "token_ids")] == [FakeRunner().greedy(prompt, 1)]
+    assert out[-1].reason == "length"
+    assert runner.published == [(0, 16), (0, 29)] and runner.num_free_requests() == 1
+    assert engine.has_work()
+    assert engine.step() == []
+    assert runner.published == [(0, 16), (0, 29), (0, 30)] and runner.num_free_requests() == 2
+    assert not engine.has_work()
+
+
+class FailingPublishRunner(CachingFakeRunner):
+    def publish(self, handle, token_ids):
+        if len(token_ids) == self.failing_length:
+            raise RuntimeError("export failed")
+        super().publish(handle, token_ids)
+
+
+def test_a_failed_publish_loses_the_cache_entry_only():
+    """A publish that raises after the step: the request's tokens were out and it finished as it would have, its
+    slot is freed all the same, and a request running beside it finishes unharmed with the reference text."""
+    runner = FailingPublishRunner(max_requests=2, kv_tokens=200)
+    runner.failing_length = 5  # "a"'s finish: its prompt (its one token was never fed)
+    engine = _engine(runner, interval=1000)
+    short = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    tokens = _drain(engine, [NewRequest("a", [9, 8, 7, 6, 5], short), NewRequest("b", list(range(1, 9)), GREEDY)])
+    assert tokens == {"a": FakeRunner().greedy([9, 8, 7, 6, 5], 1), "b": FakeRunner().greedy(list(range(1, 9)), 2)}
+    assert (0, 5) not in runner.published and (1, 9) in runner.published
+    assert runner.num_free_requests() == 2 and runner.cache == {}
+    # the twin: the same run without the failure publishes "a"'s finish
+    healthy = FailingPublishRunner(max_requests=2, kv_tokens=200)
+    healthy.failing_length = -1
+    _drain(_engine(healthy, interval=1000), [NewRequest("a", [9, 8, 7, 6, 5], short)])
+    assert (0, 5) in healthy.published

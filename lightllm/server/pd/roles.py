@@ -123,6 +123,8 @@ class PrefillRole:
         engine = self.engine
         # the decode node verifies the request's drafts first, and its exported MTP state must be the one after them
         engine.speculator.flush([req])
+        # its prompt's prefix-cache publish, queued by the step, needs the state the hand-off takes
+        engine.publish_now([req])
         engine.requests.pop(req.req_id)
         engine.scheduler.running.remove(req)
         handle, req.handle, req.status = req.handle, None, Status.FINISHED
