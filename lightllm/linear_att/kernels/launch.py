@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import triton
 
 from lightllm.linear_att import autotune
 from lightllm.linear_att.registry import algorithm_of_gate
@@ -51,6 +54,29 @@ def serial_config(config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, wi
     family = "compact" if compact else "serial"
     key = autotune.make_key(family, device, state_dtype, act_dtype, H, HV, K, V, GK, width, lower_bound=lower_bound)
     return tuned(config, algorithm, GK, K, key)
+
+
+def filled_block_v(block_v: int, V: int, programs_per_tile: int, num_sms: int) -> int:
+    """The V tile of a launch with `programs_per_tile` programs per V tile (rows x value heads): the tuned
+    `block_v` (capped at V), halved while the launch would occupy at most half of the `num_sms` multiprocessors,
+    down to 16. A table entry is tuned at hundreds of rows; a batch of one or two rows would leave the GPU mostly
+    idle under it, and a narrower tile puts more programs on the same work."""
+    BV = min(block_v, triton.next_power_of_2(V))
+    while BV > 16 and 2 * programs_per_tile * triton.cdiv(V, BV) <= num_sms:
+        BV //= 2
+    return BV
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 0 elsewhere (no tile is narrowed)."""
+    if device.type != "cuda":
+        return 0
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def replay_config(config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, width, capacity, projection, device,

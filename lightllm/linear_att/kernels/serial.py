@@ -32,7 +32,13 @@ import triton.language as tl
 
 from lightllm.linear_att.bundles import CompactBuffers, NativeBuffers, TokenInputs
 from lightllm.linear_att.kernels.common import BATCH_VARYING_ARGS, add_rank_one, delta_rule_step, load_token, round_like
-from lightllm.linear_att.kernels.launch import check_verify_inputs, serial_config, verify_launch_args
+from lightllm.linear_att.kernels.launch import (
+    check_verify_inputs,
+    filled_block_v,
+    serial_config,
+    sm_count,
+    verify_launch_args,
+)
 
 
 @triton.jit
@@ -236,7 +242,10 @@ def _launch_verify(tokens: TokenInputs, slots, widths, state, state_strides, com
     o = torch.empty_like(tokens.v)
     if N == 0:
         return o
+    # a pinned configuration is launched as given; a looked-up one is narrowed for a batch too small to fill the GPU
     BV = min(cfg.block_v, triton.next_power_of_2(V))
+    if config is None:
+        BV = filled_block_v(cfg.block_v, V, N * HV, sm_count(ssm.device))
     serial_verify_kernel[(triton.cdiv(V, BV), N, HV)](
         *verify_launch_args(tokens, state, state_strides, slots, widths, o),
         H=H,

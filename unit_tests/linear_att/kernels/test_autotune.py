@@ -279,3 +279,17 @@ def test_sweep_saves_merge_into_the_existing_table(tmp_path):
     raw = json.loads((tmp_path / "gdn" / "tuned" / "h200.json").read_text())["entries"]
     assert raw[kept.to_str()]["us"] == 12.5 and raw[retimed.to_str()]["us"] == 7.25
     assert not (tmp_path / "kda").exists()  # nothing timed for KDA: no table written
+
+
+def test_a_batch_too_small_for_the_gpu_gets_a_narrower_v_tile():
+    """The tuned V tile is halved while the launch would fill at most half of the multiprocessors (132 on an
+    H200): one row of 32 value heads goes from 64 to 32 columns, two rows keep 64; a lone small head goes to the
+    floor of 16; no multiprocessor count (CPU) or a full grid keeps the tuned tile, capped at V."""
+    from lightllm.linear_att.kernels.launch import filled_block_v
+
+    assert filled_block_v(64, 128, 1 * 32, 132) == 32
+    assert filled_block_v(64, 128, 2 * 32, 132) == 64
+    assert filled_block_v(64, 128, 1 * 64, 132) == 64
+    assert filled_block_v(64, 128, 1 * 4, 132) == 16
+    assert filled_block_v(64, 128, 1 * 32, 0) == 64
+    assert filled_block_v(128, 64, 1, 0) == 64
