@@ -19,7 +19,10 @@ from unit_tests.helpers.prefix_scenario import (
     drain,
     fresh,
     make_engine,
+    preemption_engine,
+    preemption_prompts,
     run_one_by_one,
+    run_preempting,
     run_scenario,
     run_staggered,
     scenario,
@@ -124,23 +127,17 @@ def test_preempted_and_aborted_requests_through_the_buffers_equal_the_cold_run()
     and one more request aborted after its first tokens: the survivors' text is the cold run's, some prefills ran
     through the buffers, and every pool is back to its start once idle."""
     rng = random.Random(33)
-    prompts = [fresh(rng, 36) for _ in range(3)]
-    kwargs = dict(max_total_token_num=128, max_req_total_len=64, chunked_prefill_size=16)
+    prompts = preemption_prompts(rng)
     outputs, calls = [], []
     for cache in (False, True):
-        engine = make_engine("qwen3_5", "replay", {"spec_ngram": 2}, cache=cache, **kwargs)
+        engine = preemption_engine(cache)
         if cache:
             _with_fixed_buffers(engine, calls)
-        res = {f"p{i}": Result() for i in range(3)}
-        for i, p in enumerate(prompts):
-            submit(engine, f"p{i}", p, 14)
-        drain(engine, res)
-        assert engine.scheduler.num_preemptions > 0
+        outputs.append(run_preempting(engine, prompts))
         aborted = {"x": Result()}
         submit(engine, "x", prompts[0][:20] + fresh(rng, 9), 10)
         drain(engine, aborted, abort_after={"x": 2})
         assert aborted["x"].reason == "abort"
-        outputs.append([res[f"p{i}"] for i in range(3)])
     assert_same(outputs[1], outputs[0])
     assert calls, "no prefill step went through the buffers"
     runner = engine.runner

@@ -26,7 +26,10 @@ from unit_tests.helpers.prefix_scenario import (
     drain,
     fresh,
     make_engine,
+    preemption_engine,
+    preemption_prompts,
     run_one_by_one,
+    run_preempting,
     run_scenario,
     scenario,
     submit,
@@ -267,20 +270,13 @@ def test_preempted_requests_resume_from_their_own_checkpoint():
     """KV for fewer tokens than the requests need: the latest admission is preempted, its committed tokens stay
     cached (interval checkpoints, and one at its end) and its re-admission resumes from what survived the KV
     pressure; the text equals the cold run's."""
-    rng = random.Random(33)
-    prompts = [fresh(rng, 36) for _ in range(3)]
-    # chunks of 16: checkpoints at 16 and 32 along each prompt survive when KV pressure evicts the victim's tail
-    kwargs = dict(max_total_token_num=128, max_req_total_len=64, chunked_prefill_size=16)
+    prompts = preemption_prompts(random.Random(33))
+    # the checkpoints at 16 and 32 along each prompt survive when KV pressure evicts the victim's tail
     outputs, engines = [], []
     for cache in (False, True):
-        engine = make_engine("qwen3_5", "replay", {"spec_ngram": 2}, cache=cache, **kwargs)
-        res = {f"p{i}": Result() for i in range(3)}
-        for i, p in enumerate(prompts):
-            submit(engine, f"p{i}", p, 14)
-        drain(engine, res)
-        assert engine.scheduler.num_preemptions > 0
+        engine = preemption_engine(cache)
+        outputs.append(run_preempting(engine, prompts))
         engines.append(engine)
-        outputs.append([res[f"p{i}"] for i in range(3)])
     assert_same(outputs[1], outputs[0])
     assert engines[1].runner.prefix_cache_stats()["num_hit_tokens"] >= 16, "re-admissions should resume"
 

@@ -73,6 +73,31 @@ def drain(engine, results: dict[str, Result], abort_after: dict[str, int] | None
                 del abort_after[rid]
 
 
+def preemption_prompts(rng: random.Random) -> list[list[int]]:
+    """Three 36-token prompts that `run_preempting` admits together."""
+    return [fresh(rng, 36) for _ in range(3)]
+
+
+# KV for 128 tokens: three requests of 36 + 14 tokens cannot all run, so the latest admission is preempted; chunks
+# of 16 put checkpoints at 16 and 32 along each prompt
+PREEMPTION_FLAGS = dict(max_total_token_num=128, max_req_total_len=64, chunked_prefill_size=16)
+
+
+def preemption_engine(cache: bool):
+    """The preemption scenario's engine: replay with n-gram drafts (windows of 3) on the tiny Qwen3.5."""
+    return make_engine("qwen3_5", "replay", {"spec_ngram": 2}, cache=cache, **PREEMPTION_FLAGS)
+
+
+def run_preempting(engine, prompts: list[list[int]]) -> list[Result]:
+    """The `preemption_prompts` submitted at once, 14 tokens each, run until idle; at least one was preempted."""
+    res = {f"p{i}": Result() for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        submit(engine, f"p{i}", p, 14)
+    drain(engine, res)
+    assert engine.scheduler.num_preemptions > 0
+    return [res[f"p{i}"] for i in range(len(prompts))]
+
+
 def run_one_by_one(engine, prompts: list[list[int]], max_tokens: int) -> list[Result]:
     """Each request runs alone to its end before the next arrives, so it sees everything earlier ones cached."""
     out = []
