@@ -36,41 +36,13 @@ def gdn_beta(b: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(b.float())
 
 
-def recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    round_state_to: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token GDN. Returns `(o [T, HV, V] fp32, final_state [N, HV, K, V] fp32)`.
-
-    round_state_to: round the running state to this dtype after every token (the storage rounding of the
-    native and compact modes); the output of a token is read before its rounding.
-    """
-    return recurrent_delta_rule(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-        round_state_to=round_state_to,
-    )  # fmt: skip
+def recurrent_gated_delta_rule(q, k, v, g, beta, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token GDN (`reference_common.recurrent_delta_rule`: options scale, initial_state, cu_seqlens,
+    round_state_to)."""
+    return recurrent_delta_rule(q, k, v, g, beta, **options)
 
 
-def chunk_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_gated_delta_rule(q, k, v, g, beta, **options) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked GDN (same results as the recurrent form up to fp32 rounding).
 
     Inside a chunk with state S at its start and local cumulative gates G_t = sum_{s<=t} g_s:
@@ -79,10 +51,7 @@ def chunk_gated_delta_rule(
       S  <- e^{G_C} S + sum_s e^{G_C - G_s} k̂_s u_s^T
     Only differences G_t - G_s with s <= t are exponentiated, so every factor is in (0, 1].
     """
-    return chunked_delta_rule(
-        q, k, v, g, beta, _chunk, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-    )  # fmt: skip
+    return chunked_delta_rule(q, k, v, g, beta, _chunk, **options)
 
 
 def _chunk(S, qc, kc, vc, bc, G):
