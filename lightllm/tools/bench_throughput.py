@@ -80,9 +80,7 @@ def _gpu_ms_per_step(engine, num_steps: int, top_kernels: int = 0) -> float | No
     return total_us / 1000 / num_steps
 
 
-def run_batch(
-    engine, batch: int, input_len: int, output_len: int, vocab: int, seed: int, top_kernels: int = 0
-) -> dict:
+def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, seed: int, top_kernels: int = 0) -> dict:
     """Submit `batch` requests at once and run them to the end; returns the measured figures. Call once untimed
     first with the same shapes: the first prefill of a shape compiles and autotunes kernels."""
     rng = np.random.default_rng(seed)
