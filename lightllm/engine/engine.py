@@ -23,6 +23,7 @@ import torch
 
 from lightllm.engine.batch import ForwardBatch, ForwardOutput, ModelRunnerProtocol
 from lightllm.engine.messages import EngineOutput, EngineStats, Finished, NewRequest, TokenChunk
+from lightllm.engine.publish_queue import PublishQueue
 from lightllm.engine.request import Request, Status
 from lightllm.engine.sampler import RowContext, Sampler, compute_logprobs
 from lightllm.engine.scheduler import ScheduledRow, SchedulePlan, Scheduler
@@ -87,10 +88,8 @@ class Engine:
         self._inflight: _InFlight | None = None
         # finishes of a failed overlapped launch, reported by the next step() call
         self._failed_outputs: list[EngineOutput] = []
-        # the prefix-cache publishes of a step's requests (and the resources of those that finished, which a
-        # publish reads), run by the next step() call: a step's tokens go out without waiting for the checkpoint
-        # export, nor with MTP for the head's pass over the prompt (the next step's drafts make that pass anyway)
-        self._after_outputs: list[tuple[Request, bool]] = []
+        # a step's prefix-cache publishes, run by the next step() call (see publish_queue.py)
+        self._publishes = PublishQueue(self.scheduler, runner)
         self._in_step = False
         if max_req_total_len > self.scheduler.kv_capacity:
             raise ValueError(
@@ -129,7 +128,7 @@ class Engine:
         return (
             self._inflight is not None
             or bool(self._failed_outputs)
-            or bool(self._after_outputs)
+            or bool(self._publishes)
             or self.scheduler.has_work()
         )
 
@@ -164,11 +163,11 @@ class Engine:
 
     def _step(self) -> list[EngineOutput]:
         outputs, self._failed_outputs = self._failed_outputs, []
-        due, self._after_outputs = self._after_outputs, []
+        due = self._publishes.take()
         inflight = self._inflight
         if inflight is not None:
             # an overlapped step has no drafts: its publishes wait for nothing
-            self._publish_after_outputs(due)
+            self._publishes.run(due)
             due = []
             if self._can_chain(inflight):
                 self._inflight = None
@@ -178,7 +177,7 @@ class Engine:
             outputs += self._complete(inflight)
         outputs += self._propose()
         # after the drafts: the MTP head's KV they commit is the part of a publish that costs a forward
-        self._publish_after_outputs(due)
+        self._publishes.run(due)
         plan = self.scheduler.schedule()
         for req in plan.unfittable:
             outputs += self._finish(req, "error", error=f"{req.num_tokens} tokens do not fit in the KV cache")
@@ -316,31 +315,11 @@ class Engine:
         for row in plan.prefill:
             req = row.req
             if req.handle is not None and not req.is_finished and self.scheduler.is_checkpoint_due(req):
-                self._after_outputs.append((req, False))
+                self._publishes.checkpoint(req)
 
     def publish_now(self, reqs: list[Request]) -> None:
         """Run the queued publishes of `reqs` now (a request leaving the engine with its state: a PD hand-off)."""
-        ids = {id(req) for req in reqs}
-        self._publish_after_outputs([e for e in self._after_outputs if id(e[0]) in ids])
-        self._after_outputs = [e for e in self._after_outputs if id(e[0]) not in ids]
-
-    def _publish_after_outputs(self, entries: list[tuple[Request, bool]]) -> None:
-        """Publish each queued request's committed tokens; a finished one (`left`) then gives its resources back.
-        A request that left meanwhile (an abort publishes and releases at once) is skipped. A failure costs the
-        cache its entry, never the request (its tokens are out) nor the others."""
-        for req, left in entries:
-            try:
-                if left:
-                    self.scheduler.release(req, publish=True)
-                elif req.handle is not None and not req.is_finished:
-                    self.runner.publish(req.handle, req.all_ids[: req.num_computed_tokens])
-            except Exception:
-                logger.exception("prefix-cache publish of %s failed", req.req_id)
-                if left:
-                    try:
-                        self.scheduler.release(req, publish=False)
-                    except Exception:
-                        logger.exception("could not release %s", req.req_id)
+        self._publishes.run_now(reqs)
 
     def _prefix_cache_stats(self) -> dict[str, int] | None:
         stats = getattr(self.runner, "prefix_cache_stats", None)
@@ -591,7 +570,7 @@ class Engine:
         later = publish and self._in_step and req.handle is not None
         self.scheduler.remove(req, publish=publish, keep_resources=later)
         if later:
-            self._after_outputs.append((req, True))
+            self._publishes.leaving(req)
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         self.requests.pop(req.req_id, None)
         return [

@@ -43,27 +43,23 @@ def prepare(q, k, v, g, beta, scale):
     return q_hat, k_hat, v.float(), g.float(), beta.float()
 
 
-def recurrent_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, round_state_to=None):
+def recurrent_delta_rule(q, k, v, g, beta, *, round_state_to=None, **options):
     """Token by token, g `[T, HV]` (one decay per value head) or `[T, HV, K]` (per key channel):
     S <- diag(e^g) S;  u = beta (v - S^T k̂);  S <- S + k̂ u^T;  o = S^T q̂.
-    Returns `(o [T, HV, V] fp32, final_state [N, HV, K, V] fp32)`. round_state_to: round the running state to this
-    dtype after every token (the storage rounding of the native and compact modes); a token's output is read
-    before its rounding."""
-    q_hat, k_hat, v, g, beta = prepare(q, k, v, g, beta, scale)
-    num_v_heads, head_k, head_v = v.shape[1], k.shape[-1], v.shape[-1]
-    o = torch.zeros_like(v)
-    finals = []
-    for i, (start, end) in enumerate(row_spans(q.shape[0], cu_seqlens)):
-        S = torch.zeros(num_v_heads, head_k, head_v) if initial_state is None else initial_state[i].float().clone()
-        for t in range(start, end):
-            S = S * g[t].exp().reshape(num_v_heads, -1, 1)
-            u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", S, k_hat[t]))
-            S = S + k_hat[t][:, :, None] * u[:, None, :]
-            o[t] = torch.einsum("hkv,hk->hv", S, q_hat[t])
-            if round_state_to is not None:
-                S = S.to(round_state_to).float()
-        finals.append(S)
-    return o, torch.stack(finals)
+    Returns `(o [T, HV, V] fp32, final_state [N, HV, K, V] fp32)`; `options`: scale, initial_state, cu_seqlens.
+    round_state_to: round the running state to this dtype after every token (the storage rounding of the native
+    and compact modes); a token's output is read before its rounding."""
+
+    def token(S, qc, kc, vc, bc, G):  # the chunked driver's views of one token: [HV, 1, ...]
+        S = S * G.exp().reshape(S.shape[0], -1, 1)
+        u = bc * (vc[:, 0] - torch.einsum("hkv,hk->hv", S, kc[:, 0]))
+        S = S + kc[:, 0, :, None] * u[:, None, :]
+        o = torch.einsum("hkv,hk->hv", S, qc[:, 0])
+        if round_state_to is not None:
+            S = S.to(round_state_to).float()
+        return o[:, None], S
+
+    return chunked_delta_rule(q, k, v, g, beta, token, chunk_size=1, **options)
 
 
 def chunked_delta_rule(q, k, v, g, beta, chunk, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size=64):
