@@ -32,16 +32,23 @@ from lightllm.linear_att.autotune import KernelConfig  # noqa: E402
 
 
 def parse_configs(text: str) -> list[KernelConfig]:
-    """ "64x2,32x4" -> BV x num_warps launch configs (one stage)."""
-    return [KernelConfig(*(int(x) for x in c.split("x")), 1) for c in text.split(",")]
+    """ "64x2,32x4x2" -> BV x num_warps [x num_stages] launch configs (one stage unless given)."""
+    configs = []
+    for c in text.split(","):
+        parts = [int(x) for x in c.split("x")]
+        if len(parts) not in (2, 3):
+            raise ValueError(f"launch config {c!r} is not BVxWARPS or BVxWARPSxSTAGES")
+        configs.append(KernelConfig(*parts, *([1] if len(parts) == 2 else [])))
+    return configs
 
 
 # 128 x 4 warps: the same 128 tile elements per thread as 64 x 2, one program per head instead of two (fewer static
 # instructions per head, but slower in every H200 sweep: fewer resident blocks)
-SERIAL = parse_configs("64x2,32x4,32x2,64x4,128x4")
+# (64 x 2 with two stages: the token loop's loads software-pipelined, each token's loads issued a token ahead)
+SERIAL = parse_configs("64x2,32x4,32x2,64x4,128x4,64x2x2")
 # compact does W + pending token updates per program and one state write: wider tiles share each token's loads,
 # norms and gates across more of V
-COMPACT = parse_configs("64x2,64x4,32x2,32x4,128x4,128x8")
+COMPACT = parse_configs("64x2,64x4,32x2,32x4,128x4,128x8,64x2x2")
 REPLAY = parse_configs("32x4,64x8,64x2,32x2,64x4,128x8,128x4")
 
 
@@ -72,7 +79,8 @@ def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, proje
             torch.cuda.empty_cache()
         if cfg in out:
             tag = f"{family} ({projection})" if family == "replay" and W > 1 else family
-            log(f"  {shape.name} {tag} W={W} N={N} bv={cfg.block_v} nw={cfg.num_warps}: {out[cfg]:.1f} us")
+            tile = f"bv={cfg.block_v} nw={cfg.num_warps} ns={cfg.num_stages}"
+            log(f"  {shape.name} {tag} W={W} N={N} {tile}: {out[cfg]:.1f} us")
     return key, out
 
 
@@ -89,7 +97,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--projections", default="inline,precompute", help="replay projections to time at W > 1 (inline is the default)"
     )
-    p.add_argument("--configs", default=None, help="BVxWARPS candidates instead of the built-in lists, e.g. 64x2,32x1")
+    p.add_argument(
+        "--configs", default=None, help="BVxWARPS[xSTAGES] candidates instead of the built-in lists, e.g. 64x2,32x1x2"
+    )
     args = p.parse_args(argv)
     device = torch.device("cuda")
     state = bench.DTYPES[args.state_dtype]

@@ -293,3 +293,15 @@ def test_a_batch_too_small_for_the_gpu_gets_a_narrower_v_tile():
     assert filled_block_v(64, 128, 1 * 4, 132) == 16
     assert filled_block_v(64, 128, 1 * 32, 0) == 64
     assert filled_block_v(128, 64, 1, 0) == 64
+
+
+def test_sweep_configs_take_an_optional_stage_count():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "test", "benchmark"))
+    import sweep_linear_att as sweep
+
+    assert sweep.parse_configs("64x2,32x4x2") == [KernelConfig(64, 2, 1), KernelConfig(32, 4, 2)]
+    with pytest.raises(ValueError, match="BVxWARPS"):
+        sweep.parse_configs("64")
