@@ -148,6 +148,47 @@ def test_native_and_compact_match_twin_and_each_other(shape, state_dtype):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("N", [1, 2, 3])
+def test_small_batches_match_the_twins_under_the_looked_up_tile(shape, N):
+    """A batch of a few rows launches the looked-up tile narrowed for it (`launch.filled_block_v`: one row of 32
+    heads gets 32-wide V tiles on an H200): native and compact verify still equal the torch twins (outputs, native's
+    W states, compact's records)."""
+    from lightllm.linear_att import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(N)
+    _, H, HV, K, V = shape
+    W, num_slots = 4, 8
+    args = _inputs(shape, N, W, gen)
+    GK = args[3].shape[-1]
+    tokens = TokenInputs(*args)
+    slots = torch.randperm(num_slots - 1, generator=gen, device="cuda")[:N].to(torch.int32)
+    widths = torch.full((N,), W, dtype=torch.int32, device="cuda")
+    base = torch.randn(num_slots, HV, K, V, generator=gen, device="cuda") * 0.05
+    native = torch.full((num_slots, W, HV, K, V), float("nan"), device="cuda")
+    native[:, 0] = base
+    index = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
+    native_t = native.clone()
+    o = ops.native_verify(tokens, NativeBuffers(native, index), slots, widths, backend="triton")
+    o_t = ops.native_verify(tokens, NativeBuffers(native_t, index), slots, widths, backend="torch")
+    assert_rel_close("native o", o, o_t, 2e-2)
+    rows = slots.long()
+    assert_rel_close("native states", native[rows], native_t[rows], 2e-2)
+
+    def compact():
+        win = [
+            torch.full((num_slots, 2, W, *tail), float("nan"), device="cuda") for tail in ((H, K), (HV, V), (HV, GK))
+        ]
+        pending = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
+        return CompactBuffers(base.clone(), *win, pending, torch.zeros_like(pending))
+
+    layer, layer_t = compact(), compact()
+    o_c = ops.compact_verify(tokens, layer, slots, widths, backend="triton")
+    o_ct = ops.compact_verify(tokens, layer_t, slots, widths, backend="torch")
+    assert_rel_close("compact o", o_c, o_ct, 2e-2)
+    assert_rel_close("compact records u", layer.win_u[rows, 1], layer_t.win_u[rows, 1], 2e-2)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("block_v", [16, 64], ids=["BV16", "BV64"])
 def test_compact_lazy_commit_matches_native_over_rounds(shape, block_v):
     """Multi-round MTP: every compact verify merges the previous window's pending tokens (read from one buffer while
