@@ -121,13 +121,17 @@ class Ctx:
 
 
 def verify_rows(n: int, w: int, seed: int) -> tuple[list[int], list[int], list[int], int]:
-    """Rows of a verify batch of `n` >= 3 rows over `n + 1` slots (the last is HOLD): (slots, widths, accepted,
-    num_slots). Row 0 is on the highest real slot at full width, row 1 the HOLD slot (width 0), row 2 slot 0, row 3
-    a padding row on a real slot; the rest random widths in [1, w] (one of them full)."""
+    """Rows of a verify batch of `n` rows over `n + 1` slots (the last is HOLD): (slots, widths, accepted,
+    num_slots). Row 0 is on the highest real slot at full width; for `n` >= 3, row 1 is the HOLD slot (width 0), row
+    2 slot 0, row 3 a padding row on a real slot, the rest random widths in [1, w] (one of them full). One row (a
+    batch the kernels launch with a narrowed V tile) is slot 0 at full width."""
     import random
 
     rnd = random.Random(seed)
     num_slots = n + 1
+    if n == 1:
+        return [0], [w], [rnd.randint(1, w)], num_slots
+    assert n >= 3, "a verify batch of the memcheck cases has one row or at least three"
     hold = num_slots - 1
     rest = list(range(1, n - 2))
     rnd.shuffle(rest)
@@ -281,7 +285,9 @@ def case_replay(shape: StateShape, n: int, w: int, projection: str) -> Callable[
         ssm, hist_k, hist_u, hist_g = _replay_buffers(ctx, shape, num_slots, cap)
         # row 0 has a full history (folds inside the verify), row 2 an empty one; the rest anywhere in [0, L]
         cursor = [(7 * i + 3) % (cap + 1) for i in range(num_slots)]
-        cursor[slots[0]], cursor[slots[2]], cursor[num_slots - 1] = cap, 0, 0
+        cursor[slots[0]], cursor[num_slots - 1] = cap, 0
+        if n >= 3:
+            cursor[slots[2]] = 0
         cursor = ctx.ints(cursor)
         parity = ctx.ints([i % 2 for i in range(num_slots)])
         conv_offset = ctx.ints([0] * num_slots)
@@ -468,12 +474,13 @@ def build_cases() -> list[Case]:
         add("conv_prefill", "N=1 lens=23 Wmax=2 padded to 32", conv_p, case_conv_prefill(s, [23], 2, padding=9))
         for n, w in ((7, 1), (3, 2), (7, 4), (3, 4)):
             add("conv_decode", f"N={n} W={w}", conv_d, case_conv_decode(s, n, w))
-        for n, w in ((3, 1), (7, 2), (3, 4), (7, 4)):
+        # the one-row cases launch the looked-up tile narrowed for a batch that cannot fill the GPU
+        for n, w in ((3, 1), (7, 2), (3, 4), (7, 4), (1, 1), (1, 4)):
             add("native", f"N={n} W={w}", native, case_native(s, n, w))
-        for n, w in ((7, 2), (3, 4)):
+        for n, w in ((7, 2), (3, 4), (1, 4)):
             add("compact", f"N={n} W={w} merge+commit+export", compact, case_compact(s, n, w))
         for n, w, proj in ((3, 1, "inline"), (7, 2, "inline"), (3, 2, "precompute"), (7, 4, "precompute"),
-                           (3, 4, "inline")):  # fmt: skip
+                           (3, 4, "inline"), (1, 1, "inline"), (1, 4, "precompute")):  # fmt: skip
             kernel = "replay_decode_kernel" if w == 1 else "replay_window_kernel"
             add("replay", f"N={n} W={w} L={s.capacity} {proj} fold", (kernel, *replay_tail),
                 case_replay(s, n, w, proj))  # fmt: skip

@@ -28,7 +28,7 @@ import torch
 import triton
 
 from lightllm.linear_att.bundles import ReplayBuffers, TokenInputs
-from lightllm.linear_att.kernels.launch import check_verify_inputs, replay_config
+from lightllm.linear_att.kernels.launch import check_verify_inputs, filled_block_v, replay_config, sm_count
 from lightllm.linear_att.kernels.replay_decode import replay_decode_triton
 from lightllm.linear_att.kernels.replay_window import replay_window_triton
 
@@ -63,7 +63,11 @@ def replay_verify_triton(
     check_history(state, H, HV, K, V, GK, leading=1)
     cfg = replay_config(config, algorithm, ssm.dtype, tokens.v.dtype, H, HV, K, V, GK, WMAX, L, projection,
                         ssm.device, tokens.lower_bound)  # fmt: skip
-    launch = dict(block_v=block_v(cfg, V, ssm.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # a pinned configuration is launched as given; a looked-up one is narrowed for a batch too small to fill the GPU
+    bv = block_v(cfg, V, ssm.device)
+    if config is None:
+        bv = filled_block_v(bv, V, N * HV, sm_count(ssm.device))
+    launch = dict(block_v=bv, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if WMAX == 1:
         return replay_decode_triton(tokens, state, slots, widths, **launch)
     return replay_window_triton(tokens, state, slots, widths, projection=projection, **launch)
