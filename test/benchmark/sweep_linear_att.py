@@ -47,8 +47,8 @@ def parse_configs(text: str) -> list[KernelConfig]:
 # (64 x 2 with two stages: the token loop's loads software-pipelined, each token's loads issued a token ahead)
 SERIAL = parse_configs("64x2,32x4,32x2,64x4,128x4,64x2x2")
 # compact does W + pending token updates per program and one state write: wider tiles share each token's loads,
-# norms and gates across more of V
-COMPACT = parse_configs("64x2,64x4,32x2,32x4,128x4,128x8,64x2x2")
+# norms and gates across more of V; one warp on a [128, 32] tile keeps each reduction over K inside a warp
+COMPACT = parse_configs("64x2,64x4,32x2,32x4,128x4,128x8,64x2x2,32x1,32x1x2")
 REPLAY = parse_configs("32x4,64x8,64x2,32x2,64x4,128x8,128x4")
 
 
