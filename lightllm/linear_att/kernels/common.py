@@ -21,6 +21,36 @@ BATCH_VARYING_ARGS = ("slots", "widths", "accepted", "conv_offset", "cu_seqlens"
 
 
 @triton.jit
+def program_heads(H: tl.constexpr, HV: tl.constexpr):
+    """(V tile, row, value head, key head) of a program of a one-layer launch over the grid (V tiles, rows, value
+    heads); the value heads of a key head are consecutive."""
+    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    return i_v, i_n, i_hv, i_hv // (HV // H)
+
+
+@triton.jit
+def layer_program_heads(H: tl.constexpr, HV: tl.constexpr):
+    """(V tile, row, layer, value head, key head) of a program of a launch over a stack of layers, grid (V tiles,
+    rows, layers x value heads)."""
+    i_v, i_n, i_lhv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    i_l, i_hv = i_lhv // HV, i_lhv % HV
+    return i_v, i_n, i_l, i_hv, i_hv // (HV // H)
+
+
+@triton.jit
+def tile_offsets(i_v, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 BG: tl.constexpr):  # fmt: skip
+    """A program's place in one head, as one tuple the building blocks below take (`tile`): offsets and masks of
+    the keys `o_k, m_k [BK]`, of its V tile `o_v, m_v [BV]` (tile `i_v`), of the gate channels `o_g, m_g [BG]`,
+    and the mask `m_kv` of its `[BK, BV]` state tile."""
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_g = tl.arange(0, BG)
+    m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
+    return o_k, m_k, o_v, m_v, o_g, m_g, m_k[:, None] & m_v[None, :]
+
+
+@triton.jit
 def sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
@@ -87,18 +117,14 @@ def load_token(
     b_dt_bias,
     lower_bound,
     scale,
-    o_k,
-    m_k,
-    o_v,
-    m_v,
-    o_g,
-    m_g,
+    tile,
     USE_LOWER_BOUND: tl.constexpr,
 ):
     """Load and preprocess one window token: returns (q_hat * scale, k_hat, v, g, beta) in fp32.
 
-    `p_*` point at the token's head rows.
+    `p_*` point at the token's head rows; `tile` is `tile_offsets`'.
     """
+    o_k, m_k, o_v, m_v, o_g, m_g, _ = tile
     b_q = tl.load(p_q + o_k, mask=m_k, other=0).to(tl.float32)  # [BK]
     # the key stays in its input dtype until every load of the token is issued: converted at its load, it makes the
     # compiler schedule the serial kernel's token loop measurably worse on sm_90, in native and compact verify alike
@@ -152,8 +178,10 @@ def project_token(b_s, b_hu, b_hkw, b_x, b_eG, b_er):
 
 
 @triton.jit
-def _load_record(p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, j, h, o_k, m_k, o_g, m_g, o_v, m_v):
+def _load_record(history, j, h, tile):
     """Record j of a history buffer: (k_hat_j `[BK]`, G_j `[BG]`, u_j `[BV]`), zeros when j >= h."""
+    p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul = history
+    o_k, m_k, o_v, m_v, o_g, m_g, _ = tile
     b_k = tl.load(p_hk + j * stride_l + o_k, mask=m_k & (j < h), other=0)
     b_g = tl.load(p_hg + j * stride_gl + o_g, mask=m_g & (j < h), other=0)
     b_u = tl.load(p_hu + j * stride_ul + o_v, mask=m_v & (j < h), other=0)
@@ -161,21 +189,19 @@ def _load_record(p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, j, h, o_k, m_
 
 
 @triton.jit
-def fold_tile_from_records(
-    b_s, b_gh, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, o_k, m_k, o_g, m_g, o_v, m_v
-):
+def fold_tile_from_records(b_s, b_gh, history, h, tile):
     """S_h = diag(e^{G_h}) S_0 + sum_j (e^{G_h - G_j} k_hat_j) u_j^T on one `[BK, BV]` fp32 tile, streaming the `h`
-    records in order (fp32 FMAs, no registers beyond the tile and two prefetched records). `p_hk / p_hg / p_hu`
-    point at record 0 of one buffer (key head / value head / value head); `b_gh [BG]` is G_h."""
+    records in order (fp32 FMAs, no registers beyond the tile and two prefetched records). `history` = (p_hk, p_hg,
+    p_hu, and their record strides): pointers at record 0 of one buffer (key head / value head / value head);
+    `b_gh [BG]` is G_h; `tile` is `tile_offsets`'."""
     b_s = b_s * tl.exp(b_gh)[:, None]
     # two records per loop step: one loop overhead per pair, and the next pair loads while this one is added. A
     # missing second record (odd h) loads as zeros and adds exactly 0, so the sum is the same one-by-one sum.
-    rec = (p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul)
-    b_ka, b_ga, b_ua = _load_record(*rec, 0, h, o_k, m_k, o_g, m_g, o_v, m_v)
-    b_kb, b_gb, b_ub = _load_record(*rec, 1, h, o_k, m_k, o_g, m_g, o_v, m_v)
+    b_ka, b_ga, b_ua = _load_record(history, 0, h, tile)
+    b_kb, b_gb, b_ub = _load_record(history, 1, h, tile)
     for j in range(0, h, 2):
-        b_kc, b_gc, b_uc = _load_record(*rec, j + 2, h, o_k, m_k, o_g, m_g, o_v, m_v)
-        b_kd, b_gd, b_ud = _load_record(*rec, j + 3, h, o_k, m_k, o_g, m_g, o_v, m_v)
+        b_kc, b_gc, b_uc = _load_record(history, j + 2, h, tile)
+        b_kd, b_gd, b_ud = _load_record(history, j + 3, h, tile)
         b_s += (b_ka * tl.exp(b_gh - b_ga))[:, None] * b_ua[None, :]
         b_s += (b_kb * tl.exp(b_gh - b_gb))[:, None] * b_ub[None, :]
         b_ka, b_ga, b_ua, b_kb, b_gb, b_ub = b_kc, b_gc, b_uc, b_kd, b_gd, b_ud
@@ -210,19 +236,17 @@ def commit_fold(fold, b_s, p_s, m_kv, h, par):
 
 
 @triton.jit
-def fold_if_full(fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, par,
-                 o_k, m_k, o_g, m_g, o_v, m_v):  # fmt: skip
+def fold_if_full(fold, b_s, b_hkw, b_hu, b_gh, p_s, history, h, par, tile):
     """The replay kernels' on-device fold of one `[BK, BV]` tile that holds S0 and contracts the history through
     its weights. When `fold`, S_h replaces the tile (`commit_fold`) and the history becomes empty. Returns (tile,
     history weights `[BL, BK]`, history u `[BL, BV]`, G_h `[BG]`, the cursor the window's records start at, the
     history buffer they go to)."""
     if fold:
-        b_s = fold_tile_from_records(b_s, b_gh, p_hk, p_hg, p_hu, stride_l, stride_gl, stride_ul, h, o_k, m_k, o_g, m_g,
-                                     o_v, m_v)  # fmt: skip
+        b_s = fold_tile_from_records(b_s, b_gh, history, h, tile)
         b_hkw = tl.zeros(b_hkw.shape, dtype=tl.float32)
         b_hu = tl.zeros(b_hu.shape, dtype=tl.float32)
         b_gh = tl.zeros(b_gh.shape, dtype=tl.float32)
-    b_s, h, buf = commit_fold(fold, b_s, p_s, m_kv, h, par)
+    b_s, h, buf = commit_fold(fold, b_s, p_s, tile[6], h, par)
     return b_s, b_hkw, b_hu, b_gh, h, buf
 
 

@@ -37,6 +37,12 @@ def verify_launch_args(tokens, state_pointers, state_strides, slots, widths, o) 
             tokens.strides, tuple(o.stride()[:2]), tuple(state_strides))  # fmt: skip
 
 
+def state_shape(H: int, HV: int, K: int, V: int, GK: int, block_v: int) -> dict[str, int]:
+    """The shape constexprs every state kernel takes: heads, head dims and gate width, and the blocks of one
+    program (K and the gate width rounded up to powers of two, the V tile `block_v`)."""
+    return dict(H=H, HV=HV, K=K, V=V, GK=GK, BK=triton.next_power_of_2(K), BV=block_v, BG=triton.next_power_of_2(GK))
+
+
 def tuned(config, algorithm, GK: int, K: int, key: autotune.TuneKey) -> autotune.KernelConfig:
     """The configuration of one launch: `config` when the caller pins one, else `algorithm`'s table entry for
     `key` (no algorithm given: the one whose gate width `GK` is, `registry.algorithm_of_gate`)."""

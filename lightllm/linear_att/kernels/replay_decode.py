@@ -32,55 +32,33 @@ from lightllm.linear_att.kernels.common import (
     gate_activation,
     history_weights,
     l2norm,
+    program_heads,
     project_token,
     replay_folds,
     sigmoid,
+    tile_offsets,
 )
-from lightllm.linear_att.kernels.launch import verify_launch_args
+from lightllm.linear_att.kernels.launch import state_shape, verify_launch_args
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def replay_decode_kernel(
-    tokens,
-    state,
-    slots,
-    widths,
-    o,
-    scale,
-    lower_bound,
-    token_strides,
-    o_strides,
-    state_strides,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    GK: tl.constexpr,
-    L: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BG: tl.constexpr,
-    BL: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr,
-):
+def replay_decode_kernel(tokens, state, slots, widths, o, scale, lower_bound, token_strides, o_strides, state_strides,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr, L: tl.constexpr, BL: tl.constexpr,
+                         USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
     q, k, v, graw, braw, A_log, dt_bias = tokens
     stride_q_n, stride_q_w, stride_v_n, stride_v_w, stride_g_n, stride_g_w, stride_b_n, stride_b_w = token_strides
-    stride_o_n, stride_o_w = o_strides
     ssm, hist_k, hist_u, hist_g, cursor, parity = state
     (stride_ssm_s, stride_hk_s, stride_hk_b, stride_hk_l, stride_hu_s, stride_hu_b, stride_hu_l, stride_hg_s,
      stride_hg_b, stride_hg_l) = state_strides  # fmt: skip
-    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    i_h = i_hv // (HV // H)
+    i_v, i_n, i_hv, i_h = program_heads(H, HV)
     live = tl.load(widths + i_n) > 0
     slot = tl.load(slots + i_n).to(tl.int64)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_g = tl.arange(0, BG)
+    tile = tile_offsets(i_v, K, V, GK, BK, BV, BG)
+    o_k, m_k, o_v, m_v, o_g, m_g, m_kv = tile
     o_l = tl.arange(0, BL)
-    m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
-    m_kv = m_k[:, None] & m_v[None, :]
 
     # issued before the cursor: the state tile and the token are in flight while the cursor and the records come
     p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
@@ -106,10 +84,8 @@ def replay_decode_kernel(
     b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] e^{G_h - G_j} k_hat_j, [BG] G_h
 
     b_s = b_s_raw.to(tl.float32)
-    b_s, b_hkw, b_hu, b_gh, h, buf = fold_if_full(
-        fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, par,
-        o_k, m_k, o_g, m_g, o_v, m_v,
-    )  # fmt: skip
+    history = (p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l)
+    b_s, b_hkw, b_hu, b_gh, h, buf = fold_if_full(fold, b_s, b_hkw, b_hu, b_gh, p_s, history, h, par, tile)
 
     # the token
     b_q = l2norm(b_qr.to(tl.float32)) * scale
@@ -125,6 +101,7 @@ def replay_decode_kernel(
     b_yq = project_token(b_s, b_hu, b_hkw, b_q, b_eG, b_eg)
     b_o = b_yq + b_u * tl.sum(b_k * b_q, 0)
 
+    stride_o_n, _ = o_strides
     tl.store(o + i_n * stride_o_n + i_hv * V + o_v, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
     # records (one writer each: u per V tile, G per value head, k_hat per key group)
     tl.store(hist_u + slot * stride_hu_s + buf * stride_hu_b + h * stride_hu_l + i_hv * V + o_v, b_u, mask=m_v & live)
@@ -148,15 +125,8 @@ def replay_decode_triton(
         return o
     replay_decode_kernel[(triton.cdiv(V, block_v), N, HV)](
         *verify_launch_args(tokens, state.pointers, state.strides, slots, widths, o),
-        H=H,
-        HV=HV,
-        K=K,
-        V=V,
-        GK=GK,
+        **state_shape(H, HV, K, V, GK, block_v),
         L=L,
-        BK=triton.next_power_of_2(K),
-        BV=block_v,
-        BG=triton.next_power_of_2(GK),
         BL=triton.next_power_of_2(L),
         num_warps=num_warps,
         num_stages=num_stages,

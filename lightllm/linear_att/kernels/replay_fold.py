@@ -13,67 +13,51 @@ import triton
 import triton.language as tl
 
 from lightllm.linear_att.bundles import ReplayBuffers
-from lightllm.linear_att.kernels.common import BATCH_VARYING_ARGS, fold_tile_from_records
-from lightllm.linear_att.kernels.launch import fold_config
+from lightllm.linear_att.kernels.common import (
+    BATCH_VARYING_ARGS,
+    fold_tile_from_records,
+    layer_program_heads,
+    tile_offsets,
+)
+from lightllm.linear_att.kernels.launch import fold_config, state_shape
 from lightllm.linear_att.kernels.replay_verify import block_v, check_history
 
 
 @triton.heuristics({"HAS_OUT": lambda args: args["out"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def replay_fold_kernel(
-    state,
-    slots,
-    out,
-    state_strides,
-    out_strides,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    GK: tl.constexpr,
-    L: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BG: tl.constexpr,
-    HAS_OUT: tl.constexpr,
-):
+def replay_fold_kernel(state, slots, out, state_strides, out_strides,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr,
+                       L: tl.constexpr, HAS_OUT: tl.constexpr):  # fmt: skip
     ssm, hist_k, hist_u, hist_g, cursor, parity = state
     (stride_ssm_l, stride_ssm_s, stride_hk_l, stride_hk_s, stride_hk_b, stride_hk_j, stride_hu_l, stride_hu_s,
      stride_hu_b, stride_hu_j, stride_hg_l, stride_hg_s, stride_hg_b, stride_hg_j) = state_strides  # fmt: skip
     stride_out_l, stride_out_n = out_strides
-    i_v, i_n, i_lhv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    i_l, i_hv = i_lhv // HV, i_lhv % HV
-    i_h = i_hv // (HV // H)
+    i_v, i_n, i_l, i_hv, i_h = layer_program_heads(H, HV)
     slot = tl.load(slots + i_n).to(tl.int64)
     h = tl.minimum(tl.load(cursor + slot), L)
     par = tl.load(parity + slot).to(tl.int64)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_g = tl.arange(0, BG)
-    m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
-    m_kv = m_k[:, None] & m_v[None, :]
+    tile = tile_offsets(i_v, K, V, GK, BK, BV, BG)
+    o_k, m_k, o_v, m_v, o_g, m_g, m_kv = tile
 
     p_hk = hist_k + i_l * stride_hk_l + slot * stride_hk_s + par * stride_hk_b + i_h * K
     p_hg = hist_g + i_l * stride_hg_l + slot * stride_hg_s + par * stride_hg_b + i_hv * GK
     p_hu = hist_u + i_l * stride_hu_l + slot * stride_hu_s + par * stride_hu_b + i_hv * V
+    history = (p_hk, p_hg, p_hu, stride_hk_j, stride_hg_j, stride_hu_j)
     b_gh = tl.load(p_hg + (h - 1) * stride_hg_j + o_g, mask=m_g & (h > 0), other=0)  # G_h [BG] (0 when h = 0)
 
     o_kv = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
     p_s = ssm + i_l * stride_ssm_l + slot * stride_ssm_s + o_kv
     if HAS_OUT:
         b_s = tl.load(p_s, mask=m_kv, other=0).to(tl.float32)  # [BK, BV]
-        b_s = fold_tile_from_records(
-            b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_j, stride_hg_j, stride_hu_j, h, o_k, m_k, o_g, m_g, o_v, m_v
-        )
+        b_s = fold_tile_from_records(b_s, b_gh, history, h, tile)
         p_out = out + i_l * stride_out_l + i_n * stride_out_n + o_kv
         tl.store(p_out, b_s.to(p_out.dtype.element_ty), mask=m_kv)
     else:
         # an empty history leaves the state as it is: skip both the read and the write
         b_s = tl.load(p_s, mask=m_kv & (h > 0), other=0).to(tl.float32)
-        b_s = fold_tile_from_records(
-            b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_j, stride_hg_j, stride_hu_j, h, o_k, m_k, o_g, m_g, o_v, m_v
-        )
+        b_s = fold_tile_from_records(b_s, b_gh, history, h, tile)
         tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_kv & (h > 0))
 
 
@@ -111,15 +95,8 @@ def replay_fold_triton(
         out,
         state.strides,
         tuple(out.stride()[:2]) if out is not None else (0, 0),
-        H=H,
-        HV=HV,
-        K=K,
-        V=V,
-        GK=GK,
+        **state_shape(H, HV, K, V, GK, BV),
         L=L,
-        BK=triton.next_power_of_2(K),
-        BV=BV,
-        BG=triton.next_power_of_2(GK),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -50,13 +50,15 @@ from lightllm.linear_att.kernels.common import (
     fold_tile_from_records,
     gate_activation,
     history_weights,
+    program_heads,
     replay_folds,
     sigmoid,
     small_matmul,
     stack_rows,
+    tile_offsets,
     unit_lower_inverse,
 )
-from lightllm.linear_att.kernels.launch import verify_launch_args
+from lightllm.linear_att.kernels.launch import state_shape, verify_launch_args
 
 
 @triton.jit
@@ -72,53 +74,24 @@ def window_gate_sums(p_g, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lo
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def replay_window_kernel(
-    tokens,
-    state,
-    slots,
-    widths,
-    o,
-    scale,
-    lower_bound,
-    token_strides,
-    o_strides,
-    state_strides,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    GK: tl.constexpr,
-    L: tl.constexpr,
-    WMAX: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BG: tl.constexpr,
-    BL: tl.constexpr,
-    BW: tl.constexpr,
-    LOG2_BW: tl.constexpr,
-    DOT_PAD: tl.constexpr,
-    PRECOMPUTE: tl.constexpr,
-    PRECISION: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr,
-):
+def replay_window_kernel(tokens, state, slots, widths, o, scale, lower_bound, token_strides, o_strides, state_strides,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr, L: tl.constexpr, WMAX: tl.constexpr,
+                         BL: tl.constexpr, BW: tl.constexpr, LOG2_BW: tl.constexpr, DOT_PAD: tl.constexpr,
+                         PRECOMPUTE: tl.constexpr, PRECISION: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
     q, k, v, graw, braw, A_log, dt_bias = tokens
     stride_q_n, stride_q_w, stride_v_n, stride_v_w, stride_g_n, stride_g_w, stride_b_n, stride_b_w = token_strides
-    stride_o_n, stride_o_w = o_strides
     ssm, hist_k, hist_u, hist_g, cursor, parity = state
     (stride_ssm_s, stride_hk_s, stride_hk_b, stride_hk_l, stride_hu_s, stride_hu_b, stride_hu_l, stride_hg_s,
      stride_hg_b, stride_hg_l) = state_strides  # fmt: skip
-    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    i_h = i_hv // (HV // H)
+    i_v, i_n, i_hv, i_h = program_heads(H, HV)
     width = tl.load(widths + i_n)
     live = width > 0
     slot = tl.load(slots + i_n).to(tl.int64)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_g = tl.arange(0, BG)
+    tile = tile_offsets(i_v, K, V, GK, BK, BV, BG)
+    o_k, m_k, o_v, m_v, o_g, m_g, m_kv = tile
     o_w = tl.arange(0, BW)
-    m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
-    m_kv = m_k[:, None] & m_v[None, :]
 
     # issued before the cursor: the state tile is in flight while the cursor and the records come
     p_s = ssm + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
@@ -132,6 +105,7 @@ def replay_window_kernel(
     p_hk = hist_k + slot * stride_hk_s + par * stride_hk_b + i_h * K
     p_hu = hist_u + slot * stride_hu_s + par * stride_hu_b + i_hv * V
     p_hg = hist_g + slot * stride_hg_s + par * stride_hg_b + i_hv * GK
+    history = (p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l)
 
     # the window as blocks, rows >= width zero: raw q, k [BW, BK], v [BW, BV], beta [BW]
     p_q0 = i_n * stride_q_n + i_h * K
@@ -159,10 +133,7 @@ def replay_window_kernel(
         b_hg = tl.load(p_hg + o_l[:, None] * stride_hg_l + o_g[None, :], mask=m_l[:, None] & m_g[None, :], other=0)
         b_hu = tl.load(p_hu + o_l[:, None] * stride_hu_l + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0)
         b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] K~_j, [BG] G_h
-        b_s, b_hkw, b_hu, b_gh, h, buf = fold_if_full(
-            fold, b_s, b_hkw, b_hu, b_gh, p_s, m_kv, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h,
-            par, o_k, m_k, o_g, m_g, o_v, m_v,
-        )  # fmt: skip
+        b_s, b_hkw, b_hu, b_gh, h, buf = fold_if_full(fold, b_s, b_hkw, b_hu, b_gh, p_s, history, h, par, tile)
         b_rw = window_gate_sums(graw + p_g0, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lower_bound,
                                 USE_LOWER_BOUND)  # fmt: skip
         b_qw = b_qw * b_nq[:, None]
@@ -183,9 +154,7 @@ def replay_window_kernel(
         # rounded only when the window folds; then one contraction of the tile per token and vector, on the raw
         # rows (the l2norm factors, and for GDN the decay, are applied to the [BW, BV] results)
         b_gh = tl.load(p_hg + (h - 1) * stride_hg_l + o_g, mask=m_g & (h > 0), other=0)  # G_h
-        b_s = fold_tile_from_records(
-            b_s, b_gh, p_hk, p_hg, p_hu, stride_hk_l, stride_hg_l, stride_hu_l, h, o_k, m_k, o_g, m_g, o_v, m_v
-        )
+        b_s = fold_tile_from_records(b_s, b_gh, history, h, tile)
         b_s, h, buf = commit_fold(fold, b_s, p_s, m_kv, h, par)
         b_gh = tl.where(fold, 0.0, b_gh)
         b_yk = tl.zeros([BW, BV], dtype=tl.float32)
@@ -235,6 +204,7 @@ def replay_window_kernel(
     b_u = small_matmul(b_t, b_bw[:, None] * (b_vw - b_yk))  # [BW, BV]
     b_o = b_yq + small_matmul(b_bq, b_u)
 
+    stride_o_n, stride_o_w = o_strides
     p_o = o + i_n * stride_o_n + o_w[:, None] * stride_o_w + i_hv * V + o_v[None, :]
     tl.store(p_o, tl.where(m_w[:, None], b_o, 0.0).to(o.dtype.element_ty), mask=(o_w < WMAX)[:, None] & m_v[None, :])
     # records at h..h+W-1 of buffer `buf` (one writer each: u per V tile, G per value head, k_hat per key group)
@@ -283,16 +253,9 @@ def replay_window_triton(
     least_records = 16 if on_gpu and precompute else 1  # the records' side of the tensor-core products
     replay_window_kernel[(triton.cdiv(V, block_v), N, HV)](
         *verify_launch_args(tokens, state.pointers, state.strides, slots, widths, o),
-        H=H,
-        HV=HV,
-        K=K,
-        V=V,
-        GK=GK,
+        **state_shape(H, HV, K, V, GK, block_v),
         L=L,
         WMAX=WMAX,
-        BK=triton.next_power_of_2(K),
-        BV=block_v,
-        BG=triton.next_power_of_2(GK),
         BL=max(least_records, triton.next_power_of_2(L)),
         BW=BW,
         LOG2_BW=BW.bit_length() - 1,

@@ -31,75 +31,64 @@ import triton
 import triton.language as tl
 
 from lightllm.linear_att.bundles import CompactBuffers, NativeBuffers, TokenInputs
-from lightllm.linear_att.kernels.common import BATCH_VARYING_ARGS, add_rank_one, delta_rule_step, load_token, round_like
+from lightllm.linear_att.kernels.common import (
+    BATCH_VARYING_ARGS,
+    add_rank_one,
+    delta_rule_step,
+    layer_program_heads,
+    load_token,
+    program_heads,
+    round_like,
+    tile_offsets,
+)
 from lightllm.linear_att.kernels.launch import (
     check_verify_inputs,
     filled_block_v,
     serial_config,
     sm_count,
+    state_shape,
     verify_launch_args,
 )
 
 
 @triton.jit
-def merge_window_tokens(b_s, p_s, p_wk, p_wu, p_wg, stride_wk_w, stride_wu_w, stride_wg_w, num_tokens,
-                        o_k, m_k, o_v, m_v, o_g, m_g):  # fmt: skip
+def merge_window_tokens(b_s, p_s, window, num_tokens, tile):
     """Apply the first `num_tokens` records of a window buffer to the fp32 tile `b_s [BK, BV]` and write it.
 
     Per token: `S <- round(diag(e^g) S + k̂ uᵀ)` (native's update and rounding, the element type of `p_s`). `p_wk /
-    p_wu / p_wg` point at record 0 of one buffer, at the program's key head / value head (+ V tile for `u`). The
-    tile at `p_s` is written once, already rounded, only when `num_tokens > 0`. Returns the merged fp32 tile.
+    p_wu / p_wg` (`window`, with their record strides) point at record 0 of one buffer, at the program's key head /
+    value head. The tile at `p_s` is written once, already rounded, only when `num_tokens > 0`. Returns the merged
+    fp32 tile.
     """
+    p_wk, p_wu, p_wg, stride_wk_w, stride_wu_w, stride_wg_w = window
+    o_k, m_k, o_v, m_v, o_g, m_g, m_kv = tile
     for s in range(0, num_tokens):
         b_k = tl.load(p_wk + s * stride_wk_w + o_k, mask=m_k, other=0)  # [BK] k̂
         b_u = tl.load(p_wu + s * stride_wu_w + o_v, mask=m_v, other=0)  # [BV]
         b_g = tl.load(p_wg + s * stride_wg_w + o_g, mask=m_g, other=0)  # [BG]
         b_s = round_like(add_rank_one(b_s * tl.exp(b_g)[:, None], b_k, b_u), p_s)
-    tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_k[:, None] & m_v[None, :] & (num_tokens > 0))
+    tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_kv & (num_tokens > 0))
     return b_s
 
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def serial_verify_kernel(
-    tokens,
-    state,
-    slots,
-    widths,
-    o,
-    scale,
-    lower_bound,
-    token_strides,
-    o_strides,
-    state_strides,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    GK: tl.constexpr,
-    WMAX: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BG: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr,
-    COMPACT: tl.constexpr,
-):
+def serial_verify_kernel(tokens, state, slots, widths, o, scale, lower_bound, token_strides, o_strides, state_strides,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr, WMAX: tl.constexpr,
+                         USE_LOWER_BOUND: tl.constexpr, COMPACT: tl.constexpr):  # fmt: skip
     q, k, v, graw, braw, A_log, dt_bias = tokens
     stride_q_n, stride_q_w, stride_v_n, stride_v_w, stride_g_n, stride_g_w, stride_b_n, stride_b_w = token_strides
     stride_o_n, stride_o_w = o_strides
     ssm, ssm_index, win_k, win_u, win_g, pending, parity = state
     (stride_ssm_s, stride_ssm_w, stride_wk_s, stride_wk_b, stride_wk_w, stride_wu_s, stride_wu_b, stride_wu_w,
      stride_wg_s, stride_wg_b, stride_wg_w) = state_strides  # fmt: skip
-    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    i_h = i_hv // (HV // H)
+    i_v, i_n, i_hv, i_h = program_heads(H, HV)
     width = tl.load(widths + i_n)
     slot = tl.load(slots + i_n).to(tl.int64)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_g = tl.arange(0, BG)
-    m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
-    m_kv = m_k[:, None] & m_v[None, :]
+    tile = tile_offsets(i_v, K, V, GK, BK, BV, BG)
+    o_k, m_k, o_v, m_v, o_g, m_g, m_kv = tile
 
     b_a_log = tl.load(A_log + i_hv).to(tl.float32)
     b_dt_bias = tl.load(dt_bias + i_hv * GK + o_g, mask=m_g, other=0).to(tl.float32)  # [BG]
@@ -112,23 +101,11 @@ def serial_verify_kernel(
         buf_read = tl.load(parity + slot).to(tl.int64)
         buf_write = 1 - buf_read
         b_s = tl.load(p_s, mask=m_kv & (width > 0), other=0).to(tl.float32)  # [BK, BV]
-        b_s = merge_window_tokens(
-            b_s,
-            p_s,
-            win_k + slot * stride_wk_s + buf_read * stride_wk_b + i_h * K,
-            win_u + slot * stride_wu_s + buf_read * stride_wu_b + i_hv * V,
-            win_g + slot * stride_wg_s + buf_read * stride_wg_b + i_hv * GK,
-            stride_wk_w,
-            stride_wu_w,
-            stride_wg_w,
-            num_pending,
-            o_k,
-            m_k,
-            o_v,
-            m_v,
-            o_g,
-            m_g,
-        )
+        window = (win_k + slot * stride_wk_s + buf_read * stride_wk_b + i_h * K,
+                  win_u + slot * stride_wu_s + buf_read * stride_wu_b + i_hv * V,
+                  win_g + slot * stride_wg_s + buf_read * stride_wg_b + i_hv * GK,
+                  stride_wk_w, stride_wu_w, stride_wg_w)  # fmt: skip
+        b_s = merge_window_tokens(b_s, p_s, window, num_pending, tile)
         p_wk = win_k + slot * stride_wk_s + buf_write * stride_wk_b + i_h * K + o_k
         p_wu = win_u + slot * stride_wu_s + buf_write * stride_wu_b + i_hv * V + o_v
         p_wg = win_g + slot * stride_wg_s + buf_write * stride_wg_b + i_hv * GK + o_g
@@ -151,12 +128,7 @@ def serial_verify_kernel(
             b_dt_bias,
             lower_bound,
             scale,
-            o_k,
-            m_k,
-            o_v,
-            m_v,
-            o_g,
-            m_g,
+            tile,
             USE_LOWER_BOUND,
         )
         b_s, b_u = delta_rule_step(b_s, b_k, b_v, tl.exp(b_g), b_beta)
@@ -175,55 +147,27 @@ def serial_verify_kernel(
 
 
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def compact_commit_kernel(
-    state,
-    slots,
-    state_strides,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    GK: tl.constexpr,
-    WMAX: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BG: tl.constexpr,
-):
+def compact_commit_kernel(state, slots, state_strides,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr, WMAX: tl.constexpr):  # fmt: skip
     ssm, win_k, win_u, win_g, pending, parity = state
     (stride_ssm_l, stride_ssm_s, stride_wk_l, stride_wk_s, stride_wk_b, stride_wk_w, stride_wu_l, stride_wu_s,
      stride_wu_b, stride_wu_w, stride_wg_l, stride_wg_s, stride_wg_b, stride_wg_w) = state_strides  # fmt: skip
-    i_v, i_n, i_lhv = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    i_l, i_hv = i_lhv // HV, i_lhv % HV
-    i_h = i_hv // (HV // H)
+    i_v, i_n, i_l, i_hv, i_h = layer_program_heads(H, HV)
     slot = tl.load(slots + i_n).to(tl.int64)
     num_pending = tl.minimum(tl.load(pending + slot), WMAX)
     buf = tl.load(parity + slot).to(tl.int64)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_g = tl.arange(0, BG)
-    m_k, m_v, m_g = o_k < K, o_v < V, o_g < GK
-    m_kv = m_k[:, None] & m_v[None, :]
+    tile = tile_offsets(i_v, K, V, GK, BK, BV, BG)
+    o_k, m_k, o_v, m_v, o_g, m_g, m_kv = tile
 
     p_s = ssm + i_l * stride_ssm_l + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
     b_s = tl.load(p_s, mask=m_kv & (num_pending > 0), other=0).to(tl.float32)  # [BK, BV]
-    merge_window_tokens(
-        b_s,
-        p_s,
-        win_k + i_l * stride_wk_l + slot * stride_wk_s + buf * stride_wk_b + i_h * K,
-        win_u + i_l * stride_wu_l + slot * stride_wu_s + buf * stride_wu_b + i_hv * V,
-        win_g + i_l * stride_wg_l + slot * stride_wg_s + buf * stride_wg_b + i_hv * GK,
-        stride_wk_w,
-        stride_wu_w,
-        stride_wg_w,
-        num_pending,
-        o_k,
-        m_k,
-        o_v,
-        m_v,
-        o_g,
-        m_g,
-    )
+    window = (win_k + i_l * stride_wk_l + slot * stride_wk_s + buf * stride_wk_b + i_h * K,
+              win_u + i_l * stride_wu_l + slot * stride_wu_s + buf * stride_wu_b + i_hv * V,
+              win_g + i_l * stride_wg_l + slot * stride_wg_s + buf * stride_wg_b + i_hv * GK,
+              stride_wk_w, stride_wu_w, stride_wg_w)  # fmt: skip
+    merge_window_tokens(b_s, p_s, window, num_pending, tile)
 
 
 def _launch_verify(tokens: TokenInputs, slots, widths, state, state_strides, compact: bool, config, algorithm):
@@ -248,15 +192,8 @@ def _launch_verify(tokens: TokenInputs, slots, widths, state, state_strides, com
         BV = filled_block_v(cfg.block_v, V, N * HV, sm_count(ssm.device))
     serial_verify_kernel[(triton.cdiv(V, BV), N, HV)](
         *verify_launch_args(tokens, state, state_strides, slots, widths, o),
-        H=H,
-        HV=HV,
-        K=K,
-        V=V,
-        GK=GK,
+        **state_shape(H, HV, K, V, GK, BV),
         WMAX=WMAX,
-        BK=triton.next_power_of_2(K),
-        BV=BV,
-        BG=triton.next_power_of_2(GK),
         COMPACT=compact,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -341,15 +278,8 @@ def compact_commit_triton(state: CompactBuffers, slots: torch.Tensor, *, config=
         state.pointers,
         slots,
         state.strides,
-        H=H,
-        HV=HV,
-        K=K,
-        V=V,
-        GK=GK,
+        **state_shape(H, HV, K, V, GK, BV),
         WMAX=WMAX,
-        BK=triton.next_power_of_2(K),
-        BV=BV,
-        BG=triton.next_power_of_2(GK),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
