@@ -22,29 +22,10 @@ def _silu(x):
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def causal_conv_decode_kernel(
-    x,
-    conv,
-    conv_offset,
-    slots,
-    widths,
-    weight,
-    bias,
-    y,
-    stride_x_n,
-    stride_x_w,
-    stride_conv_s,
-    stride_conv_c,
-    stride_y_n,
-    stride_y_w,
-    C: tl.constexpr,
-    KC: tl.constexpr,
-    WMAX: tl.constexpr,
-    WC: tl.constexpr,
-    BC: tl.constexpr,
-    BT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
+def causal_conv_decode_kernel(x, conv, conv_offset, slots, widths, weight, bias, y,
+                              stride_x_n, stride_x_w, stride_conv_s, stride_conv_c, stride_y_n, stride_y_w,
+                              C: tl.constexpr, KC: tl.constexpr, WMAX: tl.constexpr, WC: tl.constexpr,
+                              BC: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     i_c, i_n = tl.program_id(0), tl.program_id(1).to(tl.int64)
     width = tl.load(widths + i_n)
     live = width > 0
@@ -88,29 +69,26 @@ def causal_conv_decode_kernel(
         tl.store(p_y + s * stride_y_w, b_y.to(y.dtype.element_ty), mask=m_c)
 
 
-def causal_conv_decode_triton(
-    x: torch.Tensor,
-    conv: torch.Tensor,
-    conv_offset: torch.Tensor,
-    slots: torch.Tensor,
-    widths: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
+def _launch_setup(x, conv, weight) -> tuple[torch.Tensor, int, int, int]:
+    """What both wrappers check (channels innermost and agreeing between x and the window, weight contiguous) and
+    need: (y, channels C, kernel size Kc, the channel block of a program)."""
+    C, KC = x.shape[-1], weight.shape[1]
+    assert x.stride(-1) == 1 and conv.stride(2) == 1 and weight.is_contiguous() and conv.shape[1] == C
+    return torch.empty_like(x), C, KC, min(128, triton.next_power_of_2(C))
+
+
+def causal_conv_decode_triton(x, conv, conv_offset, slots, widths, weight, bias) -> torch.Tensor:
     """Conv + SiLU over verify windows (see `ops.causal_conv_decode`).
 
     x `[N, Wmax, C]`; conv `[S, C, Kc - 1 + Wmax - 1]` (in place: columns `0 .. Kc - 3 + W` <- `[history[1:] |
     x_0 .. x_{W-1}]`); conv_offset `[S]`, slots / widths `[N]` int32; weight `[C, Kc]`; bias `[C]` or None.
     Returns y `[N, Wmax, C]` (dtype of x; zeros for s >= W; rows with width 0 write nothing).
     """
-    N, WMAX, C = x.shape
-    KC = weight.shape[1]
+    N, WMAX = x.shape[:2]
     WC = conv.shape[2]
-    assert x.stride(2) == 1 and conv.stride(2) == 1 and weight.is_contiguous() and conv.shape[1] == C
-    y = torch.empty_like(x)
+    y, C, KC, BC = _launch_setup(x, conv, weight)
     if N == 0:
         return y
-    BC = min(128, triton.next_power_of_2(C))
     causal_conv_decode_kernel[(triton.cdiv(C, BC), N)](
         x, conv, conv_offset, slots, widths, weight, bias, y,
         x.stride(0), x.stride(1), conv.stride(0), conv.stride(1), y.stride(0), y.stride(1),
@@ -132,27 +110,10 @@ def _tap_source_strided(p_x, p_hist, pos, length, stride_x_t, m_c, has_init):
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def causal_conv_prefill_kernel(
-    x,
-    conv,
-    conv_offset,
-    slots,
-    cu_seqlens,
-    weight,
-    bias,
-    has_initial_state,
-    y,
-    stride_x_t,
-    stride_conv_s,
-    stride_conv_c,
-    stride_y_t,
-    C: tl.constexpr,
-    KC: tl.constexpr,
-    BC: tl.constexpr,
-    BT: tl.constexpr,
-    BH: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
+def causal_conv_prefill_kernel(x, conv, conv_offset, slots, cu_seqlens, weight, bias, has_initial_state, y,
+                               stride_x_t, stride_conv_s, stride_conv_c, stride_y_t,
+                               C: tl.constexpr, KC: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+                               BH: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     i_c, i_n = tl.program_id(0), tl.program_id(1).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
@@ -190,14 +151,7 @@ def causal_conv_prefill_kernel(
 
 
 def causal_conv_prefill_triton(
-    x: torch.Tensor,
-    conv: torch.Tensor,
-    conv_offset: torch.Tensor,
-    slots: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    has_initial_state: torch.Tensor,
+    x, conv, conv_offset, slots, cu_seqlens, weight, bias, has_initial_state
 ) -> torch.Tensor:
     """Conv + SiLU over packed prefill rows (see `ops.causal_conv_prefill`).
 
@@ -205,14 +159,10 @@ def causal_conv_prefill_triton(
     `[history | x]` at columns `off .. off + Kc - 2`); cu_seqlens `[N + 1]`; has_initial_state `[N]` bool
     (False: zero history). Returns y `[T, C]` in the dtype of x.
     """
-    T, C = x.shape
-    KC = weight.shape[1]
     N = slots.shape[0]
-    assert x.stride(1) == 1 and conv.stride(2) == 1 and weight.is_contiguous() and conv.shape[1] == C
-    y = torch.empty_like(x)
+    y, C, KC, BC = _launch_setup(x, conv, weight)
     if N == 0:
         return y
-    BC = min(128, triton.next_power_of_2(C))
     causal_conv_prefill_kernel[(triton.cdiv(C, BC), N)](
         x, conv, conv_offset, slots, cu_seqlens, weight, bias, has_initial_state, y,
         x.stride(0), conv.stride(0), conv.stride(1), y.stride(0),

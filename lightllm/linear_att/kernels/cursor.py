@@ -19,24 +19,22 @@ from lightllm.linear_att.kernels.common import BATCH_VARYING_ARGS, replay_folds
 ACCEPT_BLOCK = 128
 
 
-@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def replay_accept_kernel(
-    cursor,
-    parity,
-    conv_offset,
-    slots,
-    widths,
-    accepted,
-    N,
-    L: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+@triton.jit
+def accepted_rows(slots, widths, accepted, N, BLOCK: tl.constexpr):
+    """The rows of one accept program (`BLOCK` rows of `N`): slot, width and accepted count of each, and the mask
+    of those that verified (width > 0; padding rows and the HOLD slot change nothing)."""
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m_n = o_n < N
     width = tl.load(widths + o_n, mask=m_n, other=0)
     m = m_n & (width > 0)
     slot = tl.load(slots + o_n, mask=m, other=0).to(tl.int64)
     num_acc = tl.load(accepted + o_n, mask=m, other=1)
+    return slot, width, num_acc, m
+
+
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
+def replay_accept_kernel(cursor, parity, conv_offset, slots, widths, accepted, N, L: tl.constexpr, BLOCK: tl.constexpr):
+    slot, width, num_acc, m = accepted_rows(slots, widths, accepted, N, BLOCK)
     h = tl.load(cursor + slot, mask=m, other=0)
     par = tl.load(parity + slot, mask=m, other=0)
     fold = replay_folds(h, width, L)
@@ -45,15 +43,7 @@ def replay_accept_kernel(
     tl.store(conv_offset + slot, num_acc - 1, mask=m)
 
 
-def replay_accept_triton(
-    cursor: torch.Tensor,
-    parity: torch.Tensor,
-    conv_offset: torch.Tensor,
-    slots: torch.Tensor,
-    widths: torch.Tensor,
-    accepted: torch.Tensor,
-    capacity: int,
-) -> None:
+def replay_accept_triton(cursor, parity, conv_offset, slots, widths, accepted, capacity: int) -> None:
     """Advance replay cursors after acceptance (see `ops.replay_accept`).
 
     cursor, parity, conv_offset `[S]` int32, in place; slots, widths, accepted `[N]` int32. For rows with W > 0:
@@ -64,28 +54,13 @@ def replay_accept_triton(
     assert cursor.dtype == parity.dtype == conv_offset.dtype == torch.int32
     if N == 0:
         return
-    replay_accept_kernel[(triton.cdiv(N, ACCEPT_BLOCK),)](
-        cursor,
-        parity,
-        conv_offset,
-        slots,
-        widths,
-        accepted,
-        N,
-        L=capacity,
-        BLOCK=ACCEPT_BLOCK,
-        num_warps=4,
-    )
+    replay_accept_kernel[(triton.cdiv(N, ACCEPT_BLOCK),)](cursor, parity, conv_offset, slots, widths, accepted, N,
+                                                          L=capacity, BLOCK=ACCEPT_BLOCK, num_warps=4)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def native_accept_kernel(ssm_index, conv_offset, slots, widths, accepted, N, BLOCK: tl.constexpr):
-    o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m_n = o_n < N
-    width = tl.load(widths + o_n, mask=m_n, other=0)
-    m = m_n & (width > 0)
-    slot = tl.load(slots + o_n, mask=m, other=0).to(tl.int64)
-    num_acc = tl.load(accepted + o_n, mask=m, other=1)
+    slot, width, num_acc, m = accepted_rows(slots, widths, accepted, N, BLOCK)
     tl.store(ssm_index + slot, num_acc - 1, mask=m)
     tl.store(conv_offset + slot, num_acc - 1, mask=m)
 
