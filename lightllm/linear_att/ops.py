@@ -84,18 +84,9 @@ def _tuned_impl(op: str, backend: str | None, like: torch.Tensor, config, algori
     return torch_fn
 
 
-def activate_gates(
-    graw: torch.Tensor,
-    braw: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate and beta activations in fp32 (torch): `graw [..., HV, GK]`, `braw [..., HV]` -> `(g, beta)` same shapes.
-
-    The torch twins and prefill call this one function, so every torch path sees bitwise identical gates.
-    """
-    return prep.activate_gates(graw, braw, A_log, dt_bias, lower_bound)
+# gate and beta activations in fp32 (torch; see `torch_ops/prep.py`): the torch twins and prefill call this one
+# function, so every torch path sees bitwise identical gates
+activate_gates = prep.activate_gates
 
 
 def causal_conv_prefill(
