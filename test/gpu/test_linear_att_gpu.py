@@ -257,6 +257,21 @@ def test_replay_rounds_match_twin(shape, projection, state_dtype):
         twin.poison_dead()
 
 
+def _round_matches_twin(rep, twin, r, args, slots, widths, accepted, projection, o_tol):
+    """Round `r` of replay verify + accept on the kernels and on the torch twin: no poisoned record reaches an output;
+    outputs (within `o_tol`), folded state, records and cursors agree; then both poison what is no longer live."""
+    o = _replay_step(rep, args, slots, widths, accepted, projection)
+    o_t = _replay_step(twin, args, slots, widths, accepted, projection, backend="torch")
+    assert not o.isnan().any(), f"round {r}: NaN (a poisoned record leaked)"
+    assert_rel_close(f"round {r} o", o.float(), o_t.float(), o_tol)
+    assert_rel_close(f"round {r} ssm", rep.ssm, twin.ssm, 1e-5)
+    for name, a, b in zip(("hist_k", "hist_u", "hist_g"), rep.hist, twin.hist):
+        assert_rel_close(f"round {r} {name}", a.nan_to_num(), b.nan_to_num(), 1e-4)
+    assert torch.equal(rep.cursor, twin.cursor) and torch.equal(rep.parity, twin.parity)
+    rep.poison_dead()
+    twin.poison_dead()
+
+
 DECODE_SHAPES = [
     *SHAPES,
     pytest.param(("gdn", 2, 4, 16, 16), id="tiny-gdn"),
@@ -280,16 +295,8 @@ def test_replay_short_windows_match_twin(shape, act_dtype, W, projection):
     for r in range(11):
         args = _inputs(shape, N, W, gen, act_dtype)
         _, widths, accepted = _rows(N, W, gen, num_slots)
-        o = _replay_step(rep, args, slots, widths, accepted, projection)
-        o_t = _replay_step(twin, args, slots, widths, accepted, projection, backend="torch")
-        assert not o.isnan().any(), f"round {r}: NaN (a poisoned record leaked)"
-        assert_rel_close(f"round {r} o", o.float(), o_t.float(), 2e-2 if act_dtype == torch.bfloat16 else 1e-4)
-        assert_rel_close(f"round {r} ssm", rep.ssm, twin.ssm, 1e-5)
-        for name, a, b in zip(("hist_k", "hist_u", "hist_g"), rep.hist, twin.hist):
-            assert_rel_close(f"round {r} {name}", a.nan_to_num(), b.nan_to_num(), 1e-4)
-        assert torch.equal(rep.cursor, twin.cursor) and torch.equal(rep.parity, twin.parity)
-        rep.poison_dead()
-        twin.poison_dead()
+        o_tol = 2e-2 if act_dtype == torch.bfloat16 else 1e-4
+        _round_matches_twin(rep, twin, r, args, slots, widths, accepted, projection, o_tol)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -308,16 +315,7 @@ def test_replay_small_batches_match_twin_under_the_looked_up_tile(shape, N, W, p
         args = _inputs(shape, N, W, gen)
         widths = torch.full((N,), W, dtype=torch.int32, device="cuda")
         accepted = torch.randint(1, W + 1, (N,), generator=gen, device="cuda", dtype=torch.int32)
-        o = _replay_step(rep, args, slots, widths, accepted, projection)
-        o_t = _replay_step(twin, args, slots, widths, accepted, projection, backend="torch")
-        assert not o.isnan().any(), f"round {r}: NaN (a poisoned record leaked)"
-        assert_rel_close(f"round {r} o", o.float(), o_t.float(), 2e-2)
-        assert_rel_close(f"round {r} ssm", rep.ssm, twin.ssm, 1e-5)
-        for name, a, b in zip(("hist_k", "hist_u", "hist_g"), rep.hist, twin.hist):
-            assert_rel_close(f"round {r} {name}", a.nan_to_num(), b.nan_to_num(), 1e-4)
-        assert torch.equal(rep.cursor, twin.cursor) and torch.equal(rep.parity, twin.parity)
-        rep.poison_dead()
-        twin.poison_dead()
+        _round_matches_twin(rep, twin, r, args, slots, widths, accepted, projection, 2e-2)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
