@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from lightllm.engine.prefix_cache.cache import PrefixMatch
+from lightllm.cache.prefix.cache import PrefixMatch
 
 
 @dataclass
@@ -61,7 +61,7 @@ class ForwardOutput:
 
 
 class ModelRunnerProtocol(Protocol):
-    """The engine's view of a model: memory pools + forward. Implemented in `lightllm.models.runner`."""
+    """The engine's view of a model: memory pools + forward. Implemented in `lightllm.worker.runner`."""
 
     vocab_size: int
     # largest verify width the state was sized for (mtp_step + 1 or spec_ngram + 1)

@@ -17,8 +17,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from lightllm.engine.device_copy import to_device
-from lightllm.engine.kv_cache import KVCache, ragged_arange
+from lightllm.cache.device_copy import to_device
+from lightllm.cache.kv_cache import KVCache, ragged_arange
 from lightllm.linear_att.base import DecodeRows, LinearAttState, PrefillRows
 
 

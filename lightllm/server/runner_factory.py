@@ -18,12 +18,12 @@ def create_runner(args: ServerArgs, info: ModelInfo) -> ModelRunnerProtocol:
     """The real runner: `RunnerConfig` fields are named like the server flags, so they are copied by name.
 
     Without --max_total_token_num the runner sizes its KV cache itself, after loading weights and state (one
-    load; see `lightllm.models.memory`). With --tp N the follower ranks start here and rank 0's runner comes back
-    wrapped so that every call changing device state runs on all ranks (`lightllm.models.tp_runner`).
+    load; see `lightllm.worker.kv_sizing`). With --tp N the follower ranks start here and rank 0's runner comes back
+    wrapped so that every call changing device state runs on all ranks (`lightllm.worker.tp.lockstep`).
     """
     if args.tp == 1:
         return build_rank_runner(args, info)
-    from lightllm.models.tp_group import TPGroup
+    from lightllm.worker.tp.group import TPGroup
 
     group = TPGroup(args.tp, args.device, num_threads=torch_threads(args))
     return create_tp_runner(args, info, group, owns_group=True)
@@ -41,8 +41,8 @@ def torch_threads(args: ServerArgs) -> int | None:
 def create_tp_runner(args: ServerArgs, info: ModelInfo, group, owns_group: bool = False) -> ModelRunnerProtocol:
     """Rank 0's runner on an existing `TPGroup` (its followers build theirs from the same args); with
     `owns_group` closing the runner also stops the followers."""
-    from lightllm.models.tp_group import Plan
-    from lightllm.models.tp_runner import LockstepRunner
+    from lightllm.worker.tp.group import Plan
+    from lightllm.worker.tp.lockstep import LockstepRunner
 
     group.send(Plan("build", (args, info)))
     return LockstepRunner(build_rank_runner(args, info, 0, group.size), group, owns_group)
@@ -50,7 +50,7 @@ def create_tp_runner(args: ServerArgs, info: ModelInfo, group, owns_group: bool 
 
 def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: int = 1):
     """This rank's `ModelRunner`, warmed up (and with its decode and short-prefill graphs captured on CUDA)."""
-    from lightllm.models.runner import ModelRunner, RunnerConfig
+    from lightllm.worker.runner import ModelRunner, RunnerConfig
 
     names = {f.name for f in dataclasses.fields(RunnerConfig)}
     flags = {k: v for k, v in dataclasses.asdict(args).items() if k in names and v is not None}

@@ -1,6 +1,6 @@
 """A follower rank of a tensor-parallel engine (ranks 1..N-1): `python -m lightllm.server.tp_follower`.
 
-Started by rank 0 (`lightllm.models.tp_group.TPGroup`), which writes a pickled `RankSetup` to its stdin. It joins
+Started by rank 0 (`lightllm.worker.tp.group.TPGroup`), which writes a pickled `RankSetup` to its stdin. It joins
 the process group, then builds and drives its own runner as rank 0's plans say. It dies with rank 0: through the
 parent-death signal, or when the control group's next broadcast fails.
 """
@@ -21,8 +21,8 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup = pickle.loads(sys.stdin.buffer.read())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp rank {setup.rank} %(levelname)s %(message)s")
-    from lightllm.models.tp_group import join_group
-    from lightllm.models.tp_runner import follow
+    from lightllm.worker.tp.group import join_group
+    from lightllm.worker.tp.lockstep import follow
     from lightllm.server.runner_factory import build_rank_runner
 
     try:

@@ -8,8 +8,8 @@ import pytest
 
 from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
-from lightllm.models.bucket_graphs import batch_buckets
-from lightllm.models.decode_graphs import DecodeGraphs
+from lightllm.worker.graphs.buckets import batch_buckets
+from lightllm.worker.graphs.decode import DecodeGraphs
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
 from lightllm.tools.make_tiny_model import tiny_model_dir

@@ -9,7 +9,7 @@ import torch
 
 from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
-from lightllm.models.draft_graphs import DraftGraphs
+from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from lightllm.models.prefill_graphs import PrefillGraphs, prefill_buckets
+from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.helpers.prefix_scenario import (
     MAX_TOKENS,

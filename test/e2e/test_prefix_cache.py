@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightllm.engine.messages import NewRequest
-from lightllm.engine.prefix_cache import CheckpointPool
+from lightllm.cache.prefix import CheckpointPool
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.engine.speculative import NoSpeculator
 from lightllm.linear_att.base import Checkpoint
@@ -122,7 +122,7 @@ def test_teeth_perturbed_checkpoint_breaks_equality(monkeypatch):
 def test_teeth_mtp_resumed_without_its_hidden_state_drafts_differently(monkeypatch):
     """Teeth: a hit that restored a wrong MTP hidden state gives the same tokens (drafts only speed decoding up)
     but different drafts."""
-    from lightllm.models.prefix_state import RunnerPrefixCache
+    from lightllm.worker.transfer.prefix import RunnerPrefixCache
 
     resume = RunnerPrefixCache.resume
 

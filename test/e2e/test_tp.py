@@ -17,9 +17,9 @@ from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.linear_att.base import Checkpoint
 from lightllm.models.tp import TPInfo
-from lightllm.models.tp_group import Plan, TPGroup
-from lightllm.models.tp_layout import merge_checkpoints, split_checkpoint
-from lightllm.models.tp_runner import GLOBAL_LAYOUT, LOCAL, LOCKSTEP, START_UP, LockstepRunner
+from lightllm.worker.tp.group import Plan, TPGroup
+from lightllm.worker.tp.layout import merge_checkpoints, split_checkpoint
+from lightllm.worker.tp.lockstep import GLOBAL_LAYOUT, LOCAL, LOCKSTEP, START_UP, LockstepRunner
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import engine_for_runner
 from lightllm.server.pd.header import runner_header
@@ -204,7 +204,7 @@ def test_checkpoints_leave_and_enter_by_global_head(tp2, arch):
 
 def test_every_runner_method_is_placed():
     """A new ModelRunner method must say whether it changes state on every rank or is a rank-0 read."""
-    from lightllm.models.runner import ModelRunner
+    from lightllm.worker.runner import ModelRunner
 
     public = {n for n, v in vars(ModelRunner).items() if callable(v) and not n.startswith("_")}
     placed = LOCKSTEP | GLOBAL_LAYOUT | LOCAL | START_UP
@@ -316,7 +316,7 @@ def _tp1_engine_args(model_dir: str, mode: str, spec: dict):
 
 def test_pd_with_heads_out_of_order_differs(tp2, monkeypatch):
     """Teeth: a TP-2 prefill node that merged its ranks' heads in the wrong order misleads the TP-1 decode node."""
-    from lightllm.models import tp_runner
+    from lightllm.worker.tp import lockstep as tp_runner
 
     merge = tp_runner.merge_request_states
     monkeypatch.setattr(tp_runner, "merge_request_states", lambda parts, runner: merge(parts[::-1], runner))
@@ -335,7 +335,7 @@ def test_plan_tensors_broadcast_on_the_model_group(tp2, monkeypatch):
     """The path of CUDA tensors in a plan (the overlap schedule's in-flight tokens), taken by every tensor here:
     they follow the plan as broadcasts on the model's group and the followers still match TP-1 (plain decode: the
     engine's overlapped steps pass their tokens as `decode_input_ids`)."""
-    from lightllm.models import tp_runner
+    from lightllm.worker.tp import lockstep as tp_runner
 
     sent = []
     monkeypatch.setattr(tp_runner, "stays_on_device", lambda t: sent.append(t.shape) is None)

@@ -53,8 +53,8 @@ def _imports():
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     from lightllm.engine.batch import ForwardBatch
-    from lightllm.models.runner import ModelRunner
-    from lightllm.models.runner_config import RunnerConfig
+    from lightllm.worker.runner import ModelRunner
+    from lightllm.worker.config import RunnerConfig
     from lightllm.tools.make_tiny_model import tiny_model_dir
     from unit_tests.helpers.hf_oracle import HFOracle
 

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from lightllm.models.bucket_graphs import BucketGraphs
+from lightllm.worker.graphs.buckets import BucketGraphs
 
 pytestmark = pytest.mark.gpu
 

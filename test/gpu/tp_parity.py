@@ -172,7 +172,7 @@ def main() -> None:
     DEVICE[0] = a.device
     if a.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
-    from lightllm.models.tp_group import TPGroup
+    from lightllm.worker.tp.group import TPGroup
 
     path = model_dir(a.num_layers, a.tiny)
     gpu = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"

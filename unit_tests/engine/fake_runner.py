@@ -15,7 +15,7 @@ import time
 import torch
 
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
-from lightllm.engine.prefix_cache import PrefixMatch
+from lightllm.cache.prefix import PrefixMatch
 
 NUM_SUM_BUCKETS = 7
 

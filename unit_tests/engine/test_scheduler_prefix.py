@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from lightllm.engine.engine import Engine
 from lightllm.engine.messages import NewRequest
-from lightllm.engine.prefix_cache import PrefixMatch
+from lightllm.cache.prefix import PrefixMatch
 from lightllm.engine.sampling_params import SamplingParams
 from unit_tests.engine.fake_runner import FakeRunner
 

@@ -13,7 +13,7 @@ import traceback
 import msgspec
 import torch
 
-from lightllm.engine.transfer.payload import TensorBlob
+from lightllm.cache.payload import TensorBlob
 from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads
 from lightllm.server.pd.staging import DeviceRegion, RegionReader
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightllm.engine.kv_cache import KVCache
+from lightllm.cache.kv_cache import KVCache
 from lightllm.kernels.paged_attention import paged_attention
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
 from lightllm.models.layers.attention import GatedAttention

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightllm.engine.kv_cache import KVCache
+from lightllm.cache.kv_cache import KVCache
 from lightllm.models.context import build_context, padded_token_index
 from lightllm.models.layers.paged_attention import attend
 from unit_tests.helpers.asserts import assert_rel_close

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from lightllm.engine.transfer.payload import TensorBlob
+from lightllm.cache.payload import TensorBlob
 from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads
 from lightllm.server.pd.nixl import NIXL_KIND, NixlEndpoint, NixlHandle, nixl_module_name
 from lightllm.server.pd.staging import ALIGN, DeviceRegion, RegionAllocator, RegionReader, StagingBuffer, uses_cuda_ipc

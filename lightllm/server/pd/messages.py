@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from lightllm.engine.messages import Abort, NewRequest, TokenChunk
-from lightllm.engine.transfer.payload import RequestState
+from lightllm.cache.payload import RequestState
 from lightllm.server.pd.staging import DeviceRegion
 
 

@@ -26,7 +26,7 @@ import torch
 from lightllm.engine.engine import Engine
 from lightllm.engine.messages import Abort, EngineOutput, Finished, TokenChunk
 from lightllm.engine.request import Request, Status
-from lightllm.models.pd_state import export_request, host_blobs, import_request
+from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
 from lightllm.server.pd.messages import PdPrefill, PdTransfer, TransferAck
 from lightllm.server.pd.staging import DeviceRegion, RegionReader, StagingBuffer
 from lightllm.server.pd.transport import StateTransport, TransportError

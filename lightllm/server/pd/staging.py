@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightllm.engine.transfer.payload import TensorBlob
+from lightllm.cache.payload import TensorBlob
 from lightllm.server.pd.region import CudaIpcHandle, DeviceRegion, NixlHandle
 
 # every tensor of a region starts at a multiple of this (any dtype's alignment, and the copy kernels')

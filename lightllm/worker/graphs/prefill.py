@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lightllm.engine.device_copy import copy_to_device
+from lightllm.cache.device_copy import copy_to_device
 from lightllm.linear_att.base import PrefillRows
-from lightllm.models.bucket_graphs import BucketGraphs
+from lightllm.worker.graphs.buckets import BucketGraphs
 from lightllm.models.context import AttentionGroup, StepContext
 
 # int64 fields of the token buffer, each [max_tokens]; "table_row" uses its first entry

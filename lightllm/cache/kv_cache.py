@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lightllm.engine.device_copy import to_device
+from lightllm.cache.device_copy import to_device
 
 
 class TokenAllocator:

@@ -6,7 +6,7 @@ model's NCCL group), then run on rank 0; the followers run the same call on thei
 the same slot, KV and prefix-cache decisions and meets the model's collectives in the same order. Reads (free slots, prefix matches, stats) stay on rank 0: the
 ranks' allocators are identical. Only rank 0 samples; the followers' logits are dropped.
 
-Checkpoints leave and enter the group laid out by global head (`tp_layout`): export gathers every rank's heads on
+Checkpoints leave and enter the group laid out by global head (`layout`): export gathers every rank's heads on
 rank 0, import hands each rank its heads, so a checkpoint moves between engines of any `--tp`.
 """
 
@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import torch
 
-from lightllm.engine.transfer.payload import RequestState, TensorBlob
+from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.linear_att.base import Checkpoint
-from lightllm.models.tp_group import Plan, broadcast_plan, gather_to_rank0
-from lightllm.models.tp_layout import merge_checkpoints, merge_request_states, split_checkpoint, split_request_state
+from lightllm.worker.tp.group import Plan, broadcast_plan, gather_to_rank0
+from lightllm.worker.tp.layout import merge_checkpoints, merge_request_states, split_checkpoint, split_request_state
 
 logger = logging.getLogger(__name__)
 
@@ -117,14 +117,14 @@ def _import_checkpoint(runner, control, handles: list[int], checkpoint: Checkpoi
 
 
 def _export_request(runner, control, handle: int) -> RequestState | None:
-    from lightllm.models.pd_state import export_request
+    from lightllm.worker.transfer.request_state import export_request
 
     parts = gather_to_rank0(export_request(runner, handle), control)
     return None if parts is None else merge_request_states(parts, runner)
 
 
 def _import_request(runner, control, state: RequestState) -> int:
-    from lightllm.models.pd_state import import_request
+    from lightllm.worker.transfer.request_state import import_request
 
     return import_request(runner, split_request_state(state, runner))
 
@@ -166,7 +166,7 @@ class LockstepRunner:
             raise AttributeError(f"{name} runs on every rank while it builds its runner, not through rank 0")
         raise AttributeError(
             f"ModelRunner.{name} is not classified for tensor parallelism: add it to LOCKSTEP (changes device or "
-            "allocator state), GLOBAL_LAYOUT or LOCAL (a read) in lightllm/models/tp_runner.py"
+            "allocator state), GLOBAL_LAYOUT or LOCAL (a read) in lightllm/worker/tp/lockstep.py"
         )
 
     def _everywhere(self, plan: Plan):
@@ -180,7 +180,7 @@ class LockstepRunner:
 
     def export_request(self, handle: int, pack: Callable | None = None) -> RequestState:
         """Prefill/decode disaggregation: the request's committed state with every rank's heads, in global order
-        (host blobs, or packed by `pack` from rank 0's device; see `lightllm.models.pd_state.export_request`)."""
+        (host blobs, or packed by `pack` from rank 0's device; see `lightllm.worker.transfer.request_state.export_request`)."""
         state = self._everywhere(Plan("export_request", (handle,)))
         return state if pack is None else _repack(state, pack, self.runner.device)
 
@@ -213,7 +213,7 @@ def _map_blobs(state: RequestState, f: Callable[[TensorBlob], TensorBlob]) -> Re
 
 
 def _repack(state: RequestState, pack: Callable, device: torch.device) -> RequestState:
-    """The same state with its tensors packed by `pack` (one call, in the order `pd_state.export_request` uses)."""
+    """The same state with its tensors packed by `pack` (one call, in the order `transfer.request_state.export_request` uses)."""
     blobs = [*state.kv, state.conv, state.ssm, *state.mtp_kv] + (
         [state.mtp_hidden] if state.mtp_hidden is not None else []
     )

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lightllm.engine.kv_cache import KVCache, ragged_arange
+from lightllm.cache.kv_cache import KVCache, ragged_arange
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
-from lightllm.models.draft_graphs import DraftGraphs
+from lightllm.worker.graphs.draft import DraftGraphs
 
 
 class MtpDrafter:

@@ -16,22 +16,22 @@ import numpy as np
 import torch
 
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
-from lightllm.engine.device_copy import to_device
-from lightllm.engine.kv_cache import KVCache
-from lightllm.engine.prefix_cache import PrefixMatch
+from lightllm.cache.device_copy import to_device
+from lightllm.cache.kv_cache import KVCache
+from lightllm.cache.prefix import PrefixMatch
 from lightllm.linear_att import StateConfig, StateMode, create_state
 from lightllm.linear_att.base import Checkpoint, DecodeRows
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
-from lightllm.models.decode_graphs import DecodeGraphs
-from lightllm.models.draft_graphs import DraftGraphs
-from lightllm.models.drafting import MtpDrafter
+from lightllm.worker.graphs.decode import DecodeGraphs
+from lightllm.worker.graphs.draft import DraftGraphs
+from lightllm.worker.drafting import MtpDrafter
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.loader import load_weights
-from lightllm.models.memory import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
-from lightllm.models.prefill_graphs import PrefillGraphs, prefill_buckets
-from lightllm.models.prefix_state import RunnerPrefixCache, create_prefix_cache, state_fraction
+from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
+from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
+from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.models.registry import load_model_config
-from lightllm.models.runner_config import RunnerConfig
+from lightllm.worker.config import RunnerConfig
 from lightllm.models.tp import TPInfo
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lightllm.engine.transfer.payload import RequestState, TensorBlob
+from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.linear_att import LinearAttSpec
 from lightllm.linear_att.base import Checkpoint
 from lightllm.models.tp import TPInfo

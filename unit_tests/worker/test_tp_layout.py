@@ -1,4 +1,4 @@
-"""tp_layout: per-rank slices of checkpoints and KV by global head, and back, against hand-built layouts."""
+"""worker.tp.layout: per-rank slices of checkpoints and KV by global head, and back, against hand-built layouts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from lightllm.linear_att import LinearAttSpec
 from lightllm.linear_att.base import Checkpoint
 from lightllm.models.tp import TPInfo
-from lightllm.models.tp_layout import merge_checkpoints, merge_kv, split_checkpoint, split_kv
+from lightllm.worker.tp.layout import merge_checkpoints, merge_kv, split_checkpoint, split_kv
 
 # GDN-like: 2 key heads of dim 3, 4 value heads of dim 5 (global)
 GLOBAL = LinearAttSpec(

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lightllm.engine.kv_cache import KVCache
-from lightllm.engine.prefix_cache import CheckpointPool, PrefixCache, PrefixMatch
+from lightllm.cache.kv_cache import KVCache
+from lightllm.cache.prefix import CheckpointPool, PrefixCache, PrefixMatch
 from lightllm.linear_att.base import Checkpoint, LinearAttState
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightllm.engine.kv_cache import KVCache
-from lightllm.engine.prefix_cache import CheckpointPool, PrefixCache, RadixTree
+from lightllm.cache.kv_cache import KVCache
+from lightllm.cache.prefix import CheckpointPool, PrefixCache, RadixTree
 from lightllm.linear_att.base import Checkpoint
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightllm.engine.kv_cache import KVCache, TokenAllocator
+from lightllm.cache.kv_cache import KVCache, TokenAllocator
 
 
 def make_cache(capacity: int = 8, rows: int = 3, max_len: int = 6) -> KVCache:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lightllm.engine.device_copy import copy_to_device, to_device
-from lightllm.models.bucket_graphs import BucketGraphs, batch_buckets
+from lightllm.cache.device_copy import copy_to_device, to_device
+from lightllm.worker.graphs.buckets import BucketGraphs, batch_buckets
 from lightllm.models.context import AttentionGroup, StepContext, layout_positions, padded_token_index
 
 # int64 fields of one phase ([rows * width] each) and int32 fields ([rows] each); phase 0 commits the pairs,

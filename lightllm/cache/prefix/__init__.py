@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lightllm.engine.prefix_cache.cache import Hit, PrefixCache, PrefixCacheStats, PrefixMatch
-from lightllm.engine.prefix_cache.checkpoint_pool import CheckpointPool
-from lightllm.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+from lightllm.cache.prefix.cache import Hit, PrefixCache, PrefixCacheStats, PrefixMatch
+from lightllm.cache.prefix.checkpoint_pool import CheckpointPool
+from lightllm.cache.prefix.radix_tree import RadixTree, TreeNode
 
 __all__ = ["CheckpointPool", "Hit", "PrefixCache", "PrefixCacheStats", "PrefixMatch", "RadixTree", "TreeNode"]

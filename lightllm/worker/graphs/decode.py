@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lightllm.engine.device_copy import copy_to_device
+from lightllm.cache.device_copy import copy_to_device
 from lightllm.linear_att.base import DecodeRows
-from lightllm.models.bucket_graphs import BucketGraphs, batch_buckets
+from lightllm.worker.graphs.buckets import BucketGraphs, batch_buckets
 from lightllm.models.context import AttentionGroup, StepContext, layout_positions
 
 # int64 fields (each [rows * W] or [rows]) and int32 fields ([rows]) of the persistent input buffers

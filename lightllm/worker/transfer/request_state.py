@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightllm.engine.transfer.payload import RequestState, TensorBlob
+from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.linear_att.base import Checkpoint
 
 

@@ -3,7 +3,7 @@
 Rank 0 starts the followers (`python -m lightllm.server.tp_follower`), forms the torch.distributed group with
 them (NCCL on CUDA, gloo on CPU; 127.0.0.1) and a gloo side group for the control plane: every call that changes
 device state is broadcast as a `Plan` before rank 0 runs it itself, and the followers run the same call (see
-`tp_runner`). A watchdog thread notices a follower that exits and calls `on_rank_exit` (default: end this process,
+`lockstep`). A watchdog thread notices a follower that exits and calls `on_rank_exit` (default: end this process,
 which the HTTP front-end reports as an unhealthy engine and turns into failed requests); a collective never waits
 on a dead rank for long.
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lightllm.engine.kv_cache import KVCache
-from lightllm.engine.prefix_cache.checkpoint_pool import CheckpointPool
-from lightllm.engine.prefix_cache.radix_tree import RadixTree, TreeNode
+from lightllm.cache.kv_cache import KVCache
+from lightllm.cache.prefix.checkpoint_pool import CheckpointPool
+from lightllm.cache.prefix.radix_tree import RadixTree, TreeNode
 from lightllm.linear_att.base import Checkpoint
 
 # returns the checkpoint of a request's current state and, with MTP, its last hidden state

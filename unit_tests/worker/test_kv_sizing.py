@@ -1,19 +1,19 @@
-"""KV-cache sizing: the arithmetic of `lightllm.models.memory` and the runner sizing its KV cache after weights and
+"""KV-cache sizing: the arithmetic of `lightllm.worker.kv_sizing` and the runner sizing its KV cache after weights and
 state are loaded (one load), with a fake memory probe standing in for the device."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightllm.models.memory import (
+from lightllm.worker.kv_sizing import (
     ACTIVATION_RESERVE_BYTES,
     CPU_MAX_KV_TOKENS,
     DeviceMemory,
     cpu_kv_tokens,
     kv_tokens_for_memory,
 )
-from lightllm.models.runner import ModelRunner
-from lightllm.models.runner_config import RunnerConfig
+from lightllm.worker.runner import ModelRunner
+from lightllm.worker.config import RunnerConfig
 from lightllm.server.args import load_server_args
 from lightllm.server.runner_factory import create_runner
 from unit_tests.models.conftest import case_dir
