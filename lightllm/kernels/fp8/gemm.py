@@ -1,0 +1,158 @@
+"""W8A8 block-scaled GEMM: `out [M, N] = (a · a_scale) @ (w · w_scale)ᵀ` with float8_e4m3fn operands, fp32
+accumulation and a bf16 / fp16 / fp32 output.
+
+`a [M, K]` carries one scale per token per `block_k` channels (`a_scale [M, ceil(K / block_k)]`), `w [N, K]` one
+per `[block_n, block_k]` tile (`w_scale [ceil(N / block_n), ceil(K / block_k)]`). The kernel's K step is one
+scale group, so each step's partial dot is scaled once by `a_scale[m, k] · w_scale[n // block_n, k]` before it
+joins the fp32 accumulator. The reference (and the CPU path) dequantizes both operands and multiplies in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightllm.kernels.fp8.quant import (
+    DEFAULT_BLOCK,
+    FP8_DTYPE,
+    check_block_scales,
+    dequantize_activation_groups,
+    dequantize_weight_blocks,
+    quantize_activation_groups,
+)
+
+
+# M (the token count) changes from step to step: specialising on it would compile variants while serving
+@triton.jit(do_not_specialize=["M"])
+def fp8_block_gemm_kernel(
+    a,  # [M, K] float8
+    a_s,  # [M, GK] fp32
+    w,  # [N, K] float8
+    w_s,  # [GN, GK] fp32
+    o,  # [M, N]
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    BLOCK_N_SCALE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # grouped launch order: GROUP_M row tiles share each weight column tile while it sits in L2
+    i_pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (i_pid // per_group) * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    i_m = first_m + (i_pid % per_group) % group_rows
+    i_n = (i_pid % per_group) // group_rows
+
+    o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
+    o_n = (i_n * BN + tl.arange(0, BN)).to(tl.int64)
+    o_k = tl.arange(0, BK).to(tl.int64)
+    m_m, m_n = o_m < M, o_n < N
+    p_a = a + o_m[:, None] * stride_am + o_k[None, :]
+    p_w = w + o_n[None, :] * stride_wn + o_k[:, None]
+    p_as = a_s + o_m * stride_asm
+    p_ws = w_s + (o_n // BLOCK_N_SCALE) * stride_wsn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        m_k = o_k < K - i_k * BK
+        # [BM, BK], [BK, BN]
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        # [BM], [BN]
+        b_as = tl.load(p_as + i_k, mask=m_m, other=0.0)
+        b_ws = tl.load(p_ws + i_k, mask=m_n, other=0.0)
+        acc += tl.dot(b_a, b_w) * b_as[:, None] * b_ws[None, :]
+        p_a += BK
+        p_w += BK
+    tl.store(o + o_m[:, None] * stride_om + o_n[None, :], acc.to(o.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+def _launch_config(m: int, block: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages): tall tiles for prefill-sized M, short ones for decode batches."""
+    bn = min(block[0], 128)
+    if m <= 16:
+        return 16, min(bn, 64), 4, 3
+    if m <= 64:
+        return 64, bn, 4, 3
+    return 128, bn, 8, 3
+
+
+def fp8_block_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Triton launch (CUDA, or the interpreter on CPU tensors). `a [M, K]`, `w [N, K]` float8_e4m3fn row-major,
+    `a_scale [M, ceil(K / block_k)]`, `w_scale [ceil(N / block_n), ceil(K / block_k)]` fp32. `config`
+    overrides (BM, BN, num_warps, num_stages) (benchmarks). Returns `out [M, N]` in `out_dtype`."""
+    m, k = a.shape
+    n = w.shape[0]
+    assert a.dtype == FP8_DTYPE and w.dtype == FP8_DTYPE, f"expected float8_e4m3fn operands, got {a.dtype}, {w.dtype}"
+    assert w.shape[1] == k, f"a [M, {k}] and w {list(w.shape)} disagree on K"
+    assert a.stride(1) == 1 and w.stride(1) == 1, "a and w must be row-major"
+    check_block_scales(tuple(w.shape), tuple(w_scale.shape), block, "w_scale")
+    check_block_scales(tuple(a.shape), tuple(a_scale.shape), (1, block[1]), "a_scale")
+    bm, bn, warps, stages = config or _launch_config(m, block)
+    assert block[0] % bn == 0 and block[1] >= 16, f"tile N {bn} must divide the scale block {block}"
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    fp8_block_gemm_kernel[grid](
+        a, a_scale, w, w_scale, out, m, n, k,
+        a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        BLOCK_N_SCALE=block[0], BM=bm, BN=bn, BK=block[1], GROUP_M=8, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def fp8_block_gemm_reference(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+) -> torch.Tensor:
+    """Dequantize both operands, multiply in fp32: the specification of `fp8_block_gemm` and its CPU path."""
+    a32 = dequantize_activation_groups(a, a_scale, block[1])
+    w32 = dequantize_weight_blocks(w, w_scale, block)
+    return (a32 @ w32.T).to(out_dtype)
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """`F.linear` with a block-FP8 weight: `x [..., K]` (bf16 / fp16 / fp32) is quantized per token per `block_k`
+    channels, multiplied by `w [N, K]` (float8, scales `w_scale`) and returned as `[..., N]` in x's dtype. Triton
+    on CUDA tensors, the dequantize-then-matmul path on CPU tensors; `backend` "torch" | "triton" forces one."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    use_triton = backend == "triton" or (backend is None and x.is_cuda)
+    a, a_scale = quantize_activation_groups(x2, block[1], backend="triton" if use_triton else "torch")
+    gemm = fp8_block_gemm if use_triton else fp8_block_gemm_reference
+    y = gemm(a, a_scale, w, w_scale, x.dtype, block)
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, w.shape[0])
