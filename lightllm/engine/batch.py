@@ -7,11 +7,13 @@ token followed by W - 1 draft tokens (W = 1 is plain decode).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.prefix.cache import PrefixMatch
 
 
@@ -89,6 +91,27 @@ class ModelRunnerProtocol(Protocol):
     def num_free_requests(self) -> int: ...
 
     def num_free_kv_tokens(self) -> int: ...
+
+    def bytes_per_request(self) -> int:
+        """Linear-attention state bytes of one request slot (all layers, this state mode)."""
+
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        """The prefix cache's counters (queried / hit tokens, checkpoints stored / evicted, bytes); None without
+        a prefix cache."""
+
+    def stats(self) -> dict[str, int | None]:
+        """Counters for the metrics endpoint, read between steps: `num_folds` (None in a mode without folds)."""
+
+    def export_request(
+        self, handle: int, pack: Callable[[list[torch.Tensor]], list[TensorBlob]] | None = None
+    ) -> RequestState:
+        """The committed state of request `handle` (between steps only) with every rank's heads, its tensors packed
+        by `pack` (None: host copies). Prefill/decode disaggregation sends it to another engine."""
+
+    def import_request(self, state: RequestState, region: torch.Tensor | None = None) -> int:
+        """A new request holding `state` (laid out by global head) in a fresh state slot and KV row; returns its
+        handle. Blobs whose bytes lie in a device region are read from `region`. Raises RuntimeError when no slot
+        or not enough KV is free (nothing is kept then)."""
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Allocate KV slots for the new tokens, run the model, return logits (KV of all new tokens is kept).

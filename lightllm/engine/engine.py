@@ -108,10 +108,9 @@ class Engine:
         }
         binding = min(limits, key=limits.get)
         parts = ", ".join(f"{k}: {v}" for k, v in limits.items())
-        per_request = getattr(self.runner, "bytes_per_request", None)
-        if callable(per_request):
-            parts += f"; linear state {per_request() / 2**20:.2f} MiB per request ({self.state_mode or 'state'})"
-        prefix = self._prefix_cache_stats()
+        per_request = self.runner.bytes_per_request()
+        parts += f"; linear state {per_request / 2**20:.2f} MiB per request ({self.state_mode or 'state'})"
+        prefix = self.runner.prefix_cache_stats()
         if prefix:
             parts += (
                 f"; prefix cache: {prefix['checkpoint_capacity_bytes'] / 2**20:.2f} MiB for "
@@ -321,10 +320,6 @@ class Engine:
         """Run the queued publishes of `reqs` now (a request leaving the engine with its state: a PD hand-off)."""
         self._publishes.run_now(reqs)
 
-    def _prefix_cache_stats(self) -> dict[str, int] | None:
-        stats = getattr(self.runner, "prefix_cache_stats", None)
-        return stats() if callable(stats) else None
-
     def _settle_runner(self, plan: SchedulePlan) -> None:
         """After a failure between forward and accept, close the runner's pending verify so it can step again."""
         if not self._awaiting_accept:
@@ -348,13 +343,12 @@ class Engine:
         s.num_free_kv_tokens = self.runner.num_free_kv_tokens()
         s.num_free_state_slots = self.runner.num_free_requests()
         s.num_preemptions = self.scheduler.num_preemptions
-        per_request = getattr(self.runner, "bytes_per_request", None)
-        if self.state_mode and callable(per_request):
-            s.state_pool_bytes = {self.state_mode: per_request() * self.scheduler.max_running_requests}
-        runner_stats = getattr(self.runner, "stats", None)
-        if callable(runner_stats):
-            s.num_folds = runner_stats().get("num_folds")
-        prefix = self._prefix_cache_stats()
+        if self.state_mode:
+            s.state_pool_bytes = {
+                self.state_mode: self.runner.bytes_per_request() * self.scheduler.max_running_requests
+            }
+        s.num_folds = self.runner.stats()["num_folds"]
+        prefix = self.runner.prefix_cache_stats()
         if prefix:
             s.prefix_cache_queried_tokens = prefix["num_queried_tokens"]
             s.prefix_cache_hit_tokens = prefix["num_hit_tokens"]

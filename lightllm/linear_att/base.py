@@ -124,3 +124,7 @@ class LinearAttState(Protocol):
 
     def bytes_per_request(self) -> int:
         """Device bytes one request slot costs in this mode (all layers, conv + SSM + history/scratch)."""
+
+    def counters(self) -> dict[str, torch.Tensor]:
+        """The mode's device counters by name (replay: `num_folds`, rows folded so far); empty for a mode that
+        keeps none. Reading one syncs the device."""

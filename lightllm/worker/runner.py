@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
 from lightllm.cache.device_copy import to_device
+from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.kv_cache import KVCache
 from lightllm.cache.prefix import PrefixMatch
 from lightllm.linear_att import StateConfig, StateMode, create_state
@@ -30,6 +32,7 @@ from lightllm.models.loader import load_weights
 from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
 from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
+from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
 from lightllm.models.registry import load_model_config
 from lightllm.worker.config import RunnerConfig
 from lightllm.models.tp import TPInfo
@@ -38,7 +41,10 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Request:
+class RequestRecord:
+    """What the runner keeps of one request: its handle (the KV row), state slot and committed tokens."""
+
+    handle: int
     state_slot: int
     # tokens whose KV / linear state is committed
     num_tokens: int = 0
@@ -131,7 +137,7 @@ class ModelRunner:
                 self.state, self.kv, self.drafter, cfg.hidden_size, self.dtype, self.kv_bytes_per_token(),
                 config.prefix_cache_state_fraction, config.prefix_cache_state_bytes,
             )  # fmt: skip
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, RequestRecord] = {}
         self._pending: _PendingVerify | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -225,7 +231,7 @@ class ModelRunner:
         if self.kv.num_free_rows() == 0 or self.state.num_free_slots() == 0:
             raise RuntimeError("no free request slot")
         handle = self.kv.alloc_row()
-        req = self._requests[handle] = _Request(state_slot=self.state.alloc())
+        req = self._requests[handle] = RequestRecord(handle, self.state.alloc())
         if self.drafter is not None:
             self.drafter.kv.alloc_row()
         if prefix is not None and self.prefix_cache is not None:
@@ -274,7 +280,7 @@ class ModelRunner:
 
     def stats(self) -> dict[str, int | None]:
         """Counters for the metrics endpoint (read between steps: one device sync)."""
-        folds = getattr(self.state, "num_folds", None)
+        folds = self.state.counters().get("num_folds")
         return {"num_folds": int(folds) if folds is not None else None}
 
     def bytes_per_request(self) -> int:
@@ -288,6 +294,26 @@ class ModelRunner:
 
     def num_tokens(self, handle: int) -> int:
         return self._requests[handle].num_tokens
+
+    @torch.inference_mode()
+    def export_request(
+        self, handle: int, pack: Callable[[list[torch.Tensor]], list[TensorBlob]] | None = None
+    ) -> RequestState:
+        """See `ModelRunnerProtocol.export_request` (`lightllm.worker.transfer.request_state` says what moves)."""
+        if self._pending is not None:
+            raise RuntimeError("export between forward and accept: the state is not committed")
+        return export_request(self, self._requests[handle], pack or host_blobs)
+
+    @torch.inference_mode()
+    def import_request(self, state: RequestState, region: torch.Tensor | None = None) -> int:
+        """See `ModelRunnerProtocol.import_request`."""
+        handle = self.add_request(None)
+        try:
+            import_request(self, self._requests[handle], state, region)
+        except Exception:
+            self.free_request(handle)
+            raise
+        return handle
 
     # one step --------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -449,7 +475,7 @@ class ModelRunner:
         self._pending = None
 
     @staticmethod
-    def _drop_rejected_mtp(req: _Request, num_rejected: int) -> None:
+    def _drop_rejected_mtp(req: RequestRecord, num_rejected: int) -> None:
         source, start, count = req.mtp_hidden[-1]
         req.mtp_hidden[-1] = (source, start, count - num_rejected)
         del req.mtp_next_ids[len(req.mtp_next_ids) - num_rejected :]

@@ -96,6 +96,22 @@ class FakeRunner:
     def num_free_kv_tokens(self) -> int:
         return self.kv_tokens - sum(len(c) for c in self.cache.values())
 
+    def bytes_per_request(self) -> int:
+        # the fake model keeps its history in Python lists: no device state
+        return 0
+
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        return None
+
+    def stats(self) -> dict[str, int | None]:
+        return {"num_folds": None}
+
+    def export_request(self, handle: int, pack=None):
+        raise NotImplementedError("the fake runner has no state to hand off")
+
+    def import_request(self, state, region=None) -> int:
+        raise NotImplementedError("the fake runner has no state to take over")
+
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         self.num_forwards += 1
         self.batches.append(batch)

@@ -58,6 +58,9 @@ class StateCommon:
         self.conv_offset[sl] = 0
         self._ssm_reset(sl)
 
+    def counters(self) -> dict[str, torch.Tensor]:
+        return {}
+
     def bytes_per_request(self) -> int:
         """Exact: every per-slot tensor's bytes divided by its slot count (conv, SSM, history / scratch, scalars)."""
         total = 0

@@ -40,6 +40,9 @@ class ReplayState(StateCommon):
         return self.kernels.replay_verify(tokens, self._layer_buffers[layer], rows.slots, widths,
                                           projection=self.projection, backend=self.backend)  # fmt: skip
 
+    def counters(self) -> dict[str, torch.Tensor]:
+        return {"num_folds": self.num_folds}
+
     def accept(self, rows: DecodeRows, num_accepted: torch.Tensor) -> None:
         widths = self._live_widths(rows)
         # the verify kernels folded exactly the rows this predicate selects (README: one fold rule)

@@ -26,7 +26,7 @@ import torch
 from lightllm.engine.engine import Engine
 from lightllm.engine.messages import Abort, EngineOutput, Finished, TokenChunk
 from lightllm.engine.request import Request, Status
-from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
+from lightllm.worker.transfer.request_state import host_blobs
 from lightllm.server.pd.messages import PdPrefill, PdTransfer, TransferAck
 from lightllm.server.pd.staging import DeviceRegion, RegionReader, StagingBuffer
 from lightllm.server.pd.transport import StateTransport, TransportError
@@ -131,7 +131,7 @@ class PrefillRole:
         num_prompt = len(req.prompt_ids)
         held = _Held(handle, num_prompt, time.monotonic() + self.transfer_timeout_s)
         try:
-            state = export_request(engine.runner, handle, self._packer(route, held))
+            state = engine.runner.export_request(handle, self._packer(route, held))
             generator = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
             transfer = PdTransfer(
                 self.fingerprint, request, chunk, list(req.draft_ids), state, self.ack_addr, generator, held.region
@@ -312,7 +312,7 @@ class DecodeRole:
         engine, msg = self.engine, transfer.request
         req_id = msg.req_id
         try:
-            handle = import_request(engine.runner, transfer.state, self._take_region(req_id))
+            handle = engine.runner.import_request(transfer.state, self._take_region(req_id))
         except RuntimeError as exc:
             logger.error("import of %s failed: %s", req_id, exc)
             return [Finished(req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=f"import failed: {exc}")]

@@ -117,16 +117,12 @@ def _import_checkpoint(runner, control, handles: list[int], checkpoint: Checkpoi
 
 
 def _export_request(runner, control, handle: int) -> RequestState | None:
-    from lightllm.worker.transfer.request_state import export_request
-
-    parts = gather_to_rank0(export_request(runner, handle), control)
+    parts = gather_to_rank0(runner.export_request(handle), control)
     return None if parts is None else merge_request_states(parts, runner)
 
 
 def _import_request(runner, control, state: RequestState) -> int:
-    from lightllm.worker.transfer.request_state import import_request
-
-    return import_request(runner, split_request_state(state, runner))
+    return runner.import_request(split_request_state(state, runner))
 
 
 GLOBAL_LAYOUT_CALLS: dict[str, Callable] = {
@@ -180,7 +176,7 @@ class LockstepRunner:
 
     def export_request(self, handle: int, pack: Callable | None = None) -> RequestState:
         """Prefill/decode disaggregation: the request's committed state with every rank's heads, in global order
-        (host blobs, or packed by `pack` from rank 0's device; see `lightllm.worker.transfer.request_state.export_request`)."""
+        (host blobs, or packed by `pack` from rank 0's device; see `ModelRunner.export_request`)."""
         state = self._everywhere(Plan("export_request", (handle,)))
         return state if pack is None else _repack(state, pack, self.runner.device)
 

@@ -23,20 +23,12 @@ def host_blobs(tensors: list[torch.Tensor]) -> list[TensorBlob]:
     return [TensorBlob.of(t) for t in tensors]
 
 
-@torch.inference_mode()
-def export_request(
-    runner, handle: int, pack: Callable[[list[torch.Tensor]], list[TensorBlob]] = host_blobs
-) -> RequestState:
-    """The committed state of request `handle` (between steps: never between forward and accept), its tensors
-    packed by `pack` (host bytes by default; a device transport packs them into its staging region)."""
-    if hasattr(runner, "export_request"):
-        # a tensor-parallel runner gathers every rank's heads itself
-        return runner.export_request(handle, pack)
-    if runner._pending is not None:
-        raise RuntimeError("export between forward and accept: the state is not committed")
-    req = runner._requests[handle]
+def export_request(runner, req, pack: Callable[[list[torch.Tensor]], list[TensorBlob]]) -> RequestState:
+    """The committed state of one request of `runner` (its record `req`), its tensors packed by `pack` (host
+    bytes by default; a device transport packs them into its staging region). The runner checks that no verify
+    is pending."""
     n = req.num_tokens
-    slots = runner.kv.slots(handle)[:n].to(runner.device)
+    slots = runner.kv.slots(req.handle)[:n].to(runner.device)
     tensors = [buf[:, slots] for buf in runner.kv.buffers]
     ckpt = runner.state.export_checkpoint(torch.tensor([req.state_slot], dtype=torch.int32, device=runner.device))
     tensors += [ckpt.conv, ckpt.ssm]
@@ -44,8 +36,8 @@ def export_request(
     mtp_len = 0
     if drafter is not None:
         if req.mtp_hidden or req.mtp_last_hidden is None:
-            raise RuntimeError(f"request {handle}: MTP pairs pending; export after the draft that follows a step")
-        mtp_slots = drafter.kv.slots(handle)[: req.mtp_len].to(runner.device)
+            raise RuntimeError(f"request {req.handle}: MTP pairs pending; export after the draft that follows a step")
+        mtp_slots = drafter.kv.slots(req.handle)[: req.mtp_len].to(runner.device)
         tensors += [buf[:, mtp_slots] for buf in drafter.kv.buffers]
         source, row = req.mtp_last_hidden
         tensors.append(source[row : row + 1])
@@ -58,14 +50,10 @@ def export_request(
     return state
 
 
-@torch.inference_mode()
-def import_request(runner, state: RequestState, region: torch.Tensor | None = None) -> int:
-    """A new request holding `state` in a fresh state slot and KV row; returns its handle. Blobs whose bytes lie
-    in a device region are read from `region` (flat uint8, on this runner's device or in host memory). Raises RuntimeError when no
-    slot or not enough KV is free (nothing is kept then)."""
-    if hasattr(runner, "import_request"):
-        # a tensor-parallel runner hands every rank its heads itself
-        return runner.import_request(state, region)
+def import_request(runner, req, state: RequestState, region: torch.Tensor | None = None) -> None:
+    """Fill `runner`'s fresh request `req` (just added, nothing committed) with `state`. Blobs whose bytes lie in
+    a device region are read from `region` (flat uint8, on this runner's device or in host memory). On an error
+    the caller frees the request."""
     if (runner.drafter is None) != (state.mtp_hidden is None):
         raise RuntimeError("MTP state sent to a runner without drafter, or missing for one with a drafter")
     device = runner.device
@@ -77,25 +65,18 @@ def import_request(runner, state: RequestState, region: torch.Tensor | None = No
             raise RuntimeError("the transfer's state lies in a device region this node was not given")
         return blob.view_in(region).to(device)  # a region kept in host memory moves here
 
-    handle = runner.add_request(None)
-    try:
-        req = runner._requests[handle]
-        slots = torch.from_numpy(runner.kv.extend_many([handle], [state.num_tokens])).to(device)
-        for buf, blob in zip(runner.kv.buffers, state.kv):
-            buf[:, slots] = tensor(blob).to(buf.dtype)
-        conv, ssm = tensor(state.conv), tensor(state.ssm)
-        slot = torch.tensor([req.state_slot], dtype=torch.int32, device=device)
-        runner.state.import_checkpoint(slot, Checkpoint(conv=conv, ssm=ssm))
-        req.num_tokens = state.num_tokens
-        if runner.drafter is not None:
-            mtp_kv = runner.drafter.kv
-            mtp_slots = torch.from_numpy(mtp_kv.extend_many([handle], [state.mtp_len])).to(device)
-            for buf, blob in zip(mtp_kv.buffers, state.mtp_kv):
-                buf[:, mtp_slots] = tensor(blob).to(buf.dtype)
-            req.mtp_len = state.mtp_len
-            req.mtp_hidden, req.mtp_next_ids = [], []
-            req.mtp_last_hidden = (tensor(state.mtp_hidden).to(runner.dtype).clone(), 0)
-    except Exception:
-        runner.free_request(handle)
-        raise
-    return handle
+    slots = torch.from_numpy(runner.kv.extend_many([req.handle], [state.num_tokens])).to(device)
+    for buf, blob in zip(runner.kv.buffers, state.kv):
+        buf[:, slots] = tensor(blob).to(buf.dtype)
+    conv, ssm = tensor(state.conv), tensor(state.ssm)
+    slot = torch.tensor([req.state_slot], dtype=torch.int32, device=device)
+    runner.state.import_checkpoint(slot, Checkpoint(conv=conv, ssm=ssm))
+    req.num_tokens = state.num_tokens
+    if runner.drafter is not None:
+        mtp_kv = runner.drafter.kv
+        mtp_slots = torch.from_numpy(mtp_kv.extend_many([req.handle], [state.mtp_len])).to(device)
+        for buf, blob in zip(mtp_kv.buffers, state.mtp_kv):
+            buf[:, mtp_slots] = tensor(blob).to(buf.dtype)
+        req.mtp_len = state.mtp_len
+        req.mtp_hidden, req.mtp_next_ids = [], []
+        req.mtp_last_hidden = (tensor(state.mtp_hidden).to(runner.dtype).clone(), 0)
