@@ -14,6 +14,8 @@ setup(
         "transformers>=5.17,<6",
         "safetensors",
         "tokenizers",
+        # Kimi-Linear's tiktoken.model tokenizer
+        "tiktoken",
         "fla-core==0.6.0",
         "einops",
         "fastapi",

@@ -147,7 +147,14 @@ def _describe(cfg: ModelConfig) -> str:
 
 
 def check_tokenizer(model_dir: str) -> None:
-    """A tokenizer.json the `tokenizers` library can read, with a vocabulary; or a slow tokenizer's vocab file."""
+    """A tokenizer.json the `tokenizers` library can read, with a vocabulary; a readable `tiktoken.model` with its
+    special tokens (the project's own loader, `tiktoken_tokenizer`); or a slow tokenizer's vocab file."""
+    from lightllm.server.tiktoken_tokenizer import TiktokenTokenizer, is_tiktoken_folder
+
+    if is_tiktoken_folder(model_dir):
+        # built whole, so that what the server will load is what is checked
+        TiktokenTokenizer(model_dir)
+        return
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         if any(os.path.isfile(os.path.join(model_dir, f)) for f in SLOW_TOKENIZER_FILES):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from lightllm.server.model_info import ModelInfo
+from lightllm.server.tiktoken_tokenizer import TiktokenTokenizer, is_tiktoken_folder
 
 # NFC may merge up to three code points into one (Hangul jamo), so text can shrink by that much before it is split
 NORMALIZATION_SHRINK = 3
@@ -25,26 +26,34 @@ def _byte_level_decoder() -> dict[str, int]:
 
 
 class Tokenizer:
-    """Wraps the Hugging Face tokenizer of a checkpoint folder.
+    """Wraps the tokenizer of a checkpoint folder: its Hugging Face tokenizer, or for a folder with
+    `tiktoken.model` and no `tokenizer.json` (Kimi's format) the project's `TiktokenTokenizer`, which takes the
+    same calls.
 
     The chat template comes from `tokenizer_config.json` or `chat_template.jinja`, whichever the checkpoint has
     (transformers reads both), and is rendered with jinja2 by `apply_chat_template`.
     """
 
     def __init__(self, info: ModelInfo):
-        from transformers import AutoTokenizer
+        if is_tiktoken_folder(info.model_dir):
+            self.hf = TiktokenTokenizer(info.model_dir)
+        else:
+            from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(info.model_dir)
+            self.hf = AutoTokenizer.from_pretrained(info.model_dir)
         eos = list(info.eos_token_ids)
         if self.hf.eos_token_id is not None:
             eos.append(self.hf.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.vocab_size = len(self.hf)
-        decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
-        self._byte_decoder = _byte_level_decoder() if type(decoder).__name__ == "ByteLevel" else None
-        self._added = {i: t.content for i, t in self.hf.added_tokens_decoder.items()}
-        pieces = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
-        self._bytes = [self._raw_bytes(i, piece) for i, piece in enumerate(pieces)]
+        if isinstance(self.hf, TiktokenTokenizer):
+            self._bytes = self.hf.token_bytes()
+        else:
+            decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
+            self._byte_decoder = _byte_level_decoder() if type(decoder).__name__ == "ByteLevel" else None
+            self._added = {i: t.content for i, t in self.hf.added_tokens_decoder.items()}
+            pieces = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+            self._bytes = [self._raw_bytes(i, piece) for i, piece in enumerate(pieces)]
         # no token spans more bytes than this, and a character is at least one byte
         self.max_token_bytes = max((len(b) for b in self._bytes), default=1) or 1
 
