@@ -69,7 +69,7 @@ class ModelRunnerProtocol(Protocol):
     # largest verify width the state was sized for (mtp_step + 1 or spec_ngram + 1)
     max_width: int
     # number of MTP draft steps the checkpoint supports (0 = none)
-    num_mtp_steps: int
+    mtp_step: int
 
     def add_request(self, prefix: list[int] | None = None) -> int:
         """Reserve a linear-state slot and a KV slot table row; returns the request handle. With `prefix` (the
@@ -122,10 +122,10 @@ class ModelRunnerProtocol(Protocol):
         """After a step with decode rows: keep the first `num_accepted[i]` tokens of each decode row's window
         (linear state via `LinearAttState.accept`, KV beyond them released). Every decode row must be listed."""
 
-    def draft(self, handles: list[int], next_tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
-        """MTP head: chained greedy drafts `[len(handles), num_steps]` int64.
+    def draft(self, handles: list[int], next_tokens: torch.Tensor, mtp_step: int) -> torch.Tensor:
+        """MTP head: chained greedy drafts `[len(handles), mtp_step]` int64.
 
         Call after `forward` (and `accept`, for decode rows) with each request's newly sampled token: the
         runner keeps the main model's hidden states of the accepted tokens itself, commits them with their
-        following tokens into the MTP layer's KV, then drafts `num_steps` tokens greedily. The drafts form the
-        next verify window `[next_token, *drafts]` (width num_steps + 1)."""
+        following tokens into the MTP layer's KV, then drafts `mtp_step` tokens greedily. The drafts form the
+        next verify window `[next_token, *drafts]` (width mtp_step + 1)."""

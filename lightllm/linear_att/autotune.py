@@ -2,8 +2,8 @@
 
 A configuration (`KernelConfig`: BV, num_warps, num_stages) is chosen per kernel family and shape. Lookup is a
 dict access keyed by `TuneKey` (GPU name, Triton version, state and activation dtypes, heads, head dims, gate
-width, verify width, replay capacity, projection mode); a missing entry borrows the nearest entry that differs only in
-width, capacity or head counts (`ConfigTable.lookup`), else falls back to `default_config`.
+width, verify width, replay replay_capacity, projection mode); a missing entry borrows the nearest entry that differs only in
+width, replay_capacity or head counts (`ConfigTable.lookup`), else falls back to `default_config`.
 
 Tables are JSON files (`gdn/tuned/*.json`, `kda/tuned/*.json` ship with the package). Each algorithm owns its
 table (`Algorithm.table`, read on first use; start-up tuning adds to it before any CUDA-graph capture, so every
@@ -45,7 +45,7 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class TuneKey:
-    """What a tuned configuration depends on. `width` is the padded verify width Wmax; `capacity` is 0 outside
+    """What a tuned configuration depends on. `width` is the padded verify width Wmax; `replay_capacity` is 0 outside
     replay; `projection` is "" outside replay verify; `lower_bound` is KDA's bounded-gate bound (it changes the
     gate's instructions), "" for the softplus gate and for the fold (which reads activated gates). A field at its
     default is left out of the string form, so keys written before a field existed still parse and match."""
@@ -61,7 +61,7 @@ class TuneKey:
     head_v_dim: int
     gate_dim: int
     width: int
-    capacity: int = 0
+    replay_capacity: int = 0
     projection: str = ""
     lower_bound: str = ""
 
@@ -123,7 +123,7 @@ def make_key(
     V: int,
     GK: int,
     width: int,
-    capacity: int = 0,
+    replay_capacity: int = 0,
     projection: str = "",
     lower_bound: float | None = None,
 ) -> TuneKey:
@@ -141,7 +141,7 @@ def make_key(
         V,
         GK,
         width,
-        capacity,
+        replay_capacity,
         projection,
         bound_name(lower_bound),
     )
@@ -180,8 +180,8 @@ class ConfigTable:
         return self.entries.get(key.to_str())
 
     def lookup(self, key: TuneKey) -> KernelConfig:
-        """Exact entry, else the nearest entry that differs only in verify width, replay capacity, head counts or
-        gate lower bound (nearest width first, then capacity, then the same heads before other heads, then the same
+        """Exact entry, else the nearest entry that differs only in verify width, replay replay_capacity, head counts or
+        gate lower bound (nearest width first, then replay_capacity, then the same heads before other heads, then the same
         bound; for replay only among W = 1 or only among W > 1 entries; for compact only at its own width, else the
         serial entry for the key), else default.
 
@@ -197,7 +197,7 @@ class ConfigTable:
             other = TuneKey.from_str(k)
             free = dict(
                 width=key.width,
-                capacity=key.capacity,
+                replay_capacity=key.replay_capacity,
                 num_k_heads=key.num_k_heads,
                 num_v_heads=key.num_v_heads,
                 lower_bound=key.lower_bound,
@@ -211,7 +211,7 @@ class ConfigTable:
             heads = (other.num_k_heads, other.num_v_heads) != (key.num_k_heads, key.num_v_heads)
             dist = (
                 abs(other.width - key.width),
-                abs(other.capacity - key.capacity),
+                abs(other.replay_capacity - key.replay_capacity),
                 heads,
                 abs(other.num_v_heads - key.num_v_heads),
                 abs(other.num_k_heads - key.num_k_heads),

@@ -136,7 +136,7 @@ class ReplayBuffers:
         return (self.ssm, *self.history, self.cursor, self.parity)
 
     @property
-    def capacity(self) -> int:
+    def replay_capacity(self) -> int:
         return self.hist_k.shape[-3]
 
     def gate_dims(self) -> tuple[int, int]:

@@ -12,7 +12,7 @@ only reach the Triton kernel; the algorithm packages' entry points (`<algo>/kern
 
 Shared names (see README.md of this package): `N` rows, `Wmax` padded window width, `H`/`HV` key/value heads,
 `K`/`V` head dims, `GK` gate width (1 GDN, K KDA), `C = 2·H·K + HV·V` conv channels, `Kc` conv kernel size,
-`S` state slots, `L` replay capacity, `NL` layers.
+`S` state slots, `L` replay replay_capacity, `NL` layers.
 
 The verify ops take a `TokenInputs` (one layer's token inputs, post conv + SiLU: q, k `[N, Wmax, H, K]` raw,
 l2norm and the scale applied inside; v `[N, Wmax, HV, V]`; graw `[N, Wmax, HV, GK]` and braw `[N, Wmax, HV]` raw
@@ -233,17 +233,17 @@ def replay_accept(
     slots: torch.Tensor,
     widths: torch.Tensor,
     accepted: torch.Tensor,
-    capacity: int,
+    replay_capacity: int,
     *,
     backend: str | None = None,
 ) -> None:
     """Advance the per-slot scalars once per step after the last layer (device side, no host sync).
 
     cursor, parity, conv_offset `[S]` int32, in place; slots, widths, accepted `[N]` int32. For rows with W > 0:
-    fold (`h + W > capacity`) -> `cursor = a`, `parity ^= 1`; else `cursor = h + a`; and `conv_offset = a - 1`.
+    fold (`h + W > replay_capacity`) -> `cursor = a`, `parity ^= 1`; else `cursor = h + a`; and `conv_offset = a - 1`.
     """
     fn = _impl("replay_accept", backend, cursor)
-    return fn(cursor, parity, conv_offset, slots, widths, accepted, capacity)
+    return fn(cursor, parity, conv_offset, slots, widths, accepted, replay_capacity)
 
 
 def replay_fold(

@@ -7,7 +7,7 @@ algorithm's table (`Algorithm.table`, which every launch of that algorithm looks
 `ModelRunner.warmup` calls it next to the prefill warm-up.
 
 Results are cached on disk, one JSON table per GPU model and Triton version (`cache_path`); every entry's key also
-holds the dtypes, head counts and dims, gate width, verify width, replay capacity and projection, and KDA's gate
+holds the dtypes, head counts and dims, gate width, verify width, replay replay_capacity and projection, and KDA's gate
 lower bound, so a later start of the same shape reads the cache and times nothing.
 """
 
@@ -36,7 +36,7 @@ def cache_path(cache_dir: str | Path, device) -> Path:
 
 
 def serving_case(state, spec) -> tuning.TuneCase:
-    """The tuning case of a serving state: its heads, dims, dtypes, verify width, replay capacity and gate."""
+    """The tuning case of a serving state: its heads, dims, dtypes, verify width, replay replay_capacity and gate."""
     config = state.config
     return tuning.TuneCase(
         spec.algo,

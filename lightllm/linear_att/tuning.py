@@ -32,7 +32,7 @@ class TuneCase:
     state_dtype: torch.dtype
     act_dtype: torch.dtype
     width: int
-    capacity: int
+    replay_capacity: int
     lower_bound: float | None = None
 
     @property
@@ -41,11 +41,11 @@ class TuneCase:
 
 
 def served_cases(algorithm, heads, head_dim: int, *, state_dtypes=(torch.float32, torch.bfloat16),
-                 act_dtype=torch.bfloat16, widths=(1, 2, 4), capacity: int = 16) -> list[TuneCase]:  # fmt: skip
+                 act_dtype=torch.bfloat16, widths=(1, 2, 4), replay_capacity: int = 16) -> list[TuneCase]:  # fmt: skip
     """The tuning cases of one algorithm's shipped table: every (key heads, value heads) of `heads` x state dtype x
     verify width, at head dims `head_dim`."""
     return [
-        TuneCase(algorithm.name, h, hv, head_dim, head_dim, dt, act_dtype, w, capacity)
+        TuneCase(algorithm.name, h, hv, head_dim, head_dim, dt, act_dtype, w, replay_capacity)
         for h, hv in heads
         for dt in state_dtypes
         for w in widths
@@ -128,7 +128,7 @@ def case_keys(case: TuneCase, device) -> list[TuneKey]:
     """The keys `tune` fills for `case`, in its order: serial, compact, replay inline, replay precompute, replay
     fold."""
     shape = (case.state_dtype, case.act_dtype, case.H, case.HV, case.K, case.V, case.GK)
-    W, L, lb = case.width, case.capacity, case.lower_bound
+    W, L, lb = case.width, case.replay_capacity, case.lower_bound
     return [
         make_key("serial", device, *shape, W, lower_bound=lb),
         make_key("compact", device, *shape, W, lower_bound=lb),
@@ -141,7 +141,7 @@ def case_keys(case: TuneCase, device) -> list[TuneKey]:
 def _tune_case(case: TuneCase, num_rows: int, device: torch.device, log, configs, only=None, on_done=None):
     gen = torch.Generator(device=device).manual_seed(0)
     tokens, slots, widths = _scratch_inputs(case, num_rows, device, gen)
-    W, H, HV, K, V, GK, L = case.width, case.H, case.HV, case.K, case.V, case.GK, case.capacity
+    W, H, HV, K, V, GK, L = case.width, case.H, case.HV, case.K, case.V, case.GK, case.replay_capacity
     serial_key, compact_key, inline_key, precompute_key, fold_key = case_keys(case, device)
     offset = torch.zeros(num_rows, device=device, dtype=torch.int32)
 

@@ -79,13 +79,13 @@ class ServerArgs:
     linear_att_ssm_data_type: str = _flag(
         "float32", "storage dtype of the recurrent (SSM) state", ("float32", "bfloat16")
     )
-    replayssm_cache_len: int | None = _flag(
+    replay_capacity: int | None = _flag(
         None,
         "replay history records per request before a fold (auto: 8, or the smallest capacity covering the verify width)",
         REPLAY_CAPACITIES,
         int,
     )
-    replayssm_projection_mode: str | None = _flag(
+    replay_projection_mode: str | None = _flag(
         None,
         "replay: project the state per token (inline) or once per window (precompute); auto: inline",
         ("inline", "precompute"),
@@ -217,7 +217,7 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
         saved = info.torch_dtype if info.torch_dtype in ("bfloat16", "float16") else "bfloat16"
         data_type = saved if on_cuda else "float32"
     replay = args.ssm_state_mode == "replay"
-    cache_len, projection = args.replayssm_cache_len, args.replayssm_projection_mode
+    cache_len, projection = args.replay_capacity, args.replay_projection_mode
     if replay:
         cache_len = cache_len or min(c for c in REPLAY_CAPACITIES if c >= max(8, args.max_width))
         projection = projection or "inline"
@@ -230,8 +230,8 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
         served_model_name=args.served_model_name or os.path.basename(os.path.normpath(info.model_dir)),
         device=device,
         data_type=data_type,
-        replayssm_cache_len=cache_len,
-        replayssm_projection_mode=projection,
+        replay_capacity=cache_len,
+        replay_projection_mode=projection,
         max_running_requests=_auto(args.max_running_requests, 256 if on_cuda else 16),
         mem_fraction=args.mem_fraction if args.mem_fraction is not None or args.max_total_token_num else 0.8,
         chunked_prefill_size=_auto(args.chunked_prefill_size, 8192 if on_cuda else 512),
@@ -265,12 +265,12 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
             "or use --ssm_state_mode native"
         )
     if args.ssm_state_mode != "replay":
-        for name in ("replayssm_cache_len", "replayssm_projection_mode"):
+        for name in ("replay_capacity", "replay_projection_mode"):
             if getattr(args, name) is not None:
                 raise ValueError(f"--{name} applies to --ssm_state_mode replay only; drop it or switch the mode")
-    elif args.replayssm_cache_len < args.max_width:
+    elif args.replay_capacity < args.max_width:
         raise ValueError(
-            f"--replayssm_cache_len {args.replayssm_cache_len} is below the verify width {args.max_width} "
+            f"--replay_capacity {args.replay_capacity} is below the verify width {args.max_width} "
             f"(drafts + 1): raise it to at least {min(c for c in REPLAY_CAPACITIES if c >= args.max_width)} "
             "or draft fewer tokens"
             if args.max_width <= REPLAY_CAPACITIES[-1]

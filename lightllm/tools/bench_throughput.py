@@ -139,7 +139,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--disable_cudagraph", action="store_true")
     p.add_argument("--disable_overlap_schedule", action="store_true")
-    p.add_argument("--replayssm_cache_len", type=int, default=None)
+    p.add_argument("--replay_capacity", type=int, default=None)
     p.add_argument("--linear_att_ssm_data_type", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result_file", default=None, help="write every row as JSON here")
@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             disable_cudagraph=a.disable_cudagraph,
             disable_overlap_schedule=a.disable_overlap_schedule,
         )
-        if mode == "replay" and a.replayssm_cache_len:
-            flags["replayssm_cache_len"] = a.replayssm_cache_len
+        if mode == "replay" and a.replay_capacity:
+            flags["replay_capacity"] = a.replay_capacity
         args, info = load_server_args([], **flags)
         engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
         quiet_garbage_collector()

@@ -19,8 +19,8 @@ class RunnerConfig:
     ssm_state_mode: str = "native"
     linear_att_ssm_data_type: str = "float32"
     # replay history capacity (tokens) and projection mode ("inline" | "precompute")
-    replayssm_cache_len: int = 8
-    replayssm_projection_mode: str = "inline"
+    replay_capacity: int = 8
+    replay_projection_mode: str = "inline"
     # MTP draft steps per verify (0 = no MTP); the verify width is mtp_step + 1
     mtp_step: int = 0
     # largest verify width of any step; 0 = mtp_step + 1 (n-gram speculation sets it explicitly)

@@ -27,8 +27,8 @@ class MtpDrafter:
         # fixed-buffer (CUDA graph) drafting of batches whose rows all commit at most max_width pairs
         self.graphs: DraftGraphs | None = None
 
-    def draft(self, handles: list[int], reqs: list, next_tokens: list[int], num_steps: int):
-        """Returns (draft tokens `[N, num_steps]` int64, logits `[N, num_steps, vocab]` fp32)."""
+    def draft(self, handles: list[int], reqs: list, next_tokens: list[int], mtp_step: int):
+        """Returns (draft tokens `[N, mtp_step]` int64, logits `[N, mtp_step, vocab]` fp32)."""
         device = self.kv.device
         for h, req in zip(handles, reqs):
             if not req.mtp_hidden:
@@ -49,7 +49,7 @@ class MtpDrafter:
         hidden = gather_spans([req.mtp_hidden for req in reqs], device)
         inverse = torch.from_numpy(np.argsort(order)).to(device)
         graphs = self.graphs
-        if num_long == 0 and graphs is not None and graphs.num_steps == num_steps and graphs.bucket(len(rows)):
+        if num_long == 0 and graphs is not None and graphs.mtp_step == mtp_step and graphs.bucket(len(rows)):
             drafts, logits = graphs.run(rows, q_lens, cached, tokens, hidden)
             self._committed(reqs, q_lens, hidden)
             return drafts[inverse], logits[inverse]
@@ -67,7 +67,7 @@ class MtpDrafter:
         self._committed(reqs, q_lens, hidden)
         all_logits = [self.model.logits(last)]
         drafts = [all_logits[-1].argmax(-1)]
-        for step in range(1, num_steps):
+        for step in range(1, mtp_step):
             self.kv.extend_many(rows, np.ones(len(rows), dtype=np.int64))
             ctx = build_context([1] * len(rows), (cached + q_lens + step - 1).tolist(), 0, rows.tolist(), self.kv,
                                 position_offset=1)  # fmt: skip

@@ -85,7 +85,7 @@ class ModelRunner:
         load_weights(self.model, config.model_dir, self.dtype, self.device, tp, config.show_progress)
         self.vocab_size = cfg.vocab_size
         self.max_width = config.verify_width
-        self.num_mtp_steps = config.mtp_step if self.model.mtp is not None else 0
+        self.mtp_step = config.mtp_step if self.model.mtp is not None else 0
         if config.mtp_step and self.model.mtp is None:
             raise ValueError(f"mtp_step={config.mtp_step} but {config.model_dir} has no MTP layer")
         mode = StateMode(config.ssm_state_mode)
@@ -101,8 +101,8 @@ class ModelRunner:
                 max_width=self.max_width,
                 state_dtype=config.state_dtype(),
                 act_dtype=self.dtype,
-                replay_capacity=config.replayssm_cache_len,
-                projection=config.replayssm_projection_mode if mode is StateMode.REPLAY else "inline",
+                replay_capacity=config.replay_capacity,
+                projection=config.replay_projection_mode if mode is StateMode.REPLAY else "inline",
                 device=self.device,
                 backend=config.state_backend,
             ),
@@ -120,13 +120,13 @@ class ModelRunner:
             self.device,
         )
         self.drafter = None
-        if self.num_mtp_steps:
+        if self.mtp_step:
             mtp_kv = KVCache(
                 1,
                 shapes,
                 self.kv_tokens + self._mtp_extra_tokens(),
                 config.max_running_requests,
-                config.max_req_total_len + self.num_mtp_steps + 1,
+                config.max_req_total_len + self.mtp_step + 1,
                 self.dtype,
                 self.device,
             )
@@ -154,7 +154,7 @@ class ModelRunner:
         if self.drafter is not None:
             drafter = self.drafter
             drafter.graphs = DraftGraphs(
-                self.model, drafter.kv, max_batch, drafter.max_width, self.num_mtp_steps, use_graphs
+                self.model, drafter.kv, max_batch, drafter.max_width, self.mtp_step, use_graphs
             )
             drafter.graphs.capture()
         return True
@@ -184,7 +184,7 @@ class ModelRunner:
 
     def _mtp_extra_tokens(self) -> int:
         """The MTP head's KV holds the main KV's tokens plus one verify window per request."""
-        return self.config.max_running_requests * (self.num_mtp_steps + 1)
+        return self.config.max_running_requests * (self.mtp_step + 1)
 
     def _size_kv(self, shapes: tuple[tuple[int, ...], ...], probe: MemoryProbe | None) -> int:
         """KV token slots to allocate (weights and state are already allocated)."""
@@ -197,11 +197,11 @@ class ModelRunner:
             probe = cuda_memory_probe(self.device)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         per_layer = sum(math.prod(s) for s in shapes) * itemsize
-        num_layers, mtp = len(self.model_config.full_layer_ids), 1 if self.num_mtp_steps else 0
+        num_layers, mtp = len(self.model_config.full_layer_ids), 1 if self.mtp_step else 0
         # per layer: the hold slot (and on the MTP head its extra slots); per cache: an int64 slot table
         fixed = per_layer * (num_layers + mtp * (1 + self._mtp_extra_tokens()))
         fixed += (
-            8 * c.max_running_requests * (c.max_req_total_len + mtp * (c.max_req_total_len + self.num_mtp_steps + 1))
+            8 * c.max_running_requests * (c.max_req_total_len + mtp * (c.max_req_total_len + self.mtp_step + 1))
         )
         bytes_per_token = per_layer * (num_layers + mtp)
         if not c.disable_prefix_cache:
@@ -481,18 +481,18 @@ class ModelRunner:
         del req.mtp_next_ids[len(req.mtp_next_ids) - num_rejected :]
 
     # MTP -------------------------------------------------------------------------------------------------
-    def draft(self, handles: list[int], next_tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
-        """Chained greedy MTP drafts `[len(handles), num_steps]` int64 after each request's `next_tokens`."""
-        return self.draft_with_logits(handles, next_tokens, num_steps)[0]
+    def draft(self, handles: list[int], next_tokens: torch.Tensor, mtp_step: int) -> torch.Tensor:
+        """Chained greedy MTP drafts `[len(handles), mtp_step]` int64 after each request's `next_tokens`."""
+        return self.draft_with_logits(handles, next_tokens, mtp_step)[0]
 
     @torch.inference_mode()
     def draft_with_logits(
-        self, handles: list[int], next_tokens: torch.Tensor, num_steps: int
+        self, handles: list[int], next_tokens: torch.Tensor, mtp_step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`draft` plus the fp32 logits of every draft step `[len(handles), num_steps, vocab]`."""
+        """`draft` plus the fp32 logits of every draft step `[len(handles), mtp_step, vocab]`."""
         if self.drafter is None:
             raise RuntimeError("this runner has no MTP head (mtp_step = 0 or no mtp.* weights)")
-        return self.drafter.draft(handles, [self._requests[h] for h in handles], next_tokens.tolist(), num_steps)
+        return self.drafter.draft(handles, [self._requests[h] for h in handles], next_tokens.tolist(), mtp_step)
 
     def warmup(self, max_num_tokens: int, progress: bool = True) -> int:
         """Compile/autotune the linear-attention prefill kernels at the serving shapes on scratch tensors (the

@@ -69,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--state-dtypes", default="fp32,bf16")
     p.add_argument("--ns", default="1,8,32,64,128,256,512")
     p.add_argument("--ws", default="1,2,4")
-    p.add_argument("--capacity", type=int, default=16, help="replay history capacity L")
+    p.add_argument("--replay_capacity", type=int, default=16, help="replay history replay_capacity L")
     p.add_argument("--act-dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining cells after this many seconds")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -84,7 +84,7 @@ def parse_args(argv=None):
             "fp32",
             "fp32",
         )
-        args.capacity = min(args.capacity, 4)
+        args.replay_capacity = min(args.replay_capacity, 4)
     return args
 
 
@@ -396,7 +396,7 @@ def run_tune(args, shapes, state_dtypes, act_dtype, device) -> None:
     from lightllm.linear_att import autotune, tuning
 
     cases = [
-        tuning.TuneCase(shape.algo, shape.H, shape.HV, shape.K, shape.V, dt, act_dtype, W, args.capacity)
+        tuning.TuneCase(shape.algo, shape.H, shape.HV, shape.K, shape.V, dt, act_dtype, W, args.replay_capacity)
         for shape in shapes
         for dt in state_dtypes
         for W in [int(w) for w in args.ws.split(",")]
@@ -440,7 +440,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     print(f"# bench_linear_att: {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"act {args.act_dtype}, replay capacity {args.capacity}")  # fmt: skip
+          f"act {args.act_dtype}, replay replay_capacity {args.replay_capacity}")  # fmt: skip
     try:
         import fla
 
@@ -451,14 +451,14 @@ def main(argv=None) -> int:
     print("\n## correctness (Triton vs torch twins, N=5 incl. one padding row, W=4)")
     for shape in shapes:
         try:
-            for line in correctness(shape, state_dtypes[0], act_dtype, args.capacity, device):
+            for line in correctness(shape, state_dtypes[0], act_dtype, args.replay_capacity, device):
                 print(line)
         except Exception as err:
             print(f"  {shape.name}: correctness pass raised {type(err).__name__}: {err}")
 
     bw = copy_bandwidth(device)
     print(f"\ndevice copy: {bw / 1e12:.2f} TB/s (read + write bytes)")
-    timer = Timer(device, reps=max(24, 2 * args.capacity))
+    timer = Timer(device, reps=max(24, 2 * args.replay_capacity))
     Ns = [int(n) for n in args.ns.split(",")]
     Ws = [int(w) for w in args.ws.split(",")]
     for shape in shapes:
@@ -469,7 +469,7 @@ def main(argv=None) -> int:
                   "| native/rw floor | fla/replay | native/replay | native/compact |")  # fmt: skip
             print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for W in Ws:
-                if W > args.capacity:
+                if W > args.replay_capacity:
                     continue
                 for N in Ns:
                     row = bench_cell(shape, state_dtype, act_dtype, N, W, args, device, timer, t_start)
@@ -496,8 +496,8 @@ def bench_cell(shape, state_dtype, act_dtype, N, W, args, device, timer, t_start
         "fla": lambda: fla_steps(shape, inp, N, W, state_dtype, device),
         "native": lambda: native_steps(shape, inp, N, W, state_dtype, device),
         "compact": lambda: compact_steps(shape, inp, N, W, state_dtype, device),
-        "replay-i": lambda: replay_steps(shape, inp, N, W, args.capacity, state_dtype, "inline", device),
-        "replay-p": lambda: replay_steps(shape, inp, N, W, args.capacity, state_dtype, "precompute", device),
+        "replay-i": lambda: replay_steps(shape, inp, N, W, args.replay_capacity, state_dtype, "inline", device),
+        "replay-p": lambda: replay_steps(shape, inp, N, W, args.replay_capacity, state_dtype, "precompute", device),
     }
     for mode in MODES:
         if time.time() - t_start > args.budget_s:

@@ -51,11 +51,11 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="qwen3-next-tp1,kimi-linear-tp1")
     p.add_argument("--ws", default="1,2,4")
     p.add_argument("--ns", default="128")
-    p.add_argument("--capacity", type=int, default=16)
+    p.add_argument("--replay_capacity", type=int, default=16)
     p.add_argument("--projections", default="inline,precompute")
     args = p.parse_args(argv)
     device = torch.device("cuda")
-    timer = bench.Timer(device, reps=max(24, 2 * args.capacity))
+    timer = bench.Timer(device, reps=max(24, 2 * args.replay_capacity))
     print("| shape | W | N | projection | µs: cycling, pinned h=0, pinned h=L-W | read floor |")
     print("|---|---|---|---|---|---|")
     bw = bench.copy_bandwidth(device)
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                 inp = bench.make_inputs(shape, N, W, torch.bfloat16, device)
                 floor = N * shape.HV * shape.K * shape.V * 4 / bw * 1e6
                 for projection in ["inline"] if W == 1 else args.projections.split(","):
-                    pinned_rows(shape, inp, N, W, args.capacity, device, timer, floor, projection)
+                    pinned_rows(shape, inp, N, W, args.replay_capacity, device, timer, floor, projection)
     return 0
 
 

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="qwen3-next-tp1,kimi-linear-tp1")
     p.add_argument("--configs", default="64x2", help="BVxWARPS launch configs, e.g. 32x1,64x2")
     p.add_argument("--width", type=int, default=4, help="window width of the window kernels")
-    p.add_argument("--capacity", type=int, default=16)
+    p.add_argument("--replay_capacity", type=int, default=16)
     p.add_argument("--top", type=int, default=0, help="also list the N source lines with the most instructions")
     args = p.parse_args(argv)
     print(f"# static sm_90a SASS instruction counts (per warp, loop bodies once), triton {triton.__version__}\n")
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         for shape in args.shapes.split(","):
             for cfg in args.configs.split(","):
                 BV, num_warps = (int(x) for x in cfg.split("x"))
-                for row in report(kernel, shape, W, args.capacity, BV, num_warps, args.top):
+                for row in report(kernel, shape, W, args.replay_capacity, BV, num_warps, args.top):
                     print(row, flush=True)
     return 0
 

@@ -52,7 +52,7 @@ COMPACT = parse_configs("64x2,64x4,32x2,32x4,128x4,128x8,64x2x2,32x1,32x1x2")
 REPLAY = parse_configs("32x4,64x8,64x2,32x2,64x4,128x8,128x4")
 
 
-def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, projection="inline", state=torch.float32):
+def sweep_cell(shape, W, N, family, configs, replay_capacity, device, timer, log, projection="inline", state=torch.float32):
     """Time each config of one family (and replay projection) at one (shape, W, N) and state dtype; returns
     {config: µs}."""
     act = torch.bfloat16
@@ -63,9 +63,9 @@ def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, proje
         make_steps = bench.native_steps if family == "serial" else bench.compact_steps
         build = lambda cfg: make_steps(shape, inp, N, W, state, device, config=cfg)  # noqa: E731
     else:
-        key = autotune.make_key("replay", *key_args, capacity, projection)
+        key = autotune.make_key("replay", *key_args, replay_capacity, projection)
         build = lambda cfg: bench.replay_steps(  # noqa: E731
-            shape, inp, N, W, capacity, state, projection, device, config=cfg
+            shape, inp, N, W, replay_capacity, state, projection, device, config=cfg
         )
     out = {}
     for cfg in configs:
@@ -87,7 +87,7 @@ def sweep_cell(shape, W, N, family, configs, capacity, device, timer, log, proje
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", default=None, help="package dir: writes <algo>/tuned/h200.json under it")
-    p.add_argument("--capacity", type=int, default=16)
+    p.add_argument("--replay_capacity", type=int, default=16)
     p.add_argument("--shapes", default="qwen3-next-tp1,kimi-linear-tp1")
     p.add_argument("--families", default="serial,replay", help="serial (native verify), compact, replay")
     p.add_argument("--cells", default="1x256,4x128", help="WxN pairs to time, e.g. 1x256,4x128")
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device("cuda")
     state = bench.DTYPES[args.state_dtype]
-    timer = bench.Timer(device, reps=max(24, 2 * args.capacity))
+    timer = bench.Timer(device, reps=max(24, 2 * args.replay_capacity))
     tables = {"gdn": autotune.ConfigTable(), "kda": autotune.ConfigTable()}
     extra = {"gdn": {}, "kda": {}}
     t0 = time.time()
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                 projections = args.projections.split(",") if family == "replay" and W > 1 else ("inline",)
                 for projection in projections:
                     key, res = sweep_cell(
-                        shape, W, N, family, configs, args.capacity, device, timer, print, projection, state
+                        shape, W, N, family, configs, args.replay_capacity, device, timer, print, projection, state
                     )
                     if not res:
                         continue
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
                     if family == "replay" and W == 1:  # the same kernel under either projection name
                         pkey = autotune.make_key(
                             "replay", device, state, torch.bfloat16, shape.H, shape.HV, shape.K, shape.V,
-                            shape.GK, W, args.capacity, "precompute",
+                            shape.GK, W, args.replay_capacity, "precompute",
                         )  # fmt: skip
                         tables[shape.algo].put(pkey, best)
         print(f"[{time.time() - t0:.0f} s] {name} done", flush=True)

@@ -35,7 +35,7 @@ def _engine(model_dir: str, mode: str, num_drafts: int):
     flags = {"spec_ngram": num_drafts} if num_drafts else {}
     if mode == "replay":
         # the smallest history: folds every step or two
-        flags["replayssm_cache_len"] = 4
+        flags["replay_capacity"] = 4
     args, info = load_server_args(
         [], model_dir=model_dir, device="cpu", ssm_state_mode=mode, max_running_requests=6,
         chunked_prefill_size=64, max_total_token_num=512, **flags,

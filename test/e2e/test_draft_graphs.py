@@ -67,8 +67,8 @@ def _run(fixed_buffers: bool, mode: str, continuations=None, perturb: bool = Fal
     drafted = []
     inner = runner.draft_with_logits
 
-    def recording(handles, next_tokens, num_steps):
-        drafts, logits = inner(handles, next_tokens, num_steps)
+    def recording(handles, next_tokens, mtp_step):
+        drafts, logits = inner(handles, next_tokens, mtp_step)
         drafted.append((list(handles), drafts.clone(), logits.clone()))
         return drafts, logits
 

@@ -17,7 +17,7 @@ from unittest import mock
 
 @dataclass(frozen=True)
 class StateShape:
-    """Linear-attention head shapes of one served (or tiny) model, with its dtypes and replay capacity."""
+    """Linear-attention head shapes of one served (or tiny) model, with its dtypes and replay replay_capacity."""
 
     name: str
     algo: str  # "gdn" | "kda" | "kda_safe" (bounded KDA gate), as in unit_tests/linear_att/kernels/inputs.py
@@ -28,7 +28,7 @@ class StateShape:
     act: str  # activation dtype name
     state: str  # SSM state dtype name
     conv_kernel: int
-    capacity: int  # replay history capacity L
+    replay_capacity: int  # replay history replay_capacity L
     tiny: bool
 
     def inputs_shape(self):
@@ -46,7 +46,7 @@ class StateShape:
 
 
 STATE_SHAPES = (
-    # the served layouts: bf16 activations, fp32 state (the server's default), replay capacity 8 (its default)
+    # the served layouts: bf16 activations, fp32 state (the server's default), replay replay_capacity 8 (its default)
     StateShape("qwen3-next", "gdn", 16, 2, 128, 128, "bfloat16", "float32", 4, 8, tiny=False),
     StateShape("qwen3.5", "gdn", 16, 4, 128, 128, "bfloat16", "float32", 4, 8, tiny=False),
     StateShape("kimi-linear", "kda", 32, 1, 128, 128, "bfloat16", "float32", 4, 8, tiny=False),
@@ -280,7 +280,7 @@ def case_replay(shape: StateShape, n: int, w: int, projection: str) -> Callable[
         from lightllm.linear_att.bundles import ReplayBuffers
 
         torch = ctx.torch
-        cap = shape.capacity
+        cap = shape.replay_capacity
         slots, widths, accepted, num_slots = verify_rows(n, w, seed=30 + w)
         ssm, hist_k, hist_u, hist_g = _replay_buffers(ctx, shape, num_slots, cap)
         # row 0 has a full history (folds inside the verify), row 2 an empty one; the rest anywhere in [0, L]
@@ -415,7 +415,7 @@ def case_state(shape: StateShape, mode: str, requests: int, w: int, projection: 
         spec = LinearAttSpec(shape.algo.removesuffix("_safe"), NUM_LAYERS, shape.H, shape.HV, shape.K, shape.V,
                              shape.conv_kernel, -5.0 if shape.algo == "kda_safe" else None)  # fmt: skip
         config = StateConfig(StateMode(mode), max_requests=requests, max_width=w, state_dtype=ctx.dtype(shape.state),
-                             act_dtype=act, replay_capacity=shape.capacity, projection=projection,
+                             act_dtype=act, replay_capacity=shape.replay_capacity, projection=projection,
                              device=ctx.device, backend="triton")  # fmt: skip
         state = create_state(spec, config)
         params = [
@@ -427,7 +427,7 @@ def case_state(shape: StateShape, mode: str, requests: int, w: int, projection: 
         chunk = functools.partial(ops.chunk_delta_rule, backend="torch")  # fla-core's kernels are not ours
         with mock.patch.object(ops, "chunk_delta_rule", chunk):
             if mode == "replay":  # all-accept rounds until every live row's history is full, then one fold round
-                policy, num_rounds = "all_accept", shape.capacity // w + 1
+                policy, num_rounds = "all_accept", shape.replay_capacity // w + 1
             else:
                 policy, num_rounds = "random", 2
             run, slots = sc.run_mtp(dev, spec, params, streams, prompt_lens=list(FIRST_CHUNK[-requests:]),
@@ -482,7 +482,7 @@ def build_cases() -> list[Case]:
         for n, w, proj in ((3, 1, "inline"), (7, 2, "inline"), (3, 2, "precompute"), (7, 4, "precompute"),
                            (3, 4, "inline"), (1, 1, "inline"), (1, 4, "precompute")):  # fmt: skip
             kernel = "replay_decode_kernel" if w == 1 else "replay_window_kernel"
-            add("replay", f"N={n} W={w} L={s.capacity} {proj} fold", (kernel, *replay_tail),
+            add("replay", f"N={n} W={w} L={s.replay_capacity} {proj} fold", (kernel, *replay_tail),
                 case_replay(s, n, w, proj))  # fmt: skip
         # the state classes (N rows = requests + 1 HOLD padding row)
         for mode, requests, w, proj in (("native", 2, 1, "inline"), ("native", 6, 4, "inline"),
@@ -495,7 +495,7 @@ def build_cases() -> list[Case]:
                 "compact": compact,
                 "replay": ("replay_decode_kernel" if w == 1 else "replay_window_kernel", *replay_tail),
             }[mode]
-            detail = f"{mode} N={requests + 1} W={w}" + (f" L={s.capacity} {proj}" if mode == "replay" else "")
+            detail = f"{mode} N={requests + 1} W={w}" + (f" L={s.replay_capacity} {proj}" if mode == "replay" else "")
             add("state", detail, kernels, case_state(s, mode, requests, w, proj))
     cases.append(Case("cursor", "-", "N=1031 (two row blocks)", ("replay_accept_kernel", "native_accept_kernel"),
                       True, case_cursor(1031)))  # fmt: skip

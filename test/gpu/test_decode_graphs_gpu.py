@@ -23,7 +23,7 @@ COMBOS = [("native", 0), ("replay", 0), ("native", 3), ("compact", 2), ("compact
 def _engine(mode: str, num_drafts: int, graphs: bool):
     flags = {"spec_ngram": num_drafts} if num_drafts else {}
     if mode == "replay":
-        flags["replayssm_cache_len"] = 4
+        flags["replay_capacity"] = 4
     args, info = load_server_args(
         [], model_dir=str(tiny_model_dir("qwen3_5")), device="cuda", data_type="float32", ssm_state_mode=mode,
         max_running_requests=6, chunked_prefill_size=64, max_total_token_num=1024, disable_cudagraph=not graphs,

@@ -285,7 +285,7 @@ DECODE_SHAPES = [
     ("W", "projection"), [(1, "inline"), (2, "inline"), (2, "precompute"), (4, "inline"), (4, "precompute")]
 )
 def test_replay_short_windows_match_twin(shape, act_dtype, W, projection):
-    """Plain decode (W = 1, the one-launch kernel) and short verify windows at capacity 4 (a fold every round or
+    """Plain decode (W = 1, the one-launch kernel) and short verify windows at replay_capacity 4 (a fold every round or
     two), small and real head shapes, against the torch twin."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     N, L, num_slots = 24, 4, 30
@@ -305,7 +305,7 @@ def test_replay_short_windows_match_twin(shape, act_dtype, W, projection):
 def test_replay_small_batches_match_twin_under_the_looked_up_tile(shape, N, W, projection):
     """One or two rows launch replay decode / window with the looked-up tile narrowed for them (down to 16-wide V
     tiles, the precompute projection's dot minimum): outputs, folded state, records and cursors equal the twin's
-    over rounds that fold (capacity 4)."""
+    over rounds that fold (replay_capacity 4)."""
     gen = torch.Generator(device="cuda").manual_seed(10 * N + W)
     L, num_slots = 4, 6
     rep = Replay(shape, num_slots, L, torch.float32, gen)

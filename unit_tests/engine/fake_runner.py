@@ -28,7 +28,7 @@ class FakeRunner:
         max_requests: int = 8,
         kv_tokens: int = 512,
         max_width: int = 1,
-        num_mtp_steps: int = 4,
+        mtp_step: int = 4,
         seed: int = 0,
         fail_token: int | None = None,
         nan_token: int | None = None,
@@ -36,7 +36,7 @@ class FakeRunner:
     ):
         self.vocab_size = vocab_size
         self.max_width = max_width
-        self.num_mtp_steps = num_mtp_steps
+        self.mtp_step = mtp_step
         self.kv_tokens = kv_tokens
         # a prompt holding fail_token makes the whole forward raise; nan_token gives its row NaN logits
         self.fail_token, self.nan_token = fail_token, nan_token
@@ -170,7 +170,7 @@ class FakeRunner:
             )
             del self.cache[handle][start + n :]
 
-    def draft(self, handles: list[int], next_tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
+    def draft(self, handles: list[int], next_tokens: torch.Tensor, mtp_step: int) -> torch.Tensor:
         """Greedy chain after each request's accepted history, wrong whenever (position + step) % 3 == 0."""
         assert self._window_start == {}, "draft() before accept()"
         rows = []
@@ -178,14 +178,14 @@ class FakeRunner:
             history = [*self.cache[handle], token]
             pos = len(history) - 1
             drafts = []
-            for step in range(num_steps):
+            for step in range(mtp_step):
                 guess = int(torch.argmax(self.next_logits(history)))
                 if (pos + step) % 3 == 0:
                     guess = (guess + 1) % self.vocab_size
                 drafts.append(guess)
                 history.append(guess)
             rows.append(drafts)
-        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), num_steps)
+        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), mtp_step)
 
 
 def create_fake_runner(args, model_info) -> FakeRunner:

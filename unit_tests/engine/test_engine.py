@@ -55,8 +55,8 @@ def test_engine_speculation_reduces_steps():
     spec = make_engine(FakeRunner(max_width=5), spec_ngram=4)
     tokens, _ = run(spec, prompts, params)
     assert tokens["a"] == FakeRunner().greedy(prompts["a"], 60)
-    assert plain.stats.num_steps == 60
-    assert spec.stats.num_steps < 30
+    assert plain.stats.mtp_step == 60
+    assert spec.stats.mtp_step < 30
 
 
 def test_engine_preemption_recomputes_exactly():
@@ -225,9 +225,9 @@ def _drafting_engine(runner: FakeRunner):
     log: list[tuple[str, list[int]]] = []
     inner = runner.draft
 
-    def draft(handles, next_tokens, num_steps):
+    def draft(handles, next_tokens, mtp_step):
         log.append(("draft", list(handles)))
-        return inner(handles, next_tokens, num_steps)
+        return inner(handles, next_tokens, mtp_step)
 
     runner.draft = draft
     return make_engine(runner, mtp_step=2), log

@@ -47,7 +47,7 @@ def make_state(
     max_width=4,
     state_dtype=torch.float32,
     act_dtype=torch.float32,
-    capacity=8,
+    replay_capacity=8,
     projection="inline",
     backend=None,
 ):
@@ -57,7 +57,7 @@ def make_state(
         max_width=max_width,
         state_dtype=state_dtype,
         act_dtype=act_dtype,
-        replay_capacity=capacity,
+        replay_capacity=replay_capacity,
         projection=projection,
         backend=backend,
     )
@@ -185,7 +185,7 @@ def poison_dead(state) -> None:
     """NaN every byte the state must not read again: rejected/stale history, dead native slots, the compact window
     buffer not holding pending tokens and the rejected tokens of the one that does."""
     if isinstance(state, ReplayState):
-        cap = state.capacity
+        cap = state.replay_capacity
         for slot in range(state.num_slots):
             h, p = int(state.cursor[slot]), int(state.parity[slot])
             for t in (state.hist_k, state.hist_u, state.hist_g):

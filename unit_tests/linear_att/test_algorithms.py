@@ -18,7 +18,7 @@ from unit_tests.linear_att import scenarios as sc
 @pytest.mark.parametrize(("algo", "descriptor", "package"), [("gdn", GDN, gdn), ("kda", KDA, kda)])
 def test_each_pair_binds_its_descriptor_and_kernels(algo, descriptor, package, mode):
     spec = sc.make_spec(algo, head_k_dim=8)
-    state = sc.make_state(spec, mode, max_width=2, capacity=4)
+    state = sc.make_state(spec, mode, max_width=2, replay_capacity=4)
     assert type(state) is states.state_class(algo, mode)
     assert state.algorithm is descriptor and state.kernels is package.kernels
     assert spec.gate_dim == (8 if algo == "kda" else 1)

@@ -22,7 +22,7 @@ def _states(algo: str):
     streams = sc.make_streams(spec, 2, 200, seed=42)
     out = {}
     for mode in MODES:
-        st = sc.make_state(spec, mode, max_width=4, capacity=8)
+        st = sc.make_state(spec, mode, max_width=4, replay_capacity=8)
         _, slots = sc.run_mtp(st, spec, params, streams, prompt_lens=[6, 3], num_rounds=5, max_width=4, seed=43)
         out[mode] = (st, torch.tensor(slots, dtype=torch.int32))
     return out

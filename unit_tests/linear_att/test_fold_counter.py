@@ -9,7 +9,7 @@ from unit_tests.linear_att.scenarios import make_params, make_spec, make_state, 
 
 def test_replay_counts_one_fold_per_folding_row_and_step():
     spec = make_spec(num_layers=2)
-    state = make_state(spec, "replay", max_requests=3, max_width=2, capacity=4)
+    state = make_state(spec, "replay", max_requests=3, max_width=2, replay_capacity=4)
     params, streams = make_params(spec), make_streams(spec, num_requests=2, length=64)
     slots = [state.alloc(), state.alloc()]
     run, gen = new_run(spec, 2), torch.Generator().manual_seed(3)

@@ -45,7 +45,7 @@ def test_create_state_rejects(case):
 @pytest.mark.parametrize("algo", ["gdn", "kda"])
 def test_bytes_per_request_is_exact(algo, mode):
     spec = sc.make_spec(algo, num_k_heads=3, ratio=2, head_k_dim=8, head_v_dim=5, num_layers=3)
-    st = sc.make_state(spec, mode, max_width=3, capacity=4, state_dtype=torch.bfloat16, act_dtype=torch.float16)
+    st = sc.make_state(spec, mode, max_width=3, replay_capacity=4, state_dtype=torch.bfloat16, act_dtype=torch.float16)
     NL, H, HV, K, V, GK, W, L = 3, 3, 6, 8, 5, spec.gate_dim, 3, 4
     C = 2 * H * K + HV * V
     expected = NL * C * (3 + W - 1) * 2 + 4
@@ -60,13 +60,13 @@ def test_bytes_per_request_is_exact(algo, mode):
 
 def _run_pair(spec, mode, params, streams, split_rounds, total_rounds):
     """Uninterrupted run vs export at `split_rounds` -> import into another slot of a fresh state -> continue."""
-    st = sc.make_state(spec, mode, max_width=4, capacity=8, max_requests=3)
+    st = sc.make_state(spec, mode, max_width=4, replay_capacity=8, max_requests=3)
     run_a, slots = sc.run_mtp(st, spec, params, streams, prompt_lens=[6, 3], num_rounds=split_rounds, max_width=4)
     before = {k: t.clone() for k, t in sc.state_tensors(st).items()}
     ckpt = st.export_checkpoint(torch.tensor(slots, dtype=torch.int32))
     for name, t in sc.state_tensors(st).items():
         assert torch.equal(t.nan_to_num(7.0), before[name].nan_to_num(7.0)), f"export changed {name}"
-    fresh = sc.make_state(spec, mode, max_width=4, capacity=8, max_requests=3)
+    fresh = sc.make_state(spec, mode, max_width=4, replay_capacity=8, max_requests=3)
     fresh.alloc()  # occupy slot 0 so the request lands elsewhere
     new_slots = [fresh.alloc(), fresh.alloc()]
     for t in sc.state_tensors(fresh).values():
@@ -106,7 +106,7 @@ def test_slot_reuse_reads_nothing_from_the_previous_tenant(algo, mode):
     spec = sc.make_spec(algo, num_layers=1)
     params = sc.make_params(spec, seed=3)
     streams = sc.make_streams(spec, 2, 200, seed=4)
-    st = sc.make_state(spec, mode, max_width=4, capacity=8, max_requests=2)
+    st = sc.make_state(spec, mode, max_width=4, replay_capacity=8, max_requests=2)
     _, slots = sc.run_mtp(st, spec, params, streams, prompt_lens=[5], num_rounds=7, max_width=4, policy="all_accept")
     if mode == "replay":
         assert int(st.cursor[slots[0]]) > 0, "the first tenant should leave history behind"
@@ -128,7 +128,7 @@ def test_hold_and_zero_width_rows_write_nothing(algo, mode):
     spec = sc.make_spec(algo, num_layers=2)
     params = sc.make_params(spec, seed=6)
     streams = sc.make_streams(spec, 2, 60, seed=7)
-    st = sc.make_state(spec, mode, max_width=3, capacity=4, max_requests=3)
+    st = sc.make_state(spec, mode, max_width=3, replay_capacity=4, max_requests=3)
     run, slots = sc.run_mtp(st, spec, params, streams, prompt_lens=[4, 2], num_rounds=3, max_width=3)
     watched = [slots[1], st.hold_slot]
     before = {k: t.clone() for k, t in sc.state_tensors(st).items()}

@@ -19,7 +19,7 @@ def test_mtp_rounds_match_reference(algo, mode, ratio):
     spec = sc.make_spec(algo, num_k_heads=2 if ratio < 4 else 1, ratio=ratio, head_k_dim=16, head_v_dim=8, num_layers=1)
     params = sc.make_params(spec, seed=ratio)
     streams = sc.make_streams(spec, 3, 200, seed=ratio + 10)
-    st = sc.make_state(spec, mode, max_width=4, capacity=8)
+    st = sc.make_state(spec, mode, max_width=4, replay_capacity=8)
     run, _ = sc.run_mtp(st, spec, params, streams, prompt_lens=[9, 1, 4], num_rounds=42, max_width=4, seed=ratio)
     assert sc.max_output_error(spec, params, streams, run) < 1e-5
 
@@ -33,7 +33,7 @@ def test_small_widths(algo, mode, max_width):
     spec = sc.make_spec(algo, num_layers=1)
     params = sc.make_params(spec, seed=1)
     streams = sc.make_streams(spec, 2, 100, seed=2)
-    st = sc.make_state(spec, mode, max_width=max_width, capacity=4)
+    st = sc.make_state(spec, mode, max_width=max_width, replay_capacity=4)
     run, _ = sc.run_mtp(st, spec, params, streams, prompt_lens=[3, 6], num_rounds=40, max_width=max_width)
     assert sc.max_output_error(spec, params, streams, run) < 1e-5
 
@@ -44,7 +44,7 @@ def test_all_accept_and_all_reject_streaks(mode, policy):
     spec = sc.make_spec("kda", num_layers=1, lower_bound=-5.0)
     params = sc.make_params(spec, seed=3)
     streams = sc.make_streams(spec, 2, 200, seed=4)
-    st = sc.make_state(spec, mode, max_width=4, capacity=4)
+    st = sc.make_state(spec, mode, max_width=4, replay_capacity=4)
     run, _ = sc.run_mtp(st, spec, params, streams, prompt_lens=[2, 5], num_rounds=40, max_width=4, policy=policy)
     assert sc.max_output_error(spec, params, streams, run) < 1e-5
 
@@ -56,7 +56,7 @@ def test_low_precision_stays_close_to_fp32_oracle(mode, act_dtype, state_dtype):
     spec = sc.make_spec("gdn", num_layers=1)
     params = sc.make_params(spec, seed=5)
     streams = sc.make_streams(spec, 2, 200, seed=6)
-    st = sc.make_state(spec, mode, max_width=4, capacity=8, state_dtype=state_dtype, act_dtype=act_dtype)
+    st = sc.make_state(spec, mode, max_width=4, replay_capacity=8, state_dtype=state_dtype, act_dtype=act_dtype)
     run, _ = sc.run_mtp(st, spec, params, streams, prompt_lens=[7, 2], num_rounds=40, max_width=4, act_dtype=act_dtype)
     assert sc.max_output_error(spec, params, streams, run) < 2e-2
 
@@ -83,7 +83,7 @@ def test_kda_numerical_stress(case, mode):
         key_cols = slice(spec.num_k_heads * spec.head_k_dim, 2 * spec.num_k_heads * spec.head_k_dim)
         params[0].conv_bias[key_cols] = 0.0
     streams = sc.make_streams(spec, 2, 120, seed=8, gate_shift=cfg["gate_shift"], key_scale=cfg.get("key_scale", 1.0))
-    st = sc.make_state(spec, mode, max_width=3, capacity=4)
+    st = sc.make_state(spec, mode, max_width=3, replay_capacity=4)
     run, _ = sc.run_mtp(st, spec, params, streams, prompt_lens=[4, 1], num_rounds=30, max_width=3)
     for layer in run.outputs:
         for req in layer:

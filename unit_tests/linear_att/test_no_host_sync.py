@@ -98,7 +98,7 @@ def _hold_bytes(state) -> list[torch.Tensor]:
 
 
 def _run(spec, mode, backend, monkeypatch=None):
-    state = sc.make_state(spec, mode, max_requests=3, max_width=3, capacity=4, backend=backend)
+    state = sc.make_state(spec, mode, max_requests=3, max_width=3, replay_capacity=4, backend=backend)
     guard = None if monkeypatch is None else _guard_decode_accept(state, monkeypatch)
     params = sc.make_params(spec, seed=3)
     streams = sc.make_streams(spec, 3, 40, seed=4)

@@ -56,7 +56,7 @@ def test_prefill_chunks_and_decode_equal_reference(algo, mode):
     spec = sc.make_spec(algo, num_layers=1)
     params = sc.make_params(spec, seed=2)
     streams = sc.make_streams(spec, 2, 200, seed=3)
-    state = sc.make_state(spec, mode, max_width=3, capacity=4)
+    state = sc.make_state(spec, mode, max_width=3, replay_capacity=4)
     gen = torch.Generator().manual_seed(0)
     slots = [state.alloc(), state.alloc()]
     run = sc.new_run(spec, 2)

@@ -1,5 +1,5 @@
 """Replay mode (`ReplayState`, `ops.replay_verify` / `replay_accept` / `replay_fold`) against the fp32 oracle:
-fold cycles for every capacity, fold boundaries in a mixed batch, a teeth test and a long horizon."""
+fold cycles for every replay_capacity, fold boundaries in a mixed batch, a teeth test and a long horizon."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from unit_tests.helpers.asserts import relative_error
 from unit_tests.linear_att import scenarios as sc
 
 
-@pytest.mark.parametrize("capacity", REPLAY_CAPACITIES, ids=lambda c: f"L{c}")
+@pytest.mark.parametrize("replay_capacity", REPLAY_CAPACITIES, ids=lambda c: f"L{c}")
 @pytest.mark.parametrize("algo", ["gdn", "kda"])
-def test_replay_matches_reference_over_three_fold_cycles(algo, capacity):
+def test_replay_matches_reference_over_three_fold_cycles(algo, replay_capacity):
     spec = sc.make_spec(algo, num_layers=1)
-    params = sc.make_params(spec, seed=capacity)
+    params = sc.make_params(spec, seed=replay_capacity)
     max_width = 4
-    num_rounds = 2 * capacity + 16
+    num_rounds = 2 * replay_capacity + 16
     streams = sc.make_streams(spec, 2, 6 + max_width * num_rounds, seed=1)
-    st = sc.make_state(spec, "replay", max_width=max_width, capacity=capacity)
+    st = sc.make_state(spec, "replay", max_width=max_width, replay_capacity=replay_capacity)
     slots = [st.alloc(), st.alloc()]
     run = sc.new_run(spec, 2)
     sc.prefill(st, spec, params, streams, slots, [3, 6], run)
@@ -40,7 +40,7 @@ def test_replay_matches_reference_over_three_fold_cycles(algo, capacity):
         run,
         num_rounds=num_rounds,
         max_width=max_width,
-        seed=capacity,
+        seed=replay_capacity,
         on_round=count_folds,
     )
     assert min(flips) >= 3, f"only {flips} folds happened"
@@ -53,7 +53,7 @@ def test_fold_boundaries_in_a_mixed_batch(algo):
     spec = sc.make_spec(algo, num_layers=1)
     params = sc.make_params(spec, seed=3)
     streams = sc.make_streams(spec, 4, 40, seed=4)
-    st = sc.make_state(spec, "replay", max_width=3, capacity=8)
+    st = sc.make_state(spec, "replay", max_width=3, replay_capacity=8)
     gen = torch.Generator().manual_seed(0)
     slots = [st.alloc() for _ in range(4)]
     run = sc.new_run(spec, 4)
@@ -80,7 +80,7 @@ def test_teeth_perturbed_history_record_fails_the_comparison():
     spec = sc.make_spec("gdn", num_layers=1)
     params = sc.make_params(spec, seed=5)
     streams = sc.make_streams(spec, 1, 60, seed=6)
-    st = sc.make_state(spec, "replay", max_width=2, capacity=16)
+    st = sc.make_state(spec, "replay", max_width=2, replay_capacity=16)
     run, slots = sc.run_mtp(st, spec, params, streams, prompt_lens=[4], num_rounds=5, max_width=2, policy="all_accept")
     assert int(st.cursor[slots[0]]) > 2
     assert sc.max_output_error(spec, params, streams, run) < 1e-5
@@ -100,7 +100,7 @@ def test_long_horizon_error_stays_flat(algo):
     params = sc.make_params(spec, seed=7)
     num_steps = 1040
     streams = sc.make_streams(spec, 1, num_steps + 2, seed=8)
-    st = sc.make_state(spec, "replay", max_width=1, capacity=16)
+    st = sc.make_state(spec, "replay", max_width=1, replay_capacity=16)
     run, _ = sc.run_mtp(
         st,
         spec,
@@ -128,6 +128,6 @@ def test_projection_modes_agree(projection):
     spec = sc.make_spec("kda", num_layers=1)
     params = sc.make_params(spec, seed=9)
     streams = sc.make_streams(spec, 2, 60, seed=10)
-    st = sc.make_state(spec, "replay", max_width=4, capacity=8, projection=projection, backend="triton")
+    st = sc.make_state(spec, "replay", max_width=4, replay_capacity=8, projection=projection, backend="triton")
     run, _ = sc.run_mtp(st, spec, params, streams, prompt_lens=[5, 3], num_rounds=10, max_width=4)
     assert sc.max_output_error(spec, params, streams, run) < 1e-5

@@ -28,7 +28,7 @@ def reference(case: str, tiny) -> tuple[list[int], list[int]]:
 def test_greedy_stream_matches_transformers(tiny, case, mode):
     model_dir, _ = tiny(case)
     prompt, expected = reference(case, tiny)
-    runner = make_runner(model_dir, mode=mode, max_width=2, replayssm_cache_len=4)
+    runner = make_runner(model_dir, mode=mode, max_width=2, replay_capacity=4)
     h = runner.add_request()
     out = [int(prefill(runner, h, prompt).argmax())]
     step = 0

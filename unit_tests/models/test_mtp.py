@@ -76,7 +76,7 @@ def test_verify_with_partial_acceptance_equals_plain_decode(tiny, case, width, a
     a runner that decoded only the accepted tokens one at a time."""
     model_dir, oracle = tiny(case)
     ids, tail = prompt(23, 17), prompt(24, 5)
-    spec = make_runner(model_dir, mode=mode, mtp_step=width - 1, replayssm_cache_len=4)
+    spec = make_runner(model_dir, mode=mode, mtp_step=width - 1, replay_capacity=4)
     plain = make_runner(model_dir)
     hs, hp = spec.add_request(), plain.add_request()
     nxt = int(prefill(spec, hs, ids).argmax())

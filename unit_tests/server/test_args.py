@@ -39,7 +39,7 @@ def test_parser_rejects_bad_choice():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--ssm_state_mode", "fancy"])
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--replayssm_cache_len", "12"])
+        build_parser().parse_args(["--replay_capacity", "12"])
 
 
 def test_resolve_cpu_defaults():
@@ -48,7 +48,7 @@ def test_resolve_cpu_defaults():
     assert args.served_model_name == "tiny-q35"
     assert (args.max_running_requests, args.chunked_prefill_size, args.max_req_total_len) == (16, 512, 4096)
     assert args.mem_fraction == 0.8 and args.max_total_token_num is None
-    assert args.replayssm_cache_len is None and args.replayssm_projection_mode is None
+    assert args.replay_capacity is None and args.replay_projection_mode is None
 
 
 def test_resolve_is_idempotent():
@@ -68,7 +68,7 @@ def test_resolve_is_idempotent():
 )
 def test_resolve_replay_capacity_covers_verify_width(argv, expected):
     args = _resolve("--device", "cpu", "--ssm_state_mode", "replay", *argv)
-    assert args.replayssm_cache_len == expected and args.replayssm_projection_mode == "inline"
+    assert args.replay_capacity == expected and args.replay_projection_mode == "inline"
 
 
 def test_resolve_max_req_total_len_capped_by_model_and_kv():
@@ -84,10 +84,10 @@ def test_resolve_max_req_total_len_capped_by_model_and_kv():
         (("--run_mode", "decode", "--pd_transfer_timeout_s", "0"), None, "--pd_transfer_timeout_s must be positive"),
         (("--run_mode", "pd_master", "--pd_queue_timeout_s", "-1"), None, "--pd_queue_timeout_s must be positive"),
         (("--ssm_state_mode", "compact"), None, "add --mtp_step N or --spec_ngram K"),
-        (("--replayssm_projection_mode", "precompute"), None, "applies to --ssm_state_mode replay only"),
-        (("--replayssm_cache_len", "16"), None, "applies to --ssm_state_mode replay only"),
+        (("--replay_projection_mode", "precompute"), None, "applies to --ssm_state_mode replay only"),
+        (("--replay_capacity", "16"), None, "applies to --ssm_state_mode replay only"),
         (
-            ("--ssm_state_mode", "replay", "--replayssm_cache_len", "4", "--mtp_step", "5"),
+            ("--ssm_state_mode", "replay", "--replay_capacity", "4", "--mtp_step", "5"),
             None,
             "raise it to at least 8",
         ),

@@ -7,7 +7,7 @@ from unit_tests.models.drive import decode, make_runner, prefill
 
 
 def test_replay_runner_counts_folds_once_per_step_for_all_layers():
-    runner = make_runner(case_dir("qwen3_next-hv2"), mode="replay", replayssm_cache_len=4)
+    runner = make_runner(case_dir("qwen3_next-hv2"), mode="replay", replay_capacity=4)
     handle = runner.add_request()
     prefill(runner, handle, [3, 14, 15, 9, 2, 6])
     token = 5

@@ -220,7 +220,7 @@ def store_rounded(b_s, p_s, m_kv):
 @triton.jit
 def replay_folds(h, width, L):
     """The replay fold rule: a row of width `width` over `h` committed records folds iff its records would not fit
-    in the capacity `L`. The verify kernels and the accept kernel decide with this one function; the torch side
+    in the replay_capacity `L`. The verify kernels and the accept kernel decide with this one function; the torch side
     (`torch_ops/replay.replay_folds`) is its twin."""
     return h + width > L
 

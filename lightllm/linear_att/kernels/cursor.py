@@ -43,11 +43,11 @@ def replay_accept_kernel(cursor, parity, conv_offset, slots, widths, accepted, N
     tl.store(conv_offset + slot, num_acc - 1, mask=m)
 
 
-def replay_accept_triton(cursor, parity, conv_offset, slots, widths, accepted, capacity: int) -> None:
+def replay_accept_triton(cursor, parity, conv_offset, slots, widths, accepted, replay_capacity: int) -> None:
     """Advance replay cursors after acceptance (see `ops.replay_accept`).
 
     cursor, parity, conv_offset `[S]` int32, in place; slots, widths, accepted `[N]` int32. For rows with W > 0:
-    `h + W > capacity` -> cursor = a, parity ^= 1; else cursor = h + a; conv_offset = a - 1.
+    `h + W > replay_capacity` -> cursor = a, parity ^= 1; else cursor = h + a; conv_offset = a - 1.
     """
     N = slots.shape[0]
     assert widths.shape == accepted.shape == (N,)
@@ -55,7 +55,7 @@ def replay_accept_triton(cursor, parity, conv_offset, slots, widths, accepted, c
     if N == 0:
         return
     replay_accept_kernel[(triton.cdiv(N, ACCEPT_BLOCK),)](cursor, parity, conv_offset, slots, widths, accepted, N,
-                                                          L=capacity, BLOCK=ACCEPT_BLOCK, num_warps=4)  # fmt: skip
+                                                          L=replay_capacity, BLOCK=ACCEPT_BLOCK, num_warps=4)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)

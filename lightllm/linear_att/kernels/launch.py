@@ -85,13 +85,13 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def replay_config(config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, width, capacity, projection, device,
+def replay_config(config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, width, replay_capacity, projection, device,
                   lower_bound=None):  # fmt: skip
-    key = autotune.make_key("replay", device, state_dtype, act_dtype, H, HV, K, V, GK, width, capacity, projection,
+    key = autotune.make_key("replay", device, state_dtype, act_dtype, H, HV, K, V, GK, width, replay_capacity, projection,
                             lower_bound)  # fmt: skip
     return tuned(config, algorithm, GK, K, key)
 
 
-def fold_config(config, algorithm, state_dtype, H, HV, K, V, GK, capacity, device) -> autotune.KernelConfig:
-    key = autotune.make_key("replay_fold", device, state_dtype, torch.float32, H, HV, K, V, GK, 0, capacity)
+def fold_config(config, algorithm, state_dtype, H, HV, K, V, GK, replay_capacity, device) -> autotune.KernelConfig:
+    key = autotune.make_key("replay_fold", device, state_dtype, torch.float32, H, HV, K, V, GK, 0, replay_capacity)
     return tuned(config, algorithm, GK, K, key)

@@ -119,7 +119,7 @@ def replay_decode_triton(
     """The W = 1 case of `replay_verify_triton` (inputs already checked there). Returns o `[N, 1, HV, V]`."""
     N, _, H, K = tokens.q.shape
     HV, V = tokens.v.shape[2:]
-    GK, L = tokens.graw.shape[-1], state.capacity
+    GK, L = tokens.graw.shape[-1], state.replay_capacity
     o = torch.empty_like(tokens.v)
     if N == 0:
         return o

@@ -54,11 +54,11 @@ def replay_verify_triton(
 
     N, WMAX, H, K = tokens.q.shape
     HV, V = tokens.v.shape[2:]
-    GK, L, ssm = tokens.graw.shape[-1], state.capacity, state.ssm
+    GK, L, ssm = tokens.graw.shape[-1], state.replay_capacity, state.ssm
     check_verify_inputs(tokens, slots, widths)
     if projection not in ("inline", "precompute"):
         raise ValueError(f"projection must be 'inline' or 'precompute', got {projection!r}")
-    assert L >= WMAX, f"replay capacity {L} must cover the verify width {WMAX}"
+    assert L >= WMAX, f"replay replay_capacity {L} must cover the verify width {WMAX}"
     assert ssm.dim() == 4 and ssm.shape[1:] == (HV, K, V) and ssm.stride(1) == K * V and ssm.stride(3) == 1
     check_history(state, H, HV, K, V, GK, leading=1)
     cfg = replay_config(config, algorithm, ssm.dtype, tokens.v.dtype, H, HV, K, V, GK, WMAX, L, projection,

@@ -244,7 +244,7 @@ def replay_window_triton(
     `[N, Wmax, HV, V]`, zeros past each row's width."""
     N, WMAX, H, K = tokens.q.shape
     HV, V = tokens.v.shape[2:]
-    GK, L, on_gpu = tokens.graw.shape[-1], state.capacity, state.ssm.is_cuda
+    GK, L, on_gpu = tokens.graw.shape[-1], state.replay_capacity, state.ssm.is_cuda
     o = torch.empty_like(tokens.v)
     if N == 0:
         return o

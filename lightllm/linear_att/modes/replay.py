@@ -17,7 +17,7 @@ class ReplayState(StateCommon):
         super().__init__(spec, config)
         nl, ns, cap, dev = spec.num_layers, self.num_slots, config.replay_capacity, self.device
         hv, kd, vd = spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
-        self.capacity = cap
+        self.replay_capacity = cap
         self.projection = config.projection
         self.ssm = torch.zeros(nl, ns, hv, kd, vd, dtype=config.state_dtype, device=dev)
         self.hist_k = torch.zeros(nl, ns, 2, cap, spec.num_k_heads, kd, dtype=torch.float32, device=dev)
@@ -46,7 +46,7 @@ class ReplayState(StateCommon):
     def accept(self, rows: DecodeRows, num_accepted: torch.Tensor) -> None:
         widths = self._live_widths(rows)
         # the verify kernels folded exactly the rows this predicate selects (README: one fold rule)
-        folded = (widths > 0) & replay_folds(self.cursor[rows.slots.long()], widths, self.capacity)
+        folded = (widths > 0) & replay_folds(self.cursor[rows.slots.long()], widths, self.replay_capacity)
         self.num_folds += folded.sum()
         self.kernels.replay_accept(
             self.cursor,
@@ -55,7 +55,7 @@ class ReplayState(StateCommon):
             rows.slots,
             widths,
             num_accepted,
-            self.capacity,
+            self.replay_capacity,
             backend=self.backend,
         )
 

@@ -18,10 +18,10 @@ from lightllm.linear_att.torch_ops.prep import (
 )
 
 
-def replay_folds(h: torch.Tensor, width: torch.Tensor, capacity: int) -> torch.Tensor:
+def replay_folds(h: torch.Tensor, width: torch.Tensor, replay_capacity: int) -> torch.Tensor:
     """The replay fold rule (twin of `kernels/common.replay_folds`): a row of `width` over `h` committed records
-    folds iff its records would not fit in the capacity."""
-    return h + width > capacity
+    folds iff its records would not fit in the replay_capacity."""
+    return h + width > replay_capacity
 
 
 def _total_gate(hist_g: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
@@ -49,7 +49,7 @@ def replay_verify(tokens, state, slots, widths, *, projection="inline"):
     q, k, v, graw, braw, A_log, dt_bias = tokens.pointers
     ssm, hist_k, hist_u, hist_g, cursor, parity = state.pointers
     num_rows, max_width, num_v_heads, head_v = v.shape
-    cap = state.capacity
+    cap = state.replay_capacity
     o = torch.zeros(num_rows, max_width, num_v_heads, head_v, dtype=v.dtype, device=v.device)
     live = (widths.long() > 0).nonzero().squeeze(1)
     if live.numel() == 0:
@@ -90,14 +90,14 @@ def replay_verify(tokens, state, slots, widths, *, projection="inline"):
     return o
 
 
-def replay_accept(cursor, parity, conv_offset, slots, widths, accepted, capacity):
+def replay_accept(cursor, parity, conv_offset, slots, widths, accepted, replay_capacity):
     """See `lightllm.linear_att.ops.replay_accept`."""
     live = widths.long() > 0
     sl = slots.long()[live]
     w = widths[live].to(cursor.dtype)
     a = accepted[live].to(cursor.dtype)
     h = cursor[sl]
-    fold = replay_folds(h, w, capacity)
+    fold = replay_folds(h, w, replay_capacity)
     cursor[sl] = torch.where(fold, a, h + a)
     parity[sl] = torch.where(fold, 1 - parity[sl], parity[sl])
     conv_offset[sl] = (a - 1).to(conv_offset.dtype)

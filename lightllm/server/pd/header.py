@@ -64,7 +64,7 @@ def runner_header(runner, model_dir: str) -> TransferHeader:
         conv_kernel_size=spec.conv_kernel_size,
         state_dtype=str(runner.config.state_dtype()).removeprefix("torch."),
         act_dtype=str(runner.dtype).removeprefix("torch."),
-        mtp_step=runner.num_mtp_steps,
+        mtp_step=runner.mtp_step,
     )
 
 

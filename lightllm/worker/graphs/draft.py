@@ -1,7 +1,7 @@
 """MTP drafting of decode steps through fixed-address buffers, replayed as one CUDA graph per batch bucket.
 
 After a decode step every row commits between 1 and W (main hidden, next token) pairs into the MTP head's KV and
-then chains `num_steps` greedy drafts. All of that has a fixed shape once rows are padded to W and the batch to a
+then chains `mtp_step` greedy drafts. All of that has a fixed shape once rows are padded to W and the batch to a
 bucket, so the whole draft (the commit forward, the chained forwards, the LM head and the argmaxes) is one graph:
 the host allocates every KV slot the draft writes up front, fills the per-phase inputs (positions, KV write slots,
 query and cached lengths) in two buffers with one copy each, scatters the gathered hidden states into the
@@ -27,18 +27,18 @@ _I32 = ("query_len", "num_cached")
 
 
 class DraftGraphs:
-    """Draft forwards of up to `max_batch` rows committing at most `width` pairs each, then `num_steps` drafts."""
+    """Draft forwards of up to `max_batch` rows committing at most `width` pairs each, then `mtp_step` drafts."""
 
-    def __init__(self, model, kv, max_batch: int, width: int, num_steps: int, use_graphs: bool):
+    def __init__(self, model, kv, max_batch: int, width: int, mtp_step: int, use_graphs: bool):
         self.model, self.head, self.kv = model, model.mtp, kv
-        self.width, self.num_steps = width, num_steps
+        self.width, self.mtp_step = width, mtp_step
         self._graphs = BucketGraphs(batch_buckets(max_batch), self._forward, self._fill_hold, "MTP drafting")
         self.max_batch = self._graphs.buckets[-1]
         device = kv.device
         self._n_tok = self.max_batch * width
         # rows 0..: token ids of phase 0, each row's last real token, its KV row; then every phase's fields
-        self._i64 = torch.zeros(3 + num_steps * len(_I64), self._n_tok, dtype=torch.int64, device=device)
-        self._i32 = torch.zeros(num_steps * len(_I32), self.max_batch, dtype=torch.int32, device=device)
+        self._i64 = torch.zeros(3 + mtp_step * len(_I64), self._n_tok, dtype=torch.int64, device=device)
+        self._i32 = torch.zeros(mtp_step * len(_I32), self.max_batch, dtype=torch.int32, device=device)
         self._host64 = np.zeros(tuple(self._i64.shape), dtype=np.int64)
         self._host32 = np.zeros(tuple(self._i32.shape), dtype=np.int32)
         self._hidden = torch.zeros(self._n_tok, model.cfg.hidden_size, dtype=model.embed.dtype, device=device)
@@ -77,13 +77,13 @@ class DraftGraphs:
         )
 
     def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Commit forward, then the chained drafts: (drafts `[rows, num_steps]`, logits `[rows, num_steps, V]`)."""
+        """Commit forward, then the chained drafts: (drafts `[rows, mtp_step]`, logits `[rows, mtp_step, V]`)."""
         n_tok = rows * self.width
         embeds = self.model.embed_tokens(self._i64[0, :n_tok])
         out = self.head(embeds, self._hidden[:n_tok], self._context(0, rows))
         last = out[self._i64[1, :rows]]
         drafts, logits = [], []
-        for phase in range(self.num_steps):
+        for phase in range(self.mtp_step):
             if phase:
                 last = self.head(self.model.embed_tokens(drafts[-1]), last, self._context(phase, rows))
             logits.append(self.model.logits(last))
@@ -97,7 +97,7 @@ class DraftGraphs:
     def _fill_hold(self, rows: int) -> None:
         h64, h32 = self._host64, self._host32
         h64[:] = 0
-        for phase in range(self.num_steps):
+        for phase in range(self.mtp_step):
             h64[self._field64(phase, "write_slots")] = self.kv.hold_slot
         h32[:] = 0
         self._upload(rows)
@@ -112,11 +112,11 @@ class DraftGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft for `n = len(q_lens)` rows (`n <= max_batch`, every `q_lens[i] <= width`): row i commits the
         pairs (`hidden`, `tokens`) of its `q_lens[i]` positions after `cached[i]` committed ones (both flat in
-        row order). Allocates the KV slots the draft writes; returns (drafts `[n, num_steps]`, logits)."""
+        row order). Allocates the KV slots the draft writes; returns (drafts `[n, mtp_step]`, logits)."""
         n = len(q_lens)
         rows = self.bucket(n)
         assert rows is not None and int(q_lens.max()) <= self.width, "batch outside the captured shapes"
-        w, steps = self.width, self.num_steps
+        w, steps = self.width, self.mtp_step
         # the commit's pairs plus one entry per chained draft (the next draft truncates them again)
         self.kv.truncate_many(kv_rows, cached)
         self.kv.extend_many(kv_rows, q_lens + steps - 1)

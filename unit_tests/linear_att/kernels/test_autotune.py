@@ -1,4 +1,4 @@
-"""autotune: key format, JSON round trip, lookup (exact, nearest width / capacity / heads, default), each
+"""autotune: key format, JSON round trip, lookup (exact, nearest width / replay_capacity / heads, default), each
 algorithm's own table, pinning a configuration by argument. CPU only, no kernels."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from lightllm.linear_att.kernels import launch
 from lightllm.linear_att.registry import ALGORITHMS
 
 
-def _key(family="serial", width=4, capacity=0, projection="", state_dtype=torch.float32, gpu="NVIDIA H200"):
+def _key(family="serial", width=4, replay_capacity=0, projection="", state_dtype=torch.float32, gpu="NVIDIA H200"):
     return TuneKey(family, gpu, "3.6.0", autotune.dtype_name(state_dtype), "bfloat16", 16, 32, 128, 128, 1, width,
-                   capacity, projection)  # fmt: skip
+                   replay_capacity, projection)  # fmt: skip
 
 
 def test_key_string_round_trip_names_every_field():
@@ -26,7 +26,7 @@ def test_key_string_round_trip_names_every_field():
     text = key.to_str()
     for part in ("family=replay", "gpu=NVIDIA H200", "triton=3.6.0", "state_dtype=float32", "act_dtype=bfloat16",
                  "num_k_heads=16", "num_v_heads=32", "head_k_dim=128", "head_v_dim=128", "gate_dim=1", "width=4",
-                 "capacity=16", "projection=precompute"):  # fmt: skip
+                 "replay_capacity=16", "projection=precompute"):  # fmt: skip
         assert part in text
     assert TuneKey.from_str(text) == key
 
@@ -138,7 +138,7 @@ def test_candidates_respect_tensor_core_minimum():
 
 def test_tune_plumbing_on_the_interpreter(tmp_path):
     """The search runs every family on scratch buffers and returns one entry per key (one candidate here)."""
-    case = tuning.TuneCase("gdn", 1, 2, 16, 16, torch.float32, torch.float32, width=2, capacity=4)
+    case = tuning.TuneCase("gdn", 1, 2, 16, 16, torch.float32, torch.float32, width=2, replay_capacity=4)
     table, extra = tuning.tune([case], num_rows=2, device="cpu", log=lambda _: None,
                                  configs=[KernelConfig(16, 1, 1)])  # fmt: skip
     families = sorted(TuneKey.from_str(k).family + TuneKey.from_str(k).projection for k in table.entries)
@@ -226,7 +226,7 @@ def test_sweep_times_and_keys_entries_by_the_state_dtype_it_ran(state_dtype):
         "inline", state_dtype,
     )  # fmt: skip
     assert key.state_dtype == autotune.dtype_name(state_dtype)
-    assert (key.family, key.width, key.capacity, key.projection, key.gpu) == ("replay", 2, 4, "inline", "cpu")
+    assert (key.family, key.width, key.replay_capacity, key.projection, key.gpu) == ("replay", 2, 4, "inline", "cpu")
     assert list(times) == [config] and times[config] > 0
 
 

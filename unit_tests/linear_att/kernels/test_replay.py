@@ -26,15 +26,15 @@ SLOTS = [3, NUM_SLOTS - 1, 0]  # a live row, a padding row on the HOLD slot, a l
 class ReplayBuffers:
     """One layer of replay storage (canonical state + double-buffered fp32 history + per-slot scalars)."""
 
-    def __init__(self, shape: Shape, capacity: int, state_dtype, gen):
+    def __init__(self, shape: Shape, replay_capacity: int, state_dtype, gen):
         self.ssm = (torch.randn(NUM_SLOTS, shape.HV, shape.K, shape.V, generator=gen) * 0.3).to(state_dtype)
-        self.hist_k = poison_(torch.empty(NUM_SLOTS, 2, capacity, shape.H, shape.K))
-        self.hist_u = poison_(torch.empty(NUM_SLOTS, 2, capacity, shape.HV, shape.V))
-        self.hist_g = poison_(torch.empty(NUM_SLOTS, 2, capacity, shape.HV, shape.GK))
+        self.hist_k = poison_(torch.empty(NUM_SLOTS, 2, replay_capacity, shape.H, shape.K))
+        self.hist_u = poison_(torch.empty(NUM_SLOTS, 2, replay_capacity, shape.HV, shape.V))
+        self.hist_g = poison_(torch.empty(NUM_SLOTS, 2, replay_capacity, shape.HV, shape.GK))
         self.cursor = torch.zeros(NUM_SLOTS, dtype=torch.int32)
         self.parity = torch.zeros(NUM_SLOTS, dtype=torch.int32)
         self.conv_offset = torch.zeros(NUM_SLOTS, dtype=torch.int32)
-        self.capacity = capacity
+        self.replay_capacity = replay_capacity
 
     def clone(self) -> ReplayBuffers:
         other = object.__new__(ReplayBuffers)
@@ -89,7 +89,7 @@ def _round_plan(r: int, max_width: int, gen) -> tuple[list[int], list[int]]:
 FP32 = (torch.float32, torch.float32, 2e-6)
 FP16 = (torch.float16, torch.float16, 2e-3)
 CASES = [
-    # (shape, max_width, capacity, projection, num_rounds, dtypes): every live row folds at least once
+    # (shape, max_width, replay_capacity, projection, num_rounds, dtypes): every live row folds at least once
     pytest.param(SHAPES[1], 1, 4, "inline", 6, FP32, id="fp32-gdn-G2-W1-L4-inline"),
     pytest.param(SHAPES[2], 1, 8, "inline", 10, FP32, id="fp32-gdn-G4-W1-L8"),
     pytest.param(SHAPES[3], 1, 4, "inline", 6, FP32, id="fp32-kda-G1-W1-L4"),
@@ -107,14 +107,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("shape", "max_width", "capacity", "projection", "num_rounds", "dtypes"), CASES)
+@pytest.mark.parametrize(("shape", "max_width", "replay_capacity", "projection", "num_rounds", "dtypes"), CASES)
 def test_replay_rounds_match_twin_and_reference(
-    shape, max_width, capacity, projection, num_rounds, dtypes, nan_outputs
+    shape, max_width, replay_capacity, projection, num_rounds, dtypes, nan_outputs
 ):
     state_dtype, act_dtype, tol = dtypes
-    gen = torch.Generator().manual_seed(100 + capacity + max_width)
+    gen = torch.Generator().manual_seed(100 + replay_capacity + max_width)
     params = make_params(shape, gen)
-    buf = ReplayBuffers(shape, capacity, state_dtype, gen)
+    buf = ReplayBuffers(shape, replay_capacity, state_dtype, gen)
     ref = buf.clone()
     # the fp32 logical state of each live slot (the oracle's state, rounded where replay rounds: at folds)
     logical = {slot: buf.ssm[slot].float().clone() for slot in SLOTS}
@@ -123,7 +123,7 @@ def test_replay_rounds_match_twin_and_reference(
         widths, accepted = _round_plan(r, max_width, gen)
         win = make_window(shape, len(SLOTS), max_width, act_dtype, gen)
         w_t = torch.tensor(widths, dtype=torch.int32)
-        fold_rows = [(int(buf.cursor[s]) + w > capacity) and w > 0 for s, w in zip(SLOTS, widths)]
+        fold_rows = [(int(buf.cursor[s]) + w > replay_capacity) and w > 0 for s, w in zip(SLOTS, widths)]
         ssm_before = buf.ssm.clone()
 
         o = _verify(buf, shape, params, win, w_t, projection)
@@ -150,9 +150,9 @@ def test_replay_rounds_match_twin_and_reference(
 
         a_t = torch.tensor(accepted, dtype=torch.int32)
         replay_accept_triton(buf.cursor, buf.parity, buf.conv_offset, torch.tensor(SLOTS, dtype=torch.int32), w_t,
-                             a_t, capacity)  # fmt: skip
+                             a_t, replay_capacity)  # fmt: skip
         twin.replay_accept(ref.cursor, ref.parity, ref.conv_offset, torch.tensor(SLOTS, dtype=torch.int32), w_t, a_t,
-                           capacity)  # fmt: skip
+                           replay_capacity)  # fmt: skip
         assert torch.equal(buf.cursor, ref.cursor) and torch.equal(buf.parity, ref.parity)
         assert torch.equal(buf.conv_offset, ref.conv_offset)
         for slot in SLOTS:
@@ -191,16 +191,16 @@ def test_replay_fold_matches_twin_and_in_kernel_fold(shape, state_dtype):
     """Two layers of history at distinct cursors: standalone fold (in place and `out=`) vs the twin, and vs
     the fold the verify kernel does when the next window does not fit."""
     gen = torch.Generator().manual_seed(21)
-    capacity, num_layers = 4, 2
+    replay_capacity, num_layers = 4, 2
     params = make_params(shape, gen)
-    layers = [ReplayBuffers(shape, capacity, state_dtype, gen) for _ in range(num_layers)]
+    layers = [ReplayBuffers(shape, replay_capacity, state_dtype, gen) for _ in range(num_layers)]
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     # build history: slot 3 gets 3 records, slot 0 gets 1, the HOLD slot none
     w_t = torch.tensor([3, 0, 1], dtype=torch.int32)
     for buf in layers:
         buf.cursor, buf.parity = layers[0].cursor, layers[0].parity
         _verify(buf, shape, params, make_window(shape, len(SLOTS), 3, torch.float32, gen), w_t, "inline")
-    replay_accept_triton(layers[0].cursor, layers[0].parity, layers[0].conv_offset, slots, w_t, w_t, capacity)
+    replay_accept_triton(layers[0].cursor, layers[0].parity, layers[0].conv_offset, slots, w_t, w_t, replay_capacity)
     cursor, parity = layers[0].cursor, layers[0].parity
     stacked = [torch.stack([getattr(b, n) for b in layers]) for n in ("ssm", "hist_k", "hist_u", "hist_g")]
     fold_slots = torch.tensor([3, 0, NUM_SLOTS - 1], dtype=torch.int32)
@@ -226,12 +226,12 @@ def test_replay_fold_matches_twin_and_in_kernel_fold(shape, state_dtype):
         _verify(buf, shape, params, window, torch.tensor([2, 0, 0], dtype=torch.int32), projection)
         assert torch.equal(buf.ssm[3], out[0, 0]), f"in-kernel fold ({projection}) != standalone fold"
 
-    # plain decode (the one-launch W = 1 kernel) folds once the history is full: fill slot 0 to capacity first
+    # plain decode (the one-launch W = 1 kernel) folds once the history is full: fill slot 0 to replay_capacity first
     buf = layers[0].clone()
     one = torch.tensor([0, 0, 1], dtype=torch.int32)
-    while int(buf.cursor[0]) < capacity:
+    while int(buf.cursor[0]) < replay_capacity:
         _verify(buf, shape, params, make_window(shape, len(SLOTS), 1, torch.float32, gen), one, "inline")
-        replay_accept_triton(buf.cursor, buf.parity, buf.conv_offset, slots, one, one, capacity)
+        replay_accept_triton(buf.cursor, buf.parity, buf.conv_offset, slots, one, one, replay_capacity)
     full = poison_(torch.empty(1, 1, shape.HV, shape.K, shape.V, dtype=state_dtype))
     replay_fold_triton(buf.bundle(layers=1), torch.tensor([0], dtype=torch.int32), out=full, config=TILED)
     _verify(buf, shape, params, make_window(shape, len(SLOTS), 1, torch.float32, gen), one, "inline")
@@ -240,8 +240,8 @@ def test_replay_fold_matches_twin_and_in_kernel_fold(shape, state_dtype):
 
 def test_accept_kernels_match_twin():
     gen = torch.Generator().manual_seed(3)
-    num_slots, capacity = 40, 8
-    cursor = torch.randint(0, capacity + 1, (num_slots,), generator=gen, dtype=torch.int32)
+    num_slots, replay_capacity = 40, 8
+    cursor = torch.randint(0, replay_capacity + 1, (num_slots,), generator=gen, dtype=torch.int32)
     parity = torch.randint(0, 2, (num_slots,), generator=gen, dtype=torch.int32)
     conv_offset = torch.randint(0, 4, (num_slots,), generator=gen, dtype=torch.int32)
     slots = torch.randperm(num_slots - 1, generator=gen)[:33].to(torch.int32)
@@ -251,8 +251,8 @@ def test_accept_kernels_match_twin():
     accepted = torch.minimum(torch.randint(1, 5, (33,), generator=gen, dtype=torch.int32), widths.clamp(min=1))
     mine = [t.clone() for t in (cursor, parity, conv_offset)]
     theirs = [t.clone() for t in (cursor, parity, conv_offset)]
-    replay_accept_triton(*mine, slots, widths, accepted, capacity)
-    twin.replay_accept(*theirs, slots, widths, accepted, capacity)
+    replay_accept_triton(*mine, slots, widths, accepted, replay_capacity)
+    twin.replay_accept(*theirs, slots, widths, accepted, replay_capacity)
     for a, b in zip(mine, theirs):
         assert torch.equal(a, b)
     assert mine[0][num_slots - 1] == cursor[num_slots - 1] and mine[1][num_slots - 1] == parity[num_slots - 1]

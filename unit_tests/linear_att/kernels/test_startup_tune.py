@@ -72,9 +72,9 @@ def test_the_gate_lower_bound_is_part_of_the_key(tmp_path, fresh_kda):
 def test_replay_needs_its_projection_and_the_fold():
     spec = sc.make_spec("gdn", num_layers=1)
     for projection in ("inline", "precompute"):
-        state = sc.make_state(spec, "replay", max_width=4, capacity=8, projection=projection, backend="triton")
+        state = sc.make_state(spec, "replay", max_width=4, replay_capacity=8, projection=projection, backend="triton")
         keys = startup_tune.needed_keys(state, spec)
-        assert [(k.family, k.projection, k.width, k.capacity) for k in keys] == [
+        assert [(k.family, k.projection, k.width, k.replay_capacity) for k in keys] == [
             ("replay", projection, 4, 8),
             ("replay_fold", "", 0, 8),
         ]
