@@ -21,9 +21,9 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup = pickle.loads(sys.stdin.buffer.read())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp rank {setup.rank} %(levelname)s %(message)s")
+    from lightllm.server.runner_factory import build_rank_runner
     from lightllm.worker.tp.group import join_group
     from lightllm.worker.tp.lockstep import follow
-    from lightllm.server.runner_factory import build_rank_runner
 
     try:
         control = join_group(setup)

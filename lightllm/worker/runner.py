@@ -200,9 +200,7 @@ class ModelRunner:
         num_layers, mtp = len(self.model_config.full_layer_ids), 1 if self.mtp_step else 0
         # per layer: the hold slot (and on the MTP head its extra slots); per cache: an int64 slot table
         fixed = per_layer * (num_layers + mtp * (1 + self._mtp_extra_tokens()))
-        fixed += (
-            8 * c.max_running_requests * (c.max_req_total_len + mtp * (c.max_req_total_len + self.mtp_step + 1))
-        )
+        fixed += 8 * c.max_running_requests * (c.max_req_total_len + mtp * (c.max_req_total_len + self.mtp_step + 1))
         bytes_per_token = per_layer * (num_layers + mtp)
         if not c.disable_prefix_cache:
             # the checkpoint pool comes out of the same budget: a fixed size, or a share of every KV token's bytes

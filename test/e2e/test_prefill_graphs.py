@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from lightllm.tools.make_tiny_model import tiny_model_dir
+from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from unit_tests.helpers.prefix_scenario import (
     MAX_TOKENS,
     Result,

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from lightllm.engine.messages import NewRequest
 from lightllm.cache.prefix import CheckpointPool
+from lightllm.engine.messages import NewRequest
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.engine.speculative import NoSpeculator
 from lightllm.linear_att.base import Checkpoint

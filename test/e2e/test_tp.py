@@ -17,9 +17,6 @@ from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.linear_att.base import Checkpoint
 from lightllm.models.tp import TPInfo
-from lightllm.worker.tp.group import Plan, TPGroup
-from lightllm.worker.tp.layout import merge_checkpoints, split_checkpoint
-from lightllm.worker.tp.lockstep import GLOBAL_LAYOUT, LOCAL, LOCKSTEP, START_UP, LockstepRunner
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import engine_for_runner
 from lightllm.server.pd.header import runner_header
@@ -27,6 +24,9 @@ from lightllm.server.pd.messages import PdPrefill
 from lightllm.server.pd.roles import DecodeRole, PrefillRole
 from lightllm.server.runner_factory import build_rank_runner, create_tp_runner
 from lightllm.tools.make_tiny_model import tiny_model_dir
+from lightllm.worker.tp.group import Plan, TPGroup
+from lightllm.worker.tp.layout import merge_checkpoints, split_checkpoint
+from lightllm.worker.tp.lockstep import GLOBAL_LAYOUT, LOCAL, LOCKSTEP, START_UP, LockstepRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

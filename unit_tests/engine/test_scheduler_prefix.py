@@ -4,9 +4,9 @@ boundaries, branch points and hinted positions; resumed requests start past thei
 
 from __future__ import annotations
 
+from lightllm.cache.prefix import PrefixMatch
 from lightllm.engine.engine import Engine
 from lightllm.engine.messages import NewRequest
-from lightllm.cache.prefix import PrefixMatch
 from lightllm.engine.sampling_params import SamplingParams
 from unit_tests.engine.fake_runner import FakeRunner
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from lightllm.engine.batch import ForwardBatch
-from lightllm.worker.runner import ModelRunner
 from lightllm.worker.config import RunnerConfig
+from lightllm.worker.runner import ModelRunner
 
 
 def make_runner(model_dir: str, mode: str = "native", mtp_step: int = 0, max_width: int = 0, **kw) -> ModelRunner:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from lightllm.server.args import load_server_args
+from lightllm.server.runner_factory import create_runner
+from lightllm.worker.config import RunnerConfig
 from lightllm.worker.kv_sizing import (
     ACTIVATION_RESERVE_BYTES,
     CPU_MAX_KV_TOKENS,
@@ -13,9 +16,6 @@ from lightllm.worker.kv_sizing import (
     kv_tokens_for_memory,
 )
 from lightllm.worker.runner import ModelRunner
-from lightllm.worker.config import RunnerConfig
-from lightllm.server.args import load_server_args
-from lightllm.server.runner_factory import create_runner
 from unit_tests.models.conftest import case_dir
 from unit_tests.models.drive import make_runner
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from lightllm.engine.messages import Abort, NewRequest, TokenChunk
 from lightllm.cache.payload import RequestState
+from lightllm.engine.messages import Abort, NewRequest, TokenChunk
 from lightllm.server.pd.staging import DeviceRegion
 
 

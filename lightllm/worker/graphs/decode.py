@@ -18,8 +18,8 @@ import torch
 
 from lightllm.cache.device_copy import copy_to_device
 from lightllm.linear_att.base import DecodeRows
-from lightllm.worker.graphs.buckets import BucketGraphs, batch_buckets
 from lightllm.models.context import AttentionGroup, StepContext, layout_positions
+from lightllm.worker.graphs.buckets import BucketGraphs, batch_buckets
 
 # int64 fields (each [rows * W] or [rows]) and int32 fields ([rows]) of the persistent input buffers
 _I64 = ("input_ids", "positions", "write_slots", "table_rows", "real")

@@ -21,8 +21,8 @@ import torch
 
 from lightllm.cache.device_copy import copy_to_device
 from lightllm.linear_att.base import PrefillRows
-from lightllm.worker.graphs.buckets import BucketGraphs
 from lightllm.models.context import AttentionGroup, StepContext
+from lightllm.worker.graphs.buckets import BucketGraphs
 
 # int64 fields of the token buffer, each [max_tokens]; "table_row" uses its first entry
 _I64 = ("input_ids", "positions", "write_slots", "token_index", "real", "table_row")
