@@ -26,14 +26,24 @@ The torch fallback (and the only CPU implementation) is the SDPA path in `lightl
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-# exp(x) == exp2(x * log2(e)); exp2 is the native instruction
-_LOG2E = 1.4426950408889634
+from lightllm.kernels.attention_splits import (
+    LOG2E,
+    MAX_SPLITS,
+    combine_splits,
+    context_span,
+    num_context_splits,
+    online_softmax_step,
+    paged_attention_combine_kernel,
+    split_buffers,
+    store_rows,
+)
+
+# the split helpers are part of this module's interface (tests and benchmarks reach them through it)
+__all__ = ["MAX_SPLITS", "num_context_splits", "paged_attention", "paged_attention_combine_kernel"]
 
 
 # the flat token count, the split count and the width of a gathered slot table vary from launch to launch, and
@@ -113,10 +123,7 @@ def paged_attention_kernel(
     # last visible position of each tile row; keys past the tile's last real token are never needed
     b_limit = n_c + o_tok  # [BM]
     kv_end = n_c + tl.minimum((i_m + 1) * BT, n_q)
-    # this split's keys: span `i_s` of num_splits equal spans of whole BN blocks (later spans may be empty)
-    span = tl.cdiv(tl.cdiv(kv_end, num_splits), BN) * BN
-    kv_lo = i_s * span
-    kv_hi = tl.minimum(kv_lo + span, kv_end)
+    kv_lo, kv_hi = context_span(kv_end, num_splits, i_s, BN)
 
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
@@ -136,63 +143,14 @@ def paged_attention_kernel(
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
         m_vis = (o_n[None, :] <= b_limit[:, None]) & m_n[None, :]
         b_s = tl.where(m_vis, b_s, float("-inf"))
-        # padded tile rows see nothing; keep their running max finite so exp2 never sees (-inf) - (-inf)
-        b_m_new = tl.maximum(tl.maximum(b_m, tl.max(b_s, axis=1)), -1e30)
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_p = tl.exp2(b_s - b_m_new[:, None])  # [BM, BN]
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_p, b_alpha, b_m_new, b_l = online_softmax_step(b_s, b_m, b_l)  # b_p [BM, BN]
         p_v = v_pool + b_slot[:, None] * stride_v_s + kh64 * stride_v_h + o_dv[None, :]
         b_v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BN, BV]
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
 
-    if not SPLIT:
-        # every real row sees at least its own position, so l > 0 there; padded rows are masked on store
-        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-        p_o = o + (q0 + o_tok)[:, None] * stride_o_t + o_head[:, None] * stride_o_h + o_dv[None, :]
-        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
-    else:
-        # a split that saw no key of a row leaves max -1e30 and sum 0: it weighs nothing in the combine
-        part = (i_s * num_tokens + q0 + o_tok) * num_heads + o_head  # [BM]
-        tl.store(o_part + part[:, None] * DV + o_dv[None, :], b_acc, mask=m_row[:, None] & m_dv[None, :])
-        tl.store(ml_part + part * 2, tl.maximum(b_m, -1e30), mask=m_row)
-        tl.store(ml_part + part * 2 + 1, b_l, mask=m_row)
-
-
-@triton.jit(do_not_specialize=["query_start", "query_len", "num_tokens", "num_splits"])
-def paged_attention_combine_kernel(
-    o_part,  # [num_splits, T, H, DV] fp32
-    ml_part,  # [num_splits, T, H, 2] fp32
-    o,  # [T, H, DV]
-    query_start,  # [R]
-    query_len,  # [R]
-    num_tokens,  # T
-    num_heads,  # H
-    num_splits,
-    stride_o_t,
-    stride_o_h,
-    SP: tl.constexpr,  # the most splits (MAX_SPLITS, a power of two): one compiled kernel for every count
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-):
-    """Program `(i_t, i_r, i_h)`: token `i_t` of row `i_r`, query head `i_h`: softmax-weighted sum of the splits."""
-    i_t, i_r, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_r64 = i_r.to(tl.int64)
-    if i_t >= tl.load(query_len + i_r64):
-        return
-    tok = tl.load(query_start + i_r64).to(tl.int64) + i_t
-    o_s = tl.arange(0, SP)
-    m_s = o_s < num_splits
-    o_dv = tl.arange(0, BV)
-    m_dv = o_dv < DV
-    part = (o_s.to(tl.int64) * num_tokens + tok) * num_heads + i_h  # [SP]
-    b_m = tl.load(ml_part + part * 2, mask=m_s, other=-1e30)
-    b_l = tl.load(ml_part + part * 2 + 1, mask=m_s, other=0.0)
-    b_w = tl.exp2(b_m - tl.max(b_m, axis=0))  # [SP]
-    b_sum = tl.sum(b_l * b_w, axis=0)
-    b_acc = tl.load(o_part + part[:, None] * DV + o_dv[None, :], mask=m_s[:, None] & m_dv[None, :], other=0.0)
-    b_o = tl.sum(b_acc * b_w[:, None], axis=0) / tl.where(b_sum > 0, b_sum, 1.0)
-    tl.store(o + tok * stride_o_t + i_h * stride_o_h + o_dv, b_o.to(o.dtype.element_ty), mask=m_dv)
+    store_rows(o, o_part, ml_part, b_acc, b_m, b_l, q0 + o_tok, o_head, m_row, i_s, num_tokens, num_heads,
+               stride_o_t, stride_o_h, DV, BV, SPLIT)  # fmt: skip
 
 
 def _max_tile_tokens(group: int) -> int:
@@ -208,28 +166,6 @@ def _tile(max_query_len: int, group: int, bk: int) -> tuple[int, int, int]:
     # large heads (Dk = 256) keep the [BK, BN] key block and [BM, BV] accumulator within registers
     bn = 32 if bk > 128 else 64
     return bt, bm, bn
-
-
-# the most splits of one program's context (a power of two: the combine kernel's block); the partial outputs grow
-# with it
-MAX_SPLITS = 32
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_context_splits(programs: int, max_context_len: int, bn: int, device: torch.device) -> int:
-    """Splits per program so that a launch of `programs` programs fills about two waves of the GPU's SMs, each
-    split keeping at least two key blocks of the longest context; 1 off CUDA (nothing to fill) and for launches
-    that already fill the GPU."""
-    if device.type != "cuda":
-        return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= sms:
-        return 1
-    return max(1, min(MAX_SPLITS, 2 * sms // programs, triton.cdiv(max_context_len, 2 * bn)))
 
 
 def paged_attention(
@@ -277,11 +213,7 @@ def paged_attention(
             1 if max_context_len is None else num_context_splits(m_tiles * rows * hk, max_context_len, bn, q.device)
         )
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits {num_splits} not in 1..{MAX_SPLITS}"
-    if num_splits > 1:
-        o_part = torch.empty(num_splits, t, h, dv, dtype=torch.float32, device=q.device)
-        ml_part = torch.empty(num_splits, t, h, 2, dtype=torch.float32, device=q.device)
-    else:
-        o_part = ml_part = out  # not read: the kernel writes `out` directly
+    o_part, ml_part = split_buffers(out, num_splits)
     grid = (m_tiles * num_splits, rows, hk)
     paged_attention_kernel[grid](
         q,
@@ -295,7 +227,7 @@ def paged_attention(
         query_start,
         query_len,
         num_cached,
-        scale * _LOG2E,
+        scale * LOG2E,
         t,
         h,
         num_splits,
@@ -322,21 +254,7 @@ def paged_attention(
         num_stages=2,
     )
     if num_splits > 1:
-        paged_attention_combine_kernel[(max_query_len, rows, h)](
-            o_part,
-            ml_part,
-            out,
-            query_start,
-            query_len,
-            t,
-            h,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            SP=MAX_SPLITS,
-            DV=dv,
-            BV=bv,
-        )
+        combine_splits(o_part, ml_part, out, query_start, query_len, max_query_len, num_splits)
     return out
 
 

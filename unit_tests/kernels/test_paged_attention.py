@@ -135,9 +135,9 @@ def test_split_context_reads_every_span():
 
 
 def test_split_count_fills_the_gpu_only_when_needed(monkeypatch):
-    from lightllm.kernels import paged_attention as kernel
+    from lightllm.kernels import attention_splits, paged_attention as kernel
 
-    monkeypatch.setattr(kernel, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(attention_splits, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
     assert kernel.num_context_splits(26, 8292, 32, cuda) == 10  # a 100-token chunk after an 8k prefix
     assert kernel.num_context_splits(2, 8292, 32, cuda) == kernel.MAX_SPLITS  # one decode row, long context
