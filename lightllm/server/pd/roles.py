@@ -26,10 +26,10 @@ import torch
 from lightllm.engine.engine import Engine
 from lightllm.engine.messages import Abort, EngineOutput, Finished, TokenChunk
 from lightllm.engine.request import Request, Status
-from lightllm.worker.transfer.request_state import host_blobs
 from lightllm.server.pd.messages import PdPrefill, PdTransfer, TransferAck
 from lightllm.server.pd.staging import DeviceRegion, RegionReader, StagingBuffer
 from lightllm.server.pd.transport import StateTransport, TransportError
+from lightllm.worker.transfer.request_state import host_blobs
 
 logger = logging.getLogger(__name__)
 # an aborted request id is remembered this long, in case its transfer arrives after the abort
