@@ -12,9 +12,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from lightllm.linear_att import REPLAY_CAPACITIES
 from lightllm.server.model_info import ModelInfo, read_model_info
 
-REPLAY_CAPACITIES = (4, 8, 16, 32, 64)
 # the demo checkpoint served without --model_dir: it has an MTP head, so every speculation mode works
 DEMO_ARCH = "qwen3_5"
 
