@@ -1,0 +1,201 @@
+"""Output parsers (lightllm.server.http.parsers): known texts parse to known calls, and every streaming parser
+gives the same result however the text is cut (speculation delivers several tokens per delta)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightllm.server.http.parsers import (
+    KimiToolParser,
+    OutputParser,
+    ParsedOutput,
+    Qwen3JsonToolParser,
+    Qwen3XmlToolParser,
+    ReasoningParser,
+    ToolCall,
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "opts": {"type": "object"}},
+            },
+        },
+    }
+]
+
+
+def fixed_id() -> str:
+    return "call_x"
+
+
+def json_call(name: str, args: dict) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
+
+
+def xml_call(name: str, args: dict) -> str:
+    params = "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in args.items()
+    )
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def kimi_calls(calls: list[tuple[str, dict]], singular: bool = False) -> str:
+    section = "tool_call_section" if singular else "tool_calls_section"
+    body = "".join(
+        f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
+        for i, (n, a) in enumerate(calls)
+    )
+    return f"<|{section}_begin|>{body}<|{section}_end|>"
+
+
+FORMATS = {
+    "qwen3_json": (lambda: Qwen3JsonToolParser(fixed_id), lambda cs: "\n".join(json_call(n, a) for n, a in cs)),
+    "qwen3_xml": (lambda: Qwen3XmlToolParser(TOOLS, fixed_id), lambda cs: "\n".join(xml_call(n, a) for n, a in cs)),
+    "kimi": (lambda: KimiToolParser(fixed_id), kimi_calls),
+}
+
+
+def streamed(parser, text: str, cuts: list[int]) -> ParsedOutput:
+    deltas, i = [], 0
+    for size in cuts:
+        deltas.append(parser.feed(text[i : i + size]))
+        i += size
+    deltas += [parser.feed(text[i:]), parser.finish()]
+    return ParsedOutput.merge(deltas)
+
+
+def kimi_id(name: str, i: int) -> str:
+    return f"functions.{name}:{i}"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_known_calls_parse(fmt):
+    make, render = FORMATS[fmt]
+    calls = [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo", "opts": {"a": [1, 2]}})]
+    out = make().parse("Checking both. " + render(calls))
+    assert out.content == "Checking both. "
+    assert [c.name for c in out.tool_calls] == ["get_weather", "get_weather"]
+    assert [json.loads(c.arguments) for c in out.tool_calls] == [a for _, a in calls]
+    ids = [kimi_id(n, i) for i, (n, _) in enumerate(calls)] if fmt == "kimi" else ["call_x", "call_x"]
+    assert [c.id for c in out.tool_calls] == ids
+
+
+@pytest.mark.parametrize("fmt", ["qwen3_json", "qwen3_xml"])
+@pytest.mark.parametrize(
+    "prose",
+    [
+        "Wrap calls in <tool_call> tags.",
+        "a <tool_call>\nnot json</tool_call> b",
+        "<tool_call>",
+        "x <tool_call> <tool_call>",
+    ],
+)
+def test_literal_tag_in_prose_is_content(fmt, prose):
+    make, _ = FORMATS[fmt]
+    out = make().parse(prose)
+    assert (out.content, out.tool_calls) == (prose, [])
+    # streamed one character at a time, the prose comes out before the text ends (the stream does not freeze)
+    parser, seen = make(), ""
+    for ch in prose + " and more text after it":
+        seen += parser.feed(ch).content
+    assert seen.startswith(prose)
+
+
+def test_kimi_singular_section_spelling():
+    calls = [("get_weather", {"city": "Rome"})]
+    for singular in (False, True):
+        out = KimiToolParser(fixed_id).parse(kimi_calls(calls, singular))
+        assert out.tool_calls == [ToolCall("functions.get_weather:0", "get_weather", '{"city": "Rome"}')]
+
+
+def test_broken_call_is_not_a_call():
+    # the twin of test_known_calls_parse: the same block without its function tag is prose
+    text = xml_call("get_weather", {"city": "Paris"}).replace("<function=get_weather>", "function get_weather")
+    out = Qwen3XmlToolParser(TOOLS, fixed_id).parse(text)
+    assert out.tool_calls == [] and out.content == text
+
+
+def test_xml_values_follow_the_schema():
+    out = Qwen3XmlToolParser(TOOLS, fixed_id).parse(xml_call("get_weather", {"city": "42", "days": 7}))
+    assert json.loads(out.tool_calls[0].arguments) == {"city": "42", "days": 7}
+
+
+@pytest.mark.parametrize("starts_in_reasoning", [False, True])
+def test_reasoning_split(starts_in_reasoning):
+    text = ("" if starts_in_reasoning else "<think>") + "step 1\nstep 2</think>\n\nThe answer is 4."
+    out = OutputParser(ReasoningParser(starts_in_reasoning), None).parse(text)
+    assert (out.reasoning, out.content) == ("step 1\nstep 2", "The answer is 4.")
+    unclosed = OutputParser(ReasoningParser(starts_in_reasoning), None).parse(text.split("</think>")[0])
+    assert (unclosed.reasoning, unclosed.content) == ("step 1\nstep 2", "")
+    # without a block there is no reasoning
+    plain = OutputParser(ReasoningParser(False), None).parse("The answer is 4.")
+    assert (plain.reasoning, plain.content) == ("", "The answer is 4.")
+
+
+def test_tool_call_inside_reasoning_is_not_a_call():
+    text = "<think>maybe " + json_call("get_weather", {"city": "X"}) + "</think>\n\nNo call."
+    out = OutputParser(ReasoningParser(False), Qwen3JsonToolParser(fixed_id)).parse(text)
+    assert out.tool_calls == [] and out.content == "No call." and "<tool_call>" in out.reasoning
+
+
+PROSE = st.sampled_from(
+    ["Hello", " world", "\n", "Use <tool_call> here", "<tool", "a < b > c", "}", "{", "<think>", "</think>", " "]
+)
+ARGS = st.fixed_dictionaries(
+    {"city": st.sampled_from(["Paris", "Lo}ndon", "São Paulo", 'a"b']), "days": st.integers(0, 99)}
+)
+
+
+@st.composite
+def outputs(draw, fmt: str):
+    """Reasoning, prose with stray markers, and calls, in random order."""
+    _, render = FORMATS[fmt]
+    parts = []
+    if draw(st.booleans()):
+        parts.append("<think>" + draw(PROSE) + draw(PROSE) + "</think>\n\n")
+    for _ in range(draw(st.integers(0, 4))):
+        if draw(st.booleans()):
+            parts.append(draw(PROSE))
+        else:
+            calls = draw(st.lists(st.tuples(st.sampled_from(["get_weather", "f"]), ARGS), min_size=1, max_size=2))
+            parts.append(render(calls))
+    text = "".join(parts)
+    cuts = draw(st.lists(st.integers(1, 24), max_size=len(text)))
+    return text, cuts
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_stream_equals_whole_parse(fmt, data):
+    text, cuts = data.draw(outputs(fmt))
+    make, _ = FORMATS[fmt]
+    whole = OutputParser(ReasoningParser(False), make()).parse(text)
+    assert streamed(OutputParser(ReasoningParser(False), make()), text, cuts) == whole
+    for call in whole.tool_calls:
+        json.loads(call.arguments)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_call_split_across_chunks_and_think_mid_chunk(fmt):
+    make, render = FORMATS[fmt]
+    text = "plan</think>\n\nOK " + render([("get_weather", {"city": "Paris", "days": 2})])
+    whole = OutputParser(ReasoningParser(True), make()).parse(text)
+    assert whole.reasoning == "plan" and whole.content == "OK " and len(whole.tool_calls) == 1
+    for cut in range(1, len(text)):
+        # two chunks: `</think>` or the call's markers split at every position
+        assert streamed(OutputParser(ReasoningParser(True), make()), text, [cut]) == whole
+    # one character at a time: OpenAI's delta shape, id and name first, then argument fragments only
+    parser = OutputParser(ReasoningParser(True), make())
+    deltas = [t for ch in text for t in parser.feed(ch).tool_calls] + parser.finish().tool_calls
+    assert deltas[0].id and deltas[0].name == "get_weather" and not deltas[0].arguments
+    assert len(deltas) > 2 and all(d.id is None and d.name is None and d.arguments for d in deltas[1:])
