@@ -6,6 +6,7 @@ Everything below `models/` reads only this dataclass, never the raw `config.json
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lightllm.linear_att import LinearAttSpec
@@ -14,6 +15,30 @@ LINEAR = "linear_attention"
 FULL = "full_attention"
 DENSE = "dense"
 MOE = "moe"
+
+
+# rope types whose frequencies do not depend on the sequence (those that do, like "dynamic", would change the
+# rotation of cached keys as a request grows)
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A context-extension rescaling of the rotary frequencies (`rope_scaling` / `rope_parameters` of a config).
+
+    linear: every frequency divided by `factor`. yarn: frequencies of dims that turn fewer than `beta_slow` times
+    over `original_max_position_embeddings` are divided by `factor`, those turning more than `beta_fast` times are
+    kept, a linear ramp between; cos and sin are multiplied by `attention_factor`.
+    """
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    # yarn: round the ramp's ends to whole dims
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -28,6 +53,7 @@ class AttentionConfig:
     # rotated leading dims of each head (0 = no rotary: Kimi's MLA is NoPE)
     rotary_dim: int = 0
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     bias: bool = False
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -116,3 +142,69 @@ def eos_ids(raw: dict) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def rope_parameters(raw: dict) -> dict:
+    """The config's rope dict: `rope_parameters` (transformers 5) or `rope_scaling` (older configs, Qwen's docs),
+    whichever names a scaling type; both naming different ones is refused."""
+    found = [d for d in (raw.get("rope_parameters"), raw.get("rope_scaling")) if isinstance(d, dict)]
+    scaled = [d for d in found if _rope_type(d) != "default"]
+    if len(scaled) == 2 and scaled[0] != scaled[1]:
+        raise ValueError(
+            f"rope_parameters ({_rope_type(scaled[0])}) and rope_scaling ({_rope_type(scaled[1])}) disagree: "
+            "keep one of them"
+        )
+    return (scaled or found or [{}])[0]
+
+
+def _rope_type(rope: dict) -> str:
+    return rope.get("rope_type") or rope.get("type") or "default"
+
+
+def rope_scaling(raw: dict) -> RopeScaling | None:
+    """The scaling a config's rope dict asks for; ValueError naming a type the engine does not implement."""
+    rope = rope_parameters(raw)
+    kind = _rope_type(rope)
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)}); serving it with "
+            "plain RoPE would give wrong positions"
+        )
+    if kind == "default":
+        return None
+    factor = rope.get("factor")
+    if kind == "linear":
+        if not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"rope_scaling linear: expected a positive factor, found {factor!r}")
+        return RopeScaling("linear", float(factor))
+    original = first_present(
+        rope, "original_max_position_embeddings",
+        default=first_present(raw, "original_max_position_embeddings", "max_position_embeddings"),
+    )  # fmt: skip
+    if not isinstance(original, int) or original <= 0:
+        raise ValueError(f"rope_scaling yarn: expected original_max_position_embeddings, found {original!r}")
+    if factor is None and raw.get("max_position_embeddings"):
+        factor = raw["max_position_embeddings"] / original
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        raise ValueError(f"rope_scaling yarn: expected a positive factor, found {factor!r}")
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return RopeScaling(
+        "yarn",
+        float(factor),
+        original,
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        attention_factor=float(attention_factor),
+        truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times the original."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

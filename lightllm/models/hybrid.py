@@ -26,7 +26,7 @@ class HybridModel(nn.Module):
         self.cfg = cfg
         self.tp = tp or TPInfo()
         a = cfg.attention
-        self.rotary = Rotary(a.rotary_dim, a.rope_theta, device) if a.kind == "gated" else None
+        self.rotary = Rotary(a.rotary_dim, a.rope_theta, device, a.rope_scaling) if a.kind == "gated" else None
         counters = {"linear_attention": 0, "full_attention": 0}
         layers = []
         for layer_type, ffn_type in zip(cfg.layer_types, cfg.ffn_types):

@@ -42,6 +42,10 @@ def map_config(raw: dict) -> ModelConfig:
     num_kv_heads = raw.get("num_key_value_heads") or num_heads
     if num_kv_heads != num_heads:
         raise ValueError(f"kimi_linear MLA expects num_key_value_heads == num_attention_heads, got {num_kv_heads}")
+    # the released MLA uses no positions (NoPE), so rope_theta and rope_scaling change nothing; a rotary MLA would
+    # need the rotation this engine does not apply
+    if raw.get("mla_use_nope") is False:
+        raise ValueError("kimi_linear with mla_use_nope false (rotary MLA) is not supported: only NoPE MLA is")
     if raw.get("q_lora_rank"):
         raise ValueError("kimi_linear with q_lora_rank is not supported (no released checkpoint uses it)")
     attention = AttentionConfig(

@@ -13,6 +13,8 @@ from lightllm.models.config import (
     MoEConfig,
     eos_ids,
     first_present,
+    rope_parameters,
+    rope_scaling,
 )
 
 
@@ -27,7 +29,7 @@ def qwen_layer_types(raw: dict) -> tuple[str, ...]:
 
 def qwen_attention(raw: dict) -> AttentionConfig:
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope = rope_parameters(raw)
     theta = first_present(rope, "rope_theta", default=raw.get("rope_theta", 10000.0))
     partial = first_present(rope, "partial_rotary_factor", default=raw.get("partial_rotary_factor", 1.0))
     return AttentionConfig(
@@ -37,6 +39,7 @@ def qwen_attention(raw: dict) -> AttentionConfig:
         head_dim=head_dim,
         rotary_dim=int(head_dim * partial),
         rope_theta=float(theta),
+        rope_scaling=rope_scaling(raw),
         bias=bool(raw.get("attention_bias", False)),
     )
 

@@ -1,0 +1,140 @@
+"""RoPE scaling (`rope_scaling` / `rope_parameters`): linear and YaRN frequencies and cos/sin against transformers'
+rope init functions, logits of a tiny Qwen3-Next with YaRN against transformers past the original context, and
+refusals of the types the engine does not implement."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Qwen3NextConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from lightllm.models.config import rope_scaling
+from lightllm.models.kimi_linear.config import map_config as kimi_map_config
+from lightllm.models.layers.rotary import Rotary
+from lightllm.tools.make_tiny_model import tiny_model_dir
+from unit_tests.helpers.hf_oracle import HFOracle
+from unit_tests.models.drive import make_runner, prefill
+from unit_tests.server.live_server import single_threaded_env
+
+HEAD_DIM, PARTIAL, THETA = 64, 0.5, 1_000_000.0
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+CASES = {
+    "yarn": YARN,
+    "yarn-legacy-type-key": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096},
+    "yarn-betas-no-truncate": {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    "yarn-mscale": {**YARN, "mscale": 0.707, "mscale_all_dim": 1.0},
+    "yarn-attention-factor": {**YARN, "attention_factor": 1.3},
+    "linear": {"rope_type": "linear", "factor": 3.0},
+}
+
+
+def raw_config(rope: dict, spelling: str = "rope_scaling") -> dict:
+    return {
+        "head_dim": HEAD_DIM, "hidden_size": 256, "num_attention_heads": 4, "partial_rotary_factor": PARTIAL,
+        "rope_theta": THETA, "max_position_embeddings": 32768, spelling: dict(rope),
+    }  # fmt: skip
+
+
+def transformers_inv_freq(raw: dict) -> tuple[torch.Tensor, float]:
+    config = Qwen3NextConfig(**raw)
+    return ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config, "cpu")
+
+
+@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_frequencies_and_cos_sin_match_transformers(case, spelling):
+    raw = raw_config(CASES[case], spelling)
+    expected_inv_freq, expected_factor = transformers_inv_freq(raw)
+    rotary = Rotary(int(HEAD_DIM * PARTIAL), THETA, "cpu", rope_scaling(raw))
+    torch.testing.assert_close(rotary.inv_freq, expected_inv_freq, rtol=1e-6, atol=0)
+    assert rotary.attention_factor == pytest.approx(expected_factor, rel=1e-9)
+    # positions inside and far past the original context
+    positions = torch.tensor([0, 1, 2047, 2048, 2049, 5000, 8191, 30000])
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    angles = positions[:, None].float() * expected_inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    torch.testing.assert_close(cos, angles.cos() * expected_factor, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin, angles.sin() * expected_factor, rtol=1e-5, atol=1e-5)
+
+
+def test_plain_rope_differs_from_yarn_past_the_original_context():
+    """The twin: unscaled frequencies must not pass as YaRN's."""
+    expected_inv_freq, _ = transformers_inv_freq(raw_config(YARN))
+    plain = Rotary(int(HEAD_DIM * PARTIAL), THETA, "cpu", rope_scaling(raw_config({"rope_type": "default"})))
+    assert rope_scaling(raw_config({"rope_type": "default"})) is None
+    assert not torch.allclose(plain.inv_freq, expected_inv_freq, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope", "llama3", "su"])
+def test_unsupported_types_are_refused_by_name(kind):
+    with pytest.raises(ValueError, match=f"rope_scaling type '{kind}' is not supported"):
+        rope_scaling(raw_config({"rope_type": kind, "factor": 2.0}))
+
+
+def test_disagreeing_spellings_and_bad_fields_are_refused():
+    raw = raw_config(YARN)
+    raw["rope_parameters"] = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="disagree"):
+        rope_scaling(raw)
+    with pytest.raises(ValueError, match="positive factor"):
+        rope_scaling(raw_config({"rope_type": "yarn", "factor": -1, "original_max_position_embeddings": 16}))
+    # a default-typed rope_parameters beside a yarn rope_scaling: yarn applies
+    raw = raw_config(YARN)
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": THETA}
+    assert rope_scaling(raw).rope_type == "yarn"
+
+
+def test_kimi_rotary_mla_is_refused(tmp_path):
+    raw = json.loads((tiny_model_dir("kimi_linear") / "config.json").read_text())
+    assert kimi_map_config(raw).attention.rotary_dim == 0
+    with pytest.raises(ValueError, match="mla_use_nope"):
+        kimi_map_config({**raw, "mla_use_nope": False})
+
+
+@pytest.fixture(scope="module")
+def yarn_model(tmp_path_factory):
+    """The tiny Qwen3-Next with YaRN over an original context of 16 positions (factor 4)."""
+    folder = tmp_path_factory.mktemp("yarn") / "qwen3_next"
+    shutil.copytree(tiny_model_dir("qwen3_next"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_yarn_logits_match_transformers_past_the_original_context(yarn_model):
+    ids = torch.randint(0, 470, (57,), generator=torch.Generator().manual_seed(7)).tolist()
+    expected = HFOracle(str(yarn_model)).prefill_logits(ids)[0, -1]
+    runner = make_runner(str(yarn_model))
+    logits = prefill(runner, runner.add_request(), ids)
+    err = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert err < 1e-4, f"yarn prefill logits: max relative error {err:.3e}"
+    # the twin: the same weights without YaRN must not match
+    plain = make_runner(str(tiny_model_dir("qwen3_next")))
+    plain_logits = prefill(plain, plain.add_request(), ids)
+    assert ((plain_logits - expected).abs().max() / expected.abs().max()).item() > 1e-3
+
+
+def test_server_refuses_an_unsupported_rope_type_at_start_up(tmp_path):
+    folder = tmp_path / "dynamic"
+    shutil.copytree(tiny_model_dir("qwen3_next"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", str(folder), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=single_threaded_env(),
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"lightllm: refusing to start: {folder / 'config.json'}: rope_scaling type 'dynamic' is not supported" in (
+        proc.stderr
+    )
