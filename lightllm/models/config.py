@@ -208,3 +208,13 @@ def rope_scaling(raw: dict) -> RopeScaling | None:
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature for a context `factor` times the original."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def scaled_max_positions(max_positions: int | None, scaling: RopeScaling | None) -> int | None:
+    """The context a scaled rope reaches: YaRN's factor times its original context, linear's factor times the
+    config's (`max_position_embeddings` is often left at the original length when scaling is added)."""
+    if scaling is None or max_positions is None:
+        return max_positions
+    if scaling.rope_type == "yarn":
+        return max(max_positions, int(scaling.original_max_position_embeddings * scaling.factor))
+    return int(max_positions * scaling.factor)

@@ -15,7 +15,7 @@ class ModelInfo:
     architecture: str
     model_type: str
     vocab_size: int
-    # None when the config does not say
+    # the context the model reaches (past the config's field when its rope is scaled); None when it does not say
     max_position_embeddings: int | None
     # dtype the weights were saved in ("bfloat16", "float32", ...), None when unknown
     torch_dtype: str | None
@@ -39,6 +39,10 @@ def read_model_info(model_dir: str) -> ModelInfo:
     """Raise ValueError (naming the file, and what was expected vs found) when `model_dir` is not a checkpoint the
     engine can serve; see `checkpoint_check.check_checkpoint`."""
     checked = check_checkpoint(model_dir)
+    # the check already imported the model code (for the config mappers); importing it here would make this module
+    # heavy for the HTTP process's importers
+    from lightllm.models.config import scaled_max_positions
+
     config = checked.config
     # multimodal wrappers (Qwen3.5) keep the language model's fields under text_config
     text = config.get("text_config") or config
@@ -52,7 +56,9 @@ def read_model_info(model_dir: str) -> ModelInfo:
         architecture=(config.get("architectures") or ["unknown"])[0],
         model_type=config.get("model_type", "unknown"),
         vocab_size=int(text["vocab_size"]),
-        max_position_embeddings=text.get("max_position_embeddings"),
+        max_position_embeddings=scaled_max_positions(
+            text.get("max_position_embeddings"), checked.model_config.attention.rope_scaling
+        ),
         torch_dtype=text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype"),
         num_mtp_layers=len(mtp_layers),
         eos_token_ids=tuple(dict.fromkeys(eos)),

@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from lightllm.models.config import rope_scaling
 from lightllm.models.kimi_linear.config import map_config as kimi_map_config
 from lightllm.models.layers.rotary import Rotary
+from lightllm.server.model_info import read_model_info
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.helpers.hf_oracle import HFOracle
 from unit_tests.models.drive import make_runner, prefill
@@ -104,8 +105,14 @@ def yarn_model(tmp_path_factory):
     shutil.copytree(tiny_model_dir("qwen3_next"), folder)
     config = json.loads((folder / "config.json").read_text())
     config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    config["max_position_embeddings"] = 16
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def test_yarn_context_is_the_factor_times_the_original(yarn_model):
+    assert read_model_info(str(yarn_model)).max_position_embeddings == 64
+    assert read_model_info(str(tiny_model_dir("qwen3_next"))).max_position_embeddings == 262144
 
 
 def test_yarn_logits_match_transformers_past_the_original_context(yarn_model):
