@@ -2,8 +2,10 @@
 
 Experts are stored stacked (`gate_up [E, 2I, H]`, `down [E, H, I]`, TP shards of I) whatever the checkpoint
 layout: per-expert tensors (`experts.{e}.gate_proj` / Kimi's `w1, w3, w2`) or already fused
-(`experts.gate_up_proj`, `experts.down_proj`). The routed sum is computed expert by expert over the tokens that
-chose it (a grouped GEMM can replace the loop without changing the interface).
+(`experts.gate_up_proj`, `experts.down_proj`). On CUDA the block runs fused (`lightllm.kernels.fused_moe`: device routing, grouped
+GEMMs, a fixed-order combine with the shared expert folded in; no host sync, so it runs inside CUDA graphs). On
+CPU the routed sum is computed expert by expert over the tokens that chose it (`run_experts`): the reference the
+fused path is tested against.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightllm.kernels.fused_moe import fused_experts, sigmoid_topk, softmax_topk
 from lightllm.models.config import MoEConfig
 from lightllm.models.layers.mlp import SwiGLU
 from lightllm.models.loader import Shapes, WeightLoader
@@ -125,6 +128,8 @@ class MoE(nn.Module):
             self.register_buffer("shared_gate", w.get(f"{prefix}shared_expert_gate.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return self.forward_fused(x)
         if self.cfg.scoring == "sigmoid":
             weights, ids = route_sigmoid(F.linear(x.float(), self.router), self.score_bias, self.cfg)
         else:
@@ -136,3 +141,17 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
             out = out + shared
         return out
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The same block through the Triton kernels (CUDA; on CPU only under the Triton interpreter)."""
+        c = self.cfg
+        if c.scoring == "sigmoid":
+            logits = F.linear(x.float(), self.router)
+            weights, ids = sigmoid_topk(
+                logits, self.score_bias, c.top_k, c.norm_topk_prob, c.routed_scaling_factor, c.num_groups, c.topk_groups
+            )
+        else:
+            weights, ids = softmax_topk(F.linear(x, self.router), c.top_k, c.norm_topk_prob)
+        shared = self.shared(x) if self.shared is not None else None
+        gate = F.linear(x, self.shared_gate) if c.shared_expert_gate else None
+        return fused_experts(x, self.gate_up, self.down, weights, ids, shared, gate)

@@ -1,0 +1,90 @@
+"""Launch configurations of the fused MoE: tuned tables (JSON under `configs/`) with a heuristic fallback.
+
+A configuration is `{"BLOCK_M": m, "gate_up": tile, "down": tile}`, a tile being `BLOCK_N`, `BLOCK_K`,
+`num_warps`, `num_stages` of one grouped GEMM (BLOCK_M is shared: it fixes the padded layout both GEMMs read).
+Tables are one file per device name, `configs/<device>.json`:
+`{triton_version: {"E=..,N=..,K=..,top_k=..,dtype=..": {batch_bucket: config}}}` with N the per-rank expert
+intermediate size and K the hidden size; `lightllm/tools/tune_fused_moe.py` writes them. A lookup takes the
+entry of the token count's power-of-two bucket, else the nearest tuned bucket of the same key, else the
+heuristic. The choice depends on host shapes only, so a CUDA graph captured per batch bucket keeps it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+import triton
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def batch_bucket(num_tokens: int) -> int:
+    """The power of two at or above `num_tokens` (tables are tuned per bucket)."""
+    return 1 << max(0, math.ceil(math.log2(max(1, num_tokens))))
+
+
+def shape_key(num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype) -> str:
+    return f"E={num_experts},N={inter},K={hidden},top_k={top_k},dtype={str(dtype).removeprefix('torch.')}"
+
+
+def device_name(device: torch.device) -> str:
+    """A file-name-safe device name: `NVIDIA_H200` for CUDA, `cpu` otherwise."""
+    if device.type != "cuda":
+        return device.type
+    return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
+
+
+def config_path(device: str) -> Path:
+    return CONFIG_DIR / f"{device}.json"
+
+
+@functools.cache
+def _table(device: str) -> dict:
+    path = config_path(device)
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text()).get(triton.__version__, {})
+
+
+def check_config(config: dict) -> dict:
+    """Raise ValueError unless `config` has BLOCK_M and both tiles with every key, powers of two >= 16 for blocks."""
+    tiles = [config.get("gate_up"), config.get("down")]
+    if "BLOCK_M" not in config or any(not isinstance(t, dict) or set(t) != set(TILE_KEYS) for t in tiles):
+        raise ValueError(f"fused MoE config needs BLOCK_M and gate_up/down tiles with {TILE_KEYS}, got {config}")
+    for b in [config["BLOCK_M"]] + [t[k] for t in tiles for k in ("BLOCK_N", "BLOCK_K")]:
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"fused MoE block sizes must be powers of two >= 16, got {config}")
+    return config
+
+
+def heuristic_config(num_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype) -> dict:
+    """Blocks sized to the expected rows per expert (decode batches give few rows: BLOCK_M 16 wastes least
+    padding) and clamped to the matrix dims; fp32 halves BLOCK_K to keep the same shared-memory bytes."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64
+    block_k = 64 if dtype == torch.float32 else 128
+
+    def tile(n: int, k: int) -> dict:
+        bn = min(64, max(16, triton.next_power_of_2(n)))
+        bk = min(block_k, max(16, triton.next_power_of_2(k)))
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3 if block_m <= 32 else 2}
+
+    return {"BLOCK_M": block_m, "gate_up": tile(inter, hidden), "down": tile(hidden, inter)}
+
+
+def get_config(
+    num_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device
+) -> dict:
+    """The tuned configuration of this shape and batch bucket on this device, else the heuristic one."""
+    entries = _table(device_name(device)).get(shape_key(num_experts, inter, hidden, top_k, dtype))
+    if entries:
+        want = batch_bucket(num_tokens)
+        nearest = min(entries, key=lambda b: (abs(math.log2(int(b)) - math.log2(want)), int(b)))
+        return check_config(entries[nearest])
+    return heuristic_config(num_tokens, num_experts, inter, hidden, top_k, dtype)

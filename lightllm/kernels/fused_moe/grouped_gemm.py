@@ -1,0 +1,170 @@
+"""The two grouped GEMMs of the routed experts, over the padded per-expert blocks of `align.ExpertBlocks`.
+
+Program `(i_m, i_n)` takes block `i_m` (`BM` pair rows of one expert e) and output columns `i_n * BN ..`:
+- `moe_gate_up_kernel`: `act[p, n] = silu(x[t] · gate_e[n]) * (x[t] · up_e[n])` for each pair `p = t * top_k + j`
+  in the block; the gate and up rows of `gate_up [E, 2I, H]` are read as two `[BK, BN]` tiles and accumulated
+  together, so SwiGLU happens in registers and `act [P, I]` is the only intermediate.
+- `moe_down_kernel`: `pair_out[p, n] = weight[p] * (act[p] · down_e[n])` into fp32 `[P, H]`; the combine sums the
+  top_k rows of each token in a fixed order (no atomics: the same bits every run).
+Blocks whose expert is E (past the real end of the padded layout) return at once; padding rows (sentinel pair id)
+load zeros and store nothing. Accumulation is fp32; fp32 inputs use `ieee` dots (tf32 would cost ~1e-3).
+
+Weight loads go through `_weight_tile`, which returns the tile in the activation dtype: a quantised weight path
+(fp8 tiles with per-channel or block scales) changes that helper and the accumulator's scaling, not the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightllm.kernels.fused_moe.align import ExpertBlocks
+
+
+@triton.jit
+def _block_rows(sorted_pairs, block_expert, i_m, num_pairs, TOP_K: tl.constexpr, BM: tl.constexpr):
+    """The block's expert and, per row, its pair id, token and validity mask (`[BM]` each)."""
+    e = tl.load(block_expert + i_m).to(tl.int64)
+    o_m = i_m.to(tl.int64) * BM + tl.arange(0, BM)
+    b_pair = tl.load(sorted_pairs + o_m).to(tl.int64)
+    m_m = b_pair < num_pairs
+    return e, b_pair, b_pair // TOP_K, m_m
+
+
+@triton.jit
+def _weight_tile(p_w, m_w, dtype):
+    """A `[BK, BN]` weight tile in the activation dtype (masked lanes read 0)."""
+    return tl.load(p_w, mask=m_w, other=0.0).to(dtype)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_gate_up_kernel(
+    x,  # [T, H]
+    gate_up,  # [E, 2I, H]
+    act,  # [P, I] activation dtype
+    sorted_pairs,  # [num_blocks * BM] int32
+    block_expert,  # [num_blocks] int32
+    num_pairs,
+    num_experts,
+    H,
+    I,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_ap,
+    TOP_K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    e, b_pair, b_tok, m_m = _block_rows(sorted_pairs, block_expert, i_m, num_pairs, TOP_K, BM)
+    if e >= num_experts:
+        return
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < I
+    o_k = tl.arange(0, BK)
+    p_x = x + b_tok[:, None] * stride_xt + o_k[None, :]  # [BM, BK]
+    p_g = gate_up + e * stride_we + o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]  # [BK, BN]
+    p_u = p_g + I * stride_wn
+    b_g = tl.zeros([BM, BN], dtype=tl.float32)
+    b_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        m_k = k0 + o_k < H
+        b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        m_w = m_k[:, None] & m_n[None, :]
+        b_g = tl.dot(b_x, _weight_tile(p_g, m_w, b_x.dtype), b_g, input_precision=DOT_PRECISION)
+        b_u = tl.dot(b_x, _weight_tile(p_u, m_w, b_x.dtype), b_u, input_precision=DOT_PRECISION)
+        p_x += BK
+        p_g += BK
+        p_u += BK
+    b_a = b_g * tl.sigmoid(b_g) * b_u
+    p_a = act + b_pair[:, None] * stride_ap + o_n[None, :]
+    tl.store(p_a, b_a.to(act.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_down_kernel(
+    act,  # [P, I]
+    down,  # [E, H, I]
+    weights,  # [P] fp32 routing weight of each pair
+    pair_out,  # [P, H] fp32
+    sorted_pairs,
+    block_expert,
+    num_pairs,
+    num_experts,
+    H,
+    I,
+    stride_ap,
+    stride_we,
+    stride_wn,
+    stride_op,
+    TOP_K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    e, b_pair, _, m_m = _block_rows(sorted_pairs, block_expert, i_m, num_pairs, TOP_K, BM)
+    if e >= num_experts:
+        return
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < H
+    o_k = tl.arange(0, BK)
+    p_a = act + b_pair[:, None] * stride_ap + o_k[None, :]  # [BM, BK]
+    p_d = down + e * stride_we + o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]  # [BK, BN]
+    b_o = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        m_k = k0 + o_k < I
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_o = tl.dot(b_a, _weight_tile(p_d, m_k[:, None] & m_n[None, :], b_a.dtype), b_o, input_precision=DOT_PRECISION)
+        p_a += BK
+        p_d += BK
+    b_w = tl.load(weights + b_pair, mask=m_m, other=0.0)
+    p_o = pair_out + b_pair[:, None] * stride_op + o_n[None, :]
+    tl.store(p_o, b_o * b_w[:, None], mask=m_m[:, None] & m_n[None, :])
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def gate_up_swiglu(
+    x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, tile: dict, act: torch.Tensor
+) -> torch.Tensor:
+    """Fill `act [P, I]` (x's dtype) with each pair's SwiGLU activation; `tile`: BLOCK_N, BLOCK_K, num_warps,
+    num_stages."""
+    num_experts, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    grid = (blocks.num_blocks, triton.cdiv(inter, tile["BLOCK_N"]))
+    moe_gate_up_kernel[grid](
+        x, gate_up, act, blocks.sorted_pairs, blocks.block_expert, blocks.num_pairs, num_experts, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOP_K=top_k, BM=blocks.block_m, BN=tile["BLOCK_N"], BK=tile["BLOCK_K"], DOT_PRECISION=_precision(x),
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+    )  # fmt: skip
+    return act
+
+
+def down_weighted(
+    act: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    blocks: ExpertBlocks,
+    top_k: int,
+    tile: dict,
+    pair_out: torch.Tensor,
+) -> torch.Tensor:
+    """Fill `pair_out [P, H]` (fp32) with `weights[p] * down_e(act[p])`; `weights [P]` fp32."""
+    num_experts, hidden, inter = down.shape
+    grid = (blocks.num_blocks, triton.cdiv(hidden, tile["BLOCK_N"]))
+    moe_down_kernel[grid](
+        act, down, weights, pair_out, blocks.sorted_pairs, blocks.block_expert, blocks.num_pairs, num_experts,
+        hidden, inter, act.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
+        TOP_K=top_k, BM=blocks.block_m, BN=tile["BLOCK_N"], BK=tile["BLOCK_K"], DOT_PRECISION=_precision(act),
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+    )  # fmt: skip
+    return pair_out

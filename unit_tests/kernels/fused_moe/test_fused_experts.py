@@ -1,0 +1,160 @@
+"""fused_experts (Triton grouped GEMMs + combine, interpreted on CPU) vs `run_experts` (the per-expert torch loop)
+evaluated in fp64, at odd sizes: idle experts, every token on one expert, top_k = experts, 1 to 300 tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightllm.kernels.fused_moe import fused_experts, heuristic_config, softmax_topk
+from lightllm.kernels.fused_moe.align import align_pairs, max_blocks
+from lightllm.models.layers.moe import run_experts
+from unit_tests.helpers.asserts import assert_rel_close, relative_error
+
+MAX_REL = {torch.float32: 1e-4, torch.float16: 5e-3}
+# small tiles keep the interpreter fast and exercise partial N and K tiles and several blocks per expert
+SMALL = {
+    "BLOCK_M": 16,
+    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2},
+    "down": {"BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2},
+}
+
+
+def experts(num_experts: int, hidden: int, inter: int, seed: int, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return gate_up.to(dtype), down.to(dtype)
+
+
+def routed(num_tokens: int, num_experts: int, top_k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return softmax_topk(torch.randn(num_tokens, num_experts, generator=gen), top_k, True)
+
+
+def reference(x, gate_up, down, weights, ids, shared=None, shared_gate_logit=None):
+    out = run_experts(x.double(), gate_up.double(), down.double(), weights.double(), ids.long())
+    if shared is not None:
+        gate = shared_gate_logit
+        out = out + (shared.double() if gate is None else torch.sigmoid(gate.double()) * shared.double())
+    return out
+
+
+def check(x, gate_up, down, weights, ids, config=SMALL, **shared):
+    out = fused_experts(x, gate_up, down, weights, ids, config=config, **shared)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert_rel_close("out", out, reference(x, gate_up, down, weights, ids, **shared), MAX_REL[x.dtype])
+    return out
+
+
+CASES = [
+    # tokens, hidden, inter, experts, top_k
+    (1, 24, 20, 8, 2),
+    (5, 40, 24, 12, 2),
+    (33, 48, 40, 6, 3),
+    (300, 32, 24, 8, 2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k", CASES, ids=["T1", "T5-idle", "T33", "T300"])
+def test_fused_experts_matches_loop(num_tokens, hidden, inter, num_experts, top_k, dtype):
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    gate_up, down = experts(num_experts, hidden, inter, seed=1, dtype=dtype)
+    weights, ids = routed(num_tokens, num_experts, top_k, seed=2)
+    check(x, gate_up, down, weights, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_every_token_on_one_expert(dtype):
+    """Expert 3 takes all 70 tokens (five blocks of 16, a partial last one); the other choices spread out."""
+    num_tokens, num_experts = 70, 7
+    x = torch.randn(num_tokens, 40, generator=torch.Generator().manual_seed(4)).to(dtype)
+    gate_up, down = experts(num_experts, 40, 24, seed=5, dtype=dtype)
+    ids = torch.stack([torch.full((num_tokens,), 3), torch.arange(num_tokens) % 3 + 4], dim=1)
+    weights = torch.rand(num_tokens, 2, generator=torch.Generator().manual_seed(6))
+    check(x, gate_up, down, weights, ids)
+
+
+def test_top_k_is_the_number_of_experts():
+    num_tokens, num_experts = 9, 5
+    x = torch.randn(num_tokens, 24, generator=torch.Generator().manual_seed(7))
+    gate_up, down = experts(num_experts, 24, 16, seed=8, dtype=torch.float32)
+    weights, ids = routed(num_tokens, num_experts, num_experts, seed=9)
+    check(x, gate_up, down, weights, ids)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["shared", "gated-shared"])
+def test_shared_expert_is_added_in_the_combine(gated):
+    num_tokens, hidden = 11, 24
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    gate_up, down = experts(6, hidden, 16, seed=11, dtype=torch.float32)
+    weights, ids = routed(num_tokens, 6, 2, seed=12)
+    shared = torch.randn(num_tokens, hidden, generator=gen)
+    gate = torch.randn(num_tokens, 1, generator=gen) if gated else None
+    check(x, gate_up, down, weights, ids, shared=shared, shared_gate_logit=gate)
+
+
+def test_heuristic_config_and_deterministic_bits():
+    """The default (heuristic) tiles also match, and two runs give the same bits."""
+    x = torch.randn(45, 56, generator=torch.Generator().manual_seed(13))
+    gate_up, down = experts(10, 56, 36, seed=14, dtype=torch.float32)
+    weights, ids = routed(45, 10, 3, seed=15)
+    assert heuristic_config(45, 10, 36, 56, 3, torch.float32)["BLOCK_M"] == 16
+    first = check(x, gate_up, down, weights, ids, config=None)
+    assert torch.equal(first, fused_experts(x, gate_up, down, weights, ids))
+
+
+def test_swapped_experts_fail():
+    """Twin: the kernel run on weights with two used experts swapped must not match the reference."""
+    x = torch.randn(33, 40, generator=torch.Generator().manual_seed(16))
+    gate_up, down = experts(6, 40, 24, seed=17, dtype=torch.float32)
+    weights, ids = routed(33, 6, 2, seed=18)
+    used = ids.flatten().unique()
+    a, b = used[0].item(), used[1].item()
+    perm = torch.arange(6)
+    perm[a], perm[b] = b, a
+    out = fused_experts(x, gate_up[perm].contiguous(), down[perm].contiguous(), weights, ids, config=SMALL)
+    assert relative_error(out, reference(x, gate_up, down, weights, ids)) > 1e-2
+
+
+def test_align_pairs_layout():
+    """Pairs grouped by expert in pair order, each expert padded to whole blocks, blocks past the end skipped."""
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    blocks = align_pairs(ids, num_experts=4, block_m=2)
+    sentinel = 6
+    # worst case: 6 pairs + 4 experts x 1 padding row = 10 rows = 5 blocks
+    assert blocks.num_blocks == max_blocks(6, 4, 2) == 5
+    assert blocks.sorted_pairs.tolist() == [1, 4, 3, sentinel, 0, 2, 5, sentinel, sentinel, sentinel]
+    assert blocks.block_expert.tolist() == [0, 1, 2, 2, 4]
+
+
+def test_fused_experts_validates_shapes():
+    x = torch.randn(3, 8)
+    gate_up, down = experts(4, 8, 6, seed=0, dtype=torch.float32)
+    with pytest.raises(AssertionError, match="gate_up"):
+        fused_experts(x, gate_up[:, :, :7].contiguous(), down, torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="powers of two"):
+        bad = {**SMALL, "BLOCK_M": 24}
+        fused_experts(x, gate_up, down, torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long), config=bad)
+
+
+def test_no_tokens():
+    gate_up, down = experts(4, 8, 6, seed=0, dtype=torch.float32)
+    out = fused_experts(torch.empty(0, 8), gate_up, down, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.long))
+    assert out.shape == (0, 8)
+
+
+def test_silu_gate_order():
+    """gate rows come first in gate_up: the fused activation is silu(gate) * up, not silu(up) * gate."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(20))
+    gate_up, down = experts(2, 16, 16, seed=21, dtype=torch.float32)
+    weights, ids = torch.ones(4, 1), torch.zeros(4, 1, dtype=torch.long)
+    out = fused_experts(x, gate_up, down, weights, ids, config=SMALL)
+    g, u = F.linear(x, gate_up[0]).chunk(2, dim=-1)
+    assert_rel_close("out", out, F.linear(F.silu(g) * u, down[0]), 1e-5)
+    swapped = torch.cat([gate_up[:, 16:], gate_up[:, :16]], dim=1).contiguous()
+    assert relative_error(fused_experts(x, swapped, down, weights, ids, config=SMALL), out) > 1e-2
