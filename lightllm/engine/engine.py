@@ -4,52 +4,26 @@ Keep this file minimal: features (speculation strategies, scheduling policy, sam
 and are chosen at start-up. The engine never looks at the state mode; every state decision goes through the
 runner (`forward`, `accept`, `free_request`).
 
-Overlap (`overlap_schedule`; the server turns it on unless `--disable_overlap_schedule`): a plain decode step
-(no drafts, no penalties) is launched and left in flight; the next `step()` launches its successor, whose input
-tokens are the in-flight step's tokens still on the device (argmax, or a draw from the same random stream), before
-reading them back, so the host's bookkeeping of step t runs while the GPU computes step t + 1. A successor is
-launched only when it would be the same rows anyway (nothing to admit, nobody prefilling, nobody at its length
-limit, KV for one more token each); a row that turns out to have stopped at step t rides along in t + 1 and its
-extra token is dropped. Everything else (prefill, drafts, penalties, which read the tokens in flight) runs
-synchronously, exactly as with overlap off.
+Overlap scheduling (a plain decode step left in flight while the host prepares the next) is `overlap.py`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from lightllm.engine.batch import ForwardBatch, ForwardOutput, ModelRunnerProtocol
 from lightllm.engine.messages import EngineOutput, EngineStats, Finished, NewRequest, TokenChunk
+from lightllm.engine.overlap import OverlapScheduler, chained_plan
 from lightllm.engine.publish_queue import PublishQueue
 from lightllm.engine.request import Request, Status
 from lightllm.engine.sampler import RowContext, Sampler, compute_logprobs
-from lightllm.engine.scheduler import ScheduledRow, SchedulePlan, Scheduler
+from lightllm.engine.scheduler import SchedulePlan, Scheduler
 from lightllm.engine.speculative import create_speculator
 from lightllm.engine.speculative.verify import WindowResult, verify_greedy_windows, verify_window
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _InFlight:
-    """A launched overlapped decode step whose tokens the host has not read yet."""
-
-    plan: SchedulePlan
-    fwd: ForwardOutput
-    # [rows] int64 on the device: each row's token (the next step's input)
-    tokens: torch.Tensor
-    # [2, rows] host copy of (tokens, NaN flags), valid once `ready` has completed
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
-
-    def read(self) -> tuple[list[int], list[int]]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        tokens, has_nan = self.host.tolist()
-        return tokens, has_nan
 
 
 class Engine:
@@ -75,19 +49,21 @@ class Engine:
         self.speculator = create_speculator(mtp_step, spec_ngram)
         max_width = min(runner.max_width, self.speculator.num_drafts + 1)
         self.scheduler = Scheduler(
-            runner, max_running_requests, chunked_prefill_size, max_width, prefix_cache_checkpoint_interval,
+            runner,
+            max_running_requests,
+            chunked_prefill_size,
+            max_width,
+            prefix_cache_checkpoint_interval,
             short_resume_tokens,
-        )  # fmt: skip
+        )
         self.sampler = Sampler(seed)
         self.requests: dict[str, Request] = {}
         # True between a forward with decode rows and its accept (so a failure in between can settle the runner)
-        self._awaiting_accept = False
+        self.awaiting_accept = False
         self.stats = EngineStats(accepted_length_counts=[0] * max_width)
         # overlap needs every decode row to be one token: with drafts the next window depends on this one's verify
         self.overlap_schedule = overlap_schedule and self.speculator.num_drafts == 0
-        self._inflight: _InFlight | None = None
-        # finishes of a failed overlapped launch, reported by the next step() call
-        self._failed_outputs: list[EngineOutput] = []
+        self.overlap = OverlapScheduler(self)
         # a step's prefix-cache publishes, run by the next step() call (see publish_queue.py)
         self._publishes = PublishQueue(self.scheduler, runner)
         self._in_step = False
@@ -124,12 +100,7 @@ class Engine:
         )
 
     def has_work(self) -> bool:
-        return (
-            self._inflight is not None
-            or bool(self._failed_outputs)
-            or bool(self._publishes)
-            or self.scheduler.has_work()
-        )
+        return self.overlap.has_work() or bool(self._publishes) or self.scheduler.has_work()
 
     def add_request(self, msg: NewRequest) -> list[EngineOutput]:
         """Queue a request. Invalid ones finish at once with reason "error" (the front-end validates first)."""
@@ -149,7 +120,7 @@ class Engine:
 
     def abort(self, req_id: str) -> list[EngineOutput]:
         req = self.requests.get(req_id)
-        return self._finish(req, "abort") if req is not None else []
+        return self.finish(req, "abort") if req is not None else []
 
     def step(self) -> list[EngineOutput]:
         """Run one model step over the scheduled batch; returns the tokens and finishes it produced (with overlap,
@@ -161,45 +132,43 @@ class Engine:
             self._in_step = False
 
     def _step(self) -> list[EngineOutput]:
-        outputs, self._failed_outputs = self._failed_outputs, []
+        outputs = self.overlap.take_failed()
         due = self._publishes.take()
-        inflight = self._inflight
+        inflight = self.overlap.take_inflight()
         if inflight is not None:
             # an overlapped step has no drafts: its publishes wait for nothing
             self._publishes.run(due)
             due = []
-            if self._can_chain(inflight):
-                self._inflight = None
-                self._launch_overlapped(self._chained_plan(inflight), inflight.tokens)
-                return outputs + self._complete(inflight)
-            self._inflight = None
-            outputs += self._complete(inflight)
+            if self.overlap.can_chain(inflight):
+                self.overlap.launch(chained_plan(inflight), inflight.tokens)
+                return outputs + self.overlap.complete(inflight)
+            outputs += self.overlap.complete(inflight)
         outputs += self._propose()
         # after the drafts: the MTP head's KV they commit is the part of a publish that costs a forward
         self._publishes.run(due)
         plan = self.scheduler.schedule()
         for req in plan.unfittable:
-            outputs += self._finish(req, "error", error=f"{req.num_tokens} tokens do not fit in the KV cache")
+            outputs += self.finish(req, "error", error=f"{req.num_tokens} tokens do not fit in the KV cache")
         if plan.is_empty:
             return outputs
-        if self._can_overlap(plan):
-            self._launch_overlapped(plan, None)
+        if self.overlap.can_launch(plan):
+            self.overlap.launch(plan, None)
             return outputs
         self.stats.num_steps += 1
-        self._awaiting_accept = False
+        self.awaiting_accept = False
         try:
-            fwd = self.runner.forward(self._build_batch(plan))
-            self._awaiting_accept = bool(plan.decode)
+            fwd = self.runner.forward(self.build_batch(plan))
+            self.awaiting_accept = bool(plan.decode)
             outputs += self._process(plan, fwd)
             self._publish_prefills(plan)
         except Exception:
             # the failure cannot be pinned on one row: every request of the batch finishes, the loop goes on
             logger.exception("engine step failed; finishing %d requests with an error", len(plan.rows))
-            self._settle_runner(plan)
+            self.settle_runner(plan)
             for row in plan.rows:
                 if not row.req.is_finished:
                     # clients see a message; the exception and its traceback are in the engine log
-                    outputs += self._finish(row.req, "error", error="the model step failed (see the engine log)")
+                    outputs += self.finish(row.req, "error", error="the model step failed (see the engine log)")
         return outputs
 
     def _propose(self) -> list[EngineOutput]:
@@ -210,102 +179,18 @@ class Engine:
         except Exception:
             # the MTP head ran for the requests that got a token in the last step: which one failed is unknown
             logger.exception("drafting failed; finishing %d requests with an error", len(reqs))
-            return [o for req in reqs for o in self._finish(req, "error", error="the model step failed (see the "
-                                                                                "engine log)")]  # fmt: skip
+            return [
+                o
+                for req in reqs
+                for o in self.finish(req, "error", error="the model step failed (see the engine log)")
+            ]
         return []
 
-    # overlap ------------------------------------------------------------------------------------------------
-    def _can_overlap(self, plan: SchedulePlan) -> bool:
-        """A step that may stay in flight: plain decode rows only, none with penalties (they need the tokens of the
-        step still in flight)."""
-        return (
-            self.overlap_schedule
-            and not plan.prefill
-            and all(row.num_tokens == 1 and not row.req.params.has_penalties for row in plan.decode)
-        )
-
-    def _can_chain(self, inflight: _InFlight) -> bool:
-        """Whether the next step is the in-flight step's rows again, one token each, whatever tokens it yields."""
-        sched = self.scheduler
-        reqs = [row.req for row in inflight.plan.decode]
-        if len(reqs) != len(sched.running) or any(r.is_finished for r in reqs):
-            return False
-        # a request the scheduler could admit now, or a row whose in-flight token may be its last, changes the batch
-        if sched.waiting and len(sched.running) < sched.max_running_requests and self.runner.num_free_requests():
-            return False
-        if any(r.num_remaining_tokens < 2 for r in reqs):
-            return False
-        return self.runner.num_free_kv_tokens() >= len(reqs)
-
-    @staticmethod
-    def _chained_plan(inflight: _InFlight) -> SchedulePlan:
-        return SchedulePlan(decode=[ScheduledRow(row.req, 1) for row in inflight.plan.decode])
-
-    def _launch_overlapped(self, plan: SchedulePlan, first_tokens: torch.Tensor | None) -> None:
-        """Launch `plan` (plain decode rows) and leave it in flight: its one-token windows are accepted at once
-        (nothing to verify), its tokens stay on the device for the successor and are copied back asynchronously."""
-        self.stats.num_steps += 1
-        self._awaiting_accept = False
-        try:
-            batch = self._build_batch(plan)
-            batch.decode_input_ids = first_tokens
-            fwd = self.runner.forward(batch)
-            self._awaiting_accept = True
-            handles = [row.req.handle for row in plan.decode]
-            self.runner.accept(handles, [1] * len(handles))
-            self._awaiting_accept = False
-            for row in plan.decode:
-                row.req.num_computed_tokens += 1
-            logits = fwd.logits
-            tokens = self._draw_on_device(plan, logits)
-            flags = torch.stack([tokens, torch.isnan(logits).any(dim=-1).long()])
-            ready = None
-            if flags.is_cuda:
-                host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-                host.copy_(flags, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-            else:
-                host = flags
-        except Exception:
-            logger.exception("engine step failed; finishing %d requests with an error", len(plan.decode))
-            self._settle_runner(plan)
-            self._failed_outputs += self._fail_rows(plan)
-            return
-        self._inflight = _InFlight(plan, fwd, tokens, host, ready)
-
-    def _draw_on_device(self, plan: SchedulePlan, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's token, left on the device: the argmax, or a draw from the same distribution and the same
-        random stream as the synchronous step's."""
-        if all(row.req.params.greedy for row in plan.decode):
-            return logits.argmax(dim=-1)
-        contexts = [self._context(row.req, [], logits.device) for row in plan.decode]
-        return self.sampler.draw_tokens(self.sampler.target_probs(logits, contexts), contexts)
-
-    def _complete(self, inflight: _InFlight) -> list[EngineOutput]:
-        """Read an overlapped step's tokens back and emit them. Rows whose request finished meanwhile (a stop
-        token of the step before, an abort) drop theirs."""
-        try:
-            tokens, has_nan = inflight.read()
-        except Exception:
-            logger.exception("engine step failed; finishing %d requests with an error", len(inflight.plan.decode))
-            return self._fail_rows(inflight.plan)
-        outputs: list[EngineOutput] = []
-        for i, row in enumerate(inflight.plan.decode):
-            req = row.req
-            if req.is_finished:
-                continue
-            if has_nan[i]:
-                outputs += self._finish(req, "error", error="the model produced NaN logits")
-            else:
-                outputs += self._emit(req, [tokens[i]], inflight.fwd.logits, i)
-        return outputs
-
-    def _fail_rows(self, plan: SchedulePlan) -> list[EngineOutput]:
+    def fail_rows(self, plan: SchedulePlan) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
         for row in plan.rows:
             if not row.req.is_finished:
-                outputs += self._finish(row.req, "error", error="the model step failed (see the engine log)")
+                outputs += self.finish(row.req, "error", error="the model step failed (see the engine log)")
         return outputs
 
     def _publish_prefills(self, plan: SchedulePlan) -> None:
@@ -320,11 +205,11 @@ class Engine:
         """Run the queued publishes of `reqs` now (a request leaving the engine with its state: a PD hand-off)."""
         self._publishes.run_now(reqs)
 
-    def _settle_runner(self, plan: SchedulePlan) -> None:
+    def settle_runner(self, plan: SchedulePlan) -> None:
         """After a failure between forward and accept, close the runner's pending verify so it can step again."""
-        if not self._awaiting_accept:
+        if not self.awaiting_accept:
             return
-        self._awaiting_accept = False
+        self.awaiting_accept = False
         try:
             self.runner.accept([row.req.handle for row in plan.decode], [1] * len(plan.decode))
         except Exception:
@@ -334,7 +219,7 @@ class Engine:
         """Finish every queued and running request with an error (last resort after an unexpected fault)."""
         outputs: list[EngineOutput] = []
         for req in list(self.requests.values()):
-            outputs += self._finish(req, "error", error=error)
+            outputs += self.finish(req, "error", error=error)
         return outputs
 
     def snapshot(self) -> EngineStats:
@@ -376,7 +261,7 @@ class Engine:
             return str(exc)
         return None
 
-    def _build_batch(self, plan: SchedulePlan) -> ForwardBatch:
+    def build_batch(self, plan: SchedulePlan) -> ForwardBatch:
         ids: list[int] = []
         for row in plan.prefill:
             start = row.req.num_computed_tokens
@@ -432,18 +317,18 @@ class Engine:
             decode = list(zip(windows[num_prefill_windows:], results[num_prefill_windows:]))
             accepted = [result.num_accepted if result is not None else 1 for _, result in decode]
             self.runner.accept([req.handle for (req, *_), _ in decode], accepted)
-            self._awaiting_accept = False
+            self.awaiting_accept = False
             for ((req, *_), _), num in zip(decode, accepted):
                 req.num_computed_tokens += num
         outputs: list[EngineOutput] = []
         hidden_rows: list[tuple[Request, int]] = []
         for i, ((req, start, _, drafts), result) in enumerate(zip(windows, results)):
             if result is None:
-                outputs += self._finish(req, "error", error="the model produced NaN logits")
+                outputs += self.finish(req, "error", error="the model produced NaN logits")
                 continue
             if i >= num_prefill_windows and self.speculator.num_drafts:
                 self._record_window(len(drafts), result)
-            outputs += self._emit(req, result.token_ids, logits, start)
+            outputs += self.emit(req, result.token_ids, logits, start)
             hidden_rows.append((req, start + result.num_accepted - 1))
         self.speculator.after_step(self.runner, hidden_rows, fwd.hidden)
         return outputs
@@ -475,7 +360,7 @@ class Engine:
             return []
         if all(req.params.greedy and not req.params.has_penalties for req, *_ in windows):
             return self._verify_greedy(windows, logits)
-        contexts = [self._context(req, drafts[:j], logits.device) for req, _, w, drafts in windows for j in range(w)]
+        contexts = [self.row_context(req, drafts[:j], logits.device) for req, _, w, drafts in windows for j in range(w)]
         probs = self.sampler.target_probs(logits, contexts)
         # one host transfer for the whole batch: greedy rows verify from these, NaN rows fail alone
         argmax = probs.argmax(dim=-1).tolist()
@@ -504,7 +389,7 @@ class Engine:
         starts, widths, drafts = [w[1] for w in windows], [w[2] for w in windows], [w[3] for w in windows]
         return verify_greedy_windows(starts, widths, drafts, logits)
 
-    def _context(self, req: Request, drafts: list[int], device: torch.device) -> RowContext:
+    def row_context(self, req: Request, drafts: list[int], device: torch.device) -> RowContext:
         if req.params.seed is not None and req.generator is None:
             req.generator = torch.Generator(device=device).manual_seed(req.params.seed)
         output = req.output_ids + drafts if req.params.has_penalties else []
@@ -521,7 +406,7 @@ class Engine:
         index = min(result.num_accepted, len(s.accepted_length_counts)) - 1
         s.accepted_length_counts[index] += 1
 
-    def _emit(self, req: Request, token_ids: list[int], logits: torch.Tensor, start: int) -> list[EngineOutput]:
+    def emit(self, req: Request, token_ids: list[int], logits: torch.Tensor, start: int) -> list[EngineOutput]:
         """Append tokens until a stop token or the length cap, and report them (`logits[start:]` are the tokens'
         rows, read only when the request asked for log-probabilities)."""
         is_first = not req.output_ids
@@ -552,10 +437,10 @@ class Engine:
             req.prompt_logprobs, req.prompt_top_logprobs = [], []
         outputs: list[EngineOutput] = [chunk]
         if reason is not None:
-            outputs += self._finish(req, reason)
+            outputs += self.finish(req, reason)
         return outputs
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> list[EngineOutput]:
+    def finish(self, req: Request, reason: str, error: str | None = None) -> list[EngineOutput]:
         if req.is_finished:
             return []
         # after a failed step the state is suspect: only cleanly finished or aborted requests feed the cache

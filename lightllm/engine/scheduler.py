@@ -175,9 +175,11 @@ class Scheduler:
             # drafts only while the step's budget and the KV cache have room; the width never exceeds the runner's
             # a request still prefilling feeds its last token: nothing was drafted after it (drafts from before a
             # preemption belong to an older position)
-            num_drafts = 0 if req.is_prefilling else max(
-                0, min(len(req.draft_ids), self.max_width - 1, budget, free_kv, req.num_remaining_tokens - 1)
-            )  # fmt: skip
+            num_drafts = (
+                0
+                if req.is_prefilling
+                else max(0, min(len(req.draft_ids), self.max_width - 1, budget, free_kv, req.num_remaining_tokens - 1))
+            )
             budget -= num_drafts
             free_kv -= num_drafts
             drafts = req.draft_ids[:num_drafts]

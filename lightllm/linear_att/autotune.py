@@ -66,8 +66,11 @@ class TuneKey:
     lower_bound: str = ""
 
     def to_str(self) -> str:
-        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name not in _OMITTED_AT_DEFAULT
-                        or getattr(self, f.name) != f.default)  # fmt: skip
+        return "|".join(
+            f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if f.name not in _OMITTED_AT_DEFAULT or getattr(self, f.name) != f.default
+        )
 
     @classmethod
     def from_str(cls, s: str) -> TuneKey:

@@ -136,8 +136,16 @@ def causal_conv_decode(
     return fn(x, conv, conv_offset, slots, widths, weight, bias)
 
 
-def native_verify(tokens: TokenInputs, state: NativeBuffers, slots: torch.Tensor, widths: torch.Tensor, *,
-                  config=None, algorithm=None, backend: str | None = None) -> torch.Tensor:  # fmt: skip
+def native_verify(
+    tokens: TokenInputs,
+    state: NativeBuffers,
+    slots: torch.Tensor,
+    widths: torch.Tensor,
+    *,
+    config=None,
+    algorithm=None,
+    backend: str | None = None,
+) -> torch.Tensor:
     """Native decode/verify of one layer. state: ssm `[S, Wmax, HV, K, V]` (state dtype), ssm_index `[S]` int32.
 
     Reads `ssm[slot, ssm_index[slot]]`; in place: writes the state after window token s into `ssm[slot, s]` for
@@ -146,8 +154,16 @@ def native_verify(tokens: TokenInputs, state: NativeBuffers, slots: torch.Tensor
     return _tuned_impl("native_verify", backend, tokens.q, config, algorithm)(tokens, state, slots, widths)
 
 
-def compact_verify(tokens: TokenInputs, state: CompactBuffers, slots: torch.Tensor, widths: torch.Tensor, *,
-                   config=None, algorithm=None, backend: str | None = None) -> torch.Tensor:  # fmt: skip
+def compact_verify(
+    tokens: TokenInputs,
+    state: CompactBuffers,
+    slots: torch.Tensor,
+    widths: torch.Tensor,
+    *,
+    config=None,
+    algorithm=None,
+    backend: str | None = None,
+) -> torch.Tensor:
     """Compact verify of one layer: merge the previous window's accepted tokens, then verify like `native_verify`.
 
     state: ssm `[S, HV, K, V]`; two fp32 record buffers per slot of what the verify computed for each window token:
@@ -195,7 +211,7 @@ def replay_verify(
     state: ssm `[S, HV, K, V]` (state dtype); hist_k `[S, 2, L, H, K]`, hist_u `[S, 2, L, HV, V]`,
     hist_g `[S, 2, L, HV, GK]` (fp32; `hist_g` holds the cumulative gate G_j since `ssm`); cursor, parity `[S]`
     int32 (read only). With `h = cursor[slot]`, `p = parity[slot]`:
-      h + W > L (fold): in place `ssm[slot] <- S_h` (fp32 math, rounded once), records of the window go to
+      a fold (`replay_folds`): in place `ssm[slot] <- S_h` (fp32 math, rounded once), records of the window go to
       buffer `1 - p` at positions 0..W-1 (G restarting from 0);
       otherwise records go to buffer `p` at positions h..h+W-1.
     projection: "inline" or "precompute", the order of the Triton window kernel for W > 1 (same math, one launch,
@@ -240,7 +256,7 @@ def replay_accept(
     """Advance the per-slot scalars once per step after the last layer (device side, no host sync).
 
     cursor, parity, conv_offset `[S]` int32, in place; slots, widths, accepted `[N]` int32. For rows with W > 0:
-    fold (`h + W > replay_capacity`) -> `cursor = a`, `parity ^= 1`; else `cursor = h + a`; and `conv_offset = a - 1`.
+    a fold (`replay_folds`) -> `cursor = a`, `parity ^= 1`; else `cursor = h + a`; and `conv_offset = a - 1`.
     """
     fn = _impl("replay_accept", backend, cursor)
     return fn(cursor, parity, conv_offset, slots, widths, accepted, replay_capacity)
@@ -288,6 +304,7 @@ def chunk_delta_rule(
     CUDA runs fla-core's `chunk_gated_delta_rule` / `chunk_kda`; CPU the torch chunked form.
     """
     if _use_triton(backend, q):
-        return fla_prefill.chunk_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
-                                            algorithm=algorithm)  # fmt: skip
+        return fla_prefill.chunk_delta_rule(
+            q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, algorithm=algorithm
+        )
     return prefill_twin.chunk_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)

@@ -102,11 +102,19 @@ def tune_serving_shape(
     if not missing:
         return []
     rows = num_rows or max(1, min(256, state.config.max_requests))
-    with torch.no_grad(), tqdm(total=len(missing), desc="decode kernel autotune", unit="kernel",
-                               disable=not progress) as bar:  # fmt: skip
-        found, _ = tuning.tune([serving_case(state, spec)], num_rows=rows, device=state.device,
-                                 log=lambda _: None, configs=configs, only=set(missing),
-                                 on_done=lambda _: bar.update())  # fmt: skip
+    with (
+        torch.no_grad(),
+        tqdm(total=len(missing), desc="decode kernel autotune", unit="kernel", disable=not progress) as bar,
+    ):
+        found, _ = tuning.tune(
+            [serving_case(state, spec)],
+            num_rows=rows,
+            device=state.device,
+            log=lambda _: None,
+            configs=configs,
+            only=set(missing),
+            on_done=lambda _: bar.update(),
+        )
     if state.device.type == "cuda":
         torch.cuda.synchronize(state.device)
     # re-read: another rank of a tensor-parallel group may have added its shapes meanwhile

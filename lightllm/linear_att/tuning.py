@@ -40,8 +40,16 @@ class TuneCase:
         return algorithm(self.algo).gate_dim(self.K)
 
 
-def served_cases(algorithm, heads, head_dim: int, *, state_dtypes=(torch.float32, torch.bfloat16),
-                 act_dtype=torch.bfloat16, widths=(1, 2, 4), replay_capacity: int = 16) -> list[TuneCase]:  # fmt: skip
+def served_cases(
+    algorithm,
+    heads,
+    head_dim: int,
+    *,
+    state_dtypes=(torch.float32, torch.bfloat16),
+    act_dtype=torch.bfloat16,
+    widths=(1, 2, 4),
+    replay_capacity: int = 16,
+) -> list[TuneCase]:
     """The tuning cases of one algorithm's shipped table: every (key heads, value heads) of `heads` x state dtype x
     verify width, at head dims `head_dim`."""
     return [

@@ -3,19 +3,19 @@ spawned process; tests inject a fake one the same way."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections.abc import Callable
 
 from lightllm.engine.batch import ModelRunnerProtocol
 from lightllm.server.args import ServerArgs
 from lightllm.server.model_info import ModelInfo
+from lightllm.worker.config import RunnerConfig
 
 DEFAULT_RUNNER_FACTORY = "lightllm.server.runner_factory:create_runner"
 
 
 def create_runner(args: ServerArgs, info: ModelInfo) -> ModelRunnerProtocol:
-    """The real runner: `RunnerConfig` fields are named like the server flags, so they are copied by name.
+    """The real runner, configured by `runner_config`.
 
     Without --max_total_token_num the runner sizes its KV cache itself, after loading weights and state (one
     load; see `lightllm.worker.kv_sizing`). With --tp N the follower ranks start here and rank 0's runner comes back
@@ -48,19 +48,42 @@ def create_tp_runner(args: ServerArgs, info: ModelInfo, group, owns_group: bool 
     return LockstepRunner(build_rank_runner(args, info, 0, group.size), group, owns_group)
 
 
+def runner_config(args: ServerArgs, rank: int = 0, size: int = 1) -> RunnerConfig:
+    """The runner options of tensor-parallel rank `rank` of `size`, from resolved server flags (same names).
+    Options a flag leaves unset after `resolve` (replay's outside replay mode, the memory share when the KV size
+    is given) keep the runner's defaults."""
+    device = f"cuda:{rank}" if size > 1 and args.device == "cuda" else args.device
+    unset = {"replay_capacity", "replay_projection_mode", "mem_fraction"}
+    optional = {name: getattr(args, name) for name in unset if getattr(args, name) is not None}
+    return RunnerConfig(
+        model_dir=args.model_dir,
+        data_type=args.data_type,
+        device=device,
+        ssm_state_mode=args.ssm_state_mode,
+        linear_att_ssm_data_type=args.linear_att_ssm_data_type,
+        mtp_step=args.mtp_step,
+        max_width=args.max_width,
+        max_running_requests=args.max_running_requests,
+        # None is meaningful here: the runner sizes the KV cache
+        max_total_token_num=args.max_total_token_num,
+        max_req_total_len=args.max_req_total_len,
+        tp_rank=rank,
+        tp_size=size,
+        graph_max_batch_size=args.graph_max_batch_size,
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+        disable_cudagraph=args.disable_cudagraph,
+        disable_prefix_cache=args.disable_prefix_cache,
+        prefix_cache_state_fraction=args.prefix_cache_state_fraction,
+        prefix_cache_state_bytes=args.prefix_cache_state_bytes,
+        **optional,
+    )
+
+
 def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: int = 1):
     """This rank's `ModelRunner`, warmed up (and with its decode and short-prefill graphs captured on CUDA)."""
-    from lightllm.worker.runner import ModelRunner, RunnerConfig
+    from lightllm.worker.runner import ModelRunner
 
-    names = {f.name for f in dataclasses.fields(RunnerConfig)}
-    flags = {k: v for k, v in dataclasses.asdict(args).items() if k in names and v is not None}
-    flags["max_width"] = args.max_width
-    # None is meaningful here: the runner sizes the KV cache
-    flags["max_total_token_num"] = args.max_total_token_num
-    flags.update(tp_rank=rank, tp_size=size)
-    if size > 1 and args.device == "cuda":
-        flags["device"] = f"cuda:{rank}"
-    runner = ModelRunner(RunnerConfig(**flags))
+    runner = ModelRunner(runner_config(args, rank, size))
     # fla's chunk kernels autotune on their first call per shape: pay it at start-up, not in a request (CPU: no-op)
     runner.warmup(args.chunked_prefill_size, progress=rank == 0)
     if runner.device.type == "cuda" and not args.disable_cudagraph:

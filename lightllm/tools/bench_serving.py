@@ -116,8 +116,14 @@ async def _conversation(client, a, model: str, turns: list[dict], start: float, 
     """Run one job's turns in order (a random job has one turn)."""
     messages = []
     for turn in turns:
-        common = {"model": model, "max_tokens": a.output_len, "ignore_eos": True, "temperature": 0, "stream": True,
-                  "stream_options": {"include_usage": True}}  # fmt: skip
+        common = {
+            "model": model,
+            "max_tokens": a.output_len,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if "prompt" in turn:
             url, body = f"{a.base_url}/v1/completions", {**common, "prompt": turn["prompt"]}
         else:
@@ -221,9 +227,11 @@ def _parse(argv):
 
 def _print(s: dict) -> None:
     print(f"requests {s['num_requests']} (failed {s['num_failed']}) in {s['duration_s']:.2f} s")
-    print(f"request throughput {s['request_throughput']:.2f} req/s; output {s['output_token_throughput']:.1f} tok/s; "
-          f"total {s['total_token_throughput']:.1f} tok/s; cached prompt tokens {s['cached_prompt_tokens']}"
-          f" of {s['prompt_tokens']}")  # fmt: skip
+    print(
+        f"request throughput {s['request_throughput']:.2f} req/s; output {s['output_token_throughput']:.1f} tok/s; "
+        f"total {s['total_token_throughput']:.1f} tok/s; cached prompt tokens {s['cached_prompt_tokens']}"
+        f" of {s['prompt_tokens']}"
+    )
     print("| metric | mean ms | median ms | p99 ms |\n|---|---|---|---|")
     for name in ("ttft", "tpot", "itl"):
         v = s[name]
@@ -254,10 +262,15 @@ def main(argv: list[str] | None = None) -> dict:
         ok = [r for r in results if r.ok]
         scatter_png(
             a.plot,
-            [("TTFT", [(r.start_s, r.ttft_s * 1000) for r in ok], (220, 60, 40)),
-             ("TPOT", [(r.start_s, (r.latency_s - r.ttft_s) / max(r.output_tokens - 1, 1) * 1000) for r in ok],
-              (40, 90, 220))],
-        )  # fmt: skip
+            [
+                ("TTFT", [(r.start_s, r.ttft_s * 1000) for r in ok], (220, 60, 40)),
+                (
+                    "TPOT",
+                    [(r.start_s, (r.latency_s - r.ttft_s) / max(r.output_tokens - 1, 1) * 1000) for r in ok],
+                    (40, 90, 220),
+                ),
+            ],
+        )
     return summary
 
 

@@ -75,8 +75,11 @@ def _gpu_ms_per_step(engine, num_steps: int, top_kernels: int = 0) -> float | No
     total_us = sum(e.self_device_time_total for e in events)
     for e in events[:top_kernels]:
         share = e.self_device_time_total / max(total_us, 1e-9)
-        print(f"  kernel {e.key[:90]}: {e.self_device_time_total / 1000 / num_steps:.3f} ms/step "
-              f"({share:.0%}, {e.count / num_steps:.0f} calls)", flush=True)  # fmt: skip
+        print(
+            f"  kernel {e.key[:90]}: {e.self_device_time_total / 1000 / num_steps:.3f} ms/step "
+            f"({share:.0%}, {e.count / num_steps:.0f} calls)",
+            flush=True,
+        )
     return total_us / 1000 / num_steps
 
 
@@ -167,8 +170,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     batches = [int(b) for b in a.batch_sizes.split(",")]
     rows = []
     # rows print as they finish: a run cut short by a time limit still shows what it measured
-    print("| mode | mtp | ngram | batch | out tok/s | decode tok/s | decode step ms | GPU ms/step | host ms/step "
-          "| accepted len |")  # fmt: skip
+    print(
+        "| mode | mtp | ngram | batch | out tok/s | decode tok/s | decode step ms | GPU ms/step | host ms/step "
+        "| accepted len |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for mode in a.modes.split(","):
         flags = dict(

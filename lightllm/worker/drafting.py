@@ -69,8 +69,9 @@ class MtpDrafter:
         drafts = [all_logits[-1].argmax(-1)]
         for step in range(1, mtp_step):
             self.kv.extend_many(rows, np.ones(len(rows), dtype=np.int64))
-            ctx = build_context([1] * len(rows), (cached + q_lens + step - 1).tolist(), 0, rows.tolist(), self.kv,
-                                position_offset=1)  # fmt: skip
+            ctx = build_context(
+                [1] * len(rows), (cached + q_lens + step - 1).tolist(), 0, rows.tolist(), self.kv, position_offset=1
+            )
             last = self.head(self.model.embed_tokens(drafts[-1]), last, ctx)
             all_logits.append(self.model.logits(last))
             drafts.append(all_logits[-1].argmax(-1))

@@ -78,12 +78,16 @@ def kv_tokens_for_memory(
     if tokens < max_req_total_len:
         gib = 1 << 30
         if share_left <= memory.free:
-            why = (f"--mem_fraction {mem_fraction} of {memory.total / gib:.1f} GiB, with {memory.own / gib:.1f} GiB "
-                   "held by this server (weights, linear-attention state)")  # fmt: skip
+            why = (
+                f"--mem_fraction {mem_fraction} of {memory.total / gib:.1f} GiB, with {memory.own / gib:.1f} GiB "
+                "held by this server (weights, linear-attention state)"
+            )
             fix = "raise --mem_fraction"
         else:
-            why = (f"{memory.free / gib:.1f} GiB free on the device ({(memory.total - memory.free - memory.own) / gib:.1f}"
-                   " GiB held by other processes)")  # fmt: skip
+            why = (
+                f"{memory.free / gib:.1f} GiB free on the device ({(memory.total - memory.free - memory.own) / gib:.1f}"
+                " GiB held by other processes)"
+            )
             fix = "free the device, lower --mem_fraction of the other servers on it"
         raise ValueError(
             f"{why} and {reserve_bytes / gib:.1f} GiB kept for activations leave room for {tokens} KV tokens, fewer "

@@ -16,26 +16,26 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lightllm.engine.batch import ForwardBatch, ForwardOutput
 from lightllm.cache.device_copy import to_device
-from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.kv_cache import KVCache
+from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.prefix import PrefixMatch
+from lightllm.engine.batch import ForwardBatch, ForwardOutput
 from lightllm.linear_att import StateConfig, StateMode, create_state
 from lightllm.linear_att.base import Checkpoint, DecodeRows
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
-from lightllm.worker.graphs.decode import DecodeGraphs
-from lightllm.worker.graphs.draft import DraftGraphs
-from lightllm.worker.drafting import MtpDrafter
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.loader import load_weights
-from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
+from lightllm.models.registry import load_model_config
+from lightllm.models.tp import TPInfo
+from lightllm.worker.config import RunnerConfig
+from lightllm.worker.drafting import MtpDrafter
+from lightllm.worker.graphs.decode import DecodeGraphs
+from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
+from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
 from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
-from lightllm.models.registry import load_model_config
-from lightllm.worker.config import RunnerConfig
-from lightllm.models.tp import TPInfo
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +134,15 @@ class ModelRunner:
         self.prefix_cache: RunnerPrefixCache | None = None
         if not config.disable_prefix_cache:
             self.prefix_cache = create_prefix_cache(
-                self.state, self.kv, self.drafter, cfg.hidden_size, self.dtype, self.kv_bytes_per_token(),
-                config.prefix_cache_state_fraction, config.prefix_cache_state_bytes,
-            )  # fmt: skip
+                self.state,
+                self.kv,
+                self.drafter,
+                cfg.hidden_size,
+                self.dtype,
+                self.kv_bytes_per_token(),
+                config.prefix_cache_state_fraction,
+                config.prefix_cache_state_bytes,
+            )
         self._requests: dict[int, RequestRecord] = {}
         self._pending: _PendingVerify | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -408,9 +414,13 @@ class ModelRunner:
         if num_decode:
             cached = np.asarray(batch.num_cached_tokens[np_:])
             hidden, decode_rows = decode.run(
-                ids[num_prefill_tokens:], q_lens[np_:], cached, handles[np_:], np.asarray(state_slots[np_:]),
+                ids[num_prefill_tokens:],
+                q_lens[np_:],
+                cached,
+                handles[np_:],
+                np.asarray(state_slots[np_:]),
                 first_tokens,
-            )  # fmt: skip
+            )
             parts.append(hidden)
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), decode_rows
 

@@ -75,7 +75,7 @@ def _run(mode: str, overlap: bool, stop_token: int | None, corrupt: bool = False
     runner = engine.runner
     free_start = (runner.num_free_requests(), runner.num_free_kv_tokens())
     launches = []
-    launch = engine._launch_overlapped
+    launch = engine.overlap.launch
 
     def counted(plan, first_tokens):
         launches.append(first_tokens is not None)
@@ -83,7 +83,7 @@ def _run(mode: str, overlap: bool, stop_token: int | None, corrupt: bool = False
             first_tokens = (first_tokens + 1) % runner.vocab_size
         launch(plan, first_tokens)
 
-    engine._launch_overlapped = counted
+    engine.overlap.launch = counted
     result = _drive(engine, _requests(runner.vocab_size, 11, stop_token), abort_at={40: "r3"})
     runner.evict_prefix_cache()
     assert (runner.num_free_requests(), runner.num_free_kv_tokens()) == free_start, "a pool leaked"

@@ -193,7 +193,7 @@ def test_publish_between_forward_and_accept_is_refused():
     req.draft_ids = [1, 2]
     plan = engine.scheduler.schedule()
     assert plan.decode and plan.decode[0].num_tokens == 3
-    engine.runner.forward(engine._build_batch(plan))
+    engine.runner.forward(engine.build_batch(plan))
     with pytest.raises(RuntimeError, match="between forward and accept"):
         engine.runner.publish(req.handle, req.all_ids[: req.num_computed_tokens])
 

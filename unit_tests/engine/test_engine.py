@@ -55,8 +55,8 @@ def test_engine_speculation_reduces_steps():
     spec = make_engine(FakeRunner(max_width=5), spec_ngram=4)
     tokens, _ = run(spec, prompts, params)
     assert tokens["a"] == FakeRunner().greedy(prompts["a"], 60)
-    assert plain.stats.mtp_step == 60
-    assert spec.stats.mtp_step < 30
+    assert plain.stats.num_steps == 60
+    assert spec.stats.num_steps < 30
 
 
 def test_engine_preemption_recomputes_exactly():

@@ -21,8 +21,9 @@ def bind(algorithm, *names: str):
         def run(*args, **kwargs):
             gate_dim, head_k_dim = args[0].gate_dims()
             if gate_dim != algorithm.gate_dim(head_k_dim):
-                raise ValueError(f"{algorithm.name} {name}: gate width {gate_dim}, expected "
-                                 f"{algorithm.gate_dim(head_k_dim)}")  # fmt: skip
+                raise ValueError(
+                    f"{algorithm.name} {name}: gate width {gate_dim}, expected {algorithm.gate_dim(head_k_dim)}"
+                )
             return op(*args, algorithm=algorithm, **kwargs)
 
         return run

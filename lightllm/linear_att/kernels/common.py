@@ -38,8 +38,9 @@ def layer_program_heads(H: tl.constexpr, HV: tl.constexpr):
 
 
 @triton.jit
-def tile_offsets(i_v, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 BG: tl.constexpr):  # fmt: skip
+def tile_offsets(
+    i_v, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr
+):
     """A program's place in one head, as one tuple the building blocks below take (`tile`): offsets and masks of
     the keys `o_k, m_k [BK]`, of its V tile `o_v, m_v [BV]` (tile `i_v`), of the gate channels `o_g, m_g [BG]`,
     and the mask `m_kv` of its `[BK, BV]` state tile."""

@@ -22,10 +22,29 @@ def _silu(x):
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def causal_conv_decode_kernel(x, conv, conv_offset, slots, widths, weight, bias, y,
-                              stride_x_n, stride_x_w, stride_conv_s, stride_conv_c, stride_y_n, stride_y_w,
-                              C: tl.constexpr, KC: tl.constexpr, WMAX: tl.constexpr, WC: tl.constexpr,
-                              BC: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+def causal_conv_decode_kernel(
+    x,
+    conv,
+    conv_offset,
+    slots,
+    widths,
+    weight,
+    bias,
+    y,
+    stride_x_n,
+    stride_x_w,
+    stride_conv_s,
+    stride_conv_c,
+    stride_y_n,
+    stride_y_w,
+    C: tl.constexpr,
+    KC: tl.constexpr,
+    WMAX: tl.constexpr,
+    WC: tl.constexpr,
+    BC: tl.constexpr,
+    BT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     i_c, i_n = tl.program_id(0), tl.program_id(1).to(tl.int64)
     width = tl.load(widths + i_n)
     live = width > 0
@@ -90,10 +109,28 @@ def causal_conv_decode_triton(x, conv, conv_offset, slots, widths, weight, bias)
     if N == 0:
         return y
     causal_conv_decode_kernel[(triton.cdiv(C, BC), N)](
-        x, conv, conv_offset, slots, widths, weight, bias, y,
-        x.stride(0), x.stride(1), conv.stride(0), conv.stride(1), y.stride(0), y.stride(1),
-        C=C, KC=KC, WMAX=WMAX, WC=WC, BC=BC, BT=triton.next_power_of_2(KC - 1 + WMAX), num_warps=4,
-    )  # fmt: skip
+        x,
+        conv,
+        conv_offset,
+        slots,
+        widths,
+        weight,
+        bias,
+        y,
+        x.stride(0),
+        x.stride(1),
+        conv.stride(0),
+        conv.stride(1),
+        y.stride(0),
+        y.stride(1),
+        C=C,
+        KC=KC,
+        WMAX=WMAX,
+        WC=WC,
+        BC=BC,
+        BT=triton.next_power_of_2(KC - 1 + WMAX),
+        num_warps=4,
+    )
     return y
 
 
@@ -110,10 +147,27 @@ def _tap_source_strided(p_x, p_hist, pos, length, stride_x_t, m_c, has_init):
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def causal_conv_prefill_kernel(x, conv, conv_offset, slots, cu_seqlens, weight, bias, has_initial_state, y,
-                               stride_x_t, stride_conv_s, stride_conv_c, stride_y_t,
-                               C: tl.constexpr, KC: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-                               BH: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+def causal_conv_prefill_kernel(
+    x,
+    conv,
+    conv_offset,
+    slots,
+    cu_seqlens,
+    weight,
+    bias,
+    has_initial_state,
+    y,
+    stride_x_t,
+    stride_conv_s,
+    stride_conv_c,
+    stride_y_t,
+    C: tl.constexpr,
+    KC: tl.constexpr,
+    BC: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     i_c, i_n = tl.program_id(0), tl.program_id(1).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
@@ -164,8 +218,24 @@ def causal_conv_prefill_triton(
     if N == 0:
         return y
     causal_conv_prefill_kernel[(triton.cdiv(C, BC), N)](
-        x, conv, conv_offset, slots, cu_seqlens, weight, bias, has_initial_state, y,
-        x.stride(0), conv.stride(0), conv.stride(1), y.stride(0),
-        C=C, KC=KC, BC=BC, BT=16, BH=triton.next_power_of_2(max(KC - 1, 1)), num_warps=4,
-    )  # fmt: skip
+        x,
+        conv,
+        conv_offset,
+        slots,
+        cu_seqlens,
+        weight,
+        bias,
+        has_initial_state,
+        y,
+        x.stride(0),
+        conv.stride(0),
+        conv.stride(1),
+        y.stride(0),
+        C=C,
+        KC=KC,
+        BC=BC,
+        BT=16,
+        BH=triton.next_power_of_2(max(KC - 1, 1)),
+        num_warps=4,
+    )
     return y

@@ -2,8 +2,8 @@
 
 One program covers `BLOCK` rows; every row touches only its own slot, so there is no cross-program hazard (slots
 of live rows are distinct; padding rows, width 0, write nothing). Runs once per model step after the last layer,
-entirely on the device (CUDA-graph safe). The fold predicate (`h + W > L`) is the one the replay
-decode and window kernels used.
+entirely on the device (CUDA-graph safe). It folds exactly the rows the replay decode and
+window kernels folded: all three decide with `common.replay_folds`.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ def replay_accept_triton(cursor, parity, conv_offset, slots, widths, accepted, r
     assert cursor.dtype == parity.dtype == conv_offset.dtype == torch.int32
     if N == 0:
         return
-    replay_accept_kernel[(triton.cdiv(N, ACCEPT_BLOCK),)](cursor, parity, conv_offset, slots, widths, accepted, N,
-                                                          L=replay_capacity, BLOCK=ACCEPT_BLOCK, num_warps=4)  # fmt: skip
+    replay_accept_kernel[(triton.cdiv(N, ACCEPT_BLOCK),)](
+        cursor, parity, conv_offset, slots, widths, accepted, N, L=replay_capacity, BLOCK=ACCEPT_BLOCK, num_warps=4
+    )
 
 
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)

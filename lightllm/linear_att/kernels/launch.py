@@ -33,8 +33,18 @@ def verify_launch_args(tokens, state_pointers, state_strides, slots, widths, o) 
     """The leading arguments of every verify kernel (serial, replay decode, replay window), in their order: the
     token pointers (a tuple), the state pointers (a tuple), slots, widths, o, scale, lower_bound, the token strides,
     o's row / token strides and the state strides (tuples)."""
-    return (tokens.pointers, tuple(state_pointers), slots, widths, o, tokens.kernel_scale, tokens.lower_bound,
-            tokens.strides, tuple(o.stride()[:2]), tuple(state_strides))  # fmt: skip
+    return (
+        tokens.pointers,
+        tuple(state_pointers),
+        slots,
+        widths,
+        o,
+        tokens.kernel_scale,
+        tokens.lower_bound,
+        tokens.strides,
+        tuple(o.stride()[:2]),
+        tuple(state_strides),
+    )
 
 
 def state_shape(H: int, HV: int, K: int, V: int, GK: int, block_v: int) -> dict[str, int]:
@@ -53,8 +63,9 @@ def tuned(config, algorithm, GK: int, K: int, key: autotune.TuneKey) -> autotune
     return algorithm.lookup(key)
 
 
-def serial_config(config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, width, device, lower_bound=None,
-                  compact=False):  # fmt: skip
+def serial_config(
+    config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, width, device, lower_bound=None, compact=False
+):
     """The tiling of the serial kernel body: native verify's ("serial") or compact's ("compact", which borrows the
     serial entry where it has none; the two modes' outputs are bitwise equal only under the same tiling)."""
     family = "compact" if compact else "serial"
@@ -85,10 +96,25 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def replay_config(config, algorithm, state_dtype, act_dtype, H, HV, K, V, GK, width, replay_capacity, projection, device,
-                  lower_bound=None):  # fmt: skip
-    key = autotune.make_key("replay", device, state_dtype, act_dtype, H, HV, K, V, GK, width, replay_capacity, projection,
-                            lower_bound)  # fmt: skip
+def replay_config(
+    config,
+    algorithm,
+    state_dtype,
+    act_dtype,
+    H,
+    HV,
+    K,
+    V,
+    GK,
+    width,
+    replay_capacity,
+    projection,
+    device,
+    lower_bound=None,
+):
+    key = autotune.make_key(
+        "replay", device, state_dtype, act_dtype, H, HV, K, V, GK, width, replay_capacity, projection, lower_bound
+    )
     return tuned(config, algorithm, GK, K, key)
 
 

@@ -11,7 +11,7 @@ so S0 is contracted with two vectors and never written, and the history adds `h`
 The per-(row, head) scalars (l2norm, gates, history weights) are recomputed by each V tile from L2: cheaper than
 a second launch and a coefficient round trip through memory.
 
-Fold, decided per row on the device (`h + 1 > L`): each program rebuilds S_h on its own `[K, BV]` columns as
+Fold, decided per row on the device (`common.replay_folds` at width 1): each program rebuilds S_h on its own `[K, BV]` columns as
 `e^{G_h} S0 + sum_j (e^{G_h - G_j} k_hat_j) u_j^T` (fp32 FMAs, records streamed one by one, so the fold costs no
 registers beyond the tile), writes it rounded to the state dtype and continues from the rounded value with an
 empty history. Only this program reads those columns, and the record goes to position 0 of buffer `1 - p`
@@ -43,15 +43,44 @@ from lightllm.linear_att.kernels.launch import state_shape, verify_launch_args
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def replay_decode_kernel(tokens, state, slots, widths, o, scale, lower_bound, token_strides, o_strides, state_strides,
-                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr, L: tl.constexpr, BL: tl.constexpr,
-                         USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+def replay_decode_kernel(
+    tokens,
+    state,
+    slots,
+    widths,
+    o,
+    scale,
+    lower_bound,
+    token_strides,
+    o_strides,
+    state_strides,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BG: tl.constexpr,
+    L: tl.constexpr,
+    BL: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
     q, k, v, graw, braw, A_log, dt_bias = tokens
     stride_q_n, stride_q_w, stride_v_n, stride_v_w, stride_g_n, stride_g_w, stride_b_n, stride_b_w = token_strides
     ssm, hist_k, hist_u, hist_g, cursor, parity = state
-    (stride_ssm_s, stride_hk_s, stride_hk_b, stride_hk_l, stride_hu_s, stride_hu_b, stride_hu_l, stride_hg_s,
-     stride_hg_b, stride_hg_l) = state_strides  # fmt: skip
+    (
+        stride_ssm_s,
+        stride_hk_s,
+        stride_hk_b,
+        stride_hk_l,
+        stride_hu_s,
+        stride_hu_b,
+        stride_hu_l,
+        stride_hg_s,
+        stride_hg_b,
+        stride_hg_l,
+    ) = state_strides
     i_v, i_n, i_hv, i_h = program_heads(H, HV)
     live = tl.load(widths + i_n) > 0
     slot = tl.load(slots + i_n).to(tl.int64)

@@ -25,13 +25,40 @@ from lightllm.linear_att.kernels.replay_verify import block_v, check_history
 
 @triton.heuristics({"HAS_OUT": lambda args: args["out"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def replay_fold_kernel(state, slots, out, state_strides, out_strides,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr,
-                       L: tl.constexpr, HAS_OUT: tl.constexpr):  # fmt: skip
+def replay_fold_kernel(
+    state,
+    slots,
+    out,
+    state_strides,
+    out_strides,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BG: tl.constexpr,
+    L: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+):
     ssm, hist_k, hist_u, hist_g, cursor, parity = state
-    (stride_ssm_l, stride_ssm_s, stride_hk_l, stride_hk_s, stride_hk_b, stride_hk_j, stride_hu_l, stride_hu_s,
-     stride_hu_b, stride_hu_j, stride_hg_l, stride_hg_s, stride_hg_b, stride_hg_j) = state_strides  # fmt: skip
+    (
+        stride_ssm_l,
+        stride_ssm_s,
+        stride_hk_l,
+        stride_hk_s,
+        stride_hk_b,
+        stride_hk_j,
+        stride_hu_l,
+        stride_hu_s,
+        stride_hu_b,
+        stride_hu_j,
+        stride_hg_l,
+        stride_hg_s,
+        stride_hg_b,
+        stride_hg_j,
+    ) = state_strides
     stride_out_l, stride_out_n = out_strides
     i_v, i_n, i_l, i_hv, i_h = layer_program_heads(H, HV)
     slot = tl.load(slots + i_n).to(tl.int64)

@@ -14,7 +14,7 @@ Both cases are one launch, one program per (V tile, row, value head): plain deco
 S0 contracted token by token inside the window loop; "precompute": for every window token before it). Every
 contraction is fp32 FMAs on registers.
 
-Fold, decided per row on the device: if `h + W > L`, each program rebuilds S_h = e^{G_h} S0 + K~^T U on its own
+Fold, decided per row on the device (`common.replay_folds`): each program rebuilds S_h = e^{G_h} S0 + K~^T U on its own
 columns (`common.fold_if_full`), stores it rounded once and continues from it with an empty history; the
 window's records go to positions 0..W-1 of buffer `1 - p`, otherwise to h..h+W-1 of buffer `p`. Readers in a
 launch only read buffer `p` at positions < h, so no program overwrites a record another program (another V
@@ -61,8 +61,22 @@ def replay_verify_triton(
     assert L >= WMAX, f"replay replay_capacity {L} must cover the verify width {WMAX}"
     assert ssm.dim() == 4 and ssm.shape[1:] == (HV, K, V) and ssm.stride(1) == K * V and ssm.stride(3) == 1
     check_history(state, H, HV, K, V, GK, leading=1)
-    cfg = replay_config(config, algorithm, ssm.dtype, tokens.v.dtype, H, HV, K, V, GK, WMAX, L, projection,
-                        ssm.device, tokens.lower_bound)  # fmt: skip
+    cfg = replay_config(
+        config,
+        algorithm,
+        ssm.dtype,
+        tokens.v.dtype,
+        H,
+        HV,
+        K,
+        V,
+        GK,
+        WMAX,
+        L,
+        projection,
+        ssm.device,
+        tokens.lower_bound,
+    )
     # a pinned configuration is launched as given; a looked-up one is narrowed for a batch too small to fill the GPU
     bv = block_v(cfg, V, ssm.device)
     if config is None:

@@ -29,7 +29,7 @@ The projection mode picks how the state part Y_S = S_h^T (e^{r_s} x) is formed (
   which makes the kernel L1-bound (`test/benchmark/results/h200_profile_models_serving.md`). On the H200 precompute is still ~2.5x slower than
   inline at every launch config timed (`docs/benchmarks.md`), so inline is the default.
 
-Rows past a row's width are zero (g = 0, beta = 0), write no record and store o = 0. The fold (`h + W > L`):
+Rows past a row's width are zero (g = 0, beta = 0), write no record and store o = 0. A fold (`common.replay_folds`):
 each program writes S_h of its own columns rounded once to the state dtype and continues from it with an empty
 history; records go to positions 0..W-1 of buffer `1 - p`, which no reader in the launch reads.
 """
@@ -62,8 +62,9 @@ from lightllm.linear_att.kernels.launch import state_shape, verify_launch_args
 
 
 @triton.jit
-def window_gate_sums(p_g, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lower_bound,
-                     USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+def window_gate_sums(
+    p_g, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND: tl.constexpr
+):
     """The window's cumulative log decays `r_s = g_1 + ... + g_s` as one `[BW, BG]` block (rows past the width
     zero): one gate activation per row and channel. `p_g` points at the row's first token's raw gates."""
     m_wg = m_w[:, None] & m_g[None, :]
@@ -74,16 +75,50 @@ def window_gate_sums(p_g, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lo
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def replay_window_kernel(tokens, state, slots, widths, o, scale, lower_bound, token_strides, o_strides, state_strides,
-                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr, L: tl.constexpr, WMAX: tl.constexpr,
-                         BL: tl.constexpr, BW: tl.constexpr, LOG2_BW: tl.constexpr, DOT_PAD: tl.constexpr,
-                         PRECOMPUTE: tl.constexpr, PRECISION: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+def replay_window_kernel(
+    tokens,
+    state,
+    slots,
+    widths,
+    o,
+    scale,
+    lower_bound,
+    token_strides,
+    o_strides,
+    state_strides,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BG: tl.constexpr,
+    L: tl.constexpr,
+    WMAX: tl.constexpr,
+    BL: tl.constexpr,
+    BW: tl.constexpr,
+    LOG2_BW: tl.constexpr,
+    DOT_PAD: tl.constexpr,
+    PRECOMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
     q, k, v, graw, braw, A_log, dt_bias = tokens
     stride_q_n, stride_q_w, stride_v_n, stride_v_w, stride_g_n, stride_g_w, stride_b_n, stride_b_w = token_strides
     ssm, hist_k, hist_u, hist_g, cursor, parity = state
-    (stride_ssm_s, stride_hk_s, stride_hk_b, stride_hk_l, stride_hu_s, stride_hu_b, stride_hu_l, stride_hg_s,
-     stride_hg_b, stride_hg_l) = state_strides  # fmt: skip
+    (
+        stride_ssm_s,
+        stride_hk_s,
+        stride_hk_b,
+        stride_hk_l,
+        stride_hu_s,
+        stride_hu_b,
+        stride_hu_l,
+        stride_hg_s,
+        stride_hg_b,
+        stride_hg_l,
+    ) = state_strides
     i_v, i_n, i_hv, i_h = program_heads(H, HV)
     width = tl.load(widths + i_n)
     live = width > 0
@@ -134,8 +169,9 @@ def replay_window_kernel(tokens, state, slots, widths, o, scale, lower_bound, to
         b_hu = tl.load(p_hu + o_l[:, None] * stride_hu_l + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0)
         b_hkw, b_gh = history_weights(b_hk, b_hg, m_l, h)  # [BL, BK] K~_j, [BG] G_h
         b_s, b_hkw, b_hu, b_gh, h, buf = fold_if_full(fold, b_s, b_hkw, b_hu, b_gh, p_s, history, h, par, tile)
-        b_rw = window_gate_sums(graw + p_g0, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lower_bound,
-                                USE_LOWER_BOUND)  # fmt: skip
+        b_rw = window_gate_sums(
+            graw + p_g0, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND
+        )
         b_qw = b_qw * b_nq[:, None]
         b_kw = b_kw * b_nk[:, None]
         # a_s(x) = e^{r_s} x, keys and queries stacked into one [2 BW, K] operand
@@ -162,8 +198,9 @@ def replay_window_kernel(tokens, state, slots, widths, o, scale, lower_bound, to
         if BG == 1:
             # GDN: the window's gates as one block (one activation per row, not one per thread and token); the
             # decays scale the results after the loop
-            b_rw = window_gate_sums(graw + p_g0, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lower_bound,
-                                    USE_LOWER_BOUND)  # fmt: skip
+            b_rw = window_gate_sums(
+                graw + p_g0, stride_g_w, m_w, o_w, o_g, m_g, b_a_log, b_dt_bias, lower_bound, USE_LOWER_BOUND
+            )
         else:
             # KDA: per-channel gates token by token in the rows' layout (a block here would cost a layout change
             # of each row's decays: more instructions, `sass_mix_linear_att.py`)

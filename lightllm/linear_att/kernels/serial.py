@@ -73,16 +73,46 @@ def merge_window_tokens(b_s, p_s, window, num_tokens, tile):
 
 @triton.heuristics({"USE_LOWER_BOUND": lambda args: args["lower_bound"] is not None})
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def serial_verify_kernel(tokens, state, slots, widths, o, scale, lower_bound, token_strides, o_strides, state_strides,
-                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr, WMAX: tl.constexpr,
-                         USE_LOWER_BOUND: tl.constexpr, COMPACT: tl.constexpr):  # fmt: skip
+def serial_verify_kernel(
+    tokens,
+    state,
+    slots,
+    widths,
+    o,
+    scale,
+    lower_bound,
+    token_strides,
+    o_strides,
+    state_strides,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BG: tl.constexpr,
+    WMAX: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+    COMPACT: tl.constexpr,
+):
     q, k, v, graw, braw, A_log, dt_bias = tokens
     stride_q_n, stride_q_w, stride_v_n, stride_v_w, stride_g_n, stride_g_w, stride_b_n, stride_b_w = token_strides
     stride_o_n, stride_o_w = o_strides
     ssm, ssm_index, win_k, win_u, win_g, pending, parity = state
-    (stride_ssm_s, stride_ssm_w, stride_wk_s, stride_wk_b, stride_wk_w, stride_wu_s, stride_wu_b, stride_wu_w,
-     stride_wg_s, stride_wg_b, stride_wg_w) = state_strides  # fmt: skip
+    (
+        stride_ssm_s,
+        stride_ssm_w,
+        stride_wk_s,
+        stride_wk_b,
+        stride_wk_w,
+        stride_wu_s,
+        stride_wu_b,
+        stride_wu_w,
+        stride_wg_s,
+        stride_wg_b,
+        stride_wg_w,
+    ) = state_strides
     i_v, i_n, i_hv, i_h = program_heads(H, HV)
     width = tl.load(widths + i_n)
     slot = tl.load(slots + i_n).to(tl.int64)
@@ -101,10 +131,14 @@ def serial_verify_kernel(tokens, state, slots, widths, o, scale, lower_bound, to
         buf_read = tl.load(parity + slot).to(tl.int64)
         buf_write = 1 - buf_read
         b_s = tl.load(p_s, mask=m_kv & (width > 0), other=0).to(tl.float32)  # [BK, BV]
-        window = (win_k + slot * stride_wk_s + buf_read * stride_wk_b + i_h * K,
-                  win_u + slot * stride_wu_s + buf_read * stride_wu_b + i_hv * V,
-                  win_g + slot * stride_wg_s + buf_read * stride_wg_b + i_hv * GK,
-                  stride_wk_w, stride_wu_w, stride_wg_w)  # fmt: skip
+        window = (
+            win_k + slot * stride_wk_s + buf_read * stride_wk_b + i_h * K,
+            win_u + slot * stride_wu_s + buf_read * stride_wu_b + i_hv * V,
+            win_g + slot * stride_wg_s + buf_read * stride_wg_b + i_hv * GK,
+            stride_wk_w,
+            stride_wu_w,
+            stride_wg_w,
+        )
         b_s = merge_window_tokens(b_s, p_s, window, num_pending, tile)
         p_wk = win_k + slot * stride_wk_s + buf_write * stride_wk_b + i_h * K + o_k
         p_wu = win_u + slot * stride_wu_s + buf_write * stride_wu_b + i_hv * V + o_v
@@ -147,12 +181,37 @@ def serial_verify_kernel(tokens, state, slots, widths, o, scale, lower_bound, to
 
 
 @triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
-def compact_commit_kernel(state, slots, state_strides,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GK: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, BG: tl.constexpr, WMAX: tl.constexpr):  # fmt: skip
+def compact_commit_kernel(
+    state,
+    slots,
+    state_strides,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BG: tl.constexpr,
+    WMAX: tl.constexpr,
+):
     ssm, win_k, win_u, win_g, pending, parity = state
-    (stride_ssm_l, stride_ssm_s, stride_wk_l, stride_wk_s, stride_wk_b, stride_wk_w, stride_wu_l, stride_wu_s,
-     stride_wu_b, stride_wu_w, stride_wg_l, stride_wg_s, stride_wg_b, stride_wg_w) = state_strides  # fmt: skip
+    (
+        stride_ssm_l,
+        stride_ssm_s,
+        stride_wk_l,
+        stride_wk_s,
+        stride_wk_b,
+        stride_wk_w,
+        stride_wu_l,
+        stride_wu_s,
+        stride_wu_b,
+        stride_wu_w,
+        stride_wg_l,
+        stride_wg_s,
+        stride_wg_b,
+        stride_wg_w,
+    ) = state_strides
     i_v, i_n, i_l, i_hv, i_h = layer_program_heads(H, HV)
     slot = tl.load(slots + i_n).to(tl.int64)
     num_pending = tl.minimum(tl.load(pending + slot), WMAX)
@@ -163,10 +222,14 @@ def compact_commit_kernel(state, slots, state_strides,
 
     p_s = ssm + i_l * stride_ssm_l + slot * stride_ssm_s + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
     b_s = tl.load(p_s, mask=m_kv & (num_pending > 0), other=0).to(tl.float32)  # [BK, BV]
-    window = (win_k + i_l * stride_wk_l + slot * stride_wk_s + buf * stride_wk_b + i_h * K,
-              win_u + i_l * stride_wu_l + slot * stride_wu_s + buf * stride_wu_b + i_hv * V,
-              win_g + i_l * stride_wg_l + slot * stride_wg_s + buf * stride_wg_b + i_hv * GK,
-              stride_wk_w, stride_wu_w, stride_wg_w)  # fmt: skip
+    window = (
+        win_k + i_l * stride_wk_l + slot * stride_wk_s + buf * stride_wk_b + i_h * K,
+        win_u + i_l * stride_wu_l + slot * stride_wu_s + buf * stride_wu_b + i_hv * V,
+        win_g + i_l * stride_wg_l + slot * stride_wg_s + buf * stride_wg_b + i_hv * GK,
+        stride_wk_w,
+        stride_wu_w,
+        stride_wg_w,
+    )
     merge_window_tokens(b_s, p_s, window, num_pending, tile)
 
 
@@ -181,8 +244,9 @@ def _launch_verify(tokens: TokenInputs, slots, widths, state, state_strides, com
     GK = tokens.graw.shape[-1]
     check_verify_inputs(tokens, slots, widths)
     ssm = state[0]
-    cfg = serial_config(config, algorithm, ssm.dtype, tokens.v.dtype, H, HV, K, V, GK, WMAX, ssm.device,
-                        tokens.lower_bound, compact)  # fmt: skip
+    cfg = serial_config(
+        config, algorithm, ssm.dtype, tokens.v.dtype, H, HV, K, V, GK, WMAX, ssm.device, tokens.lower_bound, compact
+    )
     o = torch.empty_like(tokens.v)
     if N == 0:
         return o

@@ -32,13 +32,15 @@ class ReplayState(StateCommon):
 
     def _buffers(self, layers) -> ReplayBuffers:
         """The state of `layers` (an index: one layer; a slice: a stack of layers) as one bundle."""
-        return ReplayBuffers(self.ssm[layers], self.hist_k[layers], self.hist_u[layers], self.hist_g[layers],
-                             self.cursor, self.parity)  # fmt: skip
+        return ReplayBuffers(
+            self.ssm[layers], self.hist_k[layers], self.hist_u[layers], self.hist_g[layers], self.cursor, self.parity
+        )
 
     def decode(self, layer: int, rows: DecodeRows, mixed_qkv, graw, braw, params: LayerParams) -> torch.Tensor:
         widths, tokens = self._decode_inputs(layer, rows, mixed_qkv, graw, braw, params)
-        return self.kernels.replay_verify(tokens, self._layer_buffers[layer], rows.slots, widths,
-                                          projection=self.projection, backend=self.backend)  # fmt: skip
+        return self.kernels.replay_verify(
+            tokens, self._layer_buffers[layer], rows.slots, widths, projection=self.projection, backend=self.backend
+        )
 
     def counters(self) -> dict[str, torch.Tensor]:
         return {"num_folds": self.num_folds}

@@ -119,13 +119,22 @@ class DecodeGraphs:
         pos, write_slots, real = layout_positions(np.full(n, w), q_lens, cached, kv_rows, self.kv)
         h64[:, :n_tok] = 0
         h64[_I64.index("write_slots"), :n_tok] = self.kv.hold_slot
-        for name, values in (("input_ids", input_ids), ("positions", pos), ("write_slots", write_slots),
-                             ("table_rows", kv_rows), ("real", real)):  # fmt: skip
+        for name, values in (
+            ("input_ids", input_ids),
+            ("positions", pos),
+            ("write_slots", write_slots),
+            ("table_rows", kv_rows),
+            ("real", real),
+        ):
             h64[_I64.index(name), : len(values)] = values
         h32[:, :rows] = 0
         h32[_I32.index("state_slots"), :rows] = self.state.hold_slot
-        for name, values in (("query_len", q_lens), ("num_cached", cached), ("state_slots", state_slots),
-                             ("widths", q_lens)):  # fmt: skip
+        for name, values in (
+            ("query_len", q_lens),
+            ("num_cached", cached),
+            ("state_slots", state_slots),
+            ("widths", q_lens),
+        ):
             h32[_I32.index(name), :n] = values
         self._upload(rows)
         if first_tokens is not None:

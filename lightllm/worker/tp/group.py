@@ -68,9 +68,12 @@ def join_group(setup: RankSetup) -> object:
     if setup.backend == "nccl":
         torch.cuda.set_device(setup.rank)
     dist.init_process_group(
-        setup.backend, init_method=setup.init_method, rank=setup.rank, world_size=setup.size,
+        setup.backend,
+        init_method=setup.init_method,
+        rank=setup.rank,
+        world_size=setup.size,
         timeout=COLLECTIVE_TIMEOUT,
-    )  # fmt: skip
+    )
     # a separate gloo group: plans are host objects, and on CUDA they must not queue behind the model's NCCL work
     return dist.new_group(backend="gloo")
 

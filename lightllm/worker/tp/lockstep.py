@@ -36,10 +36,16 @@ GLOBAL_LAYOUT = frozenset({"export_checkpoint", "import_checkpoint"})
 # reads: rank 0 answers for all ranks
 LOCAL = frozenset(
     {
-        "match_prefix", "prefix_cache_stats", "num_free_requests", "num_free_kv_tokens", "stats", "bytes_per_request",
-        "kv_bytes_per_token", "num_tokens",
+        "match_prefix",
+        "prefix_cache_stats",
+        "num_free_requests",
+        "num_free_kv_tokens",
+        "stats",
+        "bytes_per_request",
+        "kv_bytes_per_token",
+        "num_tokens",
     }
-)  # fmt: skip
+)
 # run by every rank while it builds its runner, never later
 START_UP = frozenset({"warmup", "warmup_attention", "init_decode_graphs", "init_prefill_graphs"})
 
