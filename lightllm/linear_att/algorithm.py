@@ -2,10 +2,10 @@
 
 GDN is KDA with one gate channel, so the state classes, the kernel bodies and the torch twins are shared; what an
 algorithm adds is its gate kind (one decay per value head, or one per key channel), whether the bounded KDA gate
-is allowed, its fla-core prefill entry point and its launch-configuration table (`table`: the shipped
-`tuned/*.json`, plus what start-up tuning adds). `gdn/algorithm.py` and `kda/algorithm.py` hold the two
-instances; `registry.py` looks them up by name. A kernel launch looks its configuration up through its
-algorithm; a caller that wants another one passes it (`config=`).
+is allowed, its fla-core prefill entry point, the heads its shipped launch table is tuned at and that table
+(`table`: the shipped `tuned/*.json`, plus what start-up tuning adds). `gdn/algorithm.py` and `kda/algorithm.py`
+hold the two instances; `registry.py` looks them up by name, `states.py` binds each to the three modes. A kernel
+launch looks its configuration up through its algorithm; a caller that wants another one passes it (`config=`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class Algorithm:
     load_fla_chunk: Callable
     # the algorithm's package folder (holds `tuned/*.json`)
     package_dir: Path
+    # (key heads, value heads) per tensor-parallel rank of the served models its shipped table is tuned at
+    served_heads: tuple[tuple[int, int], ...] = ()
 
     def gate_dim(self, head_k_dim: int) -> int:
         """Gate channels per value head: K for a per-channel gate, else 1."""
@@ -45,6 +47,13 @@ class Algorithm:
 
     def tuned_tables(self) -> list[Path]:
         return sorted((self.package_dir / "tuned").glob("*.json"))
+
+    @functools.cached_property
+    def kernels(self):
+        """This algorithm's operator entry points (`kernels.bound.bind_kernels`), which its state classes call."""
+        from lightllm.linear_att.kernels.bound import bind_kernels
+
+        return bind_kernels(self)
 
     @functools.cached_property
     def table(self) -> ConfigTable:

@@ -8,7 +8,7 @@ compile on their first launch, not on import.
 
 The tuned ops (verify, commit, fold) take `config` (a `KernelConfig` to launch with) and `algorithm` (the
 `Algorithm` whose table gives the configuration when `config` is None; None: the one of the gate width). Both
-only reach the Triton kernel; the algorithm packages' entry points (`<algo>/kernels`) pass their algorithm.
+only reach the Triton kernel; an algorithm's entry points (`Algorithm.kernels`) pass it.
 
 Shared names (see README.md of this package): `N` rows, `Wmax` padded window width, `H`/`HV` key/value heads,
 `K`/`V` head dims, `GK` gate width (1 GDN, K KDA), `C = 2·H·K + HV·V` conv channels, `Kc` conv kernel size,

@@ -1,26 +1,29 @@
-"""Which state class implements an (algorithm, mode) pair: one explicit table."""
+"""Which state class implements an (algorithm, mode) pair: each shared mode (`modes/`) bound to each algorithm's
+descriptor and operator entry points, as one explicit table (`GdnNativeState`, ..., `KdaReplayState`)."""
 
 from __future__ import annotations
 
-from lightllm.linear_att.gdn.algorithm import GDN
-from lightllm.linear_att.gdn.compact import GdnCompactState
-from lightllm.linear_att.gdn.native import GdnNativeState
-from lightllm.linear_att.gdn.replay import GdnReplayState
-from lightllm.linear_att.kda.algorithm import KDA
-from lightllm.linear_att.kda.compact import KdaCompactState
-from lightllm.linear_att.kda.native import KdaNativeState
-from lightllm.linear_att.kda.replay import KdaReplayState
-from lightllm.linear_att.registry import algorithm
+from lightllm.linear_att.algorithm import Algorithm
+from lightllm.linear_att.modes.common import StateCommon
+from lightllm.linear_att.modes.compact import CompactState
+from lightllm.linear_att.modes.native import NativeState
+from lightllm.linear_att.modes.replay import ReplayState
+from lightllm.linear_att.registry import ALGORITHMS, algorithm
 
-STATE_CLASSES = {
-    (GDN.name, "native"): GdnNativeState,
-    (GDN.name, "compact"): GdnCompactState,
-    (GDN.name, "replay"): GdnReplayState,
-    (KDA.name, "native"): KdaNativeState,
-    (KDA.name, "compact"): KdaCompactState,
-    (KDA.name, "replay"): KdaReplayState,
-}
-MODES = ("native", "compact", "replay")
+MODE_CLASSES: dict[str, type[StateCommon]] = {"native": NativeState, "compact": CompactState, "replay": ReplayState}
+MODES = tuple(MODE_CLASSES)
+
+
+def _bind(algo: Algorithm, mode_class: type[StateCommon]) -> type[StateCommon]:
+    """`mode_class` bound to `algo`: e.g. `GdnReplayState`, the replay state of GDN layers."""
+    name = f"{algo.name.capitalize()}{mode_class.__name__}"
+    doc = f"{algo.name.upper()} layers' state in {mode_class.__name__.removesuffix('State').lower()} mode."
+    return type(
+        name, (mode_class,), {"algorithm": algo, "kernels": algo.kernels, "__doc__": doc, "__module__": __name__}
+    )
+
+
+STATE_CLASSES = {(a.name, mode): _bind(a, cls) for a in ALGORITHMS.values() for mode, cls in MODE_CLASSES.items()}
 
 
 def state_class(algo: str, mode):

@@ -42,19 +42,18 @@ class TuneCase:
 
 def served_cases(
     algorithm,
-    heads,
-    head_dim: int,
+    head_dim: int = 128,
     *,
     state_dtypes=(torch.float32, torch.bfloat16),
     act_dtype=torch.bfloat16,
     widths=(1, 2, 4),
     replay_capacity: int = 16,
 ) -> list[TuneCase]:
-    """The tuning cases of one algorithm's shipped table: every (key heads, value heads) of `heads` x state dtype x
-    verify width, at head dims `head_dim`."""
+    """The tuning cases of one algorithm's shipped table: every (key heads, value heads) it serves
+    (`algorithm.served_heads`) x state dtype x verify width, at head dims `head_dim`."""
     return [
         TuneCase(algorithm.name, h, hv, head_dim, head_dim, dt, act_dtype, w, replay_capacity)
-        for h, hv in heads
+        for h, hv in algorithm.served_heads
         for dt in state_dtypes
         for w in widths
     ]

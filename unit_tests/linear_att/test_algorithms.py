@@ -6,27 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightllm.linear_att import gdn, kda, states
+from lightllm.linear_att import states
 from lightllm.linear_att.bundles import NativeBuffers, TokenInputs
 from lightllm.linear_att.gdn.algorithm import GDN
-from lightllm.linear_att.gdn.native import GdnNativeState
 from lightllm.linear_att.kda.algorithm import KDA
 from unit_tests.linear_att import scenarios as sc
 
 
 @pytest.mark.parametrize("mode", ["native", "compact", "replay"])
-@pytest.mark.parametrize(("algo", "descriptor", "package"), [("gdn", GDN, gdn), ("kda", KDA, kda)])
-def test_each_pair_binds_its_descriptor_and_kernels(algo, descriptor, package, mode):
+@pytest.mark.parametrize(("algo", "descriptor"), [("gdn", GDN), ("kda", KDA)])
+def test_each_pair_binds_its_descriptor_and_kernels(algo, descriptor, mode):
     spec = sc.make_spec(algo, head_k_dim=8)
     state = sc.make_state(spec, mode, max_width=2, replay_capacity=4)
     assert type(state) is states.state_class(algo, mode)
-    assert state.algorithm is descriptor and state.kernels is package.kernels
+    assert state.algorithm is descriptor and state.kernels is descriptor.kernels
     assert spec.gate_dim == (8 if algo == "kda" else 1)
 
 
 def test_a_state_class_refuses_the_other_algorithm():
     with pytest.raises(ValueError, match="gdn state"):
-        GdnNativeState(sc.make_spec("kda"), sc.make_state(sc.make_spec("kda"), "native").config)
+        states.state_class("gdn", "native")(sc.make_spec("kda"), sc.make_state(sc.make_spec("kda"), "native").config)
 
 
 def _tokens(gate_width, K=8):
@@ -40,13 +39,13 @@ def _tokens(gate_width, K=8):
 def test_entry_points_check_the_gate_width():
     state = NativeBuffers(torch.zeros(3, 1, 2, 8, 8), torch.zeros(3, dtype=torch.int32))
     rows = (torch.tensor([0, 1], dtype=torch.int32), torch.ones(2, dtype=torch.int32))
-    o = gdn.kernels.native_verify(_tokens(1), state, *rows, backend="torch")
+    o = GDN.kernels.native_verify(_tokens(1), state, *rows, backend="torch")
     assert o.shape == (2, 1, 2, 8) and o.abs().sum() > 0
-    assert kda.kernels.native_verify(_tokens(8), state, *rows, backend="torch").shape == o.shape
+    assert KDA.kernels.native_verify(_tokens(8), state, *rows, backend="torch").shape == o.shape
     with pytest.raises(ValueError, match="gdn native_verify: gate width 8"):
-        gdn.kernels.native_verify(_tokens(8), state, *rows, backend="torch")
+        GDN.kernels.native_verify(_tokens(8), state, *rows, backend="torch")
     with pytest.raises(ValueError, match="kda native_verify: gate width 1"):
-        kda.kernels.native_verify(_tokens(1), state, *rows, backend="torch")
+        KDA.kernels.native_verify(_tokens(1), state, *rows, backend="torch")
 
 
 def test_only_the_bounded_gate_algorithm_takes_a_lower_bound():

@@ -19,4 +19,6 @@ GDN = Algorithm(
     allows_lower_bound=False,
     load_fla_chunk=fla_chunk,
     package_dir=Path(__file__).resolve().parent,
+    # Qwen3-Next (16 key / 32 value heads) and Qwen3.5 (16 / 64), head dims 128
+    served_heads=((16, 32), (16, 64)),
 )

@@ -19,4 +19,6 @@ KDA = Algorithm(
     allows_lower_bound=True,
     load_fla_chunk=fla_chunk,
     package_dir=Path(__file__).resolve().parent,
+    # Kimi-Linear (32 key / 32 value heads), head dims 128
+    served_heads=((32, 32),),
 )

@@ -1,10 +1,10 @@
 """An algorithm's operator entry points: the shared ops (`ops.py`: Triton kernel or torch twin) bound to its gate
-kind and its launch-configuration table. The algorithm packages' `kernels/` modules are made of these; the state
-classes call them."""
+kind and its launch-configuration table (`bind_kernels` makes `Algorithm.kernels`, which the state classes call)."""
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 from lightllm.linear_att import ops
 
@@ -29,3 +29,17 @@ def bind(algorithm, *names: str):
         return run
 
     return tuple(bound(name) for name in names)
+
+
+# the operators whose inputs carry the gate; the acceptance scalars (cursor, slot index, conv offset) hold none
+GATED_OPS = ("native_verify", "compact_verify", "replay_verify", "compact_commit", "replay_fold")
+
+
+def bind_kernels(algorithm) -> SimpleNamespace:
+    """The entry points an algorithm's state classes call: the gated operators bound to `algorithm`, and the
+    acceptance operators as they are."""
+    return SimpleNamespace(
+        **dict(zip(GATED_OPS, bind(algorithm, *GATED_OPS))),
+        native_accept=ops.native_accept,
+        replay_accept=ops.replay_accept,
+    )

@@ -16,9 +16,9 @@ from lightllm.linear_att.modes.slots import SlotAllocator
 
 class StateCommon:
     """Conv window + slots + prefill for all layers; subclasses add the SSM storage of their mode, and the
-    algorithm packages (`gdn/`, `kda/`) bind a mode to their `Algorithm` descriptor (`algorithm`)."""
+    state classes of `states.py` bind a mode to an `Algorithm` descriptor (`algorithm`)."""
 
-    # bound by the algorithm packages: the `Algorithm` descriptor and its operator entry points (`<algo>/kernels`)
+    # bound in `states.py`: the `Algorithm` descriptor and its operator entry points (`Algorithm.kernels`)
     algorithm = None
     kernels = None
 
