@@ -84,21 +84,26 @@ def test_serving_steps_meet_one_compile_key_per_kernel_variant_and_warmed_attent
     model_dir = case_dir(model) if model in MODEL_CASES else str(tiny_model(model))
     runner = _triton_runner(model_dir, mode, width, mtp_step)
     shapes = {m.attention_kernel_shape() for m in runner.model.modules() if hasattr(m, "attention_kernel_shape")}
+    latent = [m for m in runner.model.modules() if isinstance(m, LatentAttention)]
     with launch_keys() as warmed:
         for heads, kv_heads, dk, dv, by_row in shapes:
             warmup_paged_attention(heads, kv_heads, dk, dv, torch.float32, "cpu", by_row)
+        for module in latent[:1]:
+            module.warmup_latent_attention(torch.float32, "cpu")
     with launch_keys() as served:
         _serve_steps(runner, width)
     kernels = set(served.by_kernel)
-    assert {"paged_attention_kernel", "causal_conv_decode_kernel", "causal_conv_prefill_kernel"} <= kernels
+    # MLA attends decode, verify and these short chunks in latent space
+    attention = "mla_attention_kernel" if latent else "paged_attention_kernel"
+    assert {attention, "causal_conv_decode_kernel", "causal_conv_prefill_kernel"} <= kernels
     state_kernels = {"replay_window_kernel", "replay_accept_kernel"} if mode == "replay" else {"serial_verify_kernel"}
     assert state_kernels <= kernels
     assert served.varying() == {}
     # kernels with no shape-driven constexpr: one compiled variant whatever the batch size
     for name in {"replay_accept_kernel", "native_accept_kernel", "causal_conv_decode_kernel"} & kernels:
         assert len(served.by_kernel[name]) == 1, f"{name}: {list(served.by_kernel[name])}"
-    for const, runtime in served.by_kernel["paged_attention_kernel"].items():
-        assert runtime <= warmed.by_kernel["paged_attention_kernel"][const], f"{dict(const)} is not warmed up"
+    for const, runtime in served.by_kernel[attention].items():
+        assert runtime <= warmed.by_kernel[attention][const], f"{dict(const)} is not warmed up"
 
 
 def _scale_rows(x, slots, y, N, BLOCK: tl.constexpr):

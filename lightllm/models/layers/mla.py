@@ -1,8 +1,15 @@
 """Kimi's multi-head latent attention without positional encoding (NoPE).
 
 Each token caches one latent `[norm(c_kv) (kv_lora_rank) | k_rot (qk_rope_head_dim)]` for all heads (the
-`k_rot` part is shared by the heads and, in Kimi-Linear, never rotated). Attention decompresses the gathered
-latents with `kv_b_proj` into per-head `k_nope | v`, keys are `[k_nope | k_rot]`, scale `(nope + rope)^-1/2`.
+`k_rot` part is shared by the heads and, in Kimi-Linear, never rotated). Per head, `kv_b_proj` holds `W_UK`
+(`k_nope = W_UK c_kv`) and `W_UV` (`v = W_UV c_kv`); keys are `[k_nope | k_rot]`, scale `(nope + rope)^-1/2`.
+
+Two equal forms, chosen per attention group by its query width (a host shape):
+- latent (decode, verify windows, short chunks): `W_UK` is absorbed into the query (`q_lat = W_UK^T q_nope`),
+  the heads attend over the cached latents themselves (`lightllm.kernels.mla_attention`) and `W_UV` lifts the
+  latent-space output. Nothing is expanded and no shape depends on the contexts' lengths.
+- expanded (long prefills): the gathered latents are decompressed into per-head keys and values once and
+  attended by the paged attention path; with many queries per latent this is fewer flops.
 """
 
 from __future__ import annotations
@@ -11,14 +18,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightllm.kernels.mla_attention import mla_attention, warmup_mla_attention
 from lightllm.models.config import AttentionConfig
-from lightllm.models.context import StepContext
+from lightllm.models.context import AttentionGroup, StepContext
 from lightllm.models.layers.norms import rms_norm
 from lightllm.models.layers.paged_attention import attend
 from lightllm.models.loader import Shapes, WeightLoader
 
 # transformers builds kv_a_layernorm with the RMSNorm default eps, not the model's rms_norm_eps
 LATENT_NORM_EPS = 1e-6
+# widest group query length attended in latent space. Per query token, head and key the latent form costs
+# 2 (C + R) + 2 C flops against 2 (nope + rope) + 2 v expanded, and the expanded form pays 2 C (nope + v) per key
+# and head once: at Kimi's shapes the latent form does fewer flops below ~170 queries per row, and reads 576
+# values per key instead of writing and reading 320 per head
+LATENT_MAX_QUERY_LEN = 64
 
 
 class LatentAttention(nn.Module):
@@ -29,11 +42,18 @@ class LatentAttention(nn.Module):
         self.num_heads = cfg.num_heads // tp_size
         # "torch" | "triton" forces the attention backend (tests); None = by device
         self.attention_backend: str | None = None
+        # groups whose query width is at most this attend in latent space (0: always expanded)
+        self.latent_max_query_len = LATENT_MAX_QUERY_LEN
 
     def attention_kernel_shape(self) -> tuple[int, int, int, int, bool]:
         """(query heads, key heads, key dim, value dim, addressed by table row) of this layer's attention launches
         over its expanded latents (`lightllm.kernels.paged_attention.warmup_paged_attention`)."""
         return self.num_heads, self.num_heads, self.cfg.qk_head_dim, self.cfg.v_head_dim, False
+
+    def warmup_latent_attention(self, dtype: torch.dtype, device) -> int:
+        """Compile every variant of the latent-space kernels this layer launches; returns the launch count."""
+        c = self.cfg
+        return warmup_mla_attention(self.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, dtype, device)
 
     def checkpoint_shapes(self, prefix: str, hidden: int) -> Shapes:
         c, h = self.cfg, self.cfg.num_heads
@@ -69,6 +89,39 @@ class LatentAttention(nn.Module):
             k_rot = cached[..., None, c.kv_lora_rank :].expand(n, length, h, c.qk_rope_head_dim)
             return torch.cat([k_nope, k_rot], dim=-1), v
 
-        # the triton backend also runs on the expanded gathered KV (latent absorption is a later optimisation)
-        o = attend(q, ctx.groups, load_kv, c.qk_head_dim**-0.5, backend=self.attention_backend)
+        in_latent = [g for g in ctx.groups if g.token_index.shape[1] <= self.latent_max_query_len]
+        expanded = [g for g in ctx.groups if g.token_index.shape[1] > self.latent_max_query_len]
+        if expanded:
+            # the triton backend runs on the expanded gathered KV; other groups' tokens stay zero
+            o = attend(q, expanded, load_kv, c.qk_head_dim**-0.5, backend=self.attention_backend)
+        else:
+            o = q.new_zeros(t, h, c.v_head_dim)
+        for g in in_latent:
+            self._attend_latent(q, g, ctx, o)
         return F.linear(o.reshape(t, h * c.v_head_dim), self.o_proj)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [h, nope, C], W_UV [h, v, C]): views of the local heads' kv_b_proj."""
+        c = self.cfg
+        kv_b = self.kv_b.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return kv_b[:, : c.qk_nope_head_dim], kv_b[:, c.qk_nope_head_dim :]
+
+    def _attend_latent(self, q: torch.Tensor, g: AttentionGroup, ctx: StepContext, o: torch.Tensor) -> None:
+        """Add group `g`'s attention output to its tokens' rows of `o [T, h, v]` (which are zero), in latent space.
+        The group's queries are gathered into a dense `[n * Wq]` layout (row i's token j at i * Wq + j); padding
+        queries get a zero output, so the scatter-add back through `token_index` (padding repeats a real token)
+        leaves every real token its own output exactly."""
+        c, h = self.cfg, self.num_heads
+        n, wq = g.token_index.shape
+        w_uk, w_uv = self._absorbed()
+        pool = ctx.kv.buffers[0][self.kv_layer]
+        qg = q[g.token_index.reshape(-1)]  # [n * Wq, h, nope + rope]
+        q_lat = torch.bmm(qg[..., : c.qk_nope_head_dim].transpose(0, 1), w_uk)  # [h, n * Wq, C]
+        q_lat = torch.cat([q_lat.transpose(0, 1), qg[..., c.qk_nope_head_dim :]], dim=-1).to(pool.dtype)
+        o_lat = q_lat.new_zeros(n * wq, h, c.kv_lora_rank)
+        query_start = torch.arange(0, n * wq, wq, dtype=torch.int32, device=q.device)
+        mla_attention(q_lat, pool, g.table, query_start, g.query_len, g.num_cached, c.qk_head_dim**-0.5, wq, o_lat,
+                      table_rows=g.table_rows, max_context_len=g.context_len,
+                      backend=self.attention_backend)  # fmt: skip
+        og = torch.bmm(o_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)  # [n * Wq, h, v]
+        o.index_put_((g.token_index.reshape(-1),), og.to(o.dtype), accumulate=True)
