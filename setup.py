@@ -27,6 +27,8 @@ setup(
         "msgspec",
         "tqdm",
         "jinja2",
+        # constrained decoding (structured output, forced tool calls)
+        "llguidance==1.9.1",
         # the benchmark clients (lightllm.tools.bench_serving)
         "httpx",
     ],

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from lightllm.engine import grammar
 from lightllm.engine.batch import ForwardBatch, ForwardOutput, ModelRunnerProtocol
 from lightllm.engine.messages import EngineOutput, EngineStats, Finished, NewRequest, TokenChunk
 from lightllm.engine.overlap import OverlapScheduler, chained_plan
@@ -57,6 +58,7 @@ class Engine:
             short_resume_tokens,
         )
         self.sampler = Sampler(seed)
+        self.grammars = grammar.GrammarBackend(runner.vocab_size)
         self.requests: dict[str, Request] = {}
         # True between a forward with decode rows and its accept (so a failure in between can settle the runner)
         self.awaiting_accept = False
@@ -113,6 +115,9 @@ class Engine:
         if params.max_tokens is not None:
             max_new = min(max_new, params.max_tokens)
         req = Request(msg.req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new)
+        error = grammar.attach(self.grammars, req, msg)
+        if error is not None:
+            return [Finished(msg.req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=error)]
         req.checkpoint_hints = sorted({h for h in msg.checkpoint_hints if 0 < h < len(req.prompt_ids)})
         self.requests[req.req_id] = req
         self.scheduler.add(req)
@@ -312,7 +317,8 @@ class Engine:
         assert logits.shape[0] == num_logit_rows, (
             f"runner gave {logits.shape[0]} logits rows, expected {num_logit_rows}"
         )
-        results = self._verify(windows, logits)
+        # a grammar masks every position the step verifies, drafts included, before acceptance
+        results = self._verify(windows, grammar.mask_windows(windows, logits))
         if plan.decode:
             decode = list(zip(windows[num_prefill_windows:], results[num_prefill_windows:]))
             accepted = [result.num_accepted if result is not None else 1 for _, result in decode]
@@ -422,6 +428,7 @@ class Engine:
             if req.num_remaining_tokens <= 0:
                 reason = "length"
                 break
+        grammar_error = grammar.advance(req, emitted)
         chunk = TokenChunk(req.req_id, emitted)
         if is_first:
             chunk.num_cached_tokens = req.num_cached_tokens
@@ -436,6 +443,8 @@ class Engine:
             chunk.prompt_top_logprobs = [None, *req.prompt_top_logprobs, *missing]
             req.prompt_logprobs, req.prompt_top_logprobs = [], []
         outputs: list[EngineOutput] = [chunk]
+        if grammar_error is not None:
+            return outputs + self._finish(req, "error", error=grammar_error)
         if reason is not None:
             outputs += self.finish(req, reason)
         return outputs

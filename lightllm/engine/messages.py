@@ -20,6 +20,8 @@ class NewRequest(msgspec.Struct, tag=True):
     # prompt positions where a prefix-cache checkpoint is worth taking (a chat's earlier messages end there:
     # the next turn shares them, while the opened assistant turn after them is rendered differently)
     checkpoint_hints: list[int] = msgspec.field(default_factory=list)
+    # with params.grammar: the tokenizer folder whose vocabulary the grammar is matched against
+    tokenizer_dir: str = ""
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -73,12 +73,14 @@ class OverlapScheduler:
         return inflight
 
     def can_launch(self, plan: SchedulePlan) -> bool:
-        """A step that may stay in flight: plain decode rows only, none with penalties (they need the tokens of the
-        step still in flight)."""
+        """A step that may stay in flight: plain decode rows only, none with penalties or a grammar (they need the
+        tokens of the step still in flight)."""
         return (
             self.engine.overlap_schedule
             and not plan.prefill
-            and all(row.num_tokens == 1 and not row.req.params.has_penalties for row in plan.decode)
+            and all(
+                row.num_tokens == 1 and not (row.req.params.has_penalties or row.req.grammar) for row in plan.decode
+            )
         )
 
     def can_chain(self, inflight: InFlight) -> bool:

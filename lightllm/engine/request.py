@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightllm.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lightllm.engine.grammar import RequestGrammar
 
 
 class Status(enum.Enum):
@@ -56,6 +60,8 @@ class Request:
     checkpoint_hints: list[int] = field(default_factory=list)
     # seeded requests draw every random number from their own generator, so batching cannot change them
     generator: torch.Generator | None = None
+    # with params.grammar: the matcher every sampled position is masked by (engine/grammar.py)
+    grammar: RequestGrammar | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -38,7 +38,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     `top_p == 1` disable those filters. `logprobs=None` returns none; `logprobs=k` returns the chosen token's
     log-probability plus the k most likely alternatives (k may be 0). `prompt_logprobs=k` returns, once, each prompt
     token's log-probability given the tokens before it (None for the first) with k alternatives at each position.
-    Log-probabilities are those of the model's raw distribution, before penalties, temperature and filters.
+    Log-probabilities are those of the model's raw distribution, before penalties, temperature and filters (and
+    before a grammar's mask). `grammar` constrains every sampled token, drafts included (see engine/grammar.py).
     """
 
     n: int = 1
@@ -57,6 +58,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # an llguidance grammar (its JSON or Lark text) the output must follow; EOS is allowed once it is complete
+    grammar: str | None = None
+    # the grammar applies after this token has been generated (a reasoning block's end); None: from the start
+    grammar_start_token: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -109,6 +114,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             ),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a boolean"),
+            ("grammar", self.grammar is None or (isinstance(self.grammar, str) and self.grammar), "must be text"),
+            (
+                "grammar_start_token",
+                self.grammar_start_token is None or _is_int(self.grammar_start_token, 0, MAX_INT),
+                f"must be a token id in [0, {MAX_INT}]",
+            ),
         ]
         for name, ok, reason in checks:
             if not ok:

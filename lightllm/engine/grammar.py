@@ -1,0 +1,153 @@
+"""Constrained decoding: each request with a grammar (SamplingParams.grammar, llguidance's format) owns a matcher,
+and every logits row the step samples or verifies for it is masked to the tokens the grammar allows there.
+
+Under speculation a window `[last, d_1, ..., d_k]` needs k + 1 masks: position j's mask is the grammar's state
+after the drafts before it. The matcher walks the drafts to compute them and is rolled back; a draft the grammar
+refuses ends the walk (its own position is masked against it, so it is rejected, and nothing after it can be
+accepted). Only the tokens the window emits advance the matcher. A stopped grammar allows only EOS.
+
+The vocabulary (token bytes) comes from the tokenizer folder named in the request, loaded once per folder.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lightllm.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class RequestGrammar:
+    """One request's matcher. `start_token`: the grammar applies after this token (a reasoning block's end);
+    until it is generated the output is free."""
+
+    def __init__(self, matcher, start_token: int | None):
+        self.matcher = matcher
+        self.start_token = start_token
+        self.active = start_token is None
+
+    def fill_window(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> list[bool]:
+        """Write the masks of window positions 0 .. len(drafts) into `bitmask[first_row:]` (int32 [rows, words]);
+        returns per position whether it is constrained (False before the grammar starts)."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        constrained: list[bool] = []
+        active, consumed = self.active, 0
+        for j in range(len(drafts) + 1):
+            constrained.append(active)
+            if active:
+                fill_next_token_bitmask(self.matcher, bitmask, first_row + j)
+            if j == len(drafts):
+                break
+            if not active:
+                active = drafts[j] == self.start_token
+            elif self.matcher.try_consume_tokens([drafts[j]]) == 1:
+                consumed += 1
+            else:
+                # the draft is refused at position j: later positions are never reached
+                for k in range(j + 1, len(drafts) + 1):
+                    bitmask[first_row + k] = bitmask[first_row + j]
+                    constrained.append(True)
+                break
+        if consumed:
+            self.matcher.rollback(consumed)
+        return constrained
+
+    def advance(self, token_ids: list[int]) -> str | None:
+        """Consume the emitted tokens; an error message if the grammar refuses one (a masking bug)."""
+        for token in token_ids:
+            if not self.active:
+                self.active = token == self.start_token
+                continue
+            if not self.matcher.consume_token(token):
+                return f"token {token} left the grammar: {self.matcher.get_error()}"
+        return None
+
+
+class GrammarBackend:
+    """Matchers for requests; vocabularies loaded per tokenizer folder and EOS set, on first use."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._tokenizers: dict[tuple[str, tuple[int, ...]], object] = {}
+
+    def _tokenizer(self, tokenizer_dir: str, eos_ids: tuple[int, ...]):
+        key = (tokenizer_dir, eos_ids)
+        if key not in self._tokenizers:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+            # sized to the model's logits (a checkpoint may pad its vocabulary past the tokenizer's)
+            self._tokenizers[key] = llguidance.hf.from_tokenizer(
+                hf, n_vocab=self.vocab_size, eos_token=list(eos_ids) or None
+            )
+        return self._tokenizers[key]
+
+    def matcher(self, grammar: str, start_token: int | None, tokenizer_dir: str, eos_ids: list[int]) -> RequestGrammar:
+        """Raises ValueError naming the problem when the grammar does not compile."""
+        from llguidance import LLMatcher
+
+        if not tokenizer_dir:
+            raise ValueError("a request with a grammar must name its tokenizer folder")
+        matcher = LLMatcher(self._tokenizer(tokenizer_dir, tuple(eos_ids)), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+        return RequestGrammar(matcher, start_token)
+
+
+def attach(backend: GrammarBackend, req: Request, msg) -> str | None:
+    """Give `req` its matcher when its params carry a grammar; the error that fails the request, if any."""
+    params = req.params
+    if params.grammar is None:
+        return None
+    try:
+        req.grammar = backend.matcher(params.grammar, params.grammar_start_token, msg.tokenizer_dir, msg.eos_token_ids)
+    except Exception as exc:
+        return str(exc)
+    return None
+
+
+def advance(req: Request, token_ids: list[int]) -> str | None:
+    """Move the request's matcher over the tokens it emits; an error message when the grammar refuses one."""
+    return req.grammar.advance(token_ids) if req.grammar is not None else None
+
+
+def mask_windows(windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor) -> torch.Tensor:
+    """`logits` [rows, V] with every constrained position of every window (request, first row, width, drafts)
+    masked to -inf outside its grammar; the same tensor when no window has a grammar."""
+    constrained = [(req.grammar, start, drafts) for req, start, _, drafts in windows if req.grammar is not None]
+    if not constrained:
+        return logits
+    vocab = logits.shape[1]
+    words = (vocab + 31) // 32
+    num_rows = sum(len(d) + 1 for _, _, d in constrained)
+    # -1: every bit set, the mask of a position before the grammar starts
+    bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
+    rows: list[int] = []
+    offset = 0
+    for grammar, start, drafts in constrained:
+        flags = grammar.fill_window(bitmask, offset, drafts)
+        rows += [start + j for j in range(len(drafts) + 1)]
+        # unconstrained positions keep all-ones
+        for j, on in enumerate(flags):
+            if not on:
+                bitmask[offset + j] = -1
+        offset += len(drafts) + 1
+    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.clone()
+    masked[index] = masked[index].masked_fill(~allowed, float("-inf"))
+    return masked
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 [rows, words] (bit b of word w: token 32 w + b) → bool [rows, vocab]."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
