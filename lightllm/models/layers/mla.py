@@ -124,4 +124,6 @@ class LatentAttention(nn.Module):
                       table_rows=g.table_rows, max_context_len=g.context_len,
                       backend=self.attention_backend)  # fmt: skip
         og = torch.bmm(o_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)  # [n * Wq, h, v]
-        o.index_put_((g.token_index.reshape(-1),), og.to(o.dtype), accumulate=True)
+        # adding zeros is exact in any order, so the atomic scatter-add is deterministic here (and graph-safe)
+        index = g.token_index.reshape(-1, 1).expand(-1, h * c.v_head_dim)
+        o.view(o.shape[0], -1).scatter_add_(0, index, og.reshape(n * wq, -1).to(o.dtype))
