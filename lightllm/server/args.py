@@ -130,6 +130,19 @@ class ServerArgs:
         shown_default="$LIGHTLLM_API_KEY",
         repr=False,
     )
+    tool_call_parser: str = _flag(
+        "auto",
+        "how tool calls are read from the output: qwen3_json (<tool_call> JSON blocks), qwen3_xml (<tool_call> "
+        "function/parameter XML), kimi (tool-call section tokens), none (tool calling off), auto (the model "
+        "family's own format)",
+        ("auto", "none", "qwen3_json", "qwen3_xml", "kimi"),
+    )
+    reasoning_parser: str = _flag(
+        "auto",
+        "how reasoning is split from the answer into reasoning_content: think (<think>...</think>), none (left in "
+        "the content), auto (think for every supported model family)",
+        ("auto", "none", "think"),
+    )
     enable_docs: bool = _flag(False, "serve the OpenAPI schema and the /docs and /redoc pages", type=bool)
     keep_serving_after_engine_exit: bool = _flag(
         False,
