@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from lightllm.kernels.fp8 import FP8_DTYPE, block_scale_shape, check_block_scales, dequantize_weight_blocks
+from lightllm.models.quant_config import Fp8Config, parse_quantization, scale_name
 from lightllm.models.tp import TPInfo
 
 # checkpoint tensor name -> the full (unsharded) shape stored on disk
@@ -162,11 +164,13 @@ class WeightLoader:
         device: torch.device | str,
         tp: TPInfo,
         progress: Callable[[], None] | None = None,
+        quant: Fp8Config | None = None,
     ):
         self.reader = reader
         self.dtype = dtype
         self.device = torch.device(device)
         self.tp = tp
+        self.quant = quant
         self.consumed: set[str] = set()
         self._progress = progress
 
@@ -175,14 +179,52 @@ class WeightLoader:
 
     def get(self, name: str, dim: int | None = None, num_heads: int | None = None, fp32: bool = False) -> torch.Tensor:
         """The tensor `name`; with `dim`, only this rank's shard of that dim (whole heads if `num_heads`);
-        `fp32` keeps it in float32 whatever the model dtype."""
+        `fp32` keeps it in float32 whatever the model dtype. A block-FP8 tensor comes dequantized."""
+        t = self._read(name)
+        if dim is not None:
+            t = self.tp.shard_heads(t, dim, num_heads) if num_heads else self.tp.shard(t, dim)
+        return self.place(t, fp32=fp32 or bool(FP32_PARAM.search(name)))
+
+    def get_linear(self, name: str, dim: int | None = None, num_heads: int | None = None) -> torch.Tensor:
+        """A projection weight for `linear`: like `get`, but a block-FP8 tensor stays in fp32 after dequantizing,
+        so that quantizing it again over the same tiles gives back the checkpoint's values and scales."""
+        return self.get(name, dim, num_heads, fp32=self.is_scaled(name))
+
+    def is_scaled(self, name: str) -> bool:
+        """Whether the checkpoint stores `name` block-FP8 (with a scale grid beside it)."""
+        return self.quant is not None and self.quant.in_checkpoint and scale_name(name) in self.reader.raw_names
+
+    def quantizes(self, *names: str) -> bool:
+        """Whether the projection fused from checkpoint tensors `names` is held in FP8: with an FP8 checkpoint
+        when every part has a scale (a part the checkpoint left unquantized keeps the fused weight in the model
+        dtype), with `--quantization fp8` always."""
+        if self.quant is None:
+            return False
+        return all(self.is_scaled(n) for n in names) if self.quant.in_checkpoint else True
+
+    def linear(self, t: torch.Tensor, *names: str, quantize: bool | None = None):
+        """The projection `t` (fused from checkpoint tensors `names`, sharded) as the layer holds it: an
+        `Fp8Weight` when `quantize` (default: `quantizes(*names)`), else a tensor in the model dtype."""
+        from lightllm.models.layers.quantized_linear import Fp8Weight
+
+        if quantize if quantize is not None else self.quantizes(*names):
+            return Fp8Weight.quantize(t.to(self.device), self.quant.block)
+        return self.place(t)
+
+    def _read(self, name: str) -> torch.Tensor:
         t = self.reader.get(name)
         self.consumed.add(name)
         if self._progress is not None:
             self._progress()
-        if dim is not None:
-            t = self.tp.shard_heads(t, dim, num_heads) if num_heads else self.tp.shard(t, dim)
-        return self.place(t, fp32=fp32 or bool(FP32_PARAM.search(name)))
+        if not self.is_scaled(name):
+            return t
+        scale = self.reader.get(scale_name(name))
+        self.consumed.add(scale_name(name))
+        if t.dtype != FP8_DTYPE:
+            raise ValueError(f"{name}: has a {scale_name(name)} so it must be float8_e4m3fn, found {t.dtype}")
+        check_block_scales(tuple(t.shape), tuple(scale.shape), self.quant.block, name)
+        # dequantized where the model lives: a GPU does it in a blink, and the fp8 copy is 1 byte per value
+        return dequantize_weight_blocks(t.to(self.device), scale.to(self.device), self.quant.block)
 
     def place(self, t: torch.Tensor, fp32: bool = False) -> torch.Tensor:
         """Move a (possibly transformed) tensor to the model's device and dtype."""
@@ -226,20 +268,50 @@ def load_weights(
     device: torch.device | str = "cpu",
     tp: TPInfo | None = None,
     show_progress: bool = True,
+    quantization: str | Fp8Config | None = None,
 ) -> None:
     """Fill `model` from a checkpoint directory or an in-memory `{hf_name: tensor}` dict.
 
     `model` provides `skips(name)` (checkpoint tensors it deliberately ignores, e.g. `mtp.*` without MTP),
-    `checkpoint_shapes(available)` (every tensor it needs, with its full shape) and `load(loader)`."""
+    `checkpoint_shapes(available)` (every tensor it needs, with its full shape) and `load(loader)`.
+    A directory's `quantization_config` says whether it is block-FP8; `quantization="fp8"` quantizes an
+    unquantized checkpoint's linear weights while loading; an `Fp8Config` describes a dict source."""
+    quant = load_quantization(source, quantization)
     reader = CheckpointReader(source)
     found = {n: s for n, s in reader.shapes.items() if not model.skips(n)}
     available = set(found)
-    check_tensors(model.checkpoint_shapes(available), found, str(source) if not isinstance(source, dict) else "<dict>")
+    expected = with_block_scales(model.checkpoint_shapes(available), available, quant)
+    check_tensors(expected, found, str(source) if not isinstance(source, dict) else "<dict>")
     bar = tqdm(total=len(available), desc="loading weights", unit="tensor", disable=not show_progress)
-    loader = WeightLoader(reader, dtype, device, tp or TPInfo(), progress=lambda: bar.update(1))
+    loader = WeightLoader(reader, dtype, device, tp or TPInfo(), progress=lambda: bar.update(1), quant=quant)
     try:
         model.load(loader)
     finally:
         bar.close()
         reader.close()
     assert loader.consumed == available, f"declared but not loaded: {sorted(available - loader.consumed)}"
+
+
+def load_quantization(
+    source: str | Path | dict[str, torch.Tensor], requested: str | Fp8Config | None
+) -> Fp8Config | None:
+    """A checkpoint directory's own block-FP8 layout wins (it loads as FP8 with or without the flag);
+    `requested="fp8"` quantizes an unquantized one; an `Fp8Config` is taken as given."""
+    if isinstance(requested, Fp8Config):
+        return requested
+    config_path = None if isinstance(source, dict) else Path(source) / "config.json"
+    raw = json.loads(config_path.read_text()) if config_path is not None and config_path.is_file() else {}
+    return parse_quantization(raw, requested)
+
+
+def with_block_scales(expected: Shapes, available: set[str], quant: Fp8Config | None) -> Shapes:
+    """`expected` plus the scale grid `[ceil(N / bn), ceil(K / bk)]` of every declared weight that a block-FP8
+    checkpoint stores with a scale (the others keep their dtype and need none)."""
+    if quant is None or not quant.in_checkpoint:
+        return expected
+    scales = {
+        scale_name(n): block_scale_shape(shape, quant.block)
+        for n, shape in expected.items()
+        if len(shape) >= 2 and scale_name(n) in available
+    }
+    return expected | scales

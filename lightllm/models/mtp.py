@@ -8,13 +8,13 @@ feeds the head's own output h' back as the hidden of the next step.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightllm.models.config import FULL, MOE, ModelConfig
 from lightllm.models.context import StepContext
 from lightllm.models.layers.decoder import build_layer
 from lightllm.models.layers.norms import rms_norm
+from lightllm.models.layers.quantized_linear import linear, set_weight
 from lightllm.models.layers.rotary import Rotary
 from lightllm.models.loader import Shapes, WeightLoader
 from lightllm.models.tp import TPInfo
@@ -35,7 +35,7 @@ class MtpHead(nn.Module):
         return shapes | self.layer.checkpoint_shapes("mtp.layers.0.", available)
 
     def load(self, w: WeightLoader) -> None:
-        self.register_buffer("fc", w.get("mtp.fc.weight"))
+        set_weight(self, "fc", w.linear(w.get_linear("mtp.fc.weight"), "mtp.fc.weight"))
         self.register_buffer("norm_embed", w.get("mtp.pre_fc_norm_embedding.weight"))
         self.register_buffer("norm_hidden", w.get("mtp.pre_fc_norm_hidden.weight"))
         self.register_buffer("norm", w.get("mtp.norm.weight"))
@@ -47,5 +47,5 @@ class MtpHead(nn.Module):
         x = torch.cat(
             [rms_norm(token_embeds, self.norm_embed, eps, zc), rms_norm(hidden, self.norm_hidden, eps, zc)], -1
         )
-        h = self.layer(F.linear(x, self.fc), ctx)
+        h = self.layer(linear(x, self.fc), ctx)
         return rms_norm(h, self.norm, eps, zc)

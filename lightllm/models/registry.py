@@ -10,6 +10,7 @@ from pathlib import Path
 from lightllm.models.config import ModelConfig
 from lightllm.models.kimi_linear.config import map_config as map_kimi_linear
 from lightllm.models.loader import read_safetensors_header
+from lightllm.models.quant_config import parse_quantization
 from lightllm.models.qwen3_5.config import map_config as map_qwen3_5
 from lightllm.models.qwen3_next.config import MTP_DEPTH_KEYS
 from lightllm.models.qwen3_next.config import map_config as map_qwen3_next
@@ -52,6 +53,8 @@ def model_config_from_dict(raw: dict) -> ModelConfig:
             f"unsupported model_type {model_type!r} (outer {outer_type!r}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     where = " under text_config" if text is not raw else ""
+    # refused before the architecture's fields are read: a quantized checkpoint often maps fine otherwise
+    parse_quantization(raw)
     try:
         return mapper(text)
     except KeyError as exc:

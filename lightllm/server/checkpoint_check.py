@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lightllm.models.quant_config import Fp8Config, UnsupportedQuantization, parse_quantization, scale_name
+
 if TYPE_CHECKING:
     from lightllm.models.config import ModelConfig
     from lightllm.models.loader import TensorHeader
@@ -62,14 +64,25 @@ def check_checkpoint(model_dir: str) -> CheckedCheckpoint:
     if not os.path.isfile(config_path):
         raise ValueError(f"--model_dir {model_dir}: no config.json there; point it at a Hugging Face checkpoint folder")
     config = read_json(config_path)
+    # before any weight file is opened: a quantization the engine cannot run is refused by name
+    quant = check_quantization(config_path, config)
     for name in SIDE_FILES:
         if os.path.isfile(os.path.join(model_dir, name)):
             read_json(os.path.join(model_dir, name))
     tensors = read_weight_headers(model_dir)
     model_config = map_config(config_path, config, tensors)
-    check_weight_shapes(model_dir, model_config, tensors)
+    check_weight_shapes(model_dir, model_config, tensors, quant)
     check_tokenizer(model_dir)
     return CheckedCheckpoint(config, model_config, tensors)
+
+
+def check_quantization(config_path: str, config: dict) -> Fp8Config | None:
+    """The checkpoint's block-FP8 layout (None: unquantized); ValueError naming the file and the
+    `quant_method` (or fp8 field) the engine cannot run, with what is supported."""
+    try:
+        return parse_quantization(config)
+    except UnsupportedQuantization as exc:
+        raise ValueError(f"{config_path}: {exc}") from None
 
 
 def read_weight_headers(model_dir: str) -> dict[str, TensorHeader]:
@@ -107,10 +120,13 @@ def map_config(config_path: str, config: dict, tensors: dict[str, TensorHeader])
         raise ValueError(f"{config_path}: {exc}") from None
 
 
-def check_weight_shapes(model_dir: str, cfg: ModelConfig, tensors: dict[str, TensorHeader]) -> None:
-    """Compare the checkpoint's tensor names and header shapes with the ones the model built from `cfg` loads."""
+def check_weight_shapes(
+    model_dir: str, cfg: ModelConfig, tensors: dict[str, TensorHeader], quant: Fp8Config | None = None
+) -> None:
+    """Compare the checkpoint's tensor names and header shapes with the ones the model built from `cfg` loads
+    (with `quant`, also each block-FP8 weight's scale grid and its float8 dtype)."""
     from lightllm.models.hybrid import HybridModel
-    from lightllm.models.loader import normalize_name, tensor_mismatch
+    from lightllm.models.loader import normalize_name, tensor_mismatch, with_block_scales
 
     # the module tree holds no weights before `load` (only the rotary frequencies, a few floats), so it is built
     # on the CPU: a meta-device build would first import torch's reference ops, ~2.5 s for nothing
@@ -128,7 +144,16 @@ def check_weight_shapes(model_dir: str, cfg: ModelConfig, tensors: dict[str, Ten
         # a sharded checkpoint: say which shard holds the tensor
         return raw_name[name] + (f" ({tensors[raw_name[name]].file.name})" if len(files) > 1 else "")
 
-    lines = tensor_mismatch(model.checkpoint_shapes(set(found)), found, label, MAX_LISTED)
+    expected = with_block_scales(model.checkpoint_shapes(set(found)), set(found), quant)
+    lines = tensor_mismatch(expected, found, label, MAX_LISTED)
+    not_fp8 = [
+        n for n in expected if scale_name(n) in expected and n in raw_name and tensors[raw_name[n]].dtype != "F8_E4M3"
+    ]
+    if not_fp8:
+        lines.append(
+            f"not float8_e4m3fn despite a {scale_name('')} ({len(not_fp8)}): "
+            + ", ".join(f"{label(n)} ({tensors[raw_name[n]].dtype})" for n in not_fp8[:MAX_LISTED])
+        )
     if lines:
         where = (
             os.path.join(model_dir, files[0]) if len(files) == 1 else f"{model_dir} ({len(files)} safetensors files)"

@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightllm.models.config import AttentionConfig
 from lightllm.models.context import StepContext
 from lightllm.models.layers.norms import rms_norm
 from lightllm.models.layers.paged_attention import attend
+from lightllm.models.layers.quantized_linear import linear, set_weight
 from lightllm.models.layers.rotary import Rotary
 from lightllm.models.loader import Shapes, WeightLoader
 
@@ -51,10 +51,11 @@ class GatedAttention(nn.Module):
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         c, prefix = self.cfg, f"{prefix}self_attn."
-        self.register_buffer("q_proj", w.get(f"{prefix}q_proj.weight", 0, c.num_heads))
-        self.register_buffer("k_proj", w.get(f"{prefix}k_proj.weight", 0, c.num_kv_heads))
-        self.register_buffer("v_proj", w.get(f"{prefix}v_proj.weight", 0, c.num_kv_heads))
-        self.register_buffer("o_proj", w.get(f"{prefix}o_proj.weight", 1, c.num_heads))
+        # q/k/v column-parallel (output rows by head), o row-parallel (input columns by head)
+        placement = {"q": (0, c.num_heads), "k": (0, c.num_kv_heads), "v": (0, c.num_kv_heads), "o": (1, c.num_heads)}
+        for n, (dim, heads) in placement.items():
+            name = f"{prefix}{n}_proj.weight"
+            set_weight(self, f"{n}_proj", w.linear(w.get_linear(name, dim, heads), name))
         self.register_buffer("q_norm", w.get(f"{prefix}q_norm.weight"))
         self.register_buffer("k_norm", w.get(f"{prefix}k_norm.weight"))
         for n, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
@@ -65,9 +66,9 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, d = x.shape[0], self.cfg.head_dim
-        q, gate = F.linear(x, self.q_proj, self.q_bias).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
-        k = F.linear(x, self.k_proj, self.k_bias).view(t, self.num_kv_heads, d)
-        v = F.linear(x, self.v_proj, self.v_bias).view(t, self.num_kv_heads, d)
+        q, gate = linear(x, self.q_proj, self.q_bias).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
+        k = linear(x, self.k_proj, self.k_bias).view(t, self.num_kv_heads, d)
+        v = linear(x, self.v_proj, self.v_bias).view(t, self.num_kv_heads, d)
         q = rms_norm(q, self.q_norm, self.eps, zero_centered=True)
         k = rms_norm(k, self.k_norm, self.eps, zero_centered=True)
         cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
@@ -81,4 +82,4 @@ class GatedAttention(nn.Module):
         pool = (ctx.kv.buffers[0][self.kv_layer], ctx.kv.buffers[1][self.kv_layer])
         o = attend(q, ctx.groups, load_kv, d**-0.5, kv_pool=pool, backend=self.attention_backend)
         o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return F.linear(o, self.o_proj, self.o_bias)
+        return linear(o, self.o_proj, self.o_bias)

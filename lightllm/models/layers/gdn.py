@@ -8,7 +8,6 @@ through the state (`graw = a`, `braw = b`, gates activated inside the state oper
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightllm.linear_att import LinearAttSpec
@@ -16,6 +15,7 @@ from lightllm.linear_att.base import LayerParams
 from lightllm.models.context import StepContext
 from lightllm.models.layers.linear_state import run_linear_state
 from lightllm.models.layers.norms import gated_rms_norm_silu
+from lightllm.models.layers.quantized_linear import linear, set_weight
 from lightllm.models.loader import Shapes, WeightLoader
 from lightllm.models.qwen3_5 import weights as q35
 from lightllm.models.qwen3_next import weights as q3n
@@ -52,21 +52,25 @@ class GatedDeltaNet(nn.Module):
         shapes = {prefix + p: shape for p, shape in proj.items()}
         return shapes | {f"{prefix}linear_attn.{n}": shape for n, shape in rest.items()}
 
-    def _projections(self, w: WeightLoader, prefix: str) -> list[torch.Tensor]:
-        """Full (unsharded) q, k, v, z, b, a projection weights, head-major."""
+    def _projections(self, w: WeightLoader, prefix: str) -> tuple[list[torch.Tensor], list[str]]:
+        """Full (unsharded) q, k, v, z, b, a projection weights, head-major, and the checkpoint names they
+        come from."""
         if self.grouped:
-            q, k, v, z = q3n.split_qkvz(w.get(prefix + q3n.QKVZ), self.spec)
-            b, a = q3n.split_ba(w.get(prefix + q3n.BA), self.spec)
+            names = [prefix + q3n.QKVZ, prefix + q3n.BA]
+            q, k, v, z = q3n.split_qkvz(w.get_linear(names[0]), self.spec)
+            b, a = q3n.split_ba(w.get_linear(names[1]), self.spec)
         else:
-            q, k, v = q35.split_qkv(w.get(prefix + q35.QKV), self.spec)
-            z, b, a = (w.get(prefix + n) for n in (q35.Z, q35.B, q35.A))
-        return [q, k, v, z, b, a]
+            names = [prefix + n for n in (q35.QKV, q35.Z, q35.B, q35.A)]
+            q, k, v = q35.split_qkv(w.get_linear(names[0]), self.spec)
+            z, b, a = (w.get_linear(n) for n in names[1:])
+        return [q, k, v, z, b, a], names
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         s, tp = self.spec, w.tp
         heads = [s.num_k_heads, s.num_k_heads, s.num_v_heads, s.num_v_heads, s.num_v_heads, s.num_v_heads]
-        parts = self._projections(w, prefix)
-        self.register_buffer("in_proj", torch.cat([tp.shard_heads(p, 0, n) for p, n in zip(parts, heads)]))
+        parts, names = self._projections(w, prefix)
+        in_proj = torch.cat([tp.shard_heads(p, 0, n) for p, n in zip(parts, heads)])
+        set_weight(self, "in_proj", w.linear(in_proj, *names))
         conv = w.get(f"{prefix}linear_attn.conv1d.weight").squeeze(1)
         key_dim = s.num_k_heads * s.head_k_dim
         conv_parts = conv.split([key_dim, key_dim, s.num_v_heads * s.head_v_dim])
@@ -81,11 +85,12 @@ class GatedDeltaNet(nn.Module):
         self.register_buffer("A_log", self.params.A_log)
         self.register_buffer("dt_bias", self.params.dt_bias)
         self.register_buffer("norm", w.get(f"{prefix}linear_attn.norm.weight"))
-        self.register_buffer("out_proj", w.get(f"{prefix}linear_attn.out_proj.weight", 1))
+        out_name = f"{prefix}linear_attn.out_proj.weight"
+        set_weight(self, "out_proj", w.linear(w.get_linear(out_name, 1), out_name))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, hv, dv = x.shape[0], self.num_v_heads, self.spec.head_v_dim
-        mixed_qkv, z, b, a = (p.contiguous() for p in F.linear(x, self.in_proj).split(self.split_sizes, dim=-1))
+        mixed_qkv, z, b, a = (p.contiguous() for p in linear(x, self.in_proj).split(self.split_sizes, dim=-1))
         o = run_linear_state(ctx, self.linear_layer, mixed_qkv, a[:, :, None], b, self.params, hv, dv)
         y = gated_rms_norm_silu(o, z.reshape(t, hv, dv), self.norm, self.eps)
-        return F.linear(y.reshape(t, hv * dv), self.out_proj)
+        return linear(y.reshape(t, hv * dv), self.out_proj)

@@ -8,7 +8,6 @@ the state), `beta = sigmoid(b_proj(x))`, output `o_proj(w · norm(o) · sigmoid(
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightllm.linear_att import LinearAttSpec
@@ -16,6 +15,7 @@ from lightllm.linear_att.base import LayerParams
 from lightllm.models.context import StepContext
 from lightllm.models.layers.linear_state import run_linear_state
 from lightllm.models.layers.norms import gated_rms_norm_sigmoid
+from lightllm.models.layers.quantized_linear import linear, set_weight
 from lightllm.models.loader import Shapes, WeightLoader
 
 WEIGHTS = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj", "b_proj")
@@ -47,12 +47,13 @@ class KimiDeltaAttention(nn.Module):
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         p, h, d = f"{prefix}self_attn.", self.spec.num_v_heads, self.spec.head_k_dim
-        qkvb = [w.get(f"{p}{n}.weight", 0, h) for n in ("q_proj", "k_proj", "v_proj", "b_proj")]
-        self.register_buffer("in_proj", torch.cat(qkvb))
+        qkvb = [f"{p}{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "b_proj")]
+        set_weight(self, "in_proj", w.linear(torch.cat([w.get_linear(n, 0, h) for n in qkvb]), *qkvb))
         # f_a and g_a are replicated low-rank down-projections: one GEMM for both
-        self.register_buffer("gate_down", torch.cat([w.get(f"{p}f_a_proj.weight"), w.get(f"{p}g_a_proj.weight")]))
-        self.register_buffer("f_up", w.get(f"{p}f_b_proj.weight", 0, h))
-        self.register_buffer("g_up", w.get(f"{p}g_b_proj.weight", 0, h))
+        down = [f"{p}f_a_proj.weight", f"{p}g_a_proj.weight"]
+        set_weight(self, "gate_down", w.linear(torch.cat([w.get_linear(n) for n in down]), *down))
+        for attr, n in (("f_up", "f_b_proj"), ("g_up", "g_b_proj")):
+            set_weight(self, attr, w.linear(w.get_linear(f"{p}{n}.weight", 0, h), f"{p}{n}.weight"))
         conv = torch.cat([w.get(f"{p}{n}_conv1d.weight", 0, h).squeeze(1) for n in "qkv"])
         self.params = LayerParams(
             conv_weight=conv,
@@ -64,7 +65,7 @@ class KimiDeltaAttention(nn.Module):
         self.register_buffer("A_log", self.params.A_log)
         self.register_buffer("dt_bias", self.params.dt_bias)
         self.register_buffer("o_norm", w.get(f"{p}o_norm.weight"))
-        self.register_buffer("o_proj", w.get(f"{p}o_proj.weight", 1, h))
+        set_weight(self, "o_proj", w.linear(w.get_linear(f"{p}o_proj.weight", 1, h), f"{p}o_proj.weight"))
 
     def _head_slice(self, w: WeightLoader) -> slice:
         start = w.tp.rank * self.num_heads if w.tp.size > 1 else 0
@@ -72,9 +73,9 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.spec.head_k_dim
-        mixed_qkv, braw = (p.contiguous() for p in F.linear(x, self.in_proj).split(self.split_sizes, dim=-1))
-        f_low, g_low = F.linear(x, self.gate_down).chunk(2, dim=-1)
-        graw = F.linear(f_low, self.f_up).view(t, h, d)
+        mixed_qkv, braw = (p.contiguous() for p in linear(x, self.in_proj).split(self.split_sizes, dim=-1))
+        f_low, g_low = linear(x, self.gate_down).chunk(2, dim=-1)
+        graw = linear(f_low, self.f_up).view(t, h, d)
         o = run_linear_state(ctx, self.linear_layer, mixed_qkv, graw, braw, self.params, h, d)
-        y = gated_rms_norm_sigmoid(o, F.linear(g_low, self.g_up).view(t, h, d), self.o_norm, self.eps)
-        return F.linear(y.reshape(t, h * d), self.o_proj)
+        y = gated_rms_norm_sigmoid(o, linear(g_low, self.g_up).view(t, h, d), self.o_norm, self.eps)
+        return linear(y.reshape(t, h * d), self.o_proj)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightllm.models.layers.quantized_linear import linear, set_weight
 from lightllm.models.loader import Shapes, WeightLoader
 
 
@@ -29,12 +30,11 @@ class SwiGLU(nn.Module):
         }
 
     def load(self, w: WeightLoader, prefix: str) -> None:
-        gate, up, down = self.names
-        self.register_buffer(
-            "gate_up", torch.cat([w.get(f"{prefix}{gate}.weight", 0), w.get(f"{prefix}{up}.weight", 0)])
-        )
-        self.register_buffer("down", w.get(f"{prefix}{down}.weight", 1))
+        gate, up, down = (f"{prefix}{n}.weight" for n in self.names)
+        gate_up = torch.cat([w.get_linear(gate, 0), w.get_linear(up, 0)])
+        set_weight(self, "gate_up", w.linear(gate_up, gate, up))
+        set_weight(self, "down", w.linear(w.get_linear(down, 1), down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down)
