@@ -1,6 +1,7 @@
 """The cases of `memcheck_kernels.py`: the served and tiny head shapes, and one builder per kernel family (conv
-prefill / decode, native, compact, replay, the cursor kernels, paged attention) plus the state classes' own call
-sequence, each returning the function a case runs on its `Ctx` (device, seeded generator, exact-size allocations).
+prefill / decode, native, compact, replay, the cursor kernels, paged attention, MLA latent attention) plus the
+state classes' own call sequence, each returning the function a case runs on its `Ctx` (device, seeded generator,
+exact-size allocations).
 `build_cases` lists them with the kernels each must launch."""
 
 from __future__ import annotations
@@ -71,6 +72,24 @@ ATTENTION_SHAPES = (
     AttentionShape("qwen-attention", 16, 2, 256, 256, "bfloat16", tiny=False),  # Qwen3-Next / Qwen3.5 gated attention
     AttentionShape("kimi-mla", 32, 32, 192, 128, "bfloat16", tiny=False),  # Kimi-Linear MLA after kv_b_proj
     AttentionShape("tiny-attention", 6, 3, 24, 40, "float32", tiny=True),
+)
+
+
+@dataclass(frozen=True)
+class LatentShape:
+    """MLA attention in latent space: query heads, latent rank C and rope dims R of the cached `[c_kv | k_rot]`."""
+
+    name: str
+    heads: int
+    rank: int
+    rope: int
+    dtype: str
+    tiny: bool
+
+
+LATENT_SHAPES = (
+    LatentShape("kimi-mla-latent", 32, 512, 64, "bfloat16", tiny=False),  # Kimi-Linear TP1
+    LatentShape("tiny-mla-latent", 3, 24, 12, "float32", tiny=True),
 )
 
 
@@ -364,6 +383,37 @@ def case_paged_attention(shape: AttentionShape, rows: list[tuple[int, int]], spl
     return run
 
 
+def case_mla_attention(shape: LatentShape, rows: list[tuple[int, int]], splits: int) -> Callable[[Ctx], str]:
+    """rows: (cached prefix, new tokens). The latent pool has exactly the rows' context slots, the request table
+    exactly the longest context's width with the rows read through `table_rows` (reversed), q and out exactly the
+    new tokens; `splits` > 1 splits each context (the split outputs and the combine kernel)."""
+
+    def run(ctx: Ctx) -> str:
+        from lightllm.kernels.mla_attention import mla_attention_triton
+
+        torch = ctx.torch
+        totals = [c + q for c, q in rows]
+        perm = torch.randperm(sum(totals), generator=ctx.cpu_gen)
+        table = torch.zeros(len(rows), max(totals), dtype=torch.int64)
+        start = 0
+        for i, t in enumerate(totals):
+            table[len(rows) - 1 - i, :t] = perm[start : start + t]
+            start += t
+        latent = ctx.randn(sum(totals), shape.rank + shape.rope, dtype=shape.dtype)
+        q_lens = [q for _, q in rows]
+        q = ctx.randn(sum(q_lens), shape.heads, shape.rank + shape.rope, dtype=shape.dtype)
+        out = torch.empty(sum(q_lens), shape.heads, shape.rank, dtype=q.dtype, device=ctx.device)
+        starts = ctx.ints([0, *torch.tensor(q_lens[:-1]).cumsum(0).tolist()])
+        table_rows = ctx.to_device(torch.arange(len(rows) - 1, -1, -1))
+        mla_attention_triton(q, latent, ctx.to_device(table), starts, ctx.ints(q_lens), ctx.ints(c for c, _ in rows),
+                             (shape.rank + shape.rope) ** -0.5, max(q_lens), out, table_rows=table_rows,
+                             num_splits=splits)  # fmt: skip
+        assert bool(torch.isfinite(out).all()), "non-finite attention outputs"
+        return f"pool {sum(totals)} slots"
+
+    return run
+
+
 class _OnDevice:
     """A state on the case's device behind the CPU-tensor interface of the scenario drivers
     (`unit_tests/linear_att/scenarios.py`): tensor arguments move to the device (each a fresh exact-size
@@ -508,5 +558,14 @@ def build_cases() -> list[Case]:
                 kernels = ("paged_attention_kernel",) + (("paged_attention_combine_kernel",) if splits > 1 else ())
                 cases.append(
                     Case("paged_attention", a.name, detail, kernels, a.tiny, case_paged_attention(a, rows, splits))
+                )
+    for m in LATENT_SHAPES:
+        # decode and verify windows of 1..4 and a short chunk; a row with no query (a HOLD row of a graph bucket)
+        for rows in ([(61, 1), (7, 4), (0, 2), (33, 1), (90, 19)], [(12, 4), (5, 0), (40, 2)]):
+            for splits in (1, 3):
+                detail = f"N={len(rows)} " + " ".join(f"{c}+{q}" for c, q in rows) + f" splits={splits}"
+                kernels = ("mla_attention_kernel",) + (("paged_attention_combine_kernel",) if splits > 1 else ())
+                cases.append(
+                    Case("mla_attention", m.name, detail, kernels, m.tiny, case_mla_attention(m, rows, splits))
                 )
     return cases
