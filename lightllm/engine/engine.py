@@ -444,7 +444,7 @@ class Engine:
             req.prompt_logprobs, req.prompt_top_logprobs = [], []
         outputs: list[EngineOutput] = [chunk]
         if grammar_error is not None:
-            return outputs + self._finish(req, "error", error=grammar_error)
+            return outputs + self.finish(req, "error", error=grammar_error)
         if reason is not None:
             outputs += self.finish(req, reason)
         return outputs
