@@ -109,6 +109,21 @@ CASES = {
         ],
     ),
     "port-out-of-range": (lambda d: None, ["--port", "99999"], ["--port must be in 1..65535, got 99999"]),
+    "awq-checkpoint": (
+        lambda d: _edit_config(d, lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4})),
+        [],
+        ["config.json: quantization_config.quant_method 'awq' is not supported", "supported: quant_method fp8"],
+    ),
+    "bitsandbytes-without-method": (
+        lambda d: _edit_config(d, lambda c: c.update(quantization_config={"load_in_4bit": True})),
+        [],
+        ["config.json: quantization_config.quant_method 'bitsandbytes' is not supported", "weight_block_size"],
+    ),
+    "fp8-per-tensor": (
+        lambda d: _edit_config(d, lambda c: c.update(quantization_config={"quant_method": "fp8"})),
+        [],
+        ["config.json: quantization_config fp8 without weight_block_size (per-tensor weight scales)"],
+    ),
 }
 
 
