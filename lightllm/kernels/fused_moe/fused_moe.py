@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from lightllm.kernels.fp8 import FP8_DTYPE, check_block_scales, quantize_activation_groups
 from lightllm.kernels.fused_moe.align import align_pairs
 from lightllm.kernels.fused_moe.combine import combine
 from lightllm.kernels.fused_moe.configs import check_config, get_config
@@ -24,6 +25,9 @@ def fused_experts(
     shared: torch.Tensor | None = None,
     shared_gate_logit: torch.Tensor | None = None,
     config: dict | None = None,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """`sum_j weights[t, j] · expert_{ids[t, j]}(x[t])` with SwiGLU experts, as `[T, H]` in x's dtype.
 
@@ -32,14 +36,24 @@ def fused_experts(
     int32/int64 in 0..E-1 (a token may not pick an expert twice). `shared`: the shared expert's output `[T, H]`,
     added in the combine, scaled by `sigmoid(shared_gate_logit [T, 1])` when given. `config`: a launch configuration (see
     `configs.py`); None looks it up. The top-k rows of a token (then the shared row) are summed in fp32 in order
-    j = 0..k-1, the same bits every run."""
+    j = 0..k-1, the same bits every run.
+
+    Block-FP8 experts: `gate_up` and `down` float8_e4m3fn with `gate_up_scale [E, ceil(2I / bn), ceil(H / bk)]`,
+    `down_scale [E, ceil(H / bn), ceil(I / bk)]` for `block = (bn, bk)`; x and the SwiGLU activations are
+    quantized per row per `bk` channels (W8A8, fp32 accumulation), the output keeps x's dtype."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = gate_up.shape
     top_k = ids.shape[1]
     assert gate_up.shape == (num_experts, two_i, hidden) and down.shape == (num_experts, hidden, two_i // 2), (
         f"x {tuple(x.shape)} gate_up {tuple(gate_up.shape)} down {tuple(down.shape)}"
     )
-    assert x.dtype == gate_up.dtype == down.dtype, f"dtypes x {x.dtype} gate_up {gate_up.dtype} down {down.dtype}"
+    fp8 = gate_up_scale is not None
+    if fp8:
+        assert gate_up.dtype == down.dtype == FP8_DTYPE and down_scale is not None and block is not None
+        check_block_scales(tuple(gate_up.shape), tuple(gate_up_scale.shape), block, "gate_up_scale")
+        check_block_scales(tuple(down.shape), tuple(down_scale.shape), block, "down_scale")
+    else:
+        assert x.dtype == gate_up.dtype == down.dtype, f"dtypes x {x.dtype} gate_up {gate_up.dtype} down {down.dtype}"
     assert ids.shape == weights.shape == (num_tokens, top_k), f"ids {tuple(ids.shape)} weights {tuple(weights.shape)}"
     assert x.stride(-1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
     out = torch.empty_like(x)
@@ -52,8 +66,14 @@ def fused_experts(
     blocks = align_pairs(ids, num_experts, config["BLOCK_M"])
     num_pairs = num_tokens * top_k
     act = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
-    gate_up_swiglu(x, gate_up, blocks, top_k, config["gate_up"], act)
     pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
-    down_weighted(act, down, flat_weights, blocks, top_k, config["down"], pair_out)
+    if fp8:
+        x_q, x_scale = quantize_activation_groups(x, block[1], backend="triton")
+        gate_up_swiglu(x_q, gate_up, blocks, top_k, config["gate_up"], act, x_scale, gate_up_scale, block)
+        act_q, act_scale = quantize_activation_groups(act, block[1], backend="triton")
+        down_weighted(act_q, down, flat_weights, blocks, top_k, config["down"], pair_out, act_scale, down_scale, block)
+    else:
+        gate_up_swiglu(x, gate_up, blocks, top_k, config["gate_up"], act)
+        down_weighted(act, down, flat_weights, blocks, top_k, config["down"], pair_out)
     return combine(pair_out.view(num_tokens, top_k, hidden), out, shared, shared_gate_logit)

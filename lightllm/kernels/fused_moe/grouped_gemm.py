@@ -9,8 +9,10 @@ Program `(i_m, i_n)` takes block `i_m` (`BM` pair rows of one expert e) and outp
 Blocks whose expert is E (past the real end of the padded layout) return at once; padding rows (sentinel pair id)
 load zeros and store nothing. Accumulation is fp32; fp32 inputs use `ieee` dots (tf32 would cost ~1e-3).
 
-Weight loads go through `_weight_tile`, which returns the tile in the activation dtype: a quantised weight path
-(fp8 tiles with per-channel or block scales) changes that helper and the accumulator's scaling, not the loop.
+Block-FP8 experts (`FP8`): both operands are float8_e4m3fn, the activations quantized per row per `BK` channels
+(`a_s`), the weights per `[BLOCK_N_SCALE, BK]` tile (`w_s [E, ceil(N / BLOCK_N_SCALE), ceil(K / BK)]`); the K step is
+one scale group, so each step's fp8 dot is scaled by `a_s[row] · w_s[column]` before it joins the fp32 accumulator
+(`_fp8_step`, the same rule as `lightllm.kernels.fp8`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def _weight_tile(p_w, m_w, dtype):
     return tl.load(p_w, mask=m_w, other=0.0).to(dtype)
 
 
+@triton.jit
+def _fp8_step(acc, b_a, p_w, m_w, p_as, m_m, p_ws, m_n, i_k):
+    """`acc [BM, BN] += (a · w) · a_scale[:, None] · w_scale[None, :]` for K step `i_k` (one scale group)."""
+    b_as = tl.load(p_as + i_k, mask=m_m, other=0.0)
+    b_ws = tl.load(p_ws + i_k, mask=m_n, other=0.0)
+    return acc + tl.dot(b_a, tl.load(p_w, mask=m_w, other=0.0)) * b_as[:, None] * b_ws[None, :]
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def moe_gate_up_kernel(
     x,  # [T, H]
@@ -53,11 +63,18 @@ def moe_gate_up_kernel(
     stride_we,
     stride_wn,
     stride_ap,
+    x_s,  # FP8: [T, ceil(H / BK)] fp32
+    w_s,  # FP8: [E, ceil(2I / BLOCK_N_SCALE), ceil(H / BK)] fp32
+    stride_xst,
+    stride_wse,
+    stride_wsn,
     TOP_K: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr = False,
+    BLOCK_N_SCALE: tl.constexpr = 128,
 ):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     e, b_pair, b_tok, m_m = _block_rows(sorted_pairs, block_expert, i_m, num_pairs, TOP_K, BM)
@@ -69,14 +86,22 @@ def moe_gate_up_kernel(
     p_x = x + b_tok[:, None] * stride_xt + o_k[None, :]  # [BM, BK]
     p_g = gate_up + e * stride_we + o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]  # [BK, BN]
     p_u = p_g + I * stride_wn
+    # FP8: each row's token scales, each column's gate and up scale rows
+    p_xs = x_s + b_tok * stride_xst
+    p_gs = w_s + e * stride_wse + (o_n // BLOCK_N_SCALE).to(tl.int64) * stride_wsn
+    p_us = w_s + e * stride_wse + ((I + o_n) // BLOCK_N_SCALE).to(tl.int64) * stride_wsn
     b_g = tl.zeros([BM, BN], dtype=tl.float32)
     b_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
         m_k = k0 + o_k < H
         b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
         m_w = m_k[:, None] & m_n[None, :]
-        b_g = tl.dot(b_x, _weight_tile(p_g, m_w, b_x.dtype), b_g, input_precision=DOT_PRECISION)
-        b_u = tl.dot(b_x, _weight_tile(p_u, m_w, b_x.dtype), b_u, input_precision=DOT_PRECISION)
+        if FP8:
+            b_g = _fp8_step(b_g, b_x, p_g, m_w, p_xs, m_m, p_gs, m_n, k0 // BK)
+            b_u = _fp8_step(b_u, b_x, p_u, m_w, p_xs, m_m, p_us, m_n, k0 // BK)
+        else:
+            b_g = tl.dot(b_x, _weight_tile(p_g, m_w, b_x.dtype), b_g, input_precision=DOT_PRECISION)
+            b_u = tl.dot(b_x, _weight_tile(p_u, m_w, b_x.dtype), b_u, input_precision=DOT_PRECISION)
         p_x += BK
         p_g += BK
         p_u += BK
@@ -101,11 +126,18 @@ def moe_down_kernel(
     stride_we,
     stride_wn,
     stride_op,
+    act_s,  # FP8: [P, ceil(I / BK)] fp32
+    w_s,  # FP8: [E, ceil(H / BLOCK_N_SCALE), ceil(I / BK)] fp32
+    stride_asp,
+    stride_wse,
+    stride_wsn,
     TOP_K: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr = False,
+    BLOCK_N_SCALE: tl.constexpr = 128,
 ):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     e, b_pair, _, m_m = _block_rows(sorted_pairs, block_expert, i_m, num_pairs, TOP_K, BM)
@@ -116,11 +148,17 @@ def moe_down_kernel(
     o_k = tl.arange(0, BK)
     p_a = act + b_pair[:, None] * stride_ap + o_k[None, :]  # [BM, BK]
     p_d = down + e * stride_we + o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]  # [BK, BN]
+    p_as = act_s + b_pair * stride_asp
+    p_ds = w_s + e * stride_wse + (o_n // BLOCK_N_SCALE).to(tl.int64) * stride_wsn
     b_o = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, I, BK):
         m_k = k0 + o_k < I
         b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_o = tl.dot(b_a, _weight_tile(p_d, m_k[:, None] & m_n[None, :], b_a.dtype), b_o, input_precision=DOT_PRECISION)
+        m_w = m_k[:, None] & m_n[None, :]
+        if FP8:
+            b_o = _fp8_step(b_o, b_a, p_d, m_w, p_as, m_m, p_ds, m_n, k0 // BK)
+        else:
+            b_o = tl.dot(b_a, _weight_tile(p_d, m_w, b_a.dtype), b_o, input_precision=DOT_PRECISION)
         p_a += BK
         p_d += BK
     b_w = tl.load(weights + b_pair, mask=m_m, other=0.0)
@@ -132,19 +170,45 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def _fp8_args(
+    a_scale: torch.Tensor | None,
+    w_scale: torch.Tensor | None,
+    block: tuple[int, int] | None,
+    tile: dict,
+    unused: torch.Tensor,
+):
+    """The FP8 kernel arguments (scales, their strides, flags) and the K tile: one scale group per K step.
+    Without FP8 the scale arguments are `unused` (any tensor: the FP8 branch is compiled out)."""
+    if a_scale is None:
+        return (unused, unused, 0, 0, 0), {}, tile["BLOCK_K"]
+    assert w_scale is not None and block is not None, "FP8 experts need their weight scales and block"
+    args = (a_scale, w_scale, a_scale.stride(0), w_scale.stride(0), w_scale.stride(1))
+    return args, {"FP8": True, "BLOCK_N_SCALE": block[0]}, block[1]
+
+
 def gate_up_swiglu(
-    x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks, top_k: int, tile: dict, act: torch.Tensor
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    blocks: ExpertBlocks,
+    top_k: int,
+    tile: dict,
+    act: torch.Tensor,
+    x_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Fill `act [P, I]` (x's dtype) with each pair's SwiGLU activation; `tile`: BLOCK_N, BLOCK_K, num_warps,
-    num_stages."""
+    """Fill `act [P, I]` with each pair's SwiGLU activation; `tile`: BLOCK_N, BLOCK_K, num_warps, num_stages.
+    FP8: `x` and `gate_up` float8 with `x_scale [T, ceil(H / block_k)]`, `w_scale [E, ceil(2I / block_n),
+    ceil(H / block_k)]` (the K tile is then `block_k`)."""
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
+    scale_args, flags, block_k = _fp8_args(x_scale, w_scale, block, tile, x)
     grid = (blocks.num_blocks, triton.cdiv(inter, tile["BLOCK_N"]))
     moe_gate_up_kernel[grid](
         x, gate_up, act, blocks.sorted_pairs, blocks.block_expert, blocks.num_pairs, num_experts, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, BM=blocks.block_m, BN=tile["BLOCK_N"], BK=tile["BLOCK_K"], DOT_PRECISION=_precision(x),
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), *scale_args,
+        TOP_K=top_k, BM=blocks.block_m, BN=tile["BLOCK_N"], BK=block_k, DOT_PRECISION=_precision(x),
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **flags,
     )  # fmt: skip
     return act
 
@@ -157,14 +221,19 @@ def down_weighted(
     top_k: int,
     tile: dict,
     pair_out: torch.Tensor,
+    act_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Fill `pair_out [P, H]` (fp32) with `weights[p] * down_e(act[p])`; `weights [P]` fp32."""
+    """Fill `pair_out [P, H]` (fp32) with `weights[p] * down_e(act[p])`; `weights [P]` fp32. FP8: `act` and
+    `down` float8 with `act_scale [P, ceil(I / block_k)]`, `w_scale [E, ceil(H / block_n), ceil(I / block_k)]`."""
     num_experts, hidden, inter = down.shape
+    scale_args, flags, block_k = _fp8_args(act_scale, w_scale, block, tile, act)
     grid = (blocks.num_blocks, triton.cdiv(hidden, tile["BLOCK_N"]))
     moe_down_kernel[grid](
         act, down, weights, pair_out, blocks.sorted_pairs, blocks.block_expert, blocks.num_pairs, num_experts,
-        hidden, inter, act.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
-        TOP_K=top_k, BM=blocks.block_m, BN=tile["BLOCK_N"], BK=tile["BLOCK_K"], DOT_PRECISION=_precision(act),
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        hidden, inter, act.stride(0), down.stride(0), down.stride(1), pair_out.stride(0), *scale_args,
+        TOP_K=top_k, BM=blocks.block_m, BN=tile["BLOCK_N"], BK=block_k, DOT_PRECISION=_precision(act),
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **flags,
     )  # fmt: skip
     return pair_out

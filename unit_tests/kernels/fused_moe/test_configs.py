@@ -1,0 +1,67 @@
+"""get_config: tuned table entries by (shape, dtype, device, Triton version) and batch bucket, else the heuristic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import triton
+
+from lightllm.kernels.fused_moe import configs
+from lightllm.kernels.fused_moe.configs import batch_bucket, check_config, get_config, heuristic_config, shape_key
+
+TUNED = {
+    "BLOCK_M": 32,
+    "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+}
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    configs._table.cache_clear()
+    yield tmp_path
+    configs._table.cache_clear()
+
+
+def write_table(path, version: str, key: str, buckets: dict) -> None:
+    (path / "cpu.json").write_text(json.dumps({version: {key: buckets}}))
+
+
+def test_batch_bucket():
+    assert [batch_bucket(n) for n in (0, 1, 2, 3, 64, 65, 300)] == [1, 1, 2, 4, 64, 128, 512]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37, 256, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heuristic_configs_are_valid(num_tokens, dtype):
+    config = check_config(heuristic_config(num_tokens, 256, 512, 2048, 8, dtype))
+    assert config["gate_up"]["BLOCK_N"] <= 64 and config["down"]["BLOCK_K"] <= 512
+
+
+def test_table_entry_wins_by_nearest_bucket(table_dir):
+    key = shape_key(8, 24, 32, 2, torch.float32)
+    other = {**TUNED, "BLOCK_M": 64}
+    write_table(table_dir, triton.__version__, key, {"16": TUNED, "256": other})
+    cpu = torch.device("cpu")
+    assert get_config(9, 8, 24, 32, 2, torch.float32, cpu) == TUNED
+    assert get_config(200, 8, 24, 32, 2, torch.float32, cpu) == other
+    # another dtype or shape has no entry: the heuristic
+    assert get_config(9, 8, 24, 32, 2, torch.float16, cpu) == heuristic_config(9, 8, 24, 32, 2, torch.float16)
+
+
+def test_other_triton_versions_are_ignored(table_dir):
+    key = shape_key(8, 24, 32, 2, torch.float32)
+    write_table(table_dir, "0.0.0", key, {"16": TUNED})
+    assert get_config(9, 8, 24, 32, 2, torch.float32, torch.device("cpu")) == heuristic_config(
+        9, 8, 24, 32, 2, torch.float32
+    )
+
+
+def test_a_broken_entry_is_refused(table_dir):
+    key = shape_key(8, 24, 32, 2, torch.float32)
+    write_table(table_dir, triton.__version__, key, {"16": {"BLOCK_M": 16}})
+    with pytest.raises(ValueError, match="gate_up/down tiles"):
+        get_config(9, 8, 24, 32, 2, torch.float32, torch.device("cpu"))
