@@ -151,3 +151,26 @@ def test_decode_over_fixed_buffers_with_hold_rows():
         real = group.valid[: len(q_lens)].reshape(-1)
         assert_rel_close(f"real rows ({backend})", out[: ctx.num_tokens][real], expanded[real], 1e-5)
         assert torch.equal(out[ctx.num_tokens :], torch.zeros(2 * width, HIDDEN))
+
+
+def test_a_group_bounded_by_the_whole_row_attends_in_latent_space(monkeypatch):
+    """A 70-token prefill chunk is expanded in an eager step; the same chunk in a fixed-buffer step (context bound =
+    the cache's row length, as prefill graphs build it) attends in latent space (the expanded path would
+    decompress the whole row) and gives the same output."""
+    import dataclasses
+
+    from lightllm.models.layers import mla
+
+    layer = make_layer(6)
+    kv, rows = scattered_cache([10], [70], 6)
+    ctx = build_context([70], [10], 1, rows, kv)
+    x = torch.randn(ctx.num_tokens, HIDDEN, generator=torch.Generator().manual_seed(11))
+    expanded = forward(layer, x, ctx, 64, "torch")
+    ctx.groups[0] = dataclasses.replace(ctx.groups[0], context_len=kv.max_req_len)
+
+    def no_expansion(*args, **kwargs):
+        raise AssertionError("the expanded form ran")
+
+    monkeypatch.setattr(mla, "attend", no_expansion)
+    for backend in ("torch", "triton"):
+        assert_rel_close(f"whole-row bound ({backend})", forward(layer, x, ctx, 64, backend), expanded, 1e-5)

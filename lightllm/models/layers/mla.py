@@ -4,12 +4,13 @@ Each token caches one latent `[norm(c_kv) (kv_lora_rank) | k_rot (qk_rope_head_d
 `k_rot` part is shared by the heads and, in Kimi-Linear, never rotated). Per head, `kv_b_proj` holds `W_UK`
 (`k_nope = W_UK c_kv`) and `W_UV` (`v = W_UV c_kv`); keys are `[k_nope | k_rot]`, scale `(nope + rope)^-1/2`.
 
-Two equal forms, chosen per attention group by its query width (a host shape):
-- latent (decode, verify windows, short chunks): `W_UK` is absorbed into the query (`q_lat = W_UK^T q_nope`),
-  the heads attend over the cached latents themselves (`lightllm.kernels.mla_attention`) and `W_UV` lifts the
-  latent-space output. Nothing is expanded and no shape depends on the contexts' lengths.
-- expanded (long prefills): the gathered latents are decompressed into per-head keys and values once and
-  attended by the paged attention path; with many queries per latent this is fewer flops.
+Two equal forms, chosen per attention group by its query width and context bound (host values):
+- latent (decode, verify windows, short chunks, and every group of a fixed-buffer step, whose context bound is
+  the cache's whole row): `W_UK` is absorbed into the query (`q_lat = W_UK^T q_nope`), the heads attend over the
+  cached latents themselves (`lightllm.kernels.mla_attention`) and `W_UV` lifts the latent-space output. Nothing
+  is expanded and no shape depends on the contexts' lengths.
+- expanded (long prefill chunks of eager steps): the gathered latents are decompressed into per-head keys and
+  values once and attended by the paged attention path; with many queries per latent this is fewer flops.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ class LatentAttention(nn.Module):
             k_rot = cached[..., None, c.kv_lora_rank :].expand(n, length, h, c.qk_rope_head_dim)
             return torch.cat([k_nope, k_rot], dim=-1), v
 
-        in_latent = [g for g in ctx.groups if g.token_index.shape[1] <= self.latent_max_query_len]
-        expanded = [g for g in ctx.groups if g.token_index.shape[1] > self.latent_max_query_len]
+        in_latent = [g for g in ctx.groups if self._in_latent(g, ctx)]
+        expanded = [g for g in ctx.groups if not self._in_latent(g, ctx)]
         if expanded:
             # the triton backend runs on the expanded gathered KV; other groups' tokens stay zero
             o = attend(q, expanded, load_kv, c.qk_head_dim**-0.5, backend=self.attention_backend)
@@ -99,6 +100,13 @@ class LatentAttention(nn.Module):
         for g in in_latent:
             self._attend_latent(q, g, ctx, o)
         return F.linear(o.reshape(t, h * c.v_head_dim), self.o_proj)
+
+    def _in_latent(self, g: AttentionGroup, ctx: StepContext) -> bool:
+        """Latent space for narrow groups, and for any group bounded by the cache's whole row (a fixed-buffer
+        step: the expanded form would decompress the whole row); 0 forces the expanded form."""
+        if self.latent_max_query_len == 0:
+            return False
+        return g.token_index.shape[1] <= self.latent_max_query_len or g.context_len >= ctx.kv.max_req_len
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [h, nope, C], W_UV [h, v, C]): views of the local heads' kv_b_proj."""
