@@ -42,6 +42,7 @@ class Engine:
         prefix_cache_checkpoint_interval: int = 0,
         overlap_schedule: bool = False,
         short_resume_tokens: int = 0,
+        max_num_batched_tokens: int | None = None,
     ):
         self.runner = runner
         # only labels the state-memory statistic; the engine never acts on the mode
@@ -52,10 +53,11 @@ class Engine:
         self.scheduler = Scheduler(
             runner,
             max_running_requests,
-            chunked_prefill_size,
+            max_num_batched_tokens or chunked_prefill_size,
             max_width,
             prefix_cache_checkpoint_interval,
             short_resume_tokens,
+            chunked_prefill_size=chunked_prefill_size,
         )
         self.sampler = Sampler(seed)
         self.grammars = grammar.GrammarBackend(runner.vocab_size)

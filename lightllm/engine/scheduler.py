@@ -1,11 +1,15 @@
 """Continuous batching: decide, each step, which requests run and how many tokens each feeds.
 
-One token budget per step covers decode windows and prefill chunks. Decode rows go first (each at least its
-last token; drafts only while budget and KV allow), then prefill chunks of admitted requests, then new requests
-from the waiting queue. A request is admitted only when a linear-state slot is free (`runner.add_request`) and
-the KV cache can hold its prefill on top of what running requests still need. When KV runs out for decode
-rows, the most recently admitted request is preempted: its slot and KV are returned and it later re-prefills
-its prompt and output (recompute).
+One token budget per step (`token_budget`, the server's `--max_num_batched_tokens`) covers decode windows and
+prefill chunks. Decode rows go first (each at least its last token; drafts only while budget and KV allow), so a
+running request gets a token every step however long the prompts beside it are; prefill chunks of admitted
+requests then fill what is left of the budget, then new requests from the waiting queue. A prefill chunk is what
+is left of the step's budget, capped at `chunked_prefill_size` tokens per request (by default the whole budget),
+so the step's cost stays bounded by the budget and a long prompt spreads over as many steps as it needs.
+
+A request is admitted only when a linear-state slot is free (`runner.add_request`) and the KV cache can hold its
+prefill on top of what running requests still need. When KV runs out for decode rows, the most recently admitted
+request is preempted: its slot and KV are returned and it later re-prefills its prompt and output (recompute).
 
 With a prefix cache, admission resumes a request from the deepest cached checkpoint on its tokens' path
 (`runner.add_request(prefix)`) and prefills only the rest. Prefill chunks are cut to end at multiples of
@@ -69,7 +73,14 @@ class Scheduler:
         max_width: int,
         checkpoint_interval: int = 0,
         short_resume_tokens: int = 0,
+        chunked_prefill_size: int | None = None,
     ):
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if chunked_prefill_size is not None and not 1 <= chunked_prefill_size <= token_budget:
+            raise ValueError(
+                f"chunked_prefill_size must be in [1, token_budget={token_budget}], got {chunked_prefill_size}"
+            )
         self.runner = runner
         # prefill chunks end at multiples of this when they cross one (0 = no alignment)
         self.checkpoint_interval = checkpoint_interval
@@ -78,7 +89,10 @@ class Scheduler:
         # KV tokens of an empty cache: a request whose prefill alone exceeds this can never run
         self.kv_capacity = runner.num_free_kv_tokens()
         self.max_running_requests = max_running_requests
+        # tokens one step feeds (decode windows and prefill chunks together)
         self.token_budget = token_budget
+        # the longest prefill chunk of one request in one step
+        self.chunked_prefill_size = chunked_prefill_size or token_budget
         self.max_width = max_width
         self.max_prompt_logit_rows = MAX_PROMPT_LOGIT_ROWS_PER_STEP
         self._prompt_logit_rows_left = MAX_PROMPT_LOGIT_ROWS_PER_STEP
@@ -186,7 +200,7 @@ class Scheduler:
             plan.decode.append(ScheduledRow(req, 1 + num_drafts, drafts))
         for req in self.running:
             if req.is_prefilling and not self.awaits_last_token(req) and budget > 0 and free_kv > 0:
-                chunk = self.prefill_chunk(req, min(budget, free_kv))
+                chunk = self.prefill_chunk(req, min(budget, self.chunked_prefill_size, free_kv))
                 if chunk == 0:
                     continue
                 plan.prefill.append(ScheduledRow(req, chunk))
@@ -239,7 +253,7 @@ class Scheduler:
                 chunk = 1
                 plan.decode.append(ScheduledRow(req, chunk))
             else:
-                chunk = self.prefill_chunk(req, min(budget, free_kv))
+                chunk = self.prefill_chunk(req, min(budget, self.chunked_prefill_size, free_kv))
                 if chunk > 0:
                     plan.prefill.append(ScheduledRow(req, chunk))
             budget -= chunk

@@ -103,7 +103,14 @@ class ServerArgs:
     )
     chunked_prefill_size: int | None = _flag(
         None,
-        "token budget of one engine step; longer prompts are prefilled in chunks (auto: 8192 on cuda, 512 on cpu)",
+        "longest prefill chunk of one request in one step; longer prompts are prefilled over several steps (auto: "
+        "--max_num_batched_tokens)",
+        type=int,
+    )
+    max_num_batched_tokens: int | None = _flag(
+        None,
+        "token budget of one engine step: decode windows first, prefill chunks fill the rest (auto: "
+        "--chunked_prefill_size when given, else 2048 on cuda, 512 on cpu)",
         type=int,
     )
     max_req_total_len: int | None = _flag(
@@ -225,6 +232,8 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
     elif device == "cuda" and not _cuda_available():
         raise ValueError("--device cuda: no CUDA device is visible; use --device cpu (or auto)")
     on_cuda = device == "cuda"
+    # a step's tokens bound the time decode rows wait for a mixed step's prefill chunks (inter-token latency)
+    step_tokens = 2048 if on_cuda else 512
     data_type = args.data_type
     if data_type == "auto":
         saved = info.torch_dtype if info.torch_dtype in ("bfloat16", "float16") else "bfloat16"
@@ -247,7 +256,8 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
         replay_projection_mode=projection,
         max_running_requests=_auto(args.max_running_requests, 256 if on_cuda else 16),
         mem_fraction=args.mem_fraction if args.mem_fraction is not None or args.max_total_token_num else 0.8,
-        chunked_prefill_size=_auto(args.chunked_prefill_size, 8192 if on_cuda else 512),
+        chunked_prefill_size=_auto(args.chunked_prefill_size, _auto(args.max_num_batched_tokens, step_tokens)),
+        max_num_batched_tokens=_auto(args.max_num_batched_tokens, _auto(args.chunked_prefill_size, step_tokens)),
         max_req_total_len=max_req_total_len,
         api_key=args.api_key if args.api_key is not None else (os.environ.get("LIGHTLLM_API_KEY") or None),
     )
@@ -302,6 +312,7 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
         "graph_max_batch_size",
         "max_running_requests",
         "chunked_prefill_size",
+        "max_num_batched_tokens",
         "max_req_total_len",
         "max_total_token_num",
     )
@@ -309,6 +320,11 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name} must be positive, got {value}")
+    if args.chunked_prefill_size > args.max_num_batched_tokens:
+        raise ValueError(
+            f"--chunked_prefill_size {args.chunked_prefill_size} exceeds --max_num_batched_tokens "
+            f"{args.max_num_batched_tokens}: a prefill chunk is part of one step's tokens"
+        )
     for name, low in (
         ("max_request_body_bytes", 1), ("max_queue_len", 0), ("max_sequences_per_request", 1),
         ("prefill_graph_max_tokens", 0),

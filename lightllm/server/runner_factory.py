@@ -85,7 +85,8 @@ def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: in
 
     runner = ModelRunner(runner_config(args, rank, size))
     # fla's chunk kernels autotune on their first call per shape: pay it at start-up, not in a request (CPU: no-op)
-    runner.warmup(args.chunked_prefill_size, progress=rank == 0)
+    # a step's prefill rows run as one varlen call: its token count reaches the step budget
+    runner.warmup(args.max_num_batched_tokens, progress=rank == 0)
     if runner.device.type == "cuda" and not args.disable_cudagraph:
         runner.init_decode_graphs()
         runner.init_prefill_graphs()

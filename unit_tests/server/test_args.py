@@ -160,3 +160,23 @@ def test_edge_flag_refusals(argv, message):
     # twin: the limit itself is accepted
     fixed = {"--max_queue_len": "0", "--max_sequences_per_request": "1", "--max_request_body_bytes": "1"}
     _resolve("--device", "cpu", argv[0], fixed.get(argv[0], "0"))
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (("--device", "cpu"), (512, 512)),
+        (("--device", "cpu", "--chunked_prefill_size", "96"), (96, 96)),
+        (("--device", "cpu", "--max_num_batched_tokens", "300"), (300, 300)),
+        (("--device", "cpu", "--max_num_batched_tokens", "300", "--chunked_prefill_size", "64"), (300, 64)),
+    ],
+    ids=["auto", "chunk-only", "budget-only", "both"],
+)
+def test_step_budget_and_chunk_resolve(argv, expected):
+    args = _resolve(*argv)
+    assert (args.max_num_batched_tokens, args.chunked_prefill_size) == expected
+
+
+def test_chunk_over_step_budget_is_refused():
+    with pytest.raises(ValueError, match="--chunked_prefill_size 600 exceeds --max_num_batched_tokens 300"):
+        _resolve("--device", "cpu", "--max_num_batched_tokens", "300", "--chunked_prefill_size", "600")

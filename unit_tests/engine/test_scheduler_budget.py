@@ -1,0 +1,120 @@
+"""The step's token budget (`max_num_batched_tokens`) and the per-request chunk cap (`chunked_prefill_size`), with
+exact expected batches on the fake runner: decode rows go first, prefill chunks fill the rest of the budget, and a
+running request gets a token every step while a long prompt prefills beside it."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightllm.engine.engine import Engine
+from lightllm.engine.messages import NewRequest, TokenChunk
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.engine.scheduler import Scheduler
+from unit_tests.engine.fake_runner import FakeRunner
+
+
+def _engine(runner: FakeRunner, budget: int, chunk: int | None, **kw) -> Engine:
+    return Engine(
+        runner,
+        max_running_requests=4,
+        chunked_prefill_size=chunk if chunk is not None else budget,
+        max_num_batched_tokens=budget,
+        max_req_total_len=128,
+        **kw,
+    )
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _batches(runner: FakeRunner) -> list[tuple]:
+    """Each forward as (handles, query_lens, num_cached_tokens, num_prefill_rows)."""
+    return [(b.req_handles, b.query_lens, b.num_cached_tokens, b.num_prefill_rows) for b in runner.batches]
+
+
+def _step_all(engine: Engine, tokens: dict[str, list[int]], got: list[set[str]]) -> None:
+    """Step until idle; `got[i]` is the set of requests that received a token in step i."""
+    while engine.has_work():
+        step = set()
+        for out in engine.step():
+            if isinstance(out, TokenChunk) and out.token_ids:
+                tokens[out.req_id] += out.token_ids
+                step.add(out.req_id)
+        got.append(step)
+
+
+def max_gap_in_steps(got: list[set[str]], req_id: str) -> int:
+    """Most steps between two consecutive tokens of `req_id` (1 = a token every step)."""
+    steps = [i for i, s in enumerate(got) if req_id in s]
+    return max((b - a for a, b in zip(steps, steps[1:])), default=0)
+
+
+def test_prefill_chunks_fill_the_budget_capped_per_request():
+    runner = FakeRunner(max_requests=4, kv_tokens=200)
+    engine = _engine(runner, budget=10, chunk=4)
+    prompts = {"A": [3, 1, 4, 1, 5, 9], "B": [2, 7, 1, 8, 2, 8, 1, 8, 2], "C": [1, 6, 1, 8, 0, 3, 3]}
+    for rid, ids in prompts.items():
+        engine.add_request(NewRequest(rid, ids, _params(3)))
+    tokens, got = {rid: [] for rid in prompts}, []
+    _step_all(engine, tokens, got)
+    assert _batches(runner) == [
+        # A and B take one 4-token chunk each (the cap), C the 2 tokens left of the budget of 10
+        ([0, 1, 2], [4, 4, 2], [0, 0, 0], 3),
+        # A's last 2 prompt tokens, B's next 4, C's next 4: 10 tokens again
+        ([0, 1, 2], [2, 4, 4], [4, 4, 2], 3),
+        # decode rows first (A), then B's last token and C's last one
+        ([1, 2, 0], [1, 1, 1], [8, 6, 6], 2),
+        ([0, 1, 2], [1, 1, 1], [7, 9, 7], 0),
+        ([1, 2], [1, 1], [10, 8], 0),
+    ]
+    assert all(sum(b.query_lens) <= 10 for b in runner.batches)
+    assert tokens == {rid: FakeRunner().greedy(ids, 3) for rid, ids in prompts.items()}
+
+
+def test_decode_rows_keep_their_pace_while_a_long_prompt_prefills():
+    budget, chunk = 8, 8
+    runner = FakeRunner(max_requests=4, kv_tokens=400)
+    engine = _engine(runner, budget=budget, chunk=chunk)
+    short, long_prompt = [5, 6, 7], [(7 * i + 3) % 61 + 1 for i in range(90)]
+    engine.add_request(NewRequest("A", short, _params(30)))
+    tokens, got = {"A": [], "B": []}, []
+    # A prefills and decodes a few tokens before the long prompt arrives
+    for _ in range(3):
+        outs = [o for o in engine.step() if isinstance(o, TokenChunk) and o.token_ids]
+        for o in outs:
+            tokens[o.req_id] += o.token_ids
+        got.append({o.req_id for o in outs})
+    engine.add_request(NewRequest("B", long_prompt, _params(2)))
+    _step_all(engine, tokens, got)
+    mixed = [b for b in runner.batches if b.num_prefill_rows and b.num_decode_rows]
+    # B's 90 prompt tokens go 7 per step (the budget less A's decode row): 13 mixed steps
+    assert [b.query_lens for b in mixed] == [[7, 1]] * 12 + [[6, 1]]
+    assert all(sum(b.query_lens) <= budget for b in runner.batches)
+    assert max_gap_in_steps(got, "A") == 1
+    assert tokens["A"] == FakeRunner().greedy(short, 30)
+    assert tokens["B"] == FakeRunner().greedy(long_prompt, 2)
+
+
+def test_gap_measure_sees_a_stall():
+    # the twin of the pace check: a decode row skipped for two steps is a gap of three
+    got = [{"A"}, {"A"}, set(), set(), {"A"}, {"A"}]
+    assert max_gap_in_steps(got, "A") == 3
+
+
+def test_chunk_cap_defaults_to_the_budget():
+    runner = FakeRunner(max_requests=2, kv_tokens=100)
+    engine = Engine(runner, max_running_requests=2, chunked_prefill_size=6, max_req_total_len=64)
+    assert (engine.scheduler.token_budget, engine.scheduler.chunked_prefill_size) == (6, 6)
+    engine.add_request(NewRequest("A", list(range(1, 15)), _params(1)))
+    while engine.has_work():
+        engine.step()
+    assert [b.query_lens for b in runner.batches] == [[6], [6], [2]]
+
+
+@pytest.mark.parametrize(
+    "budget, chunk", [(0, None), (8, 9), (8, 0)], ids=["no-budget", "chunk-over-budget", "no-chunk"]
+)
+def test_bad_budget_or_chunk_is_refused(budget, chunk):
+    with pytest.raises(ValueError, match="token_budget|chunked_prefill_size"):
+        Scheduler(FakeRunner(), 4, budget, 1, chunked_prefill_size=chunk)
