@@ -37,6 +37,7 @@ def _post(server, path: str, body: dict, client: httpx.Client | None = None) -> 
 CMPL = {"prompt": "hello", "max_tokens": 3}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 # (path, base body, bad fields, good fields, the field the 400 must name)
 CASES = [
     ("completions", CMPL, {"top_k": 2**63}, {"top_k": 5}, "top_k"),
@@ -67,14 +68,28 @@ CASES = [
     ("completions", CMPL, {"suffix": "end"}, {"suffix": None}, "suffix"),
     ("completions", CMPL, {"stream_options": {"include_usage": True}}, {"stream_options": None}, "stream_options"),
     ("chat/completions", CHAT, {"top_logprobs": 2}, {"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
-    ("chat/completions", CHAT, {"tools": [{"type": "function"}]}, {"tools": []}, "tools"),
-    ("chat/completions", CHAT, {"tool_choice": "auto"}, {"tool_choice": "none"}, "tool_choice"),
+    ("chat/completions", CHAT, {"tools": [{"type": "function"}]}, {"tools": []}, "tools.0.function"),
+    ("chat/completions", CHAT, {"tool_choice": "required"}, {"tool_choice": "none"}, "tool_choice"),
     (
         "chat/completions",
         CHAT,
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        "tool_choice.function.name",
+    ),
+    (
+        "chat/completions",
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "objectx"}}}},
         {"response_format": {"type": "json_object"}},
-        {"response_format": {"type": "text"}},
-        "response_format",
+        "response_format.json_schema.schema",
+    ),
+    (
+        "chat/completions",
+        CHAT,
+        {"messages": [{"role": "tool", "content": "sunny"}]},
+        {"messages": [{"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]},
+        "messages[0].tool_call_id",
     ),
     ("chat/completions", CHAT, {"chat_template": "{% for i in range(100000) %}x{% endfor %}"}, {}, "chat_template"),
     (

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightllm.server.args import ServerArgs
+from lightllm.server.http.chat_api import router as chat_router
 from lightllm.server.http.edge import EdgeMiddleware
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.http.metrics import Metrics
@@ -152,6 +153,7 @@ def create_app(
         openapi_url="/openapi.json" if docs else None,
     )
     app.openapi = _openapi_with_400(app)
+    app.include_router(chat_router)
     app.include_router(openai_router)
     app.include_router(tokenize_router)
     app.add_middleware(EdgeMiddleware, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key)

@@ -1,4 +1,5 @@
-"""/v1/chat/completions and /v1/completions: OpenAI request → engine sequences → JSON or SSE."""
+"""/v1/completions, and what the chat route (chat_api.py) shares with it: OpenAI request → engine sequences →
+JSON or SSE."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.http.logprobs import (
     TextOffsets,
-    chat_logprobs,
     completion_logprobs,
     echoed_prompt_logprobs,
     join_logprobs,
@@ -93,79 +93,6 @@ def _params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
         return body.to_sampling_params()
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.field) from None
-
-
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    fe = _frontend(request)
-    fe.check_engine()
-    fe.check_model(body.model)
-    params = _params(body)
-    fe.check_capacity(params.n, "n")
-    messages = [m.as_template_input() for m in body.messages]
-    prompt_ids = await fe.encode_chat(messages, body.chat_template, body.chat_template_kwargs or {})
-    fe.check_prompt(prompt_ids, params, "messages")
-    fe.check_capacity(params.n, "n")
-    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
-    history = await fe.chat_history_len(messages, body.chat_template, body.chat_template_kwargs or {}, prompt_ids)
-    stream = fe.generate([prompt_ids], params, request, checkpoint_hints=[history] if history else [])
-    tok = fe.tokenizer
-    if not body.stream:
-        seqs = await _collect(stream)
-        choices = [
-            {
-                "index": s.index,
-                "message": {"role": "assistant", "content": s.output.text},
-                "logprobs": chat_logprobs(tok, s.output.token_ids, s.output.logprobs),
-                "finish_reason": s.output.finish_reason,
-            }
-            for s in seqs
-        ]
-        usage = _usage(len(prompt_ids), sum(len(s.output.token_ids) for s in seqs), _cached_tokens(seqs, params.n))
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage,
-        }
-
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    async def events() -> AsyncIterator[str]:
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        for i in range(params.n):
-            yield _sse(
-                {
-                    **head,
-                    "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-                }
-            )
-        num_tokens = 0
-        seen: dict[int, Sequence] = {}
-        async for seq, delta in _until_disconnect(stream):
-            num_tokens += len(delta.token_ids)
-            seen[seq.index] = seq
-            if delta.finish_reason == "error":
-                yield _sse_error(seq.output.error or "the engine failed this request")
-                yield "data: [DONE]\n\n"
-                return
-            if not delta.text and not delta.finish_reason and not delta.logprobs:
-                continue
-            choice = {
-                "index": seq.index,
-                "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": chat_logprobs(tok, delta.token_ids, delta.logprobs),
-                "finish_reason": delta.finish_reason,
-            }
-            yield _sse({**head, "choices": [choice]})
-        if include_usage:
-            usage = _usage(len(prompt_ids), num_tokens, _cached_tokens(seen.values(), params.n))
-            yield _sse({**head, "choices": [], "usage": usage})
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(_guarded(events(), stream), media_type="text/event-stream")
 
 
 @router.post("/v1/completions")

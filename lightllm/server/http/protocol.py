@@ -7,6 +7,7 @@ the engine can store, so no value a client sends can fail the engine step it is 
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -16,6 +17,7 @@ from lightllm.engine.sampling_params import MAX_INT, MAX_N, MAX_SEED, SamplingPa
 # at most this many stop strings / stop token ids per request (each is checked against the stream)
 MAX_STOPS = 64
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOOLS = 128
 
 
 class RequestError(ValueError):
@@ -50,15 +52,97 @@ class TextPart(StrictModel):
     text: Text
 
 
+class FunctionCall(StrictModel):
+    name: Text
+    # JSON text, as OpenAI writes it
+    arguments: Text
+
+
+class ToolCallIn(StrictModel):
+    """An assistant message's earlier tool call, sent back in the conversation history."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _template_arguments(arguments: str):
+    """Templates iterate the arguments (Qwen3.5 writes one tag per parameter) or dump them: an object's text is
+    handed over as the object; anything else stays text."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[TextPart] | None = None
+    # assistant turns: the calls it made; tool turns: which call this is the result of
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Text | None = None
+    name: Text | None = None
+    reasoning_content: Text | None = None
 
     def as_template_input(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _template_arguments(call.function.arguments)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
+
+
+FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionDef(StrictModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: Text | None = None
+    # a JSON schema of the arguments object
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(StrictModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str = Field("response", pattern=FUNCTION_NAME)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(StrictModel):
@@ -175,26 +259,42 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # refused unless they ask for nothing (this server has no tool calling or constrained decoding)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    # the legacy function-calling fields: refused unless they ask for nothing (send tools / tool_choice)
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs", "top_logprobs: only allowed with logprobs: true")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise RequestError(name, f"{name}: tool calling is not supported by this server")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise RequestError(name, f"{name}: tool calling is not supported by this server")
+        if self.functions or self.function_call not in (None, "none"):
+            name = "functions" if self.functions else "function_call"
+            raise RequestError(name, f"{name}: the legacy function-calling fields are not supported; use tools")
+        self._check_tools()
         fmt = self.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise RequestError("response_format", "response_format: only {'type': 'text'} is supported")
+        if (
+            fmt is not None
+            and fmt.type == "json_schema"
+            and (fmt.json_schema is None or fmt.json_schema.schema_ is None)
+        ):
+            raise RequestError("response_format.json_schema", "response_format.json_schema: a schema is required")
+        if fmt is not None and fmt.type != "text" and self.forced_tool_choice:
+            raise RequestError(
+                "response_format", "response_format: cannot be combined with tool_choice required or a named function"
+            )
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and message.tool_call_id is None:
+                raise RequestError(
+                    f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id: required in a tool message"
+                )
+            if message.tool_calls and message.role != "assistant":
+                raise RequestError(
+                    f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: only assistant messages make calls"
+                )
         for key in self.chat_template_kwargs or {}:
             if key == "chat_template":
                 raise RequestError(
@@ -205,6 +305,31 @@ class ChatCompletionRequest(_SamplingFields):
                     f"chat_template_kwargs.{key}",
                     f"chat_template_kwargs.{key}: reserved (an argument of the template call, not a template variable)",
                 )
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise RequestError("tools", "tools: function names must be unique")
+        choice = self.tool_choice
+        if not self.forced_tool_choice:
+            return
+        if not names:
+            raise RequestError("tool_choice", "tool_choice: asks for a tool call but no tools are given")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise RequestError(
+                "tool_choice.function.name",
+                f"tool_choice.function.name: {choice.function.name!r} is not one of the tools ({', '.join(names)})",
+            )
+
+    @property
+    def forced_tool_choice(self) -> bool:
+        """tool_choice obliges the model to call: required, or a named function."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are offered and not switched off: the output is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def to_sampling_params(self) -> SamplingParams:
         num_top = (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,238 @@
+"""/v1/chat/completions: messages (tool calls and results included) → chat template → engine sequences → JSON or
+SSE, each sequence's text split into reasoning, content and tool calls by the model family's parsers."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from lightllm.server.http.logprobs import chat_logprobs
+from lightllm.server.http.openai_api import (
+    _cached_tokens,
+    _collect,
+    _frontend,
+    _guarded,
+    _params,
+    _sse,
+    _sse_error,
+    _until_disconnect,
+    _usage,
+)
+from lightllm.server.http.parsers import (
+    OutputParser,
+    ParsedDelta,
+    ReasoningParser,
+    ToolCallDelta,
+    make_tool_parser,
+    reasoning_parser_name,
+    tool_parser_name,
+)
+from lightllm.server.http.protocol import ChatCompletionRequest, RequestError
+from lightllm.server.http.serving import ApiError, Frontend, Sequence
+from lightllm.server.http.structured import request_grammar
+
+router = APIRouter()
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ChatOutput:
+    """How this request's sequences are parsed: which parsers, whether the prompt opened a reasoning block."""
+
+    def __init__(self, fe: Frontend, body: ChatCompletionRequest):
+        model_type = fe.info.model_type
+        self.tool_parser = tool_parser_name(fe.args.tool_call_parser, model_type)
+        self.reasoning = reasoning_parser_name(fe.args.reasoning_parser, model_type) is not None
+        self.body = body
+        if body.uses_tools and self.tool_parser is None:
+            raise ApiError(
+                400, "tools: this model has no tool-call format; start the server with --tool_call_parser", "tools"
+            )
+        self.starts_in_reasoning = False
+
+    @property
+    def parses(self) -> bool:
+        return self.reasoning or self.body.uses_tools
+
+    def parser(self) -> OutputParser:
+        tools = None
+        if self.body.uses_tools:
+            specs = [t.model_dump(by_alias=True, exclude_none=True) for t in self.body.tools]
+            tools = make_tool_parser(self.tool_parser, specs)
+        return OutputParser(ReasoningParser(self.starts_in_reasoning) if self.reasoning else None, tools)
+
+    def keep_calls(self, calls: list) -> list:
+        """parallel_tool_calls: false keeps the first call only."""
+        return calls if self.body.parallel_tool_calls else [c for c in calls if c.index == 0]
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.uses_tools:
+        kwargs["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools]
+    return kwargs
+
+
+def _opens_reasoning(fe: Frontend, prompt_ids: list[int]) -> bool:
+    """The rendered prompt ends inside an opened `<think>` block (the template turned thinking on)."""
+    tail = fe.tokenizer.decode(prompt_ids[-4:], skip_special_tokens=False).rstrip()
+    return tail.endswith(THINK_OPEN)
+
+
+def _single_token(fe: Frontend, text: str) -> int | None:
+    ids = fe.tokenizer.encode_rendered(text)
+    return ids[0] if len(ids) == 1 else None
+
+
+async def _constrain(fe: Frontend, body: ChatCompletionRequest, out: ChatOutput, params):
+    """Attach the request's grammar (built off the event loop); a reasoning block opened by the prompt stays free
+    until `</think>`."""
+    try:
+        grammar = await fe.offload(request_grammar, body, out.tool_parser, lambda text: _single_token(fe, text))
+    except RequestError as exc:
+        raise ApiError(400, str(exc), exc.field) from None
+    if grammar is None:
+        return params
+    start = None
+    if out.starts_in_reasoning:
+        start = _single_token(fe, THINK_CLOSE)
+        if start is None:
+            raise ApiError(400, "this model's reasoning end is not one token: send enable_thinking: false", "messages")
+    return msgspec.structs.replace(params, grammar=grammar, grammar_start_token=start)
+
+
+def _tool_call_json(calls: list) -> list[dict]:
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments or "{}"}} for c in calls
+    ]
+
+
+def _delta_calls(deltas: list[ToolCallDelta]) -> list[dict]:
+    """OpenAI's streamed tool-call entries: the first of a call has id, type and name; fragments of one call in a
+    row are joined."""
+    entries: list[dict] = []
+    for d in deltas:
+        if d.id is None and entries and entries[-1]["index"] == d.index:
+            entries[-1]["function"]["arguments"] += d.arguments
+            continue
+        entry: dict = {"index": d.index, "function": {"arguments": d.arguments}}
+        if d.id is not None:
+            entry.update(id=d.id, type="function")
+            entry["function"]["name"] = d.name
+        entries.append(entry)
+    return entries
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    return "tool_calls" if reason == "stop" and has_calls else reason
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    fe = _frontend(request)
+    fe.check_engine()
+    fe.check_model(body.model)
+    params = _params(body)
+    fe.check_capacity(params.n, "n")
+    out = ChatOutput(fe, body)
+    messages = [m.as_template_input() for m in body.messages]
+    template_kwargs = _template_kwargs(body)
+    prompt_ids = await fe.encode_chat(messages, body.chat_template, template_kwargs)
+    fe.check_prompt(prompt_ids, params, "messages")
+    out.starts_in_reasoning = out.reasoning and _opens_reasoning(fe, prompt_ids)
+    params = await _constrain(fe, body, out, params)
+    if out.body.uses_tools and out.tool_parser == "kimi" and params.skip_special_tokens:
+        # Kimi's tool-call section markers are special tokens: the parser has to see them
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
+    fe.check_capacity(params.n, "n")
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
+    history = await fe.chat_history_len(messages, body.chat_template, template_kwargs, prompt_ids)
+    stream = fe.generate([prompt_ids], params, request, checkpoint_hints=[history] if history else [])
+    if not body.stream:
+        seqs = await _collect(stream)
+        usage = _usage(len(prompt_ids), sum(len(s.output.token_ids) for s in seqs), _cached_tokens(seqs, params.n))
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [_choice(fe, out, s) for s in seqs],
+            "usage": usage,
+        }
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = _events(fe, out, stream, params.n, len(prompt_ids), include_usage, rid, created, model)
+    return StreamingResponse(_guarded(events, stream), media_type="text/event-stream")
+
+
+def _choice(fe: Frontend, out: ChatOutput, s: Sequence) -> dict:
+    message: dict = {"role": "assistant", "content": s.output.text}
+    has_calls = False
+    if out.parses:
+        parsed = out.parser().parse(s.output.text)
+        calls = out.keep_calls([c for c in parsed.tool_calls])
+        has_calls = bool(calls)
+        message["content"] = parsed.content if parsed.content or not calls else None
+        if out.reasoning:
+            message["reasoning_content"] = parsed.reasoning or None
+        if calls:
+            message["tool_calls"] = _tool_call_json(calls)
+    return {
+        "index": s.index,
+        "message": message,
+        "logprobs": chat_logprobs(fe.tokenizer, s.output.token_ids, s.output.logprobs),
+        "finish_reason": _finish_reason(s.output.finish_reason, has_calls),
+    }
+
+
+async def _events(
+    fe: Frontend, out: ChatOutput, stream, n: int, num_prompt_tokens: int, include_usage: bool, rid, created, model
+) -> AsyncIterator[str]:
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    for i in range(n):
+        yield _sse(
+            {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        )
+    parsers = {i: out.parser() for i in range(n)} if out.parses else {}
+    has_calls: dict[int, bool] = {}
+    num_tokens = 0
+    seen: dict[int, Sequence] = {}
+    async for seq, delta in _until_disconnect(stream):
+        num_tokens += len(delta.token_ids)
+        seen[seq.index] = seq
+        if delta.finish_reason == "error":
+            yield _sse_error(seq.output.error or "the engine failed this request")
+            yield "data: [DONE]\n\n"
+            return
+        parsed = ParsedDelta(content=delta.text)
+        if out.parses:
+            parser = parsers[seq.index]
+            parsed = parser.feed(delta.text) if delta.text else ParsedDelta()
+            if delta.finish_reason:
+                parsed.extend(parser.finish())
+            parsed.tool_calls = out.keep_calls(parsed.tool_calls)
+        if parsed.tool_calls:
+            has_calls[seq.index] = True
+        if not parsed and not delta.finish_reason and not delta.logprobs:
+            continue
+        body: dict = {}
+        if parsed.reasoning:
+            body["reasoning_content"] = parsed.reasoning
+        if parsed.content:
+            body["content"] = parsed.content
+        if parsed.tool_calls:
+            body["tool_calls"] = _delta_calls(parsed.tool_calls)
+        choice = {
+            "index": seq.index,
+            "delta": body,
+            "logprobs": chat_logprobs(fe.tokenizer, delta.token_ids, delta.logprobs),
+            "finish_reason": _finish_reason(delta.finish_reason, has_calls.get(seq.index, False)),
+        }
+        yield _sse({**head, "choices": [choice]})
+    if include_usage:
+        usage = _usage(num_prompt_tokens, num_tokens, _cached_tokens(seen.values(), n))
+        yield _sse({**head, "choices": [], "usage": usage})
+    yield "data: [DONE]\n\n"

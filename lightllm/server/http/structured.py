@@ -1,0 +1,155 @@
+"""Grammars for constrained decoding (llguidance): `response_format` (json_object, json_schema) and a tool call
+forced by `tool_choice` (required, or a named function), written in the model family's tool-call format.
+
+Building and validating a grammar is CPU work on a client's schema: the route runs it in the front-end's pool.
+A schema the compiler refuses is a 400 naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from lightllm.server.http.protocol import ChatCompletionRequest, NamedToolChoice, RequestError, ToolDef
+
+_OBJECT = {"type": "object"}
+# JSON as models (and json.dumps) write it: one space after ':' and ',', no other whitespace; flexible whitespace
+# would let a model pad forever
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_schema_grammar(schema: dict) -> str:
+    """llguidance grammar of the JSON values `schema` admits (raises ValueError when it is not an object)."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+
+
+def _lark_json(schema: dict) -> str:
+    """A Lark rule body embedding `schema` with the same JSON layout."""
+    return "%json" + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}})
+
+
+def _lark_str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _arguments_schema(tool: ToolDef) -> dict:
+    """The arguments' schema; keys it does not name are refused unless it allows them (a forced call should not
+    invent parameters)."""
+    schema = tool.function.parameters or _OBJECT
+    return {"additionalProperties": False, **schema}
+
+
+class _Markers:
+    """A format's markers in Lark: a marker that is one token of the vocabulary (`<tool_call>` is an added token)
+    must be that token, `<[id]>`; the model cannot spell it from pieces."""
+
+    def __init__(self, token_of: Callable[[str], int | None]):
+        self.token_of = token_of
+
+    def __call__(self, *parts: str) -> str:
+        """`parts` alternate text and markers: text, marker, text, ... (empty text is skipped)."""
+        out = []
+        for k, part in enumerate(parts):
+            if not part:
+                continue
+            token = self.token_of(part) if k % 2 else None
+            out.append(f"<[{token}]>" if token is not None else _lark_str(part))
+        return " ".join(out)
+
+
+def _json_call(i: int, tool: ToolDef, m: _Markers) -> list[str]:
+    head = m("", "<tool_call>", '\n{"name": "' + tool.function.name + '", "arguments": ')
+    return [
+        f"call_{i}: {head} args_{i} " + m("}\n", "</tool_call>"),
+        f"args_{i}: {_lark_json(_arguments_schema(tool))}",
+    ]
+
+
+def _xml_call(i: int, tool: ToolDef, m: _Markers) -> list[str]:
+    schema = _arguments_schema(tool)
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or [])
+    parts, rules = [], []
+    for k, (name, prop) in enumerate(props.items()):
+        prop = prop if isinstance(prop, dict) else {}
+        # a string parameter is written as bare text on one line
+        value = "TEXT" if prop.get("type", "string") == "string" and "enum" not in prop else f"value_{i}_{k}"
+        if value != "TEXT":
+            if prop.get("type") == "string":
+                # an enum of strings is written bare too: its values as literals
+                rules.append(f"value_{i}_{k}: " + " | ".join(_lark_str(str(v)) for v in prop["enum"]))
+            else:
+                rules.append(f"value_{i}_{k}: {_lark_json(prop)}")
+        rules.append(
+            f"param_{i}_{k}: {_lark_str(f'<parameter={name}>' + chr(10))} {value} {_lark_str(chr(10) + '</parameter>' + chr(10))}"
+        )
+        parts.append(f"param_{i}_{k}" + ("" if name in required else "?"))
+    head = m("", "<tool_call>", f"\n<function={tool.function.name}>\n")
+    tail = m("</function>\n", "</tool_call>")
+    return [f"call_{i}: {head} {' '.join(parts)} {tail}", *rules]
+
+
+def _kimi_call(i: int, tool: ToolDef, m: _Markers) -> list[str]:
+    head = m("", "<|tool_call_begin|>", f"functions.{tool.function.name}:")
+    return [
+        f"call_{i}: {head} INDEX {m('', '<|tool_call_argument_begin|>')} args_{i} {m('', '<|tool_call_end|>')}",
+        f"args_{i}: {_lark_json(_arguments_schema(tool))}",
+    ]
+
+
+_CALL_RULES = {"qwen3_json": _json_call, "qwen3_xml": _xml_call, "kimi": _kimi_call}
+
+
+def tool_call_lark(
+    parser: str, tools: list[ToolDef], choice, parallel: bool, token_of: Callable[[str], int | None]
+) -> str:
+    """A Lark grammar whose sentences are one call (a named function's, or any tool's), or with `parallel` one or
+    more calls, in `parser`'s format."""
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+    m = _Markers(token_of)
+    rules: list[str] = []
+    for i, tool in enumerate(tools):
+        rules += _CALL_RULES[parser](i, tool, m)
+    alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
+    many = parallel and not isinstance(choice, NamedToolChoice)
+    if parser == "kimi":
+        body = "call+" if many else "call"
+        start = f"start: {m('', '<|tool_calls_section_begin|>')} {body} {m('', '<|tool_calls_section_end|>')}"
+    else:
+        start = 'start: call ("\\n" call)*' if many else "start: call"
+    return "\n".join([start, f"call: {alternatives}", *rules, "INDEX: /[0-9]{1,3}/", "TEXT: /[^<\\n]*/"]) + "\n"
+
+
+def request_grammar(
+    body: ChatCompletionRequest, tool_parser: str | None, token_of: Callable[[str], int | None]
+) -> str | None:
+    """The llguidance grammar the request's output must follow, or None (`token_of`: a marker's token id when it
+    is one token). Raises RequestError naming the field whose schema or combination cannot be compiled."""
+    from llguidance import LLMatcher
+
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        field = "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
+        schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else _OBJECT
+        try:
+            grammar = json_schema_grammar(schema)
+        except ValueError as exc:
+            raise RequestError(field, f"{field}: {exc}") from None
+    elif body.forced_tool_choice and body.tools:
+        if tool_parser is None:
+            raise RequestError(
+                "tool_choice", "tool_choice: this model has no tool-call format (see --tool_call_parser)"
+            )
+        field = "tools"
+        grammar = LLMatcher.grammar_from_lark(
+            tool_call_lark(tool_parser, body.tools, body.tool_choice, body.parallel_tool_calls, token_of)
+        )
+    else:
+        return None
+    problem = LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise RequestError(field, f"{field}: the schema cannot be enforced: {problem}")
+    return grammar
