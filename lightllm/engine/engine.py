@@ -22,6 +22,7 @@ from lightllm.engine.request import Request, Status
 from lightllm.engine.sampler import RowContext, Sampler, compute_logprobs
 from lightllm.engine.scheduler import SchedulePlan, Scheduler
 from lightllm.engine.speculative import create_speculator
+from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.engine.speculative.verify import WindowResult, verify_greedy_windows, verify_window
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class Engine:
         prefix_cache_checkpoint_interval: int = 0,
         overlap_schedule: bool = False,
         short_resume_tokens: int = 0,
+        acceptance: SimulatedAcceptance | None = None,
         max_num_batched_tokens: int | None = None,
     ):
         self.runner = runner
@@ -49,6 +51,8 @@ class Engine:
         self.state_mode = state_mode
         self.max_req_total_len = max_req_total_len
         self.speculator = create_speculator(mtp_step, spec_ngram)
+        # None: the model decides which drafts stay (`_verify`); benchmarks may simulate it instead
+        self.acceptance = acceptance
         max_width = min(runner.max_width, self.speculator.num_drafts + 1)
         self.scheduler = Scheduler(
             runner,
@@ -366,6 +370,8 @@ class Engine:
         """Tokens per window; None for a window whose logits hold a NaN (that request fails alone)."""
         if not windows:
             return []
+        if self.acceptance is not None:
+            return self.acceptance.verify(windows, logits, self.sampler, self.row_context)
         if all(req.params.greedy and not req.params.has_penalties for req, *_ in windows):
             return self._verify_greedy(windows, logits)
         contexts = [self.row_context(req, drafts[:j], logits.device) for req, _, w, drafts in windows for j in range(w)]

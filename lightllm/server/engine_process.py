@@ -21,6 +21,7 @@ import zmq
 
 from lightllm.engine.engine import Engine
 from lightllm.engine.messages import EngineInput
+from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.server.args import ServerArgs
 from lightllm.server.engine_loop import ServingRole, run_engine_loop
 from lightllm.server.model_info import ModelInfo
@@ -48,11 +49,15 @@ def _no_process_shared_locks() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def build_engine(args: ServerArgs, info: ModelInfo, runner_factory: str) -> Engine:
-    return engine_for_runner(args, load_factory(runner_factory)(args, info))
+def build_engine(
+    args: ServerArgs, info: ModelInfo, runner_factory: str, acceptance: SimulatedAcceptance | None = None
+) -> Engine:
+    """The engine `args` describe. `acceptance` (offline benchmarks only, never from a server flag) replaces the
+    model's verification of drafts."""
+    return engine_for_runner(args, load_factory(runner_factory)(args, info), acceptance)
 
 
-def engine_for_runner(args: ServerArgs, runner) -> Engine:
+def engine_for_runner(args: ServerArgs, runner, acceptance: SimulatedAcceptance | None = None) -> Engine:
     return Engine(
         runner,
         max_running_requests=args.max_running_requests,
@@ -66,6 +71,7 @@ def engine_for_runner(args: ServerArgs, runner) -> Engine:
         overlap_schedule=not args.disable_overlap_schedule,
         # a hit whose suffix is one short prefill (a graph on CUDA) feeds its last prompt token in it
         short_resume_tokens=args.prefill_graph_max_tokens,
+        acceptance=acceptance,
     )
 
 

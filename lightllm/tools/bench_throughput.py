@@ -1,7 +1,8 @@
 """Offline throughput of the engine per state mode, with each decode step split into GPU time and host time.
 
     python -m lightllm.tools.bench_throughput --modes native,replay --batch_sizes 1,64,256 --mtp_step 0 \
-        [--model_dir DIR | --serving_model] [--input_len 256] [--output_len 128] [--result_file out.json]
+        [--model_dir DIR | --serving_model] [--input_len 256] [--output_len 128] [--result_file out.json] \
+        [--simulate_acceptance 0.7]
 
 Without `--model_dir` it runs the tiny demo model; `--serving_model` builds (once, cached) the random-weight
 checkpoint the project's serving numbers are measured on (`SERVING_BENCH_SIZES`: Qwen3.5 layout at hidden 2048,
@@ -10,6 +11,11 @@ reports output tokens per second over the whole run (prefill included), decode t
 wall time of a decode-only step, and on CUDA the
 kernel time per decode step (torch profiler over steady steps) and the rest of the step (host time not hidden
 behind the GPU). Each mode is one engine; its batch sizes share it.
+
+`--simulate_acceptance P` (with `--mtp_step` or `--spec_ngram`) makes the verifier keep each draft position with
+probability P whatever the model says (seeded by `--seed`; `engine.speculative.acceptance`), so the speed of
+speculation can be measured at a chosen acceptance on random weights. The tokens are then not the model's
+greedy output; the option exists here only, never as a server flag.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
+from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine, quiet_garbage_collector
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
@@ -139,6 +146,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output_len", type=int, default=32)
     p.add_argument("--mtp_step", type=int, default=0)
     p.add_argument("--spec_ngram", type=int, default=0)
+    p.add_argument(
+        "--simulate_acceptance",
+        type=float,
+        default=None,
+        metavar="P",
+        help="keep each draft position with probability P, independent of the model (benchmarks only)",
+    )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--disable_cudagraph", action="store_true")
     p.add_argument("--disable_overlap_schedule", action="store_true")
@@ -152,7 +166,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _print_row(r: dict) -> None:
     print(
-        f"| {r['mode']} | {r['mtp_step']} | {r['spec_ngram']} | {r['batch']} | {r['output_tok_per_s']:.0f} | "
+        f"| {r['mode']} | {r['mtp_step']} | {r['spec_ngram']} | {_fmt(r['simulate_acceptance'], 'g')} | "
+        f"{r['batch']} | {r['output_tok_per_s']:.0f} | "
         f"{r['decode_tok_per_s']:.0f} | "
         f"{r['decode_step_ms']:.2f} | {_fmt(r['gpu_ms_per_step'], '.2f')} | {_fmt(r['host_ms_per_step'], '.2f')} "
         f"| {_fmt(r['mean_accepted_len'], '.2f')} |",
@@ -166,15 +181,17 @@ def _fmt(value, spec: str) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     a = _parse(argv)
+    if a.simulate_acceptance is not None and not (a.mtp_step or a.spec_ngram):
+        raise SystemExit("--simulate_acceptance needs drafts: give --mtp_step or --spec_ngram")
     model_dir = serving_model_dir() if a.serving_model else a.model_dir
     batches = [int(b) for b in a.batch_sizes.split(",")]
     rows = []
     # rows print as they finish: a run cut short by a time limit still shows what it measured
     print(
-        "| mode | mtp | ngram | batch | out tok/s | decode tok/s | decode step ms | GPU ms/step | host ms/step "
-        "| accepted len |"
+        "| mode | mtp | ngram | sim. accept | batch | out tok/s | decode tok/s | decode step ms | GPU ms/step "
+        "| host ms/step | accepted len |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for mode in a.modes.split(","):
         flags = dict(
             model_dir=model_dir,
@@ -191,13 +208,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if mode == "replay" and a.replay_capacity:
             flags["replay_capacity"] = a.replay_capacity
         args, info = load_server_args([], **flags)
-        engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
+        acceptance = None
+        if a.simulate_acceptance is not None:
+            acceptance = SimulatedAcceptance(a.simulate_acceptance, seed=a.seed)
+        engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY, acceptance)
         quiet_garbage_collector()
         for batch in batches:
             # untimed pass: compiles and autotunes for this batch's shapes (and warms CUDA graphs' buckets)
             run_batch(engine, batch, a.input_len, min(a.output_len, 4), info.vocab_size, a.seed + 1)
             row = run_batch(engine, batch, a.input_len, a.output_len, info.vocab_size, a.seed, a.top_kernels)
-            row.update(mode=mode, mtp_step=a.mtp_step, spec_ngram=a.spec_ngram, device=args.device)
+            row.update(
+                mode=mode,
+                mtp_step=a.mtp_step,
+                spec_ngram=a.spec_ngram,
+                simulate_acceptance=a.simulate_acceptance,
+                device=args.device,
+            )
             rows.append(row)
             _print_row(row)
             if a.result_file:

@@ -3,8 +3,12 @@ each mode gets its rows, the JSON result holds what the table prints."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import pytest
+
+from lightllm.server.args import ServerArgs, build_parser
 from lightllm.tools import bench_throughput
 
 
@@ -33,3 +37,38 @@ def test_bench_throughput_with_drafts_reports_acceptance(capsys):
     )  # fmt: skip
     assert rows[0]["output_tokens"] == 12
     assert rows[0]["mean_accepted_len"] is not None and 1.0 <= rows[0]["mean_accepted_len"] <= 3.0
+
+
+def test_bench_throughput_simulated_acceptance_sets_the_accepted_length(capsys):
+    """MTP 2 on the demo model (random weights: its drafts are almost never right): at P = 1 every draft stays
+    (accepted length 3), at P = 0 none (1); every request still runs to its length through the real runner's
+    accept path."""
+    full, none = (
+        bench_throughput.main(
+            ["--modes", "replay", "--batch_sizes", "2", "--input_len", "10", "--output_len", "10", "--device", "cpu",
+             "--mtp_step", "2", "--simulate_acceptance", p]
+        )[0]
+        for p in ("1", "0")
+    )  # fmt: skip
+    assert full["output_tokens"] == none["output_tokens"] == 20
+    # ten tokens: the prefill's, then three windows of three
+    assert full["mean_accepted_len"] == 3.0 and none["mean_accepted_len"] == 1.0
+    assert full["simulate_acceptance"] == 1.0
+    assert "| replay | 2 | 0 | 1 | 2 |" in capsys.readouterr().out
+
+
+def test_simulate_acceptance_is_a_benchmark_option_only():
+    """The server's flags do not know the option (neither the parser nor ServerArgs); the benchmark's parser does
+    (the twin: the same check finds it where it exists)."""
+    def options(parser):
+        return {s for action in parser._actions for s in action.option_strings}
+
+    server = options(build_parser())
+    assert not any("accept" in s or "simulat" in s for s in server)
+    assert not any("accept" in f.name or "simulat" in f.name for f in dataclasses.fields(ServerArgs))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--simulate_acceptance", "0.7"])
+    bench = bench_throughput._parse(["--simulate_acceptance", "0.7"])
+    assert bench.simulate_acceptance == 0.7
+    with pytest.raises(SystemExit, match="needs drafts"):
+        bench_throughput.main(["--simulate_acceptance", "0.5", "--device", "cpu"])

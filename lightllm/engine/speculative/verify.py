@@ -76,8 +76,6 @@ def verify_greedy_windows(
         return []
     device = logits.device
     argmax = logits.argmax(dim=-1)
-    # NaN rows summed per window through a prefix sum: [0, n_0, n_0 + n_1, ...]
-    nan_before = torch.cat([argmax.new_zeros(1), torch.isnan(logits).any(dim=-1).long().cumsum(0)])
     start = torch.tensor(starts, dtype=torch.long, device=device)
     width = torch.tensor(widths, dtype=torch.long, device=device)
     max_drafts = max(len(d) for d in drafts)
@@ -88,6 +86,15 @@ def verify_greedy_windows(
         accepted = kept.long().cumprod(dim=-1).sum(dim=-1)
     else:
         accepted = torch.zeros(num, dtype=torch.long, device=device)
-    nan_in_window = nan_before[start + width] - nan_before[start]
+    nan_in_window = window_nan_counts(logits, start, width)
     counts, next_tokens, nans = torch.stack([accepted, argmax[start + accepted], nan_in_window]).tolist()
     return [None if bad else WindowResult([*d[:n], nxt]) for n, nxt, bad, d in zip(counts, next_tokens, nans, drafts)]
+
+
+def window_nan_counts(logits: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """[windows] int64 on the logits' device: how many of the rows `starts[i] .. starts[i] + widths[i] - 1` of
+    `logits` hold a NaN."""
+    # NaN rows summed per window through a prefix sum: [0, n_0, n_0 + n_1, ...]
+    flags = torch.isnan(logits).any(dim=-1).long()
+    nan_before = torch.cat([flags.new_zeros(1), flags.cumsum(0)])
+    return nan_before[starts + widths] - nan_before[starts]

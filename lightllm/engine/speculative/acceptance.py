@@ -1,0 +1,73 @@
+"""Simulated acceptance for benchmarks: each draft position is accepted with a fixed probability, whatever the model
+says, so the speed of speculation can be measured at a chosen acceptance rate on any checkpoint (random weights
+accept almost nothing).
+
+A window `[last, d_1, ..., d_k]` keeps its first n drafts, n being the number of leading successes of k
+independent coins of probability p (so n = j with probability p^j (1 - p) for j < k, and n = k with p^k), then
+one token drawn from the model's distribution at window position n (the first rejected position, or the bonus
+position after the last draft). The emitted tokens are therefore always what the state holds: an accepted
+position emits its draft, the following token is the model's own choice given those drafts.
+
+Reached only by an engine built with it (`Engine(..., acceptance=SimulatedAcceptance(p, seed))`), which the
+offline benchmark does; the server has no flag for it, since its outputs are not the model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightllm.engine.request import Request
+from lightllm.engine.sampler import RowContext, Sampler
+from lightllm.engine.speculative.verify import WindowResult, window_nan_counts
+
+# (request, first logits row, window width, drafts) as the engine lists the windows of a step
+Window = tuple[Request, int, int, list[int]]
+
+
+class SimulatedAcceptance:
+    """Acceptance strategy: accept each draft position with probability `probability` (seeded, host-side coins)."""
+
+    def __init__(self, probability: float, seed: int = 0):
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError(f"simulated acceptance probability must be in [0, 1], got {probability}")
+        self.probability = probability
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def num_kept_drafts(self, num_drafts: list[int]) -> list[int]:
+        """Per window, how many of its `num_drafts[i]` drafts are kept: the run of successes its coins start with."""
+        k = max(num_drafts, default=0)
+        if k == 0:
+            return [0] * len(num_drafts)
+        coins = torch.rand(len(num_drafts), k, generator=self._generator) < self.probability
+        runs = coins.long().cumprod(dim=1).sum(dim=1).tolist()
+        return [min(run, n) for run, n in zip(runs, num_drafts)]
+
+    def verify(
+        self,
+        windows: list[Window],
+        logits: torch.Tensor,
+        sampler: Sampler,
+        row_context: Callable[[Request, list[int], torch.device], RowContext],
+    ) -> list[WindowResult | None]:
+        """The tokens of every window (see the module docstring); None for a window whose logits hold a NaN, as
+        the model's own verification does. One host transfer for the whole step."""
+        if not windows:
+            return []
+        device = logits.device
+        kept = self.num_kept_drafts([len(drafts) for *_, drafts in windows])
+        positions = torch.tensor([start + n for (_, start, _, _), n in zip(windows, kept)], device=device)
+        rows = logits[positions]
+        if all(req.params.greedy and not req.params.has_penalties for req, *_ in windows):
+            next_tokens = rows.argmax(dim=-1)
+        else:
+            contexts = [row_context(req, drafts[:n], device) for (req, _, _, drafts), n in zip(windows, kept)]
+            next_tokens = sampler.draw_tokens(sampler.target_probs(rows, contexts), contexts)
+        starts = [start for _, start, _, _ in windows]
+        widths = [width for _, _, width, _ in windows]
+        nans = window_nan_counts(logits, torch.tensor(starts, device=device), torch.tensor(widths, device=device))
+        tokens, bad = torch.stack([next_tokens, nans]).tolist()
+        return [
+            None if b else WindowResult([*drafts[:n], t]) for (*_, drafts), n, t, b in zip(windows, kept, tokens, bad)
+        ]
