@@ -93,6 +93,28 @@ LATENT_SHAPES = (
 )
 
 
+@dataclass(frozen=True)
+class MoEShape:
+    """Routed experts of one MoE layer: E experts of hidden H and intermediate I, top-k of a router."""
+
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    scoring: str  # "softmax" (Qwen, with the gated shared expert) or "sigmoid" (Kimi: bias, groups, scaling)
+    dtype: str
+    tiny: bool
+
+
+MOE_SHAPES = (
+    MoEShape("qwen3.5-moe", 256, 8, 2048, 512, "softmax", "bfloat16", tiny=False),  # Qwen3.5-35B-A3B TP1
+    MoEShape("kimi-moe", 256, 8, 2304, 1024, "sigmoid", "bfloat16", tiny=False),  # Kimi-Linear-48B-A3B TP1
+    MoEShape("tiny-moe", 6, 2, 40, 24, "softmax", "float32", tiny=True),
+    MoEShape("tiny-moe-grouped", 8, 3, 24, 40, "sigmoid", "float16", tiny=True),
+)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # cases
 
@@ -504,6 +526,33 @@ def case_state(shape: StateShape, mode: str, requests: int, w: int, projection: 
     return run
 
 
+def case_fused_moe(shape: MoEShape, num_tokens: int) -> Callable[[Ctx], str]:
+    """Routing, the padded per-expert layout, both grouped GEMMs and the combine (Qwen: with the gated shared
+    expert) on exact-size tensors: x, logits and the shared output exactly [T, ...], the stacked experts exactly
+    [E, ...]; the worst-case padded layout leaves blocks past the real end that must read and write nothing."""
+
+    def run(ctx: Ctx) -> str:
+        from lightllm.kernels.fused_moe import fused_experts, sigmoid_topk, softmax_topk
+
+        e, h, i = shape.experts, shape.hidden, shape.inter
+        x = ctx.randn(num_tokens, h, dtype=shape.dtype)
+        gate_up = ctx.randn(e, 2 * i, h, dtype=shape.dtype, scale=h**-0.5)
+        down = ctx.randn(e, h, i, dtype=shape.dtype, scale=i**-0.5)
+        logits = ctx.randn(num_tokens, e)
+        if shape.scoring == "sigmoid":
+            groups = 4 if e % 4 == 0 else 1
+            weights, ids = sigmoid_topk(logits, ctx.randn(e, scale=0.1), shape.top_k, True, 2.5, groups, min(2, groups))
+            out = fused_experts(x, gate_up, down, weights, ids, shared=ctx.randn(num_tokens, h, dtype=shape.dtype))
+        else:
+            weights, ids = softmax_topk(logits, shape.top_k, True)
+            shared, gate = ctx.randn(num_tokens, h, dtype=shape.dtype), ctx.randn(num_tokens, 1, dtype=shape.dtype)
+            out = fused_experts(x, gate_up, down, weights, ids, shared=shared, shared_gate_logit=gate)
+        assert bool(ctx.torch.isfinite(out).all()), "non-finite MoE outputs"
+        return f"{int(ids.unique().numel())} of {e} experts used"
+
+    return run
+
+
 def build_cases() -> list[Case]:
     cases = []
     conv_p, conv_d = ("causal_conv_prefill_kernel",), ("causal_conv_decode_kernel",)
@@ -559,6 +608,12 @@ def build_cases() -> list[Case]:
                 cases.append(
                     Case("paged_attention", a.name, detail, kernels, a.tiny, case_paged_attention(a, rows, splits))
                 )
+    for m in MOE_SHAPES:
+        router = "moe_sigmoid_topk_kernel" if m.scoring == "sigmoid" else "moe_softmax_topk_kernel"
+        kernels = (router, "moe_gate_up_kernel", "moe_down_kernel", "moe_combine_kernel")
+        # one token (decode), a batch that leaves experts idle, one that fills several blocks of some experts
+        for num_tokens in (1, 37) if m.tiny else (1, 70, 256):
+            cases.append(Case("fused_moe", m.name, f"T={num_tokens}", kernels, m.tiny, case_fused_moe(m, num_tokens)))
     for m in LATENT_SHAPES:
         # decode and verify windows of 1..4 and a short chunk; a row with no query (a HOLD row of a graph bucket)
         for rows in ([(61, 1), (7, 4), (0, 2), (33, 1), (90, 19)], [(12, 4), (5, 0), (40, 2)]):

@@ -32,6 +32,8 @@ CPU_CASES = [
     "cursor",
     "paged_attention/tiny-attention/N=3 12+4 0+1 40+2 splits=3",
     "mla_attention/tiny-mla-latent/N=3 12+4 5+0 40+2 splits=3",
+    "fused_moe/tiny-moe/T=37",
+    "fused_moe/tiny-moe-grouped/T=37",
 ]
 
 
@@ -57,11 +59,12 @@ def test_the_case_list_covers_every_kernel_shape_width_and_mode():
     # the kernels the project launches today; a new one must get a case (the list exits 1 without one)
     assert {"causal_conv_prefill_kernel", "causal_conv_decode_kernel", "serial_verify_kernel", "compact_commit_kernel", "replay_decode_kernel", "replay_window_kernel", "replay_fold_kernel",
             "replay_accept_kernel", "native_accept_kernel", "paged_attention_kernel", "paged_attention_combine_kernel",
-            "mla_attention_kernel"} <= set(kernels)  # fmt: skip
+            "mla_attention_kernel", "moe_softmax_topk_kernel", "moe_sigmoid_topk_kernel", "moe_gate_up_kernel",
+            "moe_down_kernel", "moe_combine_kernel"} <= set(kernels)  # fmt: skip
     cases = mk.build_cases()
     for name in kernels:
         for shape in ("qwen3-next", "qwen3.5", "kimi-linear", "tiny-gdn", "tiny-kda"):
-            if not name.startswith(("paged_attention", "mla_attention")):
+            if not name.startswith(("paged_attention", "mla_attention", "moe_")):
                 assert any(name in c.kernels and c.shape == shape for c in cases), f"{name} has no {shape} case"
         assert re.search(rf"^  {name} .* [1-9]\d* cases$", run.stdout, re.M), f"{name} not listed with its cases"
     ids = [c.id for c in cases]
