@@ -33,6 +33,7 @@ SHARED_DOWN = "model.layers.0.mlp.shared_expert.down_proj.weight"
 GDN_OUT = "model.layers.0.linear_attn.out_proj.weight"
 ATTN_Q = "model.layers.3.self_attn.q_proj.weight"
 ATTN_O = "model.layers.3.self_attn.o_proj.weight"
+EXPERT_DOWN = "model.layers.1.mlp.experts.2.down_proj.weight"
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,8 @@ def module_weight(model: HybridModel, name: str):
         GDN_OUT: lambda: layer.mixer.out_proj,
         ATTN_Q: lambda: layer.mixer.q_proj,
         ATTN_O: lambda: layer.mixer.o_proj,
+        # stacked experts: expert 2 of the [E, H, I] weight
+        EXPERT_DOWN: lambda: layer.ffn.down[2],
     }[name]()
 
 
@@ -84,7 +87,9 @@ def test_checkpoint_declares_block_fp8_and_its_unquantized_modules(fp8_dir):
     assert check_checkpoint(str(fp8_dir)).model_config.hidden_size == SIZES["hidden_size"]
 
 
-@pytest.mark.parametrize("name", [SHARED_DOWN, GDN_OUT, ATTN_O], ids=["shared-expert-down", "gdn-out", "attn-o"])
+@pytest.mark.parametrize(
+    "name", [SHARED_DOWN, GDN_OUT, ATTN_O, EXPERT_DOWN], ids=["shared-expert-down", "gdn-out", "attn-o", "expert-down"]
+)
 def test_loaded_weights_are_the_checkpoint_blocks(fp8_dir, name):
     tensors = load_file(fp8_dir / "model.safetensors")
     q, scale = tensors[name], tensors[name + "_scale_inv"]

@@ -17,6 +17,7 @@ from torch import nn
 from lightllm.kernels.fused_moe import fused_experts, sigmoid_topk, softmax_topk
 from lightllm.models.config import MoEConfig
 from lightllm.models.layers.mlp import SwiGLU
+from lightllm.models.layers.quantized_linear import Fp8Weight, LinearWeight, linear, set_weight, stack_experts
 from lightllm.models.loader import Shapes, WeightLoader
 
 
@@ -49,9 +50,10 @@ def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig) -> t
 
 
 def run_experts(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: LinearWeight, down: LinearWeight, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """`x [T, H]`, `ids, weights [T, k]` -> `sum_k weights · expert_ids(x)` as `[T, H]` in x's dtype."""
+    """`x [T, H]`, `ids, weights [T, k]` -> `sum_k weights · expert_ids(x)` as `[T, H]` in x's dtype (block-FP8
+    experts through `linear`'s W8A8 path)."""
     out = torch.zeros_like(x)
     num_experts = gate_up.shape[0]
     flat = ids.flatten()
@@ -65,8 +67,8 @@ def run_experts(
         sel = order[start : start + n]
         start += n
         tokens = sel // top_k
-        g, u = F.linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, down[e]) * weights.flatten()[sel, None]
+        g, u = linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
+        y = linear(F.silu(g) * u, down[e]) * weights.flatten()[sel, None]
         out.index_add_(0, tokens, y.to(x.dtype))
     return out
 
@@ -107,25 +109,34 @@ class MoE(nn.Module):
         self.register_buffer("router", w.get(f"{prefix}gate.weight", fp32=kimi))
         if self.cfg.score_correction_bias:
             self.register_buffer("score_bias", w.get(f"{prefix}gate.e_score_correction_bias"))
-        if w.has(f"{prefix}experts.gate_up_proj"):
-            fused = w.get(f"{prefix}experts.gate_up_proj")
-            gate, up = fused.chunk(2, dim=1)
-            gate_up = torch.cat([w.tp.shard(gate, 1), w.tp.shard(up, 1)], dim=1)
-            down = w.get(f"{prefix}experts.down_proj", 2)
-        else:
-            g, u, d = self.expert_names
-            per = [
-                torch.cat([w.get(f"{prefix}experts.{e}.{g}.weight", 0), w.get(f"{prefix}experts.{e}.{u}.weight", 0)])
-                for e in range(self.cfg.num_experts)
-            ]
-            gate_up = torch.stack(per)
-            down = torch.stack([w.get(f"{prefix}experts.{e}.{d}.weight", 1) for e in range(self.cfg.num_experts)])
-        self.register_buffer("gate_up", gate_up.contiguous())
-        self.register_buffer("down", down.contiguous())
+        gate_up, down = self._load_experts(w, prefix)
+        set_weight(self, "gate_up", gate_up)
+        set_weight(self, "down", down)
         if self.shared is not None:
             self.shared.load(w, prefix + self.shared_prefix)
         if self.cfg.shared_expert_gate:
             self.register_buffer("shared_gate", w.get(f"{prefix}shared_expert_gate.weight"))
+
+    def _load_experts(self, w: WeightLoader, prefix: str) -> tuple[LinearWeight, LinearWeight]:
+        """Stacked `gate_up [E, 2I_local, H]` and `down [E, H, I_local]`: both FP8 or both in the model dtype (one
+        decision over every expert tensor), quantized expert by expert to bound the load-time memory."""
+        if w.has(f"{prefix}experts.gate_up_proj"):
+            names = [f"{prefix}experts.gate_up_proj", f"{prefix}experts.down_proj"]
+            gate, up = w.get_linear(names[0]).chunk(2, dim=1)
+            gate_up = torch.cat([w.tp.shard(gate, 1), w.tp.shard(up, 1)], dim=1)
+            down = w.get_linear(names[1], 2)
+            quantize = w.quantizes(*names)
+            return tuple(
+                stack_experts([w.linear(t[e], quantize=quantize) for e in range(t.shape[0])]) for t in (gate_up, down)
+            )
+        experts = range(self.cfg.num_experts)
+        g, u, d = ([f"{prefix}experts.{e}.{n}.weight" for e in experts] for n in self.expert_names)
+        quantize = w.quantizes(*g, *u, *d)
+        gate_up = [
+            w.linear(torch.cat([w.get_linear(g[e], 0), w.get_linear(u[e], 0)]), quantize=quantize) for e in experts
+        ]
+        down = [w.linear(w.get_linear(d[e], 1), quantize=quantize) for e in experts]
+        return stack_experts(gate_up), stack_experts(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -154,4 +165,9 @@ class MoE(nn.Module):
             weights, ids = softmax_topk(F.linear(x, self.router), c.top_k, c.norm_topk_prob)
         shared = self.shared(x) if self.shared is not None else None
         gate = F.linear(x, self.shared_gate) if c.shared_expert_gate else None
+        if isinstance(self.gate_up, Fp8Weight):
+            scales = {"gate_up_scale": self.gate_up.weight_scale_inv, "down_scale": self.down.weight_scale_inv}
+            return fused_experts(
+                x, self.gate_up.weight, self.down.weight, weights, ids, shared, gate, block=self.gate_up.block, **scales
+            )
         return fused_experts(x, self.gate_up, self.down, weights, ids, shared, gate)

@@ -9,6 +9,7 @@ import torch
 from lightllm.models.config import MoEConfig
 from lightllm.models.layers.moe import MoE
 from lightllm.models.loader import CheckpointReader, WeightLoader
+from lightllm.models.quant_config import Fp8Config
 from lightllm.models.tp import TPInfo
 from unit_tests.helpers.asserts import assert_rel_close, relative_error
 
@@ -20,14 +21,14 @@ KIMI = MoEConfig(
 HIDDEN = 40
 
 
-def build(cfg: MoEConfig, seed: int, dtype=torch.float32) -> MoE:
+def build(cfg: MoEConfig, seed: int, dtype=torch.float32, quant: Fp8Config | None = None) -> MoE:
     moe = MoE(cfg, kimi_names=cfg.scoring == "sigmoid")
     gen = torch.Generator().manual_seed(seed)
     tensors = {
         name: torch.randn(*shape, generator=gen) / (shape[-1] ** 0.5 if len(shape) > 1 else 3.0)
         for name, shape in moe.checkpoint_shapes("", HIDDEN).items()
     }
-    moe.load(WeightLoader(CheckpointReader(tensors), dtype, "cpu", TPInfo()), "")
+    moe.load(WeightLoader(CheckpointReader(tensors), dtype, "cpu", TPInfo(), quant=quant), "")
     return moe
 
 
