@@ -65,7 +65,7 @@ class ChatOutput:
             tools = make_tool_parser(self.tool_parser, specs)
         return OutputParser(ReasoningParser(self.starts_in_reasoning) if self.reasoning else None, tools)
 
-    def keep_calls(self, calls: list) -> list:
+    def keep_calls(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
         """parallel_tool_calls: false keeps the first call only."""
         return calls if self.body.parallel_tool_calls else [c for c in calls if c.index == 0]
 
@@ -173,7 +173,7 @@ def _choice(fe: Frontend, out: ChatOutput, s: Sequence) -> dict:
     has_calls = False
     if out.parses:
         parsed = out.parser().parse(s.output.text)
-        calls = out.keep_calls([c for c in parsed.tool_calls])
+        calls = parsed.tool_calls if out.body.parallel_tool_calls else parsed.tool_calls[:1]
         has_calls = bool(calls)
         message["content"] = parsed.content if parsed.content or not calls else None
         if out.reasoning:

@@ -1,0 +1,113 @@
+"""The chat route's response assembly (lightllm.server.http.chat_api): one sequence's text, delivered in engine
+deltas of any size, becomes reasoning_content, content and tool_calls in OpenAI's shapes, streamed and not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from lightllm.server.http.chat_api import ChatOutput, _choice, _events
+from lightllm.server.http.protocol import ChatCompletionRequest
+from lightllm.server.http.serving import Sequence
+from lightllm.server.output import Delta
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+TEXT = (
+    "I should look it up.</think>\n\nChecking.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+    "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
+
+
+def _setup(parallel: bool = True):
+    fe = SimpleNamespace(
+        args=SimpleNamespace(tool_call_parser="auto", reasoning_parser="auto"),
+        info=SimpleNamespace(model_type="qwen3_5"),
+        tokenizer=None,
+    )
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "parallel_tool_calls": parallel}
+    )
+    out = ChatOutput(fe, body)
+    out.starts_in_reasoning = True
+    return fe, out
+
+
+def _sequence(text: str, reason: str = "stop") -> Sequence:
+    return Sequence(0, 0, "r", SimpleNamespace(text=text, token_ids=[], logprobs=None, finish_reason=reason))
+
+
+async def _stream(pieces: list[str]):
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        yield _sequence(""), Delta(text=piece, token_ids=[1], finish_reason="stop" if last else None)
+
+
+def _collect_events(fe, out, pieces: list[str]) -> list[dict]:
+    async def run():
+        events = []
+        async for event in _events(fe, out, _stream(pieces), 1, 3, False, "id", 0, "m"):
+            events.append(event)
+        return events
+
+    raw = asyncio.run(run())
+    assert raw[-1] == "data: [DONE]\n\n"
+    return [json.loads(e[len("data: ") :]) for e in raw[:-1]]
+
+
+def test_non_streamed_message():
+    fe, out = _setup()
+    choice = _choice(fe, out, _sequence(TEXT))
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert message["reasoning_content"] == "I should look it up."
+    assert message["content"] == "Checking."
+    calls = message["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Oslo"}]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 1000])
+def test_streamed_events_add_up_to_the_message(size):
+    fe, out = _setup()
+    events = _collect_events(fe, out, [TEXT[i : i + size] for i in range(0, len(TEXT), size)])
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    reasoning = content = ""
+    calls: dict[int, dict] = {}
+    finish = None
+    for event in events[1:]:
+        (choice,) = event["choices"]
+        delta = choice["delta"]
+        reasoning += delta.get("reasoning_content", "")
+        content += delta.get("content", "")
+        for entry in delta.get("tool_calls", []):
+            if entry["index"] not in calls:
+                assert entry["id"] and entry["type"] == "function" and entry["function"]["name"] == "get_weather"
+                calls[entry["index"]] = {"arguments": entry["function"]["arguments"]}
+            else:
+                assert "id" not in entry and "name" not in entry["function"]
+                calls[entry["index"]]["arguments"] += entry["function"]["arguments"]
+        finish = choice["finish_reason"] or finish
+    assert (reasoning, content, finish) == ("I should look it up.", "Checking.", "tool_calls")
+    assert [json.loads(calls[i]["arguments"]) for i in sorted(calls)] == [{"city": "Paris"}, {"city": "Oslo"}]
+
+
+def test_parallel_tool_calls_false_keeps_the_first():
+    fe, out = _setup(parallel=False)
+    assert len(_choice(fe, out, _sequence(TEXT))["message"]["tool_calls"]) == 1
+    events = _collect_events(fe, out, [TEXT[i : i + 5] for i in range(0, len(TEXT), 5)])
+    indexes = {e["index"] for ev in events[1:] for e in ev["choices"][0]["delta"].get("tool_calls", [])}
+    assert indexes == {0}
+
+
+def test_plain_answer_without_tools_or_reasoning_block():
+    fe, out = _setup()
+    out.starts_in_reasoning = False
+    choice = _choice(fe, out, _sequence("Just text with <tool_call> in it.", reason="length"))
+    assert choice["message"]["content"] == "Just text with <tool_call> in it."
+    assert choice["message"]["reasoning_content"] is None and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "length"
