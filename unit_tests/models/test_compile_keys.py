@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from lightllm.engine.batch import ForwardBatch
+from lightllm.kernels.mla_attention import warmup_mla_attention
 from lightllm.kernels.paged_attention import warmup_paged_attention
 from lightllm.models.layers.attention import GatedAttention
 from lightllm.models.layers.mla import LatentAttention
@@ -88,8 +89,8 @@ def test_serving_steps_meet_one_compile_key_per_kernel_variant_and_warmed_attent
     with launch_keys() as warmed:
         for heads, kv_heads, dk, dv, by_row in shapes:
             warmup_paged_attention(heads, kv_heads, dk, dv, torch.float32, "cpu", by_row)
-        for module in latent[:1]:
-            module.warmup_latent_attention(torch.float32, "cpu")
+        for heads, rank, rope in {m.latent_attention_shape() for m in latent}:
+            warmup_mla_attention(heads, rank, rope, torch.float32, "cpu")
     with launch_keys() as served:
         _serve_steps(runner, width)
     kernels = set(served.by_kernel)

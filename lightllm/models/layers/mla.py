@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightllm.kernels.mla_attention import mla_attention, warmup_mla_attention
+from lightllm.kernels.mla_attention import mla_attention
 from lightllm.models.config import AttentionConfig
 from lightllm.models.context import AttentionGroup, StepContext
 from lightllm.models.layers.norms import rms_norm
@@ -51,10 +51,10 @@ class LatentAttention(nn.Module):
         over its expanded latents (`lightllm.kernels.paged_attention.warmup_paged_attention`)."""
         return self.num_heads, self.num_heads, self.cfg.qk_head_dim, self.cfg.v_head_dim, False
 
-    def warmup_latent_attention(self, dtype: torch.dtype, device) -> int:
-        """Compile every variant of the latent-space kernels this layer launches; returns the launch count."""
-        c = self.cfg
-        return warmup_mla_attention(self.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, dtype, device)
+    def latent_attention_shape(self) -> tuple[int, int, int]:
+        """(query heads, latent rank, rope dims) of this layer's latent-space launches
+        (`lightllm.kernels.mla_attention.warmup_mla_attention`)."""
+        return self.num_heads, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim
 
     def checkpoint_shapes(self, prefix: str, hidden: int) -> Shapes:
         c, h = self.cfg, self.cfg.num_heads
