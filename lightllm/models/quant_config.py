@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 SUPPORTED = (
     "supported: quant_method fp8 with fmt e4m3, a weight_block_size such as [128, 128] and activation_scheme "
-    "dynamic (block-wise FP8, weight_scale_inv tensors), or an unquantized checkpoint (--quantization fp8 "
-    "quantizes one while it loads)"
+    "dynamic (block-wise FP8, weight_scale_inv tensors), or an unquantized checkpoint (python -m "
+    "lightllm.tools.quantize_fp8 writes an FP8 copy of one)"
 )
 # what `--quantization` accepts
 QUANTIZATION_CHOICES = ("fp8",)

@@ -63,7 +63,7 @@ def test_other_methods_are_refused_by_name(config, method):
         parse_quantization({"quantization_config": config})
     text = str(err.value)
     assert f"quantization_config.quant_method {method!r} is not supported" in text
-    assert "supported: quant_method fp8 with fmt e4m3" in text and "--quantization fp8" in text
+    assert "supported: quant_method fp8 with fmt e4m3" in text and "lightllm.tools.quantize_fp8" in text
     assert "\n" not in text, "one line"
 
 
