@@ -33,6 +33,7 @@ def shape_key(num_experts: int, inter: int, hidden: int, top_k: int, dtype: torc
     return f"E={num_experts},N={inter},K={hidden},top_k={top_k},dtype={str(dtype).removeprefix('torch.')}"
 
 
+@functools.cache
 def device_name(device: torch.device) -> str:
     """A file-name-safe device name: `NVIDIA_H200` for CUDA, `cpu` otherwise."""
     if device.type != "cuda":
@@ -78,6 +79,8 @@ def heuristic_config(num_tokens: int, num_experts: int, inter: int, hidden: int,
     return {"BLOCK_M": block_m, "gate_up": tile(inter, hidden), "down": tile(hidden, inter)}
 
 
+# every MoE layer of every step asks: the answer is cached so an eager step pays one dict lookup per layer
+@functools.lru_cache(maxsize=4096)
 def get_config(
     num_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device
 ) -> dict:

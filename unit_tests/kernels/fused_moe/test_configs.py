@@ -22,8 +22,10 @@ TUNED = {
 def table_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     configs._table.cache_clear()
+    configs.get_config.cache_clear()
     yield tmp_path
     configs._table.cache_clear()
+    configs.get_config.cache_clear()
 
 
 def write_table(path, version: str, key: str, buckets: dict) -> None:
