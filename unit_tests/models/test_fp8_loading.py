@@ -126,6 +126,16 @@ def test_transposed_non_square_scale_grid_is_refused(fp8_dir, tmp_path):
         check_checkpoint(str(twin))
 
 
+def test_gdn_keeps_in_proj_fp8_when_the_checkpoint_leaves_in_proj_ba_unquantized(bf16_dir, tmp_path):
+    """Qwen's FP8 releases store in_proj_ba unquantized: q|k|v|z stay FP8 in their own GEMM, b|a in the model dtype
+    (one fused GEMM when both parts agree)."""
+    fp8 = quantize_checkpoint(bf16_dir, tmp_path / "ckpt", BLOCK, NOT_CONVERTED + ("in_proj_ba",))
+    for split, fused in zip(load(fp8).layers[:3], load(quantize_checkpoint(bf16_dir, tmp_path / "all", BLOCK)).layers):
+        assert isinstance(split.mixer.in_proj, Fp8Weight) and split.mixer.ba_proj.dtype == torch.float32
+        assert isinstance(fused.mixer.in_proj, Fp8Weight) and fused.mixer.ba_proj is None
+        assert split.mixer.in_proj.shape[0] + split.mixer.ba_proj.shape[0] == fused.mixer.in_proj.shape[0]
+
+
 def test_unquantized_modules_keep_their_dtype(bf16_dir, tmp_path):
     fp8 = quantize_checkpoint(bf16_dir, tmp_path / "ckpt", BLOCK, NOT_CONVERTED + ("o_proj",))
     model = load(fp8)
@@ -179,9 +189,13 @@ MIN_CONFIDENT_SHARE = 0.35
 MAX_LOGITS_REL = 0.1
 
 
-@pytest.mark.parametrize("block", [(32, 32), (128, 128)], ids=["b32", "b128"])
-def test_fp8_logits_follow_the_dequantized_weight_model(bf16_dir, tmp_path, block):
-    fp8 = quantize_checkpoint(bf16_dir, tmp_path / "fp8", block)
+@pytest.mark.parametrize(
+    "block,not_converted",
+    [((32, 32), NOT_CONVERTED), ((128, 128), NOT_CONVERTED), ((128, 128), NOT_CONVERTED + ("in_proj_ba",))],
+    ids=["b32", "b128", "b128-ba-unquantized"],
+)
+def test_fp8_logits_follow_the_dequantized_weight_model(bf16_dir, tmp_path, block, not_converted):
+    fp8 = quantize_checkpoint(bf16_dir, tmp_path / "fp8", block, not_converted)
     reference = dequantize_checkpoint(fp8, tmp_path / "dequantized")
     ids = torch.randint(0, 470, (512,), generator=torch.Generator().manual_seed(5))
     actual, expected = prompt_logits(fp8, ids), prompt_logits(reference, ids)

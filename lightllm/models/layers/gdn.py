@@ -69,8 +69,16 @@ class GatedDeltaNet(nn.Module):
         s, tp = self.spec, w.tp
         heads = [s.num_k_heads, s.num_k_heads, s.num_v_heads, s.num_v_heads, s.num_v_heads, s.num_v_heads]
         parts, names = self._projections(w, prefix)
-        in_proj = torch.cat([tp.shard_heads(p, 0, n) for p, n in zip(parts, heads)])
-        set_weight(self, "in_proj", w.linear(in_proj, *names))
+        local = [tp.shard_heads(p, 0, n) for p, n in zip(parts, heads)]
+        # names of the q|k|v|z parts' tensors, then of the b|a parts'
+        qkvz_names, ba_names = (names[:1], names[1:]) if self.grouped else (names[:2], names[2:])
+        if w.quantizes(*qkvz_names) == w.quantizes(*ba_names):
+            set_weight(self, "in_proj", w.linear(torch.cat(local), *names))
+            self.register_buffer("ba_proj", None)
+        else:
+            # Qwen's FP8 releases leave in_proj_ba unquantized: q|k|v|z stays FP8 in its own GEMM
+            set_weight(self, "in_proj", w.linear(torch.cat(local[:4]), *qkvz_names))
+            set_weight(self, "ba_proj", w.linear(torch.cat(local[4:]), *ba_names))
         conv = w.get(f"{prefix}linear_attn.conv1d.weight").squeeze(1)
         key_dim = s.num_k_heads * s.head_k_dim
         conv_parts = conv.split([key_dim, key_dim, s.num_v_heads * s.head_v_dim])
@@ -90,7 +98,11 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, hv, dv = x.shape[0], self.num_v_heads, self.spec.head_v_dim
-        mixed_qkv, z, b, a = (p.contiguous() for p in linear(x, self.in_proj).split(self.split_sizes, dim=-1))
+        if self.ba_proj is None:
+            mixed_qkv, z, b, a = (p.contiguous() for p in linear(x, self.in_proj).split(self.split_sizes, dim=-1))
+        else:
+            mixed_qkv, z = (p.contiguous() for p in linear(x, self.in_proj).split(self.split_sizes[:2], dim=-1))
+            b, a = (p.contiguous() for p in linear(x, self.ba_proj).split(self.split_sizes[2:], dim=-1))
         o = run_linear_state(ctx, self.linear_layer, mixed_qkv, a[:, :, None], b, self.params, hv, dv)
         y = gated_rms_norm_silu(o, z.reshape(t, hv, dv), self.norm, self.eps)
         return linear(y.reshape(t, hv * dv), self.out_proj)
