@@ -26,20 +26,25 @@ class RequestGrammar:
     """One request's matcher. `start_token`: the grammar applies after this token (a reasoning block's end);
     until it is generated the output is free."""
 
-    def __init__(self, matcher, start_token: int | None):
+    def __init__(self, matcher, start_token: int | None, executor):
         self.matcher = matcher
         self.start_token = start_token
+        # llguidance's thread pool, shared by the backend's matchers
+        self.executor = executor
         self.active = start_token is None
 
-    def fill_window(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> list[bool]:
-        """Write the masks of window positions 0 .. len(drafts) into `bitmask[first_row:]` (int32 [rows, words]);
-        returns per position whether it is constrained (False before the grammar starts)."""
+    def starts_inside(self, drafts: list[int]) -> bool:
+        """Whether the grammar is off at the window's start and a draft may switch it on."""
+        return not self.active and self.start_token in drafts
+
+    def fill_window(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
+        """Write the masks of window positions 0 .. len(drafts) into `bitmask[first_row:]` (int32 [rows, words]):
+        positions before the grammar starts keep theirs (all ones), and after a draft the grammar refuses nothing
+        is written (nothing past it can be accepted). The matcher ends where it began."""
         from llguidance.torch import fill_next_token_bitmask
 
-        constrained: list[bool] = []
         active, consumed = self.active, 0
         for j in range(len(drafts) + 1):
-            constrained.append(active)
             if active:
                 fill_next_token_bitmask(self.matcher, bitmask, first_row + j)
             if j == len(drafts):
@@ -49,14 +54,9 @@ class RequestGrammar:
             elif self.matcher.try_consume_tokens([drafts[j]]) == 1:
                 consumed += 1
             else:
-                # the draft is refused at position j: later positions are never reached
-                for k in range(j + 1, len(drafts) + 1):
-                    bitmask[first_row + k] = bitmask[first_row + j]
-                    constrained.append(True)
                 break
         if consumed:
             self.matcher.rollback(consumed)
-        return constrained
 
     def advance(self, token_ids: list[int]) -> str | None:
         """Consume the emitted tokens; an error message if the grammar refuses one (a masking bug)."""
@@ -74,6 +74,7 @@ class GrammarBackend:
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
+        self._executor = None
         self._tokenizers: dict[tuple[str, tuple[int, ...]], object] = {}
 
     def _tokenizer(self, tokenizer_dir: str, eos_ids: tuple[int, ...]):
@@ -98,7 +99,11 @@ class GrammarBackend:
         matcher = LLMatcher(self._tokenizer(tokenizer_dir, tuple(eos_ids)), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
-        return RequestGrammar(matcher, start_token)
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        return RequestGrammar(matcher, start_token, self._executor)
 
 
 def attach(backend: GrammarBackend, req: Request, msg) -> str | None:
@@ -125,25 +130,38 @@ def mask_windows(windows: list[tuple[Request, int, int, list[int]]], logits: tor
     if not constrained:
         return logits
     vocab = logits.shape[1]
-    words = (vocab + 31) // 32
     num_rows = sum(len(d) + 1 for _, _, d in constrained)
-    # -1: every bit set, the mask of a position before the grammar starts
-    bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
+    # -1 (every bit set): no constraint, the mask of a position before the grammar starts
+    bitmask = torch.full((num_rows, (vocab + 31) // 32), -1, dtype=torch.int32)
     rows: list[int] = []
+    plain, drafted = [], []
     offset = 0
     for grammar, start, drafts in constrained:
-        flags = grammar.fill_window(bitmask, offset, drafts)
-        rows += [start + j for j in range(len(drafts) + 1)]
-        # unconstrained positions keep all-ones
-        for j, on in enumerate(flags):
-            if not on:
-                bitmask[offset + j] = -1
+        rows += range(start, start + len(drafts) + 1)
+        if grammar.starts_inside(drafts):
+            # the grammar starts inside this window (a reasoning block ends): walked here, position by position
+            grammar.fill_window(bitmask, offset, drafts)
+        elif grammar.active:
+            (drafted if drafts else plain).append((grammar.matcher, offset, *([drafts] if drafts else [])))
         offset += len(drafts) + 1
+    _fill_parallel(constrained[0][0].executor, bitmask, plain, drafted)
     allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
     index = torch.tensor(rows, device=logits.device)
     masked = logits.clone()
     masked[index] = masked[index].masked_fill(~allowed, float("-inf"))
     return masked
+
+
+def _fill_parallel(executor, bitmask: torch.Tensor, plain: list[tuple], drafted: list[tuple]) -> None:
+    """Masks of many matchers at once on llguidance's thread pool (the GIL released): `plain` (matcher, row)
+    one position each, `drafted` (matcher, first row, drafts) a window each, walked and rolled back in the pool.
+    Rows after a draft the grammar refuses are left as they are: nothing past that draft can be accepted."""
+    from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+
+    if plain:
+        fill_next_token_bitmask_par(executor, plain, bitmask)
+    if drafted:
+        fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, bitmask)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""engine/grammar.py: the mask of every window position equals that of a fresh matcher fed the drafts before it,
+a refused draft is masked out at its own position, the matcher ends each step where it began and advances only
+over emitted tokens, and a grammar that starts after a token (a reasoning block's end) leaves the positions up to
+it free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightllm.engine.grammar import GrammarBackend, mask_windows, unpack_bitmask
+from lightllm.engine.request import Request
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.http.structured import json_schema_grammar
+from lightllm.tools.make_tiny_model import tiny_model_dir
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model_dir = str(tiny_model_dir("qwen3_next"))
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    return GrammarBackend(VOCAB), model_dir, hf
+
+
+def _request(backend, model_dir, hf, start_token=None) -> Request:
+    grammar = json_schema_grammar(SCHEMA)
+    req = Request("r", [1, 2], SamplingParams(grammar=grammar, grammar_start_token=start_token), frozenset(), 64)
+    req.grammar = backend.matcher(grammar, start_token, model_dir, [hf.eos_token_id])
+    return req
+
+
+def _reference_mask(backend, model_dir, hf, prefix: list[int]) -> torch.Tensor:
+    """Allowed tokens after `prefix`, from a fresh matcher (bool [V])."""
+    from llguidance.torch import fill_next_token_bitmask
+
+    fresh = _request(backend, model_dir, hf).grammar.matcher
+    assert fresh.consume_tokens(prefix)
+    bits = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    fill_next_token_bitmask(fresh, bits, 0)
+    return unpack_bitmask(bits, VOCAB)[0]
+
+
+def _masked(req: Request, drafts: list[int], rows_before: int = 2) -> torch.Tensor:
+    """mask_windows over a batch where the window starts at row `rows_before` (other rows unconstrained)."""
+    logits = torch.randn(rows_before + len(drafts) + 1, VOCAB)
+    free = Request("free", [3], SamplingParams(), frozenset(), 8)
+    windows = [(free, 0, rows_before, []), (req, rows_before, len(drafts) + 1, drafts)]
+    masked = mask_windows(windows, logits)
+    assert torch.equal(masked[:rows_before], logits[:rows_before])
+    kept = torch.isfinite(masked[rows_before:])
+    assert torch.equal(masked[rows_before:][kept], logits[rows_before:][kept])
+    return kept
+
+
+def test_each_draft_position_has_its_own_mask(setup):
+    backend, model_dir, hf = setup
+    text = hf.encode('{"n": 1234}')
+    req = _request(backend, model_dir, hf)
+    assert req.grammar.advance(text[:1]) is None
+    drafts = text[1:5]
+    kept = _masked(req, drafts)
+    for j in range(len(drafts) + 1):
+        assert torch.equal(kept[j], _reference_mask(backend, model_dir, hf, text[: 1 + j])), j
+    # rolled back: the next step starts from the emitted token only
+    assert req.grammar.matcher.validate_tokens(text[1:]) == len(text) - 1
+
+
+def test_refused_draft_is_masked_at_its_position(setup):
+    backend, model_dir, hf = setup
+    text = hf.encode('{"n": 1234}')
+    (bad,) = hf.encode("@")
+    req = _request(backend, model_dir, hf)
+    drafts = [text[0], bad, text[2]]
+    kept = _masked(req, drafts)
+    assert kept[1].any() and not kept[1][bad]
+    assert torch.equal(kept[1], _reference_mask(backend, model_dir, hf, text[:1]))
+    # twin: the same draft where the grammar allows it is kept
+    assert kept[0][text[0]]
+    assert req.grammar.matcher.validate_tokens(text) == len(text)
+    # an emitted token the grammar refuses is reported (it would be a masking bug)
+    assert "left the grammar" in req.grammar.advance([bad])
+
+
+def test_finished_grammar_allows_only_eos(setup):
+    backend, model_dir, hf = setup
+    req = _request(backend, model_dir, hf)
+    assert req.grammar.advance(hf.encode('{"n": 7}')) is None
+    kept = _masked(req, [])
+    assert kept[0].nonzero().flatten().tolist() == [hf.eos_token_id]
+
+
+def test_grammar_starts_after_its_token(setup):
+    backend, model_dir, hf = setup
+    (think_end,) = hf.encode("</think>")
+    text = hf.encode('{"n": 5}')
+    req = _request(backend, model_dir, hf, start_token=think_end)
+    free_tokens = hf.encode("hmm ok")
+    assert req.grammar.advance(free_tokens) is None and not req.grammar.active
+    # a window whose drafts close the reasoning: free up to and including the token, constrained after it
+    drafts = [free_tokens[0], think_end, text[0]]
+    kept = _masked(req, drafts)
+    assert kept[0].all() and kept[1].all()
+    assert torch.equal(kept[2], _reference_mask(backend, model_dir, hf, []))
+    assert torch.equal(kept[3], _reference_mask(backend, model_dir, hf, text[:1]))
+    assert not req.grammar.active
+    # the emitted tokens switch it on; from then on every position is constrained
+    assert req.grammar.advance([free_tokens[0], think_end]) is None and req.grammar.active
+    assert torch.equal(_masked(req, [])[0], _reference_mask(backend, model_dir, hf, []))
+
+
+def test_a_grammar_that_does_not_compile_is_an_error(setup):
+    backend, model_dir, hf = setup
+    with pytest.raises(ValueError, match="grammar"):
+        backend.matcher('{"grammars": [{"json_schema": {"type": "objectx"}}]}', None, model_dir, [hf.eos_token_id])
