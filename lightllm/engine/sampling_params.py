@@ -11,6 +11,14 @@ MAX_SEED = 2**63 - 1
 # integer knobs the engine turns into tensors (top_k) or compares with token ids stay within int32
 MAX_INT = 2**31 - 1
 MAX_N = 64
+# below these a temperature or top_p leaves one token with any mass: the row is sampled greedily (dividing by a
+# temperature of 1e-300 overflows the logits to inf, and the softmax of inf is NaN)
+GREEDY_TEMPERATURE = 1e-5
+GREEDY_TOP_P = 1e-5
+# a repetition penalty divides or multiplies logits: within [1/100, 10] it reweights tokens, beyond it only
+# overflows (a penalty of 1e-300 turns every seen token's logit into inf)
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
 
 
 class SamplingParamsError(ValueError):
@@ -34,7 +42,8 @@ def _is_float(v, lo: float, hi: float, lo_open: bool = False) -> bool:
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick each next token and when to stop.
 
-    `temperature == 0` means greedy (argmax); the other sampling knobs are then ignored. `top_k <= 0` and
+    `temperature == 0` means greedy (argmax), as does a temperature below `GREEDY_TEMPERATURE` or a top_p below
+    `GREEDY_TOP_P`; the other sampling knobs are then ignored. `top_k <= 0` and
     `top_p == 1` disable those filters. `logprobs=None` returns none; `logprobs=k` returns the chosen token's
     log-probability plus the k most likely alternatives (k may be 0). `prompt_logprobs=k` returns, once, each prompt
     token's log-probability given the tokens before it (None for the first) with k alternatives at each position.
@@ -68,7 +77,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P
 
     @property
     def has_penalties(self) -> bool:
@@ -86,7 +95,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             ("top_p", _is_float(self.top_p, 0.0, 1.0, lo_open=True), "must be a number in (0, 1]"),
             ("top_k", _is_int(self.top_k, -1, MAX_INT), f"must be -1 (off), 0 (off) or in [1, {MAX_INT}]"),
             ("min_p", _is_float(self.min_p, 0.0, 1.0), "must be a number in [0, 1]"),
-            ("repetition_penalty", _is_float(self.repetition_penalty, 0.0, 10.0, lo_open=True), "must be in (0, 10]"),
+            (
+                "repetition_penalty",
+                _is_float(self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+                f"must be a number in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]",
+            ),
             ("presence_penalty", _is_float(self.presence_penalty, -2.0, 2.0), "must be a number in [-2, 2]"),
             ("frequency_penalty", _is_float(self.frequency_penalty, -2.0, 2.0), "must be a number in [-2, 2]"),
             # the n sequences of a request use seeds seed, seed + 1, ..., seed + n - 1
