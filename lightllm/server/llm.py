@@ -97,6 +97,8 @@ class LLM:
                             sub,
                             list(self.tokenizer.eos_token_ids),
                             [h for h in checkpoint_hints if h],
+                            # a grammar (SamplingParams.grammar) is matched against this checkpoint's vocabulary
+                            tokenizer_dir=self.info.model_dir if sub.grammar is not None else "",
                         )
                     ),
                     seqs,

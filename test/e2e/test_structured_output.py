@@ -185,3 +185,13 @@ def _left(chunks: list[list[int]]) -> list[int]:
         out.append(total)
         total -= len(c)
     return out
+
+
+def test_offline_llm_generates_to_the_grammar():
+    from lightllm.server.llm import LLM
+
+    llm = LLM(str(tiny_model_dir("kimi_linear")), device="cpu", max_total_token_num=1024)
+    params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=MAX_TOKENS, grammar=GRAMMAR)
+    (result,) = llm.generate([[5, 6, 7]], params)
+    assert [o.finish_reason for o in result.outputs] == ["stop", "stop"]
+    assert all(_valid(o.text) for o in result.outputs)
