@@ -3,6 +3,10 @@
 Modules pull their tensors by the real Hugging Face names (relative to the decoder root `model.`, or `lm_head.`,
 `mtp.`) through a `WeightLoader`; the loader checks beforehand that the checkpoint holds exactly the tensors the
 model declares, in the shapes it declares, and names every missing, unexpected and wrongly shaped one in one error.
+
+Block-FP8 checkpoints (`quant_config`): a weight stored with a `weight_scale_inv` grid comes out of `get`
+dequantized; a layer hands each projection it builds to `linear`, which quantizes it again over the same tiles
+(an `Fp8Weight`) when every checkpoint tensor it came from was FP8, or when loading quantizes (`quantization="fp8"`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from lightllm.kernels.fp8 import FP8_DTYPE, block_scale_shape, check_block_scales, dequantize_weight_blocks
+from lightllm.models.layers.quantized_linear import Fp8Weight, LinearWeight
 from lightllm.models.quant_config import Fp8Config, parse_quantization, scale_name
 from lightllm.models.tp import TPInfo
 
@@ -202,11 +207,9 @@ class WeightLoader:
             return False
         return all(self.is_scaled(n) for n in names) if self.quant.in_checkpoint else True
 
-    def linear(self, t: torch.Tensor, *names: str, quantize: bool | None = None):
+    def linear(self, t: torch.Tensor, *names: str, quantize: bool | None = None) -> LinearWeight:
         """The projection `t` (fused from checkpoint tensors `names`, sharded) as the layer holds it: an
         `Fp8Weight` when `quantize` (default: `quantizes(*names)`), else a tensor in the model dtype."""
-        from lightllm.models.layers.quantized_linear import Fp8Weight
-
         if quantize if quantize is not None else self.quantizes(*names):
             return Fp8Weight.quantize(t.to(self.device), self.quant.block)
         return self.place(t)
