@@ -1,5 +1,6 @@
 """Limits and access at the HTTP edge: body cap (413), wait-queue cap (429 + Retry-After), sequences per request
-(400), the API key (401 with an OpenAI error body) and the OpenAPI pages behind --enable_docs."""
+(400), the API key (401 with an OpenAI error body; the scheme in any case) and the OpenAPI pages behind
+--enable_docs and the API key."""
 
 from __future__ import annotations
 
@@ -105,16 +106,23 @@ def test_full_queue_is_429_with_retry_after(server):
     assert _post(server, "/v1/completions", {**body, "stream": False, "max_tokens": 1}).status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/v1/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize(
+    "path", ["/v1/models", "/v1/completions", "/tokenize", "/detokenize", "/openapi.json", "/docs", "/redoc"]
+)
 def test_api_key_required_on_protected_paths(server, path):
     body = {"model": server.model, "prompt": "x", "max_tokens": 1, "tokens": [1]}
-    send = (lambda h: httpx.get(f"{server.base_url}{path}", headers=h)) if path == "/v1/models" else None
+    gets = ("/v1/models", "/openapi.json", "/docs", "/redoc")
+    send = (lambda h: httpx.get(f"{server.base_url}{path}", headers=h)) if path in gets else None
     send = send or (lambda h: _post(server, path, body, headers=h))
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
         r = send(headers)
         assert r.status_code == 401, headers
         assert r.json()["error"]["code"] == 401 and "API key" in r.json()["error"]["message"]
     assert send(AUTH).status_code == 200
+    # the scheme is case-insensitive (RFC 9110), the key is not
+    assert send({"authorization": f"bearer {KEY}"}).status_code == 200
+    assert send({"authorization": f"BEARER  {KEY}"}).status_code == 200
+    assert send({"authorization": f"bearer {KEY.upper()}"}).status_code == 401
 
 
 def test_api_key_with_openai_client(server):
@@ -125,12 +133,12 @@ def test_api_key_with_openai_client(server):
 
 
 def test_open_paths_need_no_key(server):
-    for path in ("/health", "/metrics", "/version", "/docs"):
+    for path in ("/health", "/metrics", "/version"):
         assert httpx.get(f"{server.base_url}{path}").status_code == 200, path
 
 
 def test_openapi_documents_400_not_422(server):
-    schema = httpx.get(f"{server.base_url}/openapi.json").json()
+    schema = httpx.get(f"{server.base_url}/openapi.json", headers=AUTH).json()
     responses = schema["paths"]["/v1/completions"]["post"]["responses"]
     assert "422" not in responses and "400" in responses
     assert "422" not in json.dumps(schema["paths"])

@@ -17,6 +17,7 @@ import msgspec
 from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import ServerArgs
+from lightllm.server.http.edge import ON_FINISH, REQUEST_SCOPE
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.http.metrics import Metrics
 from lightllm.server.model_info import ModelInfo
@@ -26,6 +27,8 @@ from lightllm.server.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 # what a 429 tells the client to wait before retrying, seconds
 RETRY_AFTER_S = 1
+# scope key: the sequences a request holds room for
+CLAIMED = "lightllm.claimed_sequences"
 
 
 class ClientDisconnected(Exception):
@@ -78,6 +81,10 @@ class Frontend:
         # tokenizing and template rendering run here, off the event loop (None: inline, for tests of pure logic)
         self.pool = pool
         self.max_prompt_chars = tokenizer.max_chars(args.max_req_total_len)
+        # sequences that HTTP requests hold room for, from their capacity check until their response is over (a
+        # stream's sequences are submitted only once its response starts: counting submissions would let every
+        # concurrent stream pass the check)
+        self.num_claimed = 0
 
     def check_engine(self) -> None:
         if not self.engine_alive():
@@ -144,21 +151,34 @@ class Frontend:
             return 0
 
     def check_capacity(self, num_seqs: int, param: str) -> None:
-        """Refuse a request asking for too many sequences (400) or arriving when the wait queue is full (429)."""
+        """Refuse a request asking for too many sequences (400) or arriving when the wait queue is full (429).
+        The room is held for the HTTP request being served until its response is over (checking again holds no
+        more)."""
         cap = self.args.max_sequences_per_request
         if num_seqs > cap:
             raise ApiError(
                 400, f"this request asks for {num_seqs} sequences (prompts x n); at most {cap} are allowed", param
             )
         limit = self.args.max_running_requests + self.args.max_queue_len
-        if self.client.num_in_flight + num_seqs > limit:
+        scope = REQUEST_SCOPE.get()
+        held = scope.get(CLAIMED, 0) if scope is not None else 0
+        in_flight = max(self.client.num_in_flight, self.num_claimed)
+        if in_flight - held + num_seqs > limit:
             raise ApiError(
                 429,
-                f"the server is at capacity ({self.client.num_in_flight} sequences in flight, room for {limit}); "
+                f"the server is at capacity ({in_flight} sequences in flight, room for {limit}); "
                 f"retry in {RETRY_AFTER_S} s",
                 kind="rate_limit_error",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        if scope is not None and num_seqs > held:
+            if not held:
+                scope.setdefault(ON_FINISH, []).append(lambda: self._unclaim(scope))
+            self.num_claimed += num_seqs - held
+            scope[CLAIMED] = num_seqs
+
+    def _unclaim(self, scope: dict) -> None:
+        self.num_claimed -= scope.pop(CLAIMED, 0)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
         problem = prompt_problem(ids, params, self.info.vocab_size, self.args.max_req_total_len)
