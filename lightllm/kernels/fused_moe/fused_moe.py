@@ -1,4 +1,4 @@
-"""The fused MoE entry points: routed experts (`fused_experts`) and the whole block (`fused_moe`).
+"""The fused MoE entry point `fused_experts`: the routed experts of one layer plus the combine with the shared expert.
 
 Shapes are host values only (token count, top_k, expert count): no host sync, every buffer sized by the
 worst-case padded layout, so the call runs inside a CUDA graph captured per batch bucket. The torch reference
@@ -14,6 +14,10 @@ from lightllm.kernels.fused_moe.align import align_pairs
 from lightllm.kernels.fused_moe.combine import combine
 from lightllm.kernels.fused_moe.configs import check_config, get_config
 from lightllm.kernels.fused_moe.grouped_gemm import down_weighted, gate_up_swiglu
+
+# tokens per launch sequence: 2048 tokens fill every expert's blocks (~64 rows each at top-8 of 256) while the
+# fp32 per-pair outputs stay ~150 MB at the served widths
+MAX_CHUNK_TOKENS = 2048
 
 
 def fused_experts(
@@ -57,18 +61,35 @@ def fused_experts(
     assert ids.shape == weights.shape == (num_tokens, top_k), f"ids {tuple(ids.shape)} weights {tuple(weights.shape)}"
     assert x.stride(-1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
     out = torch.empty_like(x)
-    if num_tokens == 0:
-        return out
+    if config is not None:
+        check_config(config)
+    # long prefills run in chunks: the per-pair buffers (fp32 [T * k, H]) stay bounded whatever the token count
+    for start in range(0, num_tokens, MAX_CHUNK_TOKENS):
+        rows = slice(start, min(start + MAX_CHUNK_TOKENS, num_tokens))
+        _experts_chunk(
+            x[rows], gate_up, down, weights[rows], ids[rows],
+            None if shared is None else shared[rows],
+            None if shared_gate_logit is None else shared_gate_logit[rows],
+            config, (gate_up_scale, down_scale, block) if fp8 else None, out[rows],
+        )  # fmt: skip
+    return out
+
+
+def _experts_chunk(x, gate_up, down, weights, ids, shared, shared_gate_logit, config, fp8, out) -> None:
+    """`fused_experts` on at most MAX_CHUNK_TOKENS tokens, written into `out` (a row slice of the result);
+    `fp8`: (gate_up_scale, down_scale, block) for block-FP8 experts, else None."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = gate_up.shape
+    top_k = ids.shape[1]
     if config is None:
         config = get_config(num_tokens, num_experts, two_i // 2, hidden, top_k, x.dtype, x.device)
-    else:
-        check_config(config)
     blocks = align_pairs(ids, num_experts, config["BLOCK_M"])
     num_pairs = num_tokens * top_k
     act = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
     pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
-    if fp8:
+    if fp8 is not None:
+        gate_up_scale, down_scale, block = fp8
         x_q, x_scale = quantize_activation_groups(x, block[1], backend="triton")
         gate_up_swiglu(x_q, gate_up, blocks, top_k, config["gate_up"], act, x_scale, gate_up_scale, block)
         act_q, act_scale = quantize_activation_groups(act, block[1], backend="triton")
@@ -76,4 +97,4 @@ def fused_experts(
     else:
         gate_up_swiglu(x, gate_up, blocks, top_k, config["gate_up"], act)
         down_weighted(act, down, flat_weights, blocks, top_k, config["down"], pair_out)
-    return combine(pair_out.view(num_tokens, top_k, hidden), out, shared, shared_gate_logit)
+    combine(pair_out.view(num_tokens, top_k, hidden), out, shared, shared_gate_logit)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.kernels.fused_moe import fused_experts, heuristic_config, softmax_topk
+from lightllm.kernels.fused_moe import fused_moe as fused_moe_module
 from lightllm.kernels.fused_moe.align import align_pairs, max_blocks
 from lightllm.models.layers.moe import run_experts
 from unit_tests.helpers.asserts import assert_rel_close, relative_error
@@ -96,6 +97,22 @@ def test_shared_expert_is_added_in_the_combine(gated):
     shared = torch.randn(num_tokens, hidden, generator=gen)
     gate = torch.randn(num_tokens, 1, generator=gen) if gated else None
     check(x, gate_up, down, weights, ids, shared=shared, shared_gate_logit=gate)
+
+
+def test_long_inputs_run_in_chunks(monkeypatch):
+    """37 tokens in chunks of 16 (the last one partial), each chunk with its own layout and its own rows of the
+    shared expert and gate: the same result as one launch sequence."""
+    monkeypatch.setattr(fused_moe_module, "MAX_CHUNK_TOKENS", 16)
+    chunks = []
+    real_align = fused_moe_module.align_pairs
+    monkeypatch.setattr(fused_moe_module, "align_pairs", lambda ids, *a: chunks.append(len(ids)) or real_align(ids, *a))
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(37, 24, generator=gen)
+    gate_up, down = experts(5, 24, 16, seed=23, dtype=torch.float32)
+    weights, ids = routed(37, 5, 2, seed=24)
+    shared, gate = torch.randn(37, 24, generator=gen), torch.randn(37, 1, generator=gen)
+    check(x, gate_up, down, weights, ids, shared=shared, shared_gate_logit=gate)
+    assert chunks == [16, 16, 5]
 
 
 def test_heuristic_config_and_deterministic_bits():
