@@ -145,9 +145,9 @@ class ServerArgs:
         ("auto", "none", "qwen3_json", "qwen3_xml", "kimi"),
     )
     reasoning_parser: str = _flag(
-        "auto",
+        "none",
         "how reasoning is split from the answer into reasoning_content: think (<think>...</think>), none (left in "
-        "the content), auto (think for every supported model family)",
+        "the content; what clients that read only content expect), auto (think for every supported model family)",
         ("auto", "none", "think"),
     )
     enable_docs: bool = _flag(False, "serve the OpenAPI schema and the /docs and /redoc pages", type=bool)
