@@ -66,13 +66,19 @@ def check_config(config: dict) -> dict:
 
 def heuristic_config(num_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype) -> dict:
     """Blocks sized to the expected rows per expert (decode batches give few rows: BLOCK_M 16 wastes least
-    padding) and clamped to the matrix dims; fp32 halves BLOCK_K to keep the same shared-memory bytes."""
+    padding), column tiles narrowed when few blocks are busy, all clamped to the matrix dims; fp32 halves BLOCK_K
+    to keep the same shared-memory bytes."""
     rows_per_expert = num_tokens * top_k / num_experts
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64
     block_k = 64 if dtype == torch.float32 else 128
 
+    # at most this many experts get rows, so at most this many blocks do work
+    busy_blocks = min(num_experts, num_tokens * top_k)
+
     def tile(n: int, k: int) -> dict:
-        bn = min(64, max(16, triton.next_power_of_2(n)))
+        # decode batches have few busy blocks: narrower column tiles give more programs to stream the weights
+        bn = 64 if busy_blocks * triton.cdiv(n, 64) >= 512 else 32
+        bn = min(bn, max(16, triton.next_power_of_2(n)))
         bk = min(block_k, max(16, triton.next_power_of_2(k)))
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3 if block_m <= 32 else 2}
 
