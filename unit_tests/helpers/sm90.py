@@ -50,11 +50,12 @@ class Allocation:
         return f"{self.registers} | {self.spill_store_bytes}"
 
 
-def lower_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1):
+def lower_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1, types: dict | None = None):
     """Triton's compiled kernel (`.asm["ttgir"]`, `.asm["ptx"]`) of `jit_fn` (a `@triton.jit` function,
-    heuristics wrappers included) with `constexprs`; every other argument typed from its name: the tuples of
-    `TUPLES` / `KERNEL_TUPLES`, `stride_*` int64, the names in `SCALARS` fp32, int32 pointers for per-slot scalars,
-    bf16 pointers for activations, fp32 pointers otherwise."""
+    heuristics wrappers included) with `constexprs`; every other argument typed by `types` (name -> Triton type,
+    e.g. "*bf16", "i32") or else from its name: the tuples of `TUPLES` / `KERNEL_TUPLES`, `stride_*` int64, the
+    names in `SCALARS` fp32, int32 pointers for per-slot scalars, bf16 pointers for activations, fp32 pointers
+    otherwise."""
     while not hasattr(jit_fn, "params"):  # `@triton.heuristics` wraps the JIT function
         jit_fn = jit_fn.fn
     names = jit_fn.arg_names
@@ -63,6 +64,8 @@ def lower_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1):
     for i, name in enumerate(names):
         if name in constexprs:
             sig[name], consts[(i,)] = "constexpr", constexprs[name]
+        elif types and name in types:
+            sig[name] = types[name]
         elif name in tuples:
             sig[name] = tuples[name]
         elif name.startswith("stride"):
@@ -112,9 +115,11 @@ def allocation(ptx: str) -> Allocation:
     return Allocation(regs, spill)
 
 
-def compile_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1) -> Allocation:
+def compile_sm90(
+    jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1, types: dict | None = None
+) -> Allocation:
     """Registers and spills of `jit_fn` on sm_90 (arguments as for `lower_sm90`)."""
-    return allocation(lower_sm90(jit_fn, constexprs, num_warps, num_stages).asm["ptx"])
+    return allocation(lower_sm90(jit_fn, constexprs, num_warps, num_stages, types).asm["ptx"])
 
 
 _SOURCE = re.compile(r'//## File "([^"]+)", line (\d+)')

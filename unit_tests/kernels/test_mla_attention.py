@@ -144,8 +144,9 @@ def test_split_count_depends_on_the_bound_not_the_lengths(monkeypatch):
 
     monkeypatch.setattr(attention_splits, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    # Kimi TP1: 32 heads in two blocks of 16; batch 64 fills 128 programs -> 2 splits
-    assert launch_splits(32, 64, 1, 32768, cuda) == 2
+    # Kimi TP1: 32 heads in one block; batch 64 makes 64 programs -> 4 splits (about two waves of 132 SMs)
+    assert launch_splits(32, 64, 1, 32768, cuda) == 4
+    assert launch_splits(32, 64, 1, 100, cuda) == 2  # short bound: at least two 32-key blocks per split
     assert launch_splits(32, 1, 1, 32768, cuda) == attention_splits.MAX_SPLITS
     assert launch_splits(32, 256, 1, 32768, cuda) == 1
     assert launch_splits(32, 64, 1, 32768, torch.device("cpu")) == 1
@@ -154,4 +155,5 @@ def test_split_count_depends_on_the_bound_not_the_lengths(monkeypatch):
 def test_warmup_launches_every_variant():
     launches = warmup_mla_attention(4, 16, 8, torch.float32, "cpu")
     assert launches == 2 * len(tile_query_lengths(4))
-    assert tile_query_lengths(32, MLATile()) == [1, 2]
+    assert tile_query_lengths(32, MLATile()) == [1]
+    assert tile_query_lengths(4, MLATile()) == [1, 2, 4, 8]

@@ -1,0 +1,60 @@
+"""Compile the MLA latent kernel and the split combine kernel for sm_90 at Kimi-Linear's shapes with the launch
+shapes the wrapper picks on CUDA; print one row per variant, exit 1 on a failure or a register spill.
+
+    python -m unit_tests.helpers.mla_sm90_lowering
+
+Run without `TRITON_INTERPRET` (the interpreter replaces the JIT functions this compiles); the test
+`unit_tests/kernels/test_mla_lowering.py` runs it in a clean subprocess.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import triton
+
+from lightllm.kernels.attention_splits import MAX_SPLITS, paged_attention_combine_kernel
+from lightllm.kernels.mla_attention import MLATile, _tile, mla_attention_kernel, tile_query_lengths
+from unit_tests.helpers.sm90 import compile_sm90
+
+# heads per rank (Kimi-Linear TP1, TP2), latent rank, rope dims
+SHAPES = {"kimi-linear-tp1": (32, 512, 64), "kimi-linear-tp2": (16, 512, 64)}
+TYPES = {"q": "*bf16", "latent": "*bf16", "o": "*bf16", "o_part": "*fp32", "ml_part": "*fp32", "slot_table": "*i64",
+         "table_rows": "*i64", "query_start": "*i32", "query_len": "*i32", "num_cached": "*i32", "qk_scale": "fp32",
+         "num_tokens": "i32", "num_heads": "i32", "num_splits": "i32"}  # fmt: skip
+
+
+def cases(heads: int, rank: int, rope: int, tile: MLATile = MLATile()) -> list[tuple[str, object, dict, int, int]]:
+    """(label, kernel, constexprs, warps, stages) of every variant a layer at this shape launches."""
+    out = []
+    for query_len in tile_query_lengths(heads, tile):
+        bh, bt, bm = _tile(heads, query_len, tile)
+        for split in (False, True):
+            c = dict(C=rank, R=rope, BH=bh, BT=bt, BM=bm, BN=tile.block_keys, BC=triton.next_power_of_2(rank),
+                     BR=max(16, triton.next_power_of_2(rope)), DOT_PRECISION="tf32", SPLIT=split,
+                     HAS_TABLE_ROWS=True)  # fmt: skip
+            label = f"mla_attention BH={bh} BT={bt} split={split}"
+            out.append((label, mla_attention_kernel, c, tile.num_warps, tile.num_stages))
+    combine = dict(SP=MAX_SPLITS, DV=rank, BV=triton.next_power_of_2(rank))
+    out.append(("combine", paged_attention_combine_kernel, combine, 4, 1))
+    return out
+
+
+def main() -> int:
+    failures = 0
+    print("| shape | kernel | warps | registers | spill store bytes |\n|---|---|---|---|---|")
+    for name, shape in SHAPES.items():
+        for label, kernel, constexprs, warps, stages in cases(*shape):
+            try:
+                alloc = compile_sm90(kernel, constexprs, warps, stages, TYPES)
+                print(f"| {name} | {label} | {warps} | {alloc} |", flush=True)
+                failures += alloc.spill_store_bytes != 0
+            except Exception:
+                failures += 1
+                print(f"| {name} | {label} | {warps} | FAILED | |\n{traceback.format_exc()}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
