@@ -13,7 +13,8 @@ import signal
 import sys
 
 from lightllm.server.args import ServerArgs, load_server_args
-from lightllm.server.launcher import EngineStartError, start_engine
+from lightllm.server.dp.replicas import start_engines
+from lightllm.server.launcher import EngineStartError
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 
@@ -30,7 +31,7 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
     from lightllm.server.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(info)
-    engine = start_engine(args, info, runner_factory)
+    engine = start_engines(args, info, runner_factory)
     logger.info("engine ready: %s", engine.capacity_report)
     engine_died = False
     server = None

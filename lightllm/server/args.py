@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from lightllm.linear_att import REPLAY_CAPACITIES
+from lightllm.server.dp.balancer import BALANCERS
 from lightllm.server.model_info import ModelInfo, read_model_info
 
 # the demo checkpoint served without --model_dir: it has an MTP head, so every speculation mode works
@@ -36,6 +37,19 @@ class ServerArgs:
     host: str = _flag("127.0.0.1", "HTTP listen address", type=str)
     port: int = _flag(8000, "HTTP listen port", type=int)
     tp: int = _flag(1, "tensor-parallel ranks: one engine process per GPU (head counts must divide)", type=int)
+    dp: int = _flag(
+        1,
+        "data-parallel replicas: independent engines behind this server, one request on one replica for its life "
+        "(on a GPU the replicas share it, each with 1/N of --mem_fraction)",
+        type=int,
+    )
+    dp_balancer: str = _flag(
+        "cache_aware",
+        "which replica takes a request: cache_aware (the one that took the longest prefix of it, in blocks of "
+        "--prefix_cache_checkpoint_interval tokens, unless it is much busier than the least loaded one), "
+        "least_loaded, round_robin",
+        BALANCERS,
+    )
     run_mode: str = _flag(
         "normal",
         "process role: normal, or prefill/decode disaggregation's pd_master (HTTP front), prefill or decode node",
@@ -306,6 +320,13 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
         problem = tp_size_problem(load_model_config(info.model_dir), args.tp)
         if problem is not None:
             raise ValueError(problem)
+    if args.dp < 1:
+        raise ValueError(f"--dp must be at least 1, got {args.dp}")
+    if args.dp > 1 and args.run_mode != "normal":
+        raise ValueError(
+            f"--dp {args.dp} puts replicas behind one API server (--run_mode normal); for prefill/decode "
+            "disaggregation start one node per replica instead"
+        )
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     positive = (

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from lightllm.server.args import ServerArgs
 from lightllm.server.engine_process import engine_main
+from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 
@@ -20,17 +21,37 @@ class EngineStartError(RuntimeError):
     pass
 
 
+class EngineEndpoint:
+    """What the HTTP front-end needs of whatever stands where the engine process stands (an engine process, the
+    PD master's router): its zmq addresses, liveness, its process's exit, and /health's body."""
+
+    input_addr: str
+    output_addr: str
+    process: mp.Process
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def connect(self, args: ServerArgs) -> EngineClient:
+        """The HTTP process's client of this engine (call on the event loop that will use it)."""
+        return EngineClient(self.input_addr, self.output_addr)
+
+    def health(self) -> dict:
+        """/health's body while the engine is alive."""
+        return {"status": "ok"}
+
+    def exit_description(self) -> str:
+        return f"exit code {self.process.exitcode}"
+
+
 @dataclass
-class EngineHandle:
+class EngineHandle(EngineEndpoint):
     process: mp.Process
     # front-end → engine and engine → front-end zmq addresses
     input_addr: str
     output_addr: str
     capacity_report: str
     socket_dir: str
-
-    def is_alive(self) -> bool:
-        return self.process.is_alive()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process.is_alive():

@@ -10,8 +10,8 @@ import time
 import uvicorn
 
 from lightllm.server.args import load_server_args
+from lightllm.server.dp.replicas import start_engines
 from lightllm.server.http.app import create_app
-from lightllm.server.launcher import start_engine
 from lightllm.server.tokenizer import Tokenizer
 
 FAKE_RUNNER = "unit_tests.engine.fake_runner:create_fake_runner"
@@ -29,7 +29,7 @@ class LiveServer:
         os.environ["OMP_NUM_THREADS"] = "1"
         self.args, self.info = load_server_args([], **flags)
         self.tokenizer = Tokenizer(self.info)
-        self.engine = start_engine(self.args, self.info, runner_factory)
+        self.engine = start_engines(self.args, self.info, runner_factory)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

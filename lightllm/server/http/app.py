@@ -60,8 +60,8 @@ async def _watch_engine(engine: EngineHandle, client: EngineClient, on_exit: Cal
     while engine.is_alive():
         await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
     logger.error(
-        "the engine process exited (exit code %s); failing %d sequences in flight",
-        engine.process.exitcode,
+        "the engine exited (%s); failing %d sequences in flight",
+        engine.exit_description(),
         client.num_in_flight,
     )
     client.fail_all("the engine process exited")
@@ -127,7 +127,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = EngineClient(engine.input_addr, engine.output_addr)
+        client = engine.connect(args)
         metrics = Metrics(lambda: client.stats)
         client.observers.append(metrics.on_output)
         client.start()
@@ -181,7 +181,7 @@ def create_app(
     async def health():
         if not engine.is_alive():
             return JSONResponse({"status": "engine process is not running"}, status_code=503)
-        return {"status": "ok"}
+        return engine.health()
 
     @app.get("/metrics")
     async def metrics():

@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from lightllm.engine.messages import Abort, EngineInput, EngineOutput, EngineStats, Finished, NewRequest, TokenChunk
+from lightllm.server.launcher import EngineEndpoint
 from lightllm.server.pd.header import TransferHeader, header_mismatch
 from lightllm.server.pd.messages import PdPrefill
 
@@ -68,7 +69,7 @@ class _ThreadProcess:
     exitcode = None
 
 
-class PdRouter:
+class PdRouter(EngineEndpoint):
     def __init__(self, input_addr: str, output_addr: str, node_timeout_s: float, queue_timeout_s: float):
         self.input_addr, self.output_addr = input_addr, output_addr
         self.node_timeout_s = node_timeout_s

@@ -1,0 +1,218 @@
+"""Data parallelism (`--dp N`): N engine replicas behind one API server, one request on one replica for its life.
+
+`start_replicas` starts N engine processes from the same flags (on a GPU they share it: each gets 1/N of
+`--mem_fraction`); `ReplicaClient` is the HTTP process's client of all of them, with the interface of one
+`EngineClient`: `submit` asks the balancer for a replica, `abort` and `release` follow the request to its
+replica. A replica whose process dies fails only its own requests (its in-flight ones at once, with an error
+naming the replica); the others keep serving and the balancer stops choosing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import msgspec
+
+from lightllm.engine.messages import EngineStats, Finished, NewRequest
+from lightllm.server.args import ServerArgs
+from lightllm.server.dp.balancer import NoReplicaAlive, create_balancer
+from lightllm.server.http.engine_client import EngineClient
+from lightllm.server.launcher import EngineHandle, start_engine
+from lightllm.server.model_info import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+# seconds between checks of the replicas' processes
+REPLICA_CHECK_INTERVAL_S = 0.5
+
+
+def replica_args(args: ServerArgs) -> ServerArgs:
+    """One replica's flags: the same model and limits; on a GPU the replicas split the memory share."""
+    if args.device == "cuda" and args.max_total_token_num is None:
+        return dataclasses.replace(args, mem_fraction=args.mem_fraction / args.dp)
+    return args
+
+
+def start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> EngineHandle | ReplicaSet:
+    """The engine the API server talks to: one engine process, or with `--dp N` a set of N replicas."""
+    if args.dp == 1:
+        return start_engine(args, info, runner_factory)
+    return ReplicaSet(start_replicas(args, info, runner_factory))
+
+
+def start_replicas(args: ServerArgs, info: ModelInfo, runner_factory: str) -> list[EngineHandle]:
+    """Start `args.dp` engine processes one after another (a start-up failure stops those already started)."""
+    handles: list[EngineHandle] = []
+    try:
+        for _ in range(args.dp):
+            handles.append(start_engine(replica_args(args), info, runner_factory))
+    except BaseException:
+        for handle in handles:
+            handle.stop()
+        raise
+    return handles
+
+
+class ReplicaSet:
+    """The replicas' processes, seen by the app as one engine: alive while any replica is."""
+
+    def __init__(self, handles: list[EngineHandle]):
+        self.handles = handles
+
+    @property
+    def capacity_report(self) -> str:
+        return f"{len(self.handles)} data-parallel replicas, each {self.handles[0].capacity_report}"
+
+    def is_alive(self) -> bool:
+        return any(h.is_alive() for h in self.handles)
+
+    def num_alive(self) -> int:
+        return sum(h.is_alive() for h in self.handles)
+
+    def connect(self, args: ServerArgs) -> ReplicaClient:
+        return ReplicaClient(self, args.dp_balancer, args.prefix_cache_checkpoint_interval)
+
+    def health(self) -> dict:
+        """/health's body while any replica is alive: "degraded" when some are not."""
+        alive = self.num_alive()
+        status = "ok" if alive == len(self.handles) else "degraded"
+        return {"status": status, "replicas": len(self.handles), "replicas_alive": alive}
+
+    def exit_description(self) -> str:
+        return "every replica exited: " + ", ".join(h.exit_description() for h in self.handles)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for handle in self.handles:
+            handle.stop(timeout_s)
+
+
+def _summed(parts: list[EngineStats]) -> EngineStats:
+    """One snapshot for the whole server: counters and gauges summed over replicas (histograms element-wise)."""
+    total = EngineStats()
+    for part in parts:
+        for field in msgspec.structs.fields(EngineStats):
+            mine, theirs = getattr(total, field.name), getattr(part, field.name)
+            if isinstance(theirs, int) and not isinstance(theirs, bool):
+                setattr(total, field.name, (mine or 0) + theirs)
+            elif isinstance(theirs, list):
+                merged = [a + b for a, b in zip(mine, theirs)] + mine[len(theirs) :] + theirs[len(mine) :]
+                setattr(total, field.name, merged)
+            elif isinstance(theirs, dict):
+                setattr(total, field.name, {k: mine.get(k, 0) + theirs.get(k, 0) for k in {*mine, *theirs}})
+    return total
+
+
+class ReplicaClient:
+    """`EngineClient`'s interface over every replica (see the module docstring)."""
+
+    def __init__(self, replicas: ReplicaSet, balancer: str, block_tokens: int):
+        self.replicas = replicas
+        self.clients = [EngineClient(h.input_addr, h.output_addr) for h in replicas.handles]
+        self.balancer = create_balancer(balancer, block_tokens)
+        self.alive = [True] * len(self.clients)
+        # request id -> its replica, from submit until it finishes or is released
+        self._replica_of: dict[str, int] = {}
+        # routing decisions per replica (metrics)
+        self.num_routed = [0] * len(self.clients)
+        self.observers: list = []
+        for i, client in enumerate(self.clients):
+            client.observers.append(self._observer(i))
+        self._watch: asyncio.Task | None = None
+
+    def _observer(self, replica: int):
+        def observe(out) -> None:
+            if isinstance(out, Finished):
+                self._replica_of.pop(out.req_id, None)
+            for observe_all in self.observers:
+                observe_all(out)
+
+        return observe
+
+    def start(self) -> None:
+        for client in self.clients:
+            client.start()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_replicas())
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        for client in self.clients:
+            await client.close()
+
+    @property
+    def stats(self) -> EngineStats:
+        return _summed([c.stats for c, up in zip(self.clients, self.alive) if up])
+
+    def replica_stats(self) -> list[dict]:
+        """Per replica: alive, routed requests, sequences in flight, and its engine's last snapshot."""
+        return [
+            {
+                "replica": i,
+                "alive": up,
+                "num_routed": routed,
+                "num_in_flight": client.num_in_flight,
+                "stats": msgspec.to_builtins(client.stats),
+            }
+            for i, (client, up, routed) in enumerate(zip(self.clients, self.alive, self.num_routed))
+        ]
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(c.num_in_flight for c in self.clients)
+
+    def loads(self) -> list[int]:
+        return [c.num_in_flight for c in self.clients]
+
+    async def submit(self, req: NewRequest, queue: asyncio.Queue) -> None:
+        try:
+            replica = self.balancer.choose(req.prompt_ids, self.loads(), self.alive)
+        except NoReplicaAlive:
+            queue.put_nowait(Finished(req.req_id, "error", error="no data-parallel replica is running"))
+            return
+        self._replica_of[req.req_id] = replica
+        self.num_routed[replica] += 1
+        await self.clients[replica].submit(req, queue)
+
+    def abort(self, req_id: str) -> None:
+        replica = self._replica_of.get(req_id)
+        if replica is not None:
+            self.clients[replica].abort(req_id)
+
+    def release(self, req_id: str) -> None:
+        replica = self._replica_of.pop(req_id, None)
+        if replica is not None:
+            self.clients[replica].release(req_id)
+
+    def fail_all(self, error: str) -> None:
+        for client in self.clients:
+            client.fail_all(error)
+        self._replica_of.clear()
+
+    def replica_exited(self, replica: int) -> None:
+        """Fail the requests of a replica whose process died; the others go on."""
+        if not self.alive[replica]:
+            return
+        self.alive[replica] = False
+        client = self.clients[replica]
+        logger.error(
+            "data-parallel replica %d exited (exit code %s); failing its %d sequences in flight, %d replicas left",
+            replica,
+            self.replicas.handles[replica].process.exitcode,
+            client.num_in_flight,
+            sum(self.alive),
+        )
+        client.fail_all(f"data-parallel replica {replica} exited")
+        self._replica_of = {r: i for r, i in self._replica_of.items() if i != replica}
+        self.balancer.forget_replica(replica)
+
+    async def _watch_replicas(self) -> None:
+        while True:
+            for i, handle in enumerate(self.replicas.handles):
+                if self.alive[i] and not handle.is_alive():
+                    self.replica_exited(i)
+                elif not self.alive[i]:
+                    # a request routed just before the death must not wait forever
+                    self.clients[i].fail_all(f"data-parallel replica {i} exited")
+            await asyncio.sleep(REPLICA_CHECK_INTERVAL_S)

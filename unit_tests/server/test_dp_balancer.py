@@ -1,0 +1,121 @@
+"""Data-parallel balancers: exact replica choices for given prompts, loads and liveness."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightllm.server.dp.balancer import (
+    CacheAwareBalancer,
+    LeastLoadedBalancer,
+    NoReplicaAlive,
+    RoundRobinBalancer,
+    create_balancer,
+    prefix_block_keys,
+)
+
+BLOCK = 4
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def test_round_robin_cycles_over_alive_replicas():
+    b = RoundRobinBalancer()
+    alive = [True, True, True]
+    assert [b.choose([], [0, 0, 0], alive) for _ in range(4)] == [0, 1, 2, 0]
+    alive[2] = False
+    assert [b.choose([], [0, 0, 0], alive) for _ in range(3)] == [1, 0, 1]
+
+
+def test_least_loaded_takes_the_lowest_index_among_equals():
+    b = LeastLoadedBalancer()
+    assert b.choose([], [3, 1, 1], [True] * 3) == 1
+    assert b.choose([], [3, 1, 0], [True, True, False]) == 1
+
+
+def test_no_alive_replica_is_refused():
+    with pytest.raises(NoReplicaAlive):
+        LeastLoadedBalancer().choose([], [0, 0], [False, False])
+
+
+def test_block_keys_name_whole_blocks_and_differ_for_different_prefixes():
+    a = _prompt(1, 10)
+    keys = prefix_block_keys(a, BLOCK)
+    assert len(keys) == 2
+    assert prefix_block_keys(a[:8] + [7, 7, 7], BLOCK) == keys
+    b = list(a)
+    b[5] += 1
+    other = prefix_block_keys(b, BLOCK)
+    assert other[0] == keys[0] and other[1] != keys[1]
+
+
+def test_keys_carry_the_length_and_fixed_width_tokens():
+    """A key names exactly one token sequence: the same 8 tokens give one key whatever the block size; token
+    boundaries cannot be shifted (fixed-width encoding), and lengths differ between keys."""
+    a = _prompt(2, 8)
+    assert prefix_block_keys(a, BLOCK)[1] == prefix_block_keys(a, 2 * BLOCK)[0]
+    assert prefix_block_keys([0x0102, 0x03, 5, 6], BLOCK) != prefix_block_keys([0x01, 0x0203, 5, 6], BLOCK)
+    assert {k[:8] for k in prefix_block_keys(a, 2)} == {n.to_bytes(8, "little") for n in (2, 4, 6, 8)}
+
+
+def test_cache_aware_follows_the_longest_prefix_and_falls_back_to_least_loaded():
+    b = CacheAwareBalancer(BLOCK)
+    alive = [True, True, True]
+    system = _prompt(3, 8)
+    # nobody has seen it: the least loaded replica
+    assert b.choose(system + [1, 2], [2, 0, 1], alive) == 1
+    # the next turn carries the same prefix: replica 1 again, although replica 2 is now less loaded
+    assert b.choose(system + [1, 2, 3, 4, 5], [2, 1, 0], alive) == 1
+    # a different prompt goes to the least loaded
+    assert b.choose(_prompt(4, 9), [2, 1, 0], alive) == 2
+    # a prompt shorter than one block has no prefix to follow
+    assert b.choose([1, 2, 3], [0, 5, 5], alive) == 0
+
+
+def test_cache_aware_leaves_a_replica_much_busier_than_the_least_loaded():
+    b = CacheAwareBalancer(BLOCK)
+    alive = [True, True]
+    prompt = _prompt(5, 12)
+    assert b.choose(prompt, [0, 0], alive) == 0
+    # 4 more than the least loaded (0) is within the slack: stays
+    assert b.choose(prompt, [4, 0], alive) == 0
+    # 5 more: too busy, the least loaded takes it and the prefix moves there
+    assert b.choose(prompt, [5, 0], alive) == 1
+    assert b.choose(prompt, [5, 3], alive) == 1
+    # with both busy the ratio decides: 15 <= 1.5 * 10 stays, 16 does not
+    assert b.choose(prompt, [10, 15], alive) == 1
+    assert b.choose(prompt, [10, 16], alive) == 0
+
+
+def test_cache_aware_skips_a_dead_owner_and_forgets_it():
+    b = CacheAwareBalancer(BLOCK)
+    prompt = _prompt(6, 8)
+    assert b.choose(prompt, [0, 1], [True, True]) == 0
+    assert b.choose(prompt, [0, 1], [False, True]) == 1
+    b.forget_replica(1)
+    assert b.choose(prompt, [1, 0], [True, True]) == 1
+
+
+def test_cache_aware_memory_is_bounded_least_recent_first():
+    b = CacheAwareBalancer(BLOCK, max_blocks=2)
+    first, second = _prompt(7, 4), _prompt(8, 8)
+    assert b.choose(first, [0, 0], [True, True]) == 0
+    # two more blocks: the first prompt's block is forgotten
+    assert b.choose(second, [1, 0], [True, True]) == 1
+    assert b.choose(first, [1, 0], [True, True]) == 1
+
+
+def test_teeth_a_balancer_without_memory_loses_the_conversation():
+    """The cache-aware choice above is not what load alone gives."""
+    system = _prompt(3, 8)
+    assert LeastLoadedBalancer().choose(system + [1, 2, 3, 4, 5], [2, 1, 0], [True] * 3) == 2
+
+
+def test_create_balancer_names():
+    assert isinstance(create_balancer("cache_aware", 16), CacheAwareBalancer)
+    with pytest.raises(ValueError, match="unknown data-parallel balancer"):
+        create_balancer("random", 16)
