@@ -1,14 +1,15 @@
 """Offline API: the same engine, in this process, without HTTP.
 
 from lightllm import LLM, SamplingParams
-llm = LLM("path/to/checkpoint", ssm_state_mode="replay", mtp_step=2)
-outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+with LLM("path/to/checkpoint", ssm_state_mode="replay", mtp_step=2) as llm:
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 outs[0].outputs[0].text
 """
 
 from __future__ import annotations
 
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 import msgspec
@@ -17,6 +18,7 @@ from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine, quiet_garbage_collector
+from lightllm.server.llm_lifecycle import GcSettings, release_engine
 from lightllm.server.output import PromptLogprobs, SequenceOutput, prompt_problem
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.server.tokenizer import Tokenizer
@@ -47,15 +49,38 @@ class RequestOutput:
 
 class LLM:
     """`LLM(model_dir=None, **flags)`: every server flag is accepted under its name (see docs/server_args.md);
-    without a model_dir the tiny demo checkpoint is used. `runner_factory` swaps the model runner (tests)."""
+    without a model_dir the tiny demo checkpoint is used. `runner_factory` swaps the model runner (tests).
+
+    `close()` (or leaving a `with LLM(...) as llm:` block, or the object being garbage-collected, or the
+    interpreter exiting) releases the engine: device memory, CUDA graphs, and with `tp > 1` the follower
+    processes and the process group. Another `LLM` can then start in the same process."""
 
     def __init__(self, model_dir: str | None = None, *, runner_factory: str = DEFAULT_RUNNER_FACTORY, **flags):
         self.args, self.info = load_server_args([], model_dir=model_dir, **flags)
         self.tokenizer = Tokenizer(self.info)
+        gc_settings = GcSettings()
         self.engine = build_engine(self.args, self.info, runner_factory)
+        # runs once: at close(), when this object is collected, or at interpreter exit (before torch tears down)
+        self._release = weakref.finalize(self, release_engine, self.engine, gc_settings)
         # token chunks of unfinished sequences whose text is built at finish (see `_absorb`)
         self._buffered: dict[str, list[TokenChunk]] = {}
         quiet_garbage_collector()
+
+    def close(self) -> None:
+        """Release the engine (idempotent); `generate` and `chat` refuse to run afterwards."""
+        self._release()
+        self.engine = None
+        self._buffered.clear()
+
+    @property
+    def closed(self) -> bool:
+        return not self._release.alive
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def generate(
         self, prompts: str | list[str] | list[int] | list[list[int]], sampling_params: SamplingParams | None = None
@@ -65,6 +90,8 @@ class LLM:
 
     def _generate(self, prompts, sampling_params: SamplingParams | None, checkpoint_hints: list[int] = ()):
         """`generate`; `checkpoint_hints`: prompt positions worth a prefix-cache checkpoint (every prompt)."""
+        if self.closed:
+            raise RuntimeError("this LLM is closed; create a new one")
         params = sampling_params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -118,6 +145,8 @@ class LLM:
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """Render `messages` with the checkpoint's chat template and generate the assistant's reply."""
+        if self.closed:
+            raise RuntimeError("this LLM is closed; create a new one")
         ids = self.tokenizer.encode_chat(messages)
         return self._generate([ids], sampling_params, [self.tokenizer.history_len(messages, ids)])[0]
 

@@ -51,6 +51,8 @@ class RankSetup:
     backend: str
     # CPU ranks: intra-op threads (the machine's cores are shared by all ranks)
     num_threads: int | None = None
+    # rank 0's process id: a follower whose parent is already gone when it starts must not wait for it
+    parent_pid: int = 0
 
 
 def free_port() -> int:
@@ -63,6 +65,9 @@ def join_group(setup: RankSetup) -> object:
     """Join the default process group; returns the gloo control group."""
     import torch.distributed as dist
 
+    # the parent-death signal a follower sets at start is not sent for a parent that died before it was set
+    if setup.parent_pid and os.getppid() != setup.parent_pid:
+        raise RuntimeError(f"tensor-parallel rank 0 (pid {setup.parent_pid}) exited before rank {setup.rank} started")
     if setup.num_threads:
         torch.set_num_threads(setup.num_threads)
     if setup.backend == "nccl":
@@ -111,6 +116,11 @@ class TPGroup:
             raise ValueError(f"a tensor-parallel group needs at least 2 ranks, got {size}")
         if device == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"--tp {size} needs {size} GPUs, {torch.cuda.device_count()} visible")
+        if torch.distributed.is_initialized():
+            raise RuntimeError(
+                "this process already holds a torch.distributed process group (another tensor-parallel engine): "
+                "close that one first (LLM.close(), or `with LLM(...)`)"
+            )
         self.size = size
         self.device = device
         self.on_rank_exit = on_rank_exit or _exit_process
@@ -119,12 +129,19 @@ class TPGroup:
         self.followers: list[subprocess.Popen] = []
         for rank in range(1, size):
             proc = subprocess.Popen([sys.executable, "-m", "lightllm.server.tp_follower"], stdin=subprocess.PIPE)
-            proc.stdin.write(pickle.dumps(RankSetup(rank, size, init, backend, num_threads)))
+            proc.stdin.write(pickle.dumps(RankSetup(rank, size, init, backend, num_threads, os.getpid())))
             proc.stdin.close()
             self.followers.append(proc)
         self._stopping = threading.Event()
-        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
-        self.control = join_group(RankSetup(0, size, init, backend, num_threads))
+        self._watcher = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watcher.start()
+        try:
+            self.control = join_group(RankSetup(0, size, init, backend, num_threads))
+        except BaseException:
+            # the followers would wait for rank 0 until the collective timeout
+            self._stopping.set()
+            self._kill_followers()
+            raise
 
     def send(self, plan: Plan) -> None:
         broadcast_plan(plan, self.control)
@@ -146,8 +163,15 @@ class TPGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _kill_followers(self) -> None:
+        for proc in self.followers:
+            proc.kill()
+            proc.wait()
 
     def _watch(self) -> None:
         while not self._stopping.wait(WATCH_INTERVAL_S):

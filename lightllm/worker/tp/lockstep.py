@@ -229,6 +229,9 @@ def follow(control, build: Callable) -> None:
     while True:
         plan = broadcast_plan(None, control)
         if plan.method == "exit":
+            # leave the group before the interpreter exits: a process group torn down by static destructors at
+            # exit can abort the process ("terminate called without an active exception")
+            torch.distributed.destroy_process_group()
             return
         if plan.method == "build":
             runner = build(*plan.args)

@@ -1,0 +1,43 @@
+"""Releasing what an offline `LLM` holds: its runner (device memory, CUDA graphs) and, with --tp N, the follower
+processes and the process group, so that another `LLM` can start in the same process."""
+
+from __future__ import annotations
+
+import gc
+
+
+class GcSettings:
+    """The collector's thresholds before an engine tuned them (`quiet_garbage_collector`), to put back at close."""
+
+    def __init__(self):
+        self.threshold = gc.get_threshold()
+
+    def restore(self) -> None:
+        gc.set_threshold(*self.threshold)
+
+
+def release_engine(engine, gc_settings: GcSettings) -> None:
+    """Close `engine`'s runner (a tensor-parallel runner stops its followers and leaves the process group), then
+    collect it. The engine's objects were frozen out of the cyclic collector at start-up (`gc.freeze`), and its
+    step loop holds reference cycles, so without unfreezing they would never be freed."""
+    runner = getattr(engine, "runner", None)
+    close = getattr(runner, "close", None)
+    try:
+        if close is not None:
+            close()
+    finally:
+        engine.__dict__.clear()
+        gc.unfreeze()
+        gc_settings.restore()
+        gc.collect()
+        release_device_cache()
+
+
+def release_device_cache() -> None:
+    """Hand the CUDA caching allocator's free blocks back to the driver (nothing to do without CUDA)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
