@@ -41,12 +41,11 @@ class RequestGrammar:
         """Write the masks of window positions 0 .. len(drafts) into `bitmask[first_row:]` (int32 [rows, words]):
         positions before the grammar starts keep theirs (all ones), and after a draft the grammar refuses nothing
         is written (nothing past it can be accepted). The matcher ends where it began."""
-        from llguidance.torch import fill_next_token_bitmask
-
         active, consumed = self.active, 0
         for j in range(len(drafts) + 1):
             if active:
-                fill_next_token_bitmask(self.matcher, bitmask, first_row + j)
+                row = bitmask[first_row + j]
+                self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
             if j == len(drafts):
                 break
             if not active:
@@ -155,13 +154,14 @@ def mask_windows(windows: list[tuple[Request, int, int, list[int]]], logits: tor
 def _fill_parallel(executor, bitmask: torch.Tensor, plain: list[tuple], drafted: list[tuple]) -> None:
     """Masks of many matchers at once on llguidance's thread pool (the GIL released): `plain` (matcher, row)
     one position each, `drafted` (matcher, first row, drafts) a window each, walked and rolled back in the pool.
-    Rows after a draft the grammar refuses are left as they are: nothing past that draft can be accepted."""
-    from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
-
+    Rows after a draft the grammar refuses are left as they are: nothing past that draft can be accepted.
+    (llguidance.torch wraps the same calls but imports torch.compile, seconds of start-up in the engine.)"""
+    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+    row_bytes = bitmask.shape[1] * bitmask.element_size()
     if plain:
-        fill_next_token_bitmask_par(executor, plain, bitmask)
+        executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
     if drafted:
-        fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, bitmask)
+        executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

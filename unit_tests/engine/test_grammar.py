@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightllm.engine.grammar import GrammarBackend, mask_windows, unpack_bitmask
+from lightllm.engine.grammar import GrammarBackend, mask_windows
 from lightllm.engine.request import Request
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.http.structured import json_schema_grammar
@@ -36,13 +36,11 @@ def _request(backend, model_dir, hf, start_token=None) -> Request:
 
 def _reference_mask(backend, model_dir, hf, prefix: list[int]) -> torch.Tensor:
     """Allowed tokens after `prefix`, from a fresh matcher (bool [V])."""
-    from llguidance.torch import fill_next_token_bitmask
-
     fresh = _request(backend, model_dir, hf).grammar.matcher
     assert fresh.consume_tokens(prefix)
-    bits = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
-    fill_next_token_bitmask(fresh, bits, 0)
-    return unpack_bitmask(bits, VOCAB)[0]
+    # one bit per token, little-endian: read without the engine's unpacking
+    raw = fresh.compute_bitmask()
+    return torch.tensor([bool(raw[t // 8] >> (t % 8) & 1) for t in range(VOCAB)])
 
 
 def _masked(req: Request, drafts: list[int], rows_before: int = 2) -> torch.Tensor:

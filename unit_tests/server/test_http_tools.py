@@ -34,12 +34,14 @@ TOOLS = [
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "kimi_linear"])
+@pytest.fixture(scope="module", params=[("qwen3_5", "think"), ("qwen3_next", "none"), ("kimi_linear", "none")])
 def server(request):
     from lightllm.tools.make_tiny_model import tiny_model_dir
 
+    arch, reasoning = request.param
     s = LiveServer(
-        model_dir=str(tiny_model_dir(request.param)),
+        model_dir=str(tiny_model_dir(arch)),
+        reasoning_parser=reasoning,
         device="cpu",
         spec_ngram=3,
         max_running_requests=4,
@@ -169,3 +171,20 @@ def test_tool_choice_none_offers_no_tools(server, client):
     )
     assert out.choices[0].message.tool_calls is None
     assert out.usage.prompt_tokens == _prompt_len(server, [{"role": "user", "content": "hi"}], tools=None)
+
+
+def test_thinking_prompt_leaves_the_reasoning_free(server, client):
+    """The template opened a reasoning block: the forced call's grammar waits for `</think>`, which this model
+    never writes, so the whole output is reasoning (with a reasoning parser) and no call is made."""
+    if server.args.reasoning_parser == "none" or server.info.model_type != "qwen3_5":
+        pytest.skip("needs a template that opens a reasoning block and a reasoning parser")
+    out = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=12,
+    )
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "length" and message.tool_calls is None
+    assert message.reasoning_content and not message.content

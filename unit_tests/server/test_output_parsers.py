@@ -201,3 +201,25 @@ def test_call_split_across_chunks_and_think_mid_chunk(fmt):
     deltas = [t for ch in text for t in parser.feed(ch).tool_calls] + parser.finish().tool_calls
     assert deltas[0].id and deltas[0].name == "get_weather" and not deltas[0].arguments
     assert len(deltas) > 2 and all(d.id is None and d.name is None and d.arguments for d in deltas[1:])
+
+
+@pytest.mark.parametrize("starts_in_reasoning", [False, True])
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_verbatim_reasoning_keeps_the_text(starts_in_reasoning, data):
+    """Reasoning left in content (no reasoning parser) comes back exactly as written, calls aside."""
+    text, cuts = data.draw(outputs("qwen3_json"))
+    parser = OutputParser(ReasoningParser(starts_in_reasoning, verbatim=True), None, reasoning_as_content=True)
+    out = streamed(parser, text, cuts)
+    assert (out.content, out.reasoning, out.tool_calls) == (text, "", [])
+
+
+def test_call_while_thinking_is_not_a_call_with_reasoning_in_content():
+    call = json_call("get_weather", {"city": "X"})
+    text = "maybe " + call + "</think>\n\nNo. " + call
+    parser = OutputParser(
+        ReasoningParser(True, verbatim=True), Qwen3JsonToolParser(fixed_id), reasoning_as_content=True
+    )
+    out = parser.parse(text)
+    assert out.content == "maybe " + call + "</think>\n\nNo. " and out.reasoning == ""
+    assert [c.name for c in out.tool_calls] == ["get_weather"]

@@ -41,7 +41,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class ChatOutput:
-    """How this request's sequences are parsed: which parsers, whether the prompt opened a reasoning block."""
+    """How this request's sequences are parsed: which parsers, whether the prompt opened a reasoning block (then a
+    grammar starts after it, and tool calls are looked for after it, whether or not reasoning is split out)."""
 
     def __init__(self, fe: Frontend, body: ChatCompletionRequest):
         model_type = fe.info.model_type
@@ -63,7 +64,10 @@ class ChatOutput:
         if self.body.uses_tools:
             specs = [t.model_dump(by_alias=True, exclude_none=True) for t in self.body.tools]
             tools = make_tool_parser(self.tool_parser, specs)
-        return OutputParser(ReasoningParser(self.starts_in_reasoning) if self.reasoning else None, tools)
+        if self.reasoning:
+            return OutputParser(ReasoningParser(self.starts_in_reasoning), tools)
+        # reasoning stays in content, but a call written while thinking is not a call
+        return OutputParser(ReasoningParser(self.starts_in_reasoning, verbatim=True), tools, reasoning_as_content=True)
 
     def keep_calls(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
         """parallel_tool_calls: false keeps the first call only."""
@@ -143,7 +147,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     template_kwargs = _template_kwargs(body)
     prompt_ids = await fe.encode_chat(messages, body.chat_template, template_kwargs)
     fe.check_prompt(prompt_ids, params, "messages")
-    out.starts_in_reasoning = out.reasoning and _opens_reasoning(fe, prompt_ids)
+    out.starts_in_reasoning = _opens_reasoning(fe, prompt_ids)
     params = await _constrain(fe, body, out, params)
     if out.body.uses_tools and out.tool_parser == "kimi" and params.skip_special_tokens:
         # Kimi's tool-call section markers are special tokens: the parser has to see them

@@ -8,8 +8,12 @@ from lightllm.server.http.parsers.reasoning import ReasoningParser
 
 
 class OutputParser:
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None):
+    """`reasoning_as_content`: the reasoning is returned as content (before the answer), yet the tool parser still
+    reads only the answer (pair it with a verbatim ReasoningParser to keep the text as written)."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, reasoning_as_content: bool = False):
         self.reasoning, self.tools = reasoning, tools
+        self.reasoning_as_content = reasoning_as_content
 
     def feed(self, text: str) -> ParsedDelta:
         return self._split(self.reasoning.feed(text) if self.reasoning else ParsedDelta(content=text), False)
@@ -18,10 +22,12 @@ class OutputParser:
         return self._split(self.reasoning.finish() if self.reasoning else ParsedDelta(), True)
 
     def _split(self, delta: ParsedDelta, final: bool) -> ParsedDelta:
+        reasoning, answer = delta.reasoning, delta.content
+        out = ParsedDelta(content=reasoning) if self.reasoning_as_content else ParsedDelta(reasoning=reasoning)
         if self.tools is None:
-            return delta
-        out = ParsedDelta(reasoning=delta.reasoning)
-        out.extend(self.tools.feed(delta.content) if delta.content else ParsedDelta())
+            out.content += answer
+            return out
+        out.extend(self.tools.feed(answer) if answer else ParsedDelta())
         if final:
             out.extend(self.tools.finish())
         return out

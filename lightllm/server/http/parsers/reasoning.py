@@ -14,10 +14,14 @@ OPEN, CLOSE = "<think>", "</think>"
 
 
 class ReasoningParser:
-    def __init__(self, starts_in_reasoning: bool = False):
+    """`verbatim`: the reasoning part keeps its markers and separator, so reasoning + content is the text as
+    written (for a server that returns reasoning inside content but must still find where the answer starts)."""
+
+    def __init__(self, starts_in_reasoning: bool = False, verbatim: bool = False):
         # "start": before the output's first non-space text; "think": inside the block; "gap": right after it;
         # "answer": the rest
         self.state = "think" if starts_in_reasoning else "start"
+        self.verbatim = verbatim
         self.buf = ""
 
     def feed(self, text: str) -> ParsedDelta:
@@ -33,6 +37,8 @@ class ReasoningParser:
             if self.state == "start":
                 rest = self.buf.lstrip()
                 if rest.startswith(OPEN):
+                    if self.verbatim:
+                        out.reasoning += self.buf[: len(self.buf) - len(rest)] + OPEN
                     self.buf, self.state = rest[len(OPEN) :], "think"
                 elif OPEN.startswith(rest) and not final:
                     return out
@@ -45,10 +51,13 @@ class ReasoningParser:
                     out.reasoning += self.buf[: len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep :]
                     return out
-                out.reasoning += self.buf[:end]
+                out.reasoning += self.buf[: end + (len(CLOSE) if self.verbatim else 0)]
                 self.buf, self.state = self.buf[end + len(CLOSE) :], "gap"
             elif self.state == "gap":
-                self.buf = self.buf.lstrip("\n")
+                rest = self.buf.lstrip("\n")
+                if self.verbatim:
+                    out.reasoning += self.buf[: len(self.buf) - len(rest)]
+                self.buf = rest
                 if not self.buf and not final:
                     return out
                 self.state = "answer"
