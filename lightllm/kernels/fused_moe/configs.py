@@ -80,7 +80,10 @@ def heuristic_config(num_tokens: int, num_experts: int, inter: int, hidden: int,
         bn = 64 if busy_blocks * triton.cdiv(n, 64) >= 512 else 32
         bn = min(bn, max(16, triton.next_power_of_2(n)))
         bk = min(block_k, max(16, triton.next_power_of_2(k)))
-        return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3 if block_m <= 32 else 2}
+        # 4 warps holding a 64 x 128 weight tile (gate_up: two) or a 64-row block use 230+ registers or spill on
+        # sm_90; 8 warps halve that
+        warps = 8 if bn * bk >= 8192 or block_m >= 32 else 4
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": 3 if block_m <= 32 else 2}
 
     return {"BLOCK_M": block_m, "gate_up": tile(inter, hidden), "down": tile(hidden, inter)}
 

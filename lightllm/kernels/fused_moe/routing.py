@@ -19,14 +19,25 @@ import triton.language as tl
 
 @triton.jit
 def _store_topk(
-    b_val, b_src, o_e, o_t, m_t, weights, ids, scale, TOP_K: tl.constexpr, BKP: tl.constexpr, NORM: tl.constexpr
+    b_val,
+    b_src,
+    o_e,
+    o_t,
+    m_t,
+    weights,
+    ids,
+    scale,
+    TOP_K: tl.constexpr,
+    BT: tl.constexpr,
+    BKP: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """k rounds of argmax along the experts of `b_val` ([BT, BE], -inf on lanes that may not be chosen); writes
     the ids and the matching entries of `b_src`, renormalised when NORM, times `scale`, to rows `o_t` of `ids` /
     `weights` ([T, TOP_K])."""
     o_k = tl.arange(0, BKP)
-    b_ids = tl.zeros([o_t.shape[0], BKP], dtype=tl.int32)
-    b_w = tl.zeros([o_t.shape[0], BKP], dtype=tl.float32)
+    b_ids = tl.zeros([BT, BKP], dtype=tl.int32)
+    b_w = tl.zeros([BT, BKP], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         i_best = tl.argmax(b_val, axis=1, tie_break_left=True)  # [BT]
         m_best = o_e[None, :] == i_best[:, None]  # [BT, BE]
@@ -74,7 +85,7 @@ def moe_softmax_topk_kernel(
     b_p = tl.exp(b_l - tl.max(b_l, axis=1)[:, None])
     b_p = b_p / tl.sum(b_p, axis=1)[:, None]
     b_val = tl.where(m_e[None, :], b_p, float("-inf"))
-    _store_topk(b_val, b_p, o_e, o_t, m_t, weights, ids, 1.0, TOP_K, BKP, NORM)
+    _store_topk(b_val, b_p, o_e, o_t, m_t, weights, ids, 1.0, TOP_K, BT, BKP, NORM)
 
 
 @triton.jit
@@ -117,7 +128,7 @@ def moe_sigmoid_topk_kernel(
             b_keep = b_keep | (g_e[None, :] == i_g[:, None])
             b_gs = tl.where(o_g[None, :] == i_g[:, None], float("-inf"), b_gs)
         b_c = tl.where(b_keep, b_c, float("-inf"))
-    _store_topk(b_c, b_s, o_e, o_t, m_t, weights, ids, scale, TOP_K, BKP, NORM)
+    _store_topk(b_c, b_s, o_e, o_t, m_t, weights, ids, scale, TOP_K, BT, BKP, NORM)
 
 
 def _tokens_per_program(num_tokens: int) -> int:
