@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightllm import LLM, SamplingParams
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from lightllm.worker.runner import ModelRunner
+from lightllm.worker.tp import group as group_module
 from lightllm.worker.tp.group import RankSetup, join_group
 from unit_tests.server.live_server import single_threaded_env
 
@@ -75,11 +76,15 @@ def expected() -> list[int]:
 
 
 def test_close_releases_the_runner_and_a_second_llm_matches(expected):
+    threshold = gc.get_threshold()
     llm = LLM(model(), **FLAGS)
     runner = weakref.ref(llm.engine.runner)
     assert tokens(llm) == expected
+    assert gc.get_freeze_count() > 0
     llm.close()
     assert runner() is None and llm.closed
+    # the collector is as it was: nothing left frozen, the thresholds put back
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold
     llm.close()
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate([PROMPT], PARAMS)
@@ -125,6 +130,16 @@ def test_tp2_twice_in_one_process_leaves_no_process_or_group(expected):
                 assert child_pids(os.getpid()) == followers
         assert child_pids(os.getpid()) == [] and not any(alive(p) for p in followers)
         assert not dist.is_initialized()
+
+
+def test_rank0_failing_to_join_kills_its_followers(monkeypatch):
+    def refuse(setup):
+        raise RuntimeError("rank 0 could not join")
+
+    monkeypatch.setattr(group_module, "join_group", refuse)
+    with pytest.raises(RuntimeError, match="rank 0 could not join"):
+        group_module.TPGroup(2, "cpu", num_threads=1)
+    assert child_pids(os.getpid()) == []
 
 
 def test_follower_of_an_exited_parent_does_not_wait():
