@@ -28,6 +28,7 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
     import uvicorn
 
     from lightllm.server.http.app import create_app
+    from lightllm.server.http.server import uvicorn_config
     from lightllm.server.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(info)
@@ -44,8 +45,7 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
 
     try:
         app = create_app(args, info, tokenizer, engine, on_engine_exit)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
-        server = uvicorn.Server(config)
+        server = uvicorn.Server(uvicorn_config(app, args))
         server.run()
     finally:
         engine.stop()

@@ -79,6 +79,20 @@ class ServerArgs:
     pd_queue_timeout_s: float = _flag(
         30.0, "pd_master: seconds a request waits for a decode node with room before it fails", type=float
     )
+    pd_request_timeout_s: float = _flag(
+        120.0,
+        "pd_master: seconds a routed request may go without any output from its nodes before it fails (503) and "
+        "both nodes are told to abort it",
+        type=float,
+    )
+    pd_secret: str | None = _flag(
+        None,
+        "pd_master and nodes: the shared secret that authenticates registrations and every control-plane message "
+        "(default: the API key; required when the master or a node listens beyond loopback)",
+        type=str,
+        shown_default="$LIGHTLLM_PD_SECRET, else the API key",
+        repr=False,
+    )
     device: str = _flag(
         "auto", "where the model runs (auto: cuda when a GPU is visible, else cpu)", ("auto", "cpu", "cuda")
     )
@@ -133,6 +147,25 @@ class ServerArgs:
         type=int,
     )
     max_request_body_bytes: int = _flag(16 * 2**20, "largest HTTP request body accepted; larger ones get 413", type=int)
+    max_request_json_items: int = _flag(
+        65536,
+        "most JSON values (approximately: commas, arrays and objects) one request body may hold; more gets 413 "
+        "before parsing, which runs on the event loop and would stall every client meanwhile",
+        type=int,
+    )
+    http_header_timeout_s: float = _flag(
+        10.0, "seconds a connection has to send a complete request head; then it is closed", type=float
+    )
+    http_body_timeout_s: float = _flag(
+        30.0, "seconds a request has to send its whole body; then it gets 408 and the connection is closed", type=float
+    )
+    http_keep_alive_s: float = _flag(5.0, "seconds an idle keep-alive connection stays open", type=float)
+    progress_timeout_s: float = _flag(
+        120.0,
+        "seconds with sequences in flight and no token produced after which /health answers 503, the log names "
+        "the waiting requests and lightllm_progress_stalls_total counts it (0: off)",
+        type=float,
+    )
     max_queue_len: int = _flag(
         1024,
         "sequences that may wait beyond --max_running_requests; requests past it get 429 with Retry-After",
@@ -261,6 +294,7 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
     if max_req_total_len is None:
         caps = [32768 if on_cuda else 4096, info.max_position_embeddings, args.max_total_token_num]
         max_req_total_len = min(c for c in caps if c)
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("LIGHTLLM_API_KEY") or None)
     resolved = dataclasses.replace(
         args,
         served_model_name=args.served_model_name or os.path.basename(os.path.normpath(info.model_dir)),
@@ -273,7 +307,8 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
         chunked_prefill_size=_auto(args.chunked_prefill_size, _auto(args.max_num_batched_tokens, step_tokens)),
         max_num_batched_tokens=_auto(args.max_num_batched_tokens, _auto(args.chunked_prefill_size, step_tokens)),
         max_req_total_len=max_req_total_len,
-        api_key=args.api_key if args.api_key is not None else (os.environ.get("LIGHTLLM_API_KEY") or None),
+        api_key=api_key,
+        pd_secret=args.pd_secret or os.environ.get("LIGHTLLM_PD_SECRET") or api_key,
     )
     validate(resolved, info)
     return resolved
@@ -281,6 +316,7 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
 
 def validate(args: ServerArgs, info: ModelInfo) -> None:
     """Refuse combinations that cannot work; every message says which flag to change."""
+    _refuse_open_control_plane(args)
     if args.pd_transport == "cuda_ipc" and args.device == "cpu":
         raise ValueError("--pd_transport cuda_ipc moves device memory: use --device cuda, or --pd_transport host")
     if args.pd_transport == "nixl":
@@ -347,11 +383,17 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
             f"{args.max_num_batched_tokens}: a prefill chunk is part of one step's tokens"
         )
     for name, low in (
-        ("max_request_body_bytes", 1), ("max_queue_len", 0), ("max_sequences_per_request", 1),
+        ("max_request_body_bytes", 1), ("max_request_json_items", 1), ("max_queue_len", 0),
+        ("max_sequences_per_request", 1),
         ("prefill_graph_max_tokens", 0),
     ):  # fmt: skip
         if getattr(args, name) < low:
             raise ValueError(f"--{name} must be at least {low}, got {getattr(args, name)}")
+    for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_s"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.progress_timeout_s < 0:
+        raise ValueError(f"--progress_timeout_s must be >= 0 (0 turns it off), got {args.progress_timeout_s}")
     if args.log_stats_interval < 0:
         raise ValueError(f"--log_stats_interval must be >= 0 (0 turns it off), got {args.log_stats_interval}")
     if args.prefix_cache_checkpoint_interval <= 0:
@@ -387,11 +429,27 @@ def _refuse_unsupported(args: ServerArgs) -> None:
     if args.run_mode != "normal":
         if not 1 <= args.pd_master_port <= 65535:
             raise ValueError(f"--pd_master_port must be in 1..65535, got {args.pd_master_port}")
-        for name in ("pd_transfer_timeout_s", "pd_node_timeout_s", "pd_queue_timeout_s"):
+        for name in ("pd_transfer_timeout_s", "pd_node_timeout_s", "pd_queue_timeout_s", "pd_request_timeout_s"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
     if args.pd_ipc_buffer_mb < 0:
         raise ValueError(f"--pd_ipc_buffer_mb must be >= 0, got {args.pd_ipc_buffer_mb}")
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _refuse_open_control_plane(args: ServerArgs) -> None:
+    """Without a secret anyone who reaches the master or a node's sockets can register nodes and forge messages:
+    allowed only when every PD socket stays on loopback."""
+    if args.run_mode == "normal" or args.pd_secret:
+        return
+    exposed = [args.host] if args.run_mode == "pd_master" else [args.host, args.pd_master_ip]
+    if any(host not in LOOPBACK_HOSTS for host in exposed):
+        raise ValueError(
+            f"--run_mode {args.run_mode} beyond loopback needs a shared secret: give the same --pd_secret (or "
+            "LIGHTLLM_PD_SECRET, or --api_key) to the pd_master and every node"
+        )
 
 
 def _cuda_available() -> bool:

@@ -165,7 +165,8 @@ def test_a_killed_decode_node_fails_its_request_while_the_others_serve(cluster, 
     model = master.args.served_model_name
     # a second decode node joins the running cluster, in compact mode (native -> compact transfers)
     procs.append(start_node(master, model_dir, "decode", "--ssm_state_mode", "compact"))
-    wait_for(lambda: len(master.nodes("decode")) == 2, 120, "a second decode node registered")
+    # registered and heard from: the master routes to it
+    wait_for(lambda: httpx.get(f"{master.url}/pd/ready").json()["decode"] == 2, 120, "a second decode node serving")
     victim = procs[1]
     victim.send_signal(signal.SIGKILL)
     victim.wait()
@@ -207,7 +208,11 @@ def test_without_nodes_a_request_gets_503_with_the_reason():
         assert (
             "no prefill and decode node is registered with the pd_master (waited 0.5 s)" in r.json()["error"]["message"]
         )
-        # the master itself is healthy (a failing request without a status stays 500: test_http_failures)
-        assert httpx.get(f"{master.url}/health").status_code == 200
+        assert r.headers["retry-after"] == "1"
+        # the master's health says what it can serve: nothing without nodes
+        health = httpx.get(f"{master.url}/health")
+        assert health.status_code == 503 and health.json() == {
+            "status": "no healthy prefill and no healthy decode node"
+        }
     finally:
         master.close()

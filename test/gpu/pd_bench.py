@@ -40,6 +40,7 @@ from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
+from lightllm.server.pd.auth import PdAuth, SealedDecoder
 from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads, cuda_ipc_kind, share_cuda_buffer
 from lightllm.server.pd.header import runner_header
 from lightllm.server.pd.messages import NodeInput, PdPrefill, PdTransfer, TransferAck
@@ -50,6 +51,8 @@ from lightllm.server.pd.transport import ZmqHostTransport
 from lightllm.tools.bench_throughput import serving_model_dir
 
 REAL_RUNNER = "lightllm.server.runner_factory:create_runner"
+# the control-plane secret both sides of the benchmark share
+BENCH_SECRET = "pd-bench"
 
 
 def _model_dir(tiny: bool) -> str:
@@ -95,9 +98,11 @@ def _decode_child(a, inbox_addr: str, report_addr: str, conn) -> None:
     report.connect(report_addr)
     fingerprint = runner_header(engine.runner, info.model_dir).fingerprint()
     reader = _reader(a, engine.runner.device)
-    role = DecodeRole(engine, ZmqHostTransport(ctx), fingerprint, reader)
+    auth = PdAuth(BENCH_SECRET)
+    role = DecodeRole(engine, ZmqHostTransport(ctx, auth), fingerprint, reader)
     conn.send(reader.kinds)
-    decoder = msgspec.msgpack.Decoder(NodeInput)
+    # frames are sealed and opened as in a node: their MAC is part of the measured cost
+    decoder = SealedDecoder(auth, inbox_addr, msgspec.msgpack.Decoder(NodeInput))
     while True:
         raw = inbox.recv()
         if raw == b"stop":
@@ -187,12 +192,13 @@ def transfer_part(a) -> None:
                 sent.append(msg)
             super().send(addr, msg)
 
-    transport = Recording(ctx)
+    auth = PdAuth(BENCH_SECRET)
+    transport = Recording(ctx, auth)
     try:
         decode_reads = parent_conn.recv()
     except EOFError:
         raise RuntimeError(f"the decode process exited (code {child.exitcode}) before it was ready") from None
-    ack_decoder = msgspec.msgpack.Decoder(NodeInput)
+    ack_decoder = SealedDecoder(auth, inbox_addr, msgspec.msgpack.Decoder(NodeInput))
     try:
         for name in a.transports:
             staging = _staging(a, name, engine.runner.device)

@@ -12,6 +12,7 @@ import uvicorn
 from lightllm.server.args import load_server_args
 from lightllm.server.dp.replicas import start_engines
 from lightllm.server.http.app import create_app
+from lightllm.server.http.server import uvicorn_config
 from lightllm.server.tokenizer import Tokenizer
 
 FAKE_RUNNER = "unit_tests.engine.fake_runner:create_fake_runner"
@@ -34,7 +35,7 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         app = create_app(self.args, self.info, self.tokenizer, self.engine)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn_config(app, self.args, log_level="warning", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

@@ -1,7 +1,7 @@
 """The pd_master's router against scripted nodes (bare zmq sockets): routing to the least-loaded nodes, one
 Finished per request, the master's queue when every decode node is full (dispatched when room frees, failed with
 a message after the queue timeout), a silent prefill node dropped with its requests failed and the decode side
-told to abort, and header checks at registration."""
+told to abort, and header checks at registration. Every frame is sealed with the cluster's secret, as nodes do."""
 
 from __future__ import annotations
 
@@ -15,13 +15,17 @@ import zmq
 
 from lightllm.engine.messages import Abort, EngineOutput, EngineStats, Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
-from lightllm.server.pd.header import TransferHeader
+from lightllm.server.pd.auth import PdAuth
+from lightllm.server.pd.header import MODEL_FIELDS, TransferHeader
 from lightllm.server.pd.messages import NodeInput, PdPrefill
 from lightllm.server.pd.router import PdRouter, Registration
 
 HEADER = TransferHeader("f" * 16, "qwen3_5", [3], [0, 1, 2], 2, 4, 16, 16, [[1, 16], [1, 16]], 4, "float32",
                         "float32", 2)  # fmt: skip
 ENCODER = msgspec.msgpack.Encoder()
+SECRET = "router-test-secret"
+# the master's checkpoint, as `header.model_reference` reads it
+REFERENCE = {name: getattr(HEADER, name) for name in MODEL_FIELDS}
 
 
 class ScriptedNode:
@@ -30,24 +34,27 @@ class ScriptedNode:
         inbox = f"tcp://127.0.0.1:{self.inbox.bind_to_random_port('tcp://127.0.0.1')}"
         outbox = f"tcp://127.0.0.1:{self.outbox.bind_to_random_port('tcp://127.0.0.1')}"
         self.reg = Registration(role, name, inbox, outbox, capacity)
+        self.credential = os.urandom(16).hex()
+        self.auth = PdAuth(SECRET)
         self._decoder = msgspec.msgpack.Decoder(NodeInput)
 
     def recv(self, timeout_s: float = 5.0):
         assert self.inbox.poll(int(timeout_s * 1000)), f"{self.reg.node_id} got nothing"
-        return self._decoder.decode(self.inbox.recv())
+        return self._decoder.decode(self.auth.open(self.reg.inbox, self.inbox.recv()))
 
     def nothing(self, wait_s: float = 0.2) -> bool:
         return not self.inbox.poll(int(wait_s * 1000))
 
     def send(self, *outputs: EngineOutput) -> None:
-        self.outbox.send(ENCODER.encode([*outputs, EngineStats()]))
+        self.outbox.send(self.auth.seal(self.reg.outbox, ENCODER.encode([*outputs, EngineStats()])))
 
 
 class Cluster:
-    def __init__(self, node_timeout_s: float = 30.0, queue_timeout_s: float = 30.0):
+    def __init__(self, node_timeout_s: float = 30.0, queue_timeout_s: float = 30.0, request_timeout_s: float = 30.0):
         self.dir = tempfile.mkdtemp(prefix="lightllm-pd-test-")
         self.router = PdRouter(f"ipc://{os.path.join(self.dir, 'in')}", f"ipc://{os.path.join(self.dir, 'out')}",
-                               node_timeout_s, queue_timeout_s)  # fmt: skip
+                               node_timeout_s, queue_timeout_s, auth=PdAuth(SECRET), reference=REFERENCE,
+                               request_timeout_s=request_timeout_s)  # fmt: skip
         self.router.start()
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.PUSH)
@@ -58,8 +65,11 @@ class Cluster:
 
     def node(self, role: str, name: str, capacity: int = 4) -> ScriptedNode:
         node = ScriptedNode(self.ctx, role, name, capacity)
-        assert self.router.register(node.reg, HEADER) is None
+        assert self.router.register(node.reg, HEADER, node.credential) is None
         time.sleep(0.1)
+        # its first heartbeat: the router routes only to nodes it has heard from
+        node.send()
+        time.sleep(0.05)
         return node
 
     def submit(self, req_id: str) -> None:
@@ -164,7 +174,9 @@ def test_a_silent_prefill_node_is_dropped_and_its_requests_fail(cluster):
     assert c.router.counts() == {"prefill": 0, "decode": 1}
     # it comes back by registering again
     d.send()
-    assert c.router.register(p.reg, HEADER) is None
+    assert c.router.register(p.reg, HEADER, p.credential) is None
+    time.sleep(0.1)
+    p.send()
     time.sleep(0.1)
     assert c.router.counts() == {"prefill": 1, "decode": 1}
 
@@ -172,11 +184,14 @@ def test_a_silent_prefill_node_is_dropped_and_its_requests_fail(cluster):
 def test_registration_checks_the_header(cluster):
     c = cluster()
     c.node("prefill", "p0")
-    other = msgspec.structs.replace(HEADER, num_v_heads=8, state_dtype="bfloat16")
     node = ScriptedNode(c.ctx, "decode", "d0")
-    error = c.router.register(node.reg, other)
+    # the model's fields against the master's own checkpoint
+    error = c.router.register(node.reg, msgspec.structs.replace(HEADER, num_v_heads=8), node.credential)
+    assert error.startswith("this decode node serves another model than the pd_master's")
+    assert "num_v_heads: 4 (the pd_master's checkpoint) vs 8 (this node)" in error
+    # the flags' fields against the nodes registered now
+    error = c.router.register(node.reg, msgspec.structs.replace(HEADER, state_dtype="bfloat16"), node.credential)
     assert error.startswith("this decode node's transfer header differs from the registered nodes'")
-    assert "num_v_heads: 4 (registered nodes) vs 8 (this node)" in error
     assert "state_dtype: float32 (registered nodes) vs bfloat16 (this node)" in error
     assert c.router.counts() == {"prefill": 1, "decode": 0}
-    assert c.router.register(node.reg, HEADER) is None
+    assert c.router.register(node.reg, HEADER, node.credential) is None

@@ -23,9 +23,10 @@ from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.http.metrics import Metrics
 from lightllm.server.http.openai_api import error_response
 from lightllm.server.http.openai_api import router as openai_router
-from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend
+from lightllm.server.http.serving import RETRY_AFTER_S, ApiError, ClientDisconnected, Frontend
 from lightllm.server.http.stats_log import log_stats
 from lightllm.server.http.tokenize_api import router as tokenize_router
+from lightllm.server.http.watchdog import ProgressWatchdog
 from lightllm.server.launcher import EngineHandle
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.tokenizer import Tokenizer
@@ -52,6 +53,21 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, f"the body must be a JSON object: {first.get('msg')}", None)
     message = first.get("msg", "invalid value")
     return ApiError(400, f"{field}: {message}" if field else message, field)
+
+
+def _unparsable_body(cause: BaseException | None) -> str:
+    if isinstance(cause, RecursionError):
+        return "the body's JSON nests too deeply"
+    if isinstance(cause, UnicodeDecodeError):
+        return "the body is not valid UTF-8"
+    return "the body is not valid JSON"
+
+
+async def _watch(watchdog: ProgressWatchdog) -> None:
+    """Check progress between /health probes too, so a stall is logged and counted when it happens."""
+    while True:
+        await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
+        watchdog.problem()
 
 
 async def _watch_engine(engine: EngineHandle, client: EngineClient, on_exit: Callable[[], None] | None) -> None:
@@ -116,11 +132,13 @@ def create_app(
     tokenizer: Tokenizer,
     engine: EngineHandle,
     on_engine_exit: Callable[[], None] | None = None,
+    serving_problem: Callable[[], str | None] | None = None,
 ) -> FastAPI:
     """An app bound to a running engine process; the zmq client lives on the app's event loop.
 
     `on_engine_exit` is called once if the engine process dies (the CLI stops the server with it), unless
-    --keep_serving_after_engine_exit."""
+    --keep_serving_after_engine_exit. `serving_problem` says why the engine, though alive, cannot serve now
+    (None: it can); /health answers 503 with it."""
     started = int(time.time())
     if args.keep_serving_after_engine_exit:
         on_engine_exit = None
@@ -134,8 +152,11 @@ def create_app(
         pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="lightllm-text")
         app.state.frontend = Frontend(args, info, tokenizer, client, metrics, engine.is_alive, pool)
         app.state.metrics = metrics
+        watchdog = ProgressWatchdog(args.progress_timeout_s, metrics.in_flight, lambda: client.stats, metrics.registry)
+        client.observers.append(watchdog.observe)
+        app.state.watchdog = watchdog
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(_watch_engine(engine, client, on_engine_exit))]
+        tasks = [loop.create_task(_watch_engine(engine, client, on_engine_exit)), loop.create_task(_watch(watchdog))]
         if args.log_stats_interval > 0:
             tasks.append(loop.create_task(log_stats(client, metrics, args.log_stats_interval)))
         yield
@@ -156,10 +177,19 @@ def create_app(
     app.include_router(chat_router)
     app.include_router(openai_router)
     app.include_router(tokenize_router)
-    app.add_middleware(EdgeMiddleware, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key)
+    app.add_middleware(
+        EdgeMiddleware,
+        max_body_bytes=args.max_request_body_bytes,
+        api_key=args.api_key,
+        max_json_items=args.max_request_json_items,
+        body_timeout_s=args.http_body_timeout_s,
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
+        if exc.status == 503 and not exc.headers:
+            # nothing could take the request now (e.g. no healthy PD node): the client may try again
+            exc.headers = {"Retry-After": str(RETRY_AFTER_S)}
         return error_response(exc)
 
     @app.exception_handler(ClientDisconnected)
@@ -173,14 +203,19 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        # FastAPI raises this for bodies it cannot parse at all (e.g. invalid UTF-8)
-        message = "the body is not valid UTF-8 JSON" if exc.status_code == 400 else str(exc.detail)
-        return error_response(ApiError(exc.status_code, message))
+        # FastAPI raises this for bodies it cannot parse at all, with the parser's exception as the cause; a 405
+        # carries its Allow header
+        message = _unparsable_body(exc.__cause__) if exc.status_code == 400 else str(exc.detail)
+        return error_response(ApiError(exc.status_code, message, headers=exc.headers))
 
     @app.get("/health")
     async def health():
         if not engine.is_alive():
             return JSONResponse({"status": "engine process is not running"}, status_code=503)
+        problem = serving_problem() if serving_problem is not None else None
+        problem = problem or app.state.watchdog.problem()
+        if problem is not None:
+            return JSONResponse({"status": problem}, status_code=503)
         return engine.health()
 
     @app.get("/metrics")

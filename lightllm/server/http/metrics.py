@@ -134,6 +134,10 @@ class Metrics:
             self.e2e.observe(now - submitted)
             del self._times[out.req_id]
 
+    def in_flight(self) -> dict[str, float]:
+        """Submitted, unfinished sequences -> their submit time (monotonic)."""
+        return {req_id: submitted for req_id, (submitted, _) in self._times.items()}
+
     def count_finished(self, reason: str) -> None:
         """Count a finished sequence by the reason its client saw (a stop string is "stop", not "abort")."""
         self.requests.labels(reason).inc()

@@ -1,8 +1,10 @@
 """The transfer header: everything two nodes must agree on for a prefilled request to continue on the other.
 
-A node sends its header when it registers with the master; the master keeps the first one it accepts and
-refuses a node whose header differs, naming each field that differs. The header's fingerprint travels with
-every transfer, so a decode node also refuses a payload from an incompatible sender.
+A node sends its header when it registers with the master. The model's fields (`MODEL_FIELDS`) are checked
+against the master's own checkpoint (`model_reference`), never against what a node claims; the fields a node's
+flags decide (`RUNTIME_FIELDS`: dtypes, MTP steps) must agree between the nodes registered at the same time. The
+master refuses a node whose header differs, naming each field that differs. The header's fingerprint travels
+with every transfer, so a decode node also refuses a payload from an incompatible sender.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 import os
 
 import msgspec
+
+from lightllm.models.registry import load_model_config
 
 
 class TransferHeader(msgspec.Struct, frozen=True):
@@ -47,10 +51,14 @@ def model_fingerprint(model_dir: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def runner_header(runner, model_dir: str) -> TransferHeader:
-    """The header of a runner (rank 0's with `--tp`): shapes by global head, whatever the ranks."""
-    cfg, spec = runner.model_config, runner.model_config.linear
-    return TransferHeader(
+RUNTIME_FIELDS = ("state_dtype", "act_dtype", "mtp_step")
+MODEL_FIELDS = tuple(name for name in TransferHeader.__struct_fields__ if name not in RUNTIME_FIELDS)
+
+
+def model_fields(cfg, model_dir: str) -> dict:
+    """The header's fields that the checkpoint alone decides (`cfg`: its `ModelConfig`), by global head."""
+    spec = cfg.linear
+    return dict(
         model_fingerprint=model_fingerprint(model_dir),
         architecture=cfg.arch,
         full_layer_ids=list(cfg.full_layer_ids),
@@ -62,17 +70,30 @@ def runner_header(runner, model_dir: str) -> TransferHeader:
         # GQA: (K, V) of [heads, dim]; MLA: the latent [dim]
         kv_token_shapes=[list(s) for s in cfg.attention.kv_cache_shapes],
         conv_kernel_size=spec.conv_kernel_size,
+    )
+
+
+def model_reference(model_dir: str) -> dict:
+    """What the master checks every node's model fields against: its own checkpoint's."""
+    return model_fields(load_model_config(model_dir), model_dir)
+
+
+def runner_header(runner, model_dir: str) -> TransferHeader:
+    """The header of a runner (rank 0's with `--tp`): shapes by global head, whatever the ranks."""
+    return TransferHeader(
+        **model_fields(runner.model_config, model_dir),
         state_dtype=str(runner.config.state_dtype()).removeprefix("torch."),
         act_dtype=str(runner.dtype).removeprefix("torch."),
         mtp_step=runner.mtp_step,
     )
 
 
-def header_mismatch(expected: TransferHeader, found: TransferHeader) -> str | None:
-    """None when the headers agree, else one line naming every field that differs (registered vs this node)."""
+def header_mismatch(expected: dict, found: TransferHeader, source: str = "registered nodes") -> str | None:
+    """None when `found` agrees with every field `expected` names, else one line naming every field that differs
+    (`source`: whose values `expected` holds)."""
     diffs = [
-        f"{name}: {getattr(expected, name)} (registered nodes) vs {getattr(found, name)} (this node)"
-        for name in expected.__struct_fields__
-        if getattr(expected, name) != getattr(found, name)
+        f"{name}: {value} ({source}) vs {getattr(found, name)} (this node)"
+        for name, value in expected.items()
+        if value != getattr(found, name)
     ]
     return "; ".join(diffs) or None

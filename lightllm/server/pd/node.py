@@ -3,7 +3,8 @@
 The node binds its inbox (PULL: the master's `PdPrefill`/`Abort`, other nodes' `PdTransfer`/`TransferAck`) and
 outbox (PUSH: `TokenChunk`/`Finished`/`EngineStats` to the master) on `--host` at free ports, then registers
 them with the master over HTTP (`POST /pd/register` at `--pd_master_ip:--pd_master_port`) with its transfer
-header. A refused header ends the process with exit code 2 and the master's reason. Registration is repeated in
+header and a random credential of this process, sealed with the PD secret; every frame it sends is sealed and
+every frame its inbox takes must be (`auth.py`: others are dropped and logged). A refused header ends the process with exit code 2 and the master's reason. Registration is repeated in
 the background, so a restarted master learns of the node again. The engine runs the engine process's loop
 (`engine_loop`) with the node's role; its stats go out every half second: the master's heartbeat.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -25,6 +27,7 @@ from lightllm.server.args import ServerArgs
 from lightllm.server.engine_loop import run_engine_loop
 from lightllm.server.engine_process import build_engine, quiet_garbage_collector
 from lightllm.server.model_info import ModelInfo
+from lightllm.server.pd.auth import REGISTER_CHANNEL, SEAL_HEADER, PdAuth, SealedDecoder
 from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads, cuda_ipc_kind, share_cuda_buffer
 from lightllm.server.pd.header import runner_header
 from lightllm.server.pd.messages import NodeInput
@@ -52,12 +55,16 @@ def advertised_host(host: str) -> str:
     return host
 
 
-def register(master_url: str, body: dict, wait_s: float) -> None:
+def register(master_url: str, body: dict, wait_s: float, auth: PdAuth) -> None:
     """POST the registration until the master answers (at most `wait_s`); RegistrationRefused on a refusal."""
     deadline = time.monotonic() + wait_s
+    raw = msgspec.json.encode(body)
     while True:
+        # a fresh seal per attempt: the master refuses a replayed one
+        sealed = auth.seal(REGISTER_CHANNEL, raw)
+        headers = {SEAL_HEADER: sealed[: len(sealed) - len(raw)].hex(), "content-type": "application/json"}
         try:
-            reply = httpx.post(f"{master_url}/pd/register", json=body, timeout=10.0)
+            reply = httpx.post(f"{master_url}/pd/register", content=raw, headers=headers, timeout=10.0)
         except httpx.HTTPError as exc:
             if time.monotonic() > deadline:
                 raise RegistrationRefused(
@@ -84,7 +91,8 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
     host = advertised_host(args.host)
     inbox_addr = f"tcp://{host}:{inbox.bind_to_random_port(f'tcp://{args.host}')}"
     outbox_addr = f"tcp://{host}:{outbox.bind_to_random_port(f'tcp://{args.host}')}"
-    transport = ZmqHostTransport(ctx)
+    auth = PdAuth(args.pd_secret)
+    transport = ZmqHostTransport(ctx, auth)
     fingerprint = header.fingerprint()
     reader = None
     if args.run_mode == "prefill":
@@ -104,22 +112,23 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
         # a decode node says which staging regions it reads; prefill nodes with such a buffer send through it
         "reads": reader.kinds if reader is not None else [],
         "header": msgspec.to_builtins(header),
+        "credential": secrets.token_hex(16),
         "pid": os.getpid(),
     }
     stop = threading.Event()
     try:
-        register(master_url, body, REGISTER_WAIT_S)
+        register(master_url, body, REGISTER_WAIT_S, auth)
         logger.info("registered with the pd_master at %s as %s", master_url, body["node_id"])
-        threading.Thread(target=_keep_registered, args=(master_url, body, stop), daemon=True).start()
+        threading.Thread(target=_keep_registered, args=(master_url, body, stop, auth), daemon=True).start()
         quiet_garbage_collector()
         run_engine_loop(
             role,
             inbox,
             outbox,
-            msgspec.msgpack.Decoder(NodeInput),
+            SealedDecoder(auth, inbox_addr, msgspec.msgpack.Decoder(NodeInput)),
             idle_poll_ms=IDLE_POLL_MS,
             keep_running=lambda: True,
-            send=lambda raw: _send_to_master(outbox, raw),
+            send=lambda raw: _send_to_master(outbox, auth.seal(outbox_addr, raw)),
             log_name="node's log",
         )
     finally:
@@ -159,9 +168,9 @@ def _send_to_master(outbox: zmq.Socket, raw: bytes) -> None:
         logger.error("the pd_master does not read this node's outputs; a batch of outputs dropped")
 
 
-def _keep_registered(master_url: str, body: dict, stop: threading.Event) -> None:
+def _keep_registered(master_url: str, body: dict, stop: threading.Event, auth: PdAuth) -> None:
     while not stop.wait(REREGISTER_INTERVAL_S):
         try:
-            register(master_url, body, 0.0)
+            register(master_url, body, 0.0, auth)
         except RegistrationRefused as exc:
             logger.warning("re-registration failed: %s", exc)

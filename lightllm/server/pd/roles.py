@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightllm.engine import grammar
 from lightllm.engine.engine import Engine
 from lightllm.engine.messages import Abort, EngineOutput, Finished, TokenChunk
 from lightllm.engine.request import Request, Status
@@ -44,15 +45,26 @@ class _Held:
     region: DeviceRegion | None = None
 
 
-def _drop_undecodable(raw: bytes, exc: Exception) -> list[EngineOutput]:
-    # a node's peers are the master and other nodes, never a client: an unreadable message is a version skew
-    logger.error("dropping an undecodable message: %s", exc)
-    return []
+# how many dropped inbox frames a node logs one by one (then one line per LOG_EVERY)
+LOG_FIRST, LOG_EVERY = 20, 1000
+
+
+class DropUndecodable:
+    """A role's `on_undecodable`: an inbox frame that is not sealed with the PD secret, replayed, or unreadable
+    (a version skew) is dropped, never answered (its request ids are not to be trusted), and logged with a bound
+    so a flood of garbage cannot fill the disk."""
+
+    def __init__(self):
+        self.num_dropped = 0
+
+    def __call__(self, raw: bytes, exc: Exception) -> list[EngineOutput]:
+        self.num_dropped += 1
+        if self.num_dropped <= LOG_FIRST or self.num_dropped % LOG_EVERY == 0:
+            logger.error("dropping an undecodable or unauthenticated message (%d so far): %s", self.num_dropped, exc)
+        return []
 
 
 class PrefillRole:
-    on_undecodable = staticmethod(_drop_undecodable)
-
     def __init__(
         self,
         engine: Engine,
@@ -63,6 +75,7 @@ class PrefillRole:
         staging: StagingBuffer | None = None,
     ):
         self.engine = engine
+        self.on_undecodable = DropUndecodable()
         # an overlapped step would feed a request's first sampled token to the model before `after_step` sees the
         # token, so the exported state would hold one token more than the transfer says; a prefill engine decodes
         # nothing, so it loses nothing by stepping synchronously
@@ -180,8 +193,6 @@ class PrefillRole:
 
 
 class DecodeRole:
-    on_undecodable = staticmethod(_drop_undecodable)
-
     def __init__(
         self,
         engine: Engine,
@@ -193,6 +204,7 @@ class DecodeRole:
         """`device_budget_bytes`: device memory for the copies of regions whose transfer waits for a slot (None:
         no bound); copies past it are kept in host memory until their import."""
         self.engine = engine
+        self.on_undecodable = DropUndecodable()
         self.transport = transport
         self.fingerprint = fingerprint
         # reads prefill nodes' staging regions (None: this node takes host-staged transfers only)
@@ -323,6 +335,11 @@ class DecodeRole:
             max_new = min(max_new, params.max_tokens)
         req = Request(req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new)
         req.output_ids = list(transfer.first_chunk.token_ids)
+        # a grammar resumes where the prefill node's first token left it
+        problem = grammar.attach(engine.grammars, req, msg) or grammar.advance(req, req.output_ids)
+        if problem is not None:
+            engine.runner.free_request(handle)
+            return [Finished(req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=problem)]
         req.handle, req.status = handle, Status.RUNNING
         req.num_computed_tokens = req.num_prefill_tokens = transfer.state.num_tokens
         req.num_cached_tokens = transfer.first_chunk.num_cached_tokens or 0

@@ -1,7 +1,7 @@
 """How a prefilled request's messages reach the other node: one small interface, one implementation.
 
-`ZmqHostTransport` sends each message (a `PdTransfer` or `TransferAck`) as msgpack over a zmq PUSH socket to the
-node inbox at its address. A host-staged transfer carries the state's bytes in its `RequestState` blobs: two
+`ZmqHostTransport` sends each message (a `PdTransfer` or `TransferAck`) as msgpack, sealed for its destination
+(`auth.py`), over a zmq PUSH socket to the node inbox at its address. A host-staged transfer carries the state's bytes in its `RequestState` blobs: two
 device-host copies and the network, on any hosts. With CUDA IPC (`cuda_ipc.py`) the same message carries only
 the blobs' shapes, dtypes and offsets and the prefill node's device region; the bytes go device to device.
 """
@@ -12,6 +12,8 @@ from typing import Protocol
 
 import msgspec
 import zmq
+
+from lightllm.server.pd.auth import PdAuth
 
 
 class TransportError(RuntimeError):
@@ -29,8 +31,8 @@ class StateTransport(Protocol):
 class ZmqHostTransport:
     """Host-staged transfers over zmq PUSH sockets, one per destination inbox (connected on first use)."""
 
-    def __init__(self, ctx: zmq.Context):
-        self._ctx = ctx
+    def __init__(self, ctx: zmq.Context, auth: PdAuth):
+        self._ctx, self._auth = ctx, auth
         self._sockets: dict[str, zmq.Socket] = {}
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -42,7 +44,7 @@ class ZmqHostTransport:
             sock.setsockopt(zmq.SNDHWM, 64)
             sock.connect(addr)
         try:
-            sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+            sock.send(self._auth.seal(addr, self._encoder.encode(msg)), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise TransportError(f"{addr} does not accept the transfer (unreachable or not reading)") from None
 
