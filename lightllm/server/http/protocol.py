@@ -12,7 +12,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from lightllm.engine.sampling_params import MAX_INT, MAX_N, MAX_SEED, SamplingParams, SamplingParamsError
+from lightllm.engine.sampling_params import (
+    MAX_INT,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+    SamplingParamsError,
+)
 
 # at most this many stop strings / stop token ids per request (each is checked against the stream)
 MAX_STOPS = 64
@@ -160,11 +168,21 @@ class _SamplingFields(StrictModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: Any = None
+    # the schema states what the plain validator below accepts
+    stop: Any = Field(
+        None,
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS},
+                {"type": "null"},
+            ]
+        },
+    )
     stop_token_ids: list[Int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -343,10 +361,25 @@ class ChatCompletionRequest(_SamplingFields):
         return params_field
 
 
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_INT}, "minItems": 1}
+
+
 class CompletionRequest(_SamplingFields):
-    # text, a batch of texts, token ids, or a batch of token id lists
-    prompt: Any
+    # text, a batch of texts, token ids, or a batch of token id lists (the schema states what `_prompt` accepts)
+    prompt: Any = Field(
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                _TOKEN_IDS,
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+            ]
+        }
+    )
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
+    # OpenAI's best_of samples best_of sequences and returns the n most likely: only best_of == n (all of them)
+    # is honoured; anything else is refused, never silently ignored
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: Text | None = None
@@ -368,6 +401,10 @@ class CompletionRequest(_SamplingFields):
         super().check_supported()
         if self.suffix:
             raise RequestError("suffix", "suffix: not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(
+                "best_of", f"best_of: only best_of equal to n ({self.n}) is supported (every sequence is returned)"
+            )
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(self.max_tokens, self.logprobs)
