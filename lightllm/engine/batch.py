@@ -37,6 +37,10 @@ class ForwardBatch:
     # [num_decode_rows] int64 on the runner's device: each decode row's first token, replacing its entry in
     # `input_ids` (the previous step's sample, launched before the host has read it); None = take `input_ids`
     decode_input_ids: torch.Tensor | None = None
+    # [num_decode_rows, D] int64 on the runner's device: row i's drafts (its tokens 1 .. W_i - 1) in its first
+    # W_i - 1 columns, -1 after them, replacing the placeholders in `input_ids` (drafts the host has not read,
+    # `engine.speculative.device_drafts`); None = take `input_ids`
+    decode_draft_ids: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

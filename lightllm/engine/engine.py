@@ -23,6 +23,7 @@ from lightllm.engine.sampler import RowContext, Sampler, compute_logprobs
 from lightllm.engine.scheduler import SchedulePlan, Scheduler
 from lightllm.engine.speculative import create_speculator
 from lightllm.engine.speculative.acceptance import SimulatedAcceptance
+from lightllm.engine.speculative.device_drafts import decode_draft_ids, host_drafts
 from lightllm.engine.speculative.verify import WindowResult, verify_greedy_windows, verify_window
 
 logger = logging.getLogger(__name__)
@@ -278,7 +279,7 @@ class Engine:
             start = row.req.num_computed_tokens
             ids += row.req.all_ids[start : start + row.num_tokens]
         for row in plan.decode:
-            ids += [row.req.last_token_id, *row.draft_ids]
+            ids += [row.req.last_token_id, *host_drafts(row.draft_ids)]
         rows = plan.rows
         asks = [self._asks_prompt_logits(row.req, row.num_tokens) for row in plan.prefill]
         return ForwardBatch(
@@ -291,6 +292,7 @@ class Engine:
                 row.req.num_computed_tokens + row.num_tokens == row.req.num_prefill_tokens for row in plan.prefill
             ],
             prefill_prompt_logits=asks if any(asks) else [],
+            decode_draft_ids=decode_draft_ids([row.draft_ids for row in plan.decode]),
         )
 
     @staticmethod
@@ -374,6 +376,8 @@ class Engine:
             return self.acceptance.verify(windows, logits, self.sampler, self.row_context)
         if all(req.params.greedy and not req.params.has_penalties for req, *_ in windows):
             return self._verify_greedy(windows, logits)
+        # sampled verification walks the drafts on the host
+        windows = [(req, start, width, list(drafts)) for req, start, width, drafts in windows]
         contexts = [self.row_context(req, drafts[:j], logits.device) for req, _, w, drafts in windows for j in range(w)]
         probs = self.sampler.target_probs(logits, contexts)
         # one host transfer for the whole batch: greedy rows verify from these, NaN rows fail alone

@@ -34,6 +34,8 @@ class MtpDrafter:
             if not req.mtp_hidden:
                 raise RuntimeError(f"request {h}: nothing to draft from (no forward since the last draft)")
         q = np.asarray([sum(n for _, _, n in req.mtp_hidden) for req in reqs], dtype=np.int64)
+        for req, n in zip(reqs, q.tolist()):
+            assert sum(c for _, _, c in req.mtp_next_ids) + 1 == n, "MTP bookkeeping out of sync"
         # prompt-length rows first (each its own attention group), then the short rows as one padded group
         order = np.argsort(q <= self.max_width, kind="stable")
         num_long = int((q > self.max_width).sum())
@@ -41,11 +43,9 @@ class MtpDrafter:
         q_lens = q[order]
         rows = np.asarray(handles)[order]
         cached = np.asarray([req.mtp_len for req in reqs], dtype=np.int64)
-        tokens = []
-        for req, nxt in zip(reqs, np.asarray(next_tokens)[order].tolist()):
-            ids = req.mtp_next_ids + [nxt]
-            assert len(ids) == sum(n for _, _, n in req.mtp_hidden), "MTP bookkeeping out of sync"
-            tokens += ids
+        # each row's pairs: the tokens after its pending hidden states (on the device), then its next token
+        next_dev = torch.tensor(np.asarray(next_tokens, dtype=np.int64)[order]).to(device, non_blocking=True)
+        tokens = gather_spans([[*req.mtp_next_ids, (next_dev, i, 1)] for i, req in enumerate(reqs)], device)
         hidden = gather_spans([req.mtp_hidden for req in reqs], device)
         inverse = torch.from_numpy(np.argsort(order)).to(device)
         graphs = self.graphs
@@ -59,7 +59,7 @@ class MtpDrafter:
         width = padded_decode_width(q_lens.tolist(), num_long, 0)
         layout = torch.from_numpy(padded_token_index(q_lens.tolist(), num_long, width)).to(device)
         ids = torch.zeros(ctx.num_tokens, dtype=torch.int64, device=device)
-        ids[layout] = torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True)
+        ids[layout] = tokens
         padded_hidden = hidden.new_zeros(ctx.num_tokens, hidden.shape[1])
         padded_hidden[layout] = hidden
         out = self.head(self.model.embed_tokens(ids), padded_hidden, ctx)
@@ -92,7 +92,7 @@ class MtpDrafter:
         into the head's KV without drafting, so the head's KV holds the pair of every committed token (the prefix
         cache shares it). The last hidden row stays pending for the next `draft`, which commits the same entries
         a single `draft` would have."""
-        num_known = len(req.mtp_next_ids)
+        num_known = sum(count for _, _, count in req.mtp_next_ids)
         if num_known == 0:
             return
         device = self.kv.device
@@ -101,15 +101,15 @@ class MtpDrafter:
         self.kv.truncate_many(row, np.asarray([req.mtp_len]))
         self.kv.extend_many(row, np.asarray([num_known]))
         ctx = build_context([num_known], [req.mtp_len], 1, [handle], self.kv, position_offset=1)
-        ids = torch.tensor(req.mtp_next_ids, dtype=torch.int64).to(device, non_blocking=True)
+        ids = gather_spans([req.mtp_next_ids], device)
         self.head(self.model.embed_tokens(ids), hidden[:num_known], ctx)
         req.mtp_len += num_known
         req.mtp_hidden, req.mtp_next_ids = [(hidden, num_known, hidden.shape[0] - num_known)], []
 
 
 def gather_spans(spans_per_row: list[list[tuple[torch.Tensor, int, int]]], device) -> torch.Tensor:
-    """Rows `(source, start, count)` of some step outputs, concatenated in order with one gather (the spans of a
-    step usually all point into that step's one hidden tensor)."""
+    """Rows `(source, start, count)` of some step outputs (hidden states, or token ids), concatenated in order
+    with one gather (the spans of a step usually all point into that step's one tensor)."""
     sources: dict[int, tuple[torch.Tensor, int]] = {}
     starts, counts = [], []
     for spans in spans_per_row:
@@ -122,3 +122,14 @@ def gather_spans(spans_per_row: list[list[tuple[torch.Tensor, int, int]]], devic
     table = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
     index = ragged_arange(np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64))
     return table[torch.from_numpy(index).to(device, non_blocking=True)]
+
+
+def drop_last_rows(spans: list[tuple[torch.Tensor, int, int]], num_rows: int) -> None:
+    """Shorten `spans` (in place) by their last `num_rows` rows: a verify window's rejected positions."""
+    while num_rows:
+        source, start, count = spans[-1]
+        if count > num_rows:
+            spans[-1] = (source, start, count - num_rows)
+            return
+        spans.pop()
+        num_rows -= count

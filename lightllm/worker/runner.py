@@ -29,8 +29,8 @@ from lightllm.models.loader import load_weights
 from lightllm.models.registry import load_model_config
 from lightllm.models.tp import TPInfo
 from lightllm.worker.config import RunnerConfig
-from lightllm.worker.drafting import MtpDrafter
-from lightllm.worker.graphs.decode import DecodeGraphs
+from lightllm.worker.drafting import MtpDrafter, drop_last_rows
+from lightllm.worker.graphs.decode import DecodeGraphs, write_window_drafts
 from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
@@ -49,9 +49,9 @@ class RequestRecord:
     # tokens whose KV / linear state is committed
     num_tokens: int = 0
     # MTP: final hidden states not yet paired with their next token, as (step output, first row, rows) spans,
-    # and the tokens that follow them
+    # and the tokens that follow them as (step's token ids on the device, first, count) spans
     mtp_hidden: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
-    mtp_next_ids: list[int] = field(default_factory=list)
+    mtp_next_ids: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     # MTP: committed (hidden, token) pairs in the MTP head's KV
     mtp_len: int = 0
     # MTP: (step output, row) of the last committed token's hidden state once a draft consumed the spans
@@ -347,6 +347,7 @@ class ModelRunner:
         if first_tokens is not None and self.drafter is not None:
             raise ValueError("decode_input_ids cannot feed an MTP drafter, which needs the tokens on the host")
         fixed = self._forward_fixed_buffers(batch, ids, q_lens, handles, state_slots, first_tokens)
+        ids_dev = None
         if fixed is not None:
             hidden, decode_rows = fixed
         else:
@@ -360,10 +361,7 @@ class ModelRunner:
                 state_slots,
                 decode_width=self.max_width,
             )
-            ids_dev = to_device(ids, self.device)
-            if first_tokens is not None:
-                start = len(ids) - width * batch.num_decode_rows
-                ids_dev[start::width] = first_tokens
+            ids_dev = self._device_ids(batch, ids, width)
             hidden = self.model(ids_dev, ctx)
             if np_:
                 self.state.finish_prefill(ctx.prefill_rows.slots)
@@ -371,7 +369,9 @@ class ModelRunner:
         real = to_device(layout, self.device)
         select = real[self._logit_rows(batch)]
         if self.drafter is not None:
-            self._remember_for_mtp(batch, reqs, hidden[real], batch.input_ids)
+            if ids_dev is None:
+                ids_dev = self._device_ids(batch, ids, width)
+            self._remember_for_mtp(batch, reqs, hidden[real], ids_dev[real])
         # prefill tokens are committed now; decode rows commit in `accept`
         for req, q in zip(reqs[:np_], batch.query_lens[:np_]):
             req.num_tokens += q
@@ -420,6 +420,7 @@ class ModelRunner:
                 handles[np_:],
                 np.asarray(state_slots[np_:]),
                 first_tokens,
+                batch.decode_draft_ids,
             )
             parts.append(hidden)
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), decode_rows
@@ -447,14 +448,27 @@ class ModelRunner:
         rows = real[to_device(index, self.device)]
         return self.model.logits(hidden[rows]), offsets
 
-    def _remember_for_mtp(self, batch, reqs, hidden, input_ids) -> None:
-        ids = input_ids.tolist()
+    def _device_ids(self, batch: ForwardBatch, ids: np.ndarray, width: int) -> torch.Tensor:
+        """The step's token ids on the device in its padded layout, decode rows' first tokens and drafts taken
+        from the device tensors that stand for what the host does not know yet."""
+        ids_dev = to_device(ids, self.device)
+        if batch.num_decode_rows:
+            windows = ids_dev[len(ids) - width * batch.num_decode_rows :].view(batch.num_decode_rows, width)
+            if batch.decode_input_ids is not None:
+                windows[:, 0] = batch.decode_input_ids
+            if batch.decode_draft_ids is not None:
+                write_window_drafts(windows, batch.decode_draft_ids)
+        return ids_dev
+
+    def _remember_for_mtp(self, batch, reqs, hidden, token_ids) -> None:
+        """Queue the step's hidden states and the tokens that follow them (`token_ids`: the step's real tokens on
+        the device, flat in row order) for the next `draft`."""
         start = 0
         for req, q in zip(reqs, batch.query_lens):
-            tokens = ids[start : start + q]
             if req.mtp_hidden:
-                req.mtp_next_ids.append(tokens[0])
-            req.mtp_next_ids += tokens[1:]
+                req.mtp_next_ids.append((token_ids, start, 1))
+            if q > 1:
+                req.mtp_next_ids.append((token_ids, start + 1, q - 1))
             req.mtp_hidden.append((hidden, start, q))
             start += q
 
@@ -484,9 +498,8 @@ class ModelRunner:
 
     @staticmethod
     def _drop_rejected_mtp(req: RequestRecord, num_rejected: int) -> None:
-        source, start, count = req.mtp_hidden[-1]
-        req.mtp_hidden[-1] = (source, start, count - num_rejected)
-        del req.mtp_next_ids[len(req.mtp_next_ids) - num_rejected :]
+        drop_last_rows(req.mtp_hidden, num_rejected)
+        drop_last_rows(req.mtp_next_ids, num_rejected)
 
     # MTP -------------------------------------------------------------------------------------------------
     def draft(self, handles: list[int], next_tokens: torch.Tensor, mtp_step: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from lightllm.engine.batch import ForwardBatch, ForwardOutput
 from lightllm.cache.prefix import PrefixMatch
+from lightllm.engine.batch import ForwardBatch, ForwardOutput
 
 NUM_SUM_BUCKETS = 7
 
@@ -126,6 +126,13 @@ class FakeRunner:
             starts = [sum(batch.query_lens[:row]) for row in range(batch.num_prefill_rows, batch.num_rows)]
             for start, token in zip(starts, batch.decode_input_ids.tolist()):
                 ids[start] = token
+        if batch.decode_draft_ids is not None:
+            # drafts the host has not read: their places in `input_ids` are placeholders
+            starts = [sum(batch.query_lens[:row]) for row in range(batch.num_prefill_rows, batch.num_rows)]
+            for start, row in zip(starts, batch.decode_draft_ids.tolist()):
+                for j, token in enumerate(row):
+                    if token >= 0:
+                        ids[start + 1 + j] = token
         if self.fail_token is not None and self.fail_token in ids:
             raise RuntimeError("fake runner failure")
         logits, hidden, offset = [], [], 0

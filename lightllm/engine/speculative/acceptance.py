@@ -20,7 +20,8 @@ import torch
 
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import RowContext, Sampler
-from lightllm.engine.speculative.verify import WindowResult, window_nan_counts
+from lightllm.engine.speculative.device_drafts import draft_matrix
+from lightllm.engine.speculative.verify import WindowResult, read_with_drafts, window_nan_counts
 
 # (request, first logits row, window width, drafts) as the engine lists the windows of a step
 Window = tuple[Request, int, int, list[int]]
@@ -62,12 +63,19 @@ class SimulatedAcceptance:
         if all(req.params.greedy and not req.params.has_penalties for req, *_ in windows):
             next_tokens = rows.argmax(dim=-1)
         else:
-            contexts = [row_context(req, drafts[:n], device) for (req, _, _, drafts), n in zip(windows, kept)]
+            # only penalties look at the kept drafts (which a row with penalties reads on the host)
+            contexts = [
+                row_context(req, list(drafts[:n]) if req.params.has_penalties else [], device)
+                for (req, _, _, drafts), n in zip(windows, kept)
+            ]
             next_tokens = sampler.draw_tokens(sampler.target_probs(rows, contexts), contexts)
         starts = [start for _, start, _, _ in windows]
         widths = [width for _, _, width, _ in windows]
         nans = window_nan_counts(logits, torch.tensor(starts, device=device), torch.tensor(widths, device=device))
-        tokens, bad = torch.stack([next_tokens, nans]).tolist()
+        drafts = [d for *_, d in windows]
+        padded = draft_matrix(drafts, device)
+        host = read_with_drafts(torch.stack([next_tokens, nans], dim=1), padded, drafts)
         return [
-            None if b else WindowResult([*drafts[:n], t]) for (*_, drafts), n, t, b in zip(windows, kept, tokens, bad)
+            None if bad else WindowResult([*d[:n], t])
+            for d, n, (t, bad) in zip(host.drafts, kept, host.rows, strict=True)
         ]

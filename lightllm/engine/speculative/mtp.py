@@ -1,19 +1,24 @@
 """MTP drafts: the model's MTP head chains `num_drafts` greedy guesses from the last hidden state of each request
 that got a token. A step marks those requests; their drafts are made at the start of the next step (`propose`,
-before the scheduler reads them), so the tokens of a step go out without waiting for the MTP head."""
+before the scheduler reads them), so the tokens of a step go out without waiting for the MTP head. The drafts stay
+on the device (`device_drafts.py`): the verify window takes them from there, and the verify's read-back brings
+the accepted ones to the host."""
 
 from __future__ import annotations
 
 import torch
 
 from lightllm.engine.request import Request
+from lightllm.engine.speculative.device_drafts import DraftBatch
 
 
 class MtpSpeculator:
     """Strategy object: drafts come from `runner.draft`, one call per step for every request due one."""
 
-    def __init__(self, num_drafts: int):
+    def __init__(self, num_drafts: int, keep_on_device: bool = True):
         self.num_drafts = num_drafts
+        # False: read every draft batch back at once (a second wait for the device per step)
+        self.keep_on_device = keep_on_device
         self._runner = None
         self._due: list[Request] = []
 
@@ -45,6 +50,8 @@ class MtpSpeculator:
         if not now:
             return
         next_tokens = torch.tensor([req.output_ids[-1] for req in now], dtype=torch.long)
-        drafts = self._runner.draft([req.handle for req in now], next_tokens, self.num_drafts)
-        for req, row in zip(now, drafts.tolist()):
-            req.draft_ids = row
+        drafts = DraftBatch(self._runner.draft([req.handle for req in now], next_tokens, self.num_drafts))
+        if not self.keep_on_device:
+            drafts.host()
+        for i, req in enumerate(now):
+            req.draft_ids = drafts.row(i, self.num_drafts)

@@ -10,11 +10,13 @@ from the target one at a time. Greedy rows (one-hot `p_j`) accept exactly the dr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lightllm.engine.sampler import RowContext, Sampler
+from lightllm.engine.speculative.device_drafts import draft_matrix, has_device_drafts
 
 
 @dataclass
@@ -65,12 +67,12 @@ def verify_window(
 
 
 def verify_greedy_windows(
-    starts: list[int], widths: list[int], drafts: list[list[int]], logits: torch.Tensor
+    starts: list[int], widths: list[int], drafts: list[Sequence[int]], logits: torch.Tensor
 ) -> list[WindowResult | None]:
     """Greedy verification of every window at once, counted on the logits' device: window i spans logits rows
     `starts[i] .. starts[i] + widths[i] - 1` and keeps its drafts while each equals the argmax before it. One host
-    transfer brings back each window's accepted count, next token and NaN flag; None marks a window whose logits
-    hold a NaN (that request fails alone)."""
+    transfer brings back each window's accepted count, next token and NaN flag (and the drafts themselves when
+    some are still on the device); None marks a window whose logits hold a NaN (that request fails alone)."""
     num = len(starts)
     if num == 0:
         return []
@@ -79,16 +81,36 @@ def verify_greedy_windows(
     start = torch.tensor(starts, dtype=torch.long, device=device)
     width = torch.tensor(widths, dtype=torch.long, device=device)
     max_drafts = max(len(d) for d in drafts)
+    padded = draft_matrix(drafts, device, max_drafts)
     if max_drafts:
-        padded = torch.tensor([d + [-1] * (max_drafts - len(d)) for d in drafts], dtype=torch.long, device=device)
         position = (start[:, None] + torch.arange(max_drafts, device=device)[None, :]).clamp(max=argmax.numel() - 1)
         kept = (padded == argmax[position]) & (padded >= 0)
         accepted = kept.long().cumprod(dim=-1).sum(dim=-1)
     else:
         accepted = torch.zeros(num, dtype=torch.long, device=device)
     nan_in_window = window_nan_counts(logits, start, width)
-    counts, next_tokens, nans = torch.stack([accepted, argmax[start + accepted], nan_in_window]).tolist()
-    return [None if bad else WindowResult([*d[:n], nxt]) for n, nxt, bad, d in zip(counts, next_tokens, nans, drafts)]
+    host = read_with_drafts(torch.stack([accepted, argmax[start + accepted], nan_in_window], dim=1), padded, drafts)
+    return [
+        None if bad else WindowResult([*d[:n], nxt]) for (n, nxt, bad), d in zip(host.rows, host.drafts, strict=True)
+    ]
+
+
+@dataclass
+class ReadBack:
+    # per window, the values read back (one row of the step's figures)
+    rows: list[list[int]]
+    # per window, its drafts as host lists
+    drafts: list[list[int]]
+
+
+def read_with_drafts(figures: torch.Tensor, padded: torch.Tensor, drafts: list[Sequence[int]]) -> ReadBack:
+    """One host transfer of `figures` [windows, F] and, when some drafts are still on the device, of `padded`
+    [windows, D] (their `draft_matrix`) beside them: the step's one wait for the device."""
+    if not has_device_drafts(drafts):
+        return ReadBack(figures.tolist(), [list(d) for d in drafts])
+    host = torch.cat([figures, padded.to(figures.dtype)], dim=1).tolist()
+    f = figures.shape[1]
+    return ReadBack([row[:f] for row in host], [row[f : f + len(d)] for row, d in zip(host, drafts)])
 
 
 def window_nan_counts(logits: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:

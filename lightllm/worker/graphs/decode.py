@@ -106,10 +106,12 @@ class DecodeGraphs:
         kv_rows: np.ndarray,
         state_slots: np.ndarray,
         first_tokens: torch.Tensor | None = None,
+        draft_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, DecodeRows]:
         """One decode-only step of `n = len(q_lens)` rows (`n <= max_batch`); `input_ids [n * W]` in the padded
-        layout, whose first token per row is replaced by `first_tokens [n]` (a device tensor) when given. Returns the hidden states `[n * W, hidden]` (a view, valid until the next run) and the rows'
-        DecodeRows for `accept`."""
+        layout, whose first token per row is replaced by `first_tokens [n]` and whose drafts by `draft_ids [n, D]`
+        (device tensors; see `write_window_drafts`) when given. Returns the hidden states `[n * W, hidden]` (a view,
+        valid until the next run) and the rows' DecodeRows for `accept`."""
         n = len(q_lens)
         rows = self.bucket(n)
         assert rows is not None, f"{n} rows exceed the largest decode bucket {self.max_batch}"
@@ -139,9 +141,20 @@ class DecodeGraphs:
         self._upload(rows)
         if first_tokens is not None:
             self._i64[0, : n * w : w].copy_(first_tokens)
+        if draft_ids is not None:
+            write_window_drafts(self._i64[0, : n * w].view(n, w), draft_ids)
         hidden = self._graphs.run(rows)
         i32 = self._i32
         accept_rows = DecodeRows(
             slots=i32[_I32.index("state_slots"), :n], widths=i32[_I32.index("widths"), :n], max_width=w
         )
         return hidden[: n * w], accept_rows
+
+
+def write_window_drafts(windows: torch.Tensor, draft_ids: torch.Tensor) -> None:
+    """In place on `windows` [n, W] (decode rows' token ids): row i's positions 1 .. D take `draft_ids[i]` [D]
+    where it is not -1 (a row with fewer drafts keeps what the host wrote)."""
+    num = draft_ids.shape[1]
+    assert num < windows.shape[1], f"{num} drafts in windows of {windows.shape[1]} tokens"
+    target = windows[:, 1 : 1 + num]
+    target.copy_(torch.where(draft_ids >= 0, draft_ids, target))

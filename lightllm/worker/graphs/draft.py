@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from lightllm.cache.device_copy import copy_to_device, to_device
-from lightllm.worker.graphs.buckets import BucketGraphs, batch_buckets
 from lightllm.models.context import AttentionGroup, StepContext, layout_positions, padded_token_index
+from lightllm.worker.graphs.buckets import BucketGraphs, batch_buckets
 
 # int64 fields of one phase ([rows * width] each) and int32 fields ([rows] each); phase 0 commits the pairs,
 # phase p >= 1 feeds draft p - 1
@@ -108,11 +108,11 @@ class DraftGraphs:
             self.use_graphs = self._graphs.capture()
 
     def run(
-        self, kv_rows: np.ndarray, q_lens: np.ndarray, cached: np.ndarray, tokens: list[int], hidden: torch.Tensor
+        self, kv_rows: np.ndarray, q_lens: np.ndarray, cached: np.ndarray, tokens: torch.Tensor, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft for `n = len(q_lens)` rows (`n <= max_batch`, every `q_lens[i] <= width`): row i commits the
-        pairs (`hidden`, `tokens`) of its `q_lens[i]` positions after `cached[i]` committed ones (both flat in
-        row order). Allocates the KV slots the draft writes; returns (drafts `[n, mtp_step]`, logits)."""
+        pairs (`hidden`, `tokens`: on the device) of its `q_lens[i]` positions after `cached[i]` committed ones
+        (both flat in row order). Allocates the KV slots the draft writes; returns (drafts `[n, mtp_step]`, logits)."""
         n = len(q_lens)
         rows = self.bucket(n)
         assert rows is not None and int(q_lens.max()) <= self.width, "batch outside the captured shapes"
@@ -124,7 +124,6 @@ class DraftGraphs:
         h64[:, : rows * w] = 0
         h32[:, :rows] = 0
         layout = padded_token_index(q_lens.tolist(), 0, w)
-        h64[0, layout] = tokens
         h64[1, :rows] = np.arange(rows) * w
         h64[1, :n] += q_lens - 1
         h64[2, :n] = kv_rows
@@ -139,7 +138,9 @@ class DraftGraphs:
             h32[self._field32(phase, "query_len"), :n] = q
             h32[self._field32(phase, "num_cached"), :n] = start
         self._upload(rows)
-        self._hidden[to_device(layout, self._hidden.device)] = hidden.to(self._hidden.dtype)
+        layout_dev = to_device(layout, self._hidden.device)
+        self._i64[0, layout_dev] = tokens
+        self._hidden[layout_dev] = hidden.to(self._hidden.dtype)
         drafts, logits = self._graphs.run(rows)
         # the outputs are the graph's buffers: the caller keeps copies
         return drafts[:n].clone(), logits[:n].clone()

@@ -1,0 +1,211 @@
+"""MTP drafts left on the device (`engine.speculative.device_drafts`) with the real runner on a tiny Qwen3.5: in
+every state mode the engine emits the same tokens, log-probabilities and finish reasons as with the drafts read
+back first (exactly) and as greedy decoding without speculation, with scripted drafts that keep 0 .. W - 1 of
+their tokens, staggered arrivals, an abort, a stop token found inside a window, length limits and slot reuse; a
+greedy speculative step reads the device once (the drafts are never read back on their own)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightllm.engine.messages import Finished, NewRequest, TokenChunk
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.engine.speculative import MtpSpeculator
+from lightllm.engine.speculative.acceptance import SimulatedAcceptance
+from lightllm.engine.speculative.device_drafts import DraftBatch
+from lightllm.server.args import load_server_args
+from lightllm.server.engine_process import build_engine
+from unit_tests.helpers.scripted_drafts import ScriptedDrafts
+from unit_tests.models.conftest import case_dir
+
+MTP_STEP = 2
+# (request id, prompt, max_tokens, arrival step); four requests through two slots: slots are reused
+REQUESTS = [
+    ("a", [5, 6, 7, 8, 9], 12, 0),
+    ("b", list(range(30, 49)), 7, 0),
+    ("c", [11, 12], 10, 2),
+    ("d", [3, 1, 4, 1, 5, 9, 2, 6], 9, 3),
+]
+# aborted between steps once it has this many tokens (while a window of it may be due)
+ABORTED, ABORT_AFTER = "c", 3
+STOPPED, STOP_AT = "d", 2
+NUM_REFERENCE_TOKENS = 16
+
+
+def _engine(mode: str, mtp_step: int, acceptance=None, fixed_buffers: bool = False):
+    """`fixed_buffers`: decode and draft steps through the buffers CUDA graphs replay (run eagerly on the CPU)."""
+    args, info = load_server_args(
+        [], model_dir=case_dir("qwen3_5-hv2"), device="cpu", data_type="float32", ssm_state_mode=mode,
+        mtp_step=mtp_step, max_running_requests=2, chunked_prefill_size=16, max_total_token_num=512,
+    )  # fmt: skip
+    engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner", acceptance)
+    if fixed_buffers:
+        assert engine.runner.init_decode_graphs(use_graphs=False)
+    return engine
+
+
+class _ScriptedOnDevice:
+    """Real MTP drafting after every step (the runner's head bookkeeping runs), then scripted drafts put on the
+    device as the verify windows' drafts: each window keeps a known number of them."""
+
+    def __init__(self, mtp: MtpSpeculator, scripted: ScriptedDrafts):
+        self.num_drafts, self.mtp, self.scripted = mtp.num_drafts, mtp, scripted
+
+    def propose(self, reqs):
+        self.mtp.propose(reqs)
+        self.scripted.propose(reqs)
+        if not reqs:
+            return
+        rows = [list(r.draft_ids) + [-1] * (self.num_drafts - len(r.draft_ids)) for r in reqs]
+        batch = DraftBatch(torch.tensor(rows, dtype=torch.long))
+        if not self.mtp.keep_on_device:
+            batch.host()
+        for i, req in enumerate(reqs):
+            req.draft_ids = batch.row(i, len(req.draft_ids))
+
+    def after_step(self, runner, rows, hidden):
+        self.mtp.after_step(runner, rows, hidden)
+
+    def flush(self, reqs=None):
+        self.mtp.flush(reqs)
+
+
+def _drive(engine, stop_ids: dict[str, list[int]], abort: bool = True):
+    """Run REQUESTS (arrivals by step number, the abort by progress); per request its tokens, logprobs, (finish reason,
+    output count) and the length of each of its chunks (one per step that gave it tokens)."""
+    tokens = {rid: [] for rid, *_ in REQUESTS}
+    chunks = {rid: [] for rid, *_ in REQUESTS}
+    logprobs = {rid: [] for rid, *_ in REQUESTS}
+    finished: dict[str, Finished] = {}
+    step = 0
+    while step <= max(s for *_, s in REQUESTS) or engine.has_work():
+        for rid, prompt, max_tokens, arrival in REQUESTS:
+            if arrival == step:
+                params = SamplingParams(
+                    temperature=0, max_tokens=max_tokens, logprobs=2, stop_token_ids=stop_ids.get(rid, [])
+                )
+                assert engine.add_request(NewRequest(rid, prompt, params)) == []
+        due = abort and len(tokens[ABORTED]) >= ABORT_AFTER and ABORTED not in finished
+        outputs = engine.abort(ABORTED) if due else []
+        outputs += engine.step()
+        for out in outputs:
+            if isinstance(out, TokenChunk):
+                tokens[out.req_id] += out.token_ids
+                logprobs[out.req_id] += out.logprobs
+                chunks[out.req_id].append(len(out.token_ids))
+            elif isinstance(out, Finished):
+                finished[out.req_id] = out
+        step += 1
+        assert step < 500, "engine did not drain"
+    return tokens, logprobs, {rid: (f.reason, f.num_output_tokens) for rid, f in finished.items()}, chunks
+
+
+@pytest.fixture(scope="module")
+def continuations():
+    """Greedy continuations without speculation (the scripted drafts' truth) and the stop token of STOPPED."""
+    engine = _engine("native", 0)
+    for rid, prompt, _, _ in REQUESTS:
+        params = SamplingParams(temperature=0, max_tokens=NUM_REFERENCE_TOKENS, ignore_eos=True)
+        engine.add_request(NewRequest(rid, prompt, params))
+    out = {rid: [] for rid, *_ in REQUESTS}
+    while engine.has_work():
+        for o in engine.step():
+            if isinstance(o, TokenChunk):
+                out[o.req_id] += o.token_ids
+    stop = out[STOPPED][STOP_AT]
+    assert stop not in out[STOPPED][:STOP_AT], "pick another STOP_AT: the stop token occurs earlier"
+    return {tuple(p): out[rid] for rid, p, _, _ in REQUESTS}, {STOPPED: [stop]}
+
+
+def _scripted_run(mode: str, keep_on_device: bool, continuations, stop_ids, monkeypatch, fixed_buffers=False):
+    engine = _engine(mode, MTP_STEP, fixed_buffers=fixed_buffers)
+    mtp = engine.speculator
+    mtp.keep_on_device = keep_on_device
+    scripted = ScriptedDrafts(continuations, MTP_STEP, engine.runner.vocab_size)
+    engine.speculator = _ScriptedOnDevice(mtp, scripted)
+    reads, fed = [], []
+    original = DraftBatch.host
+    monkeypatch.setattr(DraftBatch, "host", lambda self: reads.append(1) or original(self))
+    if fixed_buffers:
+        graphs = engine.runner.decode_graphs
+        run = graphs.run
+        graphs.run = lambda *a: fed.append(a[-1] is not None) or run(*a)
+    result = _drive(engine, stop_ids)
+    monkeypatch.setattr(DraftBatch, "host", original)
+    # the fixed buffers took drafts from the device (when they stayed there)
+    assert not fixed_buffers or any(fed) == keep_on_device
+    return result, scripted, len(reads)
+
+
+@pytest.mark.parametrize(
+    "mode, fixed_buffers",
+    [("native", False), ("compact", False), ("replay", False), ("replay", True), ("compact", True)],
+    ids=["native", "compact", "replay", "replay-fixed-buffers", "compact-fixed-buffers"],
+)
+def test_device_drafts_equal_host_drafts_and_greedy(mode, fixed_buffers, continuations, monkeypatch):
+    truth, stop_ids = continuations
+    on_device, scripted, reads = _scripted_run(mode, True, truth, stop_ids, monkeypatch, fixed_buffers)
+    on_host, _, host_reads = _scripted_run(mode, False, truth, stop_ids, monkeypatch, fixed_buffers)
+    # the same windows, the same arithmetic: exactly equal
+    assert on_device == on_host
+    # the drafts on the device were never read on their own; read back first, once per drafting call
+    assert reads == 0 and host_reads > 0
+    tokens, logprobs, finished, chunks = on_device
+    assert _windows_follow_script(chunks, scripted)
+    # the script made windows keep every count of drafts, 0 .. MTP_STEP
+    kept = {n - 1 for windows in scripted.expected_tokens_per_window.values() for n in windows}
+    assert kept == set(range(MTP_STEP + 1))
+    # greedy without speculation: the same tokens and reasons, log-probabilities to rounding
+    # (compact differs from native only under speculation: the reference runs native)
+    reference = _drive(_engine("native" if mode == "compact" else mode, 0), stop_ids)
+    for rid, prompt, _, _ in REQUESTS:
+        if rid == ABORTED:
+            assert finished[rid][0] == "abort" and len(tokens[rid]) >= ABORT_AFTER
+            assert tokens[rid] == truth[tuple(prompt)][: len(tokens[rid])]
+            continue
+        assert tokens[rid] == reference[0][rid], rid
+        assert finished[rid] == reference[2][rid], rid
+        assert torch.allclose(torch.tensor(logprobs[rid]), torch.tensor(reference[1][rid]), atol=1e-4), rid
+    assert finished[STOPPED] == ("stop", STOP_AT + 1)
+    assert finished["a"] == ("length", 12) and finished["b"] == ("length", 7)
+
+
+def _windows_follow_script(chunks: dict[str, list[int]], scripted: ScriptedDrafts) -> bool:
+    """Whether each request's windows (its chunks after the prefill's) emitted what its script kept (the last may
+    be cut by a stop token)."""
+    for rid, lengths in chunks.items():
+        expected = scripted.expected_tokens_per_window.get(rid, [])
+        windows = lengths[1:]
+        if windows[:-1] != expected[: len(windows) - 1] or (windows and windows[-1] > expected[len(windows) - 1]):
+            return False
+    return True
+
+
+def test_device_drafts_twin_verify_the_device_values(continuations, monkeypatch):
+    """Twin: device drafts whose values differ from the script's (each moved by one token) are what the windows
+    verify: the windows no longer keep what the script says, while greedy text stays the model's."""
+    truth, stop_ids = continuations
+    original = DraftBatch.__init__
+
+    def shifted(self, tensor):
+        original(self, torch.where(tensor > 0, tensor - 1, tensor + 1))
+
+    monkeypatch.setattr(DraftBatch, "__init__", shifted)
+    (tokens, _, _, chunks), scripted, _ = _scripted_run("replay", True, truth, stop_ids, monkeypatch)
+    assert not _windows_follow_script(chunks, scripted)
+    assert tokens["a"] == truth[tuple(REQUESTS[0][1])][:12]
+
+
+@pytest.mark.parametrize("mode", ["compact", "replay"])
+def test_simulated_acceptance_with_device_drafts_equals_host_drafts(mode, monkeypatch):
+    """Real MTP drafts kept by seeded coins (windows keep 0 .. W - 1 drafts whatever the head guessed): the kept
+    drafts come back with the verify's read-back and equal a run whose drafts were read first."""
+    runs = []
+    for keep_on_device in (True, False):
+        engine = _engine(mode, MTP_STEP, SimulatedAcceptance(0.6, seed=3))
+        engine.speculator.keep_on_device = keep_on_device
+        runs.append((_drive(engine, {}, abort=False), engine.stats.accepted_length_counts))
+    assert runs[0] == runs[1]
+    counts = runs[0][1]
+    assert all(c > 0 for c in counts), counts
