@@ -310,3 +310,41 @@ def test_a_seeded_request_samples_on_as_if_it_had_not_moved():
     pair.wire.corrupt = drop_generator
     fresh, _ = pair.run(PROMPTS, params, prefix="g")
     assert any([t for t, _ in fresh[f"g{k}"]] != [t for t, _ in expected[f"r{k}"]] for k in range(2))
+
+
+def test_a_constrained_request_keeps_its_grammar_across_the_hand_off(monkeypatch):
+    """The decode node's matcher resumes after the prefill node's first token: constrained greedy decoding moved
+    between nodes equals one engine's, and every output is valid for the schema."""
+    import functools
+    import json
+
+    from lightllm.server.http.structured import json_schema_grammar
+    from lightllm.server.tokenizer import Tokenizer
+
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 22, 333]}}, "required": ["n"]}
+    schema["additionalProperties"] = False
+    model_dir = str(tiny_model_dir("qwen3_next"))
+    tok = Tokenizer(load_server_args([], model_dir=model_dir, device="cpu")[1])
+    eos = list(tok.eos_token_ids)
+    monkeypatch.setitem(
+        globals(), "NewRequest", functools.partial(NewRequest, eos_token_ids=eos, tokenizer_dir=model_dir)
+    )
+    params = SamplingParams(temperature=0, max_tokens=24, grammar=json_schema_grammar(schema), logprobs=0)
+    expected = _monolithic("qwen3_next", "native", PROMPTS, params)
+    pair = Pair("qwen3_next", "native", "replay", 0)
+    tokens, finished = pair.run(PROMPTS, params)
+    _assert_close(expected, tokens)
+
+    def text(pairs) -> str:
+        return tok.decode([t for t, _ in pairs if t not in eos])
+
+    assert all(finished[r].reason == "stop" and json.loads(text(p))["n"] in (1, 22, 333) for r, p in tokens.items())
+    pair.assert_pools_empty()
+
+    # teeth: a decode node that drops the grammar decodes freely after the first token
+    def drop_grammar(transfer: PdTransfer) -> None:
+        transfer.request.params.grammar = None
+
+    pair.wire.corrupt = drop_grammar
+    free, _ = pair.run(PROMPTS, params, prefix="g")
+    assert any(text(free[f"g{k}"]) != text(expected[f"r{k}"]) for k in range(len(PROMPTS)))
