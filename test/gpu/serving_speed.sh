@@ -6,7 +6,8 @@
 #   bash test/gpu/serving_speed.sh [seconds per mode, default 170] [parts, default "overlap sync mtp2"]
 #
 # Parts: overlap (graphs + overlap scheduling; compact needs drafts), sync (the same without overlap), eager (no graphs, no
-# overlap), mtp2 (MTP 2, every mode). Rows print as they finish; each part's JSON goes to $OUT (or
+# overlap), mtp2 (MTP 2, every mode), accept (MTP 3 at simulated acceptance 0 / 0.5 / 0.7 / 0.9, every mode:
+# bench_throughput --simulate_acceptance). Rows print as they finish; each part's JSON goes to $OUT (or
 # /tmp/lightllm_gpu_out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,6 +37,9 @@ for part in $parts; do
                    run eager-$m --modes $m --batch_sizes 1,64,256 --disable_cudagraph --disable_overlap_schedule
                done ;;
         mtp2) for m in native compact replay; do run mtp2-$m --modes $m --batch_sizes 1,64,256 --mtp_step 2; done ;;
+        accept) for p in 0 0.5 0.7 0.9; do for m in native compact replay; do
+                    run accept$p-$m --modes $m --batch_sizes 1,64,256 --mtp_step 3 --simulate_acceptance $p
+                done; done ;;
         *) echo "unknown part $part" ;;
     esac
 done
