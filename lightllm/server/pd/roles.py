@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from lightllm.engine import grammar
-from lightllm.engine import grammar
 from lightllm.engine.engine import Engine
 from lightllm.engine.messages import Abort, EngineOutput, Finished, TokenChunk
 from lightllm.engine.request import Request, Status
@@ -336,11 +335,6 @@ class DecodeRole:
             max_new = min(max_new, params.max_tokens)
         req = Request(req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new)
         req.output_ids = list(transfer.first_chunk.token_ids)
-        # a grammar resumes where the prefill node's first token left it
-        problem = grammar.attach(engine.grammars, req, msg) or grammar.advance(req, req.output_ids)
-        if problem is not None:
-            engine.runner.free_request(handle)
-            return [Finished(req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=problem)]
         # a grammar resumes where the prefill node's first token left it
         problem = grammar.attach(engine.grammars, req, msg) or grammar.advance(req, req.output_ids)
         if problem is not None:
