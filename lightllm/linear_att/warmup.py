@@ -40,6 +40,16 @@ def warmup_token_counts(max_num_tokens: int, num_k_heads: int) -> list[int]:
     return sorted(counts)
 
 
+def prefill_warmup_calls(
+    max_num_tokens: int, num_k_heads: int, one_sequence_counts=(), token_counts: list[int] | None = None
+) -> list[tuple[list[int], bool]]:
+    """The warm-up's prefills as (row lengths, one sequence): each count of `warmup_token_counts` (or
+    `token_counts`) as one row, one call with three rows (varlen), each of `one_sequence_counts` as one sequence."""
+    counts = warmup_token_counts(max_num_tokens, num_k_heads) if token_counts is None else sorted(token_counts)
+    calls = [([t], False) for t in counts] + [([1, 2, max(1, min(max_num_tokens, 192) - 3)], False)]
+    return calls + [([t], True) for t in one_sequence_counts]
+
+
 def warmup_prefill(
     state,
     spec,
@@ -52,17 +62,15 @@ def warmup_prefill(
     """Run the prefill kernels (conv + fla chunk) on scratch tensors at the serving shapes; returns the call count.
 
     state: the serving `LinearAttState` (only its device, activation dtype and backend are read; its tensors are
-    never written). spec: its `LinearAttSpec` (per tensor-parallel rank). max_num_tokens: the largest prefill
-    chunk of one engine step (`chunked_prefill_size`). token_counts: override the counts from
+    never written). spec: its `LinearAttSpec` (per tensor-parallel rank). max_num_tokens: the most prefill
+    tokens of one engine step (`max_num_batched_tokens`: a step's prefill rows run as one varlen call). token_counts: override the counts from
     `warmup_token_counts`. Each count runs as one row, plus one call with three rows (varlen).
     one_sequence_counts: token counts that also run as one sequence without offsets (the padded prefills that
     replay as CUDA graphs: fla compiles and tunes that variant apart). Blocks until the device is done. On a CPU state this returns 0 at once: the torch path has nothing to tune.
     """
     if state.device.type != "cuda":
         return 0
-    counts = warmup_token_counts(max_num_tokens, spec.num_k_heads) if token_counts is None else sorted(token_counts)
-    calls = [([t], False) for t in counts] + [([1, 2, max(1, min(max_num_tokens, 192) - 3)], False)]
-    calls += [([t], True) for t in one_sequence_counts]
+    calls = prefill_warmup_calls(max_num_tokens, spec.num_k_heads, one_sequence_counts, token_counts)
     with torch.no_grad():
         for lengths, one_sequence in tqdm(calls, desc="prefill warm-up", unit="shape", disable=not progress):
             run_prefill_once(

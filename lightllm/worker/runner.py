@@ -36,6 +36,7 @@ from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
 from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
+from lightllm.worker.warmup_steps import warm_serving_steps
 
 logger = logging.getLogger(__name__)
 
@@ -518,11 +519,18 @@ class ModelRunner:
     def warmup(self, max_num_tokens: int, progress: bool = True) -> int:
         """Compile/autotune the linear-attention prefill kernels at the serving shapes on scratch tensors (the
         padded one-sequence prefills of `init_prefill_graphs` included), tune the decode kernels of a shape the
-        shipped tables lack, and compile every variant of the attention kernel the model's attention layers launch
-        (call once at start-up, before serving and before `init_decode_graphs`; a no-op on CPU). Returns the number
-        of warm-up calls."""
+        shipped tables lack, compile every variant of the attention kernel the model's attention layers launch, and
+        run one step of each kind serving makes on scratch requests (`warmup_steps`: the state's folds, export and
+        import, verify widths, mixed steps) so that no kernel compiles after ready (call once at start-up, before
+        serving and before `init_decode_graphs`; a no-op on CPU). `max_num_tokens`: the most prefill tokens of one
+        step (`--max_num_batched_tokens`). Returns the number of warm-up calls."""
+        from lightllm.linear_att.fla_pinning import pin_for_device
         from lightllm.linear_att.startup_tune import tune_serving_shape
         from lightllm.linear_att.warmup import warmup_prefill
+
+        if self.device.type == "cuda":
+            # fla's chunk kernels take their configs from the shipped table of this GPU kind instead of autotuning
+            pin_for_device(torch.cuda.get_device_name(self.device))
 
         tune_serving_shape(self.state, self.linear_spec, progress=progress)
         calls = warmup_prefill(
@@ -532,7 +540,10 @@ class ModelRunner:
             one_sequence_counts=prefill_buckets(self._prefill_graph_tokens()),
             progress=progress,
         )
-        return calls + self.warmup_attention()
+        calls += self.warmup_attention()
+        if self.device.type == "cuda":
+            calls += warm_serving_steps(self)
+        return calls
 
     def warmup_attention(self) -> int:
         """Every tile size and split variant of the attention kernel at each attention shape of the model (the MTP

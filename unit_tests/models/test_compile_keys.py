@@ -23,7 +23,8 @@ from lightllm.kernels.mla_attention import warmup_mla_attention
 from lightllm.kernels.paged_attention import warmup_paged_attention
 from lightllm.models.layers.attention import GatedAttention
 from lightllm.models.layers.mla import LatentAttention
-from unit_tests.helpers.launch_keys import launch_keys
+from lightllm.worker.warmup_steps import warm_serving_steps
+from unit_tests.helpers.launch_keys import LaunchKeys, launch_keys
 from unit_tests.models.conftest import MODEL_CASES, case_dir
 from unit_tests.models.drive import make_runner
 
@@ -36,9 +37,18 @@ def _triton_runner(model_dir: str, mode: str, width: int, mtp_step: int = 0):
     for module in runner.model.modules():
         if isinstance(module, (GatedAttention, LatentAttention)):
             module.attention_backend = "triton"
-    # decode-only steps (and MTP drafts) through the graphs' fixed buffers, eagerly
-    runner.init_decode_graphs(use_graphs=False)
     return runner
+
+
+def _missing(served: LaunchKeys, *warmed: LaunchKeys) -> dict[str, int]:
+    """Per kernel, how many (constexpr, runtime) keys of `served` no warm-up met."""
+    out = {}
+    for kernel, by_const in served.by_kernel.items():
+        for const, runtime in by_const.items():
+            met = set().union(*(w.by_kernel[kernel][const] for w in warmed if kernel in w.by_kernel))
+            if runtime - met:
+                out[kernel] = out.get(kernel, 0) + len(runtime - met)
+    return out
 
 
 def _serve_steps(runner, width: int, seed: int = 0) -> None:
@@ -71,6 +81,8 @@ def _serve_steps(runner, width: int, seed: int = 0) -> None:
     step([], h[:5])
     step([(h[16], 4)], h[:16])
     step([], h[:17])
+    # a prefix-cache publish or a prefill/decode hand-off exports checkpoints; a hit imports one
+    runner.import_checkpoint(h[:3], runner.export_checkpoint(h[:3]))
 
 
 @pytest.mark.parametrize(
@@ -80,8 +92,10 @@ def _serve_steps(runner, width: int, seed: int = 0) -> None:
 def test_serving_steps_meet_one_compile_key_per_kernel_variant_and_warmed_attention(
     tiny_model, model, mode, width, mtp_step
 ):
-    """One key per kernel and constexpr variant over every step; the attention kernels' keys are among those the
-    start-up attention warm-up (scratch tensors at the model's attention shapes, the MTP head's included) meets."""
+    """One key per kernel and constexpr variant over every step; every key a serving step meets was met at
+    start-up: by the attention warm-up (scratch tensors at the model's attention shapes, the MTP head's included),
+    the decode graphs' capture or the warm-up steps (`warm_serving_steps`). Without the warm-up steps, replay's
+    standalone fold (in place before a chunk, into a copy at export) would first compile in a serving step."""
     model_dir = case_dir(model) if model in MODEL_CASES else str(tiny_model(model))
     runner = _triton_runner(model_dir, mode, width, mtp_step)
     shapes = {m.attention_kernel_shape() for m in runner.model.modules() if hasattr(m, "attention_kernel_shape")}
@@ -91,8 +105,19 @@ def test_serving_steps_meet_one_compile_key_per_kernel_variant_and_warmed_attent
             warmup_paged_attention(heads, kv_heads, dk, dv, torch.float32, "cpu", by_row)
         for heads, rank, rope in {m.latent_attention_shape() for m in latent}:
             warmup_mla_attention(heads, rank, rope, torch.float32, "cpu")
+        # decode-only steps (and MTP drafts) through the graphs' fixed buffers, eagerly (capture runs each once)
+        runner.init_decode_graphs(use_graphs=False)
+    free = (runner.num_free_requests(), runner.kv.num_free_tokens())
+    with launch_keys() as warm_steps:
+        warm_serving_steps(runner)
+    # the warm-up requests gave their slots and KV back
+    assert (runner.num_free_requests(), runner.kv.num_free_tokens()) == free
     with launch_keys() as served:
         _serve_steps(runner, width)
+    assert _missing(served, warmed, warm_steps) == {}
+    if mode == "replay":
+        # the twin: the same serving steps against the start-up without its warm-up steps
+        assert "replay_fold_kernel" in _missing(served, warmed)
     kernels = set(served.by_kernel)
     # MLA attends decode, verify and these short chunks in latent space
     attention = "mla_attention_kernel" if latent else "paged_attention_kernel"

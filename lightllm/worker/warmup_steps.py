@@ -1,0 +1,67 @@
+"""Start-up warm-up through real steps, so that no kernel a serving step launches compiles after the server is ready.
+
+The prefill warm-up (`lightllm.linear_att.warmup`) and the attention warm-up cover the kernels whose compile keys
+follow the shapes (fla's chunk kernels, the attention tile variants), and graph capture compiles what the decode
+and short-prefill graphs run. Some launches only a step's own sequence of calls reaches: the state's fold of a
+request's pending history before its next prefill chunk (replay: `replay_fold_kernel` in place), the same fold into
+a copy when a checkpoint is exported (prefix-cache publish, prefill/decode hand-off) and the import, eager steps
+with several prefill rows, verify windows of every width with a partial accept, a prefill chunk beside a decode
+row, the MTP head's drafts. `warm_serving_steps` runs those on two requests of random token ids, then frees them:
+their state slots and KV go back to the pools and the state's counters are cleared, so the metrics count serving
+work only. The compile keys do not depend on the batch (rows, tokens, slots), so one launch per kernel variant is
+enough.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightllm.engine.batch import ForwardBatch
+
+# prompt chunks of the two warm-up requests: a first chunk from an empty state, then one resuming it
+_CHUNKS = ((3, 5), (6, 2))
+
+
+@torch.inference_mode()
+def warm_serving_steps(runner, seed: int = 0) -> int:
+    """Run one step of each kind serving makes on scratch requests of `runner` (a `ModelRunner` with a few dozen
+    free KV tokens, before serving; two requests, or one when it has a single slot, which then never mixes a chunk
+    with a decode row); returns the number of runner calls made."""
+    gen = torch.Generator().manual_seed(seed)
+    handles = [runner.add_request() for _ in range(min(2, runner.num_free_requests()))]
+    calls = 0
+
+    def step(prefill_lens: list[int], decode_width: int, decode_rows: list[int]) -> None:
+        nonlocal calls
+        rows = handles[: len(prefill_lens)] + decode_rows
+        lens = list(prefill_lens) + [decode_width] * len(decode_rows)
+        ids = torch.randint(1, runner.vocab_size, (sum(lens),), generator=gen)
+        cached = [runner.num_tokens(h) for h in rows]
+        runner.forward(ForwardBatch(rows, lens, cached, len(prefill_lens), ids, [False] * len(prefill_lens)))
+        calls += 1
+        if decode_rows:
+            # a partial accept of the wider windows: the state's rollback path too
+            runner.accept(decode_rows, [max(1, decode_width - 1)] * len(decode_rows))
+            calls += 1
+
+    for lens in _CHUNKS:
+        step(list(lens[: len(handles)]), 0, [])
+    for width in range(1, runner.max_width + 1):
+        step([], width, handles)
+    if runner.drafter is not None:
+        runner.draft(handles, torch.randint(1, runner.vocab_size, (len(handles),), generator=gen), runner.mtp_step)
+        calls += 1
+    if len(handles) == 2:
+        # a chunk beside a decode row; in replay mode the chunk's request folds the history its windows left
+        step([4], 1, handles[1:])
+    else:
+        step([4], 0, [])
+    runner.import_checkpoint(handles, runner.export_checkpoint(handles))
+    calls += 2
+    for handle in handles:
+        runner.free_request(handle)
+    for counter in runner.state.counters().values():
+        counter.zero_()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return calls
