@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightllm.engine.batch import ForwardOutput
+from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR, nonfinite_rows
 from lightllm.engine.messages import EngineOutput
 from lightllm.engine.scheduler import ScheduledRow, SchedulePlan
 
@@ -36,7 +37,7 @@ class InFlight:
     fwd: ForwardOutput
     # [rows] int64 on the device: each row's token (the next step's input)
     tokens: torch.Tensor
-    # [2, rows] host copy of (tokens, NaN flags), valid once `ready` has completed
+    # [2, rows] host copy of (tokens, non-finite flags), valid once `ready` has completed
     host: torch.Tensor
     ready: torch.cuda.Event | None
 
@@ -114,7 +115,7 @@ class OverlapScheduler:
                 row.req.num_computed_tokens += 1
             logits = fwd.logits
             tokens = self._draw_on_device(plan, logits)
-            flags = torch.stack([tokens, torch.isnan(logits).any(dim=-1).long()])
+            flags = torch.stack([tokens, nonfinite_rows(logits).long()])
             ready = None
             if flags.is_cuda:
                 host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
@@ -154,7 +155,7 @@ class OverlapScheduler:
             if req.is_finished:
                 continue
             if has_nan[i]:
-                outputs += engine.finish(req, "error", error="the model produced NaN logits")
+                outputs += engine.finish(req, "error", error=NONFINITE_LOGITS_ERROR)
             else:
                 outputs += engine.emit(req, [tokens[i]], inflight.fwd.logits, i)
         return outputs

@@ -8,6 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR
 from lightllm.engine.messages import EngineOutput, EngineStats, Finished, TokenChunk
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -100,6 +101,11 @@ class Metrics:
         self.e2e = Histogram(
             "lightllm_e2e_request_latency_seconds", "submit to finish", buckets=LATENCY_BUCKETS, registry=r
         )
+        self.nonfinite = Counter(
+            "lightllm_nonfinite_logits_requests",
+            "sequences ended with an error because their logits held NaN or +inf",
+            registry=r,
+        )
         r.register(_EngineCollector(get_stats))
         # plain running totals for the periodic throughput log
         self.num_prompt_tokens = 0
@@ -132,6 +138,8 @@ class Metrics:
             self.prompt_tokens.inc(out.num_prompt_tokens)
             self.num_prompt_tokens += out.num_prompt_tokens
             self.e2e.observe(now - submitted)
+            if out.error == NONFINITE_LOGITS_ERROR:
+                self.nonfinite.inc()
             del self._times[out.req_id]
 
     def in_flight(self) -> dict[str, float]:
