@@ -111,3 +111,20 @@ def test_plain_answer_without_tools_or_reasoning_block():
     assert choice["message"]["content"] == "Just text with <tool_call> in it."
     assert choice["message"]["reasoning_content"] is None and "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "length"
+
+
+def test_openapi_schema_describes_the_agent_fields():
+    from fastapi import FastAPI
+
+    from lightllm.server.http.chat_api import router
+
+    app = FastAPI()
+    app.include_router(router)
+    schemas = app.openapi()["components"]["schemas"]
+    request = schemas["ChatCompletionRequest"]["properties"]
+    for name in ("tools", "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs"):
+        assert request[name].get("description"), name
+    assert {"tool_calls", "tool_call_id", "reasoning_content"} <= set(schemas["ChatMessage"]["properties"])
+    assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
+    assert "schema" in schemas["JsonSchemaFormat"]["properties"]
+    assert schemas["FunctionDef"]["properties"]["name"]["pattern"]

@@ -88,10 +88,12 @@ class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[TextPart] | None = None
     # assistant turns: the calls it made; tool turns: which call this is the result of
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: Text | None = None
+    tool_calls: list[ToolCallIn] | None = Field(
+        None, description="assistant messages: the tool calls it made (rendered back through the chat template)"
+    )
+    tool_call_id: Text | None = Field(None, description="tool messages (required there): the call this answers")
     name: Text | None = None
-    reasoning_content: Text | None = None
+    reasoning_content: Text | None = Field(None, description="assistant messages: their reasoning, if any")
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -276,11 +278,22 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template: Text | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="variables for the chat template, e.g. {'enable_thinking': false}"
+    )
+    tools: list[ToolDef] | None = Field(
+        None, max_length=MAX_TOOLS, description="functions the model may call (OpenAI's tools)"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="none: no calls; auto: the model decides (default with tools); required: at least one call; "
+        "{'type': 'function', 'function': {'name': ...}}: that function, once. required and named are enforced by "
+        "a grammar",
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per response")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, or json_schema (output constrained to the schema by a grammar)"
+    )
     # the legacy function-calling fields: refused unless they ask for nothing (send tools / tool_choice)
     functions: Any = None
     function_call: Any = None
