@@ -15,6 +15,11 @@ import traceback
 import torch
 import triton
 
+from lightllm.kernels.fused_moe.align import (
+    moe_align_count_kernel,
+    moe_align_plan_kernel,
+    moe_align_scatter_kernel,
+)
 from lightllm.kernels.fused_moe.combine import moe_combine_kernel
 from lightllm.kernels.fused_moe.configs import heuristic_config
 from lightllm.kernels.fused_moe.grouped_gemm import moe_down_kernel, moe_gate_up_kernel
@@ -33,6 +38,9 @@ ROUTING_TYPES = {
     "scale": "fp32",
 }
 GEMM_TYPES = {"sorted_pairs": "*i32", "block_expert": "*i32", "weights": "*fp32", "pair_out": "*fp32"}
+ALIGN_TYPES = {"ids": "*i32", "chunk_counts": "*i32", "chunk_offsets": "*i32", "pad_start": "*i32",
+               "sorted_pairs": "*i32", "block_expert": "*i32", "num_pairs": "i32", "num_chunks": "i32",
+               "num_blocks": "i32", "E": "i32"}  # fmt: skip
 COMBINE_TYPES = {"pair_out": "*fp32", "shared": "*bf16", "gate_logit": "*bf16", "out": "*bf16"}
 
 
@@ -52,6 +60,12 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
                 out.append((f"{s.name} sigmoid_topk groups={groups}", moe_sigmoid_topk_kernel, c, ROUTING_TYPES, 4, 1))
         else:
             out.append((f"{s.name} softmax_topk", moe_softmax_topk_kernel, route, ROUTING_TYPES, 4, 1))
+        bp = max(16, 16384 // be)
+        out.append((f"{s.name} align_count", moe_align_count_kernel, dict(BP=bp, BE=be), ALIGN_TYPES, 8, 1))
+        out.append((f"{s.name} align_scatter", moe_align_scatter_kernel, dict(BP=bp, BE=be), ALIGN_TYPES, 8, 1))
+        for bm in (16, 64):
+            c = dict(BM=bm, BE=be, BB=max(16, 16384 // be), BR=1024)
+            out.append((f"{s.name} align_plan BM={bm}", moe_align_plan_kernel, c, ALIGN_TYPES, 8, 1))
         for tokens in (1, 64, 256, 2048):
             config = heuristic_config(tokens, s.num_experts, s.inter, s.hidden, s.top_k, torch.bfloat16)
             for name, kernel in (("gate_up", moe_gate_up_kernel), ("down", moe_down_kernel)):

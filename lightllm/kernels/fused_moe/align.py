@@ -4,8 +4,13 @@ Pair `p = t * top_k + j` is token t's j-th choice. The pairs are laid out expert
 order within an expert), each expert's run padded with the sentinel `num_pairs` up to a multiple of `block_m`, so
 every block of `block_m` rows belongs to one expert. At most `min(E, num_pairs)` experts are non-empty, so the
 padded length never exceeds `num_pairs + min(E, num_pairs) * (block_m - 1)`: every output is sized by that bound
-(host shapes only, no `.item()`), blocks past the real end name expert E and are skipped by the GEMMs. Integer
-scatter-adds and a stable sort make the layout identical on every run.
+(host shapes only, no `.item()`), blocks past the real end name expert E and are skipped by the GEMMs.
+
+Three launches, no atomics (the same layout every run): `moe_align_count_kernel` counts each chunk of `BP` pairs
+per expert; `moe_align_plan_kernel` (one program) turns the counts into each chunk's first slot per expert, the
+padded expert starts and each block's expert, and fills the layout with the sentinel; `moe_align_scatter_kernel`
+writes every pair at its expert's start + its chunk's offset + its rank among the chunk's pairs of that expert.
+`align_pairs_reference` is the same layout in torch ops (a stable sort), the reference of the tests.
 """
 
 from __future__ import annotations
@@ -14,6 +19,11 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
+
+# one-hot blocks of [BP, BE] pairs x experts stay within this many elements per program
+ONE_HOT_ELEMENTS = 16384
+MAX_INT32 = tl.constexpr(2147483647)
 
 
 @dataclass(frozen=True)
@@ -35,8 +45,119 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
 
 
+@triton.jit
+def _chunk_one_hot(ids, i_c, num_pairs, E, BP: tl.constexpr, BE: tl.constexpr):
+    """Pairs `i_c * BP ..` of the flat ids: their offsets, mask, experts and the `[BP, BE]` int32 one-hot."""
+    o_p = i_c * BP + tl.arange(0, BP)
+    m_p = o_p < num_pairs
+    b_e = tl.load(ids + o_p, mask=m_p, other=-1).to(tl.int32)
+    o_e = tl.arange(0, BE)
+    b_hot = ((b_e[:, None] == o_e[None, :]) & (o_e < E)[None, :]).to(tl.int32)
+    return o_p, m_p, b_e, b_hot
+
+
+@triton.jit
+def moe_align_count_kernel(
+    ids,  # [P] int32/int64 expert of each pair
+    chunk_counts,  # [num_chunks, E] int32 out: pairs of chunk c choosing expert e
+    num_pairs,
+    E,
+    BP: tl.constexpr,
+    BE: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    _, _, _, b_hot = _chunk_one_hot(ids, i_c, num_pairs, E, BP, BE)
+    o_e = tl.arange(0, BE)
+    tl.store(chunk_counts + i_c.to(tl.int64) * E + o_e, tl.sum(b_hot, axis=0), mask=o_e < E)
+
+
+@triton.jit
+def moe_align_plan_kernel(
+    chunk_counts,  # [num_chunks, E] int32: in counts, out each chunk's first rank per expert (exclusive prefix)
+    pad_start,  # [E] int32 out: first padded row of each expert
+    sorted_pairs,  # [num_blocks * BM] int32 out: filled with the sentinel num_pairs
+    block_expert,  # [num_blocks] int32 out
+    num_chunks,
+    num_pairs,
+    num_blocks,
+    E,
+    BM: tl.constexpr,
+    BE: tl.constexpr,
+    BB: tl.constexpr,
+    BR: tl.constexpr,
+):
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    b_run = tl.zeros([BE], dtype=tl.int32)
+    for c in range(0, num_chunks):
+        p_c = chunk_counts + c * E + o_e
+        b_n = tl.load(p_c, mask=m_e, other=0)
+        tl.store(p_c, b_run, mask=m_e)
+        b_run += b_n
+    b_pad = (b_run + BM - 1) // BM * BM
+    b_end = tl.cumsum(b_pad, axis=0)
+    tl.store(pad_start + o_e, b_end - b_pad, mask=m_e)
+    # a block belongs to the first expert whose padded run ends after the block's first row
+    b_end = tl.where(m_e, b_end, MAX_INT32)
+    for b0 in range(0, num_blocks, BB):
+        o_b = b0 + tl.arange(0, BB)
+        b_owner = tl.sum((b_end[None, :] <= (o_b * BM)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert + o_b, b_owner, mask=o_b < num_blocks)
+    for r0 in range(0, num_blocks * BM, BR):
+        o_r = r0 + tl.arange(0, BR)
+        tl.store(sorted_pairs + o_r, tl.full([BR], 0, tl.int32) + num_pairs, mask=o_r < num_blocks * BM)
+
+
+@triton.jit
+def moe_align_scatter_kernel(
+    ids,
+    chunk_offsets,  # [num_chunks, E] int32: each chunk's first rank per expert
+    pad_start,  # [E] int32
+    sorted_pairs,  # [num_blocks * BM] int32
+    num_pairs,
+    E,
+    BP: tl.constexpr,
+    BE: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    o_p, m_p, b_e, b_hot = _chunk_one_hot(ids, i_c, num_pairs, E, BP, BE)
+    # rank of each pair among the chunk's earlier pairs of its expert: the inclusive count at its own column - 1
+    b_rank = tl.sum(tl.where(b_hot != 0, tl.cumsum(b_hot, axis=0) - 1, 0), axis=1)
+    m_e = m_p & (b_e >= 0) & (b_e < E)
+    b_start = tl.load(pad_start + b_e, mask=m_e, other=0)
+    b_chunk = tl.load(chunk_offsets + i_c.to(tl.int64) * E + b_e, mask=m_e, other=0)
+    tl.store(sorted_pairs + b_start + b_chunk + b_rank, o_p.to(tl.int32), mask=m_e)
+
+
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """`ids [T, top_k]` (int32/int64 expert ids in 0..E-1) -> the padded per-expert layout of its pairs."""
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    if num_pairs == 0:
+        return ExpertBlocks(sorted_pairs, block_expert, block_m, 0)
+    be = triton.next_power_of_2(num_experts)
+    bp = max(16, min(ONE_HOT_ELEMENTS // be, triton.next_power_of_2(num_pairs)))
+    num_chunks = triton.cdiv(num_pairs, bp)
+    chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=ids.device)
+    pad_start = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    warps = 8 if bp * be >= 8192 else 4
+    moe_align_count_kernel[(num_chunks,)](flat, chunk_counts, num_pairs, num_experts, BP=bp, BE=be, num_warps=warps)
+    bb = max(16, ONE_HOT_ELEMENTS // be)
+    moe_align_plan_kernel[(1,)](
+        chunk_counts, pad_start, sorted_pairs, block_expert, num_chunks, num_pairs, num_blocks, num_experts,
+        BM=block_m, BE=be, BB=bb, BR=1024, num_warps=8,
+    )  # fmt: skip
+    moe_align_scatter_kernel[(num_chunks,)](
+        flat, chunk_counts, pad_start, sorted_pairs, num_pairs, num_experts, BP=bp, BE=be, num_warps=warps
+    )
+    return ExpertBlocks(sorted_pairs, block_expert, block_m, num_pairs)
+
+
+def align_pairs_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """`align_pairs` in torch ops (integer scatter-add, stable sort, searchsorted): the reference layout."""
     flat = ids.reshape(-1).long()
     num_pairs = flat.numel()
     device = flat.device

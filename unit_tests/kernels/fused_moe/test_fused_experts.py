@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lightllm.kernels.fused_moe import fused_experts, heuristic_config, softmax_topk
 from lightllm.kernels.fused_moe import fused_moe as fused_moe_module
-from lightllm.kernels.fused_moe.align import align_pairs, max_blocks
+from lightllm.kernels.fused_moe.align import align_pairs, align_pairs_reference, max_blocks
 from lightllm.models.layers.moe import run_experts
 from unit_tests.helpers.asserts import assert_rel_close, relative_error
 
@@ -147,6 +147,24 @@ def test_align_pairs_layout():
     assert blocks.num_blocks == max_blocks(6, 4, 2) == 5
     assert blocks.sorted_pairs.tolist() == [1, 4, 3, sentinel, 0, 2, 5, sentinel, sentinel, sentinel]
     assert blocks.block_expert.tolist() == [0, 1, 2, 2, 4]
+
+
+ALIGN_CASES = [(1, 8, 2, 16), (37, 12, 3, 16), (9, 5, 5, 16), (200, 256, 8, 16), (50, 512, 10, 64)]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", ALIGN_CASES, ids=lambda v: str(v))
+def test_align_pairs_matches_the_sort_reference(num_tokens, num_experts, top_k, block_m):
+    """The three-launch Triton layout equals the stable-sort one, including layouts of many pair chunks (256 and
+    512 experts: chunks of 64 and 32 pairs)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    got, ref = align_pairs(ids, num_experts, block_m), align_pairs_reference(ids, num_experts, block_m)
+    assert torch.equal(got.sorted_pairs, ref.sorted_pairs) and torch.equal(got.block_expert, ref.block_expert)
+    # twin: two tokens trading their first choices move their pairs
+    if num_tokens > 1 and ids[0, 0] != ids[1, 0]:
+        swapped = ids.clone()
+        swapped[[0, 1], 0] = ids[[1, 0], 0]
+        assert not torch.equal(align_pairs(swapped, num_experts, block_m).sorted_pairs, got.sorted_pairs)
 
 
 def test_fused_experts_validates_shapes():

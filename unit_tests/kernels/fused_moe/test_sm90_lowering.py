@@ -29,5 +29,16 @@ def test_every_fused_moe_kernel_lowers_to_sm90_without_spills():
     )
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "FAILED" not in line]
-    for kernel in ("softmax_topk", "sigmoid_topk", "gate_up", "down", "combine", "fp8 gate_up", "fp8 down"):
+    for kernel in (
+        "softmax_topk",
+        "sigmoid_topk",
+        "align_count",
+        "align_plan",
+        "align_scatter",
+        "gate_up",
+        "down",
+        "combine",
+        "fp8 gate_up",
+        "fp8 down",
+    ):
         assert any(f" {kernel}" in row for row in rows), f"{kernel} not compiled:\n{run.stdout}"
