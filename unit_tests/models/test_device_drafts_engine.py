@@ -33,15 +33,20 @@ STOPPED, STOP_AT = "d", 2
 NUM_REFERENCE_TOKENS = 16
 
 
-def _engine(mode: str, mtp_step: int, acceptance=None, fixed_buffers: bool = False):
-    """`fixed_buffers`: decode and draft steps through the buffers CUDA graphs replay (run eagerly on the CPU)."""
+def _engine(mode: str, mtp_step: int, acceptance=None, fixed_buffers: bool = False, device: str = "cpu"):
+    """`fixed_buffers`: decode and draft steps through the buffers CUDA graphs replay (captured on CUDA, run
+    eagerly on the CPU)."""
     args, info = load_server_args(
-        [], model_dir=case_dir("qwen3_5-hv2"), device="cpu", data_type="float32", ssm_state_mode=mode,
+        [], model_dir=case_dir("qwen3_5-hv2"), device=device, data_type="float32", ssm_state_mode=mode,
         mtp_step=mtp_step, max_running_requests=2, chunked_prefill_size=16, max_total_token_num=512,
+        disable_cudagraph=not fixed_buffers,
     )  # fmt: skip
     engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner", acceptance)
-    if fixed_buffers:
+    if fixed_buffers and device == "cpu":
         assert engine.runner.init_decode_graphs(use_graphs=False)
+    if fixed_buffers:
+        assert engine.runner.decode_graphs is not None
+        assert engine.runner.decode_graphs.use_graphs == (device == "cuda"), "capture failed (see the log)"
     return engine
 
 
@@ -71,7 +76,7 @@ class _ScriptedOnDevice:
         self.mtp.flush(reqs)
 
 
-def _drive(engine, stop_ids: dict[str, list[int]], abort: bool = True):
+def drive(engine, stop_ids: dict[str, list[int]], abort: bool = True):
     """Run REQUESTS (arrivals by step number, the abort by progress); per request its tokens, logprobs, (finish reason,
     output count) and the length of each of its chunks (one per step that gave it tokens)."""
     tokens = {rid: [] for rid, *_ in REQUESTS}
@@ -101,10 +106,9 @@ def _drive(engine, stop_ids: dict[str, list[int]], abort: bool = True):
     return tokens, logprobs, {rid: (f.reason, f.num_output_tokens) for rid, f in finished.items()}, chunks
 
 
-@pytest.fixture(scope="module")
-def continuations():
+def greedy_continuations(device: str = "cpu"):
     """Greedy continuations without speculation (the scripted drafts' truth) and the stop token of STOPPED."""
-    engine = _engine("native", 0)
+    engine = _engine("native", 0, device=device)
     for rid, prompt, _, _ in REQUESTS:
         params = SamplingParams(temperature=0, max_tokens=NUM_REFERENCE_TOKENS, ignore_eos=True)
         engine.add_request(NewRequest(rid, prompt, params))
@@ -118,8 +122,17 @@ def continuations():
     return {tuple(p): out[rid] for rid, p, _, _ in REQUESTS}, {STOPPED: [stop]}
 
 
-def _scripted_run(mode: str, keep_on_device: bool, continuations, stop_ids, monkeypatch, fixed_buffers=False):
-    engine = _engine(mode, MTP_STEP, fixed_buffers=fixed_buffers)
+@pytest.fixture(scope="module")
+def continuations():
+    return greedy_continuations()
+
+
+def scripted_run(
+    mode: str, keep_on_device: bool, continuations, stop_ids, monkeypatch, fixed_buffers=False, device="cpu"
+):
+    """A run of REQUESTS with scripted drafts on the device (or read back first); its result, the script and the
+    number of draft read-backs."""
+    engine = _engine(mode, MTP_STEP, fixed_buffers=fixed_buffers, device=device)
     mtp = engine.speculator
     mtp.keep_on_device = keep_on_device
     scripted = ScriptedDrafts(continuations, MTP_STEP, engine.runner.vocab_size)
@@ -131,7 +144,7 @@ def _scripted_run(mode: str, keep_on_device: bool, continuations, stop_ids, monk
         graphs = engine.runner.decode_graphs
         run = graphs.run
         graphs.run = lambda *a: fed.append(a[-1] is not None) or run(*a)
-    result = _drive(engine, stop_ids)
+    result = drive(engine, stop_ids)
     monkeypatch.setattr(DraftBatch, "host", original)
     # the fixed buffers took drafts from the device (when they stayed there)
     assert not fixed_buffers or any(fed) == keep_on_device
@@ -145,20 +158,20 @@ def _scripted_run(mode: str, keep_on_device: bool, continuations, stop_ids, monk
 )
 def test_device_drafts_equal_host_drafts_and_greedy(mode, fixed_buffers, continuations, monkeypatch):
     truth, stop_ids = continuations
-    on_device, scripted, reads = _scripted_run(mode, True, truth, stop_ids, monkeypatch, fixed_buffers)
-    on_host, _, host_reads = _scripted_run(mode, False, truth, stop_ids, monkeypatch, fixed_buffers)
+    on_device, scripted, reads = scripted_run(mode, True, truth, stop_ids, monkeypatch, fixed_buffers)
+    on_host, _, host_reads = scripted_run(mode, False, truth, stop_ids, monkeypatch, fixed_buffers)
     # the same windows, the same arithmetic: exactly equal
     assert on_device == on_host
     # the drafts on the device were never read on their own; read back first, once per drafting call
     assert reads == 0 and host_reads > 0
     tokens, logprobs, finished, chunks = on_device
-    assert _windows_follow_script(chunks, scripted)
+    assert windows_follow_script(chunks, scripted)
     # the script made windows keep every count of drafts, 0 .. MTP_STEP
     kept = {n - 1 for windows in scripted.expected_tokens_per_window.values() for n in windows}
     assert kept == set(range(MTP_STEP + 1))
     # greedy without speculation: the same tokens and reasons, log-probabilities to rounding
     # (compact differs from native only under speculation: the reference runs native)
-    reference = _drive(_engine("native" if mode == "compact" else mode, 0), stop_ids)
+    reference = drive(_engine("native" if mode == "compact" else mode, 0), stop_ids)
     for rid, prompt, _, _ in REQUESTS:
         if rid == ABORTED:
             assert finished[rid][0] == "abort" and len(tokens[rid]) >= ABORT_AFTER
@@ -171,7 +184,7 @@ def test_device_drafts_equal_host_drafts_and_greedy(mode, fixed_buffers, continu
     assert finished["a"] == ("length", 12) and finished["b"] == ("length", 7)
 
 
-def _windows_follow_script(chunks: dict[str, list[int]], scripted: ScriptedDrafts) -> bool:
+def windows_follow_script(chunks: dict[str, list[int]], scripted: ScriptedDrafts) -> bool:
     """Whether each request's windows (its chunks after the prefill's) emitted what its script kept (the last may
     be cut by a stop token)."""
     for rid, lengths in chunks.items():
@@ -192,8 +205,8 @@ def test_device_drafts_twin_verify_the_device_values(continuations, monkeypatch)
         original(self, torch.where(tensor > 0, tensor - 1, tensor + 1))
 
     monkeypatch.setattr(DraftBatch, "__init__", shifted)
-    (tokens, _, _, chunks), scripted, _ = _scripted_run("replay", True, truth, stop_ids, monkeypatch)
-    assert not _windows_follow_script(chunks, scripted)
+    (tokens, _, _, chunks), scripted, _ = scripted_run("replay", True, truth, stop_ids, monkeypatch)
+    assert not windows_follow_script(chunks, scripted)
     assert tokens["a"] == truth[tuple(REQUESTS[0][1])][:12]
 
 
@@ -205,7 +218,7 @@ def test_simulated_acceptance_with_device_drafts_equals_host_drafts(mode, monkey
     for keep_on_device in (True, False):
         engine = _engine(mode, MTP_STEP, SimulatedAcceptance(0.6, seed=3))
         engine.speculator.keep_on_device = keep_on_device
-        runs.append((_drive(engine, {}, abort=False), engine.stats.accepted_length_counts))
+        runs.append((drive(engine, {}, abort=False), engine.stats.accepted_length_counts))
     assert runs[0] == runs[1]
     counts = runs[0][1]
     assert all(c > 0 for c in counts), counts
