@@ -1,6 +1,7 @@
 """A logits row holding +inf or NaN, or nothing finite (`lightllm.engine.logits_check`), ends its request alone
 with reason `error`: checked on crafted rows and through the engine's overlapped decode steps, where a request's
-row turns +inf mid-stream while another request keeps its exact tokens."""
+row turns +inf mid-stream while another request keeps its exact tokens, and through a greedy drafted window
+verified on the device (`verify.window_nan_counts`)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,15 @@ def test_an_infinite_row_ends_only_its_request_under_overlap():
     # teeth: the marked prompt's row is infinite indeed, the good prompt's never
     assert nonfinite_rows(InfRunner().next_logits([MARK, 3, 4, 5, 6, 7, 8])[None]).item()
     assert expected and not nonfinite_rows(InfRunner().next_logits(good_prompt + expected)[None]).item()
+
+
+def test_an_infinite_row_in_a_drafted_window_ends_only_its_request():
+    good_prompt, bad_prompt = [1, 2, 1, 2, 1, 2], [MARK, 3, 4]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    make = lambda runner: Engine(runner, max_running_requests=8, chunked_prefill_size=64,  # noqa: E731
+                                 max_req_total_len=256, spec_ngram=2)  # fmt: skip
+    tokens, finished = run(make(InfRunner(max_width=3)), {"bad": bad_prompt, "good": good_prompt}, params)
+    assert finished["bad"].reason == "error"
+    assert len(bad_prompt) + len(tokens["bad"]) < BAD_LEN + 3
+    cold, _ = run(make(FakeRunner(max_width=3)), {"good": good_prompt}, params)
+    assert finished["good"].reason == "length" and tokens["good"] == cold["good"]

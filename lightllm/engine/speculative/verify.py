@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightllm.engine.logits_check import nonfinite_rows
 from lightllm.engine.sampler import RowContext, Sampler
 from lightllm.engine.speculative.device_drafts import draft_matrix, has_device_drafts
 
@@ -115,8 +116,8 @@ def read_with_drafts(figures: torch.Tensor, padded: torch.Tensor, drafts: list[S
 
 def window_nan_counts(logits: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     """[windows] int64 on the logits' device: how many of the rows `starts[i] .. starts[i] + widths[i] - 1` of
-    `logits` hold a NaN."""
-    # NaN rows summed per window through a prefix sum: [0, n_0, n_0 + n_1, ...]
-    flags = torch.isnan(logits).any(dim=-1).long()
+    `logits` cannot be sampled from (a NaN or +inf, or nothing finite: `logits_check.nonfinite_rows`)."""
+    # such rows summed per window through a prefix sum: [0, n_0, n_0 + n_1, ...]
+    flags = nonfinite_rows(logits).long()
     nan_before = torch.cat([flags.new_zeros(1), flags.cumsum(0)])
     return nan_before[starts + widths] - nan_before[starts]
