@@ -136,3 +136,45 @@ def test_guard_catches_host_syncs(monkeypatch):
     spec = sc.make_spec("gdn", num_k_heads=1, ratio=2, head_k_dim=8, head_v_dim=8, num_layers=1)
     _, _, guard = _run(spec, "replay", "torch", monkeypatch)
     assert guard.violations, "the guard saw no host sync in the torch twins (which use .any() and nonzero)"
+
+
+@pytest.mark.parametrize("mode", ["native", "compact", "replay"])
+def test_prefill_rows_without_host_sync(mode, monkeypatch):
+    """A step's prefill of several rows (second chunks resuming their states, one row without tokens) waits for the
+    device nowhere outside the chunk kernel (fla on CUDA; its torch twin here, which may sync, runs as a kernel);
+    the row without tokens keeps its state and the others match the torch backend."""
+    from lightllm.linear_att.modes import common
+
+    spec = sc.make_spec("gdn", num_k_heads=1, ratio=2, head_k_dim=8, head_v_dim=8, num_layers=2)
+    guard = HostSyncGuard(monkeypatch)
+    chunk = common.ops.chunk_delta_rule
+
+    def chunk_as_kernel(*args, **kwargs):
+        guard.kernel_depth += 1
+        try:
+            return chunk(*args, **kwargs)
+        finally:
+            guard.kernel_depth -= 1
+
+    monkeypatch.setattr(common.ops, "chunk_delta_rule", chunk_as_kernel)
+    runs = {}
+    for backend in ("triton", "torch"):
+        state, run, _ = _run(spec, mode, backend)
+        slots = torch.tensor([0, 1, 2], dtype=torch.int32)
+        before = state.export_checkpoint(slots)
+        params, streams = sc.make_params(spec, seed=3), sc.make_streams(spec, 3, 40, seed=4)
+        if backend == "triton":
+            state.prefill = guard.wrap(state.prefill)
+        sc.prefill(state, spec, params, streams, [0, 1, 2], [4, 0, 2], run)
+        after = state.export_checkpoint(slots)
+        assert torch.equal(after.ssm[:, 1], before.ssm[:, 1]), "the row without tokens changed its state"
+        assert torch.equal(after.conv[:, 1], before.conv[:, 1]), "the row without tokens changed its conv window"
+        runs[backend] = (run, after)
+    assert guard.violations == [], f"{mode} prefill synced with the host: {sorted(set(guard.violations))}"
+    (triton_run, got), (torch_run, want) = runs["triton"], runs["torch"]
+    for layer in range(spec.num_layers):
+        for req in (0, 2):
+            assert_rel_close(
+                f"layer {layer} request {req}", triton_run.stacked(layer, req), torch_run.stacked(layer, req), 1e-5
+            )
+    assert_rel_close("ssm", got.ssm, want.ssm, 1e-5)

@@ -147,8 +147,10 @@ class StateCommon:
             g = torch.where(valid[:, None, None], g, torch.zeros_like(g))
             beta = torch.where(valid[:, None], beta, torch.zeros_like(beta))
         q, k, v = self._split_qkv(y)
-        init = self._ssm_prefill_initial(layer, rows.slots).float()
-        init = torch.where(rows.has_initial_state.to(torch.bool)[:, None, None, None], init, torch.zeros_like(init))
+        current = self._ssm_prefill_initial(layer, rows.slots).float()
+        init = torch.where(
+            rows.has_initial_state.to(torch.bool)[:, None, None, None], current, torch.zeros_like(current)
+        )
         # prefill follows the device (fla on CUDA, torch on CPU) even when tests force the Triton decode kernels
         # a padded row runs as one sequence of all its tokens, without offsets a CUDA graph could not read
         cu_seqlens = None if valid is not None else rows.cu_seqlens
@@ -157,9 +159,10 @@ class StateCommon:
             # one row with at least one real token: no data-dependent selection (a host sync) needed
             self._ssm_prefill_write(layer, rows.slots, final)
             return o
-        lens = rows.cu_seqlens[1:] - rows.cu_seqlens[:-1]
-        live = lens > 0
-        self._ssm_prefill_write(layer, rows.slots[live], final[live])
+        # a row without tokens keeps its state: it is written back as it was, since selecting the other rows by a
+        # mask would wait for the device in every layer (no launches queued ahead meanwhile)
+        live = (rows.cu_seqlens[1:] - rows.cu_seqlens[:-1]) > 0
+        self._ssm_prefill_write(layer, rows.slots, torch.where(live[:, None, None, None], final, current))
         return o
 
     def finish_prefill(self, slots: torch.Tensor) -> None:
