@@ -11,15 +11,13 @@ The vocabulary (token bytes) comes from the tokenizer folder named in the reques
 
 from __future__ import annotations
 
-import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from lightllm.engine.request import Request
-
-logger = logging.getLogger(__name__)
 
 
 class RequestGrammar:
@@ -82,6 +80,10 @@ class GrammarBackend:
             import llguidance.hf
             from transformers import AutoTokenizer
 
+            if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+                raise ValueError(
+                    f"{tokenizer_dir}: a grammar's vocabulary is read from tokenizer.json, and it has none"
+                )
             hf = AutoTokenizer.from_pretrained(tokenizer_dir)
             # sized to the model's logits (a checkpoint may pad its vocabulary past the tokenizer's)
             self._tokenizers[key] = llguidance.hf.from_tokenizer(

@@ -128,3 +128,27 @@ def test_openapi_schema_describes_the_agent_fields():
     assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
     assert "schema" in schemas["JsonSchemaFormat"]["properties"]
     assert schemas["FunctionDef"]["properties"]["name"]["pattern"]
+
+
+def test_constrained_output_on_a_tiktoken_checkpoint_is_a_400(tmp_path):
+    from lightllm.engine.sampling_params import SamplingParams
+    from lightllm.server.http.chat_api import _constrain
+    from lightllm.server.http.serving import ApiError
+
+    async def offload(fn, *args):
+        return fn(*args)
+
+    (tmp_path / "tiktoken.model").write_text("")
+    fe, out = _setup()
+    fe.info.model_dir, fe.offload = str(tmp_path), offload
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}
+    )
+    with pytest.raises(ApiError) as err:
+        asyncio.run(_constrain(fe, body, out, SamplingParams()))
+    assert err.value.status == 400 and err.value.param == "response_format" and "tiktoken" in err.value.message
+    # twin: the same folder with a tokenizer.json is served
+    (tmp_path / "tokenizer.json").write_text("{}")
+    out.starts_in_reasoning = False
+    params = asyncio.run(_constrain(fe, body, out, SamplingParams()))
+    assert params.grammar and params.grammar_start_token is None
