@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightllm.engine.sampling_params import SamplingParams
 from lightllm.engine.speculative.device_drafts import (
     DraftBatch,
     decode_draft_ids,
@@ -15,6 +16,8 @@ from lightllm.engine.speculative.device_drafts import (
     host_drafts,
 )
 from lightllm.engine.speculative.verify import verify_greedy_windows
+from unit_tests.engine.fake_runner import FakeRunner
+from unit_tests.engine.helpers import make_engine, run
 
 
 class CountingBatch(DraftBatch):
@@ -90,3 +93,47 @@ def test_verify_greedy_windows_reads_device_drafts_with_its_one_transfer():
     shifted = DraftBatch((batch.tensor + 1) % vocab)
     moved = verify_greedy_windows(starts, widths, [shifted.row(0, 2), [], shifted.row(2, 2)], logits)
     assert [r.num_accepted_drafts for r in moved] != [1, 0, 2]
+
+
+def _mtp_engine(keep_on_device: bool, **runner_kw):
+    runner = FakeRunner(max_width=3, **runner_kw)
+    engine = make_engine(runner, mtp_step=2, max_req_total_len=100)
+    engine.speculator.keep_on_device = keep_on_device
+    return runner, engine
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=5, max_tokens=40, ignore_eos=True),
+    ],
+    ids=["greedy", "sampled", "penalties"],
+)
+def test_engine_with_device_drafts_equals_drafts_read_first_under_preemption(params):
+    """MTP drafts on the device and read back first give the same requests' outputs, also when KV pressure
+    preempts requests holding unread drafts and when sampled or penalised rows read them on the host."""
+    prompts = {f"r{i}": [(7 * i + j) % 50 + 3 for j in range(4 + 3 * i)] for i in range(6)}
+    results = []
+    for keep_on_device in (True, False):
+        runner, engine = _mtp_engine(keep_on_device, max_requests=6, kv_tokens=200)
+        results.append(run(engine, prompts, params))
+        assert engine.scheduler.num_preemptions > 0
+        assert runner.num_free_kv_tokens() == 200
+    assert results[0] == results[1]
+    if params.greedy:
+        assert results[0][0] == {rid: FakeRunner().greedy(ids, 40) for rid, ids in prompts.items()}
+
+
+def test_engine_greedy_device_drafts_are_never_read_on_their_own(monkeypatch):
+    reads = []
+    original = DraftBatch.host
+    monkeypatch.setattr(DraftBatch, "host", lambda self: reads.append(1) or original(self))
+    _, engine = _mtp_engine(True)
+    run(engine, {"a": [3, 1, 4, 1, 5], "b": [9, 2, 6]}, SamplingParams(temperature=0, max_tokens=20))
+    assert reads == [] and engine.stats.num_spec_windows > 0
+    # twin: a sampled row verifies on the host, which reads its drafts back
+    _, engine = _mtp_engine(True)
+    run(engine, {"a": [3, 1, 4, 1, 5]}, SamplingParams(temperature=0.8, seed=1, max_tokens=20))
+    assert reads
