@@ -56,7 +56,8 @@ def _chunk_one_hot(ids, i_c, num_pairs, E, BP: tl.constexpr, BE: tl.constexpr):
     return o_p, m_p, b_e, b_hot
 
 
-@triton.jit
+# pair, chunk and block counts vary from launch to launch: specialising on them would compile variants mid-serving
+@triton.jit(do_not_specialize=["num_pairs"])
 def moe_align_count_kernel(
     ids,  # [P] int32/int64 expert of each pair
     chunk_counts,  # [num_chunks, E] int32 out: pairs of chunk c choosing expert e
@@ -71,7 +72,7 @@ def moe_align_count_kernel(
     tl.store(chunk_counts + i_c.to(tl.int64) * E + o_e, tl.sum(b_hot, axis=0), mask=o_e < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_pairs", "num_blocks"])
 def moe_align_plan_kernel(
     chunk_counts,  # [num_chunks, E] int32: in counts, out each chunk's first rank per expert (exclusive prefix)
     pad_start,  # [E] int32 out: first padded row of each expert
@@ -108,7 +109,7 @@ def moe_align_plan_kernel(
         tl.store(sorted_pairs + o_r, tl.full([BR], 0, tl.int32) + num_pairs, mask=o_r < num_blocks * BM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def moe_align_scatter_kernel(
     ids,
     chunk_offsets,  # [num_chunks, E] int32: each chunk's first rank per expert
@@ -139,7 +140,8 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBloc
     if num_pairs == 0:
         return ExpertBlocks(sorted_pairs, block_expert, block_m, 0)
     be = triton.next_power_of_2(num_experts)
-    bp = max(16, min(ONE_HOT_ELEMENTS // be, triton.next_power_of_2(num_pairs)))
+    # chunk size fixed per expert count (not per batch): one compiled variant per model
+    bp = max(16, ONE_HOT_ELEMENTS // be)
     num_chunks = triton.cdiv(num_pairs, bp)
     chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=ids.device)
     pad_start = torch.empty(num_experts, dtype=torch.int32, device=ids.device)

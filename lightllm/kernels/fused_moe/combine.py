@@ -14,7 +14,7 @@ import triton.language as tl
 @triton.heuristics(
     {"HAS_SHARED": lambda args: args["shared"] is not None, "HAS_GATE": lambda args: args["gate_logit"] is not None}
 )
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def moe_combine_kernel(
     pair_out,  # [T, TOP_K, H] fp32
     shared,  # [T, H] or None
@@ -67,9 +67,9 @@ def combine(
         gate_logit = gate_logit.reshape(num_tokens)
     if num_tokens == 0:
         return out
-    # [BT, BN] tiles of 2048 elements: a few tokens per program when the hidden size is small
+    # [BT, BN] tiles of 2048 elements whatever the token count (one compiled variant per model)
     bn = min(512, triton.next_power_of_2(hidden))
-    bt = min(2048 // bn, triton.next_power_of_2(num_tokens))
+    bt = 2048 // bn
     moe_combine_kernel[(triton.cdiv(num_tokens, bt), triton.cdiv(hidden, bn))](
         pair_out, shared, gate_logit, out, num_tokens, hidden, pair_out.stride(0),
         0 if shared is None else shared.stride(0), 0 if gate_logit is None else gate_logit.stride(0), out.stride(0),

@@ -99,4 +99,5 @@ def get_config(
         want = batch_bucket(num_tokens)
         nearest = min(entries, key=lambda b: (abs(math.log2(int(b)) - math.log2(want)), int(b)))
         return check_config(entries[nearest])
-    return heuristic_config(num_tokens, num_experts, inter, hidden, top_k, dtype)
+    # by bucket, like the tables: the configurations of 1 .. N tokens are those of the powers of two up to N
+    return heuristic_config(batch_bucket(num_tokens), num_experts, inter, hidden, top_k, dtype)

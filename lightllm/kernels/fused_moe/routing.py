@@ -5,7 +5,7 @@ to one. Kimi / DeepSeek-V3 (`sigmoid_topk`): sigmoid scores; the choice ranks sc
 to the best `topk_groups` groups (a group scores the sum of its two best biased scores); the weights are the
 unbiased scores of the chosen experts, optionally renormalised, times `routed_scaling_factor`.
 
-A program routes up to 8 tokens; top-k is k rounds of argmax over its `[BT, BE]` register block (ties go to
+A program routes 8 tokens; top-k is k rounds of argmax over its `[BT, BE]` register block (ties go to
 the lowest expert id), so each token's logits are read once. The torch references are `route_softmax` / `route_sigmoid` in
 `lightllm.models.layers.moe`.
 """
@@ -66,7 +66,8 @@ def _load_logits(logits, stride_lt, i_b, T, E, BT: tl.constexpr, BE: tl.constexp
     return b_l, o_t, m_t, o_e, m_e
 
 
-@triton.jit
+# the token count varies from launch to launch: specialising on it would compile variants mid-serving
+@triton.jit(do_not_specialize=["T"])
 def moe_softmax_topk_kernel(
     logits,  # [T, E]
     weights,  # [T, TOP_K] fp32
@@ -88,7 +89,7 @@ def moe_softmax_topk_kernel(
     _store_topk(b_val, b_p, o_e, o_t, m_t, weights, ids, 1.0, TOP_K, BT, BKP, NORM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def moe_sigmoid_topk_kernel(
     logits,  # [T, E]
     bias,  # [E] fp32 correction bias of the choice
@@ -131,9 +132,8 @@ def moe_sigmoid_topk_kernel(
     _store_topk(b_c, b_s, o_e, o_t, m_t, weights, ids, scale, TOP_K, BT, BKP, NORM)
 
 
-def _tokens_per_program(num_tokens: int) -> int:
-    """Up to 8 tokens per program: a few compiled variants (1, 2, 4, 8), each program's block stays small."""
-    return min(8, triton.next_power_of_2(max(1, num_tokens)))
+# tokens per program, fixed: one compiled variant per model whatever the batch
+TOKENS_PER_PROGRAM = 8
 
 
 def _outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +151,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if logits.shape[0] == 0:
         return weights, ids
     num_experts = logits.shape[1]
-    num_tokens, bt = logits.shape[0], _tokens_per_program(logits.shape[0])
+    num_tokens, bt = logits.shape[0], TOKENS_PER_PROGRAM
     moe_softmax_topk_kernel[(triton.cdiv(num_tokens, bt),)](
         logits, weights, ids, logits.stride(0), num_tokens, num_experts,
         TOP_K=top_k, BT=bt, BE=triton.next_power_of_2(num_experts), BKP=triton.next_power_of_2(top_k), NORM=renormalize,
@@ -179,7 +179,7 @@ def sigmoid_topk(
     )
     if logits.shape[0] == 0:
         return weights, ids
-    num_tokens, bt = logits.shape[0], _tokens_per_program(logits.shape[0])
+    num_tokens, bt = logits.shape[0], TOKENS_PER_PROGRAM
     moe_sigmoid_topk_kernel[(triton.cdiv(num_tokens, bt),)](
         logits, bias, weights, ids, logits.stride(0), num_tokens, num_experts, float(scaling),
         TOP_K=top_k, BT=bt, BE=triton.next_power_of_2(num_experts), BKP=triton.next_power_of_2(top_k), NORM=renormalize,

@@ -51,14 +51,14 @@ def test_table_entry_wins_by_nearest_bucket(table_dir):
     assert get_config(9, 8, 24, 32, 2, torch.float32, cpu) == TUNED
     assert get_config(200, 8, 24, 32, 2, torch.float32, cpu) == other
     # another dtype or shape has no entry: the heuristic
-    assert get_config(9, 8, 24, 32, 2, torch.float16, cpu) == heuristic_config(9, 8, 24, 32, 2, torch.float16)
+    assert get_config(9, 8, 24, 32, 2, torch.float16, cpu) == heuristic_config(16, 8, 24, 32, 2, torch.float16)
 
 
 def test_other_triton_versions_are_ignored(table_dir):
     key = shape_key(8, 24, 32, 2, torch.float32)
     write_table(table_dir, "0.0.0", key, {"16": TUNED})
     assert get_config(9, 8, 24, 32, 2, torch.float32, torch.device("cpu")) == heuristic_config(
-        9, 8, 24, 32, 2, torch.float32
+        16, 8, 24, 32, 2, torch.float32
     )
 
 

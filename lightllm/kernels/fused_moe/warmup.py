@@ -1,0 +1,62 @@
+"""Compile every variant of the fused MoE kernels a model's MoE layers launch, on scratch tensors, at start-up.
+
+The kernels' compile keys depend on the model (expert count and widths, top-k, router, dtype, shared expert) and,
+for the two grouped GEMMs, on the launch configuration of the token count's batch bucket; nothing else varies with
+the batch. Running one launch per distinct configuration up to the longest chunk covers every key a serving step
+can meet, so no step compiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightllm.kernels.fused_moe.configs import get_config
+from lightllm.kernels.fused_moe.fused_moe import MAX_CHUNK_TOKENS, fused_experts
+from lightllm.kernels.fused_moe.routing import sigmoid_topk, softmax_topk
+
+
+def warmup_token_counts(max_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype, device) -> list:
+    """One token count per distinct launch configuration of 1 .. `max_tokens` (capped at the chunk size)."""
+    seen, counts = [], []
+    n = 1
+    while True:
+        config = get_config(n, num_experts, inter, hidden, top_k, dtype, torch.device(device))
+        if config not in seen:
+            seen.append(config)
+            counts.append(n)
+        if n >= min(max_tokens, MAX_CHUNK_TOKENS):
+            return counts
+        n = min(2 * n, max_tokens, MAX_CHUNK_TOKENS)
+
+
+def warmup_fused_moe(
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    top_k: int,
+    dtype: torch.dtype,
+    device,
+    max_tokens: int,
+    scoring: str = "softmax",
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    shared: bool = False,
+    shared_gate: bool = False,
+) -> int:
+    """Route and run the experts once per distinct configuration of 1 .. `max_tokens` tokens (scratch weights of
+    the layer's shapes); `shared` / `shared_gate` as the layer combines. Returns the launch sequences run."""
+    counts = warmup_token_counts(max_tokens, num_experts, inter, hidden, top_k, dtype, device)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, device=device).to(dtype)
+    down = torch.randn(num_experts, hidden, inter, device=device).to(dtype)
+    bias = torch.zeros(num_experts, device=device)
+    for n in counts:
+        x = torch.randn(n, hidden, device=device).to(dtype)
+        logits = torch.randn(n, num_experts, device=device)
+        if scoring == "sigmoid":
+            weights, ids = sigmoid_topk(logits, bias, top_k, True, 1.0, num_groups, topk_groups)
+        else:
+            weights, ids = softmax_topk(logits.to(dtype), top_k, True)
+        shared_out = torch.randn(n, hidden, device=device).to(dtype) if shared else None
+        gate = torch.randn(n, 1, device=device).to(dtype) if shared_gate else None
+        fused_experts(x, gate_up, down, weights, ids, shared_out, gate)
+    return len(counts)
