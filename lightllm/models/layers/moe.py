@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightllm.kernels.fused_moe import fused_experts, sigmoid_topk, softmax_topk
+from lightllm.kernels.fused_moe.warmup import warmup_fused_moe
 from lightllm.models.config import MoEConfig
 from lightllm.models.layers.mlp import SwiGLU
 from lightllm.models.layers.quantized_linear import Fp8Weight, LinearWeight, linear, set_weight, stack_experts
@@ -171,3 +172,16 @@ class MoE(nn.Module):
                 x, self.gate_up.weight, self.down.weight, weights, ids, shared, gate, block=self.gate_up.block, **scales
             )
         return fused_experts(x, self.gate_up, self.down, weights, ids, shared, gate)
+
+    def warmup_fused(self, max_tokens: int) -> int:
+        """Compile the fused path's kernels for every batch bucket of 1 .. `max_tokens` tokens on scratch tensors
+        (call at start-up on CUDA, before serving); returns the launch sequences run (0 for FP8 experts, whose
+        variants this does not cover)."""
+        if isinstance(self.gate_up, Fp8Weight):
+            return 0
+        c = self.cfg
+        experts, hidden, inter = self.down.shape
+        return warmup_fused_moe(
+            experts, inter, hidden, c.top_k, self.gate_up.dtype, self.gate_up.device, max_tokens, c.scoring,
+            c.num_groups, c.topk_groups, shared=self.shared is not None, shared_gate=c.shared_expert_gate,
+        )  # fmt: skip

@@ -4,11 +4,13 @@ and `warmup_fused_moe` meets every key that token counts up to its bound can pro
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightllm.kernels.fused_moe import fused_experts, sigmoid_topk, softmax_topk
 from lightllm.kernels.fused_moe.warmup import warmup_fused_moe
 from unit_tests.helpers.launch_keys import LaunchKeys, launch_keys
+from unit_tests.kernels.fused_moe import test_moe_block as block
 
 E, INTER, HIDDEN, TOP_K = 8, 16, 16, 2
 FIXED = {
@@ -63,3 +65,17 @@ def test_warmup_meets_every_key_of_serving():
     with launch_keys() as short:
         warmup_fused_moe(E, INTER, HIDDEN, TOP_K, torch.float32, "cpu", 8, shared=True, shared_gate=True)
     assert set(missing(served, short)) >= {"moe_gate_up_kernel", "moe_down_kernel"}
+
+
+@pytest.mark.parametrize("cfg", [block.QWEN, block.KIMI], ids=["qwen", "kimi"])
+def test_moe_layer_warmup_meets_its_forward_keys(cfg):
+    """`MoE.warmup_fused` (the start-up hook) covers what `MoE.forward_fused` launches, for both routers."""
+    moe = block.build(cfg, seed=1)
+    with launch_keys() as warmed:
+        assert moe.warmup_fused(40) > 0
+    with launch_keys() as served:
+        for num_tokens in (1, 6, 40):
+            moe.forward_fused(
+                torch.randn(num_tokens, block.HIDDEN, generator=torch.Generator().manual_seed(num_tokens))
+            )
+    assert not missing(served, warmed), missing(served, warmed)
