@@ -30,12 +30,9 @@ def warmup_token_counts(max_tokens: int, num_experts: int, inter: int, hidden: i
 
 
 def warmup_fused_moe(
-    num_experts: int,
-    inter: int,
-    hidden: int,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
     top_k: int,
-    dtype: torch.dtype,
-    device,
     max_tokens: int,
     scoring: str = "softmax",
     num_groups: int = 1,
@@ -43,11 +40,12 @@ def warmup_fused_moe(
     shared: bool = False,
     shared_gate: bool = False,
 ) -> int:
-    """Route and run the experts once per distinct configuration of 1 .. `max_tokens` tokens (scratch weights of
-    the layer's shapes); `shared` / `shared_gate` as the layer combines. Returns the launch sequences run."""
+    """Route and run the experts `gate_up [E, 2I, H]`, `down [E, H, I]` (a layer's own weights: only read, so
+    the warm-up allocates no expert-sized scratch) once per distinct configuration of 1 .. `max_tokens` tokens on
+    scratch activations; `shared` / `shared_gate` as the layer combines. Returns the launch sequences run."""
+    num_experts, hidden, inter = down.shape
+    dtype, device = gate_up.dtype, gate_up.device
     counts = warmup_token_counts(max_tokens, num_experts, inter, hidden, top_k, dtype, device)
-    gate_up = torch.randn(num_experts, 2 * inter, hidden, device=device).to(dtype)
-    down = torch.randn(num_experts, hidden, inter, device=device).to(dtype)
     bias = torch.zeros(num_experts, device=device)
     for n in counts:
         x = torch.randn(n, hidden, device=device).to(dtype)

@@ -174,14 +174,14 @@ class MoE(nn.Module):
         return fused_experts(x, self.gate_up, self.down, weights, ids, shared, gate)
 
     def warmup_fused(self, max_tokens: int) -> int:
-        """Compile the fused path's kernels for every batch bucket of 1 .. `max_tokens` tokens on scratch tensors
-        (call at start-up on CUDA, before serving); returns the launch sequences run (0 for FP8 experts, whose
+        """Compile the fused path's kernels for every batch bucket of 1 .. `max_tokens` tokens with the layer's own
+        expert weights and scratch activations (call at start-up on CUDA, before serving; once per distinct layer
+        shape is enough); returns the launch sequences run (0 for FP8 experts, whose
         variants this does not cover)."""
         if isinstance(self.gate_up, Fp8Weight):
             return 0
         c = self.cfg
-        experts, hidden, inter = self.down.shape
         return warmup_fused_moe(
-            experts, inter, hidden, c.top_k, self.gate_up.dtype, self.gate_up.device, max_tokens, c.scoring,
-            c.num_groups, c.topk_groups, shared=self.shared is not None, shared_gate=c.shared_expert_gate,
+            self.gate_up, self.down, c.top_k, max_tokens, c.scoring, c.num_groups, c.topk_groups,
+            shared=self.shared is not None, shared_gate=c.shared_expert_gate,
         )  # fmt: skip

@@ -34,6 +34,11 @@ def serve(num_tokens: int, config: dict | None, sigmoid: bool = False) -> None:
     fused_experts(x, gate_up, down, weights, ids, shared, gate, config=config)
 
 
+def scratch_experts() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(99)
+    return torch.randn(E, 2 * INTER, HIDDEN, generator=gen), torch.randn(E, HIDDEN, INTER, generator=gen)
+
+
 def missing(served: LaunchKeys, warmed: LaunchKeys) -> dict[str, int]:
     out = {}
     for kernel, by_const in served.by_kernel.items():
@@ -56,14 +61,14 @@ def test_keys_do_not_depend_on_the_token_count():
 
 def test_warmup_meets_every_key_of_serving():
     with launch_keys() as warmed:
-        warmup_fused_moe(E, INTER, HIDDEN, TOP_K, torch.float32, "cpu", 140, shared=True, shared_gate=True)
+        warmup_fused_moe(*scratch_experts(), TOP_K, 140, shared=True, shared_gate=True)
     with launch_keys() as served:
         for num_tokens in (1, 3, 7, 20, 70, 140):
             serve(num_tokens, None)
     assert not missing(served, warmed), missing(served, warmed)
     # twin: a warm-up bounded below the served counts misses the larger buckets' GEMM variants
     with launch_keys() as short:
-        warmup_fused_moe(E, INTER, HIDDEN, TOP_K, torch.float32, "cpu", 8, shared=True, shared_gate=True)
+        warmup_fused_moe(*scratch_experts(), TOP_K, 8, shared=True, shared_gate=True)
     assert set(missing(served, short)) >= {"moe_gate_up_kernel", "moe_down_kernel"}
 
 
