@@ -152,3 +152,7 @@ def test_constrained_output_on_a_tiktoken_checkpoint_is_a_400(tmp_path):
     out.starts_in_reasoning = False
     params = asyncio.run(_constrain(fe, body, out, SamplingParams()))
     assert params.grammar and params.grammar_start_token is None
+    # a grammar ends with EOS: ignore_eos would pad to max_tokens with it
+    with pytest.raises(ApiError) as err:
+        asyncio.run(_constrain(fe, body, out, SamplingParams(ignore_eos=True)))
+    assert err.value.status == 400 and err.value.param == "ignore_eos"

@@ -102,6 +102,9 @@ async def _constrain(fe: Frontend, body: ChatCompletionRequest, out: ChatOutput,
         raise ApiError(400, str(exc), exc.field) from None
     if grammar is None:
         return params
+    if params.ignore_eos:
+        # a complete grammar allows only EOS: ignoring it would pad the output with EOS tokens to max_tokens
+        raise ApiError(400, "ignore_eos: cannot be combined with constrained output (it ends with EOS)", "ignore_eos")
     if is_tiktoken_folder(fe.info.model_dir):
         # the engine reads a grammar's vocabulary through transformers' fast tokenizers (tokenizer.json)
         field = "response_format" if body.response_format is not None else "tool_choice"
