@@ -38,7 +38,7 @@ def test_kernel_on_gpu_matches_reference(rows, dtype):
     out = torch.full((q.shape[0], heads, c), float("nan"), dtype=dtype, device=dev)
     starts = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(torch.int32)
     args = [t.to(dev) for t in (q, latent, table, starts, torch.tensor(q_lens).int(), torch.tensor(cached).int())]
-    mla_attention(*args[:3], *args[3:], KIMI.qk_head_dim**-0.5, max(q_lens), out, table_rows=table_rows.to(dev),
+    mla_attention(*args, KIMI.qk_head_dim**-0.5, max(q_lens), out, table_rows=table_rows.to(dev),
                   max_context_len=longest)  # fmt: skip
     expected = expected_rows(q, latent, slots, cached, q_lens, KIMI.qk_head_dim**-0.5, c)
     assert_rel_close(f"mla {rows} {dtype}", out.cpu(), expected, MAX_REL[dtype])
