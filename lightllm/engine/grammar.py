@@ -91,6 +91,10 @@ class GrammarBackend:
             )
         return self._tokenizers[key]
 
+    def preload(self, tokenizer_dir: str, eos_ids: list[int]) -> None:
+        """Read a vocabulary now (at start-up) instead of on the first constrained request, inside a step."""
+        self._tokenizer(tokenizer_dir, tuple(eos_ids))
+
     def matcher(self, grammar: str, start_token: int | None, tokenizer_dir: str, eos_ids: list[int]) -> RequestGrammar:
         """Raises ValueError naming the problem when the grammar does not compile."""
         from llguidance import LLMatcher

@@ -111,6 +111,15 @@ def test_grammar_starts_after_its_token(setup):
     assert torch.equal(_masked(req, [])[0], _reference_mask(backend, model_dir, hf, []))
 
 
+def test_preloaded_vocabulary_is_the_one_requests_use(setup):
+    _, model_dir, hf = setup
+    backend = GrammarBackend(VOCAB)
+    backend.preload(model_dir, [hf.eos_token_id])
+    (loaded,) = backend._tokenizers.values()
+    req = _request(backend, model_dir, hf)
+    assert backend._tokenizers == {(model_dir, (hf.eos_token_id,)): loaded} and req.grammar.matcher is not None
+
+
 def test_a_grammar_that_does_not_compile_is_an_error(setup):
     backend, model_dir, hf = setup
     with pytest.raises(ValueError, match="grammar"):
