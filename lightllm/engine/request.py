@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,8 +45,9 @@ class Request:
     num_computed_tokens: int = 0
     # tokens to prefill before the first sample of this admission (prompt, or prompt + output after preemption)
     num_prefill_tokens: int = 0
-    # draft tokens proposed for the next decode window
-    draft_ids: list[int] = field(default_factory=list)
+    # draft tokens proposed for the next decode window: a list, or MTP drafts still on the device
+    # (`speculative.device_drafts.DeviceDrafts`: its length is known, its values are read on demand)
+    draft_ids: Sequence[int] = field(default_factory=list)
     # admission order, used to pick preemption victims (latest first)
     admit_seq: int = 0
     num_preemptions: int = 0
