@@ -4,7 +4,8 @@ Built once per step on the host from the batch description with a few array oper
 layers only read it. Tokens are flat in row order: prefill rows packed first, then decode rows padded to one width
 W, so the decode tokens are a dense `[rows, W]` block whatever each row's own width (`padded_token_index` maps
 the real tokens into this layout; padding tokens write their KV to the HOLD slot and no state). Full attention
-runs per group of rows: each prefill row is its own group, all decode rows form one group.
+runs per group of rows: consecutive prefill rows share a group while its rows times its longest context stay
+within `MAX_GROUP_CONTEXT_TOKENS` (`prefill_group_spans`), all decode rows form one group.
 A group addresses keys through the KV cache's request table (`table[table_rows[i], position]`); the dense
 `[rows, L]` slot table and causal mask that the torch path needs are gathered on the device only when asked for.
 """
@@ -20,6 +21,11 @@ import torch
 from lightllm.cache.device_copy import to_device
 from lightllm.cache.kv_cache import KVCache, ragged_arange
 from lightllm.linear_att.base import DecodeRows, LinearAttState, PrefillRows
+
+# prefill rows of one attention group times its longest context: bounds what a group gathers or pads at once (the
+# torch path's dense slot table and mask, MLA's expanded keys), while a step of many short prompts attends in one
+# launch instead of one per row
+MAX_GROUP_CONTEXT_TOKENS = 1 << 16
 
 
 @dataclass
@@ -98,6 +104,20 @@ def _group(
     )
 
 
+def prefill_group_spans(context_lens: np.ndarray, max_tokens: int = MAX_GROUP_CONTEXT_TOKENS) -> list[tuple[int, int]]:
+    """Prefill rows `[start, end)` attending as one group: consecutive rows, a new group where one more row would
+    take the group's rows x longest context (`context_lens[i]`: cached + new tokens) past `max_tokens`."""
+    spans, start, longest = [], 0, 0
+    for i, n in enumerate(context_lens.tolist()):
+        if i > start and (i - start + 1) * max(longest, n) > max_tokens:
+            spans.append((start, i))
+            start, longest = i, 0
+        longest = max(longest, n)
+    if len(context_lens):
+        spans.append((start, len(context_lens)))
+    return spans
+
+
 def padded_decode_width(q_lens: list[int], num_prefill_rows: int, min_width: int) -> int:
     """The width W decode rows are padded to (0 without decode rows)."""
     decode = q_lens[num_prefill_rows:]
@@ -155,7 +175,8 @@ def build_context(
     pos, write_slots, _ = layout_positions(row_q, q, cached, rows, kv)
     packed = to_device(np.stack([pos + position_offset, write_slots]), device)
     starts = np.concatenate([[0], np.cumsum(row_q)])
-    groups = [_group(starts[i : i + 1], q[i : i + 1], cached[i : i + 1], rows[i : i + 1], kv) for i in range(np_)]
+    spans = prefill_group_spans(cached[:np_] + q[:np_])
+    groups = [_group(starts[a:b], q[a:b], cached[a:b], rows[a:b], kv) for a, b in spans]
     ctx = StepContext(
         positions=packed[0],
         num_prefill_tokens=num_prefill_tokens,
