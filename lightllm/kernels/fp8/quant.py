@@ -103,7 +103,8 @@ def round_to_e4m3(x):
     return tl.where(x < 0, -magnitude, magnitude)
 
 
-@triton.jit
+# the token count changes from step to step: specialising on it would compile variants while serving
+@triton.jit(do_not_specialize=["M"])
 def fp8_group_quant_kernel(
     x,  # [M, K]
     q,  # [M, K] float8_e4m3fn
