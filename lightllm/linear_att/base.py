@@ -12,6 +12,7 @@ Call order within one model step:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -55,6 +56,12 @@ class PrefillRows:
     # [T] bool, only for one row padded to a fixed token count (a prefill replayed as a CUDA graph): its real
     # tokens come first, `cu_seqlens` ends at their count, and the padding tokens after them change no state
     padded_valid: torch.Tensor | None = None
+
+    @cached_property
+    def chunk_cu_seqlens(self) -> torch.Tensor:
+        """`cu_seqlens` as int64, one tensor for every layer of the step: fla caches what it derives from the
+        offsets (its chunk indices, built with a host sync) by tensor identity, so only the first layer builds them."""
+        return self.cu_seqlens.long()
 
 
 @dataclass(frozen=True)

@@ -141,15 +141,19 @@ def test_guard_catches_host_syncs(monkeypatch):
 @pytest.mark.parametrize("mode", ["native", "compact", "replay"])
 def test_prefill_rows_without_host_sync(mode, monkeypatch):
     """A step's prefill of several rows (second chunks resuming their states, one row without tokens) waits for the
-    device nowhere outside the chunk kernel (fla on CUDA; its torch twin here, which may sync, runs as a kernel);
-    the row without tokens keeps its state and the others match the torch backend."""
+    device nowhere outside the chunk kernel (fla on CUDA; its torch twin here, which may sync, runs as a kernel),
+    and hands it one int64 offsets tensor for all layers; the row without tokens keeps its state and the others
+    match the torch backend."""
     from lightllm.linear_att.modes import common
 
     spec = sc.make_spec("gdn", num_k_heads=1, ratio=2, head_k_dim=8, head_v_dim=8, num_layers=2)
     guard = HostSyncGuard(monkeypatch)
     chunk = common.ops.chunk_delta_rule
 
+    offsets = []
+
     def chunk_as_kernel(*args, **kwargs):
+        offsets.append(args[6])
         guard.kernel_depth += 1
         try:
             return chunk(*args, **kwargs)
@@ -165,7 +169,11 @@ def test_prefill_rows_without_host_sync(mode, monkeypatch):
         params, streams = sc.make_params(spec, seed=3), sc.make_streams(spec, 3, 40, seed=4)
         if backend == "triton":
             state.prefill = guard.wrap(state.prefill)
+        offsets.clear()
         sc.prefill(state, spec, params, streams, [0, 1, 2], [4, 0, 2], run)
+        # every layer hands the chunk kernel the same int64 offsets (fla reuses what it derived from them)
+        assert len(offsets) == spec.num_layers and all(o is offsets[0] for o in offsets)
+        assert offsets[0].dtype == torch.int64 and offsets[0].tolist() == [0, 4, 4, 6]
         after = state.export_checkpoint(slots)
         assert torch.equal(after.ssm[:, 1], before.ssm[:, 1]), "the row without tokens changed its state"
         assert torch.equal(after.conv[:, 1], before.conv[:, 1]), "the row without tokens changed its conv window"

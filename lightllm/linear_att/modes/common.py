@@ -153,7 +153,7 @@ class StateCommon:
         )
         # prefill follows the device (fla on CUDA, torch on CPU) even when tests force the Triton decode kernels
         # a padded row runs as one sequence of all its tokens, without offsets a CUDA graph could not read
-        cu_seqlens = None if valid is not None else rows.cu_seqlens
+        cu_seqlens = None if valid is not None else rows.chunk_cu_seqlens
         o, final = ops.chunk_delta_rule(q, k, v, g, beta, init, cu_seqlens, algorithm=self.spec.algorithm)
         if valid is not None:
             # one row with at least one real token: no data-dependent selection (a host sync) needed
