@@ -48,7 +48,12 @@ PREFILL_M = (4096, 8192, 16384)
 TINY = {"tiny odd": (45, 71)}
 TINY_M = (5,)
 # (BM, BN, num_warps, num_stages) tried by --sweep
-SWEEP = [(bm, bn, w, s) for bm, bn, w, s in itertools.product((64, 128), (64, 128), (4, 8), (3, 4)) if bm * bn >= 8192]
+SWEEP = [
+    (bm, bn, w, s)
+    for bm, bn, w, s in itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3, 4))
+    # an fp32 accumulator of at most 128 registers per thread; fp8 A and B stages within the shared memory
+    if 8192 <= bm * bn <= 128 * 32 * w and (bm + bn) * 128 * s <= 200 * 1024
+]
 MAX_REL = 1e-2
 
 

@@ -94,6 +94,14 @@ def test_fp8_block_gemm_matches_dequantized_reference(m, n, k, block, out_dtype)
     assert_rel_close("fp8_block_gemm", out, ref, 1e-6 if out_dtype == torch.float32 else 1e-3)
 
 
+def test_fp8_block_gemm_tile_wider_than_a_scale_block():
+    """A 64-column tile over 32-row scale blocks reads each column's own scale row."""
+    a, a_scale, w, w_scale = quantized_operands(19, 150, 71, (32, 32), seed=11)
+    out = fp8_block_gemm(a, a_scale, w, w_scale, torch.float32, (32, 32), config=(32, 64, 4, 2))
+    ref = fp8_block_gemm_reference(a, a_scale, w, w_scale, torch.float64, (32, 32))
+    assert_rel_close("fp8_block_gemm BN 64 > block 32", out, ref, 1e-6)
+
+
 @pytest.mark.parametrize("m,n,k,block", SHAPES[:1] + SHAPES[3:])
 def test_fp8_block_gemm_twin_with_transposed_scales_fails(m, n, k, block):
     """Twin: the same operands with the weight's scale grid transposed (reshaped back to its shape) must not match."""

@@ -108,7 +108,8 @@ def fp8_block_gemm(
     check_block_scales(tuple(w.shape), tuple(w_scale.shape), block, "w_scale")
     check_block_scales(tuple(a.shape), tuple(a_scale.shape), (1, block[1]), "a_scale")
     bm, bn, warps, stages = config or _launch_config(m, block)
-    assert block[0] % bn == 0 and block[1] >= 16, f"tile N {bn} must divide the scale block {block}"
+    # the K step is one scale group; a tile's columns may span several weight scale rows (read per column)
+    assert block[1] >= 16 and block[1] & (block[1] - 1) == 0, f"block_k must be a power of two >= 16, got {block}"
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
