@@ -136,6 +136,17 @@ def test_gdn_keeps_in_proj_fp8_when_the_checkpoint_leaves_in_proj_ba_unquantized
         assert split.mixer.in_proj.shape[0] + split.mixer.ba_proj.shape[0] == fused.mixer.in_proj.shape[0]
 
 
+def test_scaled_weight_stored_in_another_dtype_is_refused(fp8_dir, tmp_path):
+    twin = shutil.copytree(fp8_dir, tmp_path / "twin")
+    tensors = load_file(twin / "model.safetensors")
+    tensors[GDN_OUT] = tensors[GDN_OUT].to(torch.bfloat16)
+    save_file(tensors, twin / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"not float8_e4m3fn despite a _scale_inv \(1\): {GDN_OUT} \(BF16\)"):
+        check_checkpoint(str(twin))
+    with pytest.raises(ValueError, match=rf"{GDN_OUT}: has a {GDN_OUT}_scale_inv so it must be float8_e4m3fn"):
+        load(twin)
+
+
 def test_unquantized_modules_keep_their_dtype(bf16_dir, tmp_path):
     fp8 = quantize_checkpoint(bf16_dir, tmp_path / "ckpt", BLOCK, NOT_CONVERTED + ("o_proj",))
     model = load(fp8)
