@@ -60,6 +60,7 @@ def test_bench_throughput_simulated_acceptance_sets_the_accepted_length(capsys):
 def test_simulate_acceptance_is_a_benchmark_option_only():
     """The server's flags do not know the option (neither the parser nor ServerArgs); the benchmark's parser does
     (the twin: the same check finds it where it exists)."""
+
     def options(parser):
         return {s for action in parser._actions for s in action.option_strings}
 
