@@ -118,3 +118,30 @@ def test_chunk_cap_defaults_to_the_budget():
 def test_bad_budget_or_chunk_is_refused(budget, chunk):
     with pytest.raises(ValueError, match="token_budget|chunked_prefill_size"):
         Scheduler(FakeRunner(), 4, budget, 1, chunked_prefill_size=chunk)
+
+
+def test_drafts_and_a_long_prompt_share_the_budget():
+    # n-gram drafts widen A's windows; they come out of the same budget as B's chunks, and A still gets a window
+    # (and at least one token) every step
+    budget = 8
+    runner = FakeRunner(max_requests=4, kv_tokens=400, max_width=3)
+    engine = _engine(runner, budget=budget, chunk=budget, spec_ngram=2)
+    cycle = [5, 6, 7, 43, 2, 4, 25, 0, 62, 4]
+    engine.add_request(NewRequest("A", cycle, _params(24)))
+    tokens, got = {"A": [], "B": []}, []
+    while not tokens["A"]:
+        outs = [o for o in engine.step() if isinstance(o, TokenChunk) and o.token_ids]
+        for o in outs:
+            tokens[o.req_id] += o.token_ids
+        got.append({o.req_id for o in outs})
+    long_prompt = [(5 * i + 1) % 61 + 1 for i in range(50)]
+    engine.add_request(NewRequest("B", long_prompt, _params(2)))
+    _step_all(engine, tokens, got)
+    mixed = [b for b in runner.batches if b.num_prefill_rows and b.num_decode_rows]
+    assert len(mixed) >= 7 and all(sum(b.query_lens) == budget for b in mixed[:-1])
+    assert all(sum(b.query_lens) <= budget for b in runner.batches)
+    # some of A's windows carry drafts while B prefills
+    assert any(b.query_lens[-1] > 1 for b in mixed)
+    assert max_gap_in_steps(got, "A") == 1
+    assert tokens["A"] == FakeRunner().greedy(cycle, 24)
+    assert tokens["B"] == FakeRunner().greedy(long_prompt, 2)
