@@ -39,12 +39,19 @@ def warmup_fused_moe(
     topk_groups: int = 1,
     shared: bool = False,
     shared_gate: bool = False,
+    act_dtype: torch.dtype | None = None,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> int:
     """Route and run the experts `gate_up [E, 2I, H]`, `down [E, H, I]` (a layer's own weights: only read, so
     the warm-up allocates no expert-sized scratch) once per distinct configuration of 1 .. `max_tokens` tokens on
-    scratch activations; `shared` / `shared_gate` as the layer combines. Returns the launch sequences run."""
+    scratch activations; `shared` / `shared_gate` as the layer combines. Block-FP8 experts come with their scales
+    and `block` (as `fused_experts` takes them) and `act_dtype`, the activations' dtype. Returns the launch
+    sequences run."""
     num_experts, hidden, inter = down.shape
-    dtype, device = gate_up.dtype, gate_up.device
+    dtype, device = act_dtype or gate_up.dtype, gate_up.device
+    fp8 = {} if gate_up_scale is None else {"gate_up_scale": gate_up_scale, "down_scale": down_scale, "block": block}
     counts = warmup_token_counts(max_tokens, num_experts, inter, hidden, top_k, dtype, device)
     bias = torch.zeros(num_experts, device=device)
     for n in counts:
@@ -56,5 +63,5 @@ def warmup_fused_moe(
             weights, ids = softmax_topk(logits.to(dtype), top_k, True)
         shared_out = torch.randn(n, hidden, device=device).to(dtype) if shared else None
         gate = torch.randn(n, 1, device=device).to(dtype) if shared_gate else None
-        fused_experts(x, gate_up, down, weights, ids, shared_out, gate)
+        fused_experts(x, gate_up, down, weights, ids, shared_out, gate, **fp8)
     return len(counts)

@@ -173,15 +173,21 @@ class MoE(nn.Module):
             )
         return fused_experts(x, self.gate_up, self.down, weights, ids, shared, gate)
 
-    def warmup_fused(self, max_tokens: int) -> int:
+    def warmup_fused(self, max_tokens: int, act_dtype: torch.dtype | None = None) -> int:
         """Compile the fused path's kernels for every batch bucket of 1 .. `max_tokens` tokens with the layer's own
         expert weights and scratch activations (call at start-up on CUDA, before serving; once per distinct layer
-        shape is enough); returns the launch sequences run (0 for FP8 experts, whose
-        variants this does not cover)."""
-        if isinstance(self.gate_up, Fp8Weight):
-            return 0
+        shape is enough); returns the launch sequences run. FP8 experts need `act_dtype`, the model's activation
+        dtype (0 launches without it)."""
         c = self.cfg
+        common = dict(shared=self.shared is not None, shared_gate=c.shared_expert_gate)
+        if not isinstance(self.gate_up, Fp8Weight):
+            return warmup_fused_moe(
+                self.gate_up, self.down, c.top_k, max_tokens, c.scoring, c.num_groups, c.topk_groups, **common
+            )
+        if act_dtype is None:
+            return 0
         return warmup_fused_moe(
-            self.gate_up, self.down, c.top_k, max_tokens, c.scoring, c.num_groups, c.topk_groups,
-            shared=self.shared is not None, shared_gate=c.shared_expert_gate,
+            self.gate_up.weight, self.down.weight, c.top_k, max_tokens, c.scoring, c.num_groups, c.topk_groups,
+            act_dtype=act_dtype, gate_up_scale=self.gate_up.weight_scale_inv,
+            down_scale=self.down.weight_scale_inv, block=self.gate_up.block, **common,
         )  # fmt: skip

@@ -12,6 +12,8 @@ from lightllm.models.layers.moe import run_experts
 from lightllm.models.layers.quantized_linear import Fp8Weight
 from lightllm.models.quant_config import Fp8Config
 from unit_tests.helpers.asserts import assert_rel_close, relative_error
+from unit_tests.helpers.launch_keys import launch_keys
+from unit_tests.kernels.fused_moe.test_compile_keys import missing
 from unit_tests.kernels.fused_moe.test_fused_experts import SMALL, experts
 from unit_tests.kernels.fused_moe.test_moe_block import HIDDEN, KIMI, QWEN, build
 
@@ -68,3 +70,18 @@ def test_moe_block_with_fp8_experts_fused_matches_forward(cfg):
     assert moe.gate_up.block == BLOCK and isinstance(moe.shared.down, Fp8Weight)
     x = torch.randn(29, HIDDEN, generator=torch.Generator().manual_seed(8))
     assert_rel_close("fp8 moe", moe.forward_fused(x), moe(x), 2e-3)
+
+
+@pytest.mark.parametrize("cfg", [QWEN, KIMI], ids=["qwen", "kimi"])
+def test_fp8_moe_layer_warmup_meets_its_forward_keys(cfg):
+    """`MoE.warmup_fused` with FP8 experts compiles what `forward_fused` launches (quantization kernels and the
+    FP8 grouped GEMMs included); without the activation dtype it runs nothing (the twin)."""
+    moe = build(cfg, seed=1, quant=Fp8Config(BLOCK, in_checkpoint=False))
+    assert moe.warmup_fused(40) == 0
+    with launch_keys() as warmed:
+        assert moe.warmup_fused(40, torch.float32) > 0
+    with launch_keys() as served:
+        for num_tokens in (1, 6, 40):
+            moe.forward_fused(torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens)))
+    assert "fp8_group_quant_kernel" in served.by_kernel and "moe_gate_up_kernel" in served.by_kernel
+    assert not missing(served, warmed), missing(served, warmed)
