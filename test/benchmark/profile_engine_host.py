@@ -32,11 +32,11 @@ from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 
 PHASES = (
     ("scheduler", "schedule"),
-    ("engine", "_build_batch"),
+    ("engine", "build_batch"),
     ("runner", "forward"),
     ("engine", "_verify_greedy"),
     ("runner", "accept"),
-    ("engine", "_emit"),
+    ("engine", "emit"),
     ("engine", "_process"),
 )
 

@@ -69,6 +69,19 @@ def test_draft_matrix_gathers_without_reading_back():
     assert draft_matrix([_batch(seed=9).row(3, 2)], torch.device("cpu")).tolist() != [expected[0][:2]]
 
 
+def test_draft_matrix_of_whole_rows_of_one_call():
+    """The steady state (every row a whole unread row of one drafting call), in the call's order or another."""
+    batch = _batch(rows=5, seed=3)
+    in_order = draft_matrix([batch.row(i, 3) for i in range(5)], torch.device("cpu"))
+    assert in_order.tolist() == batch.tensor.tolist()
+    order = [4, 0, 2]
+    assert draft_matrix([batch.row(i, 3) for i in order], torch.device("cpu")).tolist() == batch.tensor[order].tolist()
+    # a shorter row among them takes the padded path: -1 after its drafts
+    mixed = draft_matrix([batch.row(4, 3), batch.row(0, 1)], torch.device("cpu")).tolist()
+    assert mixed == [batch.tensor[4].tolist(), [int(batch.tensor[0, 0]), -1, -1]]
+    assert batch.num_reads == 0
+
+
 def test_verify_greedy_windows_reads_device_drafts_with_its_one_transfer():
     """Device drafts verify like the same drafts as host lists; their values come back with the counts."""
     torch.manual_seed(0)

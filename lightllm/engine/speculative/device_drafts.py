@@ -78,6 +78,13 @@ def draft_matrix(drafts: list[Sequence[int]], device: torch.device, width: int |
     """`[len(drafts), width]` int64 on `device` (width: the longest row by default): row i holds `drafts[i]`, then
     -1. Device drafts are gathered on the device (no read-back); host lists are copied up."""
     width = max((len(d) for d in drafts), default=0) if width is None else width
+    whole = _whole_rows(drafts, width)
+    if whole is not None:
+        # the steady state: every row a full unread row of one drafting call, so no padding to apply
+        batch, rows = whole
+        if rows == list(range(batch.tensor.shape[0])):
+            return batch.tensor.to(device)
+        return batch.tensor[torch.tensor(rows, dtype=torch.long).to(batch.tensor.device, non_blocking=True)].to(device)
     matrix = torch.full((len(drafts), width), -1, dtype=torch.long, device=device)
     if width == 0:
         return matrix
@@ -102,6 +109,20 @@ def draft_matrix(drafts: list[Sequence[int]], device: torch.device, width: int |
         kept = torch.where(columns[None, :] < lengths[:, None], source, torch.full_like(source, -1))
         matrix[torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)] = kept
     return matrix
+
+
+def _whole_rows(drafts: list[Sequence[int]], width: int) -> tuple[DraftBatch, list[int]] | None:
+    """(batch, row indices) when every one of `drafts` is a whole unread row of the same drafting call, `width`
+    wide; else None."""
+    first = drafts[0] if drafts else None
+    if not isinstance(first, DeviceDrafts) or first.batch.tensor.shape[1] != width:
+        return None
+    rows = []
+    for d in drafts:
+        if not isinstance(d, DeviceDrafts) or d.batch is not first.batch or d.length != width or d.is_read:
+            return None
+        rows.append(d.index)
+    return first.batch, rows
 
 
 def decode_draft_ids(drafts: list[Sequence[int]]) -> torch.Tensor | None:
