@@ -83,6 +83,16 @@ def _key(entry_key) -> tuple:
     return tuple(_key(k) if isinstance(k, list) else k for k in entry_key)
 
 
+def _jsonable(value):
+    """A tuning key as JSON: tuples as lists; a value of another type as its repr (it then matches no key and
+    that key takes the kernel's default)."""
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
 class PinnedConfigs(dict):
     """An autotuner's cache that holds every key: the table's config for a listed key, else `default`."""
 
@@ -167,6 +177,6 @@ def record_table(autotuners: dict[str, Autotuner]) -> dict:
         counts = Counter(json.dumps(config_to_json(c), sort_keys=True) for c in chosen.values())
         kernels[name] = {
             "default": json.loads(counts.most_common(1)[0][0]),
-            "by_key": [{"key": list(key), "config": config_to_json(c)} for key, c in chosen.items()],
+            "by_key": [{"key": _jsonable(key), "config": config_to_json(c)} for key, c in chosen.items()],
         }
     return {"versions": {"fla": fla.__version__, "triton": triton.__version__}, "kernels": kernels}

@@ -5,12 +5,15 @@ was chosen; the collector finds the chunk kernels fla's gated delta rule and KDA
 
 from __future__ import annotations
 
+import json
+
 import fla
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+from lightllm.linear_att import fla_pinning
 from lightllm.linear_att.fla_pinning import (
     PinnedConfigs,
     config_to_json,
@@ -122,3 +125,16 @@ def test_collector_finds_the_prefill_chunk_kernels():
 def test_table_path_names_the_gpu_kind():
     assert table_path("NVIDIA H200").name == "NVIDIA_H200.json"
     assert table_path("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
+
+
+def test_pin_for_device_reads_the_shipped_table_of_the_gpu_kind(tmp_path, monkeypatch):
+    name = "fla.ops.common.chunk_o:chunk_fwd_kernel_o"
+    tuner = fla_autotuners()[name]
+    monkeypatch.setattr(tuner, "cache", {})
+    monkeypatch.setattr(fla_pinning, "TABLE_DIR", tmp_path)
+    assert fla_pinning.pin_for_device("Fake GPU").skipped == "no table for this GPU"
+    table = {"versions": VERSIONS, "kernels": {name: {"default": config_to_json(tuner.configs[-1]), "by_key": []}}}
+    (tmp_path / "Fake_GPU.json").write_text(json.dumps(table))
+    report = fla_pinning.pin_for_device("Fake GPU")
+    assert report.pinned == [name] and name not in report.unlisted and report.unlisted
+    assert tuner.cache[("any", "key")] is tuner.configs[-1]
