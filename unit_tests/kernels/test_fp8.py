@@ -121,3 +121,27 @@ def test_fp8_block_linear_close_to_full_precision(backend):
     y = fp8_block_linear(x, q, scale, bias, (32, 32), backend=backend)
     assert y.shape == (2, 3, 45) and y.dtype == torch.float32
     assert_rel_close("fp8 linear vs fp32", y, torch.nn.functional.linear(x, w, bias), 0.06)
+
+
+def test_warmup_meets_every_launch_key_of_serving_sizes():
+    """`warmup_fp8_linears` runs each FP8 projection shape once per launch configuration: the keys of a linear at
+    any token count are among its keys (twin: a warm-up at one token count misses the taller tiles)."""
+    from lightllm.kernels.fp8.gemm import warmup_token_counts
+    from lightllm.models.layers.quantized_linear import Fp8Weight, warmup_fp8_linears
+    from unit_tests.helpers.launch_keys import launch_keys
+    from unit_tests.kernels.fused_moe.test_compile_keys import missing
+
+    model = torch.nn.Module()
+    model.a = Fp8Weight.quantize(weights(45, 71, 12), (32, 32))
+    model.b = Fp8Weight.quantize(weights(45, 71, 13), (32, 32))
+    with launch_keys() as warmed:
+        assert warmup_fp8_linears(model, torch.float32, backend="triton") == len(warmup_token_counts())
+    with launch_keys() as served:
+        for tokens in (1, 5, 16, 17, 40, 64, 65, 150):
+            fp8_block_linear(
+                torch.randn(tokens, 71), model.b.weight, model.b.weight_scale_inv, None, (32, 32), "triton"
+            )
+    assert not missing(served, warmed), missing(served, warmed)
+    with launch_keys() as short:
+        fp8_block_linear(torch.randn(1, 71), model.a.weight, model.a.weight_scale_inv, None, (32, 32), "triton")
+    assert "fp8_block_gemm_kernel" in missing(served, short)

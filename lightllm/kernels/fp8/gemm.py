@@ -77,14 +77,23 @@ def fp8_block_gemm_kernel(
     tl.store(o + o_m[:, None] * stride_om + o_n[None, :], acc.to(o.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
+# (largest M, BM, widest BN, num_warps, num_stages): the first row whose bound covers M (None: any M); tall tiles
+# for prefill-sized M, short ones for decode batches
+LAUNCH_TABLE = ((16, 16, 64, 4, 3), (64, 64, 128, 4, 3), (None, 128, 128, 8, 3))
+
+
 def _launch_config(m: int, block: tuple[int, int]) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages): tall tiles for prefill-sized M, short ones for decode batches."""
-    bn = min(block[0], 128)
-    if m <= 16:
-        return 16, min(bn, 64), 4, 3
-    if m <= 64:
-        return 64, bn, 4, 3
-    return 128, bn, 8, 3
+    """(BM, BN, num_warps, num_stages) of `fp8_block_gemm` for M tokens."""
+    for max_m, bm, bn, warps, stages in LAUNCH_TABLE:
+        if max_m is None or m <= max_m:
+            return bm, min(block[0], bn), warps, stages
+    raise AssertionError("LAUNCH_TABLE ends with an unbounded row")
+
+
+def warmup_token_counts() -> tuple[int, ...]:
+    """One token count per launch configuration of `fp8_block_gemm`: a start-up warm-up that runs each once
+    compiles every variant a serving step can launch for that weight shape."""
+    return (1,) + tuple(max_m + 1 for max_m, *_ in LAUNCH_TABLE[:-1])
 
 
 def fp8_block_gemm(

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightllm.kernels.fp8 import dequantize_weight_blocks, fp8_block_linear, quantize_weight_blocks
+from lightllm.kernels.fp8.gemm import warmup_token_counts
 
 
 class Fp8Weight(nn.Module):
@@ -75,3 +76,20 @@ def stack_experts(parts: list[LinearWeight]) -> LinearWeight:
         return Fp8Weight.stack(parts)
     assert not any(isinstance(p, Fp8Weight) for p in parts), "experts of one projection mix FP8 and plain weights"
     return torch.stack(parts)
+
+
+def warmup_fp8_linears(model: nn.Module, act_dtype: torch.dtype, backend: str | None = None) -> int:
+    """Run each distinct FP8 projection shape of `model` once per launch configuration of the GEMM (activation
+    quantization included) on zeros, so that no serving step compiles one: call at start-up on CUDA. Stacked expert
+    weights are the fused MoE's (`MoE.warmup_fused`). Returns the launches run."""
+    shapes: dict[tuple, Fp8Weight] = {}
+    for m in model.modules():
+        if isinstance(m, Fp8Weight) and m.weight.dim() == 2:
+            shapes.setdefault((tuple(m.weight.shape), m.block), m)
+    launches = 0
+    for w in shapes.values():
+        for tokens in warmup_token_counts():
+            x = torch.zeros(tokens, w.shape[1], dtype=act_dtype, device=w.weight.device)
+            fp8_block_linear(x, w.weight, w.weight_scale_inv, block=w.block, backend=backend)
+            launches += 1
+    return launches
