@@ -54,8 +54,8 @@ class _ScriptedOnDevice:
     """Real MTP drafting after every step (the runner's head bookkeeping runs), then scripted drafts put on the
     device as the verify windows' drafts: each window keeps a known number of them."""
 
-    def __init__(self, mtp: MtpSpeculator, scripted: ScriptedDrafts):
-        self.num_drafts, self.mtp, self.scripted = mtp.num_drafts, mtp, scripted
+    def __init__(self, mtp: MtpSpeculator, scripted: ScriptedDrafts, device: torch.device):
+        self.num_drafts, self.mtp, self.scripted, self.device = mtp.num_drafts, mtp, scripted, device
 
     def propose(self, reqs):
         self.mtp.propose(reqs)
@@ -63,7 +63,7 @@ class _ScriptedOnDevice:
         if not reqs:
             return
         rows = [list(r.draft_ids) + [-1] * (self.num_drafts - len(r.draft_ids)) for r in reqs]
-        batch = DraftBatch(torch.tensor(rows, dtype=torch.long))
+        batch = DraftBatch(torch.tensor(rows, dtype=torch.long, device=self.device))
         if not self.mtp.keep_on_device:
             batch.host()
         for i, req in enumerate(reqs):
@@ -136,7 +136,7 @@ def scripted_run(
     mtp = engine.speculator
     mtp.keep_on_device = keep_on_device
     scripted = ScriptedDrafts(continuations, MTP_STEP, engine.runner.vocab_size)
-    engine.speculator = _ScriptedOnDevice(mtp, scripted)
+    engine.speculator = _ScriptedOnDevice(mtp, scripted, engine.runner.device)
     reads, fed = [], []
     original = DraftBatch.host
     monkeypatch.setattr(DraftBatch, "host", lambda self: reads.append(1) or original(self))
