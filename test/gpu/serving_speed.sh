@@ -7,7 +7,7 @@
 #
 # Parts: overlap (graphs + overlap scheduling; compact needs drafts), sync (the same without overlap), eager (no graphs, no
 # overlap), mtp2 (MTP 2, every mode), accept (MTP 3 at simulated acceptance 0 / 0.5 / 0.7 / 0.9, every mode:
-# bench_throughput --simulate_acceptance). Rows print as they finish; each part's JSON goes to $OUT (or
+# bench_throughput --simulate_acceptance; accept0.7 runs one acceptance, three modes: one 10-minute slot). Rows print as they finish; each part's JSON goes to $OUT (or
 # /tmp/lightllm_gpu_out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,9 +37,10 @@ for part in $parts; do
                    run eager-$m --modes $m --batch_sizes 1,64,256 --disable_cudagraph --disable_overlap_schedule
                done ;;
         mtp2) for m in native compact replay; do run mtp2-$m --modes $m --batch_sizes 1,64,256 --mtp_step 2; done ;;
-        accept) for p in 0 0.5 0.7 0.9; do for m in native compact replay; do
-                    run accept$p-$m --modes $m --batch_sizes 1,64,256 --mtp_step 3 --simulate_acceptance $p
-                done; done ;;
+        accept*) probs=${part#accept}
+                 for p in ${probs:-0 0.5 0.7 0.9}; do for m in native compact replay; do
+                     run accept$p-$m --modes $m --batch_sizes 1,64,256 --mtp_step 3 --simulate_acceptance $p
+                 done; done ;;
         *) echo "unknown part $part" ;;
     esac
 done
