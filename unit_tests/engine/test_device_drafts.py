@@ -150,3 +150,24 @@ def test_engine_greedy_device_drafts_are_never_read_on_their_own(monkeypatch):
     _, engine = _mtp_engine(True)
     run(engine, {"a": [3, 1, 4, 1, 5]}, SamplingParams(temperature=0.8, seed=1, max_tokens=20))
     assert reads
+
+
+def test_engine_nan_row_fails_alone_beside_device_drafts():
+    """A row whose verify window turns NaN (a token of its own continuation poisons its logits) fails alone while
+    its neighbours' device drafts verify as usual: their text is greedy's, and equal to drafts read back first."""
+    good_prompt, bad_prompt = [1, 2, 1, 2], [7, 3, 9]
+    expected = FakeRunner().greedy(good_prompt, 24)
+    bad_continuation = FakeRunner().greedy(bad_prompt, 24)
+    nan_token = next(t for t in bad_continuation[4:] if t not in expected and t not in good_prompt)
+    results = []
+    for keep_on_device in (True, False):
+        runner = FakeRunner(nan_token=nan_token, max_width=3)
+        engine = make_engine(runner, mtp_step=2)
+        engine.speculator.keep_on_device = keep_on_device
+        tokens, finished = run(engine, {"bad": bad_prompt, "good": good_prompt}, SamplingParams(temperature=0))
+        assert finished["bad"].reason == "error" and "NaN" in finished["bad"].error
+        assert len(tokens["bad"]) >= 5 and tokens["bad"] == bad_continuation[: len(tokens["bad"])]
+        assert tokens["good"] == expected[: len(tokens["good"])] and finished["good"].reason == "length"
+        assert runner.num_free_requests() == 8
+        results.append((tokens, {rid: f.reason for rid, f in finished.items()}))
+    assert results[0] == results[1]
