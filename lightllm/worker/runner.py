@@ -36,7 +36,7 @@ from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
 from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
-from lightllm.worker.warmup_steps import warm_serving_steps
+from lightllm.worker.warmup_steps import warm_attention_kernels, warm_serving_steps
 
 logger = logging.getLogger(__name__)
 
@@ -546,16 +546,12 @@ class ModelRunner:
         return calls
 
     def warmup_attention(self) -> int:
-        """Every tile size and split variant of the attention kernel at each attention shape of the model (the MTP
-        head's included), on scratch tensors: a short prompt chunk or a prefix-cache hit's few new tokens would
-        otherwise compile one in the middle of a serving step. A no-op on CPU; returns the launch count."""
-        from lightllm.kernels.paged_attention import warmup_paged_attention
-
+        """Every tile size and split variant of the attention kernels at each attention shape of the model (paged and
+        MLA latent; the MTP head's included), on scratch tensors: a short prompt chunk or a prefix-cache hit's few new
+        tokens would otherwise compile one in the middle of a serving step. A no-op on CPU; returns the launch count."""
         if self.device.type != "cuda":
             return 0
-        shapes = {m.attention_kernel_shape() for m in self.model.modules() if hasattr(m, "attention_kernel_shape")}
-        with torch.no_grad():
-            launches = sum(warmup_paged_attention(*shape[:4], self.dtype, self.device, shape[4]) for shape in shapes)
+        launches = warm_attention_kernels(self.model, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
         return launches
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from lightllm.engine.batch import ForwardBatch
+from lightllm.kernels.mla_attention import warmup_mla_attention
+from lightllm.kernels.paged_attention import warmup_paged_attention
 
 # prompt chunks of the two warm-up requests: a first chunk from an empty state, then one resuming it
 _CHUNKS = ((3, 5), (6, 2))
@@ -65,3 +67,15 @@ def warm_serving_steps(runner, seed: int = 0) -> int:
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return calls
+
+
+def warm_attention_kernels(model: torch.nn.Module, dtype: torch.dtype, device) -> int:
+    """Every tile size and split variant of the attention kernels `model`'s layers launch (the MTP head's
+    included), on scratch tensors: paged attention at each `attention_kernel_shape`, MLA's latent kernel at each
+    `latent_attention_shape`. Returns the launch count."""
+    paged = {m.attention_kernel_shape() for m in model.modules() if hasattr(m, "attention_kernel_shape")}
+    latent = {m.latent_attention_shape() for m in model.modules() if hasattr(m, "latent_attention_shape")}
+    with torch.no_grad():
+        launches = sum(warmup_paged_attention(*shape[:4], dtype, device, shape[4]) for shape in paged)
+        launches += sum(warmup_mla_attention(*shape, dtype, device) for shape in latent)
+    return launches

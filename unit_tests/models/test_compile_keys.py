@@ -19,11 +19,9 @@ import triton
 import triton.language as tl
 
 from lightllm.engine.batch import ForwardBatch
-from lightllm.kernels.mla_attention import warmup_mla_attention
-from lightllm.kernels.paged_attention import warmup_paged_attention
 from lightllm.models.layers.attention import GatedAttention
 from lightllm.models.layers.mla import LatentAttention
-from lightllm.worker.warmup_steps import warm_serving_steps
+from lightllm.worker.warmup_steps import warm_attention_kernels, warm_serving_steps
 from unit_tests.helpers.launch_keys import LaunchKeys, launch_keys
 from unit_tests.models.conftest import MODEL_CASES, case_dir
 from unit_tests.models.drive import make_runner
@@ -93,18 +91,16 @@ def test_serving_steps_meet_one_compile_key_per_kernel_variant_and_warmed_attent
     tiny_model, model, mode, width, mtp_step
 ):
     """One key per kernel and constexpr variant over every step; every key a serving step meets was met at
-    start-up: by the attention warm-up (scratch tensors at the model's attention shapes, the MTP head's included),
-    the decode graphs' capture or the warm-up steps (`warm_serving_steps`). Without the warm-up steps, replay's
-    standalone fold (in place before a chunk, into a copy at export) would first compile in a serving step."""
+    start-up: by the attention warm-up (scratch tensors at the model's paged and MLA latent attention shapes, the
+    MTP head's included), the decode graphs' capture or the warm-up steps (`warm_serving_steps`). Without the
+    warm-up steps, replay's standalone fold (in place before a chunk, into a copy at export) would first compile in
+    a serving step."""
     model_dir = case_dir(model) if model in MODEL_CASES else str(tiny_model(model))
     runner = _triton_runner(model_dir, mode, width, mtp_step)
-    shapes = {m.attention_kernel_shape() for m in runner.model.modules() if hasattr(m, "attention_kernel_shape")}
     latent = [m for m in runner.model.modules() if isinstance(m, LatentAttention)]
     with launch_keys() as warmed:
-        for heads, kv_heads, dk, dv, by_row in shapes:
-            warmup_paged_attention(heads, kv_heads, dk, dv, torch.float32, "cpu", by_row)
-        for heads, rank, rope in {m.latent_attention_shape() for m in latent}:
-            warmup_mla_attention(heads, rank, rope, torch.float32, "cpu")
+        # the start-up attention warm-up (`ModelRunner.warmup_attention` on CUDA)
+        warm_attention_kernels(runner.model, torch.float32, "cpu")
         # decode-only steps (and MTP drafts) through the graphs' fixed buffers, eagerly (capture runs each once)
         runner.init_decode_graphs(use_graphs=False)
     free = (runner.num_free_requests(), runner.kv.num_free_tokens())
