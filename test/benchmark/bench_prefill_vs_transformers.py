@@ -2,6 +2,7 @@
 
     python test/benchmark/bench_prefill_vs_transformers.py [--model_dir DIR] [--modes replay,native] \\
         [--shapes 64x1024,16x4096,256x256,4x16384] [--max_num_batched_tokens N] [--result_file out.json]
+    python test/benchmark/bench_prefill_vs_transformers.py --top_kernels 12   # where each side's GPU time goes
     python test/benchmark/bench_prefill_vs_transformers.py --tiny      # CPU smoke run of the whole path
 
 lightllm: `LLM.generate(prompts, max_tokens=1)` over `requests` random prompts of `tokens` token ids each, submitted
@@ -134,6 +135,20 @@ def _timed(side, ids_untimed: torch.Tensor, ids: torch.Tensor) -> tuple[list[int
     return side.first_tokens(ids)
 
 
+def profile_kernels(side, ids: torch.Tensor, top: int, label: str) -> None:
+    """One more pass of `side` over `ids` under the CUDA profiler: its `top` kernels by GPU time, and how much of
+    the pass's wall time the GPU spent in kernels (the rest is host time not hidden behind the GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, seconds = side.first_tokens(ids)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    busy_us = sum(e.self_device_time_total for e in events)
+    print(f"{label}: {seconds * 1e3:.1f} ms wall, {busy_us / 1e3:.1f} ms in kernels ({busy_us / 1e4 / seconds:.0f}%)")
+    for e in events[:top]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d} calls  {e.key[:100]}")
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model_dir", default=None, help="checkpoint (default: the serving benchmark's random weights)")
@@ -143,6 +158,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result_file", default=None, help="write every row as JSON here")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run on the tiny demo model (fp32)")
+    p.add_argument("--top_kernels", type=int, default=0, help="on CUDA, profile one more pass per side and shape")
     return p.parse_args(argv)
 
 
@@ -173,6 +189,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for shape, (warm, ids) in batches.items():
         tokens, seconds = _timed(hf, warm, ids)
         rows[shape].update(transformers_tok_s=ids.numel() / seconds, transformers_first_tokens=tokens)
+        if a.top_kernels and device == "cuda":
+            profile_kernels(hf, random_prompts(*shape, vocab, gen), a.top_kernels, f"transformers {shape}")
     hf.close()
     for mode in modes:
         side = LightllmSide(model_dir, device, mode, shapes, "float32" if a.tiny else None, a.max_num_batched_tokens)
@@ -180,6 +198,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             tokens, seconds = _timed(side, warm, ids)
             rows[shape][f"{mode}_tok_s"] = ids.numel() / seconds
             rows[shape][f"{mode}_first_tokens"] = tokens
+            if a.top_kernels and device == "cuda":
+                profile_kernels(side, random_prompts(*shape, vocab, gen), a.top_kernels, f"lightllm {mode} {shape}")
         side.close()
 
     out = list(rows.values())
