@@ -33,21 +33,27 @@ def _batches(runner: FakeRunner) -> list[tuple]:
     return [(b.req_handles, b.query_lens, b.num_cached_tokens, b.num_prefill_rows) for b in runner.batches]
 
 
-def _step_all(engine: Engine, tokens: dict[str, list[int]], got: list[set[str]]) -> None:
-    """Step until idle; `got[i]` is the set of requests that received a token in step i."""
+def _step_all(engine: Engine, tokens: dict[str, list[int]]) -> None:
+    """Step until idle, collecting each request's tokens."""
     while engine.has_work():
-        step = set()
-        for out in engine.step():
-            if isinstance(out, TokenChunk) and out.token_ids:
-                tokens[out.req_id] += out.token_ids
-                step.add(out.req_id)
-        got.append(step)
+        _collect(engine, tokens)
 
 
-def max_gap_in_steps(got: list[set[str]], req_id: str) -> int:
-    """Most steps between two consecutive tokens of `req_id` (1 = a token every step)."""
-    steps = [i for i, s in enumerate(got) if req_id in s]
-    return max((b - a for a, b in zip(steps, steps[1:])), default=0)
+def _collect(engine: Engine, tokens: dict[str, list[int]]) -> None:
+    for out in engine.step():
+        if isinstance(out, TokenChunk):
+            tokens[out.req_id] += out.token_ids
+
+
+def decode_rows_per_step(runner: FakeRunner) -> list[set[int]]:
+    """The handles with a decode row in each model step (forward)."""
+    return [set(b.req_handles[b.num_prefill_rows :]) for b in runner.batches]
+
+
+def max_gap_in_steps(steps: list[set[int]], handle: int) -> int:
+    """Most model steps between two consecutive decode rows of `handle` (1 = a row every step)."""
+    mine = [i for i, rows in enumerate(steps) if handle in rows]
+    return max((b - a for a, b in zip(mine, mine[1:])), default=0)
 
 
 def test_prefill_chunks_fill_the_budget_capped_per_request():
@@ -56,8 +62,8 @@ def test_prefill_chunks_fill_the_budget_capped_per_request():
     prompts = {"A": [3, 1, 4, 1, 5, 9], "B": [2, 7, 1, 8, 2, 8, 1, 8, 2], "C": [1, 6, 1, 8, 0, 3, 3]}
     for rid, ids in prompts.items():
         engine.add_request(NewRequest(rid, ids, _params(3)))
-    tokens, got = {rid: [] for rid in prompts}, []
-    _step_all(engine, tokens, got)
+    tokens = {rid: [] for rid in prompts}
+    _step_all(engine, tokens)
     assert _batches(runner) == [
         # A and B take one 4-token chunk each (the cap), C the 2 tokens left of the budget of 10
         ([0, 1, 2], [4, 4, 2], [0, 0, 0], 3),
@@ -72,34 +78,33 @@ def test_prefill_chunks_fill_the_budget_capped_per_request():
     assert tokens == {rid: FakeRunner().greedy(ids, 3) for rid, ids in prompts.items()}
 
 
-def test_decode_rows_keep_their_pace_while_a_long_prompt_prefills():
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_decode_rows_keep_their_pace_while_a_long_prompt_prefills(overlap):
     budget, chunk = 8, 8
     runner = FakeRunner(max_requests=4, kv_tokens=400)
-    engine = _engine(runner, budget=budget, chunk=chunk)
+    engine = _engine(runner, budget=budget, chunk=chunk, overlap_schedule=overlap)
     short, long_prompt = [5, 6, 7], [(7 * i + 3) % 61 + 1 for i in range(90)]
     engine.add_request(NewRequest("A", short, _params(30)))
-    tokens, got = {"A": [], "B": []}, []
+    tokens = {"A": [], "B": []}
     # A prefills and decodes a few tokens before the long prompt arrives
     for _ in range(3):
-        outs = [o for o in engine.step() if isinstance(o, TokenChunk) and o.token_ids]
-        for o in outs:
-            tokens[o.req_id] += o.token_ids
-        got.append({o.req_id for o in outs})
+        _collect(engine, tokens)
     engine.add_request(NewRequest("B", long_prompt, _params(2)))
-    _step_all(engine, tokens, got)
+    _step_all(engine, tokens)
     mixed = [b for b in runner.batches if b.num_prefill_rows and b.num_decode_rows]
     # B's 90 prompt tokens go 7 per step (the budget less A's decode row): 13 mixed steps
     assert [b.query_lens for b in mixed] == [[7, 1]] * 12 + [[6, 1]]
     assert all(sum(b.query_lens) <= budget for b in runner.batches)
-    assert max_gap_in_steps(got, "A") == 1
+    # A (handle 0) has a decode row in every model step from its first token to its last
+    assert max_gap_in_steps(decode_rows_per_step(runner), 0) == 1
     assert tokens["A"] == FakeRunner().greedy(short, 30)
     assert tokens["B"] == FakeRunner().greedy(long_prompt, 2)
 
 
 def test_gap_measure_sees_a_stall():
     # the twin of the pace check: a decode row skipped for two steps is a gap of three
-    got = [{"A"}, {"A"}, set(), set(), {"A"}, {"A"}]
-    assert max_gap_in_steps(got, "A") == 3
+    steps = [{0}, {0, 1}, {1}, {1}, {0}, {0}]
+    assert max_gap_in_steps(steps, 0) == 3
 
 
 def test_chunk_cap_defaults_to_the_budget():
@@ -128,20 +133,17 @@ def test_drafts_and_a_long_prompt_share_the_budget():
     engine = _engine(runner, budget=budget, chunk=budget, spec_ngram=2)
     cycle = [5, 6, 7, 43, 2, 4, 25, 0, 62, 4]
     engine.add_request(NewRequest("A", cycle, _params(24)))
-    tokens, got = {"A": [], "B": []}, []
+    tokens = {"A": [], "B": []}
     while not tokens["A"]:
-        outs = [o for o in engine.step() if isinstance(o, TokenChunk) and o.token_ids]
-        for o in outs:
-            tokens[o.req_id] += o.token_ids
-        got.append({o.req_id for o in outs})
+        _collect(engine, tokens)
     long_prompt = [(5 * i + 1) % 61 + 1 for i in range(50)]
     engine.add_request(NewRequest("B", long_prompt, _params(2)))
-    _step_all(engine, tokens, got)
+    _step_all(engine, tokens)
     mixed = [b for b in runner.batches if b.num_prefill_rows and b.num_decode_rows]
     assert len(mixed) >= 7 and all(sum(b.query_lens) == budget for b in mixed[:-1])
     assert all(sum(b.query_lens) <= budget for b in runner.batches)
     # some of A's windows carry drafts while B prefills
     assert any(b.query_lens[-1] > 1 for b in mixed)
-    assert max_gap_in_steps(got, "A") == 1
+    assert max_gap_in_steps(decode_rows_per_step(runner), 0) == 1
     assert tokens["A"] == FakeRunner().greedy(cycle, 24)
     assert tokens["B"] == FakeRunner().greedy(long_prompt, 2)
