@@ -26,7 +26,13 @@ def create_runner(args: ServerArgs, info: ModelInfo) -> ModelRunnerProtocol:
     from lightllm.worker.tp.group import TPGroup
 
     group = TPGroup(args.tp, args.device, num_threads=torch_threads(args))
-    return create_tp_runner(args, info, group, owns_group=True)
+    try:
+        return create_tp_runner(args, info, group, owns_group=True)
+    except BaseException:
+        # a runner that failed to build must not leave its followers and process group behind (a later LLM in
+        # this process could not open another group)
+        group.abandon()
+        raise
 
 
 def torch_threads(args: ServerArgs) -> int | None:

@@ -142,6 +142,22 @@ def test_rank0_failing_to_join_kills_its_followers(monkeypatch):
     assert child_pids(os.getpid()) == []
 
 
+def test_a_tp_runner_that_fails_to_build_leaves_no_group(monkeypatch, expected):
+    """Rank 0's runner failing after the followers joined: the group is shut down, and the next tp=2 LLM opens."""
+    from lightllm.server import runner_factory
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("rank 0's runner failed to build")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(runner_factory, "build_rank_runner", fail)
+        with pytest.raises(RuntimeError, match="failed to build"):
+            LLM(model(), tp=2, **FLAGS)
+    assert child_pids(os.getpid()) == [] and not dist.is_initialized()
+    with LLM(model(), tp=2, **FLAGS) as llm:
+        assert tokens(llm) == expected
+
+
 def test_follower_of_an_exited_parent_does_not_wait():
     setup = RankSetup(1, 2, "tcp://127.0.0.1:1", "gloo", parent_pid=os.getppid() + 10**7)
     with pytest.raises(RuntimeError, match="exited before rank 1 started"):

@@ -168,6 +168,18 @@ class TPGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def abandon(self) -> None:
+        """End the group after rank 0 failed in the middle of a call the followers are still in (building a
+        runner): they cannot hear an exit plan inside another collective, so they are killed."""
+        import torch.distributed as dist
+
+        self._stopping.set()
+        self._kill_followers()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     def _kill_followers(self) -> None:
         for proc in self.followers:
             proc.kill()
