@@ -15,6 +15,7 @@ import torch
 
 from lightllm.engine import grammar
 from lightllm.engine.batch import ForwardBatch, ForwardOutput, ModelRunnerProtocol
+from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR, nonfinite_rows
 from lightllm.engine.messages import EngineOutput, EngineStats, Finished, NewRequest, TokenChunk
 from lightllm.engine.overlap import OverlapScheduler, chained_plan
 from lightllm.engine.publish_queue import PublishQueue
@@ -192,9 +193,7 @@ class Engine:
             # the MTP head ran for the requests that got a token in the last step: which one failed is unknown
             logger.exception("drafting failed; finishing %d requests with an error", len(reqs))
             return [
-                o
-                for req in reqs
-                for o in self.finish(req, "error", error="the model step failed (see the engine log)")
+                o for req in reqs for o in self.finish(req, "error", error="the model step failed (see the engine log)")
             ]
         return []
 
@@ -338,7 +337,7 @@ class Engine:
         hidden_rows: list[tuple[Request, int]] = []
         for i, ((req, start, _, drafts), result) in enumerate(zip(windows, results)):
             if result is None:
-                outputs += self.finish(req, "error", error="the model produced NaN logits")
+                outputs += self.finish(req, "error", error=NONFINITE_LOGITS_ERROR)
                 continue
             if i >= num_prefill_windows and self.speculator.num_drafts:
                 self._record_window(len(drafts), result)
@@ -380,9 +379,9 @@ class Engine:
         windows = [(req, start, width, list(drafts)) for req, start, width, drafts in windows]
         contexts = [self.row_context(req, drafts[:j], logits.device) for req, _, w, drafts in windows for j in range(w)]
         probs = self.sampler.target_probs(logits, contexts)
-        # one host transfer for the whole batch: greedy rows verify from these, NaN rows fail alone
+        # one host transfer for the whole batch: greedy rows verify from these, NaN / +inf rows fail alone
         argmax = probs.argmax(dim=-1).tolist()
-        has_nan = torch.isnan(logits).any(dim=-1).tolist()
+        has_nan = nonfinite_rows(logits).tolist()
         # windows without drafts (prefill ends, plain decode) sample in one batched draw
         single = [start for _, start, width, _ in windows if width == 1]
         drawn = dict(zip(single, self.sampler.draw_many(probs[single], [contexts[i] for i in single])))

@@ -531,7 +531,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             # fla's chunk kernels take their configs from the shipped table of this GPU kind instead of autotuning
             pin_for_device(torch.cuda.get_device_name(self.device))
-
         tune_serving_shape(self.state, self.linear_spec, progress=progress)
         calls = warmup_prefill(
             self.state,

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR
 from lightllm.server.args import demo_model_dir
 from unit_tests.engine.fake_runner import FakeRunner
 from unit_tests.server.conftest import scrape, wait_for
@@ -61,10 +62,10 @@ def _stream_events(server, prompt: list[int]) -> list[dict]:
 def test_runner_failure_in_stream_reports_error_event(server):
     # "error" is no OpenAI finish_reason: the stream ends with an error event carrying the engine's message
     events = _stream_events(server, [VOCAB - 2, 5])
-    assert events[-1]["error"]["message"] == "the model produced NaN logits"
+    assert events[-1]["error"]["message"] == NONFINITE_LOGITS_ERROR
     assert events[-1]["error"]["type"] == "server_error"
     assert not any(c.get("finish_reason") == "error" for e in events for c in e.get("choices", []))
-    with pytest.raises(openai.APIError, match="NaN logits"):
+    with pytest.raises(openai.APIError, match="NaN or infinite logits"):
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
         list(client.completions.create(model=server.model, prompt=[VOCAB - 2, 5], max_tokens=4, stream=True))
 

@@ -76,7 +76,7 @@ async def _watch_engine(engine: EngineHandle, client: EngineClient, on_exit: Cal
     while engine.is_alive():
         await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
     logger.error(
-        "the engine exited (%s); failing %d sequences in flight",
+        "the engine process exited (%s); failing %d sequences in flight",
         engine.exit_description(),
         client.num_in_flight,
     )

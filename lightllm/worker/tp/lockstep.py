@@ -30,9 +30,6 @@ logger = logging.getLogger(__name__)
 LOCKSTEP = frozenset(
     {"add_request", "free_request", "publish", "evict_prefix_cache", "forward", "accept", "draft", "draft_with_logits"}
 )
-# calls that move a checkpoint by global head (a collective on the control group besides the runner call); the
-# prefill/decode transfer calls `export_request` / `import_request` are LockstepRunner's own
-GLOBAL_LAYOUT = frozenset({"export_checkpoint", "import_checkpoint"})
 # reads: rank 0 answers for all ranks
 LOCAL = frozenset(
     {
@@ -137,6 +134,9 @@ GLOBAL_LAYOUT_CALLS: dict[str, Callable] = {
     "export_request": _export_request,
     "import_request": _import_request,
 }
+# calls that move a checkpoint or a request's state by global head (a collective on the control group besides the
+# runner call); LockstepRunner defines `export_request` / `import_request` itself (packing and device regions)
+GLOBAL_LAYOUT = frozenset(GLOBAL_LAYOUT_CALLS)
 
 
 def run_plan(runner, plan: Plan, control):
