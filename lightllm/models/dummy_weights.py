@@ -16,6 +16,7 @@ as softplus^-1(dt)).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -24,7 +25,8 @@ import zlib
 import torch
 
 from lightllm.models.config import ModelConfig
-from lightllm.models.loader import Shapes, WeightLoader
+from lightllm.models.loader import Shapes, WeightLoader, load_quantization
+from lightllm.models.quant_config import parse_quantization
 from lightllm.models.tp import TPInfo
 
 logger = logging.getLogger(__name__)
@@ -104,10 +106,18 @@ def dummy_shapes(model) -> dict[str, tuple[int, ...]]:
 
 
 def load_dummy_weights(
-    model, dtype: torch.dtype, device: torch.device | str = "cpu", tp: TPInfo | None = None, seed: int = 0
+    model,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    tp: TPInfo | None = None,
+    seed: int = 0,
+    model_dir: str | None = None,
+    quantization: str | None = None,
 ) -> None:
     """Fill `model` (a `HybridModel`: `checkpoint_shapes`, `skips`, `load`) with random weights drawn from its
-    config alone; logs that the weights are random. No file is read."""
+    config alone; logs that the weights are random. No weight file is read. A block-FP8 config (`model_dir`'s
+    `quantization_config`) or `quantization="fp8"` quantizes each drawn weight as it loads, as an FP8 checkpoint
+    would hold it."""
     shapes = dummy_shapes(model)
     logger.warning(
         "load_format dummy: the weights are RANDOM (seed %d, %d tensors drawn from config.json): outputs are "
@@ -116,7 +126,13 @@ def load_dummy_weights(
         len(shapes),
     )
     reader = DummyCheckpoint(shapes, model.cfg, device, seed)
-    loader = WeightLoader(reader, dtype, device, tp or TPInfo())
+    quant = (
+        load_quantization(model_dir, quantization) if model_dir is not None else parse_quantization({}, quantization)
+    )
+    if quant is not None:
+        # random draws have no scales: every FP8 layer quantizes its drawn weight
+        quant = dataclasses.replace(quant, in_checkpoint=False)
+    loader = WeightLoader(reader, dtype, device, tp or TPInfo(), quant=quant)
     model.load(loader)
     missing = set(shapes) - loader.consumed
     assert not missing, f"declared but not loaded: {sorted(missing)[:5]}"

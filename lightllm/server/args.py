@@ -13,8 +13,9 @@ import os
 from dataclasses import dataclass, field
 
 from lightllm.linear_att import REPLAY_CAPACITIES
+from lightllm.models.quant_config import QUANTIZATION_CHOICES
 from lightllm.server.dp.balancer import BALANCERS
-from lightllm.server.model_info import ModelInfo, read_model_info
+from lightllm.server.model_info import LOAD_FORMATS, ModelInfo, read_model_info
 
 # the demo checkpoint served without --model_dir: it has an MTP head, so every speculation mode works
 DEMO_ARCH = "qwen3_5"
@@ -100,6 +101,18 @@ class ServerArgs:
         "auto",
         "weight and activation dtype (auto: the checkpoint's on cuda, float32 on cpu)",
         ("auto", "float32", "bfloat16", "float16"),
+    )
+    load_format: str = _flag(
+        "auto",
+        "auto: the checkpoint's safetensors; dummy: deterministic random weights drawn from config.json alone (no "
+        "weight file is read; for benchmarks at a model's full size)",
+        LOAD_FORMATS,
+    )
+    quantization: str | None = _flag(
+        None,
+        "fp8: quantize an unquantized checkpoint's linear layers and experts to block FP8 (128 x 128 weight blocks, "
+        "per-token activation groups) while loading; a block-FP8 checkpoint is served as FP8 without it",
+        QUANTIZATION_CHOICES,
     )
     ssm_state_mode: str = _flag(
         "native", "linear-attention state under speculation: native, compact or replay", ("native", "compact", "replay")
@@ -471,5 +484,5 @@ def load_server_args(argv: list[str] | None = None, **overrides) -> tuple[Server
     model_dir = args.model_dir or demo_model_dir()
     if args.model_dir is None and args.served_model_name is None:
         args = dataclasses.replace(args, served_model_name=f"tiny-{DEMO_ARCH}")
-    info = read_model_info(model_dir)
+    info = read_model_info(model_dir, args.load_format)
     return resolve(dataclasses.replace(args, model_dir=model_dir), info), info

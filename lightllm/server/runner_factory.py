@@ -64,6 +64,8 @@ def runner_config(args: ServerArgs, rank: int = 0, size: int = 1) -> RunnerConfi
     return RunnerConfig(
         model_dir=args.model_dir,
         data_type=args.data_type,
+        load_format=args.load_format,
+        quantization=args.quantization,
         device=device,
         ssm_state_mode=args.ssm_state_mode,
         linear_att_ssm_data_type=args.linear_att_ssm_data_type,

@@ -14,6 +14,10 @@ class RunnerConfig:
     model_dir: str
     # activations and weights: "bfloat16" | "float16" | "float32" | "auto" (the checkpoint's dtype)
     data_type: str = "auto"
+    # "auto": the checkpoint's weights; "dummy": random weights from config.json alone
+    load_format: str = "auto"
+    # "fp8": quantize an unquantized checkpoint to block FP8 while loading; None: as the checkpoint is
+    quantization: str | None = None
     device: str = "cuda"
     # linear-attention state: "native" | "compact" | "replay"
     ssm_state_mode: str = "native"

@@ -24,6 +24,7 @@ from lightllm.engine.batch import ForwardBatch, ForwardOutput
 from lightllm.linear_att import StateConfig, StateMode, create_state
 from lightllm.linear_att.base import Checkpoint, DecodeRows
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
+from lightllm.models.dummy_weights import load_dummy_weights
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.loader import load_weights
 from lightllm.models.registry import load_model_config
@@ -36,7 +37,7 @@ from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
 from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
-from lightllm.worker.warmup_steps import warm_attention_kernels, warm_serving_steps
+from lightllm.worker.warmup_steps import warm_attention_kernels, warm_expert_and_fp8_kernels, warm_serving_steps
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,14 @@ class ModelRunner:
         self.dtype = config.torch_dtype(cfg.torch_dtype)
         tp = TPInfo(config.tp_rank, config.tp_size, tp_group)
         self.model = HybridModel(cfg, tp, self.device)
-        load_weights(self.model, config.model_dir, self.dtype, self.device, tp, config.show_progress)
+        if config.load_format == "dummy":
+            load_dummy_weights(
+                self.model, self.dtype, self.device, tp, model_dir=config.model_dir, quantization=config.quantization
+            )
+        else:
+            load_weights(
+                self.model, config.model_dir, self.dtype, self.device, tp, config.show_progress, config.quantization
+            )
         self.vocab_size = cfg.vocab_size
         self.max_width = config.verify_width
         self.mtp_step = config.mtp_step if self.model.mtp is not None else 0
@@ -151,10 +159,8 @@ class ModelRunner:
 
     def init_decode_graphs(self, use_graphs: bool = True) -> bool:
         """Run decode-only steps through fixed buffers, captured as CUDA graphs when `use_graphs` and on CUDA
-        (call after `warmup`). Models whose forward needs the host mid-step (MoE routing counts, MLA's gathered
-        latents) keep the eager path. Returns whether the fixed-buffer path is on."""
-        if self._needs_host_mid_step("decode steps"):
-            return False
+        (call after `warmup`); every model qualifies (the fused MoE and MLA's latent attention take no host value
+        mid-step). Returns whether the fixed-buffer path is on."""
         max_batch = min(self.config.graph_max_batch_size, self.config.max_running_requests)
         self.decode_graphs = DecodeGraphs(self.model, self.kv, self.state, max_batch, self.max_width, use_graphs)
         self.decode_graphs.capture()
@@ -170,7 +176,7 @@ class ModelRunner:
         """Run a step's one prefill row of at most `config.prefill_graph_max_tokens` new tokens (alone, or beside
         decode rows that fit a decode bucket) through fixed buffers (`PrefillGraphs`), captured per token bucket
         when `use_graphs` and on CUDA (call after `warmup`). Returns whether the fixed-buffer path is on."""
-        if self._prefill_graph_tokens() == 0 or self._needs_host_mid_step("short prefill steps"):
+        if self._prefill_graph_tokens() == 0:
             return False
         self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.state, self._prefill_graph_tokens(), use_graphs)
         self.prefill_graphs.capture()
@@ -179,15 +185,6 @@ class ModelRunner:
     def _prefill_graph_tokens(self) -> int:
         """The largest prefill bucket: the flag, capped at the longest request."""
         return min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
-
-    def _needs_host_mid_step(self, what: str) -> bool:
-        """Models whose forward needs the host mid-step (MoE routing counts, MLA's gathered latents) cannot run
-        from fixed buffers or graphs: `what` stays eager (logged)."""
-        cfg = self.model_config
-        if cfg.moe is None and cfg.attention.kind != "mla":
-            return False
-        logger.info("%s run eagerly: %s", what, "MoE routing" if cfg.moe is not None else "MLA attention")
-        return True
 
     def _mtp_extra_tokens(self) -> int:
         """The MTP head's KV holds the main KV's tokens plus one verify window per request."""
@@ -541,6 +538,9 @@ class ModelRunner:
         )
         calls += self.warmup_attention()
         if self.device.type == "cuda":
+            calls += warm_expert_and_fp8_kernels(
+                self.model, self.dtype, max(max_num_tokens, self._prefill_graph_tokens())
+            )
             calls += warm_serving_steps(self)
         return calls
 

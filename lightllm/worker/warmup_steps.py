@@ -19,6 +19,8 @@ import torch
 from lightllm.engine.batch import ForwardBatch
 from lightllm.kernels.mla_attention import warmup_mla_attention
 from lightllm.kernels.paged_attention import warmup_paged_attention
+from lightllm.models.layers.moe import MoE
+from lightllm.models.layers.quantized_linear import Fp8Weight, warmup_fp8_linears
 
 # prompt chunks of the two warm-up requests: a first chunk from an empty state, then one resuming it
 _CHUNKS = ((3, 5), (6, 2))
@@ -78,4 +80,24 @@ def warm_attention_kernels(model: torch.nn.Module, dtype: torch.dtype, device) -
     with torch.no_grad():
         launches = sum(warmup_paged_attention(*shape[:4], dtype, device, shape[4]) for shape in paged)
         launches += sum(warmup_mla_attention(*shape, dtype, device) for shape in latent)
+    return launches
+
+
+def warm_expert_and_fp8_kernels(model: torch.nn.Module, dtype: torch.dtype, max_tokens: int) -> int:
+    """The fused MoE's kernels at every batch bucket of 1 .. `max_tokens` tokens (one layer per distinct expert
+    shape: every other layer of that shape launches the same kernels) and each FP8 projection shape's GEMM, on
+    scratch activations. Returns the launch count."""
+    launches = warmup_fp8_linears(model, dtype)
+    seen = set()
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        gate_up, down = module.gate_up, module.down
+        if isinstance(gate_up, Fp8Weight):
+            gate_up, down = gate_up.weight, down.weight
+        key = (tuple(gate_up.shape), gate_up.dtype, tuple(down.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        launches += module.warmup_fused(max_tokens, dtype)
     return launches

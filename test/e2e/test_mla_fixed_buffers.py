@@ -1,10 +1,8 @@
 """Kimi-Linear decode steps through the fixed buffers of `DecodeGraphs` (the path CUDA graphs replay; eager on the
 CPU), with MLA attending in latent space over a context bound of the cache's whole row and HOLD rows padding the
 buckets: transformers' greedy text, plain and with scripted n-gram drafts accepted as scripted.
-
-The runner keeps MLA models off the fixed buffers today (`ModelRunner._needs_host_mid_step`); the test lifts that
-gate, as the runner will once it lets MLA through: MLA's forward no longer needs the host mid-step (the MoE
-routing of these tiny layers still syncs on the CPU, which is harmless there)."""
+MLA's forward needs no host value mid-step (the MoE routing of these tiny layers syncs on the CPU, which is
+harmless there; on CUDA it is the fused MoE)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from lightllm.worker.graphs.decode import DecodeGraphs
-from lightllm.worker.runner import ModelRunner
 from unit_tests.helpers.scripted_drafts import ScriptedDrafts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -36,7 +33,6 @@ def expected(hf_oracle):
 
 
 def _engine(model_dir: str, num_drafts: int, monkeypatch):
-    monkeypatch.setattr(ModelRunner, "_needs_host_mid_step", lambda self, what: False)
     flags = {"spec_ngram": num_drafts} if num_drafts else {}
     args, info = load_server_args(
         [], model_dir=model_dir, device="cpu", ssm_state_mode="native", max_running_requests=6,

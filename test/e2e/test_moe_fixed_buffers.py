@@ -1,7 +1,6 @@
-"""A MoE model (tiny Qwen3.5-MoE) through the fixed-buffer decode path that CUDA graphs replay (eager on the CPU),
-under the runner rule the fused MoE allows: only MLA attention keeps a model off that path, MoE routing no longer
-needs the host mid-step (on CUDA it runs in `lightllm.kernels.fused_moe` with fixed shapes). Batches padded to
-buckets with HOLD rows, whose tokens are routed to experts too, give transformers' greedy text."""
+"""A MoE model (tiny Qwen3.5-MoE) through the fixed-buffer decode path that CUDA graphs replay (eager on the CPU):
+MoE routing needs no host value mid-step (on CUDA it runs in `lightllm.kernels.fused_moe` with fixed shapes).
+Batches padded to buckets with HOLD rows, whose tokens are routed to experts too, give transformers' greedy text."""
 
 from __future__ import annotations
 
@@ -13,16 +12,11 @@ from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from lightllm.worker.graphs.decode import DecodeGraphs
-from lightllm.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = ([5, 6, 7, 8, 9], list(range(30, 53)), [11, 12], [99] * 7, [3, 1, 4, 1, 5])
 MAX_TOKENS = [4 + 2 * i for i in range(len(PROMPTS))]
-
-
-def only_mla_needs_the_host(self, what: str) -> bool:
-    return self.model_config.attention.kind == "mla"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +29,6 @@ def expected(hf_oracle):
 @pytest.mark.parametrize("mode", ["native", "replay"])
 def test_moe_decode_through_fixed_buffers_matches_transformers(expected, mode, monkeypatch):
     model_dir, greedy = expected
-    monkeypatch.setattr(ModelRunner, "_needs_host_mid_step", only_mla_needs_the_host)
     args, info = load_server_args(
         [], model_dir=model_dir, device="cpu", ssm_state_mode=mode, max_running_requests=5,
         chunked_prefill_size=64, max_total_token_num=512,

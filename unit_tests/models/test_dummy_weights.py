@@ -4,6 +4,7 @@ deterministic per seed, served through the ModelRunner on CPU at full width and 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 
@@ -36,15 +37,11 @@ def write_config(path, arch: str, sizes: TinySizes, dtype: str = "float32"):
 
 
 def serve_logits(model_dir, monkeypatch, seed: int, prompt: list[int], data_type: str) -> torch.Tensor:
-    """Prefill `prompt` and decode one token through a CPU ModelRunner whose weights come from
-    `load_dummy_weights` (the runner's load call swapped, as `--load_format dummy` does); logits [2, V]."""
-
-    def load(model, source, dtype, device, tp, show_progress):
-        load_dummy_weights(model, dtype, device, tp, seed)
-
-    monkeypatch.setattr(runner_module, "load_weights", load)
+    """Prefill `prompt` and decode one token through a CPU ModelRunner with `load_format="dummy"` (the runner's
+    random weights drawn with `seed`); logits [2, V]."""
+    monkeypatch.setattr(runner_module, "load_dummy_weights", functools.partial(load_dummy_weights, seed=seed))
     config = RunnerConfig(
-        model_dir=str(model_dir), device="cpu", data_type=data_type, max_running_requests=2,
+        model_dir=str(model_dir), load_format="dummy", device="cpu", data_type=data_type, max_running_requests=2,
         max_total_token_num=256, max_req_total_len=64, disable_prefix_cache=True,
     )  # fmt: skip
     runner = ModelRunner(config)
