@@ -141,8 +141,25 @@ def mla_attention_kernel(
         b_p, b_alpha, b_m, b_l = online_softmax_step(b_s, b_m, b_l)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_c.dtype), b_c, input_precision=DOT_PRECISION)
 
-    store_rows(o, o_part, ml_part, b_acc, b_m, b_l, q0 + o_tok, o_head, m_row, i_s, num_tokens, num_heads,
-               stride_o_t, stride_o_h, C, BC, SPLIT)  # fmt: skip
+    store_rows(
+        o,
+        o_part,
+        ml_part,
+        b_acc,
+        b_m,
+        b_l,
+        q0 + o_tok,
+        o_head,
+        m_row,
+        i_s,
+        num_tokens,
+        num_heads,
+        stride_o_t,
+        stride_o_h,
+        C,
+        BC,
+        SPLIT,
+    )
 
 
 @dataclass(frozen=True)
@@ -338,8 +355,9 @@ def mla_attention(
     if backend == "torch":
         return mla_attention_torch(*args, table_rows=table_rows)
     if backend == "triton":
-        return mla_attention_triton(*args, table_rows=table_rows, max_context_len=max_context_len,
-                                    num_splits=num_splits)  # fmt: skip
+        return mla_attention_triton(
+            *args, table_rows=table_rows, max_context_len=max_context_len, num_splits=num_splits
+        )
     raise ValueError(f"attention backend {backend!r} not in {BACKENDS}")
 
 
@@ -357,8 +375,18 @@ def warmup_mla_attention(num_heads: int, kv_lora_rank: int, rope_dim: int, dtype
         ints = dict(dtype=torch.int32, device=device)
         rows = torch.zeros(1, dtype=torch.int64, device=device)
         for splits in (1, 2):
-            mla_attention_triton(q, latent, table, torch.zeros(1, **ints), torch.full((1,), query_len, **ints),
-                                 torch.full((1,), cached, **ints), 1.0, query_len, out, table_rows=rows,
-                                 num_splits=splits)  # fmt: skip
+            mla_attention_triton(
+                q,
+                latent,
+                table,
+                torch.zeros(1, **ints),
+                torch.full((1,), query_len, **ints),
+                torch.full((1,), cached, **ints),
+                1.0,
+                query_len,
+                out,
+                table_rows=rows,
+                num_splits=splits,
+            )
             launches += 1
     return launches

@@ -149,8 +149,25 @@ def paged_attention_kernel(
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
 
-    store_rows(o, o_part, ml_part, b_acc, b_m, b_l, q0 + o_tok, o_head, m_row, i_s, num_tokens, num_heads,
-               stride_o_t, stride_o_h, DV, BV, SPLIT)  # fmt: skip
+    store_rows(
+        o,
+        o_part,
+        ml_part,
+        b_acc,
+        b_m,
+        b_l,
+        q0 + o_tok,
+        o_head,
+        m_row,
+        i_s,
+        num_tokens,
+        num_heads,
+        stride_o_t,
+        stride_o_h,
+        DV,
+        BV,
+        SPLIT,
+    )
 
 
 def _max_tile_tokens(group: int) -> int:
@@ -284,8 +301,18 @@ def warmup_paged_attention(
         ints = dict(dtype=torch.int32, device=device)
         rows = torch.zeros(1, dtype=torch.int64, device=device) if table_rows else None
         for splits in (1, 2):
-            paged_attention(q, k_pool, v_pool, table, torch.zeros(1, **ints), torch.full((1,), query_len, **ints),
-                            torch.full((1,), cached, **ints), dk**-0.5, query_len, table_rows=rows,
-                            num_splits=splits)  # fmt: skip
+            paged_attention(
+                q,
+                k_pool,
+                v_pool,
+                table,
+                torch.zeros(1, **ints),
+                torch.full((1,), query_len, **ints),
+                torch.full((1,), cached, **ints),
+                dk**-0.5,
+                query_len,
+                table_rows=rows,
+                num_splits=splits,
+            )
             launches += 1
     return launches

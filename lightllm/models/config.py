@@ -178,9 +178,10 @@ def rope_scaling(raw: dict) -> RopeScaling | None:
             raise ValueError(f"rope_scaling linear: expected a positive factor, found {factor!r}")
         return RopeScaling("linear", float(factor))
     original = first_present(
-        rope, "original_max_position_embeddings",
+        rope,
+        "original_max_position_embeddings",
         default=first_present(raw, "original_max_position_embeddings", "max_position_embeddings"),
-    )  # fmt: skip
+    )
     if not isinstance(original, int) or original <= 0:
         raise ValueError(f"rope_scaling yarn: expected original_max_position_embeddings, found {original!r}")
     if factor is None and raw.get("max_position_embeddings"):

@@ -396,10 +396,12 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
             f"{args.max_num_batched_tokens}: a prefill chunk is part of one step's tokens"
         )
     for name, low in (
-        ("max_request_body_bytes", 1), ("max_request_json_items", 1), ("max_queue_len", 0),
+        ("max_request_body_bytes", 1),
+        ("max_request_json_items", 1),
+        ("max_queue_len", 0),
         ("max_sequences_per_request", 1),
         ("prefill_graph_max_tokens", 0),
-    ):  # fmt: skip
+    ):
         if getattr(args, name) < low:
             raise ValueError(f"--{name} must be at least {low}, got {getattr(args, name)}")
     for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_s"):

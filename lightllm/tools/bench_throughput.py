@@ -32,8 +32,10 @@ import torch
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.engine.speculative.acceptance import SimulatedAcceptance
+from lightllm.models.quant_config import QUANTIZATION_CHOICES
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine, quiet_garbage_collector
+from lightllm.server.model_info import LOAD_FORMATS
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 
 # the serving benchmark's checkpoint: Qwen3.5 layout (6 GDN + 2 gated-attention layers), bf16 weights
@@ -140,6 +142,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lightllm.tools.bench_throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model_dir", default=None, help="checkpoint folder (default: the tiny demo model)")
     p.add_argument("--serving_model", action="store_true", help="the project's real-width random checkpoint")
+    p.add_argument("--load_format", default="auto", choices=LOAD_FORMATS, help="dummy: random weights from config.json")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES)
     p.add_argument("--modes", default="native,replay", help="comma-separated state modes")
     p.add_argument("--batch_sizes", default="1,8", help="comma-separated request counts")
     p.add_argument("--input_len", type=int, default=32)
@@ -195,6 +199,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for mode in a.modes.split(","):
         flags = dict(
             model_dir=model_dir,
+            load_format=a.load_format,
+            quantization=a.quantization,
             device=a.device,
             ssm_state_mode=mode,
             mtp_step=a.mtp_step,

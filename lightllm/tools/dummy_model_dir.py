@@ -24,16 +24,32 @@ from lightllm.tools.tiny_model.tokenizer import write_tokenizer
 
 TOKENIZER_VOCAB = 4096
 _QWEN_COMMON = dict(
-    hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, conv_kernel_size=4,
-    moe_intermediate_size=512, shared_expert_intermediate_size=512, full_attention_interval=4, num_mtp_layers=1,
-)  # fmt: skip
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    conv_kernel_size=4,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    full_attention_interval=4,
+    num_mtp_layers=1,
+)
 # preset -> (architecture, sizes, max positions of the tokenizer)
 PRESETS: dict[str, tuple[str, TinySizes, int]] = {
     "qwen3-next-80b-a3b": (
         "qwen3_next",
-        TinySizes(**_QWEN_COMMON, num_layers=48, vocab_size=151936, intermediate_size=5120, num_experts=512,
-                  num_experts_per_tok=10),
+        TinySizes(
+            **_QWEN_COMMON,
+            num_layers=48,
+            vocab_size=151936,
+            intermediate_size=5120,
+            num_experts=512,
+            num_experts_per_tok=10,
+        ),
         262_144,
     ),
     "qwen3.5-35b-a3b": (
@@ -44,15 +60,32 @@ PRESETS: dict[str, tuple[str, TinySizes, int]] = {
     "kimi-linear-48b-a3b": (
         "kimi_linear",
         TinySizes(
-            hidden_size=2304, num_layers=27, vocab_size=163840, num_attention_heads=32, num_key_value_heads=32,
-            linear_num_key_heads=32, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-            conv_kernel_size=4, intermediate_size=9216, moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
-            num_experts=256, num_experts_per_tok=8, full_attention_interval=4, kv_lora_rank=512, qk_nope_head_dim=128,
-            qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1, num_mtp_layers=0,
+            hidden_size=2304,
+            num_layers=27,
+            vocab_size=163840,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            linear_num_key_heads=32,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            conv_kernel_size=4,
+            intermediate_size=9216,
+            moe_intermediate_size=1024,
+            shared_expert_intermediate_size=1024,
+            num_experts=256,
+            num_experts_per_tok=8,
+            full_attention_interval=4,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            first_k_dense_replace=1,
+            num_mtp_layers=0,
         ),
         1_048_576,
     ),
-}  # fmt: skip
+}
 
 
 def make_dummy_model_dir(

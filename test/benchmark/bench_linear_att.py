@@ -302,10 +302,22 @@ def fla_steps(shape, inp, N, W, state_dtype, device):
 
         def step(pool=pool, index=index, num_acc=num_acc):
             fused_recurrent_kda_fwd(
-                q, k, v, graw, braw, A_log=A_log, dt_bias=dt_bias.reshape(-1), initial_state=pool,
-                inplace_final_state=True, ssm_state_indices=index, num_accepted_tokens=num_acc,
-                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, out=out,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                graw,
+                braw,
+                A_log=A_log,
+                dt_bias=dt_bias.reshape(-1),
+                initial_state=pool,
+                inplace_final_state=True,
+                ssm_state_indices=index,
+                num_accepted_tokens=num_acc,
+                use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                out=out,
+            )
 
         steps.append(step)
     return steps
@@ -347,10 +359,12 @@ def correctness(shape: Shape, state_dtype, act_dtype, L, device) -> list[str]:
     base, win, pending, parity = compact_buffers(shape, N, W, state_dtype, act_dtype, device)
     pending.zero_()
     base_t, win_t = base.clone(), tuple(t.clone() for t in win)
-    o_c = compact_verify_triton(tokens, CompactBuffers(base[0], *(t[0] for t in win), pending, parity), inp.slots,
-                                inp.widths)  # fmt: skip
-    o_ct = verify_twin.compact_verify(tokens, CompactBuffers(base_t[0], *(t[0] for t in win_t), pending, parity),
-                                      inp.slots, inp.widths)  # fmt: skip
+    o_c = compact_verify_triton(
+        tokens, CompactBuffers(base[0], *(t[0] for t in win), pending, parity), inp.slots, inp.widths
+    )
+    o_ct = verify_twin.compact_verify(
+        tokens, CompactBuffers(base_t[0], *(t[0] for t in win_t), pending, parity), inp.slots, inp.widths
+    )
     # accept: the window just written (buffer 1) holds the accepted tokens; commit merges them
     pending[inp.slots.long()] = torch.where(inp.widths > 0, inp.accepted, 0)
     parity.fill_(1)
@@ -363,8 +377,9 @@ def correctness(shape: Shape, state_dtype, act_dtype, L, device) -> list[str]:
         ssm_r, hist, cursor, parity = replay_buffers(shape, N, L, state_dtype, device)
         cursor[0] = L  # row 0 folds inside the verify
         ssm_rt, hist_t = ssm_r.clone(), tuple(t.clone() for t in hist)
-        o_r = replay_verify_triton(tokens, ReplayBuffers(ssm_r, *hist, cursor, parity), inp.slots, inp.widths,
-                                   projection=projection)  # fmt: skip
+        o_r = replay_verify_triton(
+            tokens, ReplayBuffers(ssm_r, *hist, cursor, parity), inp.slots, inp.widths, projection=projection
+        )
         o_rt = replay_twin.replay_verify(tokens, ReplayBuffers(ssm_rt, *hist_t, cursor, parity), inp.slots, inp.widths)
         report(f"replay-{projection[0]} o", rel(o_r, o_rt))
         report(f"replay-{projection[0]} state", rel(ssm_r.float(), ssm_rt.float()))
@@ -439,8 +454,10 @@ def main(argv=None) -> int:
 
     t_start = time.time()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
-    print(f"# bench_linear_att: {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"act {args.act_dtype}, replay replay_capacity {args.replay_capacity}")  # fmt: skip
+    print(
+        f"# bench_linear_att: {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"act {args.act_dtype}, replay replay_capacity {args.replay_capacity}"
+    )
     try:
         import fla
 
@@ -463,10 +480,14 @@ def main(argv=None) -> int:
     Ws = [int(w) for w in args.ws.split(",")]
     for shape in shapes:
         for state_name, state_dtype in ((n, DTYPES[n]) for n in args.state_dtypes.split(",")):
-            print(f"\n## {shape.name} ({shape.algo}, H={shape.H} HV={shape.HV} K={shape.K} V={shape.V}), "
-                  f"{state_name} state, µs per step (amortised over fold cycles)")  # fmt: skip
-            print("| W | N | fla | native | compact | replay-i | replay-p | rw floor | read floor "
-                  "| native/rw floor | fla/replay | native/replay | native/compact |")  # fmt: skip
+            print(
+                f"\n## {shape.name} ({shape.algo}, H={shape.H} HV={shape.HV} K={shape.K} V={shape.V}), "
+                f"{state_name} state, µs per step (amortised over fold cycles)"
+            )
+            print(
+                "| W | N | fla | native | compact | replay-i | replay-p | rw floor | read floor "
+                "| native/rw floor | fla/replay | native/replay | native/compact |"
+            )
             print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for W in Ws:
                 if W > args.replay_capacity:
@@ -484,8 +505,10 @@ def main(argv=None) -> int:
                         f"{ratio(row['native'], best_replay)} | {ratio(row['native'], row['compact'])} |",
                         flush=True,
                     )
-    print(f"\ntotal {time.time() - t_start:.0f} s. native/rw floor: fraction of the read+write floor reached "
-          "(W = 1); ratios > 1 mean the second column is faster.")  # fmt: skip
+    print(
+        f"\ntotal {time.time() - t_start:.0f} s. native/rw floor: fraction of the read+write floor reached "
+        "(W = 1); ratios > 1 mean the second column is faster."
+    )
     return 0
 
 

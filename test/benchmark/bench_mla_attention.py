@@ -39,10 +39,24 @@ from lightllm.models.context import build_context  # noqa: E402
 from lightllm.models.layers.mla import LatentAttention  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
-KIMI = dict(hidden=2304, cfg=AttentionConfig(kind="mla", num_heads=32, num_kv_heads=32, kv_lora_rank=512,
-                                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))  # fmt: skip
-TINY = dict(hidden=48, cfg=AttentionConfig(kind="mla", num_heads=4, num_kv_heads=4, kv_lora_rank=32,
-                                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16))  # fmt: skip
+KIMI = dict(
+    hidden=2304,
+    cfg=AttentionConfig(
+        kind="mla",
+        num_heads=32,
+        num_kv_heads=32,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    ),
+)
+TINY = dict(
+    hidden=48,
+    cfg=AttentionConfig(
+        kind="mla", num_heads=4, num_kv_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
+    ),
+)
 # name -> (rows, cached tokens per row, new tokens per row)
 CASES = {
     "decode b64 @8k": (64, 8192, 1),
@@ -125,8 +139,9 @@ def kernel_launch(layer, kv, ctx, tile: MLATile):
     c, g = layer.cfg, ctx.groups[0]
     n, wq = g.token_index.shape
     pool = kv.buffers[0][0]
-    q_lat = torch.randn(n * wq, layer.num_heads, c.kv_lora_rank + c.qk_rope_head_dim, dtype=pool.dtype,
-                        device=pool.device)  # fmt: skip
+    q_lat = torch.randn(
+        n * wq, layer.num_heads, c.kv_lora_rank + c.qk_rope_head_dim, dtype=pool.dtype, device=pool.device
+    )
     out = q_lat.new_zeros(n * wq, layer.num_heads, c.kv_lora_rank)
     splits = launch_splits(layer.num_heads, n, wq, kv.max_req_len, pool.device, tile)
     if pool.device.type != "cuda":
@@ -134,8 +149,20 @@ def kernel_launch(layer, kv, ctx, tile: MLATile):
     query_start = torch.arange(0, n * wq, wq, dtype=torch.int32, device=pool.device)
 
     def run():
-        mla_attention_triton(q_lat, pool, g.table, query_start, g.query_len, g.num_cached, c.qk_head_dim**-0.5, wq,
-                             out, table_rows=g.table_rows, num_splits=splits, tile=tile)  # fmt: skip
+        mla_attention_triton(
+            q_lat,
+            pool,
+            g.table,
+            query_start,
+            g.query_len,
+            g.num_cached,
+            c.qk_head_dim**-0.5,
+            wq,
+            out,
+            table_rows=g.table_rows,
+            num_splits=splits,
+            tile=tile,
+        )
 
     return run, splits
 
@@ -175,8 +202,11 @@ def run_case(name, shape, rows, cached, new, dtype, device, iters, sweep) -> Non
         t_kernel = graph_us(kernel, iters)
         t_latent = graph_us(latent_fn, iters, launches=5)
         t_expanded = eager_us(expanded_fn, max(3, iters // 10)) if out_expanded is not None else float("nan")
-        print(f"| {name} | {splits} | {t_kernel:.1f} | {floor_us:.1f} | {t_kernel / floor_us:.2f}x | "
-              f"{t_latent:.1f} | {t_expanded:.1f} | {t_expanded / t_latent:.1f}x |", flush=True)  # fmt: skip
+        print(
+            f"| {name} | {splits} | {t_kernel:.1f} | {floor_us:.1f} | {t_kernel / floor_us:.2f}x | "
+            f"{t_latent:.1f} | {t_expanded:.1f} | {t_expanded / t_latent:.1f}x |",
+            flush=True,
+        )
         if sweep:
             for values in itertools.product(*SWEEP.values()):
                 tile = MLATile(**dict(zip(SWEEP, values)))

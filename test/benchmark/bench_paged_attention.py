@@ -109,8 +109,11 @@ def main() -> None:
             diff = (whole().float() - split().float()).abs().max().item()
             assert diff < (2e-2 if dtype == torch.bfloat16 else 1e-4), f"{shape_name} {case}: outputs differ by {diff}"
             t_whole, t_split = time_us(whole, a.iters), time_us(split, a.iters)
-            print(f"| {shape_name} | {case} | {programs} | {splits} | {t_whole:.1f} | {t_split:.1f} | "
-                  f"{t_whole / t_split:.2f}x |", flush=True)  # fmt: skip
+            print(
+                f"| {shape_name} | {case} | {programs} | {splits} | {t_whole:.1f} | {t_split:.1f} | "
+                f"{t_whole / t_split:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -204,8 +204,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     out = list(rows.values())
     header = " | ".join(f"lightllm {m}" for m in modes)
-    print(f"| requests x tokens | {header} | transformers forward | {' | '.join(f'{m} / transformers' for m in modes)} "
-          "| first tokens agree |")  # fmt: skip
+    print(
+        f"| requests x tokens | {header} | transformers forward | {' | '.join(f'{m} / transformers' for m in modes)} "
+        "| first tokens agree |"
+    )
     print("|---" * (3 + 2 * len(modes)) + "|")
     for row in out:
         hf_tok_s = row["transformers_tok_s"]
@@ -214,8 +216,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ref = row["transformers_first_tokens"]
         agree = min(sum(x == y for x, y in zip(row[f"{m}_first_tokens"], ref)) for m in modes)
         row["first_tokens_agree"] = agree
-        print(f"| {row['requests']} x {row['tokens']} | {speeds} | {_rate(hf_tok_s)} | {ratios} "
-              f"| {agree}/{row['requests']} |")  # fmt: skip
+        print(
+            f"| {row['requests']} x {row['tokens']} | {speeds} | {_rate(hf_tok_s)} | {ratios} "
+            f"| {agree}/{row['requests']} |"
+        )
     if a.result_file:
         Path(a.result_file).write_text(json.dumps(out, indent=2))
     return out

@@ -50,14 +50,22 @@ def lower_all(out_dir: Path, only: str) -> int:
         binder = jit.create_function_from_signature(kernel.signature, kernel.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-        key = repr((kernel.fn.__name__, sorted(map(repr, constexprs.values())), sorted(signature.items()),
-                    sorted(map(repr, attrs.values())), sorted(options.__dict__.items())))  # fmt: skip
+        key = repr(
+            (
+                kernel.fn.__name__,
+                sorted(map(repr, constexprs.values())),
+                sorted(signature.items()),
+                sorted(map(repr, attrs.values())),
+                sorted(options.__dict__.items()),
+            )
+        )
         if key in seen:
             return None
         name = f"{len(seen):03d}_{kernel.fn.__name__}"
         seen[key] = name
-        compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)  # fmt: skip
+        compiled = triton_compile(
+            ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
+        )
         (out_dir / f"{name}.ptx").write_text(_normalised_ptx(compiled.asm["ptx"]))
         return None
 

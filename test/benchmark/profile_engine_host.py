@@ -77,10 +77,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         model_dir = serving_model_dir()
     args, info = load_server_args(
-        [], model_dir=model_dir, device=a.device, ssm_state_mode=a.mode, mtp_step=a.mtp_step,
-        spec_ngram=a.spec_ngram, max_running_requests=a.batch, max_req_total_len=64 + 2 * a.steps + 16,
-        chunked_prefill_size=64 * a.batch, max_total_token_num=a.batch * (64 + 2 * a.steps + 16),
-    )  # fmt: skip
+        [],
+        model_dir=model_dir,
+        device=a.device,
+        ssm_state_mode=a.mode,
+        mtp_step=a.mtp_step,
+        spec_ngram=a.spec_ngram,
+        max_running_requests=a.batch,
+        max_req_total_len=64 + 2 * a.steps + 16,
+        chunked_prefill_size=64 * a.batch,
+        max_total_token_num=a.batch * (64 + 2 * a.steps + 16),
+    )
     engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
     if engine.runner.decode_graphs is None:
         engine.runner.init_decode_graphs(use_graphs=a.device == "cuda")

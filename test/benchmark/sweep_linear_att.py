@@ -52,7 +52,9 @@ COMPACT = parse_configs("64x2,64x4,32x2,32x4,128x4,128x8,64x2x2,32x1,32x1x2")
 REPLAY = parse_configs("32x4,64x8,64x2,32x2,64x4,128x8,128x4")
 
 
-def sweep_cell(shape, W, N, family, configs, replay_capacity, device, timer, log, projection="inline", state=torch.float32):
+def sweep_cell(
+    shape, W, N, family, configs, replay_capacity, device, timer, log, projection="inline", state=torch.float32
+):
     """Time each config of one family (and replay projection) at one (shape, W, N) and state dtype; returns
     {config: µs}."""
     act = torch.bfloat16
@@ -132,9 +134,19 @@ def main(argv=None) -> int:
                     extra[shape.algo][key.to_str()] = {"us": round(res[best], 2), "rows": N}
                     if family == "replay" and W == 1:  # the same kernel under either projection name
                         pkey = autotune.make_key(
-                            "replay", device, state, torch.bfloat16, shape.H, shape.HV, shape.K, shape.V,
-                            shape.GK, W, args.replay_capacity, "precompute",
-                        )  # fmt: skip
+                            "replay",
+                            device,
+                            state,
+                            torch.bfloat16,
+                            shape.H,
+                            shape.HV,
+                            shape.K,
+                            shape.V,
+                            shape.GK,
+                            W,
+                            args.replay_capacity,
+                            "precompute",
+                        )
                         tables[shape.algo].put(pkey, best)
         print(f"[{time.time() - t0:.0f} s] {name} done", flush=True)
         if args.out_dir:  # after every shape, so a sweep stopped early keeps what it timed

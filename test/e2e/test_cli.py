@@ -97,7 +97,7 @@ def test_cli_serves_demo_model_and_shuts_down(sig, tmp_path):
     port = _free_port()
     proc = _server(
         "--port", str(port), "--device", "cpu", "--ssm_state_mode", "replay", "--mtp_step", "2", tmpdir=tmp_path
-    )  # fmt: skip
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_up(proc, base)

@@ -8,11 +8,11 @@ import pytest
 
 from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
-from lightllm.worker.graphs.buckets import batch_buckets
-from lightllm.worker.graphs.decode import DecodeGraphs
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
 from lightllm.tools.make_tiny_model import tiny_model_dir
+from lightllm.worker.graphs.buckets import batch_buckets
+from lightllm.worker.graphs.decode import DecodeGraphs
 from unit_tests.helpers.scripted_drafts import ScriptedDrafts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -37,9 +37,15 @@ def _engine(model_dir: str, mode: str, num_drafts: int):
         # the smallest history: folds every step or two
         flags["replay_capacity"] = 4
     args, info = load_server_args(
-        [], model_dir=model_dir, device="cpu", ssm_state_mode=mode, max_running_requests=6,
-        chunked_prefill_size=64, max_total_token_num=512, **flags,
-    )  # fmt: skip
+        [],
+        model_dir=model_dir,
+        device="cpu",
+        ssm_state_mode=mode,
+        max_running_requests=6,
+        chunked_prefill_size=64,
+        max_total_token_num=512,
+        **flags,
+    )
     engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner")
     assert engine.runner.init_decode_graphs(use_graphs=False)
     return engine

@@ -9,11 +9,11 @@ import torch
 
 from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
-from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.tools.make_tiny_model import tiny_model_dir
+from lightllm.worker.graphs.draft import DraftGraphs
 from unit_tests.helpers.scripted_drafts import ScriptedDrafts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,10 +44,17 @@ def _run(fixed_buffers: bool, mode: str, continuations=None, perturb: bool = Fal
     """On CUDA `fixed_buffers` means captured graphs (and the reference is eager), on the CPU the same buffers run
     eagerly."""
     args, info = load_server_args(
-        [], model_dir=str(tiny_model_dir("qwen3_5")), device=device, data_type="float32", ssm_state_mode=mode,
-        mtp_step=2, max_running_requests=4, chunked_prefill_size=64, max_total_token_num=512,
+        [],
+        model_dir=str(tiny_model_dir("qwen3_5")),
+        device=device,
+        data_type="float32",
+        ssm_state_mode=mode,
+        mtp_step=2,
+        max_running_requests=4,
+        chunked_prefill_size=64,
+        max_total_token_num=512,
         disable_cudagraph=device == "cuda" and not fixed_buffers,
-    )  # fmt: skip
+    )
     engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
     runner = engine.runner
     if fixed_buffers:

@@ -35,9 +35,15 @@ def expected(hf_oracle):
 def _engine(model_dir: str, num_drafts: int, monkeypatch):
     flags = {"spec_ngram": num_drafts} if num_drafts else {}
     args, info = load_server_args(
-        [], model_dir=model_dir, device="cpu", ssm_state_mode="native", max_running_requests=6,
-        chunked_prefill_size=64, max_total_token_num=512, **flags,
-    )  # fmt: skip
+        [],
+        model_dir=model_dir,
+        device="cpu",
+        ssm_state_mode="native",
+        max_running_requests=6,
+        chunked_prefill_size=64,
+        max_total_token_num=512,
+        **flags,
+    )
     engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner")
     assert engine.runner.init_decode_graphs(use_graphs=False)
     return engine

@@ -30,9 +30,14 @@ def expected(hf_oracle):
 def test_moe_decode_through_fixed_buffers_matches_transformers(expected, mode, monkeypatch):
     model_dir, greedy = expected
     args, info = load_server_args(
-        [], model_dir=model_dir, device="cpu", ssm_state_mode=mode, max_running_requests=5,
-        chunked_prefill_size=64, max_total_token_num=512,
-    )  # fmt: skip
+        [],
+        model_dir=model_dir,
+        device="cpu",
+        ssm_state_mode=mode,
+        max_running_requests=5,
+        chunked_prefill_size=64,
+        max_total_token_num=512,
+    )
     engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner")
     assert engine.runner.init_decode_graphs(use_graphs=False)
     calls: list[tuple[int, int]] = []

@@ -21,10 +21,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _engine(mode: str, overlap: bool) -> Engine:
     args, info = load_server_args(
-        [], model_dir=str(tiny_model_dir("qwen3_5")), device="cpu", ssm_state_mode=mode, max_running_requests=4,
-        chunked_prefill_size=16, max_total_token_num=400, prefix_cache_state_bytes=1 << 20,
+        [],
+        model_dir=str(tiny_model_dir("qwen3_5")),
+        device="cpu",
+        ssm_state_mode=mode,
+        max_running_requests=4,
+        chunked_prefill_size=16,
+        max_total_token_num=400,
+        prefix_cache_state_bytes=1 << 20,
         disable_overlap_schedule=not overlap,
-    )  # fmt: skip
+    )
     return build_engine(args, info, DEFAULT_RUNNER_FACTORY)
 
 

@@ -32,12 +32,28 @@ MAX_RUNNING = 2
 # a decode node's room in the master: running + queued
 MAX_QUEUE = 2
 KV_TOKENS = 2048
-NODE_FLAGS = ["--device", "cpu", "--mtp_step", "2", "--max_running_requests", str(MAX_RUNNING), "--max_queue_len",
-              str(MAX_QUEUE), "--max_total_token_num", str(KV_TOKENS), "--chunked_prefill_size", "16"]  # fmt: skip
+NODE_FLAGS = [
+    "--device",
+    "cpu",
+    "--mtp_step",
+    "2",
+    "--max_running_requests",
+    str(MAX_RUNNING),
+    "--max_queue_len",
+    str(MAX_QUEUE),
+    "--max_total_token_num",
+    str(KV_TOKENS),
+    "--chunked_prefill_size",
+    "16",
+]
 NODE_MODES = {"prefill": ("native", "replay"), "decode": ("compact", "replay")}
 NODE_TIMEOUT_S = 3.0
-PROMPTS = [[5, 9, 13, 2, 7, 8, 1, 3, 22, 41, 17, 6, 5, 4, 3, 2, 1, 9, 9, 30, 31], [11, 12, 13, 14, 15],
-           [7, 7, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57]]  # fmt: skip
+PROMPTS = [
+    [5, 9, 13, 2, 7, 8, 1, 3, 22, 41, 17, 6, 5, 4, 3, 2, 1, 9, 9, 30, 31],
+    [11, 12, 13, 14, 15],
+    [7, 7, 7],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],
+]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +77,14 @@ def cluster():
 @pytest.fixture(scope="module")
 def expected(cluster):
     _, model_dir, _ = cluster
-    reference = LLM(model_dir, device="cpu", mtp_step=2, max_running_requests=4, max_total_token_num=KV_TOKENS,
-                    chunked_prefill_size=16)  # fmt: skip
+    reference = LLM(
+        model_dir,
+        device="cpu",
+        mtp_step=2,
+        max_running_requests=4,
+        max_total_token_num=KV_TOKENS,
+        chunked_prefill_size=16,
+    )
     return reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, logprobs=1, ignore_eos=True))
 
 
@@ -71,8 +93,14 @@ def _async_client(master: Master) -> openai.AsyncOpenAI:
 
 
 async def _complete(client, master: Master, prompt, max_tokens=10):
-    return await client.completions.create(model=master.args.served_model_name, prompt=prompt, max_tokens=max_tokens,
-                                           temperature=0, logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+    return await client.completions.create(
+        model=master.args.served_model_name,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
 
 
 def _assert_equal(choice, want) -> None:
@@ -84,10 +112,12 @@ def _assert_equal(choice, want) -> None:
 def _pools_empty(master: Master, num_nodes: int = 4) -> bool:
     nodes = master.nodes("prefill") + master.nodes("decode")
     return len(nodes) == num_nodes and all(
-        n["num_requests"] == 0 and n["stats"]["num_running"] == 0 and n["stats"]["num_waiting"] == 0
+        n["num_requests"] == 0
+        and n["stats"]["num_running"] == 0
+        and n["stats"]["num_waiting"] == 0
         and n["stats"]["num_free_state_slots"] == MAX_RUNNING
         for n in nodes
-    )  # fmt: skip
+    )
 
 
 def _steps(master: Master) -> dict[str, int]:
@@ -124,8 +154,14 @@ def test_32_concurrent_requests_with_random_drops_leave_every_pool_empty(cluster
         try:
             if rng.random() < 1 / 3:
                 # dropped by its client after a random number of streamed chunks (0: before the first)
-                stream = await client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0,
-                                                         stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+                stream = await client.completions.create(
+                    model=model,
+                    prompt=prompt,
+                    max_tokens=40,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
                 cut = rng.randint(0, 8)
                 if cut:
                     async for _ in stream:
@@ -134,8 +170,13 @@ def test_32_concurrent_requests_with_random_drops_leave_every_pool_empty(cluster
                             break
                 await stream.close()
                 return None
-            r = await client.completions.create(model=model, prompt=prompt, max_tokens=rng.randint(2, 24),
-                                                temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            r = await client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=rng.randint(2, 24),
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             return r.usage.completion_tokens, r.choices[0].finish_reason
         finally:
             await client.close()
@@ -158,8 +199,9 @@ def test_full_decode_nodes_queue_then_503_with_the_reason(cluster):
         return sum(n["num_requests"] for n in master.nodes("decode"))
 
     async def endless(client):
-        stream = await client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=2000, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        stream = await client.completions.create(
+            model=model, prompt=PROMPTS[1], max_tokens=2000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         async for _ in stream:
             pass
 

@@ -28,8 +28,18 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ARCH = "qwen3_5"
 MAX_RUNNING = 4
 KV_TOKENS = 1024
-NODE_FLAGS = ["--device", "cpu", "--mtp_step", "2", "--max_running_requests", str(MAX_RUNNING),
-              "--max_total_token_num", str(KV_TOKENS), "--chunked_prefill_size", "16"]  # fmt: skip
+NODE_FLAGS = [
+    "--device",
+    "cpu",
+    "--mtp_step",
+    "2",
+    "--max_running_requests",
+    str(MAX_RUNNING),
+    "--max_total_token_num",
+    str(KV_TOKENS),
+    "--chunked_prefill_size",
+    "16",
+]
 PROMPTS = [[5, 9, 13, 2, 7, 8, 1, 3, 22, 41, 17, 6, 5, 4, 3, 2, 1, 9, 9, 30, 31], [11, 12, 13, 14, 15]]
 # the prefill node gives up on a transfer before the master notices a dead node: its timeout path is the one tested
 NODE_TIMEOUT_S = 6.0
@@ -73,8 +83,14 @@ def _pools_empty(master: Master) -> bool:
 def expected(cluster):
     """A monolithic engine's greedy outputs (10 tokens, logprobs) for PROMPTS."""
     _, model_dir, _ = cluster
-    reference = LLM(model_dir, device="cpu", mtp_step=2, max_running_requests=MAX_RUNNING,
-                    max_total_token_num=KV_TOKENS, chunked_prefill_size=16)  # fmt: skip
+    reference = LLM(
+        model_dir,
+        device="cpu",
+        mtp_step=2,
+        max_running_requests=MAX_RUNNING,
+        max_total_token_num=KV_TOKENS,
+        chunked_prefill_size=16,
+    )
     return reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, logprobs=1, ignore_eos=True))
 
 
@@ -88,15 +104,22 @@ def test_greedy_text_and_logprobs_equal_a_monolithic_engine(cluster, expected):
     master, _, _ = cluster
     client = _client(master)
     for prompt, want in zip(PROMPTS, expected):
-        r = client.completions.create(model=master.args.served_model_name, prompt=prompt, max_tokens=10,
-                                      temperature=0, logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+        r = client.completions.create(
+            model=master.args.served_model_name,
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0,
+            logprobs=1,
+            extra_body={"ignore_eos": True},
+        )
         choice = r.choices[0]
         _assert_equal(choice, want)
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 10)
         assert choice.finish_reason == "length"
     # one token: the request ends on the prefill node, nothing is transferred
-    r = client.completions.create(model=master.args.served_model_name, prompt=PROMPTS[0], max_tokens=1,
-                                  temperature=0, logprobs=1)  # fmt: skip
+    r = client.completions.create(
+        model=master.args.served_model_name, prompt=PROMPTS[0], max_tokens=1, temperature=0, logprobs=1
+    )
     assert abs(r.choices[0].logprobs.token_logprobs[0] - expected[0].outputs[0].logprobs[0][0]) < 1e-5
     assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "length"
 
@@ -105,11 +128,19 @@ def test_streamed_chat_with_usage_equals_the_plain_answer(cluster):
     master, _, _ = cluster
     client = _client(master)
     messages = [{"role": "user", "content": "Say something about state spaces."}]
-    plain = client.chat.completions.create(model=master.args.served_model_name, messages=messages, max_tokens=12,
-                                           temperature=0)  # fmt: skip
-    chunks = list(client.chat.completions.create(model=master.args.served_model_name, messages=messages,
-                                                 max_tokens=12, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))  # fmt: skip
+    plain = client.chat.completions.create(
+        model=master.args.served_model_name, messages=messages, max_tokens=12, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=master.args.served_model_name,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
@@ -127,13 +158,20 @@ def test_concurrent_requests_and_a_disconnect_leave_every_pool_empty(cluster):
         model = master.args.served_model_name
 
         async def full(prompt):
-            r = await client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
-                                                extra_body={"ignore_eos": True})  # fmt: skip
+            r = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+            )
             return r.usage.completion_tokens
 
         async def cut():
-            stream = await client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=200, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            stream = await client.completions.create(
+                model=model,
+                prompt=PROMPTS[0],
+                max_tokens=200,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             async for _ in stream:
                 break
             await stream.close()
@@ -175,8 +213,12 @@ def test_a_killed_decode_node_fails_its_request_while_the_others_serve(cluster, 
         # both decode nodes are idle: the first request goes to the first registered (dead) one, the second to
         # the other
         client = openai.AsyncOpenAI(base_url=f"{master.url}/v1", api_key="unused", max_retries=0)
-        calls = [client.completions.create(model=model, prompt=p, max_tokens=10, temperature=0, logprobs=1,
-                                           extra_body={"ignore_eos": True}) for p in PROMPTS]  # fmt: skip
+        calls = [
+            client.completions.create(
+                model=model, prompt=p, max_tokens=10, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+            )
+            for p in PROMPTS
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         await client.close()
         return results
@@ -194,8 +236,9 @@ def test_a_killed_decode_node_fails_its_request_while_the_others_serve(cluster, 
     assert httpx.get(f"{master.url}/pd/ready").status_code == 200
     wait_for(lambda: _pools_empty(master), 20, "the prefill slot freed, every pool empty")
     for prompt, want in zip(PROMPTS, expected):
-        r = _client(master).completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
-                                               logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+        r = _client(master).completions.create(
+            model=model, prompt=prompt, max_tokens=10, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+        )
         _assert_equal(r.choices[0], want)
 
 

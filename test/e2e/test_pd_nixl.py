@@ -20,8 +20,22 @@ pytestmark = [
     pytest.mark.skipif(nixl_module_name() is None, reason="no NIXL package installed (nixl-cu13)"),
     pytest.mark.usefixtures("one_torch_thread"),
 ]
-NODE_FLAGS = ["--device", "cpu", "--mtp_step", "2", "--max_running_requests", "4", "--max_total_token_num", "1024",
-              "--chunked_prefill_size", "16", "--pd_transport", "nixl", "--pd_ipc_buffer_mb", "8"]  # fmt: skip
+NODE_FLAGS = [
+    "--device",
+    "cpu",
+    "--mtp_step",
+    "2",
+    "--max_running_requests",
+    "4",
+    "--max_total_token_num",
+    "1024",
+    "--chunked_prefill_size",
+    "16",
+    "--pd_transport",
+    "nixl",
+    "--pd_ipc_buffer_mb",
+    "8",
+]
 PROMPTS = [[5, 9, 13, 2, 7, 8, 1, 3, 22, 41, 17, 6, 5, 4, 3, 2, 1, 9, 9, 30, 31], [11, 12, 13, 14, 15]]
 
 
@@ -35,13 +49,25 @@ def test_nixl_transfers_equal_a_monolithic_engine():
     try:
         wait_for(lambda: httpx.get(f"{master.url}/pd/ready").status_code == 200, 120, "both nodes registered")
         assert master.nodes("decode")[0]["reads"] == ["nixl"]
-        reference = LLM(model_dir, device="cpu", mtp_step=2, max_running_requests=4, max_total_token_num=1024,
-                        chunked_prefill_size=16)  # fmt: skip
+        reference = LLM(
+            model_dir,
+            device="cpu",
+            mtp_step=2,
+            max_running_requests=4,
+            max_total_token_num=1024,
+            chunked_prefill_size=16,
+        )
         want = reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, logprobs=1, ignore_eos=True))
         client = openai.OpenAI(base_url=f"{master.url}/v1", api_key="unused", max_retries=0, timeout=60)
         for prompt, expected in zip(PROMPTS, want):
-            r = client.completions.create(model=master.args.served_model_name, prompt=prompt, max_tokens=10,
-                                          temperature=0, logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+            r = client.completions.create(
+                model=master.args.served_model_name,
+                prompt=prompt,
+                max_tokens=10,
+                temperature=0,
+                logprobs=1,
+                extra_body={"ignore_eos": True},
+            )
             assert r.choices[0].text == expected.outputs[0].text
             found = r.choices[0].logprobs.token_logprobs
             assert max(abs(a - b[0]) for a, b in zip(found, expected.outputs[0].logprobs)) < 1e-5

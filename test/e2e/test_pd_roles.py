@@ -37,11 +37,18 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=Tru
 
 def _engine(arch: str, mode: str, mtp_step: int = 0, spec_ngram: int = 0):
     args, info = load_server_args(
-        [], model_dir=str(tiny_model_dir(arch)), device="cpu", ssm_state_mode=mode, mtp_step=mtp_step,
+        [],
+        model_dir=str(tiny_model_dir(arch)),
+        device="cpu",
+        ssm_state_mode=mode,
+        mtp_step=mtp_step,
         spec_ngram=spec_ngram,
-        max_running_requests=4, max_total_token_num=1024, chunked_prefill_size=16, prefix_cache_checkpoint_interval=8,
+        max_running_requests=4,
+        max_total_token_num=1024,
+        chunked_prefill_size=16,
+        prefix_cache_checkpoint_interval=8,
         prefix_cache_state_bytes=1 << 20,
-    )  # fmt: skip
+    )
     return build_engine(args, info, REAL_RUNNER)
 
 
@@ -61,9 +68,17 @@ class WireTransport:
 
 class Pair:
     def __init__(
-        self, arch: str, p_mode: str, d_mode: str, mtp_step: int, engines=None, staging_bytes: int = 0, nixl=False,
-        reader_kinds=("cuda_ipc@this host",), decode_budget=None,
-    ):  # fmt: skip
+        self,
+        arch: str,
+        p_mode: str,
+        d_mode: str,
+        mtp_step: int,
+        engines=None,
+        staging_bytes: int = 0,
+        nixl=False,
+        reader_kinds=("cuda_ipc@this host",),
+        decode_budget=None,
+    ):
         self.prefill, self.decode = engines or (_engine(arch, p_mode, mtp_step), _engine(arch, d_mode, mtp_step))
         self.wire = WireTransport()
         fingerprint = runner_header(self.prefill.runner, str(tiny_model_dir(arch))).fingerprint()
@@ -200,8 +215,16 @@ def test_a_transfer_through_a_device_region_equals_monolithic_and_frees_it(
     """`decode_budget` 0: the decode node keeps every waiting region copy in host memory (its device budget for
     them is spent), and imports from there."""
     expected = _monolithic("qwen3_5", "native", PROMPTS, mtp_step=2)
-    pair = Pair("qwen3_5", "native", "compact", 2, staging_bytes=staging_bytes, nixl=nixl, reader_kinds=reader_kinds,
-                decode_budget=decode_budget)  # fmt: skip
+    pair = Pair(
+        "qwen3_5",
+        "native",
+        "compact",
+        2,
+        staging_bytes=staging_bytes,
+        nixl=nixl,
+        reader_kinds=reader_kinds,
+        decode_budget=decode_budget,
+    )
     sent: list[PdTransfer] = []
     pair.wire.corrupt = sent.append
     tokens, _ = pair.run(PROMPTS)

@@ -39,9 +39,15 @@ def _header(model_dir: str, **changes) -> dict:
 
 def _body(model_dir: str, node_id: str, **changes) -> dict:
     body = {
-        "role": "prefill", "node_id": node_id, "inbox": "tcp://127.0.0.1:9", "outbox": "tcp://127.0.0.1:9",
-        "capacity": 4, "header": _header(model_dir), "credential": os.urandom(16).hex(), "pid": 1,
-    }  # fmt: skip
+        "role": "prefill",
+        "node_id": node_id,
+        "inbox": "tcp://127.0.0.1:9",
+        "outbox": "tcp://127.0.0.1:9",
+        "capacity": 4,
+        "header": _header(model_dir),
+        "credential": os.urandom(16).hex(),
+        "pid": 1,
+    }
     return {**body, **changes}
 
 
@@ -80,8 +86,13 @@ def cluster():
 
 
 def _complete(master: Master, prompt: list[int], max_tokens: int = 6) -> httpx.Response:
-    body = {"model": master.args.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": master.args.served_model_name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     return httpx.post(f"{master.url}/v1/completions", json=body, headers=AUTH, timeout=60)
 
 

@@ -285,9 +285,16 @@ def test_thousand_random_requests_with_aborts_leave_the_pools_as_they_started():
     """Random shared prefixes, random lengths, random aborts, MTP, a small KV cache (preemption, eviction): once
     idle, every KV slot is free or reclaimable, and after a full eviction every pool is back to its start."""
     rng = random.Random(2024)
-    engine = make_engine("qwen3_5", "native", {"mtp_step": 1}, max_running_requests=8, chunked_prefill_size=24,
-                         max_total_token_num=192, max_req_total_len=48,
-                         prefix_cache_state_bytes=12 * 20_000)  # fmt: skip
+    engine = make_engine(
+        "qwen3_5",
+        "native",
+        {"mtp_step": 1},
+        max_running_requests=8,
+        chunked_prefill_size=24,
+        max_total_token_num=192,
+        max_req_total_len=48,
+        prefix_cache_state_bytes=12 * 20_000,
+    )
     runner = engine.runner
     stems = [fresh(rng, rng.randrange(3, 20)) for _ in range(6)]
     num_requests, next_id, live = 1000, 0, []

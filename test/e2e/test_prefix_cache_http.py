@@ -31,8 +31,9 @@ FLAGS = dict(
 
 @pytest.fixture(scope="module")
 def served():
-    server = LiveServer(REAL_RUNNER, model_dir=str(tiny_model_dir("qwen3_5")), prefix_cache_state_bytes=64 * 20_000,
-                        **FLAGS)  # fmt: skip
+    server = LiveServer(
+        REAL_RUNNER, model_dir=str(tiny_model_dir("qwen3_5")), prefix_cache_state_bytes=64 * 20_000, **FLAGS
+    )
     cold = LLM(str(tiny_model_dir("qwen3_5")), disable_prefix_cache=True, **FLAGS)
     yield server, cold
     server.close()

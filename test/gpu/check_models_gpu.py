@@ -53,9 +53,9 @@ def _imports():
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     from lightllm.engine.batch import ForwardBatch
-    from lightllm.worker.runner import ModelRunner
-    from lightllm.worker.config import RunnerConfig
     from lightllm.tools.make_tiny_model import tiny_model_dir
+    from lightllm.worker.config import RunnerConfig
+    from lightllm.worker.runner import ModelRunner
     from unit_tests.helpers.hf_oracle import HFOracle
 
     return ForwardBatch, ModelRunner, RunnerConfig, tiny_model_dir, HFOracle

@@ -338,8 +338,9 @@ def case_replay(shape: StateShape, n: int, w: int, projection: str) -> Callable[
             folds += int(((wd > 0) & (cursor[sl.long()] + wd > cap)).sum())
             for layer in range(NUM_LAYERS):
                 layer_state = ReplayBuffers(ssm[layer], hist_k[layer], hist_u[layer], hist_g[layer], cursor, parity)
-                o = ops.replay_verify(_window(ctx, shape, n, w), layer_state, sl, wd, projection=projection,
-                                      backend="triton")  # fmt: skip
+                o = ops.replay_verify(
+                    _window(ctx, shape, n, w), layer_state, sl, wd, projection=projection, backend="triton"
+                )
                 assert bool(torch.isfinite(o).all()), "non-finite replay outputs"
             ops.replay_accept(cursor, parity, conv_offset, sl, wd, acc, cap, backend="triton")
         assert folds > 0, "no row folded: the case misses the fold path"
@@ -397,8 +398,19 @@ def case_paged_attention(shape: AttentionShape, rows: list[tuple[int, int]], spl
         q = ctx.randn(sum(q_lens), shape.heads, shape.dk, dtype=shape.dtype)
         out = torch.empty(sum(q_lens), shape.heads, shape.dv, dtype=q.dtype, device=ctx.device)
         starts = ctx.ints([0, *torch.tensor(q_lens[:-1]).cumsum(0).tolist()])
-        paged_attention(q, k_pool, v_pool, ctx.to_device(table), starts, ctx.ints(q_lens), ctx.ints(c for c, _ in rows),
-                        shape.dk**-0.5, max(q_lens), out, num_splits=splits)  # fmt: skip
+        paged_attention(
+            q,
+            k_pool,
+            v_pool,
+            ctx.to_device(table),
+            starts,
+            ctx.ints(q_lens),
+            ctx.ints(c for c, _ in rows),
+            shape.dk**-0.5,
+            max(q_lens),
+            out,
+            num_splits=splits,
+        )
         assert bool(torch.isfinite(out).all()), "non-finite attention outputs"
         return f"pool {sum(totals)} slots"
 
@@ -427,9 +439,19 @@ def case_mla_attention(shape: LatentShape, rows: list[tuple[int, int]], splits: 
         out = torch.empty(sum(q_lens), shape.heads, shape.rank, dtype=q.dtype, device=ctx.device)
         starts = ctx.ints([0, *torch.tensor(q_lens[:-1]).cumsum(0).tolist()])
         table_rows = ctx.to_device(torch.arange(len(rows) - 1, -1, -1))
-        mla_attention_triton(q, latent, ctx.to_device(table), starts, ctx.ints(q_lens), ctx.ints(c for c, _ in rows),
-                             (shape.rank + shape.rope) ** -0.5, max(q_lens), out, table_rows=table_rows,
-                             num_splits=splits)  # fmt: skip
+        mla_attention_triton(
+            q,
+            latent,
+            ctx.to_device(table),
+            starts,
+            ctx.ints(q_lens),
+            ctx.ints(c for c, _ in rows),
+            (shape.rank + shape.rope) ** -0.5,
+            max(q_lens),
+            out,
+            table_rows=table_rows,
+            num_splits=splits,
+        )
         assert bool(torch.isfinite(out).all()), "non-finite attention outputs"
         return f"pool {sum(totals)} slots"
 
@@ -448,8 +470,11 @@ class _OnDevice:
         return getattr(self.state, name)
 
     def _rows(self, rows):
-        moved = {f.name: getattr(rows, f.name).to(self.device) for f in dataclasses.fields(rows)
-                 if hasattr(getattr(rows, f.name), "to")}  # fmt: skip
+        moved = {
+            f.name: getattr(rows, f.name).to(self.device)
+            for f in dataclasses.fields(rows)
+            if hasattr(getattr(rows, f.name), "to")
+        }
         return dataclasses.replace(rows, **moved)
 
     def prefill(self, layer, rows, x, graw, braw, params):
@@ -484,11 +509,27 @@ def case_state(shape: StateShape, mode: str, requests: int, w: int, projection: 
 
         torch = ctx.torch
         act = ctx.dtype(shape.act)
-        spec = LinearAttSpec(shape.algo.removesuffix("_safe"), NUM_LAYERS, shape.H, shape.HV, shape.K, shape.V,
-                             shape.conv_kernel, -5.0 if shape.algo == "kda_safe" else None)  # fmt: skip
-        config = StateConfig(StateMode(mode), max_requests=requests, max_width=w, state_dtype=ctx.dtype(shape.state),
-                             act_dtype=act, replay_capacity=shape.replay_capacity, projection=projection,
-                             device=ctx.device, backend="triton")  # fmt: skip
+        spec = LinearAttSpec(
+            shape.algo.removesuffix("_safe"),
+            NUM_LAYERS,
+            shape.H,
+            shape.HV,
+            shape.K,
+            shape.V,
+            shape.conv_kernel,
+            -5.0 if shape.algo == "kda_safe" else None,
+        )
+        config = StateConfig(
+            StateMode(mode),
+            max_requests=requests,
+            max_width=w,
+            state_dtype=ctx.dtype(shape.state),
+            act_dtype=act,
+            replay_capacity=shape.replay_capacity,
+            projection=projection,
+            device=ctx.device,
+            backend="triton",
+        )
         state = create_state(spec, config)
         params = [
             LayerParams(p.conv_weight.to(ctx.device, act), None, p.A_log.to(ctx.device), p.dt_bias.to(ctx.device))
@@ -502,13 +543,25 @@ def case_state(shape: StateShape, mode: str, requests: int, w: int, projection: 
                 policy, num_rounds = "all_accept", shape.replay_capacity // w + 1
             else:
                 policy, num_rounds = "random", 2
-            run, slots = sc.run_mtp(dev, spec, params, streams, prompt_lens=list(FIRST_CHUNK[-requests:]),
-                                    num_rounds=num_rounds, max_width=w, policy=policy, poison=False, act_dtype=act)  # fmt: skip
-            sc.rounds(dev, spec, params, streams, slots, run, num_rounds=1, max_width=w, seed=5, poison=False,
-                      act_dtype=act)  # fmt: skip
+            run, slots = sc.run_mtp(
+                dev,
+                spec,
+                params,
+                streams,
+                prompt_lens=list(FIRST_CHUNK[-requests:]),
+                num_rounds=num_rounds,
+                max_width=w,
+                policy=policy,
+                poison=False,
+                act_dtype=act,
+            )
+            sc.rounds(
+                dev, spec, params, streams, slots, run, num_rounds=1, max_width=w, seed=5, poison=False, act_dtype=act
+            )
             sc.prefill(dev, spec, params, streams, slots, list(SECOND_CHUNK[-requests:]), run, act)
-            sc.rounds(dev, spec, params, streams, slots, run, num_rounds=1, max_width=w, seed=6, poison=False,
-                      act_dtype=act)  # fmt: skip
+            sc.rounds(
+                dev, spec, params, streams, slots, run, num_rounds=1, max_width=w, seed=6, poison=False, act_dtype=act
+            )
         note = ""
         if mode == "replay":
             folds = int(state.num_folds)
@@ -567,8 +620,12 @@ def build_cases() -> list[Case]:
         # packed prefill rows: lengths over / under the 16-token tile, empty and one-token rows, a row shorter than
         # the conv history; the last row ends x with a length that is no multiple of 16
         for lengths, wmax in (([17, 0, 29], 1), ([5, 0, 1, 37, 2, 16, 23], 4)):
-            add("conv_prefill", f"N={len(lengths)} lens={'-'.join(map(str, lengths))} Wmax={wmax}", conv_p,
-                case_conv_prefill(s, lengths, wmax))  # fmt: skip
+            add(
+                "conv_prefill",
+                f"N={len(lengths)} lens={'-'.join(map(str, lengths))} Wmax={wmax}",
+                conv_p,
+                case_conv_prefill(s, lengths, wmax),
+            )
         # one row padded to a token bucket, as a prefill replayed from a CUDA graph launches it
         add("conv_prefill", "N=1 lens=23 Wmax=2 padded to 32", conv_p, case_conv_prefill(s, [23], 2, padding=9))
         for n, w in ((7, 1), (3, 2), (7, 4), (3, 4)):
@@ -578,16 +635,33 @@ def build_cases() -> list[Case]:
             add("native", f"N={n} W={w}", native, case_native(s, n, w))
         for n, w in ((7, 2), (3, 4), (1, 4)):
             add("compact", f"N={n} W={w} merge+commit+export", compact, case_compact(s, n, w))
-        for n, w, proj in ((3, 1, "inline"), (7, 2, "inline"), (3, 2, "precompute"), (7, 4, "precompute"),
-                           (3, 4, "inline"), (1, 1, "inline"), (1, 4, "precompute")):  # fmt: skip
+        for n, w, proj in (
+            (3, 1, "inline"),
+            (7, 2, "inline"),
+            (3, 2, "precompute"),
+            (7, 4, "precompute"),
+            (3, 4, "inline"),
+            (1, 1, "inline"),
+            (1, 4, "precompute"),
+        ):
             kernel = "replay_decode_kernel" if w == 1 else "replay_window_kernel"
-            add("replay", f"N={n} W={w} L={s.replay_capacity} {proj} fold", (kernel, *replay_tail),
-                case_replay(s, n, w, proj))  # fmt: skip
+            add(
+                "replay",
+                f"N={n} W={w} L={s.replay_capacity} {proj} fold",
+                (kernel, *replay_tail),
+                case_replay(s, n, w, proj),
+            )
         # the state classes (N rows = requests + 1 HOLD padding row)
-        for mode, requests, w, proj in (("native", 2, 1, "inline"), ("native", 6, 4, "inline"),
-                                        ("compact", 6, 2, "inline"), ("compact", 2, 4, "inline"),
-                                        ("replay", 2, 1, "inline"), ("replay", 6, 2, "precompute"),
-                                        ("replay", 2, 4, "precompute"), ("replay", 6, 4, "inline")):  # fmt: skip
+        for mode, requests, w, proj in (
+            ("native", 2, 1, "inline"),
+            ("native", 6, 4, "inline"),
+            ("compact", 6, 2, "inline"),
+            ("compact", 2, 4, "inline"),
+            ("replay", 2, 1, "inline"),
+            ("replay", 6, 2, "precompute"),
+            ("replay", 2, 4, "precompute"),
+            ("replay", 6, 4, "inline"),
+        ):
             kernels = conv_p + conv_d
             kernels += {
                 "native": ("serial_verify_kernel",),
@@ -596,8 +670,16 @@ def build_cases() -> list[Case]:
             }[mode]
             detail = f"{mode} N={requests + 1} W={w}" + (f" L={s.replay_capacity} {proj}" if mode == "replay" else "")
             add("state", detail, kernels, case_state(s, mode, requests, w, proj))
-    cases.append(Case("cursor", "-", "N=1031 (two row blocks)", ("replay_accept_kernel", "native_accept_kernel"),
-                      True, case_cursor(1031)))  # fmt: skip
+    cases.append(
+        Case(
+            "cursor",
+            "-",
+            "N=1031 (two row blocks)",
+            ("replay_accept_kernel", "native_accept_kernel"),
+            True,
+            case_cursor(1031),
+        )
+    )
     for a in ATTENTION_SHAPES:
         # prefill chunks after a prefix and fresh, decode / verify windows of 1, 2 and 4; the longest context last
         # (rows of short contexts leave later splits empty)

@@ -126,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--list", action="store_true", help="print the cases and exit (nothing runs, no device needed)")
     p.add_argument("--tiny-only", action="store_true", help="only the tiny shapes (and the shape-free cases)")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                   help="cpu: Triton's interpreter with a per-launch bounds check (the case code itself, on the CPU)")  # fmt: skip
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: Triton's interpreter with a per-launch bounds check (the case code itself, on the CPU)",
+    )
     p.add_argument("--cases", default="", help="comma-separated substrings: run only cases whose id holds one")
     args = p.parse_args(argv)
     if args.device == "cpu":
@@ -148,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             print("no CUDA device is visible (use --device cpu for the interpreter run)")
             return 2
         if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1":
-            print("note: PYTORCH_NO_CUDA_MEMORY_CACHING=1 is not set: the caching allocator hides reads just past a "
-                  "tensor from memcheck")  # fmt: skip
+            print(
+                "note: PYTORCH_NO_CUDA_MEMORY_CACHING=1 is not set: the caching allocator hides reads just past a "
+                "tensor from memcheck"
+            )
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     bounds = contextlib.nullcontext()
     if args.device == "cpu":

@@ -65,8 +65,14 @@ def _model_dir(tiny: bool) -> str:
 
 def _engine_args(a, mem_fraction: float) -> dict:
     # no decode graphs: the transfer part never decodes
-    flags = dict(model_dir=_model_dir(a.tiny), device=a.device, mtp_step=a.mtp_step, max_running_requests=4,
-                 max_req_total_len=max(a.transfer_lens) + 64, disable_cudagraph=True)  # fmt: skip
+    flags = dict(
+        model_dir=_model_dir(a.tiny),
+        device=a.device,
+        mtp_step=a.mtp_step,
+        max_running_requests=4,
+        max_req_total_len=max(a.transfer_lens) + 64,
+        disable_cudagraph=True,
+    )
     if a.device == "cuda":
         flags["mem_fraction"] = mem_fraction
     else:
@@ -218,8 +224,11 @@ def transfer_part(a) -> None:
                 nbytes = _state_bytes(sent[-1])
                 seconds = statistics.median(times)
                 via = "staging region" if sent[-1].region is not None else "host bytes"
-                print(f"| {name} | {n} | {nbytes / 2**20:.1f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.2f} "
-                      f"| {via} |", flush=True)  # fmt: skip
+                print(
+                    f"| {name} | {n} | {nbytes / 2**20:.1f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.2f} "
+                    f"| {via} |",
+                    flush=True,
+                )
             del role, staging
     finally:
         push = ctx.socket(zmq.PUSH)
@@ -237,8 +246,9 @@ def _free_port() -> int:
 
 
 def _start(argv: list[str], log: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lightllm.server.api_server", *argv], stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "lightllm.server.api_server", *argv], stdout=open(log, "w"), stderr=subprocess.STDOUT
+    )
 
 
 def _wait(url: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
@@ -269,20 +279,50 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def _serve_and_measure(a, name: str, base_url: str) -> None:
     from lightllm.tools.bench_serving import main as bench_serving
 
-    flags = ["--base_url", base_url, "--num_prompts", str(a.concurrency), "--max_concurrency", str(a.concurrency),
-             "--input_len", str(a.input_len), "--output_len", str(a.output_len),
-             "--result_file", os.path.join(a.out, f"pd_bench_{name}.json")]  # fmt: skip
+    flags = [
+        "--base_url",
+        base_url,
+        "--num_prompts",
+        str(a.concurrency),
+        "--max_concurrency",
+        str(a.concurrency),
+        "--input_len",
+        str(a.input_len),
+        "--output_len",
+        str(a.output_len),
+        "--result_file",
+        os.path.join(a.out, f"pd_bench_{name}.json"),
+    ]
     # a warm-up round at the measured concurrency (allocator, fla-core's first varlen calls at this batch; other
     # prompts, so the prefix cache cannot serve the measured ones), then the measured one; bench_serving's own
     # report is not printed
     with contextlib.redirect_stdout(io.StringIO()):
-        bench_serving([*flags[:2], "--num_prompts", str(a.concurrency), "--max_concurrency", str(a.concurrency),
-                       "--input_len", str(a.input_len), "--output_len", "8", "--seed", "1"])  # fmt: skip
+        bench_serving(
+            [
+                *flags[:2],
+                "--num_prompts",
+                str(a.concurrency),
+                "--max_concurrency",
+                str(a.concurrency),
+                "--input_len",
+                str(a.input_len),
+                "--output_len",
+                "8",
+                "--seed",
+                "1",
+            ]
+        )
         s = bench_serving(flags)
-    cells = [f"{s[m][k]:.1f}" if s[m][k] is not None else "-" for m in ("ttft", "tpot") for k in
-             ("mean_ms", "median_ms", "p99_ms")]  # fmt: skip
-    print(f"| {name} | {s['num_requests'] - s['num_failed']}/{s['num_requests']} | {' | '.join(cells)} | "
-          f"{s['output_token_throughput']:.0f} |", flush=True)  # fmt: skip
+    cells = [
+        f"{s[m][k]:.1f}" if s[m][k] is not None else "-"
+        for m in ("ttft", "tpot")
+        for k in ("mean_ms", "median_ms", "p99_ms")
+    ]
+    print(
+        f"| {name} | {s['num_requests'] - s['num_failed']}/{s['num_requests']} | {' | '.join(cells)} | "
+        f"{s['output_token_throughput']:.0f} |",
+        flush=True,
+    )
 
 
 def bench_serving_parts(a) -> None:
@@ -301,13 +341,15 @@ def bench_serving_parts(a) -> None:
     node_mem = ["--mem_fraction", "0.38"] if a.device == "cuda" else []
     for transport in a.serving_transports:
         port = _free_port()
-        master = _start(["--run_mode", "pd_master", "--model_dir", model, "--port", str(port)],
-                        os.path.join(a.out, f"pd_bench_master_{transport}.log"))  # fmt: skip
+        master = _start(
+            ["--run_mode", "pd_master", "--model_dir", model, "--port", str(port)],
+            os.path.join(a.out, f"pd_bench_master_{transport}.log"),
+        )
         nodes = [
             _start(
                 [*common, *node_mem, "--run_mode", role, "--pd_master_port", str(port), "--pd_transport", transport],
                 os.path.join(a.out, f"pd_bench_{role}_{transport}.log"),
-            )  # fmt: skip
+            )
             for role in ("prefill", "decode")
         ]
         try:
@@ -352,8 +394,11 @@ def main(argv: list[str] | None = None) -> None:
         }
     )
     parts = a.parts.split(",")
-    print(f"checkpoint {_model_dir(a.tiny)} on {a.device}"
-          + (f" ({torch.cuda.get_device_name()})" if a.device == "cuda" else ""), flush=True)  # fmt: skip
+    print(
+        f"checkpoint {_model_dir(a.tiny)} on {a.device}"
+        + (f" ({torch.cuda.get_device_name()})" if a.device == "cuda" else ""),
+        flush=True,
+    )
     if "transfer" in parts:
         print("\ntransfer: end of the prefill step -> imported on the decode process (median)")
         print("| transport | prompt tokens | state MiB | ms | GB/s | went as |\n|---|---|---|---|---|---|", flush=True)

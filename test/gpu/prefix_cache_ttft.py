@@ -91,8 +91,13 @@ def build(model_dir: str, a, cache: bool, **mode):
     from lightllm.server.args import load_server_args
     from lightllm.server.engine_process import build_engine
 
-    flags = dict(model_dir=model_dir, max_running_requests=4, max_req_total_len=a.prefix_len + a.suffix_len + 16,
-                 disable_prefix_cache=not cache, **mode)  # fmt: skip
+    flags = dict(
+        model_dir=model_dir,
+        max_running_requests=4,
+        max_req_total_len=a.prefix_len + a.suffix_len + 16,
+        disable_prefix_cache=not cache,
+        **mode,
+    )
     if a.device != "auto":
         flags["device"] = a.device
     if a.interval:
@@ -141,8 +146,10 @@ def profile_hit(engine, prompt: list[int], mode: str) -> None:
     steps: list[float] = []
     with profile(activities=activities) as prof:
         seconds, cached = time_to_first_token(engine, "profiled-hit", prompt, steps)
-    print(f"\nprofiled hit ({mode}): TTFT {1e3 * seconds:.1f} ms (under the profiler), {cached} cached tokens, "
-          f"steps ms: {' / '.join(f'{1e3 * t:.1f}' for t in steps)}")  # fmt: skip
+    print(
+        f"\nprofiled hit ({mode}): TTFT {1e3 * seconds:.1f} ms (under the profiler), {cached} cached tokens, "
+        f"steps ms: {' / '.join(f'{1e3 * t:.1f}' for t in steps)}"
+    )
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     if torch.cuda.is_available():
@@ -182,12 +189,23 @@ def ttft_rows(model_dir: str, a, emit) -> None:
         if cache and a.profile_hit:
             profile_hit(engine, prefix + tokens(a.suffix_len), mode)
             a.profile_hit = False  # the first mode only
-        row = {"part": "ttft", "mode": mode, "cache": cache, "prefix_len": a.prefix_len, "suffix_len": a.suffix_len,
-               "cold_ms": 1e3 * statistics.median(cold), "build_s": build_s}  # fmt: skip
+        row = {
+            "part": "ttft",
+            "mode": mode,
+            "cache": cache,
+            "prefix_len": a.prefix_len,
+            "suffix_len": a.suffix_len,
+            "cold_ms": 1e3 * statistics.median(cold),
+            "build_s": build_s,
+        }
         if cache:
-            row.update(hit_ms=1e3 * statistics.median(hit), speedup=statistics.median(cold) / statistics.median(hit),
-                       cached_tokens=min(cached), repeat_ms=1e3 * statistics.median(repeat),
-                       repeat_cached_tokens=min(repeat_cached))  # fmt: skip
+            row.update(
+                hit_ms=1e3 * statistics.median(hit),
+                speedup=statistics.median(cold) / statistics.median(hit),
+                cached_tokens=min(cached),
+                repeat_ms=1e3 * statistics.median(repeat),
+                repeat_cached_tokens=min(repeat_cached),
+            )
         emit(row)
         del engine
         gc.collect()
@@ -197,12 +215,19 @@ def ttft_rows(model_dir: str, a, emit) -> None:
 
 def print_ttft(row: dict) -> None:
     if row["cache"]:
-        cells = [f"{row['hit_ms']:.1f}", f"{row['speedup']:.1f}x", str(row["cached_tokens"]),
-                 f"{row['repeat_ms']:.1f} ({row['repeat_cached_tokens']})"]  # fmt: skip
+        cells = [
+            f"{row['hit_ms']:.1f}",
+            f"{row['speedup']:.1f}x",
+            str(row["cached_tokens"]),
+            f"{row['repeat_ms']:.1f} ({row['repeat_cached_tokens']})",
+        ]
     else:
         cells = ["-", "-", "cache off", "-"]
-    print(f"| {row['mode']} | {row['prefix_len']}+{row['suffix_len']} | {row['cold_ms']:.1f} | {' | '.join(cells)} "
-          f"| {row['build_s']:.0f} |", flush=True)  # fmt: skip
+    print(
+        f"| {row['mode']} | {row['prefix_len']}+{row['suffix_len']} | {row['cold_ms']:.1f} | {' | '.join(cells)} "
+        f"| {row['build_s']:.0f} |",
+        flush=True,
+    )
 
 
 # multiturn ----------------------------------------------------------------------------------------------------
@@ -245,12 +270,26 @@ def multiturn_rows(model_dir: str, a, emit) -> None:
 def bench_multiturn(port: int, a, num_conversations: int, seed: int) -> dict:
     from lightllm.tools import bench_serving
 
-    return bench_serving.main([
-        "--base_url", f"http://127.0.0.1:{port}", "--dataset", "multi_turn",
-        "--num_prompts", str(num_conversations), "--num_turns", str(a.turns),
-        "--input_len", str(a.system_words), "--output_len", str(a.output_len),
-        "--max_concurrency", str(num_conversations), "--seed", str(seed),
-    ])  # fmt: skip
+    return bench_serving.main(
+        [
+            "--base_url",
+            f"http://127.0.0.1:{port}",
+            "--dataset",
+            "multi_turn",
+            "--num_prompts",
+            str(num_conversations),
+            "--num_turns",
+            str(a.turns),
+            "--input_len",
+            str(a.system_words),
+            "--output_len",
+            str(a.output_len),
+            "--max_concurrency",
+            str(num_conversations),
+            "--seed",
+            str(seed),
+        ]
+    )
 
 
 def print_multiturn(row: dict) -> None:
@@ -259,10 +298,13 @@ def print_multiturn(row: dict) -> None:
         return
     s = row["summary"]
     rate = s["cached_prompt_tokens"] / max(s["prompt_tokens"], 1)
-    print(f"| {row['mode']} | {'on' if row['cache'] else 'off'} | {s['num_requests']} ({s['num_failed']} failed) "
-          f"| {s['request_throughput']:.2f} | {s['output_token_throughput']:.1f} | {s['total_token_throughput']:.1f} "
-          f"| {s['ttft']['mean_ms']:.1f} / {s['ttft']['median_ms']:.1f} | {s['cached_prompt_tokens']} / "
-          f"{s['prompt_tokens']} ({100 * rate:.1f}%) | {row['start_s']:.0f} |", flush=True)  # fmt: skip
+    print(
+        f"| {row['mode']} | {'on' if row['cache'] else 'off'} | {s['num_requests']} ({s['num_failed']} failed) "
+        f"| {s['request_throughput']:.2f} | {s['output_token_throughput']:.1f} | {s['total_token_throughput']:.1f} "
+        f"| {s['ttft']['mean_ms']:.1f} / {s['ttft']['median_ms']:.1f} | {s['cached_prompt_tokens']} / "
+        f"{s['prompt_tokens']} ({100 * rate:.1f}%) | {row['start_s']:.0f} |",
+        flush=True,
+    )
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -320,15 +362,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     parts = a.parts.split(",")
     if "ttft" in parts:
-        print("| mode | prefix+suffix | cold TTFT ms | hit TTFT ms | speed-up | cached tokens "
-              "| exact repeat TTFT ms (cached) | engine build s |")  # fmt: skip
+        print(
+            "| mode | prefix+suffix | cold TTFT ms | hit TTFT ms | speed-up | cached tokens "
+            "| exact repeat TTFT ms (cached) | engine build s |"
+        )
         print("|---|---|---|---|---|---|---|---|", flush=True)
         ttft_rows(model_dir, a, emit(print_ttft))
     if "multiturn" in parts:
-        print(f"multi-turn: {a.conversations} conversations x {a.turns} turns, system prompt {a.system_words} words, "
-              f"{a.output_len} tokens per answer")  # fmt: skip
-        print("| mode | cache | requests | req/s | output tok/s | total tok/s | TTFT mean / median ms "
-              "| cached / prompt tokens | server start s |")  # fmt: skip
+        print(
+            f"multi-turn: {a.conversations} conversations x {a.turns} turns, system prompt {a.system_words} words, "
+            f"{a.output_len} tokens per answer"
+        )
+        print(
+            "| mode | cache | requests | req/s | output tok/s | total tok/s | TTFT mean / median ms "
+            "| cached / prompt tokens | server start s |"
+        )
         print("|---|---|---|---|---|---|---|---|---|", flush=True)
         multiturn_rows(model_dir, a, emit(print_multiturn))
     print(f"total {time.perf_counter() - t0:.0f} s", flush=True)

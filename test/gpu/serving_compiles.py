@@ -61,8 +61,18 @@ def main(argv: list[str] | None = None) -> int:
 
     log = a.log or tempfile.mkstemp(prefix="serving_compiles_", suffix=".log")[1]
     port = _free_port()
-    argv_server = ["--model_dir", _model_dir(a.tiny), "--device", a.device, "--port", str(port),
-                   "--ssm_state_mode", a.mode, "--mtp_step", str(a.mtp_step)]  # fmt: skip
+    argv_server = [
+        "--model_dir",
+        _model_dir(a.tiny),
+        "--device",
+        a.device,
+        "--port",
+        str(port),
+        "--ssm_state_mode",
+        a.mode,
+        "--mtp_step",
+        str(a.mtp_step),
+    ]
     procs = [_start(argv_server, log)]
     compiled_rounds = 0
     try:
@@ -73,15 +83,35 @@ def main(argv: list[str] | None = None) -> int:
         for i, (dataset, n, rate) in enumerate(ROUNDS):
             mark = time.time()
             with contextlib.redirect_stdout(io.StringIO()):
-                s = bench_serving(["--base_url", f"http://127.0.0.1:{port}", "--dataset", dataset, "--num_prompts",
-                                   str(n), "--max_concurrency", str(n), "--request_rate", str(rate), "--input_len",
-                                   "256", "--output_len", "32", "--seed", str(100 + i)])  # fmt: skip
+                s = bench_serving(
+                    [
+                        "--base_url",
+                        f"http://127.0.0.1:{port}",
+                        "--dataset",
+                        dataset,
+                        "--num_prompts",
+                        str(n),
+                        "--max_concurrency",
+                        str(n),
+                        "--request_rate",
+                        str(rate),
+                        "--input_len",
+                        "256",
+                        "--output_len",
+                        "32",
+                        "--seed",
+                        str(100 + i),
+                    ]
+                )
             compiled = kernels_written_since(cache_dir, mark)
             compiled_rounds += bool(compiled)
             kind = f"{dataset} at {rate}/s" if rate else dataset
             cells = [s["ttft"]["mean_ms"], s["ttft"]["p99_ms"], s["tpot"]["mean_ms"]]
-            print(f"| {i} | {kind} | {s['num_requests']} | {' | '.join(f'{c:.1f}' for c in cells)} "
-                  f"| {', '.join(compiled) or '-'} |", flush=True)  # fmt: skip
+            print(
+                f"| {i} | {kind} | {s['num_requests']} | {' | '.join(f'{c:.1f}' for c in cells)} "
+                f"| {', '.join(compiled) or '-'} |",
+                flush=True,
+            )
     finally:
         _stop(procs)
     return 1 if compiled_rounds else 0

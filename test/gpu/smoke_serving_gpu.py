@@ -67,8 +67,15 @@ def _real_width_rows(root: str, modes: list[str], device: str) -> list[str]:
     rows = []
     for mode in modes:
         try:
-            llm = LLM(model_dir, device=device, data_type="bfloat16", ssm_state_mode=mode, mtp_step=2,
-                      max_total_token_num=16384, max_running_requests=8)  # fmt: skip
+            llm = LLM(
+                model_dir,
+                device=device,
+                data_type="bfloat16",
+                ssm_state_mode=mode,
+                mtp_step=2,
+                max_total_token_num=16384,
+                max_running_requests=8,
+            )
             params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
             llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
             start = time.perf_counter()
@@ -100,8 +107,18 @@ def start_server(model_dir: str, device: str, flags: list[str], log_path: str) -
     chatty server never blocks on a full pipe). It stays in this process group: a deadline that stops the caller
     (`timeout` in h200_stages.sh) stops the server too. Returns (process, port)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", model_dir, "--port", str(port),
-           "--device", device, *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightllm.server.api_server",
+        "--model_dir",
+        model_dir,
+        "--port",
+        str(port),
+        "--device",
+        device,
+        *flags,
+    ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     return proc, port

@@ -94,8 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--starts", type=int, default=5, help="starts per mode at --max_running_requests 64")
     p.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated STATE_MODE[+mtp]")
-    p.add_argument("--big_max_running_requests", type=int, default=256,
-                   help="one more start per mode at this many requests (0: none)")  # fmt: skip
+    p.add_argument(
+        "--big_max_running_requests",
+        type=int,
+        default=256,
+        help="one more start per mode at this many requests (0: none)",
+    )
     p.add_argument("--model_dir", default=None, help="serve this checkpoint instead of building the real-width one")
     p.add_argument(
         "--cache_dir", default=None, help="where the built checkpoint is cached (default ~/.cache/lightllm/tiny)"
@@ -128,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         log_path = os.path.join(args.log_dir, f"start{i:02d}-{mode.replace('+', '-')}-{max_running}.log")
         row = one_start(model_dir, args, mode, max_running, log_path)
         rows.append(row)
-        print(f"| {i} | {mode} | {max_running} | {_fmt(row['start_s'])} | {row.get('usage', '-')} | "
-              f"{_fmt(row['stop_s'])} | {row['result']} |", flush=True)  # fmt: skip
+        print(
+            f"| {i} | {mode} | {max_running} | {_fmt(row['start_s'])} | {row.get('usage', '-')} | "
+            f"{_fmt(row['stop_s'])} | {row['result']} |",
+            flush=True,
+        )
         if "log_tail" in row:
             print(f"server log tail ({log_path}):\n{row['log_tail']}", flush=True)
 

@@ -25,10 +25,17 @@ def _engine(mode: str, num_drafts: int, graphs: bool):
     if mode == "replay":
         flags["replay_capacity"] = 4
     args, info = load_server_args(
-        [], model_dir=str(tiny_model_dir("qwen3_5")), device="cuda", data_type="float32", ssm_state_mode=mode,
-        max_running_requests=6, chunked_prefill_size=64, max_total_token_num=1024, disable_cudagraph=not graphs,
+        [],
+        model_dir=str(tiny_model_dir("qwen3_5")),
+        device="cuda",
+        data_type="float32",
+        ssm_state_mode=mode,
+        max_running_requests=6,
+        chunked_prefill_size=64,
+        max_total_token_num=1024,
+        disable_cudagraph=not graphs,
         **flags,
-    )  # fmt: skip
+    )
     engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner")
     assert (engine.runner.decode_graphs is not None) == graphs
     if graphs:

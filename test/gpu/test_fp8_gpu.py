@@ -73,7 +73,13 @@ def test_fp8_fused_experts_match_the_per_expert_loop(num_tokens):
     )
     weights, ids = softmax_topk(torch.randn(num_tokens, s.num_experts, device="cuda", generator=gen), s.top_k, True)
     out = fused_experts(
-        x, gate_up.weight, down.weight, weights, ids, block=(128, 128),
-        gate_up_scale=gate_up.weight_scale_inv, down_scale=down.weight_scale_inv,
-    )  # fmt: skip
+        x,
+        gate_up.weight,
+        down.weight,
+        weights,
+        ids,
+        block=(128, 128),
+        gate_up_scale=gate_up.weight_scale_inv,
+        down_scale=down.weight_scale_inv,
+    )
     assert_rel_close("fp8 experts", out, run_experts(x.float(), gate_up, down, weights, ids), 2e-2)

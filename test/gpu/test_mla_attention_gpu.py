@@ -18,8 +18,15 @@ from unit_tests.kernels.test_mla_attention import expected_rows, scattered
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-KIMI = AttentionConfig(kind="mla", num_heads=32, num_kv_heads=32, kv_lora_rank=512, qk_nope_head_dim=128,
-                       qk_rope_head_dim=64, v_head_dim=128)  # fmt: skip
+KIMI = AttentionConfig(
+    kind="mla",
+    num_heads=32,
+    num_kv_heads=32,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+)
 HIDDEN = 2304
 MAX_REL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 ROWS = {"decode-verify": ([700, 0, 1500, 33], [1, 4, 2, 3]), "long-split": ([8000, 20, 900], [1, 4, 1])}
@@ -38,8 +45,9 @@ def test_kernel_on_gpu_matches_reference(rows, dtype):
     out = torch.full((q.shape[0], heads, c), float("nan"), dtype=dtype, device=dev)
     starts = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(torch.int32)
     args = [t.to(dev) for t in (q, latent, table, starts, torch.tensor(q_lens).int(), torch.tensor(cached).int())]
-    mla_attention(*args, KIMI.qk_head_dim**-0.5, max(q_lens), out, table_rows=table_rows.to(dev),
-                  max_context_len=longest)  # fmt: skip
+    mla_attention(
+        *args, KIMI.qk_head_dim**-0.5, max(q_lens), out, table_rows=table_rows.to(dev), max_context_len=longest
+    )
     expected = expected_rows(q, latent, slots, cached, q_lens, KIMI.qk_head_dim**-0.5, c)
     assert_rel_close(f"mla {rows} {dtype}", out.cpu(), expected, MAX_REL[dtype])
 
@@ -105,8 +113,13 @@ def test_decode_graph_replays_for_other_lengths_without_host_sync():
         num_cached=torch.zeros(n, **i32),
     )
     write_slots = torch.full((n * width,), kv.hold_slot, dtype=torch.int64, device="cuda")
-    ctx = StepContext(positions=torch.zeros(n * width, dtype=torch.int64, device="cuda"), num_prefill_tokens=0,
-                      write_slots=write_slots, groups=[group], kv=kv)  # fmt: skip
+    ctx = StepContext(
+        positions=torch.zeros(n * width, dtype=torch.int64, device="cuda"),
+        num_prefill_tokens=0,
+        write_slots=write_slots,
+        groups=[group],
+        kv=kv,
+    )
 
     def fill(seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)

@@ -93,13 +93,27 @@ def test_split_counts_share_one_compiled_kernel():
     table = torch.full((2, 310), -1, dtype=torch.int64)
     for i, s in enumerate(slots):
         table[i, : s.numel()] = s
-    args = [t.cuda() for t in (q, k_pool, v_pool, table, torch.tensor([0, 3]).int(), torch.tensor(q_lens).int(),
-                               torch.tensor(cached).int())]  # fmt: skip
+    args = [
+        t.cuda()
+        for t in (
+            q,
+            k_pool,
+            v_pool,
+            table,
+            torch.tensor([0, 3]).int(),
+            torch.tensor(q_lens).int(),
+            torch.tensor(cached).int(),
+        )
+    ]
     outputs, counts = [], []
     for splits in (2, 3, 5, 7):
         outputs.append(kernel.paged_attention(*args, dk**-0.5, 3, num_splits=splits))
-        counts.append((_compiled_variants(kernel.paged_attention_kernel),
-                       _compiled_variants(kernel.paged_attention_combine_kernel)))  # fmt: skip
+        counts.append(
+            (
+                _compiled_variants(kernel.paged_attention_kernel),
+                _compiled_variants(kernel.paged_attention_combine_kernel),
+            )
+        )
     assert counts[1:] == counts[:1] * 3, f"compiled variants after each split count: {counts}"
     for out in outputs[1:]:
         assert_rel_close("split counts agree", out.float().cpu(), outputs[0].float().cpu(), 2e-2)

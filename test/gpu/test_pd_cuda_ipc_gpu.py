@@ -61,8 +61,22 @@ def test_a_1p1d_deployment_over_cuda_ipc_equals_the_monolithic_engine():
     from unit_tests.server.pd_cluster import Master, node_log, start_node, stop
 
     model_dir = str(tiny_model_dir("qwen3_5"))
-    flags = ["--device", "cuda", "--data_type", "float32", "--mtp_step", "2", "--max_total_token_num", "4096",
-             "--max_running_requests", "8", "--pd_transport", "cuda_ipc", "--pd_ipc_buffer_mb", "64"]  # fmt: skip
+    flags = [
+        "--device",
+        "cuda",
+        "--data_type",
+        "float32",
+        "--mtp_step",
+        "2",
+        "--max_total_token_num",
+        "4096",
+        "--max_running_requests",
+        "8",
+        "--pd_transport",
+        "cuda_ipc",
+        "--pd_ipc_buffer_mb",
+        "64",
+    ]
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     prompts = [torch.randint(10, 200, (n,), generator=gen).tolist() for n in (5, 40, 300)]
     master = Master(model_dir, node_timeout_s=30.0)
@@ -76,8 +90,9 @@ def test_a_1p1d_deployment_over_cuda_ipc_equals_the_monolithic_engine():
         assert len(reads) == 1 and reads[0].startswith("cuda_ipc@")
         found = []
         for p in prompts:
-            body = dict(model=master.args.served_model_name, prompt=p, max_tokens=16, temperature=0, logprobs=1,
-                        ignore_eos=True)  # fmt: skip
+            body = dict(
+                model=master.args.served_model_name, prompt=p, max_tokens=16, temperature=0, logprobs=1, ignore_eos=True
+            )
             reply = httpx.post(f"{master.url}/v1/completions", json=body, timeout=120)
             assert reply.status_code == 200, reply.text
             found.append(reply.json()["choices"][0])
@@ -86,8 +101,9 @@ def test_a_1p1d_deployment_over_cuda_ipc_equals_the_monolithic_engine():
         for proc in procs:
             stop(proc)
         master.close()
-    reference = LLM(model_dir, device="cuda", data_type="float32", mtp_step=2, max_total_token_num=4096,
-                    max_running_requests=8)  # fmt: skip
+    reference = LLM(
+        model_dir, device="cuda", data_type="float32", mtp_step=2, max_total_token_num=4096, max_running_requests=8
+    )
     want = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True))
     for choice, expected in zip(found, want):
         assert choice["text"] == expected.outputs[0].text

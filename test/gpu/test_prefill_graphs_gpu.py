@@ -18,9 +18,14 @@ COMBOS = [("native", {}), ("compact", {"spec_ngram": 3}), ("replay", {}), ("repl
 
 def _engine(mode: str, spec: dict, graphs: bool, chunk: int):
     engine = make_engine(
-        "qwen3_5", mode, spec, device="cuda", data_type="float32", disable_cudagraph=not graphs,
+        "qwen3_5",
+        mode,
+        spec,
+        device="cuda",
+        data_type="float32",
+        disable_cudagraph=not graphs,
         chunked_prefill_size=chunk,
-    )  # fmt: skip
+    )
     runner = engine.runner
     assert (runner.prefill_graphs is not None) == graphs
     if graphs:

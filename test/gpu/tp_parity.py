@@ -50,9 +50,16 @@ def model_dir(num_layers: int, tiny: bool) -> str:
 
 def build(path: str, mode: str, spec: dict, tp: int, group, max_requests: int, max_len: int, eager: bool):
     args, info = load_server_args(
-        [], model_dir=path, device=DEVICE[0], tp=tp, ssm_state_mode=mode, max_running_requests=max_requests,
-        max_req_total_len=max_len, disable_cudagraph=eager, **spec,
-    )  # fmt: skip
+        [],
+        model_dir=path,
+        device=DEVICE[0],
+        tp=tp,
+        ssm_state_mode=mode,
+        max_running_requests=max_requests,
+        max_req_total_len=max_len,
+        disable_cudagraph=eager,
+        **spec,
+    )
     runner = build_rank_runner(args, info) if tp == 1 else create_tp_runner(args, info, group)
     engine = engine_for_runner(args, runner)
     quiet_garbage_collector()

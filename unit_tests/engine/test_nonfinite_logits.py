@@ -42,8 +42,9 @@ def test_an_infinite_row_ends_only_its_request_under_overlap():
     good_prompt, bad_prompt = [1, 2, 1, 2], [MARK, 3, 4]
     expected = FakeRunner().greedy(good_prompt, 16)
     runner = InfRunner()
-    engine = Engine(runner, max_running_requests=8, chunked_prefill_size=64, max_req_total_len=256,
-                    overlap_schedule=True)  # fmt: skip
+    engine = Engine(
+        runner, max_running_requests=8, chunked_prefill_size=64, max_req_total_len=256, overlap_schedule=True
+    )
     launches = []
     launch = engine.overlap.launch
     engine.overlap.launch = lambda *a, **kw: launches.append(1) or launch(*a, **kw)
@@ -54,8 +55,13 @@ def test_an_infinite_row_ends_only_its_request_under_overlap():
     # it got the tokens before its row turned infinite, none after
     assert len(bad_prompt) + len(tokens["bad"]) == BAD_LEN
     assert finished["good"].reason == "length"
-    greedy, _ = run(Engine(FakeRunner(), max_running_requests=8, chunked_prefill_size=64, max_req_total_len=256,
-                           overlap_schedule=True), {"good": good_prompt}, params)  # fmt: skip
+    greedy, _ = run(
+        Engine(
+            FakeRunner(), max_running_requests=8, chunked_prefill_size=64, max_req_total_len=256, overlap_schedule=True
+        ),
+        {"good": good_prompt},
+        params,
+    )
     assert tokens["good"] == greedy["good"]
     assert runner.num_free_requests() == 8
     # teeth: the marked prompt's row is infinite indeed, the good prompt's never
@@ -66,8 +72,13 @@ def test_an_infinite_row_ends_only_its_request_under_overlap():
 def test_an_infinite_row_in_a_drafted_window_ends_only_its_request():
     good_prompt, bad_prompt = [1, 2, 1, 2, 1, 2], [MARK, 3, 4]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    make = lambda runner: Engine(runner, max_running_requests=8, chunked_prefill_size=64,  # noqa: E731
-                                 max_req_total_len=256, spec_ngram=2)  # fmt: skip
+    make = lambda runner: Engine(
+        runner,
+        max_running_requests=8,
+        chunked_prefill_size=64,  # noqa: E731
+        max_req_total_len=256,
+        spec_ngram=2,
+    )
     tokens, finished = run(make(InfRunner(max_width=3)), {"bad": bad_prompt, "good": good_prompt}, params)
     assert finished["bad"].reason == "error"
     assert len(bad_prompt) + len(tokens["bad"]) < BAD_LEN + 3

@@ -42,8 +42,14 @@ class CachingFakeRunner(FakeRunner):
 
 
 def _engine(runner, interval: int, chunk: int = 64, max_len: int = 64, short_resume: int = 0) -> Engine:
-    return Engine(runner, max_running_requests=4, chunked_prefill_size=chunk, max_req_total_len=max_len,
-                  prefix_cache_checkpoint_interval=interval, short_resume_tokens=short_resume)  # fmt: skip
+    return Engine(
+        runner,
+        max_running_requests=4,
+        chunked_prefill_size=chunk,
+        max_req_total_len=max_len,
+        prefix_cache_checkpoint_interval=interval,
+        short_resume_tokens=short_resume,
+    )
 
 
 def _drain(engine, msgs) -> dict[str, list[int]]:

@@ -20,9 +20,22 @@ from unit_tests.helpers.sm90 import compile_sm90
 
 # heads per rank (Kimi-Linear TP1, TP2), latent rank, rope dims
 SHAPES = {"kimi-linear-tp1": (32, 512, 64), "kimi-linear-tp2": (16, 512, 64)}
-TYPES = {"q": "*bf16", "latent": "*bf16", "o": "*bf16", "o_part": "*fp32", "ml_part": "*fp32", "slot_table": "*i64",
-         "table_rows": "*i64", "query_start": "*i32", "query_len": "*i32", "num_cached": "*i32", "qk_scale": "fp32",
-         "num_tokens": "i32", "num_heads": "i32", "num_splits": "i32"}  # fmt: skip
+TYPES = {
+    "q": "*bf16",
+    "latent": "*bf16",
+    "o": "*bf16",
+    "o_part": "*fp32",
+    "ml_part": "*fp32",
+    "slot_table": "*i64",
+    "table_rows": "*i64",
+    "query_start": "*i32",
+    "query_len": "*i32",
+    "num_cached": "*i32",
+    "qk_scale": "fp32",
+    "num_tokens": "i32",
+    "num_heads": "i32",
+    "num_splits": "i32",
+}
 
 
 def cases(heads: int, rank: int, rope: int, tile: MLATile = MLATile()) -> list[tuple[str, object, dict, int, int]]:
@@ -31,9 +44,19 @@ def cases(heads: int, rank: int, rope: int, tile: MLATile = MLATile()) -> list[t
     for query_len in tile_query_lengths(heads, tile):
         bh, bt, bm = _tile(heads, query_len, tile)
         for split in (False, True):
-            c = dict(C=rank, R=rope, BH=bh, BT=bt, BM=bm, BN=tile.block_keys, BC=triton.next_power_of_2(rank),
-                     BR=max(16, triton.next_power_of_2(rope)), DOT_PRECISION="tf32", SPLIT=split,
-                     HAS_TABLE_ROWS=True)  # fmt: skip
+            c = dict(
+                C=rank,
+                R=rope,
+                BH=bh,
+                BT=bt,
+                BM=bm,
+                BN=tile.block_keys,
+                BC=triton.next_power_of_2(rank),
+                BR=max(16, triton.next_power_of_2(rope)),
+                DOT_PRECISION="tf32",
+                SPLIT=split,
+                HAS_TABLE_ROWS=True,
+            )
             label = f"mla_attention BH={bh} BT={bt} split={split}"
             out.append((label, mla_attention_kernel, c, tile.num_warps, tile.num_stages))
     combine = dict(SP=MAX_SPLITS, DV=rank, BV=triton.next_power_of_2(rank))

@@ -38,9 +38,18 @@ ROUTING_TYPES = {
     "scale": "fp32",
 }
 GEMM_TYPES = {"sorted_pairs": "*i32", "block_expert": "*i32", "weights": "*fp32", "pair_out": "*fp32"}
-ALIGN_TYPES = {"ids": "*i32", "chunk_counts": "*i32", "chunk_offsets": "*i32", "pad_start": "*i32",
-               "sorted_pairs": "*i32", "block_expert": "*i32", "num_pairs": "i32", "num_chunks": "i32",
-               "num_blocks": "i32", "E": "i32"}  # fmt: skip
+ALIGN_TYPES = {
+    "ids": "*i32",
+    "chunk_counts": "*i32",
+    "chunk_offsets": "*i32",
+    "pad_start": "*i32",
+    "sorted_pairs": "*i32",
+    "block_expert": "*i32",
+    "num_pairs": "i32",
+    "num_chunks": "i32",
+    "num_blocks": "i32",
+    "E": "i32",
+}
 COMBINE_TYPES = {"pair_out": "*fp32", "shared": "*bf16", "gate_logit": "*bf16", "out": "*bf16"}
 
 
@@ -70,8 +79,15 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
             config = heuristic_config(tokens, s.num_experts, s.inter, s.hidden, s.top_k, torch.bfloat16)
             for name, kernel in (("gate_up", moe_gate_up_kernel), ("down", moe_down_kernel)):
                 t = config[name]
-                c = dict(TOP_K=s.top_k, BM=config["BLOCK_M"], BN=t["BLOCK_N"], BK=t["BLOCK_K"], DOT_PRECISION="tf32", FP8=False,
-                         BLOCK_N_SCALE=128)  # fmt: skip
+                c = dict(
+                    TOP_K=s.top_k,
+                    BM=config["BLOCK_M"],
+                    BN=t["BLOCK_N"],
+                    BK=t["BLOCK_K"],
+                    DOT_PRECISION="tf32",
+                    FP8=False,
+                    BLOCK_N_SCALE=128,
+                )
                 label = f"{s.name} {name} T={tokens} BM={c['BM']} BN={c['BN']} BK={c['BK']}"
                 out.append((label, kernel, c, _types(GEMM_TYPES, "*bf16"), t["num_warps"], t["num_stages"]))
         bn = min(512, triton.next_power_of_2(s.hidden))
@@ -84,8 +100,15 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
         config = heuristic_config(tokens, s.num_experts, s.inter, s.hidden, s.top_k, torch.bfloat16)
         for name, kernel in (("gate_up", moe_gate_up_kernel), ("down", moe_down_kernel)):
             t = config[name]
-            c = dict(TOP_K=s.top_k, BM=config["BLOCK_M"], BN=t["BLOCK_N"], BK=128, DOT_PRECISION="tf32", FP8=True,
-                     BLOCK_N_SCALE=128)  # fmt: skip
+            c = dict(
+                TOP_K=s.top_k,
+                BM=config["BLOCK_M"],
+                BN=t["BLOCK_N"],
+                BK=128,
+                DOT_PRECISION="tf32",
+                FP8=True,
+                BLOCK_N_SCALE=128,
+            )
             types = {**fp8_types, "act": "*bf16"} if name == "gate_up" else fp8_types
             out.append((f"{s.name} fp8 {name} T={tokens}", kernel, c, types, t["num_warps"], t["num_stages"]))
     return out

@@ -27,9 +27,14 @@ def make_engine(arch: str, mode: str, spec: dict, cache: bool = True, **flags):
     if cache:
         sizes.setdefault("prefix_cache_state_bytes", 64 * 20_000)
     args, info = load_server_args(
-        [], model_dir=str(tiny_model_dir(arch)), ssm_state_mode=mode,
-        prefix_cache_checkpoint_interval=INTERVAL, disable_prefix_cache=not cache, **spec, **sizes,
-    )  # fmt: skip
+        [],
+        model_dir=str(tiny_model_dir(arch)),
+        ssm_state_mode=mode,
+        prefix_cache_checkpoint_interval=INTERVAL,
+        disable_prefix_cache=not cache,
+        **spec,
+        **sizes,
+    )
     return build_engine(args, info, "lightllm.server.runner_factory:create_runner")
 
 

@@ -24,8 +24,13 @@ def rotating_script(window: int, num_drafts: int) -> int | None:
 
 
 class ScriptedDrafts:
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], num_drafts: int, vocab_size: int,
-                 script: Script = rotating_script):  # fmt: skip
+    def __init__(
+        self,
+        continuations: dict[tuple[int, ...], list[int]],
+        num_drafts: int,
+        vocab_size: int,
+        script: Script = rotating_script,
+    ):
         self.continuations, self.num_drafts, self.vocab_size, self.script = (
             continuations,
             num_drafts,

@@ -28,17 +28,23 @@ ACT_PTRS = {"q", "k", "v", "graw", "braw", "o"}
 SCALARS = {"scale": "fp32", "lower_bound": "fp32"}
 # the tuple arguments of the linear-attention kernels (`lightllm/linear_att/bundles.py` order): q, k, v, graw, braw
 # as activations, A_log and dt_bias fp32; each kernel's state pointers (per-slot scalars int32); stride tuples
-TUPLES = {"tokens": ("*bf16",) * 5 + ("*fp32",) * 2, "token_strides": ("i64",) * 8, "o_strides": ("i64",) * 2,
-          "out_strides": ("i64",) * 2}  # fmt: skip
+TUPLES = {
+    "tokens": ("*bf16",) * 5 + ("*fp32",) * 2,
+    "token_strides": ("i64",) * 8,
+    "o_strides": ("i64",) * 2,
+    "out_strides": ("i64",) * 2,
+}
 _REPLAY_STATE = ("*fp32",) * 4 + ("*i32",) * 2
 KERNEL_TUPLES = {
-    "serial_verify_kernel": {"state": ("*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i32", "*i32"),
-                             "state_strides": ("i64",) * 11},
+    "serial_verify_kernel": {
+        "state": ("*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i32", "*i32"),
+        "state_strides": ("i64",) * 11,
+    },
     "compact_commit_kernel": {"state": _REPLAY_STATE, "state_strides": ("i64",) * 14},
     "replay_decode_kernel": {"state": _REPLAY_STATE, "state_strides": ("i64",) * 10},
     "replay_window_kernel": {"state": _REPLAY_STATE, "state_strides": ("i64",) * 10},
     "replay_fold_kernel": {"state": _REPLAY_STATE, "state_strides": ("i64",) * 14},
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)

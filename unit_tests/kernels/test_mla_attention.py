@@ -68,8 +68,20 @@ def run(backend, q, latent, table, table_rows, cached, q_lens, scale, c, num_spl
     starts = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(torch.int32)
     out = poison_(q.new_empty(q.shape[0], q.shape[1], c))
     lens, prefix = torch.tensor(q_lens, dtype=torch.int32), torch.tensor(cached, dtype=torch.int32)
-    mla_attention(q, latent, table, starts, lens, prefix, scale, max(q_lens), out, table_rows=table_rows,
-                  num_splits=num_splits, backend=backend)  # fmt: skip
+    mla_attention(
+        q,
+        latent,
+        table,
+        starts,
+        lens,
+        prefix,
+        scale,
+        max(q_lens),
+        out,
+        table_rows=table_rows,
+        num_splits=num_splits,
+        backend=backend,
+    )
     return out
 
 

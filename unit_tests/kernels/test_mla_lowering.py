@@ -19,8 +19,13 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 def test_mla_kernels_lower_to_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-m", "unit_tests.helpers.mla_sm90_lowering"], cwd=ROOT, env=env,
-                         capture_output=True, text=True)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "unit_tests.helpers.mla_sm90_lowering"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
     # TP1: one tile variant x (split, unsplit) + combine; TP2: two tile variants x 2 + combine
     assert run.stdout.count("\n| kimi") == 8, run.stdout

@@ -103,9 +103,10 @@ def test_paged_attention_matches_masked_softmax(rows, heads, dtype):
 @pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(
-    "rows", [ROW_SETS[k] for k in ("prefill-after-long-prefix", "verify-w1to4", "mixed")],
+    "rows",
+    [ROW_SETS[k] for k in ("prefill-after-long-prefix", "verify-w1to4", "mixed")],
     ids=["prefill-after-long-prefix", "verify-w1to4", "mixed"],
-)  # fmt: skip
+)
 def test_split_context_matches_masked_softmax(rows, dtype, num_splits):
     """Contexts split across programs and merged by the combine kernel: rows of 1..98 keys over 2 or 5 splits of
     whole 64-key blocks, so some splits of short rows hold no key at all and padded tile rows see nothing."""
@@ -135,7 +136,8 @@ def test_split_context_reads_every_span():
 
 
 def test_split_count_fills_the_gpu_only_when_needed(monkeypatch):
-    from lightllm.kernels import attention_splits, paged_attention as kernel
+    from lightllm.kernels import attention_splits
+    from lightllm.kernels import paged_attention as kernel
 
     monkeypatch.setattr(attention_splits, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)

@@ -30,8 +30,15 @@ NUM_REQUESTS = 17
 
 
 def _triton_runner(model_dir: str, mode: str, width: int, mtp_step: int = 0):
-    runner = make_runner(model_dir, mode=mode, max_width=width, mtp_step=mtp_step, state_backend="triton",
-                         max_running_requests=NUM_REQUESTS + 1, max_total_token_num=2048)  # fmt: skip
+    runner = make_runner(
+        model_dir,
+        mode=mode,
+        max_width=width,
+        mtp_step=mtp_step,
+        state_backend="triton",
+        max_running_requests=NUM_REQUESTS + 1,
+        max_total_token_num=2048,
+    )
     for module in runner.model.modules():
         if isinstance(module, (GatedAttention, LatentAttention)):
             module.attention_backend = "triton"

@@ -37,10 +37,17 @@ def _engine(mode: str, mtp_step: int, acceptance=None, fixed_buffers: bool = Fal
     """`fixed_buffers`: decode and draft steps through the buffers CUDA graphs replay (captured on CUDA, run
     eagerly on the CPU)."""
     args, info = load_server_args(
-        [], model_dir=case_dir("qwen3_5-hv2"), device=device, data_type="float32", ssm_state_mode=mode,
-        mtp_step=mtp_step, max_running_requests=2, chunked_prefill_size=16, max_total_token_num=512,
+        [],
+        model_dir=case_dir("qwen3_5-hv2"),
+        device=device,
+        data_type="float32",
+        ssm_state_mode=mode,
+        mtp_step=mtp_step,
+        max_running_requests=2,
+        chunked_prefill_size=16,
+        max_total_token_num=512,
         disable_cudagraph=not fixed_buffers,
-    )  # fmt: skip
+    )
     engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner", acceptance)
     if fixed_buffers and device == "cpu":
         assert engine.runner.init_decode_graphs(use_graphs=False)

@@ -24,11 +24,23 @@ from lightllm.worker.runner import ModelRunner
 TOKEN_IDS = collections.defaultdict(lambda: 3)
 # Qwen3.5-35B-A3B's widths (vocab cut to keep the test's memory small), two layers: one GDN, one attention
 QWEN35_MOE_WIDTH = TinySizes(
-    hidden_size=2048, num_layers=2, vocab_size=4096, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-    moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
-    full_attention_interval=2, num_mtp_layers=0,
-)  # fmt: skip
+    hidden_size=2048,
+    num_layers=2,
+    vocab_size=4096,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_experts=256,
+    num_experts_per_tok=8,
+    full_attention_interval=2,
+    num_mtp_layers=0,
+)
 
 
 def write_config(path, arch: str, sizes: TinySizes, dtype: str = "float32"):
@@ -41,9 +53,15 @@ def serve_logits(model_dir, monkeypatch, seed: int, prompt: list[int], data_type
     random weights drawn with `seed`); logits [2, V]."""
     monkeypatch.setattr(runner_module, "load_dummy_weights", functools.partial(load_dummy_weights, seed=seed))
     config = RunnerConfig(
-        model_dir=str(model_dir), load_format="dummy", device="cpu", data_type=data_type, max_running_requests=2,
-        max_total_token_num=256, max_req_total_len=64, disable_prefix_cache=True,
-    )  # fmt: skip
+        model_dir=str(model_dir),
+        load_format="dummy",
+        device="cpu",
+        data_type=data_type,
+        max_running_requests=2,
+        max_total_token_num=256,
+        max_req_total_len=64,
+        disable_prefix_cache=True,
+    )
     runner = ModelRunner(config)
     handle = runner.add_request()
     batch = ForwardBatch([handle], [len(prompt)], [0], 1, torch.tensor(prompt), [True])

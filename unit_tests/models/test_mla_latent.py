@@ -14,8 +14,9 @@ from lightllm.models.context import AttentionGroup, StepContext, build_context, 
 from lightllm.models.layers.mla import LatentAttention
 from unit_tests.helpers.asserts import assert_rel_close
 
-CFG = AttentionConfig(kind="mla", num_heads=5, num_kv_heads=5, kv_lora_rank=24, qk_nope_head_dim=12,
-                      qk_rope_head_dim=8, v_head_dim=20)  # fmt: skip
+CFG = AttentionConfig(
+    kind="mla", num_heads=5, num_kv_heads=5, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20
+)
 HIDDEN = 40
 MAX_REQ_LEN = 96
 
@@ -113,8 +114,16 @@ def test_swapped_rows_fail():
     x = torch.randn(ctx.num_tokens, HIDDEN, generator=torch.Generator().manual_seed(9))
     expanded = forward(layer, x, ctx, 0, "torch")
     g = ctx.groups[0]
-    ctx.groups[0] = AttentionGroup(g.token_index, g.valid, g.table, g.table_rows[[1, 0, 2, 3]], g.context_len,
-                                   g.query_start, g.query_len, g.num_cached)  # fmt: skip
+    ctx.groups[0] = AttentionGroup(
+        g.token_index,
+        g.valid,
+        g.table,
+        g.table_rows[[1, 0, 2, 3]],
+        g.context_len,
+        g.query_start,
+        g.query_len,
+        g.num_cached,
+    )
     for backend in ("torch", "triton"):
         latent = forward(layer, x, ctx, 64, backend)
         assert (latent[:2] - expanded[:2]).abs().amax() > 1e-2
@@ -144,8 +153,13 @@ def test_decode_over_fixed_buffers_with_hold_rows():
     )
     x_bucket = torch.cat([x, torch.randn(2 * width, HIDDEN)])
     write_slots = torch.cat([ctx.write_slots, torch.full((2 * width,), kv.hold_slot)])
-    bucket = StepContext(positions=torch.zeros(n * width, dtype=torch.int64), num_prefill_tokens=0,
-                         write_slots=write_slots, groups=[group], kv=kv)  # fmt: skip
+    bucket = StepContext(
+        positions=torch.zeros(n * width, dtype=torch.int64),
+        num_prefill_tokens=0,
+        write_slots=write_slots,
+        groups=[group],
+        kv=kv,
+    )
     for backend in ("torch", "triton"):
         out = forward(layer, x_bucket, bucket, 64, backend)
         real = group.valid[: len(q_lens)].reshape(-1)

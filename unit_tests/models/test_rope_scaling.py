@@ -37,9 +37,14 @@ CASES = {
 
 def raw_config(rope: dict, spelling: str = "rope_scaling") -> dict:
     return {
-        "head_dim": HEAD_DIM, "hidden_size": 256, "num_attention_heads": 4, "partial_rotary_factor": PARTIAL,
-        "rope_theta": THETA, "max_position_embeddings": 32768, spelling: dict(rope),
-    }  # fmt: skip
+        "head_dim": HEAD_DIM,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "partial_rotary_factor": PARTIAL,
+        "rope_theta": THETA,
+        "max_position_embeddings": 32768,
+        spelling: dict(rope),
+    }
 
 
 def transformers_inv_freq(raw: dict) -> tuple[torch.Tensor, float]:

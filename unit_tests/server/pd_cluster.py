@@ -28,9 +28,13 @@ class Master:
 
     def __init__(self, model_dir: str, node_timeout_s: float, queue_timeout_s: float = 5.0, **flags):
         self.args, self.info = load_server_args(
-            [], model_dir=model_dir, run_mode="pd_master", pd_node_timeout_s=node_timeout_s,
-            pd_queue_timeout_s=queue_timeout_s, **flags,
-        )  # fmt: skip
+            [],
+            model_dir=model_dir,
+            run_mode="pd_master",
+            pd_node_timeout_s=node_timeout_s,
+            pd_queue_timeout_s=queue_timeout_s,
+            **flags,
+        )
         self.router, self.socket_dir = start_router(self.args)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))

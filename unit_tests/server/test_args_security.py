@@ -45,9 +45,15 @@ def test_a_normal_server_beyond_loopback_needs_no_pd_secret(monkeypatch):
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("http_header_timeout_s", "0"), ("http_body_timeout_s", "-1"), ("http_keep_alive_s", "0"),
-     ("max_request_json_items", "0"), ("progress_timeout_s", "-1"), ("pd_request_timeout_s", "0")],
-)  # fmt: skip
+    [
+        ("http_header_timeout_s", "0"),
+        ("http_body_timeout_s", "-1"),
+        ("http_keep_alive_s", "0"),
+        ("max_request_json_items", "0"),
+        ("progress_timeout_s", "-1"),
+        ("pd_request_timeout_s", "0"),
+    ],
+)
 def test_deadlines_and_bounds_must_be_positive(flag, value):
     argv = [f"--{flag}", value] + (["--run_mode", "pd_master"] if flag.startswith("pd_") else [])
     with pytest.raises(ValueError, match=flag):

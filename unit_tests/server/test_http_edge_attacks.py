@@ -41,9 +41,15 @@ def server(tmp_path_factory):
     config.update(fake_step_delay_s=0.02)
     (model_dir / "config.json").write_text(json.dumps(config))
     s = LiveServer(
-        model_dir=str(model_dir), device="cpu", max_running_requests=MAX_RUNNING, max_queue_len=MAX_QUEUE,
-        max_total_token_num=2048, api_key=KEY, http_header_timeout_s=TIMEOUT_S, http_body_timeout_s=TIMEOUT_S,
-    )  # fmt: skip
+        model_dir=str(model_dir),
+        device="cpu",
+        max_running_requests=MAX_RUNNING,
+        max_queue_len=MAX_QUEUE,
+        max_total_token_num=2048,
+        api_key=KEY,
+        http_header_timeout_s=TIMEOUT_S,
+        http_body_timeout_s=TIMEOUT_S,
+    )
     yield s
     s.close()
 
@@ -274,7 +280,13 @@ def test_the_schema_states_what_the_server_accepts(server):
     # the prompt's four accepted forms are each a branch of its schema; a form outside them is refused
     kinds = [(b["type"], b.get("items", {}).get("type")) for b in fields["prompt"]["anyOf"]]
     assert kinds == [("string", None), ("array", "string"), ("array", "integer"), ("array", "array")]
-    for prompt, ok in (("hi", True), (["a", "b"], True), ([1, 2], True), ([[1], [2, 3]], True), ([1, "a"], False),
-                       ({"a": 1}, False)):  # fmt: skip
+    for prompt, ok in (
+        ("hi", True),
+        (["a", "b"], True),
+        ([1, 2], True),
+        ([[1], [2, 3]], True),
+        ([1, "a"], False),
+        ({"a": 1}, False),
+    ):
         assert (_complete(server, prompt=prompt, max_tokens=1).status_code == 200) is ok, prompt
     assert [b["type"] for b in fields["stop"]["anyOf"]] == ["string", "array", "null"]

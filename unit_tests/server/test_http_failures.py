@@ -116,8 +116,14 @@ def _num_aborted(server) -> float:
 def test_dead_engine_fails_requests_and_health(server):
     # greedy on a prompt that stays clear of the failure tokens: only the kill may end this request
     prompt = _good_prompt(server, 400)
-    body = {"model": server.model, "prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")

@@ -77,8 +77,18 @@ def test_endpoints_others_can_connect_to_are_accepted(addr):
 
 @pytest.mark.parametrize(
     "addr",
-    ["nonsense", "tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:70000", "tcp://0.0.0.0:5555",
-     "ipc:///tmp/x", "tcp://a b:1", "tcp://127.0.0.1:5555/extra", 5555, "tcp://" + "a" * 300 + ":1"],
-)  # fmt: skip
+    [
+        "nonsense",
+        "tcp://127.0.0.1",
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:70000",
+        "tcp://0.0.0.0:5555",
+        "ipc:///tmp/x",
+        "tcp://a b:1",
+        "tcp://127.0.0.1:5555/extra",
+        5555,
+        "tcp://" + "a" * 300 + ":1",
+    ],
+)
 def test_endpoints_nobody_can_connect_to_are_refused(addr):
     assert endpoint_problem(addr) is not None

@@ -20,8 +20,9 @@ from lightllm.server.pd.header import MODEL_FIELDS, TransferHeader
 from lightllm.server.pd.messages import NodeInput, PdPrefill
 from lightllm.server.pd.router import PdRouter, Registration
 
-HEADER = TransferHeader("f" * 16, "qwen3_5", [3], [0, 1, 2], 2, 4, 16, 16, [[1, 16], [1, 16]], 4, "float32",
-                        "float32", 2)  # fmt: skip
+HEADER = TransferHeader(
+    "f" * 16, "qwen3_5", [3], [0, 1, 2], 2, 4, 16, 16, [[1, 16], [1, 16]], 4, "float32", "float32", 2
+)
 ENCODER = msgspec.msgpack.Encoder()
 SECRET = "router-test-secret"
 # the master's checkpoint, as `header.model_reference` reads it
@@ -52,9 +53,15 @@ class ScriptedNode:
 class Cluster:
     def __init__(self, node_timeout_s: float = 30.0, queue_timeout_s: float = 30.0, request_timeout_s: float = 30.0):
         self.dir = tempfile.mkdtemp(prefix="lightllm-pd-test-")
-        self.router = PdRouter(f"ipc://{os.path.join(self.dir, 'in')}", f"ipc://{os.path.join(self.dir, 'out')}",
-                               node_timeout_s, queue_timeout_s, auth=PdAuth(SECRET), reference=REFERENCE,
-                               request_timeout_s=request_timeout_s)  # fmt: skip
+        self.router = PdRouter(
+            f"ipc://{os.path.join(self.dir, 'in')}",
+            f"ipc://{os.path.join(self.dir, 'out')}",
+            node_timeout_s,
+            queue_timeout_s,
+            auth=PdAuth(SECRET),
+            reference=REFERENCE,
+            request_timeout_s=request_timeout_s,
+        )
         self.router.start()
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.PUSH)

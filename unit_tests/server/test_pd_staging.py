@@ -74,9 +74,14 @@ def test_staged_then_read_tensors_equal_the_originals():
 
 @pytest.mark.parametrize(
     "mode, device, expected",
-    [("auto", "cuda", True), ("auto", "cpu", False), ("host", "cuda", False), ("cuda_ipc", "cuda", True),
-     ("nixl", "cuda", False)],
-)  # fmt: skip
+    [
+        ("auto", "cuda", True),
+        ("auto", "cpu", False),
+        ("host", "cuda", False),
+        ("cuda_ipc", "cuda", True),
+        ("nixl", "cuda", False),
+    ],
+)
 def test_transport_choice(mode, device, expected):
     assert uses_cuda_ipc(mode, device) is expected
 

@@ -24,8 +24,13 @@ from unit_tests.server.live_server import LiveServer
 def test_a_stall_is_reported_once_and_cleared_by_a_token(caplog):
     now = [100.0]
     pending: dict[str, float] = {}
-    dog = ProgressWatchdog(5.0, lambda: pending, lambda: EngineStats(num_steps=41, num_running=1),
-                           CollectorRegistry(), clock=lambda: now[0])  # fmt: skip
+    dog = ProgressWatchdog(
+        5.0,
+        lambda: pending,
+        lambda: EngineStats(num_steps=41, num_running=1),
+        CollectorRegistry(),
+        clock=lambda: now[0],
+    )
     assert dog.problem() is None
     now[0] += 100.0
     # idle for long, then a request: its wait counts from its submission
@@ -53,8 +58,9 @@ def server(tmp_path_factory):
     # each engine step takes longer than the bound: a request in flight sees no token for that long
     config.update(fake_step_delay_s=2.5)
     (model_dir / "config.json").write_text(json.dumps(config))
-    s = LiveServer(model_dir=str(model_dir), device="cpu", max_running_requests=2, max_total_token_num=1024,
-                   progress_timeout_s=1.0)  # fmt: skip
+    s = LiveServer(
+        model_dir=str(model_dir), device="cpu", max_running_requests=2, max_total_token_num=1024, progress_timeout_s=1.0
+    )
     yield s
     s.close()
 

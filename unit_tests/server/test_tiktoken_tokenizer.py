@@ -133,8 +133,17 @@ def test_kimi_pattern_splits_like_the_release():
     # Han runs apart from Latin, cased words whole with their contraction, digits by three, spaces before words
     text = "Hello世界123456 it's HELLOworld ABC  x\n\n"
     assert regex.findall(KIMI_PATTERN, text, regex.V1) == [
-        "Hello", "世界", "123", "456", " it's", " HELLOworld", " ABC", " ", " x", "\n\n",
-    ]  # fmt: skip
+        "Hello",
+        "世界",
+        "123",
+        "456",
+        " it's",
+        " HELLOworld",
+        " ABC",
+        " ",
+        " x",
+        "\n\n",
+    ]
 
 
 @pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))

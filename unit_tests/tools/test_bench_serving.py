@@ -26,9 +26,23 @@ def server():
 def test_random_dataset(server, tmp_path):
     out, plot = tmp_path / "r.json", tmp_path / "r.png"
     s = bench_serving.main(
-        ["--base_url", server.base_url, "--num_prompts", "6", "--max_concurrency", "3", "--input_len", "12",
-         "--output_len", "5", "--result_file", str(out), "--plot", str(plot)]
-    )  # fmt: skip
+        [
+            "--base_url",
+            server.base_url,
+            "--num_prompts",
+            "6",
+            "--max_concurrency",
+            "3",
+            "--input_len",
+            "12",
+            "--output_len",
+            "5",
+            "--result_file",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+    )
     assert s["num_requests"] == 6 and s["num_failed"] == 0
     saved = json.loads(out.read_text())
     assert [r["output_tokens"] for r in saved["requests"]] == [5] * 6
@@ -44,9 +58,25 @@ def test_random_dataset(server, tmp_path):
 def test_multi_turn_dataset_sends_growing_conversations(server, tmp_path):
     out = tmp_path / "m.json"
     s = bench_serving.main(
-        ["--base_url", server.base_url, "--dataset", "multi_turn", "--num_prompts", "2", "--num_turns", "3",
-         "--input_len", "10", "--output_len", "4", "--max_concurrency", "2", "--result_file", str(out)]
-    )  # fmt: skip
+        [
+            "--base_url",
+            server.base_url,
+            "--dataset",
+            "multi_turn",
+            "--num_prompts",
+            "2",
+            "--num_turns",
+            "3",
+            "--input_len",
+            "10",
+            "--output_len",
+            "4",
+            "--max_concurrency",
+            "2",
+            "--result_file",
+            str(out),
+        ]
+    )
     assert s["num_requests"] == 6 and s["num_failed"] == 0
     reqs = sorted(json.loads(out.read_text())["requests"], key=lambda r: r["start_s"])
     # each conversation's turns resend everything before: prompt lengths grow within a conversation

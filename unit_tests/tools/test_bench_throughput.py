@@ -15,9 +15,21 @@ from lightllm.tools import bench_throughput
 def test_bench_throughput_runs_every_mode_and_batch(tmp_path, capsys):
     out = tmp_path / "result.json"
     rows = bench_throughput.main(
-        ["--modes", "native,replay", "--batch_sizes", "1,3", "--input_len", "9", "--output_len", "5",
-         "--device", "cpu", "--result_file", str(out)]
-    )  # fmt: skip
+        [
+            "--modes",
+            "native,replay",
+            "--batch_sizes",
+            "1,3",
+            "--input_len",
+            "9",
+            "--output_len",
+            "5",
+            "--device",
+            "cpu",
+            "--result_file",
+            str(out),
+        ]
+    )
     assert [(r["mode"], r["batch"]) for r in rows] == [("native", 1), ("native", 3), ("replay", 1), ("replay", 3)]
     for r in rows:
         assert r["output_tokens"] == 5 * r["batch"]
@@ -32,9 +44,21 @@ def test_bench_throughput_runs_every_mode_and_batch(tmp_path, capsys):
 
 def test_bench_throughput_with_drafts_reports_acceptance(capsys):
     rows = bench_throughput.main(
-        ["--modes", "compact", "--batch_sizes", "2", "--input_len", "12", "--output_len", "6", "--device", "cpu",
-         "--mtp_step", "2"]
-    )  # fmt: skip
+        [
+            "--modes",
+            "compact",
+            "--batch_sizes",
+            "2",
+            "--input_len",
+            "12",
+            "--output_len",
+            "6",
+            "--device",
+            "cpu",
+            "--mtp_step",
+            "2",
+        ]
+    )
     assert rows[0]["output_tokens"] == 12
     assert rows[0]["mean_accepted_len"] is not None and 1.0 <= rows[0]["mean_accepted_len"] <= 3.0
 
@@ -45,11 +69,25 @@ def test_bench_throughput_simulated_acceptance_sets_the_accepted_length(capsys):
     accept path."""
     full, none = (
         bench_throughput.main(
-            ["--modes", "replay", "--batch_sizes", "2", "--input_len", "10", "--output_len", "10", "--device", "cpu",
-             "--mtp_step", "2", "--simulate_acceptance", p]
+            [
+                "--modes",
+                "replay",
+                "--batch_sizes",
+                "2",
+                "--input_len",
+                "10",
+                "--output_len",
+                "10",
+                "--device",
+                "cpu",
+                "--mtp_step",
+                "2",
+                "--simulate_acceptance",
+                p,
+            ]
         )[0]
         for p in ("1", "0")
-    )  # fmt: skip
+    )
     assert full["output_tokens"] == none["output_tokens"] == 20
     # ten tokens: the prefill's, then three windows of three
     assert full["mean_accepted_len"] == 3.0 and none["mean_accepted_len"] == 1.0

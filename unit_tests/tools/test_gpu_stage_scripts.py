@@ -42,8 +42,12 @@ def test_stage_lists_run_on_their_own_gpus_and_return_one_set_of_files(tmp_path)
     probe = "kernels 60 test/gpu/test_probe.py"
     run = subprocess.run(
         ["bash", "test/gpu/h200_parallel.sh", f"{probe}; {probe}", probe],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     # two stages on GPU 0, one on GPU 1; each stage's output is prefixed with its GPU
     assert sorted((tmp_path / "probe").read_text().split()) == ["0", "0", "1"]
@@ -71,8 +75,9 @@ def test_more_stage_lists_than_gpus_is_refused(tmp_path):
 
 def test_unknown_stage_prints_the_usage(tmp_path):
     repo, env = _scratch_repo(tmp_path, gpus=1)
-    run = subprocess.run(["bash", "test/gpu/h200_stages.sh", "benchmark"], cwd=repo, env=env, capture_output=True,
-                         text=True)  # fmt: skip
+    run = subprocess.run(
+        ["bash", "test/gpu/h200_stages.sh", "benchmark"], cwd=repo, env=env, capture_output=True, text=True
+    )
     assert run.returncode == 2 and "h200_stages.sh kernels" in run.stdout
 
 
@@ -87,8 +92,14 @@ def test_memcheck_stage_runs_the_script_under_compute_sanitizer_without_the_cach
         '#!/bin/sh\necho "sanitizer $PYTORCH_NO_CUDA_MEMORY_CACHING $1 $2 $3 $4"\nshift 4\nexec "$@"\n'
     )
     sanitizer.chmod(0o755)
-    run = subprocess.run(["bash", "test/gpu/h200_stages.sh", "memcheck", "60", "--cases", "conv"], cwd=repo, env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        ["bash", "test/gpu/h200_stages.sh", "memcheck", "60", "--cases", "conv"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "sanitizer 1 --tool memcheck --error-exitcode 1" in run.stdout, run.stdout + run.stderr
     assert "cases ['--cases', 'conv']" in run.stdout and "memcheck exit status 1" in run.stdout
     assert "cases ['--cases', 'conv']" in (tmp_path / "out" / "memcheck.log").read_text()
@@ -102,8 +113,14 @@ def test_startup_stage_returns_its_table_and_every_server_log(tmp_path):
         "open(os.path.join(log_dir, 'start00-native-64.log'), 'w').write('server log')\n"
         "print('| 0 | native | 64 | 1.0 | 3+8 | 0.5 | ok |', sys.argv[1:])\n"
     )
-    run = subprocess.run(["bash", "test/gpu/h200_stages.sh", "startup", "60", "--starts", "2"], cwd=repo, env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        ["bash", "test/gpu/h200_stages.sh", "startup", "60", "--starts", "2"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "| 0 | native | 64 |" in run.stdout and "'--starts', '2'" in run.stdout, run.stdout + run.stderr
     assert "startup exit status 0" in run.stdout
     with tarfile.open(tmp_path / "out" / "startup_logs.tgz") as logs:

@@ -47,8 +47,9 @@ def _script():
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_the_case_list_covers_every_kernel_shape_width_and_mode():
@@ -57,10 +58,25 @@ def test_the_case_list_covers_every_kernel_shape_width_and_mode():
     mk = _script()
     kernels = mk.project_kernels()
     # the kernels the project launches today; a new one must get a case (the list exits 1 without one)
-    assert {"causal_conv_prefill_kernel", "causal_conv_decode_kernel", "serial_verify_kernel", "compact_commit_kernel", "replay_decode_kernel", "replay_window_kernel", "replay_fold_kernel",
-            "replay_accept_kernel", "native_accept_kernel", "paged_attention_kernel", "paged_attention_combine_kernel",
-            "mla_attention_kernel", "moe_softmax_topk_kernel", "moe_sigmoid_topk_kernel", "moe_gate_up_kernel",
-            "moe_down_kernel", "moe_combine_kernel"} <= set(kernels)  # fmt: skip
+    assert {
+        "causal_conv_prefill_kernel",
+        "causal_conv_decode_kernel",
+        "serial_verify_kernel",
+        "compact_commit_kernel",
+        "replay_decode_kernel",
+        "replay_window_kernel",
+        "replay_fold_kernel",
+        "replay_accept_kernel",
+        "native_accept_kernel",
+        "paged_attention_kernel",
+        "paged_attention_combine_kernel",
+        "mla_attention_kernel",
+        "moe_softmax_topk_kernel",
+        "moe_sigmoid_topk_kernel",
+        "moe_gate_up_kernel",
+        "moe_down_kernel",
+        "moe_combine_kernel",
+    } <= set(kernels)
     cases = mk.build_cases()
     for name in kernels:
         for shape in ("qwen3-next", "qwen3.5", "kimi-linear", "tiny-gdn", "tiny-kda"):

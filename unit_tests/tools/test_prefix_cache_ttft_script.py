@@ -19,16 +19,33 @@ SCRIPT = ROOT / "test" / "gpu" / "prefix_cache_ttft.py"
 def _run(tmp_path: Path, *args: str) -> tuple[str, list[dict]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = tmp_path / "rows.json"
-    cmd = [sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--parts", "ttft", "--modes", "native",
-           "--repeats", "1", "--result_file", str(result), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--tiny",
+        "--device",
+        "cpu",
+        "--parts",
+        "ttft",
+        "--modes",
+        "native",
+        "--repeats",
+        "1",
+        "--result_file",
+        str(result),
+        *args,
+    ]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run.stdout, json.loads(result.read_text())
 
 
 def _hit_row(stdout: str) -> re.Match:
-    row = re.search(r"^\| native \| 128\+12 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \| (\d+) \| ([\d.]+) \((\d+)\) \| \d+ \|$",
-                    stdout, re.M)  # fmt: skip
+    row = re.search(
+        r"^\| native \| 128\+12 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \| (\d+) \| ([\d.]+) \((\d+)\) \| \d+ \|$",
+        stdout,
+        re.M,
+    )
     assert row is not None, stdout
     return row
 

@@ -23,8 +23,9 @@ def _run(tmp_path: Path, *args: str, timeout: int = 240) -> subprocess.Completed
 def test_each_start_answers_a_chat_request_and_stops_cleanly(tmp_path):
     run = _run(tmp_path, "--starts", "1", "--modes", "compact+mtp")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = re.findall(r"^\| (\d+) \| compact\+mtp \| (\d+) \| ([\d.]+) \| (\d+)\+(\d+) \| ([\d.]+) \| ok \|$", run.stdout,
-                      re.M)  # fmt: skip
+    rows = re.findall(
+        r"^\| (\d+) \| compact\+mtp \| (\d+) \| ([\d.]+) \| (\d+)\+(\d+) \| ([\d.]+) \| ok \|$", run.stdout, re.M
+    )
     # one start at 64 requests, then the one at 256; each with prompt and completion tokens in its usage
     assert [(r[0], r[1]) for r in rows] == [("0", "64"), ("1", "256")], run.stdout
     assert all(int(r[3]) > 0 and int(r[4]) > 0 for r in rows)

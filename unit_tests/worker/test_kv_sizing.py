@@ -35,13 +35,22 @@ def _rule(free: int, total: int, own: int, **kw) -> int:
 def test_memory_rule_counts_own_reserve_and_fixed_bytes_and_floors():
     # 8 GiB x 0.75 = 6 GiB; 2 GiB held by this process, 1 GiB reserve, 1000 fixed bytes -> 3 GiB - 1000 bytes
     # for 1024-byte tokens
-    tokens = _rule(6 * GIB, 8 * GIB, 2 * GIB, mem_fraction=0.75, bytes_per_token=1024, fixed_bytes=1000,
-                   max_req_total_len=4096)  # fmt: skip
+    tokens = _rule(
+        6 * GIB, 8 * GIB, 2 * GIB, mem_fraction=0.75, bytes_per_token=1024, fixed_bytes=1000, max_req_total_len=4096
+    )
     assert tokens == 3 * 1024 * 1024 - 1  # (3 GiB - 1000) // 1024
     assert ACTIVATION_RESERVE_BYTES == GIB
     # a custom reserve
-    tokens = _rule(6 * GIB, 8 * GIB, 2 * GIB, mem_fraction=0.75, bytes_per_token=1024, fixed_bytes=0,
-                   max_req_total_len=1, reserve_bytes=0)  # fmt: skip
+    tokens = _rule(
+        6 * GIB,
+        8 * GIB,
+        2 * GIB,
+        mem_fraction=0.75,
+        bytes_per_token=1024,
+        fixed_bytes=0,
+        max_req_total_len=1,
+        reserve_bytes=0,
+    )
     assert tokens == 4 * 1024 * 1024
 
 
@@ -72,8 +81,15 @@ def test_memory_rule_accepts_exactly_one_max_length_request():
 
 def test_memory_rule_refuses_when_already_over_budget():
     with pytest.raises(ValueError, match="room for 0 KV tokens"):
-        _rule(7 * GIB, 8 * GIB, 7 * GIB + GIB // 2, mem_fraction=0.9, bytes_per_token=256, fixed_bytes=0,
-              max_req_total_len=1)  # fmt: skip
+        _rule(
+            7 * GIB,
+            8 * GIB,
+            7 * GIB + GIB // 2,
+            mem_fraction=0.9,
+            bytes_per_token=256,
+            fixed_bytes=0,
+            max_req_total_len=1,
+        )
 
 
 class FakeProbe:

@@ -125,10 +125,27 @@ def fp8_block_gemm(
         return out
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     fp8_block_gemm_kernel[grid](
-        a, a_scale, w, w_scale, out, m, n, k,
-        a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
-        BLOCK_N_SCALE=block[0], BM=bm, BN=bn, BK=block[1], GROUP_M=8, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        a,
+        a_scale,
+        w,
+        w_scale,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a_scale.stride(0),
+        w.stride(0),
+        w_scale.stride(0),
+        out.stride(0),
+        BLOCK_N_SCALE=block[0],
+        BM=bm,
+        BN=bn,
+        BK=block[1],
+        GROUP_M=8,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out
 
 

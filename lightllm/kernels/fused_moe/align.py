@@ -149,9 +149,20 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBloc
     moe_align_count_kernel[(num_chunks,)](flat, chunk_counts, num_pairs, num_experts, BP=bp, BE=be, num_warps=warps)
     bb = max(16, ONE_HOT_ELEMENTS // be)
     moe_align_plan_kernel[(1,)](
-        chunk_counts, pad_start, sorted_pairs, block_expert, num_chunks, num_pairs, num_blocks, num_experts,
-        BM=block_m, BE=be, BB=bb, BR=1024, num_warps=8,
-    )  # fmt: skip
+        chunk_counts,
+        pad_start,
+        sorted_pairs,
+        block_expert,
+        num_chunks,
+        num_pairs,
+        num_blocks,
+        num_experts,
+        BM=block_m,
+        BE=be,
+        BB=bb,
+        BR=1024,
+        num_warps=8,
+    )
     moe_align_scatter_kernel[(num_chunks,)](
         flat, chunk_counts, pad_start, sorted_pairs, num_pairs, num_experts, BP=bp, BE=be, num_warps=warps
     )

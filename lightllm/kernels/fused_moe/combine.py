@@ -71,8 +71,19 @@ def combine(
     bn = min(512, triton.next_power_of_2(hidden))
     bt = 2048 // bn
     moe_combine_kernel[(triton.cdiv(num_tokens, bt), triton.cdiv(hidden, bn))](
-        pair_out, shared, gate_logit, out, num_tokens, hidden, pair_out.stride(0),
-        0 if shared is None else shared.stride(0), 0 if gate_logit is None else gate_logit.stride(0), out.stride(0),
-        TOP_K=top_k, BT=bt, BN=bn, num_warps=4,
-    )  # fmt: skip
+        pair_out,
+        shared,
+        gate_logit,
+        out,
+        num_tokens,
+        hidden,
+        pair_out.stride(0),
+        0 if shared is None else shared.stride(0),
+        0 if gate_logit is None else gate_logit.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BT=bt,
+        BN=bn,
+        num_warps=4,
+    )
     return out

@@ -67,11 +67,17 @@ def fused_experts(
     for start in range(0, num_tokens, MAX_CHUNK_TOKENS):
         rows = slice(start, min(start + MAX_CHUNK_TOKENS, num_tokens))
         _experts_chunk(
-            x[rows], gate_up, down, weights[rows], ids[rows],
+            x[rows],
+            gate_up,
+            down,
+            weights[rows],
+            ids[rows],
             None if shared is None else shared[rows],
             None if shared_gate_logit is None else shared_gate_logit[rows],
-            config, (gate_up_scale, down_scale, block) if fp8 else None, out[rows],
-        )  # fmt: skip
+            config,
+            (gate_up_scale, down_scale, block) if fp8 else None,
+            out[rows],
+        )
     return out
 
 

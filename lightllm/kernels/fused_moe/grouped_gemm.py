@@ -205,11 +205,29 @@ def gate_up_swiglu(
     scale_args, flags, block_k = _fp8_args(x_scale, w_scale, block, tile, x)
     grid = (blocks.num_blocks, triton.cdiv(inter, tile["BLOCK_N"]))
     moe_gate_up_kernel[grid](
-        x, gate_up, act, blocks.sorted_pairs, blocks.block_expert, blocks.num_pairs, num_experts, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), *scale_args,
-        TOP_K=top_k, BM=blocks.block_m, BN=tile["BLOCK_N"], BK=block_k, DOT_PRECISION=_precision(x),
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **flags,
-    )  # fmt: skip
+        x,
+        gate_up,
+        act,
+        blocks.sorted_pairs,
+        blocks.block_expert,
+        blocks.num_pairs,
+        num_experts,
+        hidden,
+        inter,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        act.stride(0),
+        *scale_args,
+        TOP_K=top_k,
+        BM=blocks.block_m,
+        BN=tile["BLOCK_N"],
+        BK=block_k,
+        DOT_PRECISION=_precision(x),
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
+        **flags,
+    )
     return act
 
 
@@ -231,9 +249,28 @@ def down_weighted(
     scale_args, flags, block_k = _fp8_args(act_scale, w_scale, block, tile, act)
     grid = (blocks.num_blocks, triton.cdiv(hidden, tile["BLOCK_N"]))
     moe_down_kernel[grid](
-        act, down, weights, pair_out, blocks.sorted_pairs, blocks.block_expert, blocks.num_pairs, num_experts,
-        hidden, inter, act.stride(0), down.stride(0), down.stride(1), pair_out.stride(0), *scale_args,
-        TOP_K=top_k, BM=blocks.block_m, BN=tile["BLOCK_N"], BK=block_k, DOT_PRECISION=_precision(act),
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **flags,
-    )  # fmt: skip
+        act,
+        down,
+        weights,
+        pair_out,
+        blocks.sorted_pairs,
+        blocks.block_expert,
+        blocks.num_pairs,
+        num_experts,
+        hidden,
+        inter,
+        act.stride(0),
+        down.stride(0),
+        down.stride(1),
+        pair_out.stride(0),
+        *scale_args,
+        TOP_K=top_k,
+        BM=blocks.block_m,
+        BN=tile["BLOCK_N"],
+        BK=block_k,
+        DOT_PRECISION=_precision(act),
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
+        **flags,
+    )
     return pair_out

@@ -153,10 +153,19 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     num_experts = logits.shape[1]
     num_tokens, bt = logits.shape[0], TOKENS_PER_PROGRAM
     moe_softmax_topk_kernel[(triton.cdiv(num_tokens, bt),)](
-        logits, weights, ids, logits.stride(0), num_tokens, num_experts,
-        TOP_K=top_k, BT=bt, BE=triton.next_power_of_2(num_experts), BKP=triton.next_power_of_2(top_k), NORM=renormalize,
+        logits,
+        weights,
+        ids,
+        logits.stride(0),
+        num_tokens,
+        num_experts,
+        TOP_K=top_k,
+        BT=bt,
+        BE=triton.next_power_of_2(num_experts),
+        BKP=triton.next_power_of_2(top_k),
+        NORM=renormalize,
         num_warps=4 if num_experts >= 256 else 1,
-    )  # fmt: skip
+    )
     return weights, ids
 
 
@@ -181,9 +190,22 @@ def sigmoid_topk(
         return weights, ids
     num_tokens, bt = logits.shape[0], TOKENS_PER_PROGRAM
     moe_sigmoid_topk_kernel[(triton.cdiv(num_tokens, bt),)](
-        logits, bias, weights, ids, logits.stride(0), num_tokens, num_experts, float(scaling),
-        TOP_K=top_k, BT=bt, BE=triton.next_power_of_2(num_experts), BKP=triton.next_power_of_2(top_k), NORM=renormalize,
-        NUM_GROUPS=num_groups, TOPK_GROUPS=topk_groups, BG=triton.next_power_of_2(num_groups),
+        logits,
+        bias,
+        weights,
+        ids,
+        logits.stride(0),
+        num_tokens,
+        num_experts,
+        float(scaling),
+        TOP_K=top_k,
+        BT=bt,
+        BE=triton.next_power_of_2(num_experts),
+        BKP=triton.next_power_of_2(top_k),
+        NORM=renormalize,
+        NUM_GROUPS=num_groups,
+        TOPK_GROUPS=topk_groups,
+        BG=triton.next_power_of_2(num_groups),
         num_warps=4 if num_experts >= 256 else 1,
-    )  # fmt: skip
+    )
     return weights, ids

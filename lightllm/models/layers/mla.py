@@ -128,9 +128,20 @@ class LatentAttention(nn.Module):
         q_lat = torch.cat([q_lat.transpose(0, 1), qg[..., c.qk_nope_head_dim :]], dim=-1).to(pool.dtype)
         o_lat = q_lat.new_zeros(n * wq, h, c.kv_lora_rank)
         query_start = torch.arange(0, n * wq, wq, dtype=torch.int32, device=q.device)
-        mla_attention(q_lat, pool, g.table, query_start, g.query_len, g.num_cached, c.qk_head_dim**-0.5, wq, o_lat,
-                      table_rows=g.table_rows, max_context_len=g.context_len,
-                      backend=self.attention_backend)  # fmt: skip
+        mla_attention(
+            q_lat,
+            pool,
+            g.table,
+            query_start,
+            g.query_len,
+            g.num_cached,
+            c.qk_head_dim**-0.5,
+            wq,
+            o_lat,
+            table_rows=g.table_rows,
+            max_context_len=g.context_len,
+            backend=self.attention_backend,
+        )
         og = torch.bmm(o_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)  # [n * Wq, h, v]
         # adding zeros is exact in any order, so the atomic scatter-add is deterministic here (and graph-safe)
         index = g.token_index.reshape(-1, 1).expand(-1, h * c.v_head_dim)

@@ -187,7 +187,16 @@ class MoE(nn.Module):
         if act_dtype is None:
             return 0
         return warmup_fused_moe(
-            self.gate_up.weight, self.down.weight, c.top_k, max_tokens, c.scoring, c.num_groups, c.topk_groups,
-            act_dtype=act_dtype, gate_up_scale=self.gate_up.weight_scale_inv,
-            down_scale=self.down.weight_scale_inv, block=self.gate_up.block, **common,
-        )  # fmt: skip
+            self.gate_up.weight,
+            self.down.weight,
+            c.top_k,
+            max_tokens,
+            c.scoring,
+            c.num_groups,
+            c.topk_groups,
+            act_dtype=act_dtype,
+            gate_up_scale=self.gate_up.weight_scale_inv,
+            down_scale=self.down.weight_scale_inv,
+            block=self.gate_up.block,
+            **common,
+        )

@@ -56,8 +56,9 @@ class HeadDeadlineProtocol(H11Protocol):
     def _head_timed_out(self) -> None:
         self._head_deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.logger.warning("closing a connection from %s: no complete request head within %g s",
-                                self.client, self.head_timeout_s)  # fmt: skip
+            self.logger.warning(
+                "closing a connection from %s: no complete request head within %g s", self.client, self.head_timeout_s
+            )
             self.transport.close()
 
 

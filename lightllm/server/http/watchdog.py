@@ -36,9 +36,10 @@ class ProgressWatchdog:
         stats. A `timeout_s` of 0 turns the watchdog off."""
         self.timeout_s, self._in_flight, self._stats, self._clock = timeout_s, in_flight, stats, clock
         self.stalls = Counter(
-            "lightllm_progress_stalls", "times sequences were in flight with no token for --progress_timeout_s",
+            "lightllm_progress_stalls",
+            "times sequences were in flight with no token for --progress_timeout_s",
             registry=registry,
-        )  # fmt: skip
+        )
         self._last_token = clock()
         self._stalled = False
 
@@ -70,7 +71,11 @@ class ProgressWatchdog:
             logger.error(
                 "no progress for %.0f s with %d sequences in flight (oldest: %s); the engine's last report: step %d, "
                 "%d running, %d waiting",
-                silent_s, len(pending), ", ".join(f"{r} ({now - pending[r]:.0f} s)" for r in oldest),
-                stats.num_steps, stats.num_running, stats.num_waiting,
-            )  # fmt: skip
+                silent_s,
+                len(pending),
+                ", ".join(f"{r} ({now - pending[r]:.0f} s)" for r in oldest),
+                stats.num_steps,
+                stats.num_running,
+                stats.num_waiting,
+            )
         return f"no token produced for {silent_s:.0f} s with {len(pending)} sequences in flight"

@@ -259,8 +259,9 @@ class PdRouter(EngineEndpoint):
                 pull.connect(reg.outbox)
             except zmq.ZMQError as exc:
                 # validated at registration; a name that does not resolve still lands here
-                logger.error("%s node %s: cannot connect to %s / %s: %s", reg.role, reg.node_id, reg.inbox,
-                             reg.outbox, exc)  # fmt: skip
+                logger.error(
+                    "%s node %s: cannot connect to %s / %s: %s", reg.role, reg.node_id, reg.inbox, reg.outbox, exc
+                )
                 push.close(linger=0)
                 pull.close(linger=0)
                 self._forget(reg.node_id)
@@ -339,8 +340,13 @@ class PdRouter(EngineEndpoint):
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.num_dropped_frames += 1
             if self.num_dropped_frames <= LOG_FIRST or self.num_dropped_frames % LOG_EVERY == 0:
-                logger.warning("dropped a frame from %s node %s (%d so far): %s", node.reg.role, node.reg.node_id,
-                               self.num_dropped_frames, exc)  # fmt: skip
+                logger.warning(
+                    "dropped a frame from %s node %s (%d so far): %s",
+                    node.reg.role,
+                    node.reg.node_id,
+                    self.num_dropped_frames,
+                    exc,
+                )
             return []
         return self._on_node(node, outputs)
 
@@ -386,8 +392,11 @@ class PdRouter(EngineEndpoint):
         for node in [n for n in self._nodes.values() if now - n.last_seen > self.node_timeout_s]:
             logger.error(
                 "%s node %s silent for %.1f s: dropping it and failing its %d requests",
-                node.reg.role, node.reg.node_id, now - node.last_seen, len(node.req_ids),
-            )  # fmt: skip
+                node.reg.role,
+                node.reg.node_id,
+                now - node.last_seen,
+                len(node.req_ids),
+            )
             with self._lock:
                 del self._nodes[node.reg.node_id]
             self._forget(node.reg.node_id)
@@ -408,8 +417,13 @@ class PdRouter(EngineEndpoint):
         out: list[EngineOutput] = []
         for req_id in stalled:
             route = self._finish_route(req_id)
-            logger.error("request %s: no output from %s / %s for %.0f s; failing it", req_id, route.prefill,
-                         route.decode, now - route.last_output)  # fmt: skip
+            logger.error(
+                "request %s: no output from %s / %s for %.0f s; failing it",
+                req_id,
+                route.prefill,
+                route.decode,
+                now - route.last_output,
+            )
             for node_id in (route.prefill, route.decode):
                 self._send(node_id, Abort(req_id))
             error = f"no output from the prefill/decode nodes for {self.request_timeout_s:g} s; retry later"

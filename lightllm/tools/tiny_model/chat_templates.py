@@ -25,7 +25,8 @@ _QWEN_TOOL_RESULT = (
 )
 _QWEN3_JSON_CALLS = (
     "{%- for tc in message['tool_calls'] or [] -%}{%- set call = tc['function'] -%}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' -}}" + _ARGS_JSON
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' -}}"
+    + _ARGS_JSON
     + "{{- '}\\n</tool_call>' -}}{%- endfor -%}"
 )
 _QWEN3_XML_CALLS = (
@@ -76,7 +77,8 @@ KIMI = (
     + _CONTENT
     + "{%- if message['tool_calls'] -%}{{- '<|tool_calls_section_begin|>' -}}"
     "{%- for tc in message['tool_calls'] -%}{%- set call = tc['function'] -%}"
-    "{{- '<|tool_call_begin|>' + tc['id'] + '<|tool_call_argument_begin|>' -}}" + _ARGS_JSON
+    "{{- '<|tool_call_begin|>' + tc['id'] + '<|tool_call_argument_begin|>' -}}"
+    + _ARGS_JSON
     + "{{- '<|tool_call_end|>' -}}{%- endfor -%}{{- '<|tool_calls_section_end|>' -}}{%- endif -%}"
     "{{- '<|im_end|>' -}}"
     "{%- endfor -%}"

@@ -29,10 +29,16 @@ def fp8_experts(num_experts, hidden, inter, seed):
 
 def run_fused(x, gate_up: Fp8Weight, down: Fp8Weight, weights, ids, gate_up_scale=None):
     return fused_experts(
-        x, gate_up.weight, down.weight, weights, ids, config=SMALL, block=BLOCK,
+        x,
+        gate_up.weight,
+        down.weight,
+        weights,
+        ids,
+        config=SMALL,
+        block=BLOCK,
         gate_up_scale=gate_up.weight_scale_inv if gate_up_scale is None else gate_up_scale,
         down_scale=down.weight_scale_inv,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k", CASES, ids=["T1", "T29", "T70"])

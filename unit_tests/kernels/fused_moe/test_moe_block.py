@@ -15,9 +15,16 @@ from unit_tests.helpers.asserts import assert_rel_close, relative_error
 
 QWEN = MoEConfig("softmax", 10, 3, 24, shared_intermediate_size=20, shared_expert_gate=True)
 KIMI = MoEConfig(
-    "sigmoid", 12, 4, 16, shared_intermediate_size=32, routed_scaling_factor=2.5, num_groups=4, topk_groups=2,
+    "sigmoid",
+    12,
+    4,
+    16,
+    shared_intermediate_size=32,
+    routed_scaling_factor=2.5,
+    num_groups=4,
+    topk_groups=2,
     score_correction_bias=True,
-)  # fmt: skip
+)
 HIDDEN = 40
 
 

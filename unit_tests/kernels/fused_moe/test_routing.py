@@ -54,9 +54,16 @@ def test_sigmoid_topk_matches_route_sigmoid(num_tokens, num_experts, top_k, grou
     logits = _logits(num_tokens, num_experts, seed=num_tokens + 1)
     bias = torch.randn(num_experts, generator=torch.Generator().manual_seed(9)) * 0.3
     cfg = MoEConfig(
-        "sigmoid", num_experts, top_k, 8, norm_topk_prob=norm, routed_scaling_factor=scaling,
-        num_groups=groups, topk_groups=top_groups, score_correction_bias=True,
-    )  # fmt: skip
+        "sigmoid",
+        num_experts,
+        top_k,
+        8,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scaling,
+        num_groups=groups,
+        topk_groups=top_groups,
+        score_correction_bias=True,
+    )
     weights, ids = sigmoid_topk(logits, bias, top_k, norm, scaling, groups, top_groups)
     ref_w, ref_ids = route_sigmoid(logits, bias, cfg)
     assert torch.equal(ids.long(), ref_ids)

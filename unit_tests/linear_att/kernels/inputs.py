@@ -52,8 +52,9 @@ class Window:
     braw: torch.Tensor
 
     def tokens(self, params: Params, lower_bound: float | None = None) -> TokenInputs:
-        return TokenInputs(self.q, self.k, self.v, self.graw, self.braw, params.A_log, params.dt_bias,
-                           lower_bound=lower_bound)  # fmt: skip
+        return TokenInputs(
+            self.q, self.k, self.v, self.graw, self.braw, params.A_log, params.dt_bias, lower_bound=lower_bound
+        )
 
 
 @dataclass

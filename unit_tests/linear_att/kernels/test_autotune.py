@@ -17,16 +17,41 @@ from lightllm.linear_att.registry import ALGORITHMS
 
 
 def _key(family="serial", width=4, replay_capacity=0, projection="", state_dtype=torch.float32, gpu="NVIDIA H200"):
-    return TuneKey(family, gpu, "3.6.0", autotune.dtype_name(state_dtype), "bfloat16", 16, 32, 128, 128, 1, width,
-                   replay_capacity, projection)  # fmt: skip
+    return TuneKey(
+        family,
+        gpu,
+        "3.6.0",
+        autotune.dtype_name(state_dtype),
+        "bfloat16",
+        16,
+        32,
+        128,
+        128,
+        1,
+        width,
+        replay_capacity,
+        projection,
+    )
 
 
 def test_key_string_round_trip_names_every_field():
     key = _key("replay", 4, 16, "precompute")
     text = key.to_str()
-    for part in ("family=replay", "gpu=NVIDIA H200", "triton=3.6.0", "state_dtype=float32", "act_dtype=bfloat16",
-                 "num_k_heads=16", "num_v_heads=32", "head_k_dim=128", "head_v_dim=128", "gate_dim=1", "width=4",
-                 "replay_capacity=16", "projection=precompute"):  # fmt: skip
+    for part in (
+        "family=replay",
+        "gpu=NVIDIA H200",
+        "triton=3.6.0",
+        "state_dtype=float32",
+        "act_dtype=bfloat16",
+        "num_k_heads=16",
+        "num_v_heads=32",
+        "head_k_dim=128",
+        "head_v_dim=128",
+        "gate_dim=1",
+        "width=4",
+        "replay_capacity=16",
+        "projection=precompute",
+    ):
         assert part in text
     assert TuneKey.from_str(text) == key
 
@@ -139,14 +164,18 @@ def test_candidates_respect_tensor_core_minimum():
 def test_tune_plumbing_on_the_interpreter(tmp_path):
     """The search runs every family on scratch buffers and returns one entry per key (one candidate here)."""
     case = tuning.TuneCase("gdn", 1, 2, 16, 16, torch.float32, torch.float32, width=2, replay_capacity=4)
-    table, extra = tuning.tune([case], num_rows=2, device="cpu", log=lambda _: None,
-                                 configs=[KernelConfig(16, 1, 1)])  # fmt: skip
+    table, extra = tuning.tune([case], num_rows=2, device="cpu", log=lambda _: None, configs=[KernelConfig(16, 1, 1)])
     families = sorted(TuneKey.from_str(k).family + TuneKey.from_str(k).projection for k in table.entries)
     assert families == ["compact", "replay_fold", "replayinline", "replayprecompute", "serial"]
     assert all(info["us"] > 0 for info in extra.values())
     # compact mode verifies windows of 2 or more: a W = 1 case has no compact entry
-    plain, _ = tuning.tune([dataclasses.replace(case, width=1)], num_rows=2, device="cpu", log=lambda _: None,
-                           configs=[KernelConfig(16, 1, 1)])  # fmt: skip
+    plain, _ = tuning.tune(
+        [dataclasses.replace(case, width=1)],
+        num_rows=2,
+        device="cpu",
+        log=lambda _: None,
+        configs=[KernelConfig(16, 1, 1)],
+    )
     assert "compact" not in {TuneKey.from_str(k).family for k in plain.entries} and plain.entries
     table.save(tmp_path / "t.json", extra)
     assert ConfigTable.load(tmp_path / "t.json").entries == table.entries
@@ -222,9 +251,18 @@ def test_sweep_times_and_keys_entries_by_the_state_dtype_it_ran(state_dtype):
     cpu = torch.device("cpu")
     config = KernelConfig(8, 1, 1)
     key, times = sweep.sweep_cell(
-        bench.TINY["tiny-gdn"], 2, 2, "replay", [config], 4, cpu, bench.Timer(cpu, reps=1), lambda _: None,
-        "inline", state_dtype,
-    )  # fmt: skip
+        bench.TINY["tiny-gdn"],
+        2,
+        2,
+        "replay",
+        [config],
+        4,
+        cpu,
+        bench.Timer(cpu, reps=1),
+        lambda _: None,
+        "inline",
+        state_dtype,
+    )
     assert key.state_dtype == autotune.dtype_name(state_dtype)
     assert (key.family, key.width, key.replay_capacity, key.projection, key.gpu) == ("replay", 2, 4, "inline", "cpu")
     assert list(times) == [config] and times[config] > 0
@@ -245,9 +283,18 @@ def test_sweep_times_every_config_of_a_family(family):
     configs = [KernelConfig(8, 1, 1), KernelConfig(16, 2, 1)]
     errors = []
     key, times = sweep.sweep_cell(
-        bench.TINY["tiny-kda"], 2, 2, family, configs, 4, cpu, bench.Timer(cpu, reps=1), errors.append,
-        "inline", torch.float32,
-    )  # fmt: skip
+        bench.TINY["tiny-kda"],
+        2,
+        2,
+        family,
+        configs,
+        4,
+        cpu,
+        bench.Timer(cpu, reps=1),
+        errors.append,
+        "inline",
+        torch.float32,
+    )
     assert key.family == family and key.width == 2
     assert [line for line in errors if "Error" in line] == []
     assert list(times) == configs and all(t > 0 for t in times.values())

@@ -39,8 +39,9 @@ def test_unit_lower_inverse_and_small_matmul_match_torch(R):
 
 
 @triton.jit
-def _stacked_product_kernel(a_ptr, b_ptr, s_ptr, ya_ptr, yb_ptr, R: tl.constexpr, K: tl.constexpr, X: tl.constexpr,
-                            PAD: tl.constexpr):  # fmt: skip
+def _stacked_product_kernel(
+    a_ptr, b_ptr, s_ptr, ya_ptr, yb_ptr, R: tl.constexpr, K: tl.constexpr, X: tl.constexpr, PAD: tl.constexpr
+):
     o_r = tl.arange(0, R)
     o_k = tl.arange(0, K)
     o_x = tl.arange(0, X)

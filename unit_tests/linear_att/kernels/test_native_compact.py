@@ -117,12 +117,14 @@ def test_compact_equals_native_bitwise(shape, max_width, state_dtype, act_dtype,
             w = make_window(shape, len(SLOTS), max_width, act_dtype, gen)
             tokens = w.tokens(params[layer], shape.lower_bound)
             start = native[layer, torch.arange(NUM_SLOTS), ssm_index.long()].clone()
-            o_native = native_verify_triton(tokens, NativeBuffers(native[layer], ssm_index), slots, widths,
-                                            config=TILED)  # fmt: skip
+            o_native = native_verify_triton(
+                tokens, NativeBuffers(native[layer], ssm_index), slots, widths, config=TILED
+            )
             layer_win = tuple(t[layer] for t in win)
             read_before = [t[layer][torch.arange(NUM_SLOTS), parity.long()].clone() for t in win]
-            o = compact_verify_triton(tokens, CompactBuffers(ssm[layer], *layer_win, pending, parity), slots, widths,
-                                      config=TILED)  # fmt: skip
+            o = compact_verify_triton(
+                tokens, CompactBuffers(ssm[layer], *layer_win, pending, parity), slots, widths, config=TILED
+            )
             twin_state = CompactBuffers(ssm_twin[layer], *(t[layer] for t in win_twin), pending_twin, parity_twin)
             o_twin = twin.compact_verify(tokens, twin_state, slots, widths)
             assert torch.equal(o, o_native), f"round {rnd}: compact verify outputs differ from native"
@@ -191,8 +193,9 @@ def test_each_mode_launches_with_its_own_tuned_family(monkeypatch):
     monkeypatch.setattr(serial, "serial_config", spy)
     shape, max_width = SHAPES[1], 2
     gen = torch.Generator().manual_seed(3)
-    tokens = make_window(shape, len(SLOTS), max_width, torch.float32, gen).tokens(make_params(shape, gen),
-                                                                                     shape.lower_bound)  # fmt: skip
+    tokens = make_window(shape, len(SLOTS), max_width, torch.float32, gen).tokens(
+        make_params(shape, gen), shape.lower_bound
+    )
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     widths = torch.tensor(_widths(max_width), dtype=torch.int32)
     ssm, ssm_index = _native_state(shape, max_width, torch.float32, gen)

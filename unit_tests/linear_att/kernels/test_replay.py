@@ -64,8 +64,9 @@ class ReplayBuffers:
 
 def _verify(buf: ReplayBuffers, shape, params, win, widths, projection, config=TILED):
     slots = torch.tensor(SLOTS, dtype=torch.int32)
-    return replay_verify_triton(win.tokens(params, shape.lower_bound), buf.bundle(), slots, widths,
-                                projection=projection, config=config)  # fmt: skip
+    return replay_verify_triton(
+        win.tokens(params, shape.lower_bound), buf.bundle(), slots, widths, projection=projection, config=config
+    )
 
 
 def _twin_verify(buf: ReplayBuffers, shape, params, win, widths):
@@ -149,10 +150,12 @@ def test_replay_rounds_match_twin_and_reference(
         assert torch.equal(buf.ssm[SLOTS[1]], ssm_before[SLOTS[1]]), "the padding row wrote its state"
 
         a_t = torch.tensor(accepted, dtype=torch.int32)
-        replay_accept_triton(buf.cursor, buf.parity, buf.conv_offset, torch.tensor(SLOTS, dtype=torch.int32), w_t,
-                             a_t, replay_capacity)  # fmt: skip
-        twin.replay_accept(ref.cursor, ref.parity, ref.conv_offset, torch.tensor(SLOTS, dtype=torch.int32), w_t, a_t,
-                           replay_capacity)  # fmt: skip
+        replay_accept_triton(
+            buf.cursor, buf.parity, buf.conv_offset, torch.tensor(SLOTS, dtype=torch.int32), w_t, a_t, replay_capacity
+        )
+        twin.replay_accept(
+            ref.cursor, ref.parity, ref.conv_offset, torch.tensor(SLOTS, dtype=torch.int32), w_t, a_t, replay_capacity
+        )
         assert torch.equal(buf.cursor, ref.cursor) and torch.equal(buf.parity, ref.parity)
         assert torch.equal(buf.conv_offset, ref.conv_offset)
         for slot in SLOTS:

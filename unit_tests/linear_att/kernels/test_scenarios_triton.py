@@ -10,8 +10,9 @@ from unit_tests.linear_att import scenarios as sc
 
 
 def _run(algo, mode, *, ratio=2, lower_bound=None, replay_capacity=4, num_rounds=10, seed=0):
-    spec = sc.make_spec(algo, num_k_heads=1, ratio=ratio, head_k_dim=16, head_v_dim=16, num_layers=1,
-                        lower_bound=lower_bound)  # fmt: skip
+    spec = sc.make_spec(
+        algo, num_k_heads=1, ratio=ratio, head_k_dim=16, head_v_dim=16, num_layers=1, lower_bound=lower_bound
+    )
     params = sc.make_params(spec, seed=seed)
     streams = sc.make_streams(spec, 2, 80, seed=seed + 1)
     st = sc.make_state(spec, mode, max_requests=2, max_width=2, replay_capacity=replay_capacity, backend="triton")

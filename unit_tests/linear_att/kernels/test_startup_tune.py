@@ -25,8 +25,9 @@ def fresh_kda():
 
 
 def _native_state(lower_bound=None, backend="triton"):
-    spec = sc.make_spec("kda", num_k_heads=1, ratio=2, head_k_dim=16, head_v_dim=16, num_layers=1,
-                        lower_bound=lower_bound)  # fmt: skip
+    spec = sc.make_spec(
+        "kda", num_k_heads=1, ratio=2, head_k_dim=16, head_v_dim=16, num_layers=1, lower_bound=lower_bound
+    )
     return sc.make_state(spec, "native", max_requests=2, max_width=2, backend=backend), spec
 
 
@@ -34,8 +35,9 @@ def test_missing_shape_is_tuned_on_scratch_cached_and_read_back(tmp_path, fresh_
     state, spec = _native_state()
     before = {name: t.clone() for name, t in sc.state_tensors(state).items()}
     algo = fresh_kda()
-    tuned = startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, num_rows=2,
-                                            configs=ONE_CONFIG, algorithm=algo)  # fmt: skip
+    tuned = startup_tune.tune_serving_shape(
+        state, spec, cache_dir=tmp_path, progress=False, num_rows=2, configs=ONE_CONFIG, algorithm=algo
+    )
     key = autotune.make_key("serial", "cpu", torch.float32, torch.float32, 1, 2, 16, 16, 16, 2)
     assert tuned == [key]
     assert algo.lookup(key) == ONE_CONFIG[0]
@@ -60,11 +62,13 @@ def test_missing_shape_is_tuned_on_scratch_cached_and_read_back(tmp_path, fresh_
 def test_the_gate_lower_bound_is_part_of_the_key(tmp_path, fresh_kda):
     state, spec = _native_state()
     algo = fresh_kda()
-    startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, num_rows=2, configs=ONE_CONFIG,
-                                    algorithm=algo)  # fmt: skip
+    startup_tune.tune_serving_shape(
+        state, spec, cache_dir=tmp_path, progress=False, num_rows=2, configs=ONE_CONFIG, algorithm=algo
+    )
     bounded, bounded_spec = _native_state(lower_bound=-5.0)
-    tuned = startup_tune.tune_serving_shape(bounded, bounded_spec, cache_dir=tmp_path, progress=False, num_rows=2,
-                                            configs=ONE_CONFIG, algorithm=algo)  # fmt: skip
+    tuned = startup_tune.tune_serving_shape(
+        bounded, bounded_spec, cache_dir=tmp_path, progress=False, num_rows=2, configs=ONE_CONFIG, algorithm=algo
+    )
     assert len(tuned) == 1 and tuned[0].lower_bound == "-5.0", "the bounded gate reused the softplus gate's entry"
     assert len(ConfigTable.load(startup_tune.cache_path(tmp_path, "cpu")).entries) == 2
 
@@ -101,8 +105,9 @@ def test_an_unreadable_cache_is_ignored_and_rewritten(tmp_path, fresh_kda):
     path = startup_tune.cache_path(tmp_path, "cpu")
     path.write_text("{ not json")
     state, spec = _native_state()
-    tuned = startup_tune.tune_serving_shape(state, spec, cache_dir=tmp_path, progress=False, num_rows=2,
-                                            configs=ONE_CONFIG, algorithm=fresh_kda())  # fmt: skip
+    tuned = startup_tune.tune_serving_shape(
+        state, spec, cache_dir=tmp_path, progress=False, num_rows=2, configs=ONE_CONFIG, algorithm=fresh_kda()
+    )
     assert len(tuned) == 1 and ConfigTable.load(path).get(tuned[0]) == ONE_CONFIG[0]
     assert [p.name for p in tmp_path.iterdir()] == [path.name], "a temporary file was left behind"
 
@@ -114,16 +119,23 @@ def test_compact_tunes_its_own_kernel_unless_natives_tile_is_held(tmp_path, fres
     spec = sc.make_spec("kda", num_k_heads=1, ratio=2, head_k_dim=16, head_v_dim=16, num_layers=1)
     compact = sc.make_state(spec, "compact", max_requests=2, max_width=2, backend="triton")
     algo = fresh_kda()
-    tuned = startup_tune.tune_serving_shape(compact, spec, cache_dir=tmp_path / "a", progress=False, num_rows=2,
-                                            configs=ONE_CONFIG, algorithm=algo)  # fmt: skip
+    tuned = startup_tune.tune_serving_shape(
+        compact, spec, cache_dir=tmp_path / "a", progress=False, num_rows=2, configs=ONE_CONFIG, algorithm=algo
+    )
     assert [k.family for k in tuned] == ["compact"] and algo.table.get(tuned[0]) == ONE_CONFIG[0]
     native, _ = _native_state()
-    tuned_native = startup_tune.tune_serving_shape(native, spec, cache_dir=tmp_path / "a", progress=False,
-                                                   num_rows=2, configs=ONE_CONFIG, algorithm=algo)  # fmt: skip
+    tuned_native = startup_tune.tune_serving_shape(
+        native, spec, cache_dir=tmp_path / "a", progress=False, num_rows=2, configs=ONE_CONFIG, algorithm=algo
+    )
     assert [k.family for k in tuned_native] == ["serial"], "compact's entry stood in for native's"
 
     algo = fresh_kda()
-    startup_tune.tune_serving_shape(native, spec, cache_dir=tmp_path / "b", progress=False, num_rows=2,
-                                    configs=ONE_CONFIG, algorithm=algo)  # fmt: skip
-    assert startup_tune.tune_serving_shape(compact, spec, cache_dir=tmp_path / "b", progress=False, num_rows=2,
-                                           configs=ONE_CONFIG, algorithm=algo) == []  # fmt: skip
+    startup_tune.tune_serving_shape(
+        native, spec, cache_dir=tmp_path / "b", progress=False, num_rows=2, configs=ONE_CONFIG, algorithm=algo
+    )
+    assert (
+        startup_tune.tune_serving_shape(
+            compact, spec, cache_dir=tmp_path / "b", progress=False, num_rows=2, configs=ONE_CONFIG, algorithm=algo
+        )
+        == []
+    )
