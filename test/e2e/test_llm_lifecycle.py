@@ -35,8 +35,9 @@ def model() -> str:
     return str(tiny_model_dir("qwen3_next"))
 
 
-def child_pids(parent: int) -> list[int]:
-    """Live processes whose parent is `parent` (zombies excluded)."""
+def follower_pids(parent: int) -> list[int]:
+    """Live tensor-parallel followers whose parent is `parent` (zombies excluded; other children of the test
+    process, such as multiprocessing's resource tracker started by earlier tests, are not followers)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -44,9 +45,11 @@ def child_pids(parent: int) -> list[int]:
         try:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
         except OSError:
             continue
-        if int(fields[1]) == parent and fields[0] != "Z":
+        if int(fields[1]) == parent and fields[0] != "Z" and b"lightllm.server.tp_follower" in command:
             pids.append(int(entry))
     return pids
 
@@ -120,15 +123,15 @@ def test_repeated_create_close_does_not_leak():
 def test_tp2_twice_in_one_process_leaves_no_process_or_group(expected):
     for attempt in range(2):
         with LLM(model(), tp=2, **FLAGS) as llm:
-            followers = child_pids(os.getpid())
+            followers = follower_pids(os.getpid())
             assert len(followers) == 1
             assert tokens(llm) == expected
             if attempt == 0:
                 # while this group is open another one is refused, before starting any follower
                 with pytest.raises(RuntimeError, match="close that one first"):
                     LLM(model(), tp=2, **FLAGS)
-                assert child_pids(os.getpid()) == followers
-        assert child_pids(os.getpid()) == [] and not any(alive(p) for p in followers)
+                assert follower_pids(os.getpid()) == followers
+        assert follower_pids(os.getpid()) == [] and not any(alive(p) for p in followers)
         assert not dist.is_initialized()
 
 
@@ -139,7 +142,7 @@ def test_rank0_failing_to_join_kills_its_followers(monkeypatch):
     monkeypatch.setattr(group_module, "join_group", refuse)
     with pytest.raises(RuntimeError, match="rank 0 could not join"):
         group_module.TPGroup(2, "cpu", num_threads=1)
-    assert child_pids(os.getpid()) == []
+    assert follower_pids(os.getpid()) == []
 
 
 def test_a_tp_runner_that_fails_to_build_leaves_no_group(monkeypatch, expected):
@@ -153,7 +156,7 @@ def test_a_tp_runner_that_fails_to_build_leaves_no_group(monkeypatch, expected):
         patched.setattr(runner_factory, "build_rank_runner", fail)
         with pytest.raises(RuntimeError, match="failed to build"):
             LLM(model(), tp=2, **FLAGS)
-    assert child_pids(os.getpid()) == [] and not dist.is_initialized()
+    assert follower_pids(os.getpid()) == [] and not dist.is_initialized()
     with LLM(model(), tp=2, **FLAGS) as llm:
         assert tokens(llm) == expected
 

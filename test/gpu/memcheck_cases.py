@@ -107,6 +107,26 @@ class MoEShape:
     tiny: bool
 
 
+@dataclass(frozen=True)
+class Fp8Shape:
+    """A block-FP8 linear layer: M tokens x K inputs -> N outputs, 128 x 128 weight blocks."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    dtype: str
+    tiny: bool
+
+
+FP8_SHAPES = (
+    Fp8Shape("qwen3-next-in_proj", 70, 12352, 2048, "bfloat16", tiny=False),  # GDN in_proj_qkvz + ba, TP1
+    Fp8Shape("qwen3-next-o_proj", 300, 2048, 4096, "bfloat16", tiny=False),
+    # partial edge blocks in N and K, M not a multiple of any tile
+    Fp8Shape("tiny-fp8-odd", 37, 200, 136, "float32", tiny=True),
+)
+
+
 MOE_SHAPES = (
     MoEShape("qwen3.5-moe", 256, 8, 2048, 512, "softmax", "bfloat16", tiny=False),  # Qwen3.5-35B-A3B TP1
     MoEShape("kimi-moe", 256, 8, 2304, 1024, "sigmoid", "bfloat16", tiny=False),  # Kimi-Linear-48B-A3B TP1
@@ -606,6 +626,22 @@ def case_fused_moe(shape: MoEShape, num_tokens: int) -> Callable[[Ctx], str]:
     return run
 
 
+def case_fp8_linear(shape: Fp8Shape) -> Callable[[Ctx], str]:
+    """Activation quantization per token per 128 channels and the block-scaled GEMM on exact-size tensors: x
+    exactly [M, K], the FP8 weight exactly [N, K] with its [ceil(N / 128), ceil(K / 128)] scales; the last tiles
+    of M, N and K are partial and must read and write nothing past them."""
+
+    def run(ctx: Ctx) -> str:
+        from lightllm.kernels.fp8 import fp8_block_linear, quantize_weight_blocks
+
+        weight, scale = quantize_weight_blocks(ctx.randn(shape.n, shape.k, scale=shape.k**-0.5))
+        out = fp8_block_linear(ctx.randn(shape.m, shape.k, dtype=shape.dtype), weight, scale, backend="triton")
+        assert bool(ctx.torch.isfinite(out).all()), "non-finite FP8 outputs"
+        return f"scales {list(scale.shape)}"
+
+    return run
+
+
 def build_cases() -> list[Case]:
     cases = []
     conv_p, conv_d = ("causal_conv_prefill_kernel",), ("causal_conv_decode_kernel",)
@@ -697,6 +733,9 @@ def build_cases() -> list[Case]:
         # one token (decode), a batch that leaves experts idle, one that fills several blocks of some experts
         for num_tokens in (1, 37) if m.tiny else (1, 70, 256):
             cases.append(Case("fused_moe", m.name, f"T={num_tokens}", kernels, m.tiny, case_fused_moe(m, num_tokens)))
+    for f in FP8_SHAPES:
+        kernels = ("fp8_group_quant_kernel", "fp8_block_gemm_kernel")
+        cases.append(Case("fp8", f.name, f"M={f.m} N={f.n} K={f.k}", kernels, f.tiny, case_fp8_linear(f)))
     for m in LATENT_SHAPES:
         # decode and verify windows of 1..4 and a short chunk; a row with no query (a HOLD row of a graph bucket)
         for rows in ([(61, 1), (7, 4), (0, 2), (33, 1), (90, 19)], [(12, 4), (5, 0), (40, 2)]):
