@@ -265,6 +265,8 @@ def test_a_killed_prefill_node_fails_its_requests_and_a_restarted_one_registers(
     survivor = {n["node_id"] for n in master.nodes("prefill")}
     procs["prefill", "native"] = start_node(master, model_dir, "prefill", *NODE_FLAGS, "--ssm_state_mode", "native")
     wait_for(lambda: len(master.nodes("prefill")) == 2, 120, "the restarted prefill node registered")
+    # a node takes requests once the master has heard from it
+    wait_for(lambda: all(n["healthy"] for n in master.nodes("prefill")), 30, "the restarted prefill node heard")
     (restarted,) = {n["node_id"] for n in master.nodes("prefill")} - survivor
     for r, want in zip(asyncio.run(run()), expected):
         _assert_equal(r.choices[0], want)

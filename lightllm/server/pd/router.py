@@ -178,6 +178,7 @@ class PdRouter(EngineEndpoint):
         return node.heard and now - node.last_seen <= min(HEALTHY_SILENCE_S, self.node_timeout_s)
 
     def nodes(self) -> list[dict]:
+        now = time.monotonic()
         with self._lock:
             return [
                 {
@@ -187,7 +188,9 @@ class PdRouter(EngineEndpoint):
                     "pid": n.reg.pid,
                     "reads": n.reg.reads,
                     "num_requests": len(n.req_ids),
-                    "seconds_since_heard": round(time.monotonic() - n.last_seen, 3),
+                    "seconds_since_heard": round(now - n.last_seen, 3),
+                    # whether it takes new requests now (heard from, recently)
+                    "healthy": self._healthy(n, now),
                     "stats": msgspec.to_builtins(n.stats),
                 }
                 for n in self._nodes.values()
