@@ -1,8 +1,8 @@
-"""The cases of `memcheck_kernels.py`: the served and tiny head shapes, and one builder per kernel family (conv
-prefill / decode, native, compact, replay, the cursor kernels, paged attention, MLA latent attention) plus the
-state classes' own call sequence, each returning the function a case runs on its `Ctx` (device, seeded generator,
-exact-size allocations).
-`build_cases` lists them with the kernels each must launch."""
+"""The cases of `memcheck_kernels.py`: the served and tiny linear-attention head shapes, and one builder per state
+kernel family (conv prefill / decode, native, compact, replay, the cursor kernels) plus the state classes' own call
+sequence, each returning the function a case runs on its `Ctx` (device, seeded generator, exact-size allocations).
+`build_cases` lists them, and the shared model kernels' cases (`memcheck_model_cases.py`), with the kernels each
+must launch."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from unittest import mock
+
+from memcheck_common import Case, Ctx
+from memcheck_model_cases import build_model_cases
 
 # ---------------------------------------------------------------------------------------------------------------
 # shapes
@@ -55,130 +58,6 @@ STATE_SHAPES = (
     StateShape("tiny-gdn", "gdn", 3, 2, 24, 24, "float32", "float16", 4, 4, tiny=True),
     StateShape("tiny-kda", "kda_safe", 3, 1, 20, 36, "float16", "float32", 3, 4, tiny=True),
 )
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    name: str
-    heads: int
-    kv_heads: int
-    dk: int
-    dv: int
-    dtype: str
-    tiny: bool
-
-
-ATTENTION_SHAPES = (
-    AttentionShape("qwen-attention", 16, 2, 256, 256, "bfloat16", tiny=False),  # Qwen3-Next / Qwen3.5 gated attention
-    AttentionShape("kimi-mla", 32, 32, 192, 128, "bfloat16", tiny=False),  # Kimi-Linear MLA after kv_b_proj
-    AttentionShape("tiny-attention", 6, 3, 24, 40, "float32", tiny=True),
-)
-
-
-@dataclass(frozen=True)
-class LatentShape:
-    """MLA attention in latent space: query heads, latent rank C and rope dims R of the cached `[c_kv | k_rot]`."""
-
-    name: str
-    heads: int
-    rank: int
-    rope: int
-    dtype: str
-    tiny: bool
-
-
-LATENT_SHAPES = (
-    LatentShape("kimi-mla-latent", 32, 512, 64, "bfloat16", tiny=False),  # Kimi-Linear TP1
-    LatentShape("tiny-mla-latent", 3, 24, 12, "float32", tiny=True),
-)
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    """Routed experts of one MoE layer: E experts of hidden H and intermediate I, top-k of a router."""
-
-    name: str
-    experts: int
-    top_k: int
-    hidden: int
-    inter: int
-    scoring: str  # "softmax" (Qwen, with the gated shared expert) or "sigmoid" (Kimi: bias, groups, scaling)
-    dtype: str
-    tiny: bool
-
-
-@dataclass(frozen=True)
-class Fp8Shape:
-    """A block-FP8 linear layer: M tokens x K inputs -> N outputs, 128 x 128 weight blocks."""
-
-    name: str
-    m: int
-    n: int
-    k: int
-    dtype: str
-    tiny: bool
-
-
-FP8_SHAPES = (
-    Fp8Shape("qwen3-next-in_proj", 70, 12352, 2048, "bfloat16", tiny=False),  # GDN in_proj_qkvz + ba, TP1
-    Fp8Shape("qwen3-next-o_proj", 300, 2048, 4096, "bfloat16", tiny=False),
-    # partial edge blocks in N and K, M not a multiple of any tile
-    Fp8Shape("tiny-fp8-odd", 37, 200, 136, "float32", tiny=True),
-)
-
-
-MOE_SHAPES = (
-    MoEShape("qwen3.5-moe", 256, 8, 2048, 512, "softmax", "bfloat16", tiny=False),  # Qwen3.5-35B-A3B TP1
-    MoEShape("kimi-moe", 256, 8, 2304, 1024, "sigmoid", "bfloat16", tiny=False),  # Kimi-Linear-48B-A3B TP1
-    MoEShape("tiny-moe", 6, 2, 40, 24, "softmax", "float32", tiny=True),
-    MoEShape("tiny-moe-grouped", 8, 3, 24, 40, "sigmoid", "float16", tiny=True),
-)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# cases
-
-
-@dataclass(frozen=True)
-class Case:
-    family: str
-    shape: str
-    detail: str
-    kernels: tuple[str, ...]  # every kernel the case must launch
-    tiny: bool
-    run: Callable[[Ctx], str | None]  # returns an optional note for its line
-
-    @property
-    def id(self) -> str:
-        return f"{self.family}/{self.shape}/{self.detail}"
-
-
-class Ctx:
-    """Device, seeded generator and exact-size allocation helpers of one case."""
-
-    def __init__(self, device: str, seed: int):
-        import torch
-
-        self.torch = torch
-        self.device = torch.device(device)
-        self.gen = torch.Generator(device=self.device).manual_seed(seed)
-        self.cpu_gen = torch.Generator().manual_seed(seed)
-
-    def dtype(self, name: str):
-        return getattr(self.torch, name)
-
-    def randn(self, *shape, dtype="float32", scale=1.0):
-        t = self.torch.randn(*shape, generator=self.gen, device=self.device)
-        return (t * scale).to(self.dtype(dtype) if isinstance(dtype, str) else dtype)
-
-    def rand(self, *shape, scale=1.0):
-        return self.torch.rand(*shape, generator=self.gen, device=self.device) * scale
-
-    def ints(self, values):
-        return self.torch.tensor(list(values), dtype=self.torch.int32, device=self.device)
-
-    def to_device(self, t):
-        return t.to(self.device)
 
 
 def verify_rows(n: int, w: int, seed: int) -> tuple[list[int], list[int], list[int], int]:
@@ -395,89 +274,6 @@ def case_cursor(n: int) -> Callable[[Ctx], None]:
     return run
 
 
-def case_paged_attention(shape: AttentionShape, rows: list[tuple[int, int]], splits: int) -> Callable[[Ctx], str]:
-    """rows: (cached prefix, new tokens). The pool has exactly the rows' context slots (every one used, the last
-    included), the slot table exactly the longest context's width (that row last), q and out exactly the new
-    tokens; `splits` > 1 splits each context (the split outputs and the combine kernel)."""
-
-    def run(ctx: Ctx) -> str:
-        from lightllm.kernels.paged_attention import paged_attention
-
-        torch = ctx.torch
-        totals = [c + q for c, q in rows]
-        assert totals[-1] == max(totals), "the longest context goes last: its table row ends the table"
-        perm = torch.randperm(sum(totals), generator=ctx.cpu_gen)
-        table = torch.zeros(len(rows), max(totals), dtype=torch.int32)
-        start = 0
-        for i, t in enumerate(totals):
-            table[i, :t] = perm[start : start + t]
-            start += t
-        k_pool = ctx.randn(sum(totals), shape.kv_heads, shape.dk, dtype=shape.dtype)
-        v_pool = ctx.randn(sum(totals), shape.kv_heads, shape.dv, dtype=shape.dtype)
-        q_lens = [q for _, q in rows]
-        q = ctx.randn(sum(q_lens), shape.heads, shape.dk, dtype=shape.dtype)
-        out = torch.empty(sum(q_lens), shape.heads, shape.dv, dtype=q.dtype, device=ctx.device)
-        starts = ctx.ints([0, *torch.tensor(q_lens[:-1]).cumsum(0).tolist()])
-        paged_attention(
-            q,
-            k_pool,
-            v_pool,
-            ctx.to_device(table),
-            starts,
-            ctx.ints(q_lens),
-            ctx.ints(c for c, _ in rows),
-            shape.dk**-0.5,
-            max(q_lens),
-            out,
-            num_splits=splits,
-        )
-        assert bool(torch.isfinite(out).all()), "non-finite attention outputs"
-        return f"pool {sum(totals)} slots"
-
-    return run
-
-
-def case_mla_attention(shape: LatentShape, rows: list[tuple[int, int]], splits: int) -> Callable[[Ctx], str]:
-    """rows: (cached prefix, new tokens). The latent pool has exactly the rows' context slots, the request table
-    exactly the longest context's width with the rows read through `table_rows` (reversed), q and out exactly the
-    new tokens; `splits` > 1 splits each context (the split outputs and the combine kernel)."""
-
-    def run(ctx: Ctx) -> str:
-        from lightllm.kernels.mla_attention import mla_attention_triton
-
-        torch = ctx.torch
-        totals = [c + q for c, q in rows]
-        perm = torch.randperm(sum(totals), generator=ctx.cpu_gen)
-        table = torch.zeros(len(rows), max(totals), dtype=torch.int64)
-        start = 0
-        for i, t in enumerate(totals):
-            table[len(rows) - 1 - i, :t] = perm[start : start + t]
-            start += t
-        latent = ctx.randn(sum(totals), shape.rank + shape.rope, dtype=shape.dtype)
-        q_lens = [q for _, q in rows]
-        q = ctx.randn(sum(q_lens), shape.heads, shape.rank + shape.rope, dtype=shape.dtype)
-        out = torch.empty(sum(q_lens), shape.heads, shape.rank, dtype=q.dtype, device=ctx.device)
-        starts = ctx.ints([0, *torch.tensor(q_lens[:-1]).cumsum(0).tolist()])
-        table_rows = ctx.to_device(torch.arange(len(rows) - 1, -1, -1))
-        mla_attention_triton(
-            q,
-            latent,
-            ctx.to_device(table),
-            starts,
-            ctx.ints(q_lens),
-            ctx.ints(c for c, _ in rows),
-            (shape.rank + shape.rope) ** -0.5,
-            max(q_lens),
-            out,
-            table_rows=table_rows,
-            num_splits=splits,
-        )
-        assert bool(torch.isfinite(out).all()), "non-finite attention outputs"
-        return f"pool {sum(totals)} slots"
-
-    return run
-
-
 class _OnDevice:
     """A state on the case's device behind the CPU-tensor interface of the scenario drivers
     (`unit_tests/linear_att/scenarios.py`): tensor arguments move to the device (each a fresh exact-size
@@ -599,49 +395,6 @@ def case_state(shape: StateShape, mode: str, requests: int, w: int, projection: 
     return run
 
 
-def case_fused_moe(shape: MoEShape, num_tokens: int) -> Callable[[Ctx], str]:
-    """Routing, the padded per-expert layout, both grouped GEMMs and the combine (Qwen: with the gated shared
-    expert) on exact-size tensors: x, logits and the shared output exactly [T, ...], the stacked experts exactly
-    [E, ...]; the worst-case padded layout leaves blocks past the real end that must read and write nothing."""
-
-    def run(ctx: Ctx) -> str:
-        from lightllm.kernels.fused_moe import fused_experts, sigmoid_topk, softmax_topk
-
-        e, h, i = shape.experts, shape.hidden, shape.inter
-        x = ctx.randn(num_tokens, h, dtype=shape.dtype)
-        gate_up = ctx.randn(e, 2 * i, h, dtype=shape.dtype, scale=h**-0.5)
-        down = ctx.randn(e, h, i, dtype=shape.dtype, scale=i**-0.5)
-        logits = ctx.randn(num_tokens, e)
-        if shape.scoring == "sigmoid":
-            groups = 4 if e % 4 == 0 else 1
-            weights, ids = sigmoid_topk(logits, ctx.randn(e, scale=0.1), shape.top_k, True, 2.5, groups, min(2, groups))
-            out = fused_experts(x, gate_up, down, weights, ids, shared=ctx.randn(num_tokens, h, dtype=shape.dtype))
-        else:
-            weights, ids = softmax_topk(logits, shape.top_k, True)
-            shared, gate = ctx.randn(num_tokens, h, dtype=shape.dtype), ctx.randn(num_tokens, 1, dtype=shape.dtype)
-            out = fused_experts(x, gate_up, down, weights, ids, shared=shared, shared_gate_logit=gate)
-        assert bool(ctx.torch.isfinite(out).all()), "non-finite MoE outputs"
-        return f"{int(ids.unique().numel())} of {e} experts used"
-
-    return run
-
-
-def case_fp8_linear(shape: Fp8Shape) -> Callable[[Ctx], str]:
-    """Activation quantization per token per 128 channels and the block-scaled GEMM on exact-size tensors: x
-    exactly [M, K], the FP8 weight exactly [N, K] with its [ceil(N / 128), ceil(K / 128)] scales; the last tiles
-    of M, N and K are partial and must read and write nothing past them."""
-
-    def run(ctx: Ctx) -> str:
-        from lightllm.kernels.fp8 import fp8_block_linear, quantize_weight_blocks
-
-        weight, scale = quantize_weight_blocks(ctx.randn(shape.n, shape.k, scale=shape.k**-0.5))
-        out = fp8_block_linear(ctx.randn(shape.m, shape.k, dtype=shape.dtype), weight, scale, backend="triton")
-        assert bool(ctx.torch.isfinite(out).all()), "non-finite FP8 outputs"
-        return f"scales {list(scale.shape)}"
-
-    return run
-
-
 def build_cases() -> list[Case]:
     cases = []
     conv_p, conv_d = ("causal_conv_prefill_kernel",), ("causal_conv_decode_kernel",)
@@ -716,33 +469,5 @@ def build_cases() -> list[Case]:
             case_cursor(1031),
         )
     )
-    for a in ATTENTION_SHAPES:
-        # prefill chunks after a prefix and fresh, decode / verify windows of 1, 2 and 4; the longest context last
-        # (rows of short contexts leave later splits empty)
-        for rows in ([(0, 37), (19, 13), (61, 1), (7, 4), (0, 2), (33, 1), (90, 23)], [(12, 4), (0, 1), (40, 2)]):
-            for splits in (1, 3):
-                detail = f"N={len(rows)} " + " ".join(f"{c}+{q}" for c, q in rows) + f" splits={splits}"
-                kernels = ("paged_attention_kernel",) + (("paged_attention_combine_kernel",) if splits > 1 else ())
-                cases.append(
-                    Case("paged_attention", a.name, detail, kernels, a.tiny, case_paged_attention(a, rows, splits))
-                )
-    for m in MOE_SHAPES:
-        router = "moe_sigmoid_topk_kernel" if m.scoring == "sigmoid" else "moe_softmax_topk_kernel"
-        align = ("moe_align_count_kernel", "moe_align_plan_kernel", "moe_align_scatter_kernel")
-        kernels = (router, *align, "moe_gate_up_kernel", "moe_down_kernel", "moe_combine_kernel")
-        # one token (decode), a batch that leaves experts idle, one that fills several blocks of some experts
-        for num_tokens in (1, 37) if m.tiny else (1, 70, 256):
-            cases.append(Case("fused_moe", m.name, f"T={num_tokens}", kernels, m.tiny, case_fused_moe(m, num_tokens)))
-    for f in FP8_SHAPES:
-        kernels = ("fp8_group_quant_kernel", "fp8_block_gemm_kernel")
-        cases.append(Case("fp8", f.name, f"M={f.m} N={f.n} K={f.k}", kernels, f.tiny, case_fp8_linear(f)))
-    for m in LATENT_SHAPES:
-        # decode and verify windows of 1..4 and a short chunk; a row with no query (a HOLD row of a graph bucket)
-        for rows in ([(61, 1), (7, 4), (0, 2), (33, 1), (90, 19)], [(12, 4), (5, 0), (40, 2)]):
-            for splits in (1, 3):
-                detail = f"N={len(rows)} " + " ".join(f"{c}+{q}" for c, q in rows) + f" splits={splits}"
-                kernels = ("mla_attention_kernel",) + (("paged_attention_combine_kernel",) if splits > 1 else ())
-                cases.append(
-                    Case("mla_attention", m.name, detail, kernels, m.tiny, case_mla_attention(m, rows, splits))
-                )
+    cases += build_model_cases()
     return cases
