@@ -1,0 +1,93 @@
+"""The host tier's allocator: entry records and contiguous block runs, reclaimed least recently used first.
+
+Every function here runs under the arena's lock. An entry occupies one record of the table and one run of blocks
+of the data region; the occupied runs are read from the table itself (no second structure to keep in sync). When
+no record or no run is free, entries are evicted by `last_access`: READY entries whose read lease has expired, and
+WRITING entries all of whose writers are dead (a writer killed mid-write never finished its entry; one still alive
+may be copying into its blocks, so its entry is never taken from it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from lightllm.cache.host_tier.arena import FREE, READY, WRITING, HostArena
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def is_evictable(record: np.void, now: float) -> bool:
+    state = int(record["state"])
+    if state == READY:
+        return float(record["lease_until"]) <= now
+    if state == WRITING:
+        return not any(pid_alive(int(p)) for p in record["writer_pids"] if p)
+    return False
+
+
+def free_record(arena: HostArena, index: int) -> None:
+    """Forget entry `index`: a reader still holding its old generation finds it changed."""
+    record = arena.entries[index]
+    record["state"] = FREE
+    record["generation"] += 1
+    record["shard_mask"] = 0
+    record["writer_pids"] = 0
+    record["num_tokens"] = -1
+
+
+def _free_run(arena: HostArena, num_blocks: int) -> int | None:
+    """The first block of the first free run of `num_blocks` blocks (first fit), or None."""
+    used = arena.entries[arena.entries["state"] != FREE]
+    order = np.argsort(used["first_block"], kind="stable")
+    start = 0
+    for first, count in zip(used["first_block"][order], used["num_blocks"][order]):
+        if int(first) - start >= num_blocks:
+            return start
+        start = max(start, int(first + count))
+    return start if arena.num_blocks - start >= num_blocks else None
+
+
+def _free_record(arena: HostArena) -> int | None:
+    free = np.flatnonzero(arena.entries["state"] == FREE)
+    return int(free[0]) if free.size else None
+
+
+def allocate(arena: HostArena, num_blocks: int, now: float, on_evict=None) -> tuple[int, int] | None:
+    """A free record and a free run of `num_blocks` blocks, evicting LRU entries until both exist: (record index,
+    first block), the record still FREE (the caller claims it). None when evicting everything evictable is not
+    enough (the tier is full of entries in use), or the entry can never fit."""
+    if num_blocks > arena.num_blocks:
+        return None
+    while True:
+        record, first = _free_record(arena), _free_run(arena, num_blocks)
+        if record is not None and first is not None:
+            return record, first
+        victims = [i for i in np.flatnonzero(arena.entries["state"] != FREE) if is_evictable(arena.entries[i], now)]
+        if not victims:
+            return None
+        victim = min(victims, key=lambda i: int(arena.entries[i]["last_access"]))
+        if on_evict is not None and int(arena.entries[victim]["state"]) == READY:
+            on_evict()
+        free_record(arena, int(victim))
+
+
+def blocks_for(arena: HostArena, num_bytes: int) -> int:
+    return max(1, -(-num_bytes // arena.block_bytes))
+
+
+__all__ = ["FREE", "READY", "WRITING", "allocate", "blocks_for", "free_record", "is_evictable", "pid_alive"]
