@@ -51,6 +51,15 @@ class ServerArgs:
         "least_loaded, round_robin",
         BALANCERS,
     )
+    dp_restart_attempts: int = _flag(
+        3,
+        "data-parallel replicas: a replica whose engine process died is started again, up to this many failed or "
+        "short-lived starts in a row (0: a dead replica stays down)",
+        type=int,
+    )
+    dp_restart_backoff_s: float = _flag(
+        1.0, "data-parallel replicas: seconds before restarting a dead replica, doubled per failed start", type=float
+    )
     run_mode: str = _flag(
         "normal",
         "process role: normal, or prefill/decode disaggregation's pd_master (HTTP front), prefill or decode node",
@@ -371,6 +380,11 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
             raise ValueError(problem)
     if args.dp < 1:
         raise ValueError(f"--dp must be at least 1, got {args.dp}")
+    if args.dp_restart_attempts < 0 or args.dp_restart_backoff_s < 0:
+        raise ValueError(
+            f"--dp_restart_attempts and --dp_restart_backoff_s must be non-negative, got {args.dp_restart_attempts} "
+            f"and {args.dp_restart_backoff_s}"
+        )
     if args.dp > 1 and args.run_mode != "normal":
         raise ValueError(
             f"--dp {args.dp} puts replicas behind one API server (--run_mode normal); for prefill/decode "

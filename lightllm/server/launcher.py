@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from lightllm.server.args import ServerArgs
 from lightllm.server.engine_process import engine_main
@@ -40,6 +41,16 @@ class EngineEndpoint:
         """/health's body while the engine is alive."""
         return {"status": "ok"}
 
+    def serving_problem(self) -> str | None:
+        """Why the engine, though alive, cannot serve now (None: it can); /health answers 503 with it."""
+        return None
+
+    def add_routes(self, app) -> None:
+        """Routes of this kind of engine beyond the common ones (none)."""
+
+    def register_metrics(self, registry) -> None:
+        """Prometheus collectors of this kind of engine beyond the common ones (none)."""
+
     def exit_description(self) -> str:
         return f"exit code {self.process.exitcode}"
 
@@ -65,6 +76,14 @@ class EngineHandle(EngineEndpoint):
 
 def start_engine(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY) -> EngineHandle:
     """Spawn the engine process and wait until its model is loaded; raises EngineStartError with the cause."""
+    handle, conn = spawn_engine(args, info, runner_factory)
+    return finish_start(handle, conn, STARTUP_TIMEOUT_S)
+
+
+def spawn_engine(args: ServerArgs, info: ModelInfo, runner_factory: str) -> tuple[EngineHandle, Connection]:
+    """Spawn the engine process without waiting for it; `finish_start` waits for its start-up report on the
+    returned pipe. Call it from a thread that lives as long as the engine: the engine dies with the thread that
+    spawned it (`die_with_parent`)."""
     socket_dir = tempfile.mkdtemp(prefix="lightllm-")
     input_addr = f"ipc://{os.path.join(socket_dir, 'in')}"
     output_addr = f"ipc://{os.path.join(socket_dir, 'out')}"
@@ -78,17 +97,26 @@ def start_engine(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAUL
     )
     process.start()
     child_conn.close()
-    handle = EngineHandle(process, input_addr, output_addr, "", socket_dir)
+    return EngineHandle(process, input_addr, output_addr, "", socket_dir), parent_conn
+
+
+def finish_start(handle: EngineHandle, conn: Connection, timeout_s: float) -> EngineHandle:
+    """Wait up to `timeout_s` for a spawned engine's start-up report; stops it and raises EngineStartError when it
+    failed, exited or did not report in time."""
     try:
-        if not parent_conn.poll(STARTUP_TIMEOUT_S):
-            raise EngineStartError(f"the engine did not start within {STARTUP_TIMEOUT_S} s")
-        status = parent_conn.recv()
+        if not conn.poll(timeout_s):
+            raise EngineStartError(f"the engine did not start within {timeout_s:g} s")
+        status = conn.recv()
     except EOFError:
         handle.stop()
-        raise EngineStartError(f"the engine process exited during start-up (exit code {process.exitcode})") from None
+        raise EngineStartError(
+            f"the engine process exited during start-up (exit code {handle.process.exitcode})"
+        ) from None
     except EngineStartError:
         handle.stop()
         raise
+    finally:
+        conn.close()
     if not status["ok"]:
         handle.stop()
         raise EngineStartError(f"{status['error']}\n{status['traceback']}")

@@ -1,7 +1,8 @@
 """Data parallelism over real processes on 127.0.0.1: `--dp 2` gives `--dp 1`'s greedy tokens for multi-turn
 conversations in every state mode (with MTP and n-gram drafts), a conversation's turns stay on one replica
 (cache-aware routing: its later turns hit that replica's prefix cache), and a replica that dies fails only its own
-requests while the other keeps serving and /health says the server is degraded."""
+requests while the other keeps serving and /health says the server is degraded (restarts off; test_dp_restart.py
+has them)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def test_two_replicas_give_one_replicas_tokens(arch, flags):
     finally:
         double.close()
     assert got == expected
-    assert health == {"status": "ok", "replicas": 2, "replicas_alive": 2}
+    assert health == {"status": "ok", "replicas": 2, "replicas_alive": 2, "replicas_restarting": 0}
 
 
 def _slow_fake_checkpoint(tmp_path) -> str:
@@ -98,11 +99,13 @@ def _slow_fake_checkpoint(tmp_path) -> str:
 
 
 def test_a_dead_replica_fails_only_its_requests(tmp_path):
+    """Without restarts (test_dp_restart.py has them) the dead replica stays down."""
     server = LiveServer(
         model_dir=_slow_fake_checkpoint(tmp_path),
         device="cpu",
         dp=2,
         dp_balancer="round_robin",
+        dp_restart_attempts=0,
         max_running_requests=4,
         max_total_token_num=512,
     )
@@ -127,10 +130,12 @@ def test_a_dead_replica_fails_only_its_requests(tmp_path):
             "status": "degraded",
             "replicas": 2,
             "replicas_alive": 1,
+            "replicas_restarting": 0,
         }
         # new requests go to the replica left
         body = {"model": server.model, "prompt": [9, 9, 9], "max_tokens": 3, "temperature": 0}
         for _ in range(3):
             assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert [row["alive"] for row in httpx.get(f"{server.base_url}/dp/replicas").json()["replicas"]] == [False, True]
     finally:
         server.close()

@@ -4,7 +4,8 @@
 `--mem_fraction`); `ReplicaClient` is the HTTP process's client of all of them, with the interface of one
 `EngineClient`: `submit` asks the balancer for a replica, `abort` and `release` follow the request to its
 replica. A replica whose process dies fails only its own requests (its in-flight ones at once, with an error
-naming the replica); the others keep serving and the balancer stops choosing it.
+naming the replica); the others keep serving and the balancer stops choosing it. Then a fresh engine is started
+in its place (`restart.py`: bounded attempts with backoff), which takes requests once it is ready.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import msgspec
 from lightllm.engine.messages import EngineStats, Finished, NewRequest
 from lightllm.server.args import ServerArgs
 from lightllm.server.dp.balancer import NoReplicaAlive, create_balancer
+from lightllm.server.dp.replica_metrics import ReplicaCollector, replica_rows
+from lightllm.server.dp.restart import ReplicaRestarter, RestartPolicy
 from lightllm.server.http.engine_client import EngineClient
-from lightllm.server.launcher import EngineHandle, start_engine
+from lightllm.server.launcher import EngineHandle, spawn_engine, start_engine
 from lightllm.server.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -39,7 +42,9 @@ def start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> Eng
     """The engine the API server talks to: one engine process, or with `--dp N` a set of N replicas."""
     if args.dp == 1:
         return start_engine(args, info, runner_factory)
-    return ReplicaSet(start_replicas(args, info, runner_factory))
+    policy = RestartPolicy(args.dp_restart_attempts, args.dp_restart_backoff_s)
+    restarter = ReplicaRestarter(args.dp, policy, lambda: spawn_engine(replica_args(args), info, runner_factory))
+    return ReplicaSet(start_replicas(args, info, runner_factory), restarter)
 
 
 def start_replicas(args: ServerArgs, info: ModelInfo, runner_factory: str) -> list[EngineHandle]:
@@ -56,29 +61,57 @@ def start_replicas(args: ServerArgs, info: ModelInfo, runner_factory: str) -> li
 
 
 class ReplicaSet:
-    """The replicas' processes, seen by the app as one engine: alive while any replica is."""
+    """The replicas' processes, seen by the app as one engine: alive while any replica is alive or may be
+    restarted."""
 
-    def __init__(self, handles: list[EngineHandle]):
+    def __init__(self, handles: list[EngineHandle], restarter: ReplicaRestarter):
         self.handles = handles
+        self.restarter = restarter
+        # the HTTP process's client, once `connect` made it
+        self.client: ReplicaClient | None = None
 
     @property
     def capacity_report(self) -> str:
         return f"{len(self.handles)} data-parallel replicas, each {self.handles[0].capacity_report}"
 
     def is_alive(self) -> bool:
-        return any(h.is_alive() for h in self.handles)
+        return self.num_alive() > 0 or self.restarter.may_serve_again()
 
     def num_alive(self) -> int:
         return sum(h.is_alive() for h in self.handles)
 
     def connect(self, args: ServerArgs) -> ReplicaClient:
-        return ReplicaClient(self, args.dp_balancer, args.prefix_cache_checkpoint_interval)
+        self.client = ReplicaClient(self, args.dp_balancer, args.prefix_cache_checkpoint_interval)
+        return self.client
 
     def health(self) -> dict:
         """/health's body while any replica is alive: "degraded" when some are not."""
         alive = self.num_alive()
         status = "ok" if alive == len(self.handles) else "degraded"
-        return {"status": status, "replicas": len(self.handles), "replicas_alive": alive}
+        return {
+            "status": status,
+            "replicas": len(self.handles),
+            "replicas_alive": alive,
+            "replicas_restarting": len(self.restarter.restarting),
+        }
+
+    def serving_problem(self) -> str | None:
+        """Why nothing can be served now although a replica is restarting (None: some replica serves)."""
+        if self.num_alive() == 0:
+            return f"no data-parallel replica is running ({len(self.restarter.restarting)} restarting)"
+        return None
+
+    def add_routes(self, app) -> None:
+        """`GET /dp/replicas`: every replica's liveness, restarts, routing, load and prefix hits (JSON)."""
+
+        async def replicas():
+            return {"replicas": replica_rows(self.client) if self.client is not None else []}
+
+        app.add_api_route("/dp/replicas", replicas, methods=["GET"])
+
+    def register_metrics(self, registry) -> None:
+        """Per-replica gauges and counters (label `replica`) on the server's /metrics."""
+        registry.register(ReplicaCollector(lambda: self.client))
 
     def exit_description(self) -> str:
         return "every replica exited: " + ", ".join(h.exit_description() for h in self.handles)
@@ -120,6 +153,8 @@ class ReplicaClient:
         for i, client in enumerate(self.clients):
             client.observers.append(self._observer(i))
         self._watch: asyncio.Task | None = None
+        # replica -> the task starting a fresh engine in its place
+        self._rejoins: dict[int, asyncio.Task] = {}
 
     def _observer(self, replica: int):
         def observe(out) -> None:
@@ -138,25 +173,14 @@ class ReplicaClient:
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
+        for task in self._rejoins.values():
+            task.cancel()
         for client in self.clients:
             await client.close()
 
     @property
     def stats(self) -> EngineStats:
         return _summed([c.stats for c, up in zip(self.clients, self.alive) if up])
-
-    def replica_stats(self) -> list[dict]:
-        """Per replica: alive, routed requests, sequences in flight, and its engine's last snapshot."""
-        return [
-            {
-                "replica": i,
-                "alive": up,
-                "num_routed": routed,
-                "num_in_flight": client.num_in_flight,
-                "stats": msgspec.to_builtins(client.stats),
-            }
-            for i, (client, up, routed) in enumerate(zip(self.clients, self.alive, self.num_routed))
-        ]
 
     @property
     def num_in_flight(self) -> int:
@@ -166,6 +190,8 @@ class ReplicaClient:
         return [c.num_in_flight for c in self.clients]
 
     async def submit(self, req: NewRequest, queue: asyncio.Queue) -> None:
+        # a death the watch has not seen yet must not take this request too
+        self._notice_deaths()
         try:
             replica = self.balancer.choose(req.prompt_ids, self.loads(), self.alive)
         except NoReplicaAlive:
@@ -206,13 +232,39 @@ class ReplicaClient:
         client.fail_all(f"data-parallel replica {replica} exited")
         self._replica_of = {r: i for r, i in self._replica_of.items() if i != replica}
         self.balancer.forget_replica(replica)
+        if self.replicas.restarter.policy.attempts > 0 and replica not in self._rejoins:
+            self._rejoins[replica] = asyncio.get_running_loop().create_task(self._rejoin(replica))
+
+    async def _rejoin(self, replica: int) -> None:
+        """Start a fresh engine in place of a dead replica; once ready, route requests to it again."""
+        try:
+            handle = await self.replicas.restarter.restart(replica)
+            if handle is None:
+                return
+            self.replicas.handles[replica].stop()
+            self.replicas.handles[replica] = handle
+            old, self.clients[replica] = self.clients[replica], EngineClient(handle.input_addr, handle.output_addr)
+            self.clients[replica].observers.append(self._observer(replica))
+            self.clients[replica].start()
+            old.fail_all(f"data-parallel replica {replica} exited")
+            await old.close()
+            # a fresh engine holds no prefix
+            self.balancer.forget_replica(replica)
+            self.alive[replica] = True
+            logger.info("data-parallel replica %d rejoined; %d replicas serving", replica, sum(self.alive))
+        finally:
+            self._rejoins.pop(replica, None)
+
+    def _notice_deaths(self) -> None:
+        for i, handle in enumerate(self.replicas.handles):
+            if self.alive[i] and not handle.is_alive():
+                self.replica_exited(i)
 
     async def _watch_replicas(self) -> None:
         while True:
-            for i, handle in enumerate(self.replicas.handles):
-                if self.alive[i] and not handle.is_alive():
-                    self.replica_exited(i)
-                elif not self.alive[i]:
+            self._notice_deaths()
+            for i, up in enumerate(self.alive):
+                if not up:
                     # a request routed just before the death must not wait forever
                     self.clients[i].fail_all(f"data-parallel replica {i} exited")
             await asyncio.sleep(REPLICA_CHECK_INTERVAL_S)

@@ -142,11 +142,14 @@ def create_app(
     started = int(time.time())
     if args.keep_serving_after_engine_exit:
         on_engine_exit = None
+    if serving_problem is None:
+        serving_problem = engine.serving_problem
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client = engine.connect(args)
         metrics = Metrics(lambda: client.stats)
+        engine.register_metrics(metrics.registry)
         client.observers.append(metrics.on_output)
         client.start()
         pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="lightllm-text")
@@ -177,6 +180,7 @@ def create_app(
     app.include_router(chat_router)
     app.include_router(openai_router)
     app.include_router(tokenize_router)
+    engine.add_routes(app)
     app.add_middleware(
         EdgeMiddleware,
         max_body_bytes=args.max_request_body_bytes,

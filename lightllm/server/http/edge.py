@@ -20,8 +20,17 @@ import logging
 logger = logging.getLogger(__name__)
 
 # paths that need the API key when one is set (vLLM guards /v1; tokenizing endpoints expose the model too, the
-# schema pages the API, /pd/nodes the PD nodes' addresses and processes)
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/openapi.json", "/docs", "/redoc", "/pd/nodes")
+# schema pages the API, /pd/nodes the PD nodes' addresses and processes, /dp/replicas the replicas' load)
+PROTECTED_PREFIXES = (
+    "/v1/",
+    "/tokenize",
+    "/detokenize",
+    "/openapi.json",
+    "/docs",
+    "/redoc",
+    "/pd/nodes",
+    "/dp/replicas",
+)
 # scope key: callables run once the app is done with the request (its response sent, streamed or failed)
 ON_FINISH = "lightllm.on_finish"
 # the ASGI scope of the request this task serves (the handlers run in the middleware's task)

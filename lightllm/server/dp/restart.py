@@ -1,0 +1,116 @@
+"""Restarting a data-parallel replica whose engine process died: bounded attempts with exponential backoff.
+
+A replica earns strikes: a start attempt that failed, or a death soon after its (re)start (a crash loop). The
+first attempt after a death waits `backoff_s`, each strike doubles the wait (at most `MAX_BACKOFF_S`), and once
+a replica holds `attempts` strikes it stays down. A replica that served for `STABLE_S` before dying starts again
+with no strikes, so a replica that dies once a day is restarted every day.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from lightllm.server.launcher import STARTUP_TIMEOUT_S, EngineHandle, EngineStartError, finish_start
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 60.0
+# a replica up this long before it died was not crash-looping: its strikes are cleared
+STABLE_S = 60.0
+# seconds between looks at a starting engine's start-up pipe (the event loop goes on meanwhile)
+START_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    # strikes a replica may hold and still be restarted (0: never restart)
+    attempts: int
+    # wait before the first attempt after a death, doubled per strike
+    backoff_s: float
+
+    def delay_s(self, strikes: int) -> float:
+        return min(self.backoff_s * 2**strikes, MAX_BACKOFF_S)
+
+
+async def wait_started(handle: EngineHandle, conn: Connection, timeout_s: float = STARTUP_TIMEOUT_S) -> EngineHandle:
+    """`finish_start` without blocking the event loop; a cancelled wait stops the engine."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not conn.poll():
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"the engine did not start within {timeout_s:g} s")
+            await asyncio.sleep(START_POLL_S)
+    except BaseException:
+        conn.close()
+        handle.stop()
+        raise
+    return finish_start(handle, conn, 0)
+
+
+class ReplicaRestarter:
+    """Strikes and restarts of every replica. `spawn()` starts one engine process (on the event loop's thread:
+    an engine dies with the thread that spawned it) and returns it with its start-up pipe."""
+
+    def __init__(
+        self,
+        num_replicas: int,
+        policy: RestartPolicy,
+        spawn: Callable[[], tuple[EngineHandle, Connection]],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.policy, self._spawn, self._clock = policy, spawn, clock
+        self.num_restarts = [0] * num_replicas
+        self.restarting: set[int] = set()
+        # replicas whose strikes are used up: they stay down
+        self.given_up: set[int] = set()
+        self._num_replicas = num_replicas
+        self._strikes = [0] * num_replicas
+        self._started_at = [clock()] * num_replicas
+
+    def may_serve_again(self) -> bool:
+        """Whether some replica is, or may be, restarted (a dead one not yet seen is restarted too)."""
+        return self.policy.attempts > 0 and len(self.given_up) < self._num_replicas
+
+    async def restart(self, replica: int) -> EngineHandle | None:
+        """A ready engine for `replica`, whose process died; None once its strikes are used up."""
+        if self._clock() - self._started_at[replica] >= STABLE_S:
+            self._strikes[replica] = 0
+        else:
+            self._strikes[replica] += 1
+        self.restarting.add(replica)
+        try:
+            while self._strikes[replica] < self.policy.attempts:
+                delay = self.policy.delay_s(self._strikes[replica])
+                logger.warning(
+                    "restarting data-parallel replica %d in %.1f s (strike %d of %d)",
+                    replica,
+                    delay,
+                    self._strikes[replica],
+                    self.policy.attempts,
+                )
+                await asyncio.sleep(delay)
+                try:
+                    handle = await wait_started(*self._spawn())
+                except EngineStartError as exc:
+                    self._strikes[replica] += 1
+                    logger.error("data-parallel replica %d failed to restart: %s", replica, exc)
+                    continue
+                self._started_at[replica] = self._clock()
+                self.num_restarts[replica] += 1
+                logger.info("data-parallel replica %d restarted: %s", replica, handle.capacity_report)
+                return handle
+            logger.error(
+                "data-parallel replica %d stays down: %d strikes (--dp_restart_attempts %d)",
+                replica,
+                self._strikes[replica],
+                self.policy.attempts,
+            )
+            self.given_up.add(replica)
+            return None
+        finally:
+            self.restarting.discard(replica)
