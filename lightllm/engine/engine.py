@@ -4,7 +4,8 @@ Keep this file minimal: features (speculation strategies, scheduling policy, sam
 and are chosen at start-up. The engine never looks at the state mode; every state decision goes through the
 runner (`forward`, `accept`, `free_request`).
 
-Overlap scheduling (a plain decode step left in flight while the host prepares the next) is `overlap.py`.
+Overlap scheduling (a plain decode step left in flight while the host prepares the next) is `overlap.py`; MTP
+verify steps left in flight the same way are `spec_overlap.py`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Engine:
         short_resume_tokens: int = 0,
         acceptance: SimulatedAcceptance | None = None,
         max_num_batched_tokens: int | None = None,
+        grammar_vocabulary: grammar.VocabularyLoader | None = None,
     ):
         self.runner = runner
         # only labels the state-memory statistic; the engine never acts on the mode
@@ -66,13 +68,14 @@ class Engine:
             chunked_prefill_size=chunked_prefill_size,
         )
         self.sampler = Sampler(seed)
-        self.grammars = grammar.GrammarBackend(runner.vocab_size)
+        # None: requests with a grammar fail (the server passes its loader of tokenizer folders)
+        self.grammars = grammar.GrammarBackend(runner.vocab_size, grammar_vocabulary)
         self.requests: dict[str, Request] = {}
         # True between a forward with decode rows and its accept (so a failure in between can settle the runner)
         self.awaiting_accept = False
         self.stats = EngineStats(accepted_length_counts=[0] * max_width)
-        # overlap needs every decode row to be one token: with drafts the next window depends on this one's verify
-        self.overlap_schedule = overlap_schedule and self.speculator.num_drafts == 0
+        # with drafts only the MTP head's run overlapped (spec_overlap.py): n-gram drafts are read on the host
+        self.overlap_schedule = overlap_schedule and (self.speculator.num_drafts == 0 or self.runner.mtp_step > 0)
         self.overlap = OverlapScheduler(self)
         # a step's prefix-cache publishes, run by the next step() call (see publish_queue.py)
         self._publishes = PublishQueue(self.scheduler, runner)
@@ -153,8 +156,7 @@ class Engine:
             self._publishes.run(due)
             due = []
             if self.overlap.can_chain(inflight):
-                self.overlap.launch(chained_plan(inflight), inflight.tokens)
-                return outputs + self.overlap.complete(inflight)
+                return outputs + self.overlap.launch(chained_plan(inflight), inflight)
             outputs += self.overlap.complete(inflight)
         outputs += self._propose()
         # after the drafts: the MTP head's KV they commit is the part of a publish that costs a forward
@@ -165,8 +167,7 @@ class Engine:
         if plan.is_empty:
             return outputs
         if self.overlap.can_launch(plan):
-            self.overlap.launch(plan, None)
-            return outputs
+            return outputs + self.overlap.launch(plan, None)
         self.stats.num_steps += 1
         self.awaiting_accept = False
         try:

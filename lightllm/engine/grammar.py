@@ -6,18 +6,28 @@ after the drafts before it. The matcher walks the drafts to compute them and is 
 refuses ends the walk (its own position is masked against it, so it is rejected, and nothing after it can be
 accepted). Only the tokens the window emits advance the matcher. A stopped grammar allows only EOS.
 
-The vocabulary (token bytes) comes from the tokenizer folder named in the request, loaded once per folder.
+The vocabulary (llguidance's tokenizer: every token's bytes, and the EOS ids) is built from the tokenizer folder
+named in the request by a loader the engine is given (the server's reads Hugging Face and tiktoken folders), once
+per folder and EOS set; `GrammarBackend.preload` builds it at start-up.
+
+Masks are applied without a host sync (pinned host buffers, copies that do not wait for the device), so an
+overlapped step can mask its logits while the device still runs its forward.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from lightllm.engine.request import Request
+
+# (tokenizer folder, logits width, EOS ids) -> llguidance.LLTokenizer
+VocabularyLoader = Callable[[str, int, tuple[int, ...]], object]
+# compiled at preload: the first matcher and mask of a vocabulary build llguidance's lazy structures
+_WARM_GRAMMAR = '{"grammars": [{"json_schema": {"type": "object"}}]}'
 
 
 class RequestGrammar:
@@ -67,33 +77,39 @@ class RequestGrammar:
 
 
 class GrammarBackend:
-    """Matchers for requests; vocabularies loaded per tokenizer folder and EOS set, on first use."""
+    """Matchers for requests; vocabularies built per tokenizer folder and EOS set by `load_vocabulary`, on first use
+    or at `preload`. Without a loader, requests with a grammar fail (an engine built without one)."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, load_vocabulary: VocabularyLoader | None = None):
         self.vocab_size = vocab_size
+        self._load_vocabulary = load_vocabulary
         self._executor = None
         self._tokenizers: dict[tuple[str, tuple[int, ...]], object] = {}
 
     def _tokenizer(self, tokenizer_dir: str, eos_ids: tuple[int, ...]):
         key = (tokenizer_dir, eos_ids)
         if key not in self._tokenizers:
-            import llguidance.hf
-            from transformers import AutoTokenizer
-
-            if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
-                raise ValueError(
-                    f"{tokenizer_dir}: a grammar's vocabulary is read from tokenizer.json, and it has none"
-                )
-            hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+            if self._load_vocabulary is None:
+                raise ValueError("this engine was built without a grammar vocabulary loader")
             # sized to the model's logits (a checkpoint may pad its vocabulary past the tokenizer's)
-            self._tokenizers[key] = llguidance.hf.from_tokenizer(
-                hf, n_vocab=self.vocab_size, eos_token=list(eos_ids) or None
-            )
+            self._tokenizers[key] = self._load_vocabulary(tokenizer_dir, self.vocab_size, eos_ids)
         return self._tokenizers[key]
 
+    def _executor_pool(self):
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        return self._executor
+
     def preload(self, tokenizer_dir: str, eos_ids: list[int]) -> None:
-        """Read a vocabulary now (at start-up) instead of on the first constrained request, inside a step."""
-        self._tokenizer(tokenizer_dir, tuple(eos_ids))
+        """Build a vocabulary, the mask thread pool, and one matcher and mask over them now (at start-up), so the
+        first constrained request does not pay for them inside a step."""
+        grammar = self.matcher(_WARM_GRAMMAR, None, tokenizer_dir, eos_ids)
+        bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        _fill_parallel(grammar.executor, bitmask, [(grammar.matcher, 0)], [])
+        if not bitmask.any():
+            raise ValueError(f"{tokenizer_dir}: the grammar vocabulary allows no token where JSON starts")
 
     def matcher(self, grammar: str, start_token: int | None, tokenizer_dir: str, eos_ids: list[int]) -> RequestGrammar:
         """Raises ValueError naming the problem when the grammar does not compile."""
@@ -104,11 +120,7 @@ class GrammarBackend:
         matcher = LLMatcher(self._tokenizer(tokenizer_dir, tuple(eos_ids)), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
-        if self._executor is None:
-            from llguidance import LLExecutor
-
-            self._executor = LLExecutor()
-        return RequestGrammar(matcher, start_token, self._executor)
+        return RequestGrammar(matcher, start_token, self._executor_pool())
 
 
 def attach(backend: GrammarBackend, req: Request, msg) -> str | None:
@@ -130,31 +142,34 @@ def advance(req: Request, token_ids: list[int]) -> str | None:
 
 def mask_windows(windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor) -> torch.Tensor:
     """`logits` [rows, V] with every constrained position of every window (request, first row, width, drafts)
-    masked to -inf outside its grammar; the same tensor when no window has a grammar."""
+    masked to -inf outside its grammar; the same tensor when no window has a grammar. No host sync: the masks go
+    to the device through pinned buffers, behind whatever the device is running."""
     constrained = [(req.grammar, start, drafts) for req, start, _, drafts in windows if req.grammar is not None]
     if not constrained:
         return logits
     vocab = logits.shape[1]
     num_rows = sum(len(d) + 1 for _, _, d in constrained)
+    pinned = logits.is_cuda
     # -1 (every bit set): no constraint, the mask of a position before the grammar starts
-    bitmask = torch.full((num_rows, (vocab + 31) // 32), -1, dtype=torch.int32)
+    bitmask = torch.full((num_rows, (vocab + 31) // 32), -1, dtype=torch.int32, pin_memory=pinned)
     rows: list[int] = []
     plain, drafted = [], []
     offset = 0
     for grammar, start, drafts in constrained:
-        rows += range(start, start + len(drafts) + 1)
+        width = len(drafts) + 1
+        rows += range(start, start + width)
         if grammar.starts_inside(drafts):
             # the grammar starts inside this window (a reasoning block ends): walked here, position by position
             grammar.fill_window(bitmask, offset, drafts)
         elif grammar.active:
             (drafted if drafts else plain).append((grammar.matcher, offset, *([drafts] if drafts else [])))
-        offset += len(drafts) + 1
+        offset += width
     _fill_parallel(constrained[0][0].executor, bitmask, plain, drafted)
     allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
-    index = torch.tensor(rows, device=logits.device)
-    masked = logits.clone()
-    masked[index] = masked[index].masked_fill(~allowed, float("-inf"))
-    return masked
+    index = torch.tensor(rows, dtype=torch.long)
+    index = (index.pin_memory() if pinned else index).to(logits.device, non_blocking=True)
+    masked_rows = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, index, masked_rows)
 
 
 def _fill_parallel(executor, bitmask: torch.Tensor, plain: list[tuple], drafted: list[tuple]) -> None:

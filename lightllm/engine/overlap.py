@@ -8,6 +8,14 @@ is launched only when it would be the same rows anyway (nothing to admit, nobody
 limit, KV for one more token each); a row that turns out to have stopped at step t rides along in t + 1 and its
 extra token is dropped. Everything else (prefill, drafts, penalties, which read the tokens in flight) runs
 synchronously, exactly as with overlap off.
+
+Rows with a grammar overlap too. The mask of step t + 1 depends on step t's token, which only the host's matcher
+can turn into a mask, so a batch with constrained rows defers only its draw: step t + 1's forward is launched
+from the tokens on the device, then step t's tokens are read back and emitted (advancing the matchers), the masks
+of step t + 1 are computed on the host while the device still runs its forward, and the masked draw is queued
+behind it. The draw sees the same masked logits as the synchronous step, so the tokens are the same; the device
+waits only when computing the masks takes longer than a forward. (Computing masks on the device for every
+possible in-flight token is not possible: a matcher's state is host data of llguidance.)
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightllm.engine import grammar
 from lightllm.engine.batch import ForwardOutput
 from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR, nonfinite_rows
 from lightllm.engine.messages import EngineOutput
 from lightllm.engine.scheduler import ScheduledRow, SchedulePlan
+from lightllm.engine.spec_overlap import SpecInFlight, SpecOverlap, chained_spec_plan
 
 if TYPE_CHECKING:
     from lightllm.engine.engine import Engine
@@ -48,8 +58,10 @@ class InFlight:
         return tokens, has_nan
 
 
-def chained_plan(inflight: InFlight) -> SchedulePlan:
-    """The in-flight step's rows again, one token each."""
+def chained_plan(inflight: InFlight | SpecInFlight) -> SchedulePlan:
+    """The in-flight step's rows again, one token each (a full window each for a verify step)."""
+    if isinstance(inflight, SpecInFlight):
+        return chained_spec_plan(inflight)
     return SchedulePlan(decode=[ScheduledRow(row.req, 1) for row in inflight.plan.decode])
 
 
@@ -58,9 +70,11 @@ class OverlapScheduler:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._inflight: InFlight | None = None
+        self._inflight: InFlight | SpecInFlight | None = None
         # finishes of a failed overlapped launch, reported by the next step() call
         self._failed_outputs: list[EngineOutput] = []
+        # MTP verify steps (spec_overlap.py)
+        self.spec = SpecOverlap(engine)
 
     def has_work(self) -> bool:
         return self._inflight is not None or bool(self._failed_outputs)
@@ -69,23 +83,26 @@ class OverlapScheduler:
         outputs, self._failed_outputs = self._failed_outputs, []
         return outputs
 
-    def take_inflight(self) -> InFlight | None:
+    def add_failed(self, outputs: list[EngineOutput]) -> None:
+        self._failed_outputs += outputs
+
+    def take_inflight(self) -> InFlight | SpecInFlight | None:
         inflight, self._inflight = self._inflight, None
         return inflight
 
     def can_launch(self, plan: SchedulePlan) -> bool:
-        """A step that may stay in flight: plain decode rows only, none with penalties or a grammar (they need the
-        tokens of the step still in flight)."""
+        """A step that may stay in flight: plain decode rows only, none with penalties (they need every token of
+        the output, the one in flight included, to shape the next distribution)."""
         return (
             self.engine.overlap_schedule
             and not plan.prefill
-            and all(
-                row.num_tokens == 1 and not (row.req.params.has_penalties or row.req.grammar) for row in plan.decode
-            )
+            and all(row.num_tokens == 1 and not row.req.params.has_penalties for row in plan.decode)
         )
 
-    def can_chain(self, inflight: InFlight) -> bool:
+    def can_chain(self, inflight: InFlight | SpecInFlight) -> bool:
         """Whether the next step is the in-flight step's rows again, one token each, whatever tokens it yields."""
+        if isinstance(inflight, SpecInFlight):
+            return self.spec.can_chain(inflight)
         sched, runner = self.engine.scheduler, self.engine.runner
         reqs = [row.req for row in inflight.plan.decode]
         if len(reqs) != len(sched.running) or any(r.is_finished for r in reqs):
@@ -97,15 +114,21 @@ class OverlapScheduler:
             return False
         return runner.num_free_kv_tokens() >= len(reqs)
 
-    def launch(self, plan: SchedulePlan, first_tokens: torch.Tensor | None) -> None:
+    def launch(self, plan: SchedulePlan, previous: InFlight | None) -> list[EngineOutput]:
         """Launch `plan` (plain decode rows) and leave it in flight: its one-token windows are accepted at once
-        (nothing to verify), its tokens stay on the device for the successor and are copied back asynchronously."""
+        (nothing to verify), its tokens stay on the device for the successor and are copied back asynchronously.
+        `previous`: the in-flight step `plan` chains from (its tokens are the input); it is read back and emitted
+        here, and its outputs are returned. Verify rows (MTP): `SpecOverlap.launch`."""
+        if isinstance(previous, SpecInFlight) or (previous is None and self.engine.speculator.num_drafts):
+            self._inflight = self.spec.launch(plan, previous)
+            return self.complete(previous) if previous is not None else []
         engine = self.engine
         engine.stats.num_steps += 1
         engine.awaiting_accept = False
+        outputs: list[EngineOutput] = []
         try:
             batch = engine.build_batch(plan)
-            batch.decode_input_ids = first_tokens
+            batch.decode_input_ids = previous.tokens if previous is not None else None
             fwd = engine.runner.forward(batch)
             engine.awaiting_accept = True
             handles = [row.req.handle for row in plan.decode]
@@ -113,7 +136,11 @@ class OverlapScheduler:
             engine.awaiting_accept = False
             for row in plan.decode:
                 row.req.num_computed_tokens += 1
-            logits = fwd.logits
+            if previous is not None and any(row.req.grammar is not None for row in plan.decode):
+                # the masks need the tokens in flight: read them while the device runs this step's forward
+                done, previous = previous, None
+                outputs += self.complete(done)
+            logits = self._masked(plan, fwd.logits)
             tokens = self._draw_on_device(plan, logits)
             flags = torch.stack([tokens, nonfinite_rows(logits).long()])
             ready = None
@@ -128,8 +155,18 @@ class OverlapScheduler:
             logger.exception("engine step failed; finishing %d requests with an error", len(plan.decode))
             engine.settle_runner(plan)
             self._failed_outputs += engine.fail_rows(plan)
-            return
-        self._inflight = InFlight(plan, fwd, tokens, host, ready)
+        else:
+            self._inflight = InFlight(plan, fwd, tokens, host, ready)
+        if previous is not None:
+            outputs += self.complete(previous)
+        return outputs
+
+    @staticmethod
+    def _masked(plan: SchedulePlan, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with each constrained row masked by its grammar; rows whose request finished at the step
+        before ride along unmasked (their token is dropped)."""
+        windows = [(row.req, i, 1, []) for i, row in enumerate(plan.decode) if not row.req.is_finished]
+        return grammar.mask_windows(windows, logits)
 
     def _draw_on_device(self, plan: SchedulePlan, logits: torch.Tensor) -> torch.Tensor:
         """Each row's token, left on the device: the argmax, or a draw from the same distribution and the same
@@ -140,9 +177,11 @@ class OverlapScheduler:
         contexts = [self.engine.row_context(row.req, [], logits.device) for row in plan.decode]
         return sampler.draw_tokens(sampler.target_probs(logits, contexts), contexts)
 
-    def complete(self, inflight: InFlight) -> list[EngineOutput]:
+    def complete(self, inflight: InFlight | SpecInFlight) -> list[EngineOutput]:
         """Read an overlapped step's tokens back and emit them. Rows whose request finished meanwhile (a stop
         token of the step before, an abort) drop theirs."""
+        if isinstance(inflight, SpecInFlight):
+            return self.spec.complete(inflight)
         engine = self.engine
         try:
             tokens, has_nan = inflight.read()

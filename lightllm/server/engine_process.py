@@ -24,6 +24,7 @@ from lightllm.engine.messages import EngineInput
 from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.server.args import ServerArgs
 from lightllm.server.engine_loop import ServingRole, run_engine_loop
+from lightllm.server.grammar_vocab import load_grammar_vocabulary, warm_grammars
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import load_factory
 
@@ -53,8 +54,10 @@ def build_engine(
     args: ServerArgs, info: ModelInfo, runner_factory: str, acceptance: SimulatedAcceptance | None = None
 ) -> Engine:
     """The engine `args` describe. `acceptance` (offline benchmarks only, never from a server flag) replaces the
-    model's verification of drafts."""
-    return engine_for_runner(args, load_factory(runner_factory)(args, info), acceptance)
+    model's verification of drafts. The checkpoint's grammar vocabulary is built here, before any request."""
+    engine = engine_for_runner(args, load_factory(runner_factory)(args, info), acceptance)
+    warm_grammars(engine, info)
+    return engine
 
 
 def engine_for_runner(args: ServerArgs, runner, acceptance: SimulatedAcceptance | None = None) -> Engine:
@@ -72,6 +75,7 @@ def engine_for_runner(args: ServerArgs, runner, acceptance: SimulatedAcceptance 
         # a hit whose suffix is one short prefill (a graph on CUDA) feeds its last prompt token in it
         short_resume_tokens=args.prefill_graph_max_tokens,
         acceptance=acceptance,
+        grammar_vocabulary=load_grammar_vocabulary,
     )
 
 

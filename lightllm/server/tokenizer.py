@@ -25,6 +25,23 @@ def _byte_level_decoder() -> dict[str, int]:
     return chars
 
 
+def checkpoint_tokenizer(model_dir: str):
+    """The folder's Hugging Face tokenizer, or the project's `TiktokenTokenizer` for Kimi's format."""
+    if is_tiktoken_folder(model_dir):
+        return TiktokenTokenizer(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(info: ModelInfo, hf) -> tuple[int, ...]:
+    """The ids that end a sequence: the checkpoint configs' and the tokenizer's, in that order."""
+    eos = list(info.eos_token_ids)
+    if hf.eos_token_id is not None:
+        eos.append(hf.eos_token_id)
+    return tuple(dict.fromkeys(eos))
+
+
 class Tokenizer:
     """Wraps the tokenizer of a checkpoint folder: its Hugging Face tokenizer, or for a folder with
     `tiktoken.model` and no `tokenizer.json` (Kimi's format) the project's `TiktokenTokenizer`, which takes the
@@ -35,16 +52,8 @@ class Tokenizer:
     """
 
     def __init__(self, info: ModelInfo):
-        if is_tiktoken_folder(info.model_dir):
-            self.hf = TiktokenTokenizer(info.model_dir)
-        else:
-            from transformers import AutoTokenizer
-
-            self.hf = AutoTokenizer.from_pretrained(info.model_dir)
-        eos = list(info.eos_token_ids)
-        if self.hf.eos_token_id is not None:
-            eos.append(self.hf.eos_token_id)
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        self.hf = checkpoint_tokenizer(info.model_dir)
+        self.eos_token_ids = eos_token_ids(info, self.hf)
         self.vocab_size = len(self.hf)
         if isinstance(self.hf, TiktokenTokenizer):
             self._bytes = self.hf.token_bytes()

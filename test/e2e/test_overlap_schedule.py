@@ -83,11 +83,12 @@ def _run(mode: str, overlap: bool, stop_token: int | None, corrupt: bool = False
     launches = []
     launch = engine.overlap.launch
 
-    def counted(plan, first_tokens):
-        launches.append(first_tokens is not None)
-        if corrupt and first_tokens is not None:
-            first_tokens = (first_tokens + 1) % runner.vocab_size
-        launch(plan, first_tokens)
+    def counted(plan, previous):
+        launches.append(previous is not None)
+        if corrupt and previous is not None:
+            # the chained step's input only: the tokens read back and emitted are the host copy's
+            previous.tokens = (previous.tokens + 1) % runner.vocab_size
+        return launch(plan, previous)
 
     engine.overlap.launch = counted
     result = _drive(engine, _requests(runner.vocab_size, 11, stop_token), abort_at={40: "r3"})

@@ -1,7 +1,7 @@
 """Constrained decoding through the engine with the real runner on tiny random checkpoints: the grammar, not the
-model, makes every output valid, in every state mode, with and without speculation and overlap; under MTP with
-replay, constrained greedy decoding equals constrained greedy decoding without speculation, and scripted drafts
-the grammar refuses are rejected."""
+model, makes every output valid, in every state mode, with and without speculation and overlap; overlap scheduling
+changes no constrained token; under MTP with replay, constrained greedy decoding equals constrained greedy decoding
+without speculation, and scripted drafts the grammar refuses are rejected."""
 
 from __future__ import annotations
 
@@ -123,6 +123,97 @@ def test_constrained_output_is_always_valid(arch, mode, flags):
     free = {rid: SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=24) for rid, p in params.items()}
     chunks, _ = _run(engine, info, tok, free, {rid: prompts[rid] for rid in free})
     assert not any(_valid(_text(tok, chunks[rid], eos)) for rid in free)
+
+
+def _staggered(engine, info, tok, requests: list[tuple[int, str, list[int], SamplingParams]]):
+    """Drive `requests` (arrival step, id, prompt, params) to the end: each id's tokens and finish reason."""
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    step = 0
+    while engine.has_work() or any(at >= step for at, *_ in requests):
+        for at, rid, ids, params in requests:
+            if at == step:
+                msg = NewRequest(rid, ids, params, list(tok.eos_token_ids), tokenizer_dir=info.model_dir)
+                assert engine.add_request(msg) == []
+        for out in engine.step():
+            if isinstance(out, TokenChunk):
+                tokens.setdefault(out.req_id, []).extend(out.token_ids)
+            elif isinstance(out, Finished):
+                reasons[out.req_id] = out.reason
+        step += 1
+    return {rid: (tokens.get(rid, []), reasons[rid]) for rid in reasons}
+
+
+def _mixed_requests() -> list[tuple[int, str, list[int], SamplingParams]]:
+    """Constrained greedy, seeded sampled and top-k rows beside a free row, arriving while others decode, one
+    more than fits at once (it waits for a slot)."""
+
+    def constrained(**kw):
+        return SamplingParams(max_tokens=MAX_TOKENS, grammar=GRAMMAR, **kw)
+
+    return [
+        (0, "greedy", PROMPTS[0], constrained(temperature=0.0)),
+        (0, "sampled", PROMPTS[1], constrained(temperature=1.0, seed=1)),
+        (0, "free", [7, 7, 7], SamplingParams(temperature=1.0, seed=9, max_tokens=30, ignore_eos=True)),
+        (3, "top_k", PROMPTS[2], constrained(temperature=0.8, top_k=20, seed=5)),
+        (6, "late", [40, 41, 42, 43], constrained(temperature=0.0)),
+    ]
+
+
+def _counting_launches(engine) -> list[bool]:
+    """Records, for each overlapped launch, whether it chained from a step in flight with constrained rows."""
+    launches: list[bool] = []
+    launch = engine.overlap.launch
+
+    def counted(plan, previous):
+        launches.append(previous is not None and any(row.req.grammar is not None for row in plan.decode))
+        return launch(plan, previous)
+
+    engine.overlap.launch = counted
+    return launches
+
+
+OVERLAP_COMBOS = [
+    ("native", {}),
+    ("native", {"mtp_step": 2}),
+    ("native", {"spec_ngram": 2}),
+    ("compact", {"mtp_step": 2}),
+    ("compact", {"spec_ngram": 2}),
+    ("replay", {}),
+    ("replay", {"mtp_step": 2}),
+    ("replay", {"spec_ngram": 2}),
+]
+
+
+@pytest.mark.parametrize(
+    "mode, spec", OVERLAP_COMBOS, ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items())
+)
+def test_constrained_output_with_overlap_equals_without(mode, spec):
+    engine, info, tok = _engine("qwen3_5", mode, disable_overlap_schedule=True, **spec)
+    reference = _staggered(engine, info, tok, _mixed_requests())
+    engine, info, tok = _engine("qwen3_5", mode, **spec)
+    launches = _counting_launches(engine)
+    overlapped = _staggered(engine, info, tok, _mixed_requests())
+    assert overlapped == reference
+    eos = set(tok.eos_token_ids)
+    for rid, (ids, reason) in overlapped.items():
+        if rid != "free":
+            assert reason == "stop" and _valid(_text(tok, [ids], eos)), (rid, reason)
+    # without drafts the constrained rows really ran overlapped (drafts make every step synchronous)
+    assert sum(launches) >= (10 if not spec else 0)
+
+
+def test_overlap_without_the_masks_is_caught():
+    """Teeth: the overlapped step's masked draw is what the comparison above checks."""
+    engine, info, tok = _engine("qwen3_5", "native", disable_overlap_schedule=True)
+    reference = _staggered(engine, info, tok, _mixed_requests())
+    engine, info, tok = _engine("qwen3_5", "native")
+    engine.overlap._masked = lambda plan, logits: logits
+    launches = _counting_launches(engine)
+    broken = _staggered(engine, info, tok, _mixed_requests())
+    # unmasked, an overlapped draw leaves the grammar: the matcher refuses it and the request fails
+    assert sum(launches) >= 1 and broken != reference
+    assert "error" in {reason for _, reason in broken.values()}
 
 
 class _BadDrafts:

@@ -11,6 +11,7 @@ import torch
 from lightllm.engine.grammar import GrammarBackend, mask_windows
 from lightllm.engine.request import Request
 from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.grammar_vocab import load_grammar_vocabulary
 from lightllm.server.http.structured import json_schema_grammar
 from lightllm.tools.make_tiny_model import tiny_model_dir
 
@@ -24,7 +25,7 @@ def setup():
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(model_dir)
-    return GrammarBackend(VOCAB), model_dir, hf
+    return GrammarBackend(VOCAB, load_grammar_vocabulary), model_dir, hf
 
 
 def _request(backend, model_dir, hf, start_token=None) -> Request:
@@ -113,11 +114,26 @@ def test_grammar_starts_after_its_token(setup):
 
 def test_preloaded_vocabulary_is_the_one_requests_use(setup):
     _, model_dir, hf = setup
-    backend = GrammarBackend(VOCAB)
+    loads = []
+
+    def counted(*args):
+        loads.append(args)
+        return load_grammar_vocabulary(*args)
+
+    backend = GrammarBackend(VOCAB, counted)
     backend.preload(model_dir, [hf.eos_token_id])
-    (loaded,) = backend._tokenizers.values()
+    assert loads == [(model_dir, VOCAB, (hf.eos_token_id,))] and backend._executor is not None
     req = _request(backend, model_dir, hf)
-    assert backend._tokenizers == {(model_dir, (hf.eos_token_id,)): loaded} and req.grammar.matcher is not None
+    assert len(loads) == 1 and req.grammar.executor is backend._executor
+    # twin: another EOS set is another vocabulary, built on first use
+    backend.matcher(json_schema_grammar(SCHEMA), None, model_dir, [hf.eos_token_id, 0])
+    assert len(loads) == 2
+
+
+def test_an_engine_without_a_vocabulary_loader_refuses_grammars(setup):
+    _, model_dir, hf = setup
+    with pytest.raises(ValueError, match="vocabulary loader"):
+        GrammarBackend(VOCAB).matcher(json_schema_grammar(SCHEMA), None, model_dir, [hf.eos_token_id])
 
 
 def test_a_grammar_that_does_not_compile_is_an_error(setup):
