@@ -1,0 +1,126 @@
+"""Per-replica metrics over real processes on 127.0.0.1 (`--dp 2`, round robin), against scripted workloads:
+queue and running counts of each replica while requests wait for a state slot (a slowed demo checkpoint), and
+each replica's prefix-cache lookups and device hits (tiny Qwen3.5) equal to what its requests' `usage` reported,
+in /dp/replicas and as /metrics samples labelled by replica."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import httpx
+
+from lightllm.server.args import demo_model_dir
+from lightllm.tools.make_tiny_model import tiny_model_dir
+from unit_tests.server.conftest import scrape, wait_for
+from unit_tests.server.live_server import LiveServer
+
+REAL_RUNNER = "lightllm.server.runner_factory:create_runner"
+
+
+def _complete(server: LiveServer, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def _rows(server: LiveServer) -> list[dict]:
+    return httpx.get(f"{server.base_url}/dp/replicas", timeout=10).json()["replicas"]
+
+
+def _slow_fake_checkpoint(tmp_path) -> str:
+    model_dir = tmp_path / "ckpt"
+    shutil.copytree(demo_model_dir(), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(fake_step_delay_s=0.05)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return str(model_dir)
+
+
+def test_queue_and_running_per_replica(tmp_path):
+    """Three long requests over two replicas with one slot each: replica 0 runs one and queues one."""
+    server = LiveServer(
+        model_dir=_slow_fake_checkpoint(tmp_path),
+        device="cpu",
+        dp=2,
+        dp_balancer="round_robin",
+        max_running_requests=1,
+        max_total_token_num=512,
+    )
+    try:
+        threads = [threading.Thread(target=_complete, args=(server, [4 + i, 5, 6], 60)) for i in range(3)]
+        for t in threads:
+            t.start()
+        busy = lambda: [(r["num_running"], r["num_waiting"], r["num_in_flight"]) for r in _rows(server)]  # noqa: E731
+        wait_for(lambda: busy() == [(1, 1, 2), (1, 0, 1)], what="one queued request on replica 0")
+        samples = {
+            (name, i): scrape(server.base_url, f'lightllm_dp_replica_{name}{{replica="{i}"}}')
+            for name in ("requests_running", "requests_waiting", "requests_in_flight", "up")
+            for i in range(2)
+        }
+        summed = (
+            scrape(server.base_url, "lightllm_num_requests_running"),
+            scrape(server.base_url, "lightllm_num_requests_waiting"),
+        )
+        for t in threads:
+            t.join(60)
+        idle = [(r["num_running"], r["num_waiting"], r["num_in_flight"], r["num_routed"]) for r in _rows(server)]
+    finally:
+        server.close()
+    assert samples == {
+        ("requests_running", 0): 1,
+        ("requests_running", 1): 1,
+        ("requests_waiting", 0): 1,
+        ("requests_waiting", 1): 0,
+        ("requests_in_flight", 0): 2,
+        ("requests_in_flight", 1): 1,
+        ("up", 0): 1,
+        ("up", 1): 1,
+    }
+    assert summed == (2, 1)
+    assert idle == [(0, 0, 0, 2), (0, 0, 0, 1)]
+
+
+def test_prefix_hits_per_replica_equal_the_requests_cached_tokens():
+    server = LiveServer(
+        REAL_RUNNER,
+        model_dir=str(tiny_model_dir("qwen3_5")),
+        device="cpu",
+        dp=2,
+        dp_balancer="round_robin",
+        max_running_requests=4,
+        max_total_token_num=1024,
+        chunked_prefill_size=32,
+        prefix_cache_checkpoint_interval=16,
+        # room for the checkpoints of both prompts
+        prefix_cache_state_bytes=4 << 20,
+    )
+    try:
+        shared = [(7 * k + 3) % 97 + 5 for k in range(41)]
+        other = [(11 * k + 1) % 89 + 5 for k in range(20)]
+        # round robin: replicas 0, 1, 0, 1, 0
+        prompts = [shared, shared, shared, shared, other]
+        usages = [_complete(server, p, 4)["usage"] for p in prompts]
+        cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+        want_queried = [len(shared) * 2 + len(other), len(shared) * 2]
+        want_hits = [cached[0] + cached[2] + cached[4], cached[1] + cached[3]]
+        wait_for(lambda: [r["prefix_cache_queried_tokens"] for r in _rows(server)] == want_queried, what="lookups")
+        rows = _rows(server)
+        labelled = [
+            scrape(server.base_url, f'lightllm_dp_replica_prefix_cache_hit_tokens_total{{replica="{i}",tier="device"}}')
+            for i in range(2)
+        ]
+        queried = [
+            scrape(server.base_url, f'lightllm_dp_replica_prefix_cache_queried_tokens_total{{replica="{i}"}}')
+            for i in range(2)
+        ]
+        total = scrape(server.base_url, "lightllm_prefix_cache_hit_tokens_total")
+    finally:
+        server.close()
+    # each replica's second turn of the shared prompt resumed it; nothing else could
+    assert cached[0] == cached[1] == cached[4] == 0 and cached[2] > 0 and cached[3] > 0
+    assert [r["prefix_cache_hit_tokens"] for r in rows] == [{"device": h} for h in want_hits]
+    assert [r["prefix_cache_hit_rate"]["device"] for r in rows] == [h / q for h, q in zip(want_hits, want_queried)]
+    assert labelled == want_hits and queried == want_queried and total == sum(want_hits)
