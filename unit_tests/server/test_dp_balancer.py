@@ -119,3 +119,47 @@ def test_create_balancer_names():
     assert isinstance(create_balancer("cache_aware", 16), CacheAwareBalancer)
     with pytest.raises(ValueError, match="unknown data-parallel balancer"):
         create_balancer("random", 16)
+
+
+def test_cache_aware_takes_the_longest_prefix_among_owners():
+    """Replica 0 took one block of a prefix and replica 1 three blocks of it: a prompt that diverges inside the
+    second block goes to 0 (only whole blocks count), one that diverges inside the first block to the idle replica,
+    and one with all three blocks to 1."""
+    b = CacheAwareBalancer(BLOCK)
+    alive = [True, True, True]
+    base = _prompt(9, 3 * BLOCK)
+    assert b.choose(base, [1, 0, 0], alive) == 1
+    # replica 1 is too busy for a prompt of the first block: replica 0 takes it (and now owns that block)
+    assert b.choose(base[:BLOCK] + [1], [0, 9, 9], alive) == 0
+    diverged_in_second = base[: BLOCK + 3] + [base[BLOCK + 3] + 1] + base[BLOCK + 4 :]
+    assert b.choose(diverged_in_second, [1, 1, 0], alive) == 0
+    diverged_in_first = [base[0] + 1] + base[1:]
+    assert b.choose(diverged_in_first, [1, 1, 0], alive) == 2
+    assert b.choose(base + [5, 6], [1, 1, 0], alive) == 1
+
+
+def test_cache_aware_falls_back_to_a_shorter_prefix_of_an_alive_replica():
+    b = CacheAwareBalancer(BLOCK)
+    base = _prompt(10, 2 * BLOCK)
+    assert b.choose(base, [1, 0, 0], [True] * 3) == 1
+    assert b.choose(base[:BLOCK], [0, 9, 9], [True] * 3) == 0
+    # the longest prefix's replica is dead: the shorter one's replica takes it, not the idle replica 2
+    assert b.choose(base, [1, 0, 0], [True, False, True]) == 0
+
+
+def test_cache_aware_sends_new_prefixes_to_idle_replicas_first():
+    b = CacheAwareBalancer(BLOCK)
+    loads = [3, 1, 0, 0]
+    assert b.choose(_prompt(20, 2 * BLOCK), loads, [True] * 4) == 2
+    # the lowest-index idle replica among equals; a dead idle replica is skipped
+    assert b.choose(_prompt(30, 2 * BLOCK), [3, 1, 0, 0], [True, True, False, True]) == 3
+    assert b.choose(_prompt(31, 2 * BLOCK), [2, 2, 1, 1], [True] * 4) == 2
+
+
+def test_cache_aware_bound_is_against_the_least_loaded_alive_replica():
+    """A dead replica's (stale) zero load does not make the owner look busy."""
+    b = CacheAwareBalancer(BLOCK)
+    prompt = _prompt(11, 2 * BLOCK)
+    assert b.choose(prompt, [0, 0, 0], [True] * 3) == 0
+    assert b.choose(prompt, [6, 0, 3], [True, False, True]) == 0
+    assert b.choose(prompt, [6, 1, 1], [True, True, True]) == 1
