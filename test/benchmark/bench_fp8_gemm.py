@@ -2,7 +2,7 @@
 sizes and Qwen3-Next-80B-A3B's linear-layer shapes (hidden 2048; TP1).
 
     python test/benchmark/bench_fp8_gemm.py                    # CUDA (H200): the table below
-    python test/benchmark/bench_fp8_gemm.py --sweep            # also every launch shape of the GEMM per case
+    python test/benchmark/bench_fp8_gemm.py --sweep            # also every tuning candidate of the GEMM per case
     python test/benchmark/bench_fp8_gemm.py --device cpu       # interpreter smoke run, tiny shapes
 
 Per case (M tokens x N outputs x K inputs): bf16 us (`x @ w.T`), fp8 gemm us (`fp8_block_gemm` on already
@@ -32,28 +32,13 @@ from lightllm.kernels.fp8 import (  # noqa: E402
     quantize_activation_groups,
     quantize_weight_blocks,
 )
+from lightllm.kernels.fp8.shapes import SERVED_GEMMS  # noqa: E402
+from lightllm.tools.tune_fp8_gemm import candidates  # noqa: E402
 
-# Qwen3-Next-80B-A3B (hidden 2048, 16 x 256 gated attention heads, 2 KV heads, GDN 16 key / 32 value heads of
-# 128, shared expert 512): name -> (N, K) of each FP8 linear layer
-QWEN3_NEXT_80B = {
-    "gdn in_proj (qkvz+ba)": (12352, 2048),
-    "gdn out_proj": (2048, 4096),
-    "attn q_proj (q+gate)": (8192, 2048),
-    "attn k_proj / v_proj": (512, 2048),
-    "attn o_proj": (2048, 4096),
-    "shared expert gate_up": (1024, 2048),
-    "shared expert down": (2048, 512),
-}
+QWEN3_NEXT_80B = SERVED_GEMMS["qwen3-next-80b-a3b"]
 PREFILL_M = (4096, 8192, 16384)
 TINY = {"tiny odd": (45, 71)}
 TINY_M = (5,)
-# (BM, BN, num_warps, num_stages) tried by --sweep
-SWEEP = [
-    (bm, bn, w, s)
-    for bm, bn, w, s in itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3, 4))
-    # an fp32 accumulator of at most 128 registers per thread; fp8 A and B stages within the shared memory
-    if 8192 <= bm * bn <= 128 * 32 * w and (bm + bn) * 128 * s <= 200 * 1024
-]
 MAX_REL = 1e-2
 
 
@@ -102,8 +87,8 @@ def run_case(m: int, n: int, k: int, device: str, iters: int, sweep: bool, block
     row["fp8 linear"] = timed(linear, iters)
     if sweep:
         best = min(
-            (timed(lambda c=c: fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block, config=c), iters), c)
-            for c in SWEEP
+            (timed(lambda c=c: fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block, config=c), iters), str(c))
+            for c in candidates(m, block)
         )
         row["best"] = best
     return row
@@ -113,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--sweep", action="store_true", help="time every launch shape in SWEEP per case")
+    p.add_argument("--sweep", action="store_true", help="time every tuning candidate per case")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_fp8_gemm: no CUDA device; skipped (use --device cpu for an interpreter smoke run)")
@@ -125,11 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
     header = f"{'layer':24s} {'M':>6s} {'N':>6s} {'K':>5s} {'bf16 us':>9s} {'fp8 gemm':>9s} {'x':>5s}"
-    print(
-        header
-        + f" {'fp8 linear':>10s} {'x':>5s} {'rel err':>8s}"
-        + ("  best (BM, BN, warps, stages)" if args.sweep else "")
-    )
+    print(header + f" {'fp8 linear':>10s} {'x':>5s} {'rel err':>8s}" + ("  best config" if args.sweep else ""))
     for (name, (n, k)), m in itertools.product(shapes.items(), ms):
         r = run_case(m, n, k, args.device, args.iters, args.sweep, block)
         if args.device != "cuda":

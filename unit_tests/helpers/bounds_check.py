@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from triton.runtime import interpreter as interp
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _active_ranges: list[list[tuple[int, int, str]]] = []
 
@@ -36,12 +37,14 @@ def _extent(name: str, t: torch.Tensor) -> tuple[int, int, str]:
 
 
 def _tensor_args(arg_names, args, kwargs) -> list[tuple[int, int, str]]:
-    """Extents of the tensor arguments, those inside tuple arguments included (named `arg[i]`)."""
+    """Extents of the tensor arguments, those inside tuple arguments and the tensors of tensor descriptors
+    included (named `arg[i]`, `arg.base`)."""
     pairs = list(zip(arg_names, args)) + list(kwargs.items())
     flat = []
     for name, arg in pairs:
         items = enumerate(arg) if isinstance(arg, tuple) else [(None, arg)]
         flat += [(name if i is None else f"{name}[{i}]", a) for i, a in items]
+    flat += [(f"{n}.base", a.base) for n, a in flat if isinstance(a, TensorDescriptor)]
     return [_extent(n, a) for n, a in flat if isinstance(a, torch.Tensor)]
 
 
@@ -49,8 +52,10 @@ def _check(ptrs, mask, element_bytes: int, what: str) -> None:
     if not _active_ranges:
         return
     ranges = _active_ranges[-1]
-    addr = np.broadcast_to(ptrs.data, np.broadcast_shapes(ptrs.data.shape, mask.data.shape))
-    addr = addr[np.broadcast_to(mask.data.astype(bool), addr.shape)].astype(np.int64)
+    # tensor-descriptor loads pass their mask as a bare array, other loads as a TensorHandle
+    mask = mask if isinstance(mask, np.ndarray) else mask.data
+    addr = np.broadcast_to(ptrs.data, np.broadcast_shapes(ptrs.data.shape, mask.shape))
+    addr = addr[np.broadcast_to(mask.astype(bool), addr.shape)].astype(np.int64)
     if addr.size == 0:
         return
     inside = np.zeros(addr.shape, dtype=bool)
@@ -85,13 +90,14 @@ def bounds_checked() -> Iterator[None]:
         finally:
             _active_ranges.pop()
 
-    def load(self, ptrs, mask, other, *rest):
+    # tensor-descriptor loads reach these with keyword arguments
+    def load(self, ptrs, mask, other, *rest, **kwargs):
         _check(ptrs, mask, _element_bytes(ptrs), "load")
-        return real_load(self, ptrs, mask, other, *rest)
+        return real_load(self, ptrs, mask, other, *rest, **kwargs)
 
-    def store(self, ptrs, value, mask, *rest):
+    def store(self, ptrs, value, mask, *rest, **kwargs):
         _check(ptrs, mask, _element_bytes(ptrs), "store")
-        return real_store(self, ptrs, value, mask, *rest)
+        return real_store(self, ptrs, value, mask, *rest, **kwargs)
 
     interp.GridExecutor.__call__ = call
     interp.InterpreterBuilder.create_masked_load = load

@@ -97,9 +97,39 @@ def test_fp8_block_gemm_matches_dequantized_reference(m, n, k, block, out_dtype)
 def test_fp8_block_gemm_tile_wider_than_a_scale_block():
     """A 64-column tile over 32-row scale blocks reads each column's own scale row."""
     a, a_scale, w, w_scale = quantized_operands(19, 150, 71, (32, 32), seed=11)
-    out = fp8_block_gemm(a, a_scale, w, w_scale, torch.float32, (32, 32), config=(32, 64, 4, 2))
+    config = {"BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 2, "TMA": False}
+    out = fp8_block_gemm(a, a_scale, w, w_scale, torch.float32, (32, 32), config=config)
     ref = fp8_block_gemm_reference(a, a_scale, w, w_scale, torch.float64, (32, 32))
     assert_rel_close("fp8_block_gemm BN 64 > block 32", out, ref, 1e-6)
+
+
+# (M, N, K, BM, BN, GROUP_M): K a multiple of 16 (descriptors allowed) with partial M, N and K tiles, and K = 71
+# (not allowed: the launch falls back to pointer loads)
+TMA_CASES = [
+    pytest.param(37, 70, 80, 16, 32, 1, id="m37-n70-k80-bn32"),
+    pytest.param(19, 150, 96, 32, 64, 2, id="m19-n150-k96-bn64"),
+    pytest.param(5, 45, 71, 16, 32, 8, id="m5-n45-k71-fallback"),
+]
+
+
+@pytest.mark.parametrize("m,n,k,bm,bn,group_m", TMA_CASES)
+def test_fp8_block_gemm_tensor_descriptor_loads_match_reference(m, n, k, bm, bn, group_m):
+    """TMA configurations (operand tiles through tensor descriptors, zero-filled past the edges) equal the
+    reference, as do the grouped launch orders; twin: transposed weight scales through the same loads fail."""
+    a, a_scale, w, w_scale = quantized_operands(m, n, k, (32, 32), seed=m + n + k)
+    config = {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": group_m, "num_warps": 4, "num_stages": 2, "TMA": True}
+    out = poison_(torch.empty(m, n))
+    fp8_block_gemm(a, a_scale, w, w_scale, torch.float32, (32, 32), out=out, config=config)
+    ref = fp8_block_gemm_reference(a, a_scale, w, w_scale, torch.float64, (32, 32))
+    assert_rel_close("fp8_block_gemm TMA", out, ref, 1e-6)
+    wrong = w_scale.T.contiguous().view(w_scale.shape)
+    assert relative_error(fp8_block_gemm(a, a_scale, w, wrong, torch.float32, (32, 32), config=config), ref) > 0.05
+
+
+def test_fp8_block_gemm_refuses_a_broken_config():
+    a, a_scale, w, w_scale = quantized_operands(5, 45, 71, (32, 32), seed=3)
+    with pytest.raises(ValueError, match="needs exactly"):
+        fp8_block_gemm(a, a_scale, w, w_scale, torch.float32, (32, 32), config={"BLOCK_M": 16})
 
 
 @pytest.mark.parametrize("m,n,k,block", SHAPES[:1] + SHAPES[3:])
@@ -126,7 +156,7 @@ def test_fp8_block_linear_close_to_full_precision(backend):
 def test_warmup_meets_every_launch_key_of_serving_sizes():
     """`warmup_fp8_linears` runs each FP8 projection shape once per launch configuration: the keys of a linear at
     any token count are among its keys (twin: a warm-up at one token count misses the taller tiles)."""
-    from lightllm.kernels.fp8.gemm import warmup_token_counts
+    from lightllm.kernels.fp8.configs import warmup_token_counts
     from lightllm.models.layers.quantized_linear import Fp8Weight, warmup_fp8_linears
     from unit_tests.helpers.launch_keys import launch_keys
     from unit_tests.kernels.fused_moe.test_compile_keys import missing
@@ -135,7 +165,9 @@ def test_warmup_meets_every_launch_key_of_serving_sizes():
     model.a = Fp8Weight.quantize(weights(45, 71, 12), (32, 32))
     model.b = Fp8Weight.quantize(weights(45, 71, 13), (32, 32))
     with launch_keys() as warmed:
-        assert warmup_fp8_linears(model, torch.float32, backend="triton") == len(warmup_token_counts())
+        assert warmup_fp8_linears(model, torch.float32, backend="triton") == len(
+            warmup_token_counts(45, 71, (32, 32), torch.device("cpu"))
+        )
     with launch_keys() as served:
         for tokens in (1, 5, 16, 17, 40, 64, 65, 150):
             fp8_block_linear(

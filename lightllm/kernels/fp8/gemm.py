@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from lightllm.kernels.fp8.configs import check_config, get_config
 from lightllm.kernels.fp8.quant import (
     DEFAULT_BLOCK,
     FP8_DTYPE,
@@ -23,12 +25,41 @@ from lightllm.kernels.fp8.quant import (
 )
 
 
+@triton.jit
+def _load_operand_tiles(a, w, o_m, o_n, o_k, m_m, m_n, i_m, i_n, i_k, K, stride_am, stride_wn, BM, BN, BK, TMA, EVEN_K):
+    """The K step `i_k` of both operands: `[BM, BK]` of a and `[BK, BN]` of w (zeros past the edges)."""
+    if TMA:
+        # the descriptors zero-fill out-of-bounds rows and columns
+        b_a = a.load([i_m * BM, i_k * BK])
+        b_w = tl.trans(w.load([i_n * BN, i_k * BK]))
+    else:
+        o_kk = i_k * BK + o_k
+        p_a = a + o_m[:, None] * stride_am + o_kk[None, :]
+        p_w = w + o_n[None, :] * stride_wn + o_kk[:, None]
+        if EVEN_K:
+            # a mask along K keeps Triton (3.6) from pipelining the loads through cp.async: left out where no
+            # K step is partial
+            b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
+            b_w = tl.load(p_w, mask=m_n[None, :], other=0.0)
+        else:
+            m_k = o_kk < K
+            b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
+    return b_a, b_w
+
+
 # M (the token count) changes from step to step: specialising on it would compile variants while serving
+@triton.heuristics(
+    {
+        "SCALAR_W_SCALE": lambda args: args["BLOCK_N_SCALE"] % args["BN"] == 0,
+        "EVEN_K": lambda args: args["K"] % args["BK"] == 0,
+    }
+)
 @triton.jit(do_not_specialize=["M"])
 def fp8_block_gemm_kernel(
-    a,  # [M, K] float8
+    a,  # [M, K] float8 (a tensor descriptor with [BM, BK] blocks under TMA)
     a_s,  # [M, GK] fp32
-    w,  # [N, K] float8
+    w,  # [N, K] float8 (a tensor descriptor with [BN, BK] blocks under TMA)
     w_s,  # [GN, GK] fp32
     o,  # [M, N]
     M,
@@ -44,6 +75,9 @@ def fp8_block_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
+    TMA: tl.constexpr,
+    SCALAR_W_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     # grouped launch order: GROUP_M row tiles share each weight column tile while it sits in L2
     i_pid = tl.program_id(0)
@@ -58,42 +92,32 @@ def fp8_block_gemm_kernel(
     o_n = (i_n * BN + tl.arange(0, BN)).to(tl.int64)
     o_k = tl.arange(0, BK).to(tl.int64)
     m_m, m_n = o_m < M, o_n < N
-    p_a = a + o_m[:, None] * stride_am + o_k[None, :]
-    p_w = w + o_n[None, :] * stride_wn + o_k[:, None]
     p_as = a_s + o_m * stride_asm
-    p_ws = w_s + (o_n // BLOCK_N_SCALE) * stride_wsn
+    if SCALAR_W_SCALE:
+        # the whole column tile lies in one weight scale row
+        p_ws = w_s + (i_n * BN // BLOCK_N_SCALE).to(tl.int64) * stride_wsn
+    else:
+        p_ws = w_s + (o_n // BLOCK_N_SCALE) * stride_wsn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
-        m_k = o_k < K - i_k * BK
-        # [BM, BK], [BK, BN]
-        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        # [BM], [BN]
+        # [BM, BK], [BK, BN] float8 straight into the tensor-core dot
+        b_a, b_w = _load_operand_tiles(
+            a, w, o_m, o_n, o_k, m_m, m_n, i_m, i_n, i_k, K, stride_am, stride_wn, BM, BN, BK, TMA, EVEN_K
+        )
+        # [BM]; a weight scale per column or one for the tile
         b_as = tl.load(p_as + i_k, mask=m_m, other=0.0)
-        b_ws = tl.load(p_ws + i_k, mask=m_n, other=0.0)
-        acc += tl.dot(b_a, b_w) * b_as[:, None] * b_ws[None, :]
-        p_a += BK
-        p_w += BK
+        if SCALAR_W_SCALE:
+            b_scale = b_as[:, None] * tl.load(p_ws + i_k)
+        else:
+            b_scale = b_as[:, None] * tl.load(p_ws + i_k, mask=m_n, other=0.0)[None, :]
+        # one K step is one scale group: its partial dot is scaled once before joining the fp32 accumulator
+        acc += tl.dot(b_a, b_w) * b_scale
     tl.store(o + o_m[:, None] * stride_om + o_n[None, :], acc.to(o.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-# (largest M, BM, widest BN, num_warps, num_stages): the first row whose bound covers M (None: any M); tall tiles
-# for prefill-sized M, short ones for decode batches
-LAUNCH_TABLE = ((16, 16, 64, 4, 3), (64, 64, 128, 4, 3), (None, 128, 128, 8, 3))
-
-
-def _launch_config(m: int, block: tuple[int, int]) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) of `fp8_block_gemm` for M tokens."""
-    for max_m, bm, bn, warps, stages in LAUNCH_TABLE:
-        if max_m is None or m <= max_m:
-            return bm, min(block[0], bn), warps, stages
-    raise AssertionError("LAUNCH_TABLE ends with an unbounded row")
-
-
-def warmup_token_counts() -> tuple[int, ...]:
-    """One token count per launch configuration of `fp8_block_gemm`: a start-up warm-up that runs each once
-    compiles every variant a serving step can launch for that weight shape."""
-    return (1,) + tuple(max_m + 1 for max_m, *_ in LAUNCH_TABLE[:-1])
+def tma_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and row strides (the last dim is contiguous already)."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (a, w))
 
 
 def fp8_block_gemm(
@@ -104,11 +128,13 @@ def fp8_block_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     block: tuple[int, int] = DEFAULT_BLOCK,
     out: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Triton launch (CUDA, or the interpreter on CPU tensors). `a [M, K]`, `w [N, K]` float8_e4m3fn row-major,
-    `a_scale [M, ceil(K / block_k)]`, `w_scale [ceil(N / block_n), ceil(K / block_k)]` fp32. `config`
-    overrides (BM, BN, num_warps, num_stages) (benchmarks). Returns `out [M, N]` in `out_dtype`."""
+    `a_scale [M, ceil(K / block_k)]`, `w_scale [ceil(N / block_n), ceil(K / block_k)]` fp32. `config` overrides
+    the tuned / heuristic launch configuration (`lightllm.kernels.fp8.configs`: tuning, benchmarks); a TMA
+    configuration falls back to pointer loads where the operands do not allow descriptors. Returns `out [M, N]`
+    in `out_dtype`."""
     m, k = a.shape
     n = w.shape[0]
     assert a.dtype == FP8_DTYPE and w.dtype == FP8_DTYPE, f"expected float8_e4m3fn operands, got {a.dtype}, {w.dtype}"
@@ -116,18 +142,22 @@ def fp8_block_gemm(
     assert a.stride(1) == 1 and w.stride(1) == 1, "a and w must be row-major"
     check_block_scales(tuple(w.shape), tuple(w_scale.shape), block, "w_scale")
     check_block_scales(tuple(a.shape), tuple(a_scale.shape), (1, block[1]), "a_scale")
-    bm, bn, warps, stages = config or _launch_config(m, block)
+    config = check_config(config) if config is not None else get_config(m, n, k, block, a.device)
     # the K step is one scale group; a tile's columns may span several weight scale rows (read per column)
     assert block[1] >= 16 and block[1] & (block[1] - 1) == 0, f"block_k must be a power of two >= 16, got {block}"
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], block[1]
+    use_tma = config["TMA"] and tma_eligible(a, w)
+    a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if use_tma else a
+    w_arg = TensorDescriptor.from_tensor(w, [bn, bk]) if use_tma else w
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     fp8_block_gemm_kernel[grid](
-        a,
+        a_arg,
         a_scale,
-        w,
+        w_arg,
         w_scale,
         out,
         m,
@@ -141,10 +171,11 @@ def fp8_block_gemm(
         BLOCK_N_SCALE=block[0],
         BM=bm,
         BN=bn,
-        BK=block[1],
-        GROUP_M=8,
-        num_warps=warps,
-        num_stages=stages,
+        BK=bk,
+        GROUP_M=config["GROUP_M"],
+        TMA=use_tma,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     return out
 

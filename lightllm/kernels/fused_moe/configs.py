@@ -12,33 +12,21 @@ heuristic. The choice depends on host shapes only, so a CUDA graph captured per 
 from __future__ import annotations
 
 import functools
-import json
-import math
-import re
 from pathlib import Path
 
 import torch
 import triton
 
+from lightllm.kernels.tuned_tables import batch_bucket, device_name, nearest_entry, read_table
+
+__all__ = ["batch_bucket", "config_path", "device_name", "get_config", "heuristic_config", "shape_key"]
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
-def batch_bucket(num_tokens: int) -> int:
-    """The power of two at or above `num_tokens` (tables are tuned per bucket)."""
-    return 1 << max(0, math.ceil(math.log2(max(1, num_tokens))))
-
-
 def shape_key(num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype) -> str:
     return f"E={num_experts},N={inter},K={hidden},top_k={top_k},dtype={str(dtype).removeprefix('torch.')}"
-
-
-@functools.cache
-def device_name(device: torch.device) -> str:
-    """A file-name-safe device name: `NVIDIA_H200` for CUDA, `cpu` otherwise."""
-    if device.type != "cuda":
-        return device.type
-    return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
 
 
 def config_path(device: str) -> Path:
@@ -47,10 +35,7 @@ def config_path(device: str) -> Path:
 
 @functools.cache
 def _table(device: str) -> dict:
-    path = config_path(device)
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text()).get(triton.__version__, {})
+    return read_table(config_path(device))
 
 
 def check_config(config: dict) -> dict:
@@ -96,8 +81,6 @@ def get_config(
     """The tuned configuration of this shape and batch bucket on this device, else the heuristic one."""
     entries = _table(device_name(device)).get(shape_key(num_experts, inter, hidden, top_k, dtype))
     if entries:
-        want = batch_bucket(num_tokens)
-        nearest = min(entries, key=lambda b: (abs(math.log2(int(b)) - math.log2(want)), int(b)))
-        return check_config(entries[nearest])
+        return check_config(nearest_entry(entries, num_tokens))
     # by bucket, like the tables: the configurations of 1 .. N tokens are those of the powers of two up to N
     return heuristic_config(batch_bucket(num_tokens), num_experts, inter, hidden, top_k, dtype)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightllm.kernels.fp8 import dequantize_weight_blocks, fp8_block_linear, quantize_weight_blocks
-from lightllm.kernels.fp8.gemm import warmup_token_counts
+from lightllm.kernels.fp8.configs import warmup_token_counts
 
 
 class Fp8Weight(nn.Module):
@@ -88,7 +88,8 @@ def warmup_fp8_linears(model: nn.Module, act_dtype: torch.dtype, backend: str | 
             shapes.setdefault((tuple(m.weight.shape), m.block), m)
     launches = 0
     for w in shapes.values():
-        for tokens in warmup_token_counts():
+        n, k = w.shape
+        for tokens in warmup_token_counts(n, k, w.block, w.weight.device):
             x = torch.zeros(tokens, w.shape[1], dtype=act_dtype, device=w.weight.device)
             fp8_block_linear(x, w.weight, w.weight_scale_inv, block=w.block, backend=backend)
             launches += 1
