@@ -130,7 +130,9 @@ def test_openapi_schema_describes_the_agent_fields():
     assert schemas["FunctionDef"]["properties"]["name"]["pattern"]
 
 
-def test_constrained_output_on_a_tiktoken_checkpoint_is_a_400(tmp_path):
+def test_constrained_output_on_a_tiktoken_checkpoint_gets_its_grammar(tmp_path):
+    """A checkpoint with only tiktoken.model (Kimi's released format) is constrained like any other: the engine
+    reads its vocabulary from that file (unit_tests/server/test_grammar_vocab.py)."""
     from lightllm.engine.sampling_params import SamplingParams
     from lightllm.server.http.chat_api import _constrain
     from lightllm.server.http.serving import ApiError
@@ -144,14 +146,12 @@ def test_constrained_output_on_a_tiktoken_checkpoint_is_a_400(tmp_path):
     body = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}
     )
-    with pytest.raises(ApiError) as err:
-        asyncio.run(_constrain(fe, body, out, SamplingParams()))
-    assert err.value.status == 400 and err.value.param == "response_format" and "tiktoken" in err.value.message
-    # twin: the same folder with a tokenizer.json is served
-    (tmp_path / "tokenizer.json").write_text("{}")
     out.starts_in_reasoning = False
     params = asyncio.run(_constrain(fe, body, out, SamplingParams()))
     assert params.grammar and params.grammar_start_token is None
+    # twin: without response_format nothing is constrained
+    plain = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert asyncio.run(_constrain(fe, plain, out, SamplingParams())).grammar is None
     # a grammar ends with EOS: ignore_eos would pad to max_tokens with it
     with pytest.raises(ApiError) as err:
         asyncio.run(_constrain(fe, body, out, SamplingParams(ignore_eos=True)))

@@ -35,7 +35,6 @@ from lightllm.server.http.parsers import (
 from lightllm.server.http.protocol import ChatCompletionRequest, RequestError
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
 from lightllm.server.http.structured import request_grammar
-from lightllm.server.tiktoken_tokenizer import is_tiktoken_folder
 
 router = APIRouter()
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -105,12 +104,6 @@ async def _constrain(fe: Frontend, body: ChatCompletionRequest, out: ChatOutput,
     if params.ignore_eos:
         # a complete grammar allows only EOS: ignoring it would pad the output with EOS tokens to max_tokens
         raise ApiError(400, "ignore_eos: cannot be combined with constrained output (it ends with EOS)", "ignore_eos")
-    if is_tiktoken_folder(fe.info.model_dir):
-        # the engine reads a grammar's vocabulary through transformers' fast tokenizers (tokenizer.json)
-        field = "response_format" if body.response_format is not None else "tool_choice"
-        raise ApiError(
-            400, f"{field}: constrained output needs a tokenizer.json; this checkpoint has only tiktoken.model", field
-        )
     start = None
     if out.starts_in_reasoning:
         start = _single_token(fe, THINK_CLOSE)
