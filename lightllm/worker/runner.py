@@ -35,6 +35,7 @@ from lightllm.worker.graphs.decode import DecodeGraphs, write_window_drafts
 from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
+from lightllm.worker.transfer.host_tier import RunnerHostTier
 from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
 from lightllm.worker.warmup_steps import warm_attention_kernels, warm_expert_and_fp8_kernels, warm_serving_steps
@@ -152,6 +153,9 @@ class ModelRunner:
                 config.prefix_cache_state_fraction,
                 config.prefix_cache_state_bytes,
             )
+        if self.prefix_cache is not None and config.host_cache_name:
+            # the server's host tier: checkpoints are copied there and requests resume from it (any replica)
+            self.prefix_cache.attach_host(RunnerHostTier(self, config.host_cache_name))
         self._requests: dict[int, RequestRecord] = {}
         self._pending: _PendingVerify | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -227,9 +231,10 @@ class ModelRunner:
         return ((max(a.num_kv_heads // tp_size, 1), a.head_dim),) * 2
 
     # requests and memory ---------------------------------------------------------------------------------
-    def add_request(self, prefix: list[int] | None = None) -> int:
+    def add_request(self, prefix: list[int] | None = None, host_tokens: int | None = None) -> int:
         """Reserve a state slot and a KV row; the handle is the KV row index. With `prefix` (the request's
-        tokens) the request resumes from the prefix cache: `num_tokens(handle)` tells how many are committed."""
+        tokens) the request resumes from the prefix cache or its host tier (`host_tokens`: see
+        `RunnerPrefixCache.resume`): `num_tokens(handle)` tells how many are committed."""
         if self.kv.num_free_rows() == 0 or self.state.num_free_slots() == 0:
             raise RuntimeError("no free request slot")
         handle = self.kv.alloc_row()
@@ -238,7 +243,7 @@ class ModelRunner:
             self.drafter.kv.alloc_row()
         if prefix is not None and self.prefix_cache is not None:
             with torch.inference_mode():
-                self.prefix_cache.resume(handle, req, prefix)
+                self.prefix_cache.resume(handle, req, prefix, host_tokens)
         return handle
 
     def free_request(self, handle: int) -> None:

@@ -69,6 +69,9 @@ class PrefixCache:
         self._held: dict[int, TreeNode] = {}
         # checkpoint slot -> its node
         self._owners: dict[int, TreeNode] = {}
+        # called with a node about to lose its checkpoint, while its checkpoint and path KV are intact (the host
+        # tier keeps a copy)
+        self.on_drop: Callable[[TreeNode], None] | None = None
         for index, cache in enumerate(self.caches):
             cache.reclaim = self._reclaimer(index)
 
@@ -108,17 +111,18 @@ class PrefixCache:
         ckpt, hidden = self.pool.read(node.checkpoint)
         return Hit(depth, ckpt, hidden)
 
-    def publish(self, row: int, tokens: Sequence[int], export: Exporter) -> None:
+    def publish(self, row: int, tokens: Sequence[int], export: Exporter) -> TreeNode | None:
         """Insert the row's first `len(tokens)` committed tokens (`tokens`) with a checkpoint at their end.
 
         The tree adopts the row's slots for the tokens it lacks; where it already holds a token, the row's own
         duplicate slot is freed and the row points at the tree's. The row then shares (and locks) the whole
-        prefix. `export()` is called only when the node has no checkpoint yet."""
+        prefix. `export()` is called only when the node has no checkpoint yet. Returns the node when it got a new
+        checkpoint, else None."""
         n = len(tokens)
         kv = self.caches[0]
         shared = int(kv.shared_cpu[row])
         if n == 0 or n < shared:
-            return
+            return None
         assert kv.length(row) >= n, f"row {row} holds {kv.length(row)} tokens, cannot publish {n}"
         values = np.full((n, len(self.caches)), -1, dtype=np.int64)
         values[:, 0] = kv.table_cpu[row, :n]
@@ -149,6 +153,8 @@ class PrefixCache:
             node.checkpoint = slot
             self._owners[slot] = node
             self.stats.num_checkpoints_stored += 1
+            return node
+        return None
 
     def release(self, row: int) -> None:
         """Drop the row's lock (call after the row's KV was freed: its shared columns are not freed by it)."""
@@ -180,6 +186,8 @@ class PrefixCache:
         return self.pool.alloc()
 
     def _drop_checkpoint(self, node: TreeNode) -> None:
+        if self.on_drop is not None:
+            self.on_drop(node)
         self.pool.free(node.checkpoint)
         del self._owners[node.checkpoint]
         node.checkpoint = None

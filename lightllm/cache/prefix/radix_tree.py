@@ -95,6 +95,14 @@ class RadixTree:
             return np.zeros((0, self.num_caches), dtype=np.int64)
         return np.concatenate(parts[::-1])
 
+    def path_tokens(self, node: TreeNode) -> np.ndarray:
+        """The tokens spelled from the root to the end of `node`."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else np.zeros(0, dtype=np.int64)
+
     def depth(self, node: TreeNode) -> int:
         n = 0
         while node is not self.root:

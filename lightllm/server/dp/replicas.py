@@ -21,6 +21,7 @@ from lightllm.server.args import ServerArgs
 from lightllm.server.dp.balancer import NoReplicaAlive, create_balancer
 from lightllm.server.dp.replica_metrics import ReplicaCollector, replica_rows
 from lightllm.server.dp.restart import ReplicaRestarter, RestartPolicy
+from lightllm.server.host_cache import start_with_host_cache
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.launcher import EngineHandle, spawn_engine, start_engine
 from lightllm.server.model_info import ModelInfo
@@ -39,7 +40,13 @@ def replica_args(args: ServerArgs) -> ServerArgs:
 
 
 def start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> EngineHandle | ReplicaSet:
-    """The engine the API server talks to: one engine process, or with `--dp N` a set of N replicas."""
+    """The engine the API server talks to, with the host tier its engines share when it is on
+    (`server.host_cache`)."""
+    return start_with_host_cache(args, lambda args: _start_engines(args, info, runner_factory))
+
+
+def _start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> EngineHandle | ReplicaSet:
+    """One engine process, or with `--dp N` a set of N replicas."""
     if args.dp == 1:
         return start_engine(args, info, runner_factory)
     policy = RestartPolicy(args.dp_restart_attempts, args.dp_restart_backoff_s)

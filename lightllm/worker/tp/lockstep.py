@@ -180,6 +180,13 @@ class LockstepRunner:
             dist.broadcast(t, src=0)
         return run_plan(self.runner, plan, self.group.control)
 
+    def add_request(self, prefix: list[int] | None = None) -> int:
+        """A new request on every rank. Rank 0 chooses the host-tier entry it resumes from (if any), so that
+        every rank imports its shard of the same entry."""
+        cache = self.runner.prefix_cache
+        host = cache.host_match(prefix) if prefix and cache is not None else 0
+        return self._everywhere(Plan("add_request", (prefix,), {"host_tokens": host}))
+
     def export_request(self, handle: int, pack: Callable | None = None) -> RequestState:
         """Prefill/decode disaggregation: the request's committed state with every rank's heads, in global order
         (host blobs, or packed by `pack` from rank 0's device; see `ModelRunner.export_request`)."""

@@ -20,6 +20,7 @@ import torch
 from lightllm.cache.kv_cache import KVCache
 from lightllm.cache.prefix import CheckpointPool, PrefixCache, PrefixMatch
 from lightllm.linear_att.base import Checkpoint, LinearAttState
+from lightllm.worker.transfer.host_tier import RunnerHostTier
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +86,47 @@ class RunnerPrefixCache:
         self.state = state
         self.drafter = drafter
         self.device = pool.device
+        # the host tier behind this cache (`attach_host`), or None
+        self.host: RunnerHostTier | None = None
+
+    def attach_host(self, host: RunnerHostTier) -> None:
+        """Back this cache with the host tier: new checkpoints are copied there, dropped ones spill there (when
+        missing), and a request resumes from it when it holds a longer prefix than the device."""
+        self.host = host
+        self.cache.on_drop = host.save
 
     @property
     def pool(self) -> CheckpointPool:
         return self.cache.pool
 
     def match(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """A lookup for a new request for `token_ids`: at most all but the last token (it needs logits)."""
-        return self.cache.match(token_ids[:-1]) if len(token_ids) > 1 else PrefixMatch()
+        """A lookup for a new request for `token_ids`: at most all but the last token (it needs logits). A longer
+        host-tier entry wins; its tokens count as pinned (they take fresh KV slots)."""
+        match = self.cache.match(token_ids[:-1]) if len(token_ids) > 1 else PrefixMatch()
+        host = self.host_match(token_ids, match.num_tokens)
+        if host:
+            return PrefixMatch(num_tokens=host, num_pinned=host, num_matched=match.num_matched)
+        return match
 
-    def resume(self, handle: int, req, token_ids: Sequence[int]) -> None:
-        """Start the new request `handle` from the deepest checkpoint on its tokens' path (a miss leaves it
-        empty)."""
+    def host_match(self, token_ids: Sequence[int], longer_than: int | None = None) -> int:
+        """The length of the host-tier entry a new request for `token_ids` would resume from: one longer than the
+        device's hit (0: none)."""
+        if self.host is None or len(token_ids) < 2:
+            return 0
+        if longer_than is None:
+            longer_than = self.cache.match(token_ids[:-1]).num_tokens
+        return self.host.match_len(list(token_ids), longer_than)
+
+    def resume(self, handle: int, req, token_ids: Sequence[int], host_tokens: int | None = None) -> None:
+        """Start the new request `handle` from the deepest checkpoint on its tokens' path, or from the host tier
+        when it holds a longer prefix (a miss leaves it empty). `host_tokens`: the host entry's length chosen on
+        rank 0 for every tensor-parallel rank (0: none); None: the longest."""
+        if self.host is not None and host_tokens != 0 and len(token_ids) > 1:
+            device = self.cache.match(token_ids[:-1]).num_tokens
+            if self.host.resume(req, list(token_ids), device, host_tokens):
+                self.cache.stats.num_queried_tokens += len(token_ids)
+                self.cache.stats.num_hit_tokens += req.num_tokens
+                return
         hit = self.cache.resume(handle, token_ids[:-1], len(token_ids)) if len(token_ids) > 1 else None
         if hit is None:
             return
@@ -107,13 +137,16 @@ class RunnerPrefixCache:
             req.mtp_hidden, req.mtp_next_ids = [(hit.hidden.clone(), 0, 1)], []
 
     def publish(self, handle: int, req, token_ids: Sequence[int]) -> None:
-        """Offer the request's committed tokens `token_ids` (exactly its committed length) to the cache."""
+        """Offer the request's committed tokens `token_ids` (exactly its committed length) to the cache (and a
+        new checkpoint to the host tier)."""
         if not token_ids or len(token_ids) != req.num_tokens:
             return
         if self.drafter is not None:
             # the head's KV must hold the pair of every published token (prefill chunks leave them pending)
             self.drafter.commit_known_pairs(handle, req)
-        self.cache.publish(handle, token_ids, lambda: self._export(req))
+        node = self.cache.publish(handle, token_ids, lambda: self._export(req))
+        if node is not None and self.host is not None:
+            self.host.save(node)
 
     def release(self, handle: int) -> None:
         self.cache.release(handle)
@@ -144,4 +177,5 @@ class RunnerPrefixCache:
             "checkpoint_capacity_bytes": pool.num_bytes,
             "bytes_per_checkpoint": pool.bytes_per_checkpoint,
             "num_cached_tokens": self.cache.tree.num_tokens,
+            **(self.host.stats() if self.host is not None else {}),
         }

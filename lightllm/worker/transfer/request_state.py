@@ -42,10 +42,14 @@ def export_request(runner, req, pack: Callable[[list[torch.Tensor]], list[Tensor
         source, row = req.mtp_last_hidden
         tensors.append(source[row : row + 1])
         mtp_len = req.mtp_len
-    blobs = pack(tensors)
-    num_kv = len(runner.kv.buffers)
-    state = RequestState(n, blobs[:num_kv], blobs[num_kv], blobs[num_kv + 1])
-    if drafter is not None:
+    return request_state_of(pack(tensors), n, len(runner.kv.buffers), mtp_len if drafter is not None else None)
+
+
+def request_state_of(blobs: list[TensorBlob], num_tokens: int, num_kv: int, mtp_len: int | None) -> RequestState:
+    """A `RequestState` of blobs in export order: the KV components, conv, SSM and, with MTP (`mtp_len` not None),
+    the head's KV components and the last hidden state."""
+    state = RequestState(num_tokens, blobs[:num_kv], blobs[num_kv], blobs[num_kv + 1])
+    if mtp_len is not None:
         state.mtp_kv, state.mtp_len, state.mtp_hidden = blobs[num_kv + 2 : -1], mtp_len, blobs[-1]
     return state
 

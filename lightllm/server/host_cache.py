@@ -1,0 +1,69 @@
+"""The server's host tier: created before the engines start, attached by each of them by name, unlinked when the
+server stops.
+
+One arena per server, shared by every engine process (each data-parallel replica and each tensor-parallel rank):
+a file in /dev/shm named after this process. Its size is `--host_cache_gb`, or by default 16 GiB capped at half
+of the free space of /dev/shm (the file is sparse: memory is used as entries are written). It is off without the
+prefix cache and outside `--run_mode normal`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import Callable
+
+from lightllm.cache.host_tier import HostArena
+from lightllm.cache.host_tier.arena import SHM_DIR
+from lightllm.server.args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST_CACHE_GB = 16
+# blocks of the arena: an entry takes whole blocks (a tiny model's prefix takes one)
+BLOCK_BYTES = 1 << 20
+
+
+def host_cache_bytes(args: ServerArgs) -> int:
+    """The arena's size for these flags (0: off)."""
+    if args.disable_prefix_cache or args.run_mode != "normal" or args.host_cache_name:
+        return 0
+    if args.host_cache_gb is not None:
+        return int(args.host_cache_gb * 2**30)
+    shm = os.statvfs(SHM_DIR)
+    return min(DEFAULT_HOST_CACHE_GB << 30, shm.f_bavail * shm.f_frsize // 2)
+
+
+class WithHostCache:
+    """An engine (one process or the replicas) and the host tier it uses: stopping it unlinks the arena. Every
+    other attribute is the engine's."""
+
+    def __init__(self, engine, arena: HostArena):
+        self.engine = engine
+        self.arena = arena
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def stop(self, *args, **kwargs) -> None:
+        try:
+            self.engine.stop(*args, **kwargs)
+        finally:
+            self.arena.unlink()
+
+
+def start_with_host_cache(args: ServerArgs, start: Callable[[ServerArgs], object]):
+    """`start(args)` with the host tier created first and named in the engines' flags (as is when it is off)."""
+    num_bytes = host_cache_bytes(args)
+    if num_bytes < BLOCK_BYTES:
+        return start(args)
+    arena = HostArena.create(f"lightllm-host-{os.getpid()}-{uuid.uuid4().hex[:8]}", num_bytes, BLOCK_BYTES)
+    logger.info("host tier: %.2f GiB in %s/%s", arena.capacity_bytes / 2**30, SHM_DIR, arena.name)
+    try:
+        engine = start(dataclasses.replace(args, host_cache_name=arena.name))
+    except BaseException:
+        arena.unlink()
+        raise
+    return WithHostCache(engine, arena)

@@ -1,0 +1,185 @@
+"""The runner's side of the host tier: a prefix-cache node's state out to shared host memory, and back into a
+fresh request of any replica.
+
+An entry's section (one per tensor-parallel rank) is what prefill/decode disaggregation moves for a request,
+taken from a tree node instead of a live request: the KV of the prefix (main and, with MTP, the head's pairs), the
+node's canonical checkpoint (conv window and SSM, mode-independent) and with MTP the main model's hidden state
+at its last token. It is laid out as a `RequestState` whose blobs lie in the section (a msgpack descriptor, then
+the tensors), so a hit goes through `import_request` like a decode node's transfer and a replica of any state
+mode resumes it. After the import the MTP hidden state is made pending, as a device prefix-cache hit leaves it:
+the next forward pairs it with the first new token, as a cold run would.
+
+Entries are written when the device prefix cache stores a new checkpoint (`save` after a publish) and when it
+drops one (spill on eviction; a no-op when the entry is there already).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import msgspec
+import numpy as np
+import torch
+
+from lightllm.cache.host_tier import HostArena, HostTier, Ticket
+from lightllm.cache.payload import RequestState, TensorBlob
+from lightllm.cache.prefix import TreeNode
+from lightllm.worker.transfer.request_state import import_request, request_state_of
+
+ALIGN = 64
+_DESC_LEN = struct.Struct("<I")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout_digest(runner) -> bytes:
+    """What a section's tensors look like on this runner, minus the token count: replicas that agree on it can
+    read each other's entries (state modes may differ: checkpoints are canonical)."""
+    ckpt = runner.prefix_cache.pool
+    parts = [
+        runner.config.tp_size,
+        [(tuple(b.shape[2:]), str(b.dtype), b.shape[0]) for b in runner.kv.buffers],
+        [(tuple(t.shape[:1] + t.shape[2:]), str(t.dtype)) for t in (ckpt.conv, ckpt.ssm)],
+        None if runner.drafter is None else [(tuple(b.shape[2:]), str(b.dtype)) for b in runner.drafter.kv.buffers],
+        None if ckpt.hidden is None else (ckpt.hidden.shape[1], str(ckpt.hidden.dtype)),
+    ]
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def section_layout(tensors: list[torch.Tensor], state: RequestState) -> tuple[bytes, list[int], int]:
+    """The descriptor, each tensor's byte offset in the section's data, and the section's size."""
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end = _aligned(end + t.numel() * t.element_size())
+    _fill_offsets(state, iter(offsets))
+    desc = msgspec.msgpack.encode(state)
+    return desc, offsets, _data_start(len(desc)) + end
+
+
+def _fill_offsets(state: RequestState, offsets) -> None:
+    """Point the state's blobs, in export order, at successive `offsets`."""
+    blobs = [*state.kv, state.conv, state.ssm, *state.mtp_kv]
+    if state.mtp_hidden is not None:
+        blobs.append(state.mtp_hidden)
+    for blob in blobs:
+        blob.offset = next(offsets)
+
+
+def _data_start(desc_len: int) -> int:
+    return _aligned(_DESC_LEN.size + desc_len)
+
+
+def _blob(t: torch.Tensor) -> TensorBlob:
+    return TensorBlob(str(t.dtype).removeprefix("torch."), list(t.shape), b"")
+
+
+class RunnerHostTier:
+    """One rank's handle: `save` a node's state, `match_len` and `resume` a new request from an entry."""
+
+    def __init__(self, runner, arena_name: str):
+        self.runner = runner
+        arena = HostArena.attach(arena_name)
+        self.tier = HostTier(arena, layout_digest(runner), runner.config.tp_size, runner.config.tp_rank)
+        self.num_hit_tokens = 0
+
+    # writing ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def save(self, node: TreeNode) -> bool:
+        """Copy the node's prefix state into the tier unless it holds it already; False when it did not (there,
+        or no room). A node without a checkpoint has nothing to resume from."""
+        cache = self.runner.prefix_cache.cache
+        tokens = cache.tree.path_tokens(node)
+        if node.checkpoint is None or len(tokens) == 0 or self.tier.contains(tokens):
+            return False
+        tensors, state = self._node_state(node)
+        desc, offsets, nbytes = section_layout(tensors, state)
+        ticket = self.tier.begin_write(tokens, nbytes)
+        if ticket is None:
+            return False
+        section = self.tier.section(ticket)
+        section[: _DESC_LEN.size] = np.frombuffer(_DESC_LEN.pack(len(desc)), dtype=np.uint8)
+        section[_DESC_LEN.size : _DESC_LEN.size + len(desc)] = np.frombuffer(desc, dtype=np.uint8)
+        data = section[_data_start(len(desc)) :]
+        for t, offset in zip(tensors, offsets):
+            nbytes = t.numel() * t.element_size()
+            if nbytes:
+                torch.from_numpy(data[offset : offset + nbytes]).view(t.dtype).view(t.shape).copy_(t)
+        return self.tier.commit(ticket)
+
+    def _node_state(self, node: TreeNode) -> tuple[list[torch.Tensor], RequestState]:
+        """The node's prefix as tensors in export order and the `RequestState` describing them (blobs without
+        bytes)."""
+        runner, cache = self.runner, self.runner.prefix_cache.cache
+        values = cache.tree.path_values(node)
+        n = len(values)
+        slots = torch.from_numpy(values[:, 0]).to(runner.device)
+        tensors = [buf[:, slots] for buf in runner.kv.buffers]
+        ckpt, hidden = cache.pool.read(node.checkpoint)
+        tensors += [ckpt.conv, ckpt.ssm]
+        mtp_len = None
+        if runner.drafter is not None:
+            mtp_slots = torch.from_numpy(values[1:, 1]).to(runner.device)
+            tensors += [buf[:, mtp_slots] for buf in runner.drafter.kv.buffers]
+            tensors.append(hidden)
+            mtp_len = n - 1
+        state = request_state_of([_blob(t) for t in tensors], n, len(runner.kv.buffers), mtp_len)
+        return tensors, state
+
+    # reading ---------------------------------------------------------------------------------------------
+    def match_len(self, prefix: list[int], longer_than: int, num_tokens: int | None = None) -> int:
+        """The length of the entry a new request for `prefix` would resume from (at most all but its last
+        token), longer than `longer_than` (0: none); leases it."""
+        ticket = self._lookup(prefix, longer_than, num_tokens)
+        return 0 if ticket is None else ticket.num_tokens
+
+    def _lookup(self, prefix: list[int], longer_than: int, num_tokens: int | None) -> Ticket | None:
+        """With `num_tokens`, only an entry of exactly that length (rank 0 chose it for every rank)."""
+        if len(prefix) < 2:
+            return None
+        tokens = prefix[:-1]
+        if num_tokens is None:
+            return self.tier.lookup(tokens, longer_than)
+        if num_tokens <= longer_than or num_tokens > len(tokens):
+            return None
+        return self.tier.lookup(tokens[:num_tokens], num_tokens - 1)
+
+    def resume(self, req, prefix: list[int], longer_than: int, num_tokens: int | None = None) -> bool:
+        """Start the fresh request `req` from the longest entry for `prefix` longer than `longer_than` (or the
+        one of `num_tokens` tokens); False, with nothing imported, on a miss or when the entry changed while it
+        was copied out."""
+        ticket = self._lookup(prefix, longer_than, num_tokens)
+        if ticket is None:
+            return False
+        section = self.tier.section(ticket)
+        (desc_len,) = _DESC_LEN.unpack(section[: _DESC_LEN.size].tobytes())
+        if _data_start(desc_len) > len(section):
+            return False
+        # a private copy first: the entry may be evicted once its lease ends, and a torn copy must never reach
+        # the state (pinned on CUDA, so the copies to the device run at full speed)
+        pinned = self.runner.device.type == "cuda"
+        local = torch.empty(len(section), dtype=torch.uint8, pin_memory=pinned)
+        local.numpy()[:] = section
+        if not self.tier.valid(ticket):
+            return False
+        desc = local[_DESC_LEN.size : _DESC_LEN.size + desc_len].numpy().tobytes()
+        state = msgspec.msgpack.decode(desc, type=RequestState)
+        import_request(self.runner, req, state, local[_data_start(desc_len) :])
+        if self.runner.drafter is not None:
+            # pending, as a device hit leaves it: the next forward pairs it with the first new token
+            hidden, _ = req.mtp_last_hidden
+            req.mtp_hidden, req.mtp_next_ids, req.mtp_last_hidden = [(hidden, 0, 1)], [], None
+        self.num_hit_tokens += state.num_tokens
+        return True
+
+    def stats(self) -> dict[str, int]:
+        s = self.tier.stats
+        return {
+            "host_hit_tokens": self.num_hit_tokens,
+            "host_entries_written": s.num_writes,
+            "host_entries_evicted": s.num_evicted,
+            "host_bytes_written": s.num_written_bytes,
+        }

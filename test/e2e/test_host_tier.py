@@ -1,0 +1,120 @@
+"""The host tier with the real ModelRunner on a tiny checkpoint, engines in one process sharing one arena: a
+request resumes from an entry another engine wrote (of another state mode, with and without MTP) with the cold
+run's tokens and logprobs within 1e-5; a zeroed entry changes the output; a single engine's device evictions spill
+to the host tier and come back on a hit."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import numpy as np
+import pytest
+
+from lightllm.cache.host_tier import HostArena
+from lightllm.cache.host_tier.arena import READY
+from lightllm.cache.host_tier.slots import free_record
+from unit_tests.helpers.prefix_scenario import Result, drain, fresh, make_engine, submit
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_TOKENS = 6
+# (writer mode, reader mode, speculation): the reader resumes what a writer of another mode exported
+PAIRS = [
+    ("replay", "native", {}),
+    ("native", "replay", {"mtp_step": 2}),
+    ("compact", "native", {"mtp_step": 2}),
+    ("native", "compact", {"spec_ngram": 3}),
+]
+
+
+@pytest.fixture
+def arena():
+    a = HostArena.create(f"lightllm-test-{uuid.uuid4().hex}", 64 << 20, block_bytes=1 << 16, max_entries=64)
+    yield a
+    a.unlink()
+
+
+def _run(engine, req_id: str, prompt: list[int]) -> Result:
+    res = {req_id: Result()}
+    submit(engine, req_id, prompt, MAX_TOKENS)
+    drain(engine, res)
+    return res[req_id]
+
+
+def _conversation(seed: int) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    return fresh(rng, 40), fresh(rng, 3)
+
+
+def _second_turn(first: list[int], answer: list[int], new: list[int]) -> list[int]:
+    return first + answer + new
+
+
+@pytest.mark.parametrize(("writer", "reader", "spec"), PAIRS, ids=[f"{w}-to-{r}-{s}" for w, r, s in PAIRS])
+def test_resume_from_another_engines_entry(arena, writer, reader, spec):
+    first, new = _conversation(1)
+    cold = make_engine("qwen3_5", reader, spec, cache=False)
+    cold_first = _run(cold, "c1", first)
+    second = _second_turn(first, cold_first.tokens, new)
+    cold_second = _run(cold, "c2", second)
+
+    a = make_engine("qwen3_5", writer, spec, host_cache_name=arena.name)
+    assert _run(a, "a1", first).tokens == cold_first.tokens
+    b = make_engine("qwen3_5", reader, spec, host_cache_name=arena.name)
+    hot = _run(b, "b2", second)
+    # the writer's end of turn one: prompt + answer but the last answer token (never fed)
+    assert hot.cached == len(first) + MAX_TOKENS - 1
+    assert hot.tokens == cold_second.tokens
+    np.testing.assert_allclose(hot.logprobs, cold_second.logprobs, atol=1e-5)
+    stats = b.runner.prefix_cache_stats()
+    assert stats["host_hit_tokens"] == hot.cached
+
+
+def test_zeroed_entry_changes_the_output(arena):
+    first, new = _conversation(2)
+    a = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
+    answer = _run(a, "a1", first).tokens
+    second = _second_turn(first, answer, new)
+    b = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
+    good = _run(b, "b2", second)
+    assert good.cached == len(first) + MAX_TOKENS - 1
+    # the same request on a fresh engine, after every entry's state and KV bytes were zeroed
+    for index in np.flatnonzero(arena.entries["state"] == READY):
+        record = arena.entries[index]
+        start = int(record["first_block"]) * arena.block_bytes
+        tokens_bytes = -(-8 * int(record["num_tokens"]) // 64) * 64
+        section = arena.data[start + tokens_bytes : start + tokens_bytes + int(record["shard_bytes"])]
+        desc_end = -(-(4 + int(np.frombuffer(section[:4].tobytes(), "<u4")[0])) // 64) * 64
+        section[desc_end:] = 0
+    c = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
+    bad = _run(c, "c2", second)
+    assert bad.cached == good.cached
+    assert np.abs(np.asarray(bad.logprobs) - np.asarray(good.logprobs)).max() > 1e-3
+
+
+def test_device_evictions_spill_and_come_back(arena):
+    first, new = _conversation(3)
+    cold = make_engine("qwen3_5", "replay", {}, cache=False)
+    answer = _run(cold, "c1", first).tokens
+    second = _second_turn(first, answer, new)
+    cold_second = _run(cold, "c2", second)
+
+    engine = make_engine("qwen3_5", "replay", {}, host_cache_name=arena.name)
+    assert _run(engine, "e1", first).tokens == answer
+    # forget what was copied at publish time: only the spill can bring the state back
+    with arena.locked():
+        for index in np.flatnonzero(arena.entries["state"] != 0):
+            free_record(arena, int(index))
+    engine.runner.evict_prefix_cache()
+    assert engine.runner.prefix_cache.cache.num_checkpoints() == 0
+    assert (arena.entries["state"] == READY).sum() > 0
+    hot = _run(engine, "e2", second)
+    assert hot.cached == len(first) + MAX_TOKENS - 1
+    assert hot.tokens == cold_second.tokens
+    np.testing.assert_allclose(hot.logprobs, cold_second.logprobs, atol=1e-5)
+    # twin: without the host tier the evicted prefix is recomputed
+    bare = make_engine("qwen3_5", "replay", {})
+    _run(bare, "x1", first)
+    bare.runner.evict_prefix_cache()
+    assert _run(bare, "x2", second).cached == 0
