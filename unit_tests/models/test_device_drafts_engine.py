@@ -150,7 +150,8 @@ def scripted_run(
     if fixed_buffers:
         graphs = engine.runner.decode_graphs
         run = graphs.run
-        graphs.run = lambda *a: fed.append(a[-1] is not None) or run(*a)
+        # the drafts are the seventh argument
+        graphs.run = lambda *a, **k: fed.append(a[6] is not None) or run(*a, **k)
     result = drive(engine, stop_ids)
     monkeypatch.setattr(DraftBatch, "host", original)
     # the fixed buffers took drafts from the device (when they stayed there)

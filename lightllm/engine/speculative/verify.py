@@ -121,3 +121,30 @@ def window_nan_counts(logits: torch.Tensor, starts: torch.Tensor, widths: torch.
     flags = nonfinite_rows(logits).long()
     nan_before = torch.cat([flags.new_zeros(1), flags.cumsum(0)])
     return nan_before[starts + widths] - nan_before[starts]
+
+
+def verify_full_windows_on_device(
+    logits: torch.Tensor, drafts: torch.Tensor, kept: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy verification left on the device, for windows that all hold K drafts: row i's window spans logits rows
+    `i * W .. i * W + K` (W = K + 1), `drafts [n, K]` on the device. A window keeps its drafts while each equals the
+    argmax before it (or `kept [n]` of them: simulated acceptance), then the argmax after the last kept one.
+
+    Returns, all on the device: accepted counts `[n]` int64 (kept drafts + 1; 1 for a window whose logits cannot
+    be sampled from, as `verify_greedy_windows` accepts for it), next tokens `[n]`, pair tokens `[n, W]` (the
+    token following each window position: the kept drafts, then the next token, then the rejected drafts' places
+    zeroed) and non-finite flags `[n]` bool. The first `counts[i]` pair tokens are what the window emits."""
+    n, k = drafts.shape
+    w = k + 1
+    argmax = logits.argmax(dim=-1).view(n, w)
+    if kept is None:
+        kept = (drafts == argmax[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    starts = torch.arange(n, device=logits.device) * w
+    bad = window_nan_counts(logits, starts, torch.full_like(starts, w)) > 0
+    counts = torch.where(bad, torch.ones_like(kept), kept.to(torch.long) + 1)
+    next_tokens = argmax.gather(1, (counts - 1)[:, None]).squeeze(1)
+    columns = torch.arange(w, device=logits.device)[None, :]
+    after = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
+    pairs = torch.where(columns < (counts - 1)[:, None], after, torch.zeros_like(after))
+    pairs = torch.where(columns == (counts - 1)[:, None], next_tokens[:, None], pairs)
+    return counts, next_tokens, pairs, bad

@@ -107,11 +107,15 @@ class DecodeGraphs:
         state_slots: np.ndarray,
         first_tokens: torch.Tensor | None = None,
         draft_ids: torch.Tensor | None = None,
+        cached_extra: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, DecodeRows]:
         """One decode-only step of `n = len(q_lens)` rows (`n <= max_batch`); `input_ids [n * W]` in the padded
         layout, whose first token per row is replaced by `first_tokens [n]` and whose drafts by `draft_ids [n, D]`
-        (device tensors; see `write_window_drafts`) when given. Returns the hidden states `[n * W, hidden]` (a view,
-        valid until the next run) and the rows' DecodeRows for `accept`."""
+        (device tensors; see `write_window_drafts`) when given. `cached_extra [n]` (int, on the device): tokens
+        each row committed beyond `cached[i]` that the host has not read yet (a verify still in flight); positions,
+        cached lengths and KV write slots are shifted by them on the device, the row's KV row already holding slots
+        that far. Returns the hidden states `[n * W, hidden]` (a view, valid until the next run) and the rows'
+        DecodeRows for `accept`."""
         n = len(q_lens)
         rows = self.bucket(n)
         assert rows is not None, f"{n} rows exceed the largest decode bucket {self.max_batch}"
@@ -143,12 +147,27 @@ class DecodeGraphs:
             self._i64[0, : n * w : w].copy_(first_tokens)
         if draft_ids is not None:
             write_window_drafts(self._i64[0, : n * w].view(n, w), draft_ids)
+        if cached_extra is not None:
+            self._shift_rows(n, cached_extra)
         hidden = self._graphs.run(rows)
         i32 = self._i32
         accept_rows = DecodeRows(
             slots=i32[_I32.index("state_slots"), :n], widths=i32[_I32.index("widths"), :n], max_width=w
         )
         return hidden[: n * w], accept_rows
+
+    def _shift_rows(self, n: int, extra: torch.Tensor) -> None:
+        """Move the first `n` rows' windows `extra[i]` tokens further on the device (see `run`)."""
+        w, i64, i32 = self.width, self._i64, self._i32
+        extra = extra.to(device=i64.device, dtype=torch.int64)
+        positions = i64[_I64.index("positions"), : n * w].view(n, w)
+        positions += extra[:, None]
+        i32[_I32.index("num_cached"), :n] += extra.to(torch.int32)
+        real = i64[_I64.index("real"), : n * w].view(n, w) != 0
+        table_rows = i64[_I64.index("table_rows"), :n]
+        slots = self.kv.req_to_slot[table_rows[:, None], positions.clamp(max=self.kv.max_req_len - 1)]
+        write_slots = i64[_I64.index("write_slots"), : n * w].view(n, w)
+        write_slots.copy_(torch.where(real, slots, write_slots))
 
 
 def write_window_drafts(windows: torch.Tensor, draft_ids: torch.Tensor) -> None:

@@ -116,10 +116,26 @@ class DraftGraphs:
         n = len(q_lens)
         rows = self.bucket(n)
         assert rows is not None and int(q_lens.max()) <= self.width, "batch outside the captured shapes"
-        w, steps = self.width, self.mtp_step
         # the commit's pairs plus one entry per chained draft (the next draft truncates them again)
         self.kv.truncate_many(kv_rows, cached)
-        self.kv.extend_many(kv_rows, q_lens + steps - 1)
+        self.kv.extend_many(kv_rows, q_lens + self.mtp_step - 1)
+        self._fill(n, rows, kv_rows, q_lens, cached, tokens, hidden)
+        drafts, logits = self._graphs.run(rows)
+        # the outputs are the graph's buffers: the caller keeps copies
+        return drafts[:n].clone(), logits[:n].clone()
+
+    def _fill(
+        self,
+        n: int,
+        rows: int,
+        kv_rows: np.ndarray,
+        q_lens: np.ndarray,
+        cached: np.ndarray,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> None:
+        """The buffers of `run` for rows whose KV slots are allocated."""
+        w, steps = self.width, self.mtp_step
         h64, h32 = self._host64, self._host32
         h64[:, : rows * w] = 0
         h32[:, :rows] = 0
@@ -141,6 +157,59 @@ class DraftGraphs:
         layout_dev = to_device(layout, self._hidden.device)
         self._i64[0, layout_dev] = tokens
         self._hidden[layout_dev] = hidden.to(self._hidden.dtype)
-        drafts, logits = self._graphs.run(rows)
-        # the outputs are the graph's buffers: the caller keeps copies
-        return drafts[:n].clone(), logits[:n].clone()
+
+    def run_on_device(
+        self,
+        kv_rows: np.ndarray,
+        cached: np.ndarray,
+        max_extra: np.ndarray,
+        width: int,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        num_pairs: torch.Tensor,
+        cached_extra: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`run` for rows whose counts are on the device, not yet read by the host: row i commits the first
+        `num_pairs[i]` (1 .. `width`) of its `width` pairs (`hidden`, `tokens`: `[n * width]`, row-major) after
+        `cached[i] + cached_extra[i]` committed ones (`cached_extra[i]` at most `max_extra[i]`: pairs of a draft
+        still in flight). KV slots are allocated for the worst case (`max_extra` and `width` pairs); positions,
+        write slots, lengths and the row's last pair are set on the device. Returns the drafts `[n, mtp_step]`."""
+        n = len(kv_rows)
+        rows = self.bucket(n)
+        assert rows is not None and width <= self.width, "batch outside the captured shapes"
+        keep = cached + max_extra
+        self.kv.truncate_many(kv_rows, keep)
+        short = keep - self.kv.lengths_cpu[kv_rows]
+        self.kv.extend_many(kv_rows, short + width + self.mtp_step - 1)
+        self._fill(n, rows, kv_rows, np.full(n, width, dtype=np.int64), cached, tokens, hidden)
+        self._shift(n, num_pairs, cached_extra)
+        drafts, _ = self._graphs.run(rows)
+        return drafts[:n].clone()
+
+    def _shift(self, n: int, num_pairs: torch.Tensor, cached_extra: torch.Tensor | None) -> None:
+        """Set the device counts of `run_on_device` into the buffers `_fill` wrote for full-width rows."""
+        w, i64, i32 = self.width, self._i64, self._i32
+        device = i64.device
+        q = num_pairs.to(device=device, dtype=torch.int64)
+        start = i32[self._field32(0, "num_cached"), :n].long()
+        if cached_extra is not None:
+            start = start + cached_extra.to(device=device, dtype=torch.int64)
+        table_rows = i64[2, :n]
+        max_col = self.kv.max_req_len - 1
+        col = torch.arange(w, device=device)
+        real = col[None, :] < q[:, None]
+        pos = start[:, None] + col[None, :]
+        slots = self.kv.req_to_slot[table_rows[:, None], pos.clamp(max=max_col)]
+        hold = torch.full_like(slots, self.kv.hold_slot)
+        # padding places take their row's first position, as `layout_positions` gives them
+        i64[self._field64(0, "positions"), : n * w] = (torch.where(real, pos, start[:, None]) + 1).flatten()
+        i64[self._field64(0, "write_slots"), : n * w] = torch.where(real, slots, hold).flatten()
+        i64[self._field64(0, "real"), : n * w] = real.long().flatten()
+        i32[self._field32(0, "query_len"), :n] = q.to(torch.int32)
+        i32[self._field32(0, "num_cached"), :n] = start.to(torch.int32)
+        i64[1, :n] = torch.arange(n, device=device) * w + q - 1
+        for phase in range(1, self.mtp_step):
+            at = start + q + phase - 1
+            i64[self._field64(phase, "positions"), :n] = at + 1
+            i64[self._field64(phase, "write_slots"), :n] = self.kv.req_to_slot[table_rows, at.clamp(max=max_col)]
+            i32[self._field32(phase, "num_cached"), :n] = at.to(torch.int32)

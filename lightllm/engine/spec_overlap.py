@@ -1,0 +1,198 @@
+"""Overlapped speculative steps: greedy MTP verify t + 1 launched before the host reads verify t back.
+
+A launched step runs, without a host wait, the verify forward of full windows (W = mtp_step + 1 tokens per row),
+acceptance on the device (`verify_full_windows_on_device`: counts, next tokens, and the pair tokens the MTP head
+commits), the state's accept with those device counts and the MTP head's drafts for the next windows
+(`runner.accept_on_device`). Its successor takes its first tokens and drafts from those device tensors; the
+runner shifts the successor's positions, cached lengths and KV write slots by the unread counts on the device, KV
+having been allocated for the worst case (W more tokens a row), and releases the rejected KV when the host reads
+the counts (`runner.settle`), one step later. Emitting tokens, stop checks, finishes and their publishes follow
+one step late, as for plain overlap; a row that finished at step t rides along in t + 1 and its tokens are dropped.
+
+Only steady greedy MTP decode chains this way: every row greedy without penalties or a grammar, a full window of
+drafts, at least 2W tokens left (so neither in-flight step can reach the length limit and the successor's window
+is full, exactly as the synchronous scheduler would make it), nothing to admit, the runner's decode and draft
+buffers holding the batch. Anything else (prefill chunks, sampled rows, n-gram drafts, a row near its limit,
+tensor-parallel runners without the buffers) runs synchronously, as with overlap off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lightllm.engine.batch import ForwardBatch, ForwardOutput
+from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR
+from lightllm.engine.messages import EngineOutput
+from lightllm.engine.scheduler import ScheduledRow, SchedulePlan
+from lightllm.engine.speculative.device_drafts import DraftBatch, draft_matrix
+from lightllm.engine.speculative.mtp import MtpSpeculator
+from lightllm.engine.speculative.verify import WindowResult, verify_full_windows_on_device
+
+if TYPE_CHECKING:
+    from lightllm.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecInFlight:
+    """A launched overlapped verify step whose accepted counts the host has not read yet."""
+
+    plan: SchedulePlan
+    # the rows' runner handles at launch (a request finished meanwhile has given its handle back)
+    handles: list[int]
+    fwd: ForwardOutput
+    width: int
+    # [rows] on the device: each row's next token (the successor's first token)
+    next_tokens: torch.Tensor
+    # [rows, mtp_step] on the device: the MTP head's drafts for the successor's windows
+    drafts: torch.Tensor
+    # [rows, 2 + W] host copy of (count, non-finite flag, pair tokens), valid once `ready` has completed
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def read(self) -> list[list[int]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+def chained_spec_plan(inflight: SpecInFlight) -> SchedulePlan:
+    """The in-flight step's rows again, a full window each."""
+    return SchedulePlan(decode=[ScheduledRow(row.req, inflight.width) for row in inflight.plan.decode])
+
+
+class SpecOverlap:
+    """When an MTP verify step may stay in flight, launching it, and reading it back."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def enabled(self) -> bool:
+        e = self.engine
+        return e.overlap_schedule and isinstance(e.speculator, MtpSpeculator) and e.speculator.num_drafts > 0
+
+    def _rows_fit(self, reqs) -> bool:
+        e = self.engine
+        width = e.speculator.num_drafts + 1
+        if not all(
+            r.params.greedy and not r.params.has_penalties and not r.grammar and r.num_remaining_tokens >= 2 * width
+            for r in reqs
+        ):
+            return False
+        can = getattr(e.runner, "can_accept_on_device", None)
+        return can is not None and can([r.handle for r in reqs])
+
+    def can_launch(self, plan: SchedulePlan) -> bool:
+        """Decode rows only, each a full window of drafts (see the module docstring)."""
+        if not self.enabled() or plan.prefill or not plan.decode:
+            return False
+        k = self.engine.speculator.num_drafts
+        if any(row.num_tokens != k + 1 or len(row.draft_ids) != k for row in plan.decode):
+            return False
+        return self._rows_fit([row.req for row in plan.decode])
+
+    def can_chain(self, inflight: SpecInFlight) -> bool:
+        """Whether the next step is the in-flight step's rows again, full windows, whatever they accept."""
+        e = self.engine
+        sched, runner = e.scheduler, e.runner
+        reqs = [row.req for row in inflight.plan.decode]
+        if len(reqs) != len(sched.running) or any(r.is_finished for r in reqs):
+            return False
+        if sched.waiting and len(sched.running) < sched.max_running_requests and runner.num_free_requests():
+            return False
+        need = inflight.width * len(reqs)
+        if sched.token_budget < need or runner.num_free_kv_tokens() < need:
+            return False
+        return self._rows_fit(reqs)
+
+    def launch(self, plan: SchedulePlan, previous: SpecInFlight | None) -> SpecInFlight | None:
+        """Launch `plan`'s verify and leave it in flight; `previous`: the in-flight step whose device tokens and
+        drafts feed it (None: the rows' tokens and drafts are the host's, as a synchronous step takes them)."""
+        e = self.engine
+        runner = e.runner
+        e.stats.num_steps += 1
+        e.awaiting_accept = False
+        k = e.speculator.num_drafts
+        width = k + 1
+        rows = plan.decode
+        handles = [row.req.handle for row in rows]
+        try:
+            drafts = None if previous is None else previous.drafts
+            if previous is None:
+                batch = e.build_batch(plan)
+            else:
+                batch = ForwardBatch(
+                    req_handles=handles,
+                    query_lens=[width] * len(rows),
+                    num_cached_tokens=[row.req.num_computed_tokens for row in rows],
+                    num_prefill_rows=0,
+                    input_ids=torch.zeros(width * len(rows), dtype=torch.long),
+                    decode_input_ids=previous.next_tokens,
+                    decode_draft_ids=drafts,
+                )
+            fwd = runner.forward(batch)
+            e.awaiting_accept = True
+            if drafts is None:
+                drafts = draft_matrix([row.draft_ids for row in rows], fwd.logits.device, k)
+            kept = None
+            if e.acceptance is not None:
+                # the same coins, in the same order, as the synchronous step's verify draws
+                counts = e.acceptance.num_kept_drafts([k] * len(rows))
+                kept = torch.tensor(counts, dtype=torch.long).to(drafts.device, non_blocking=True)
+            logits = fwd.logits
+            counts, next_tokens, pairs, bad = verify_full_windows_on_device(logits, drafts.to(logits.device), kept)
+            new_drafts = runner.accept_on_device(handles, counts, pairs)
+            e.awaiting_accept = False
+            figures = torch.cat([counts[:, None], bad.long()[:, None], pairs], dim=1)
+            ready = None
+            if figures.is_cuda:
+                host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=True)
+                host.copy_(figures, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            else:
+                host = figures
+        except Exception:
+            logger.exception("engine step failed; finishing %d requests with an error", len(rows))
+            e.settle_runner(plan)
+            e.overlap.add_failed(e.fail_rows(plan))
+            return None
+        return SpecInFlight(plan, handles, fwd, width, next_tokens, new_drafts, host, ready)
+
+    def complete(self, inflight: SpecInFlight) -> list[EngineOutput]:
+        """Read an overlapped verify back: settle the runner, emit each row's accepted tokens (rows whose request
+        finished meanwhile drop theirs) and leave the head's drafts as the rows' next drafts."""
+        e = self.engine
+        rows = inflight.plan.decode
+        try:
+            host = inflight.read()
+            e.runner.settle(inflight.handles, [figures[0] for figures in host])
+        except Exception:
+            logger.exception("engine step failed; finishing %d requests with an error", len(rows))
+            outputs = e.fail_rows(inflight.plan)
+            try:
+                e.runner.settle(inflight.handles, [1] * len(rows))
+            except Exception:
+                logger.exception("could not settle the runner after a failed step")
+            return outputs
+        k = inflight.width - 1
+        drafts = DraftBatch(inflight.drafts)
+        outputs: list[EngineOutput] = []
+        for i, (row, (count, bad, *pairs)) in enumerate(zip(rows, host, strict=True)):
+            req = row.req
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += count
+            if bad:
+                outputs += e.finish(req, "error", error=NONFINITE_LOGITS_ERROR)
+                continue
+            tokens = pairs[:count]
+            e._record_window(k, WindowResult(tokens))
+            req.draft_ids = drafts.row(i, k)
+            outputs += e.emit(req, tokens, inflight.fwd.logits, i * inflight.width)
+        return outputs
