@@ -74,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             return serve_master(args, info)
         if args.run_mode in ("prefill", "decode"):
             from lightllm.server.pd.node import RegistrationRefused, serve_node
+            from lightllm.server.pd.node_replicas import serve_node_replicas
 
             try:
-                return serve_node(args, info)
+                return serve_node(args, info) if args.dp == 1 else serve_node_replicas(args, info)
             except RegistrationRefused as exc:
                 print(f"lightllm: refusing to start: {exc}", file=sys.stderr)
                 return 2

@@ -395,10 +395,10 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
             f"--dp_restart_attempts and --dp_restart_backoff_s must be non-negative, got {args.dp_restart_attempts} "
             f"and {args.dp_restart_backoff_s}"
         )
-    if args.dp > 1 and args.run_mode != "normal":
+    if args.dp > 1 and args.run_mode == "pd_master":
         raise ValueError(
-            f"--dp {args.dp} puts replicas behind one API server (--run_mode normal); for prefill/decode "
-            "disaggregation start one node per replica instead"
+            f"--dp {args.dp}: the pd_master runs no engine; give --dp to the prefill or decode nodes (each replica "
+            "registers as a node)"
         )
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")

@@ -52,6 +52,39 @@ async def wait_started(handle: EngineHandle, conn: Connection, timeout_s: float 
     return finish_start(handle, conn, 0)
 
 
+class Strikes:
+    """Each replica's strikes under a policy (see the module docstring); the clock is injectable for tests."""
+
+    def __init__(self, num_replicas: int, policy: RestartPolicy, clock: Callable[[], float] = time.monotonic):
+        self.policy, self._clock = policy, clock
+        self._count = [0] * num_replicas
+        self._started_at = [clock()] * num_replicas
+
+    def count(self, replica: int) -> int:
+        return self._count[replica]
+
+    def started(self, replica: int) -> None:
+        self._started_at[replica] = self._clock()
+
+    def died(self, replica: int) -> float | None:
+        """The wait before restarting a replica whose process just died; None: it stays down."""
+        if self._clock() - self._started_at[replica] >= STABLE_S:
+            self._count[replica] = 0
+        else:
+            self._count[replica] += 1
+        return self._next_delay(replica)
+
+    def failed_start(self, replica: int) -> float | None:
+        """The wait before the next start after a failed one; None: the replica stays down."""
+        self._count[replica] += 1
+        return self._next_delay(replica)
+
+    def _next_delay(self, replica: int) -> float | None:
+        if self._count[replica] >= self.policy.attempts:
+            return None
+        return self.policy.delay_s(self._count[replica])
+
+
 class ReplicaRestarter:
     """Strikes and restarts of every replica. `spawn()` starts one engine process (on the event loop's thread:
     an engine dies with the thread that spawned it) and returns it with its start-up pipe."""
@@ -63,14 +96,13 @@ class ReplicaRestarter:
         spawn: Callable[[], tuple[EngineHandle, Connection]],
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.policy, self._spawn, self._clock = policy, spawn, clock
+        self.policy, self._spawn = policy, spawn
+        self.strikes = Strikes(num_replicas, policy, clock)
         self.num_restarts = [0] * num_replicas
         self.restarting: set[int] = set()
         # replicas whose strikes are used up: they stay down
         self.given_up: set[int] = set()
         self._num_replicas = num_replicas
-        self._strikes = [0] * num_replicas
-        self._started_at = [clock()] * num_replicas
 
     def may_serve_again(self) -> bool:
         """Whether some replica is, or may be, restarted (a dead one not yet seen is restarted too)."""
@@ -78,36 +110,32 @@ class ReplicaRestarter:
 
     async def restart(self, replica: int) -> EngineHandle | None:
         """A ready engine for `replica`, whose process died; None once its strikes are used up."""
-        if self._clock() - self._started_at[replica] >= STABLE_S:
-            self._strikes[replica] = 0
-        else:
-            self._strikes[replica] += 1
         self.restarting.add(replica)
         try:
-            while self._strikes[replica] < self.policy.attempts:
-                delay = self.policy.delay_s(self._strikes[replica])
+            delay = self.strikes.died(replica)
+            while delay is not None:
                 logger.warning(
                     "restarting data-parallel replica %d in %.1f s (strike %d of %d)",
                     replica,
                     delay,
-                    self._strikes[replica],
+                    self.strikes.count(replica),
                     self.policy.attempts,
                 )
                 await asyncio.sleep(delay)
                 try:
                     handle = await wait_started(*self._spawn())
                 except EngineStartError as exc:
-                    self._strikes[replica] += 1
                     logger.error("data-parallel replica %d failed to restart: %s", replica, exc)
+                    delay = self.strikes.failed_start(replica)
                     continue
-                self._started_at[replica] = self._clock()
+                self.strikes.started(replica)
                 self.num_restarts[replica] += 1
                 logger.info("data-parallel replica %d restarted: %s", replica, handle.capacity_report)
                 return handle
             logger.error(
                 "data-parallel replica %d stays down: %d strikes (--dp_restart_attempts %d)",
                 replica,
-                self._strikes[replica],
+                self.strikes.count(replica),
                 self.policy.attempts,
             )
             self.given_up.add(replica)
