@@ -92,7 +92,10 @@ class OverlapScheduler:
 
     def can_launch(self, plan: SchedulePlan) -> bool:
         """A step that may stay in flight: plain decode rows only, none with penalties (they need every token of
-        the output, the one in flight included, to shape the next distribution)."""
+        the output, the one in flight included, to shape the next distribution). With drafts (MTP):
+        `SpecOverlap.can_launch`."""
+        if self.engine.speculator.num_drafts:
+            return self.spec.can_launch(plan)
         return (
             self.engine.overlap_schedule
             and not plan.prefill

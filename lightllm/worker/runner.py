@@ -68,6 +68,18 @@ class _PendingVerify:
     rows: DecodeRows
 
 
+@dataclass
+class _Unsettled:
+    """A verify accepted on the device (`accept_on_device`) whose counts the host has not read yet."""
+
+    records: list[RequestRecord]
+    widths: list[int]
+    # [rows] int64 on the device: tokens each row kept
+    counts: torch.Tensor
+    # [rows * W, hidden] the step's final hidden states (the MTP head's last hidden once counts are known)
+    hidden: torch.Tensor | None
+
+
 class ModelRunner:
     """Weights, linear-attention state and KV cache of one model (one TP rank), allocated in that order.
 
@@ -158,6 +170,8 @@ class ModelRunner:
             self.prefix_cache.attach_host(RunnerHostTier(self, config.host_cache_name))
         self._requests: dict[int, RequestRecord] = {}
         self._pending: _PendingVerify | None = None
+        # verifies accepted on the device, oldest first (at most two: one being read, one launched after it)
+        self._unsettled: list[_Unsettled] = []
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
 
@@ -267,7 +281,11 @@ class ModelRunner:
             return
         if self._pending is not None:
             raise RuntimeError("publish() between forward and accept: the state is not committed")
-        self.prefix_cache.publish(handle, self._requests[handle], token_ids)
+        record = self._requests[handle]
+        if self._is_unsettled(record):
+            # the state holds tokens whose count the host has not read: no committed length to checkpoint at
+            return
+        self.prefix_cache.publish(handle, record, token_ids)
 
     def evict_prefix_cache(self) -> None:
         """Drop every prefix-cache entry no running request uses (tests, memory pressure)."""
@@ -309,6 +327,8 @@ class ModelRunner:
         """See `ModelRunnerProtocol.export_request` (`lightllm.worker.transfer.request_state` says what moves)."""
         if self._pending is not None:
             raise RuntimeError("export between forward and accept: the state is not committed")
+        if self._is_unsettled(self._requests[handle]):
+            raise RuntimeError("export before settle(): the state holds tokens the host has not counted")
         return export_request(self, self._requests[handle], pack or host_blobs)
 
     @torch.inference_mode()
@@ -347,9 +367,12 @@ class ModelRunner:
         ids[layout] = batch.input_ids.numpy()
         # a decode row's first token may still be on the device (the last step's sample, not yet seen by the host)
         first_tokens = batch.decode_input_ids
-        if first_tokens is not None and self.drafter is not None:
-            raise ValueError("decode_input_ids cannot feed an MTP drafter, which needs the tokens on the host")
-        fixed = self._forward_fixed_buffers(batch, ids, q_lens, handles, state_slots, first_tokens)
+        cached_extra = self._cached_extra(reqs[np_:])
+        if cached_extra is not None and np_:
+            raise RuntimeError("a prefill row beside rows whose accepted counts are on the device")
+        fixed = self._forward_fixed_buffers(batch, ids, q_lens, handles, state_slots, first_tokens, cached_extra)
+        if fixed is None and cached_extra is not None:
+            raise RuntimeError("rows whose accepted counts are on the device run through the decode buffers only")
         ids_dev = None
         if fixed is not None:
             hidden, decode_rows = fixed
@@ -394,6 +417,7 @@ class ModelRunner:
         handles: np.ndarray,
         state_slots: list[int],
         first_tokens: torch.Tensor | None,
+        cached_extra: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, DecodeRows | None] | None:
         """The step through the graphs' fixed buffers when its shape has them: decode rows only (a decode graph),
         one short prefill row (a prefill graph), or one short prefill row beside decode rows (both graphs, one after
@@ -424,6 +448,7 @@ class ModelRunner:
                 np.asarray(state_slots[np_:]),
                 first_tokens,
                 batch.decode_draft_ids,
+                cached_extra=cached_extra,
             )
             parts.append(hidden)
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), decode_rows
@@ -503,6 +528,102 @@ class ModelRunner:
     def _drop_rejected_mtp(req: RequestRecord, num_rejected: int) -> None:
         drop_last_rows(req.mtp_hidden, num_rejected)
         drop_last_rows(req.mtp_next_ids, num_rejected)
+
+    # accepted on the device, settled a step later ------------------------------------------------------------
+    def can_accept_on_device(self, handles: list[int]) -> bool:
+        """Whether a decode-only step of these rows may be accepted on the device (`accept_on_device`): the decode
+        and MTP draft buffers hold the batch, the rows' MTP pairs are all drafted, the head's KV has room for the
+        worst case, and at most one accepted step is unsettled."""
+        decode, drafter = self.decode_graphs, self.drafter
+        if drafter is None or decode is None or drafter.graphs is None or len(self._unsettled) > 1:
+            return False
+        n = len(handles)
+        if decode.bucket(n) is None or drafter.graphs.bucket(n) is None or drafter.graphs.mtp_step != self.mtp_step:
+            return False
+        if any(self._requests[h].mtp_hidden for h in handles):
+            return False
+        return drafter.kv.num_free_tokens() >= n * (2 * self.max_width + self.mtp_step)
+
+    @torch.inference_mode()
+    def accept_on_device(
+        self, handles: list[int], num_accepted: torch.Tensor, pair_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """`accept` with the counts on the device `[rows]` (each in 1 .. W), for a decode-only step whose rows all
+        verified a full window of W tokens (`can_accept_on_device` said so before its forward), then the MTP
+        head's drafts for the next windows `[rows, mtp_step]` on the device: row i commits its first
+        `num_accepted[i]` (hidden, token) pairs, `pair_tokens [rows, W]` holding the token after each window
+        position (the accepted drafts, then the next token). Nothing is read back: the rows' committed lengths and
+        KV stay as if nothing were accepted until `settle` gives the counts, and the next step may take these rows
+        (its positions and KV slots are shifted on the device)."""
+        pending = self._pending
+        if pending is None or list(handles) != pending.handles:
+            raise ValueError("accept_on_device() must list the last step's decode rows in their order")
+        records = [self._requests[h] for h in handles]
+        width = pending.widths[0]
+        hidden = records[0].mtp_hidden[-1][0] if records and records[0].mtp_hidden else None
+        spans_ok = hidden is not None and all(
+            len(r.mtp_hidden) == 1 and r.mtp_hidden[0][0] is hidden and r.mtp_hidden[0][1:] == (i * width, width)
+            for i, r in enumerate(records)
+        )
+        if self.drafter is None or set(pending.widths) != {width} or not spans_ok:
+            raise ValueError("accept_on_device() takes a decode-only step of full windows with an MTP head")
+        extra, max_extra = self._cached_extra(records), self._max_extra(records)
+        self.state.accept(pending.rows, num_accepted.to(torch.int32))
+        self._pending = None
+        for r in records:
+            r.mtp_hidden, r.mtp_next_ids = [], []
+        drafts = self.drafter.draft_on_device(
+            handles, records, hidden, pair_tokens.reshape(-1), num_accepted, extra, max_extra, self.mtp_step
+        )
+        self._unsettled.append(_Unsettled(records, list(pending.widths), num_accepted, hidden))
+        return drafts
+
+    def settle(self, handles: list[int], num_accepted: list[int]) -> None:
+        """The host's counts of the oldest step accepted on the device (`handles` as given to `accept_on_device`):
+        the rows' committed lengths grow by them and the KV of their rejected tokens is released. Rows freed
+        meanwhile are skipped."""
+        if not self._unsettled:
+            raise RuntimeError("settle() without a step accepted on the device")
+        entry = self._unsettled.pop(0)
+        if [r.handle for r in entry.records] != list(handles):
+            raise ValueError("settle() must list the rows of the oldest step accepted on the device in their order")
+        rows, lengths = [], []
+        for i, (record, width, count) in enumerate(zip(entry.records, entry.widths, num_accepted, strict=True)):
+            if self._requests.get(record.handle) is not record:
+                continue
+            if not 1 <= count <= width:
+                raise ValueError(f"request {record.handle}: num_accepted {count} outside [1, {width}]")
+            record.num_tokens += count
+            record.mtp_len += count
+            record.mtp_last_hidden = (entry.hidden, i * width + count - 1)
+            rows.append(record.handle)
+            # a later step still in flight keeps its worst-case window
+            lengths.append(record.num_tokens + self._max_extra([record])[0])
+        if rows:
+            self.kv.truncate_many(np.asarray(rows), np.asarray(lengths))
+
+    def _is_unsettled(self, record: RequestRecord) -> bool:
+        return any(any(r is record for r in e.records) for e in self._unsettled)
+
+    def _cached_extra(self, records: list[RequestRecord]) -> torch.Tensor | None:
+        """[rows] int64 on the device: tokens each row committed in unsettled steps (None when no row has any)."""
+        if not any(self._is_unsettled(r) for r in records):
+            return None
+        total = torch.zeros(len(records), dtype=torch.long, device=self.device)
+        for entry in self._unsettled:
+            position = {id(r): i for i, r in enumerate(entry.records)}
+            index = [position.get(id(r), len(entry.records)) for r in records]
+            padded = torch.cat([entry.counts.long(), entry.counts.new_zeros(1, dtype=torch.long)])
+            total += padded[torch.tensor(index, dtype=torch.long).to(self.device, non_blocking=True)]
+        return total
+
+    def _max_extra(self, records: list[RequestRecord]) -> np.ndarray:
+        """Per row, the most tokens its unsettled steps may have committed (their widths)."""
+        out = np.zeros(len(records), dtype=np.int64)
+        for entry in self._unsettled:
+            width = {id(r): w for r, w in zip(entry.records, entry.widths)}
+            out += np.asarray([width.get(id(r), 0) for r in records], dtype=np.int64)
+        return out
 
     # MTP -------------------------------------------------------------------------------------------------
     def draft(self, handles: list[int], next_tokens: torch.Tensor, mtp_step: int) -> torch.Tensor:

@@ -28,11 +28,23 @@ logger = logging.getLogger(__name__)
 
 # runner calls that change device or allocator state: run on every rank, in the order rank 0 makes them
 LOCKSTEP = frozenset(
-    {"add_request", "free_request", "publish", "evict_prefix_cache", "forward", "accept", "draft", "draft_with_logits"}
+    {
+        "add_request",
+        "free_request",
+        "publish",
+        "evict_prefix_cache",
+        "forward",
+        "accept",
+        "accept_on_device",
+        "settle",
+        "draft",
+        "draft_with_logits",
+    }
 )
 # reads: rank 0 answers for all ranks
 LOCAL = frozenset(
     {
+        "can_accept_on_device",
         "match_prefix",
         "prefix_cache_stats",
         "num_free_requests",
