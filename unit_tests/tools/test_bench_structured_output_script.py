@@ -1,0 +1,30 @@
+"""`test/benchmark/bench_structured_output.py` on the CPU at tiny size: free and constrained runs alternate in one
+engine, each emits its full length (the schema cannot end sooner), constrained steps compute masks, and the ratio
+is printed; with --synthetic_vocab the grammar runs over the generated tokenizer."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from lightllm.tools.make_tiny_model import tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "test" / "benchmark" / "bench_structured_output.py"
+
+
+def test_free_and_constrained_side_by_side():
+    model = tiny_model_dir("qwen3_5", vocab_size=1024)
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--model_dir", str(model), "--synthetic_vocab", "700"]
+    cmd += ["--batch", "3", "--input_len", "8", "--output_len", "12", "--repeats", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout
+    assert "tokenizer 956 tokens" in out and "schema records" in out
+    rows = dict(re.findall(r"^(free 0|constrained 0)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$", out, re.M))
+    assert float(rows["free 0"]) == 0 and float(rows["constrained 0"]) > 0
+    assert re.search(r"^constrained / free = \d+\.\d{3}$", out, re.M)
