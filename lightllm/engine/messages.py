@@ -81,6 +81,8 @@ class EngineStats(msgspec.Struct, tag=True):
     # bytes and KV tokens held now
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # prompt tokens resumed from the host tier (shared host memory) instead of the device's prefix cache
+    prefix_cache_host_hit_tokens: int = 0
     prefix_cache_checkpoints_stored: int = 0
     prefix_cache_checkpoints_evicted: int = 0
     prefix_cache_checkpoint_bytes: int = 0

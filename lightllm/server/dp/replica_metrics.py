@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from lightllm.engine.messages import EngineStats
 
 # cache tier -> the EngineStats field counting prompt tokens resumed from it
-HIT_TOKENS_BY_TIER = {"device": "prefix_cache_hit_tokens"}
+HIT_TOKENS_BY_TIER = {"device": "prefix_cache_hit_tokens", "host": "prefix_cache_host_hit_tokens"}
 
 
 def hit_tokens_by_tier(stats: EngineStats) -> dict[str, int]:

@@ -50,6 +50,10 @@ class _EngineCollector:
                 "tokens resumed from the prefix cache instead of recomputed",
                 s.prefix_cache_hit_tokens,
             ),
+            "prefix_cache_host_hit_tokens": (
+                "tokens resumed from the host tier (shared host memory) instead of recomputed",
+                s.prefix_cache_host_hit_tokens,
+            ),
             "prefix_cache_checkpoints_stored": (
                 "state checkpoints stored in the prefix cache",
                 s.prefix_cache_checkpoints_stored,

@@ -125,7 +125,6 @@ class RunnerPrefixCache:
             device = self.cache.match(token_ids[:-1]).num_tokens
             if self.host.resume(req, list(token_ids), device, host_tokens):
                 self.cache.stats.num_queried_tokens += len(token_ids)
-                self.cache.stats.num_hit_tokens += req.num_tokens
                 return
         hit = self.cache.resume(handle, token_ids[:-1], len(token_ids)) if len(token_ids) > 1 else None
         if hit is None:

@@ -1,0 +1,244 @@
+"""Host tier timing on one GPU: two data-parallel replicas (engines) on one device sharing one host tier, the
+second request of a shared prefix forced to the other replica.
+
+    python test/gpu/host_tier_ttft.py                          # H200: the serving checkpoint, ~3 min
+    python test/gpu/host_tier_ttft.py --modes native,replay --prefix_len 8192
+    python test/gpu/host_tier_ttft.py --tiny --device cpu      # a dry run of this script without a GPU
+
+The checkpoint is the serving benchmark's random-weight Qwen3.5 at real width (`serving_model_dir` of
+`lightllm.tools.bench_throughput`), built once and cached. Two engines (replica 0 and replica 1) are built in
+this process on the same device, each with `--max_total_token_num` tokens of KV (the same split `--dp 2` makes of
+one GPU: half the KV each), both attached to one host-tier arena in /dev/shm, the one a `--dp 2` server creates.
+
+`ttft` (per state mode; `MODE+mtp` adds `--mtp_step 2`; replica 1 runs `--reader_mode` when given, else the same
+mode): each repeat draws a fresh `--prefix_len`-token prefix (8192) and sends it with a `--suffix_len`-token suffix
+(100) to replica 0 (cold: nothing cached anywhere), then the prefix with another suffix to replica 0 (device hit),
+then with a third suffix to replica 1 (host hit: its device cache never saw the prefix). Time to first token is
+from `add_request` to the step that emits the token, alone in the engine; medians over `--repeats` after one
+untimed round. Targets: host hit within 2x of the device hit, and at least 5x faster than cold.
+
+`bandwidth`: for prefixes of `--bandwidth_lens` tokens, the bytes of one host entry (KV of the prefix + the
+state checkpoint), the seconds to write it (device -> shared memory, `RunnerHostTier.save`) and to resume a
+request from it (lookup, copy out, import into the device: `add_request`), as GB/s.
+
+Rows print as they finish; `--result_file` gets every row as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for path in (HERE.parents[1], HERE):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import torch  # noqa: E402
+from prefix_cache_ttft import checkpoint, parse_mode, time_to_first_token  # noqa: E402
+
+RUNNER = "lightllm.server.runner_factory:create_runner"
+TINY = dict(prefix_len=128, suffix_len=12, interval=32, chunk=128, kv_tokens=2048, bandwidth_lens="64,128")
+
+
+def build(model_dir: str, a, arena_name: str, **mode):
+    from lightllm.server.args import load_server_args
+    from lightllm.server.engine_process import build_engine
+
+    flags = dict(
+        model_dir=model_dir,
+        max_running_requests=4,
+        max_req_total_len=max(a.prefix_len + a.suffix_len, *a.lens) + 16,
+        max_total_token_num=a.kv_tokens,
+        host_cache_name=arena_name,
+        **mode,
+    )
+    if a.device != "auto":
+        flags["device"] = a.device
+    if a.interval:
+        flags["prefix_cache_checkpoint_interval"] = a.interval
+    if a.chunk:
+        flags["chunked_prefill_size"] = a.chunk
+    args, info = load_server_args([], **flags)
+    return build_engine(args, info, RUNNER), info.vocab_size
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def ttft_rows(model_dir: str, a, arena, emit) -> None:
+    rng = random.Random(a.seed)
+    for mode in a.modes.split(","):
+        reader = a.reader_mode or mode
+        replicas = [build(model_dir, a, arena.name, **parse_mode(m))[0] for m in (mode, reader)]
+        vocab = replicas[0].runner.vocab_size
+
+        def tokens(n: int, vocab: int = vocab) -> list[int]:
+            return [rng.randrange(1, vocab) for _ in range(n)]
+
+        cold, device, host, cached = [], [], [], []
+        for r in range(a.repeats + 1):
+            prefix = tokens(a.prefix_len)
+            c, _ = time_to_first_token(replicas[0], f"c{r}", prefix + tokens(a.suffix_len))
+            d, _ = time_to_first_token(replicas[0], f"d{r}", prefix + tokens(a.suffix_len))
+            h, n = time_to_first_token(replicas[1], f"h{r}", prefix + tokens(a.suffix_len))
+            if r:
+                cold.append(c)
+                device.append(d)
+                host.append(h)
+                cached.append(n)
+        row = {
+            "part": "ttft",
+            "mode": mode,
+            "reader_mode": reader,
+            "prefix_len": a.prefix_len,
+            "suffix_len": a.suffix_len,
+            "cold_ms": 1e3 * statistics.median(cold),
+            "device_hit_ms": 1e3 * statistics.median(device),
+            "host_hit_ms": 1e3 * statistics.median(host),
+            "host_cached_tokens": min(cached),
+        }
+        row["host_vs_device"] = row["host_hit_ms"] / row["device_hit_ms"]
+        row["cold_vs_host"] = row["cold_ms"] / row["host_hit_ms"]
+        emit(row)
+        del replicas
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def bandwidth_rows(model_dir: str, a, arena, emit) -> None:
+    from lightllm.cache.host_tier.slots import free_record
+
+    rng = random.Random(a.seed + 1)
+    mode = parse_mode(a.modes.split(",")[0])
+    writer, vocab = build(model_dir, a, arena.name, **mode)
+    reader, _ = build(model_dir, a, arena.name, **mode)
+    for n in a.lens:
+        writes, reads, nbytes = [], [], 0
+        for r in range(a.repeats + 1):
+            prompt = [rng.randrange(1, vocab) for _ in range(n + 1)]
+            time_to_first_token(writer, f"w{n}-{r}", prompt)
+            cache = writer.runner.prefix_cache
+            node, depth = cache.cache.tree.deepest(torch.tensor(prompt[:n]).numpy(), lambda x: x.checkpoint is not None)
+            assert depth == n, f"no checkpoint at {n} tokens (at {depth})"
+            tier = cache.host.tier
+            # rewrite the entry the publish wrote, timed
+            with arena.locked():
+                for index in range(arena.max_entries):
+                    if int(arena.entries[index]["num_tokens"]) == n and int(arena.entries[index]["state"]):
+                        free_record(arena, index)
+            sync()
+            t0 = time.perf_counter()
+            assert cache.host.save(node)
+            sync()
+            write_s = time.perf_counter() - t0
+            ticket = tier.lookup(prompt[:n], n - 1)
+            nbytes = ticket.shard_bytes
+            t0 = time.perf_counter()
+            handle = reader.runner.add_request(prompt)
+            sync()
+            read_s = time.perf_counter() - t0
+            assert reader.runner.num_tokens(handle) == n, "the reader did not resume from the host tier"
+            reader.runner.free_request(handle)
+            reader.runner.evict_prefix_cache()
+            if r:
+                writes.append(write_s)
+                reads.append(read_s)
+        w, rd = statistics.median(writes), statistics.median(reads)
+        emit(
+            {
+                "part": "bandwidth",
+                "tokens": n,
+                "entry_mib": nbytes / 2**20,
+                "write_ms": 1e3 * w,
+                "read_ms": 1e3 * rd,
+                "write_gb_s": nbytes / w / 1e9,
+                "read_gb_s": nbytes / rd / 1e9,
+            }
+        )
+
+
+def print_row(row: dict) -> None:
+    if row["part"] == "ttft":
+        print(
+            f"ttft {row['mode']:>12} -> {row['reader_mode']:<12} prefix {row['prefix_len']} + {row['suffix_len']}: "
+            f"cold {row['cold_ms']:.1f} ms, device hit {row['device_hit_ms']:.1f} ms, host hit "
+            f"{row['host_hit_ms']:.1f} ms ({row['host_cached_tokens']} cached) | host/device "
+            f"{row['host_vs_device']:.2f}x (target <= 2), cold/host {row['cold_vs_host']:.1f}x (target >= 5)",
+            flush=True,
+        )
+    else:
+        print(
+            f"bandwidth {row['tokens']:>6} tokens, entry {row['entry_mib']:.1f} MiB: write {row['write_ms']:.2f} ms "
+            f"({row['write_gb_s']:.1f} GB/s), resume {row['read_ms']:.2f} ms ({row['read_gb_s']:.1f} GB/s)",
+            flush=True,
+        )
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="ttft,bandwidth", help="comma-separated: ttft, bandwidth")
+    p.add_argument("--modes", default="native,replay,compact+mtp", help="state modes of replica 0 (the writer)")
+    p.add_argument("--reader_mode", default=None, help="state mode of replica 1 (default: the writer's)")
+    p.add_argument("--prefix_len", type=int, default=8192)
+    p.add_argument("--suffix_len", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--interval", type=int, default=0, help="--prefix_cache_checkpoint_interval (0: the default)")
+    p.add_argument("--chunk", type=int, default=0, help="--chunked_prefill_size (0: the default)")
+    p.add_argument("--kv_tokens", type=int, default=65536, help="--max_total_token_num of each replica")
+    p.add_argument("--bandwidth_lens", default="1024,2048,4096,8192,16384")
+    p.add_argument("--host_cache_gb", type=float, default=16)
+    p.add_argument("--tiny", action="store_true", help="the tiny checkpoint at tiny sizes (a dry run)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--model_dir", default=None)
+    p.add_argument("--cache_dir", default=None, help="where the built checkpoint is cached")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result_file", default=None)
+    a = p.parse_args(argv)
+    if a.tiny:
+        for k, v in TINY.items():
+            setattr(a, k, v)
+        a.host_cache_gb = min(a.host_cache_gb, 0.25)
+        a.repeats = min(a.repeats, 1)
+    a.lens = [int(x) for x in a.bandwidth_lens.split(",")]
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if a.device in ("auto", "cuda") and not torch.cuda.is_available() and not a.tiny:
+        print("host_tier_ttft: no CUDA device (use --tiny --device cpu for a dry run); skipped")
+        return 0
+    from lightllm.cache.host_tier import HostArena
+
+    model_dir = checkpoint(a)
+    arena = HostArena.create(f"lightllm-bench-{uuid.uuid4().hex[:8]}", int(a.host_cache_gb * 2**30))
+    rows = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        print_row(row)
+
+    try:
+        parts = a.parts.split(",")
+        if "ttft" in parts:
+            ttft_rows(model_dir, a, arena, emit)
+        if "bandwidth" in parts:
+            bandwidth_rows(model_dir, a, arena, emit)
+    finally:
+        arena.unlink()
+    if a.result_file:
+        Path(a.result_file).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
