@@ -83,22 +83,22 @@ class _ScriptedOnDevice:
         self.mtp.flush(reqs)
 
 
-def drive(engine, stop_ids: dict[str, list[int]], abort: bool = True):
-    """Run REQUESTS (arrivals by step number, the abort by progress); per request its tokens, logprobs, (finish reason,
+def drive(engine, stop_ids: dict[str, list[int]], abort: bool = True, requests=REQUESTS, abort_after=ABORT_AFTER):
+    """Run `requests` (default REQUESTS; ABORTED aborted once it has `abort_after` tokens) (arrivals by step number, the abort by progress); per request its tokens, logprobs, (finish reason,
     output count) and the length of each of its chunks (one per step that gave it tokens)."""
-    tokens = {rid: [] for rid, *_ in REQUESTS}
-    chunks = {rid: [] for rid, *_ in REQUESTS}
-    logprobs = {rid: [] for rid, *_ in REQUESTS}
+    tokens = {rid: [] for rid, *_ in requests}
+    chunks = {rid: [] for rid, *_ in requests}
+    logprobs = {rid: [] for rid, *_ in requests}
     finished: dict[str, Finished] = {}
     step = 0
-    while step <= max(s for *_, s in REQUESTS) or engine.has_work():
-        for rid, prompt, max_tokens, arrival in REQUESTS:
+    while step <= max(s for *_, s in requests) or engine.has_work():
+        for rid, prompt, max_tokens, arrival in requests:
             if arrival == step:
                 params = SamplingParams(
                     temperature=0, max_tokens=max_tokens, logprobs=2, stop_token_ids=stop_ids.get(rid, [])
                 )
                 assert engine.add_request(NewRequest(rid, prompt, params)) == []
-        due = abort and len(tokens[ABORTED]) >= ABORT_AFTER and ABORTED not in finished
+        due = abort and len(tokens[ABORTED]) >= abort_after and ABORTED not in finished
         outputs = engine.abort(ABORTED) if due else []
         outputs += engine.step()
         for out in outputs:
@@ -113,20 +113,23 @@ def drive(engine, stop_ids: dict[str, list[int]], abort: bool = True):
     return tokens, logprobs, {rid: (f.reason, f.num_output_tokens) for rid, f in finished.items()}, chunks
 
 
-def greedy_continuations(device: str = "cpu"):
-    """Greedy continuations without speculation (the scripted drafts' truth) and the stop token of STOPPED."""
+def greedy_continuations(
+    device: str = "cpu", requests=REQUESTS, num_tokens: int = NUM_REFERENCE_TOKENS, stop_at: int = STOP_AT
+):
+    """Greedy continuations of `requests` without speculation (the scripted drafts' truth, `num_tokens` each) and
+    the stop token of STOPPED (its output token `stop_at`)."""
     engine = _engine("native", 0, device=device)
-    for rid, prompt, _, _ in REQUESTS:
-        params = SamplingParams(temperature=0, max_tokens=NUM_REFERENCE_TOKENS, ignore_eos=True)
+    for rid, prompt, _, _ in requests:
+        params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
         engine.add_request(NewRequest(rid, prompt, params))
-    out = {rid: [] for rid, *_ in REQUESTS}
+    out = {rid: [] for rid, *_ in requests}
     while engine.has_work():
         for o in engine.step():
             if isinstance(o, TokenChunk):
                 out[o.req_id] += o.token_ids
-    stop = out[STOPPED][STOP_AT]
-    assert stop not in out[STOPPED][:STOP_AT], "pick another STOP_AT: the stop token occurs earlier"
-    return {tuple(p): out[rid] for rid, p, _, _ in REQUESTS}, {STOPPED: [stop]}
+    stop = out[STOPPED][stop_at]
+    assert stop not in out[STOPPED][:stop_at], "pick another stop_at: the stop token occurs earlier"
+    return {tuple(p): out[rid] for rid, p, _, _ in requests}, {STOPPED: [stop]}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,165 @@
+"""Overlapped MTP verify steps (`engine.spec_overlap`) with the real runner on a tiny Qwen3.5, through the decode
+and draft buffers (eager on the CPU): in every state mode and verify width 2 .. 4 the engine emits the same tokens,
+log-probabilities and finish reasons with overlap on as with it off, with scripted drafts that keep 0 .. W - 1 of
+their tokens (chosen on the device for the windows launched before the host read their predecessor), staggered
+arrivals, an abort, a stop token found a step late, length limits, slot reuse and prefix-cache publishes. Twins:
+a chained step fed tokens moved by one, or positions not shifted by the counts still in flight, change the text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightllm.engine.speculative import MtpSpeculator
+from lightllm.engine.speculative.device_drafts import DraftBatch
+from unit_tests.helpers.scripted_drafts import ScriptedDrafts
+from unit_tests.models.test_device_drafts_engine import _engine, drive, greedy_continuations
+
+# (request id, prompt, max_tokens, arrival step): long enough for chains of width-4 windows; four requests through
+# two slots (slots are reused); "c" is aborted once it has ABORT_AFTER tokens, "d" stops on its STOP_AT + 1st
+REQUESTS = [
+    ("a", [5, 6, 7, 8, 9], 24, 0),
+    ("b", list(range(30, 49)), 14, 0),
+    ("c", [11, 12], 20, 2),
+    ("d", [3, 1, 4, 1, 5, 9, 2, 6], 30, 3),
+]
+STOP_AT = 12
+ABORT_AFTER = 8
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class ScriptedMtp(MtpSpeculator):
+    """Real MTP drafting (the runner's head bookkeeping runs), the drafts then replaced by scripted ones: on the
+    host before a synchronous step, and on the device for an overlapped step's successor (`script_on_device`)."""
+
+    def __init__(self, num_drafts: int, scripted: ScriptedDrafts, device: torch.device):
+        super().__init__(num_drafts)
+        self.scripted, self.device = scripted, device
+
+    def propose(self, reqs):
+        super().propose(reqs)
+        self.scripted.propose(reqs)
+        if reqs:
+            rows = [list(r.draft_ids) + [-1] * (self.num_drafts - len(r.draft_ids)) for r in reqs]
+            batch = DraftBatch(torch.tensor(rows, dtype=torch.long, device=self.device))
+            for i, req in enumerate(reqs):
+                req.draft_ids = batch.row(i, len(req.draft_ids))
+
+
+def script_on_device(engine, truth: dict[tuple[int, ...], list[int]], kept_log: list[int]) -> None:
+    """Wrap the runner's `accept_on_device`: the head's drafts for the next windows become the script's, computed
+    on the device from each row's output length there (the host's plus the counts it has not read)."""
+    runner, scripted = engine.runner, engine.speculator.scripted
+    k = engine.speculator.num_drafts
+    original = runner.accept_on_device
+
+    def scripted_accept(handles, num_accepted, pair_tokens):
+        drafts = original(handles, num_accepted, pair_tokens)
+        reqs = {r.handle: r for r in engine.scheduler.running}
+        records = [runner._requests[h] for h in handles]
+        in_flight = runner._unsettled[:-1]
+        extra = torch.zeros(len(handles), dtype=torch.long)
+        for entry in in_flight:
+            position = {id(r): i for i, r in enumerate(entry.records)}
+            for j, rec in enumerate(records):
+                if id(rec) in position:
+                    extra[j] += entry.counts[position[id(rec)]].cpu()
+        out = drafts.clone()
+        for j, h in enumerate(handles):
+            req = reqs.get(h)
+            if req is None:
+                continue
+            continuation = torch.tensor(truth[tuple(req.prompt_ids)] + [0] * 16, dtype=torch.long)
+            start = len(req.output_ids) + extra[j] + num_accepted[j].cpu()
+            row = continuation[start : start + k].clone()
+            window = scripted._windows[req.req_id] = scripted._windows.get(req.req_id, -1) + 1
+            wrong = scripted.script(window, k)
+            if wrong is not None:
+                row[wrong] = (row[wrong] + 1) % runner.vocab_size
+            kept_log.append(k if wrong is None else wrong)
+            out[j] = row.to(out.device)
+        return out
+
+    runner.accept_on_device = scripted_accept
+
+
+def spec_run(mode: str, mtp_step: int, overlap: bool, truth, stop_ids, corrupt: str | None = None):
+    """REQUESTS through an engine with scripted MTP drafts; its result, the overlapped launches (chained or not)
+    and the kept counts the device script chose."""
+    engine = _engine(mode, mtp_step, fixed_buffers=True)
+    assert engine.runner.prefix_cache is not None
+    scripted = ScriptedDrafts(truth, mtp_step, engine.runner.vocab_size)
+    engine.speculator = ScriptedMtp(mtp_step, scripted, engine.runner.device)
+    engine.overlap_schedule = overlap
+    launches, kept, dropped = [], [], []
+    script_on_device(engine, truth, kept)
+    spec = engine.overlap.spec
+    launch = spec.launch
+
+    def counted(plan, previous):
+        launches.append(previous is not None)
+        if corrupt == "tokens" and previous is not None:
+            previous.next_tokens = (previous.next_tokens + 1) % engine.runner.vocab_size
+        return launch(plan, previous)
+
+    spec.launch = counted
+    complete = spec.complete
+
+    def reading(inflight):
+        # rows whose request finished after this step was launched (ride-alongs whose tokens are dropped)
+        dropped.extend(row.req.req_id for row in inflight.plan.decode if row.req.is_finished)
+        return complete(inflight)
+
+    spec.complete = reading
+    if corrupt == "positions":
+        engine.runner._cached_extra = lambda records: None
+    result = drive(engine, stop_ids, requests=REQUESTS, abort_after=ABORT_AFTER)
+    stored = engine.runner.prefix_cache_stats()["num_checkpoints_stored"]
+    return result, launches, kept, stored, dropped
+
+
+@pytest.fixture(scope="module")
+def continuations():
+    # long enough for the drafts of the last windows at width 4
+    return greedy_continuations(requests=REQUESTS, num_tokens=40, stop_at=STOP_AT)
+
+
+@pytest.mark.parametrize("mtp_step", [1, 2, 3], ids=["W2", "W3", "W4"])
+@pytest.mark.parametrize("mode", ["native", "compact", "replay"])
+def test_overlapped_verify_equals_synchronous(mode, mtp_step, continuations):
+    truth, stop_ids = continuations
+    (on, launches, kept, stored, dropped) = spec_run(mode, mtp_step, True, truth, stop_ids)
+    (off, off_launches, _, off_stored, _) = spec_run(mode, mtp_step, False, truth, stop_ids)
+    tokens, logprobs, finished, _ = on
+    # the aborted request stops where the host has seen enough of its tokens: its own count, the model's text
+    aborted = tokens.pop("c"), off[0].pop("c")
+    for text, reasons in zip(aborted, (finished, off[2])):
+        assert len(text) >= ABORT_AFTER and text == truth[tuple(REQUESTS[2][1])][: len(text)]
+        assert reasons.pop("c")[0] == "abort"
+    assert tokens == off[0] and finished == off[2]
+    for rid in tokens:
+        assert torch.allclose(torch.tensor(logprobs[rid]), torch.tensor(off[1][rid]), atol=1e-5), rid
+    # the overlapped path ran, chained steps launched before their predecessor was read, the synchronous run none
+    assert sum(launches) >= 4 and not off_launches
+    # the stop token was read while a later step of its request was in flight: that step rode along, dropped
+    assert "d" in dropped, dropped
+    # windows chosen on the device kept every count of drafts
+    assert set(kept) == set(range(mtp_step + 1)), kept
+    # finished requests still fed the prefix cache
+    assert stored > 0 and off_stored > 0
+    assert finished["d"] == ("stop", STOP_AT + 1) and finished["a"] == ("length", 24)
+    # the greedy text is the model's
+    for rid, prompt, _, _ in REQUESTS[:2] + REQUESTS[3:]:
+        assert tokens[rid] == truth[tuple(prompt)][: len(tokens[rid])], rid
+
+
+@pytest.mark.parametrize("corrupt", ["tokens", "positions"])
+def test_overlapped_verify_twin_broken_inputs_change_the_text(corrupt, continuations):
+    """Twin: a chained step fed its predecessor's next tokens moved by one, or run at positions that ignore the
+    counts still in flight, no longer gives the synchronous text."""
+    truth, stop_ids = continuations
+    (on, launches, *_) = spec_run("replay", 2, True, truth, stop_ids, corrupt=corrupt)
+    (off, *_) = spec_run("replay", 2, False, truth, stop_ids)
+    assert sum(launches) >= 2
+    assert on[0] != off[0]
