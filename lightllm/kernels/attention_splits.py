@@ -163,13 +163,13 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_context_splits(programs: int, max_context_len: int, bn: int, device: torch.device) -> int:
-    """Splits per program so that a launch of `programs` programs fills about two waves of the GPU's SMs, each
-    split keeping at least two key blocks of the longest context; 1 off CUDA (nothing to fill) and for launches
-    that already fill the GPU."""
+def num_context_splits(programs: int, max_context_len: int, bn: int, device: torch.device, waves: int = 2) -> int:
+    """Splits per program so that a launch of `programs` programs fills about `waves` waves of the GPU's SMs (more
+    waves: smaller splits, a shorter tail when several programs share an SM), each split keeping at least two key
+    blocks of the longest context; 1 off CUDA (nothing to fill) and for launches that already fill the GPU."""
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
-    return max(1, min(MAX_SPLITS, 2 * sms // programs, triton.cdiv(max_context_len, 2 * bn)))
+    return max(1, min(MAX_SPLITS, waves * sms // programs, triton.cdiv(max_context_len, 2 * bn)))

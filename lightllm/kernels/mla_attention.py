@@ -23,7 +23,9 @@ path and the reference) otherwise.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -39,6 +41,7 @@ from lightllm.kernels.attention_splits import (
     split_buffers,
     store_rows,
 )
+from lightllm.kernels.tuned_tables import device_name, nearest_entry, read_table
 
 BACKENDS = ("torch", "triton")
 
@@ -133,9 +136,11 @@ def mla_attention_kernel(
         p_lat = latent + b_slot * stride_c_s  # [BN]
         # the latent block serves as the keys (transposed) and as the values: loaded once
         b_c = tl.load(p_lat[:, None] + o_c[None, :], mask=m_n[:, None] & m_c[None, :], other=0.0)  # [BN, BC]
-        b_krt = tl.load(p_lat[None, :] + C + o_rr[:, None], mask=m_rr[:, None] & m_n[None, :], other=0.0)  # [BR, BN]
+        # row-major like the latent block (each key's rope part is contiguous: vectorised loads), transposed in
+        # the dot
+        b_kr = tl.load(p_lat[:, None] + C + o_rr[None, :], mask=m_n[:, None] & m_rr[None, :], other=0.0)  # [BN, BR]
         b_s = tl.dot(b_qc, tl.trans(b_c), input_precision=DOT_PRECISION)
-        b_s = (b_s + tl.dot(b_qr, b_krt, input_precision=DOT_PRECISION)) * qk_scale  # [BM, BN]
+        b_s = (b_s + tl.dot(b_qr, tl.trans(b_kr), input_precision=DOT_PRECISION)) * qk_scale  # [BM, BN]
         m_vis = (o_n[None, :] <= b_limit[:, None]) & m_n[None, :]
         b_s = tl.where(m_vis, b_s, float("-inf"))
         b_p, b_alpha, b_m, b_l = online_softmax_step(b_s, b_m, b_l)
@@ -165,18 +170,50 @@ def mla_attention_kernel(
 @dataclass(frozen=True)
 class MLATile:
     """Launch shape: `block_heads` heads (a power of two) of `max_tile_rows // block_heads` query tokens per
-    program, `block_keys` latents per block, warps and pipeline stages.
+    program, `block_keys` latents per block, warps and pipeline stages, and the waves of SMs a split launch aims
+    to fill (`attention_splits.num_context_splits`).
 
     The default reads each latent once for all 32 heads of Kimi-Linear at TP1 (two 16-head programs would read it
     twice, the second time from L2) with three stages of 32-latent blocks in flight; for sm_90 at rank 512 it
-    lowers to 190 registers and 76 KB of shared memory without spills (a 64-row tile spills), which the GPU
-    benchmark's `--sweep` weighs against the other shapes."""
+    lowers to 190 registers and 76 KB of shared memory without spills (a 64-row tile spills), so one program holds
+    an SM. 16-head tiles of 4 warps lower to 191-218 registers: two programs per SM, one computing while the other
+    waits on memory, at twice the L2 reads. A tuned table per device (`get_tile`) picks among them."""
 
     block_heads: int = 32
     max_tile_rows: int = 32
     block_keys: int = 32
     num_warps: int = 8
     num_stages: int = 3
+    waves: int = 2
+
+
+# tuned tiles: `mla_configs/<device>.json`, `{triton_version: {tile_key: {rows_bucket: MLATile fields}}}` (written
+# by the GPU benchmark `test/gpu/kernel_speed.py`)
+CONFIG_DIR = Path(__file__).parent / "mla_configs"
+
+
+def tile_key(num_heads: int, rank: int, rope: int, dtype: torch.dtype) -> str:
+    return f"H={num_heads},C={rank},R={rope},dtype={str(dtype).removeprefix('torch.')}"
+
+
+@functools.cache
+def _table(device: str) -> dict:
+    return read_table(CONFIG_DIR / f"{device}.json")
+
+
+@functools.lru_cache(maxsize=1024)
+def get_tile(num_heads: int, rank: int, rope: int, dtype: torch.dtype, device: torch.device, rows: int) -> MLATile:
+    """The tuned tile of this shape on this device for `rows` rows (nearest tuned row bucket), else the default."""
+    entry = nearest_entry(_table(device_name(device)).get(tile_key(num_heads, rank, rope, dtype)) or {}, rows)
+    return MLATile(**entry) if entry is not None else MLATile()
+
+
+def shape_tiles(num_heads: int, rank: int, rope: int, dtype: torch.dtype, device: torch.device) -> list[MLATile]:
+    """Every tile `get_tile` can give for this shape (what a warm-up compiles)."""
+    entries = _table(device_name(device)).get(tile_key(num_heads, rank, rope, dtype))
+    if not entries:
+        return [MLATile()]
+    return list(dict.fromkeys(MLATile(**e) for e in entries.values()))
 
 
 def _tile(num_heads: int, max_query_len: int, tile: MLATile) -> tuple[int, int, int]:
@@ -201,7 +238,7 @@ def launch_splits(
     """The split count a launch takes: from its program count and the host bound on its contexts only."""
     bh, bt, _ = _tile(num_heads, max_query_len, tile)
     programs = triton.cdiv(num_heads, bh) * triton.cdiv(max_query_len, bt) * rows
-    return num_context_splits(programs, max_context_len, tile.block_keys, device)
+    return num_context_splits(programs, max_context_len, tile.block_keys, device, tile.waves)
 
 
 def _check(q: torch.Tensor, latent: torch.Tensor, out: torch.Tensor, slot_table: torch.Tensor) -> None:
@@ -226,15 +263,17 @@ def mla_attention_triton(
     table_rows: torch.Tensor | None = None,
     max_context_len: int | None = None,
     num_splits: int | None = None,
-    tile: MLATile = MLATile(),
+    tile: MLATile | None = None,
 ) -> torch.Tensor:
-    """The Triton form of `mla_attention` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    """The Triton form of `mla_attention` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); `tile`
+    overrides the tuned / default launch shape (benchmarks)."""
     _check(q, latent, out, slot_table)
     t, h, d = q.shape
     c = out.shape[-1]
     rows = query_len.shape[0]
     if rows == 0 or max_query_len == 0:
         return out
+    tile = tile or get_tile(h, c, d - c, q.dtype, q.device, rows)
     bh, bt, bm = _tile(h, max_query_len, tile)
     m_tiles = triton.cdiv(max_query_len, bt)
     if num_splits is None:
@@ -364,29 +403,31 @@ def mla_attention(
 def warmup_mla_attention(num_heads: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype, device) -> int:
     """Compile every variant of the kernels a latent attention layer launches (each tile size, split and
     unsplit) on scratch tensors, so no serving step compiles one; returns the launch count."""
-    cached = 2 * MLATile().block_keys  # two key blocks: a split launch has something to split
     launches = 0
-    for query_len in tile_query_lengths(num_heads):
-        total = cached + query_len
-        q = torch.randn(query_len, num_heads, kv_lora_rank + rope_dim, device=device).to(dtype)
-        latent = torch.randn(total, kv_lora_rank + rope_dim, device=device).to(dtype)
-        out = torch.empty(query_len, num_heads, kv_lora_rank, dtype=dtype, device=device)
-        table = torch.arange(total, device=device)[None]
-        ints = dict(dtype=torch.int32, device=device)
-        rows = torch.zeros(1, dtype=torch.int64, device=device)
-        for splits in (1, 2):
-            mla_attention_triton(
-                q,
-                latent,
-                table,
-                torch.zeros(1, **ints),
-                torch.full((1,), query_len, **ints),
-                torch.full((1,), cached, **ints),
-                1.0,
-                query_len,
-                out,
-                table_rows=rows,
-                num_splits=splits,
-            )
-            launches += 1
+    for tile in shape_tiles(num_heads, kv_lora_rank, rope_dim, dtype, torch.device(device)):
+        cached = 2 * tile.block_keys  # two key blocks: a split launch has something to split
+        for query_len in tile_query_lengths(num_heads, tile):
+            total = cached + query_len
+            q = torch.randn(query_len, num_heads, kv_lora_rank + rope_dim, device=device).to(dtype)
+            latent = torch.randn(total, kv_lora_rank + rope_dim, device=device).to(dtype)
+            out = torch.empty(query_len, num_heads, kv_lora_rank, dtype=dtype, device=device)
+            table = torch.arange(total, device=device)[None]
+            ints = dict(dtype=torch.int32, device=device)
+            rows = torch.zeros(1, dtype=torch.int64, device=device)
+            for splits in (1, 2):
+                mla_attention_triton(
+                    q,
+                    latent,
+                    table,
+                    torch.zeros(1, **ints),
+                    torch.full((1,), query_len, **ints),
+                    torch.full((1,), cached, **ints),
+                    1.0,
+                    query_len,
+                    out,
+                    table_rows=rows,
+                    num_splits=splits,
+                    tile=tile,
+                )
+                launches += 1
     return launches

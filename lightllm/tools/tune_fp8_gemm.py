@@ -37,6 +37,7 @@ from lightllm.kernels.fp8 import (  # noqa: E402
 from lightllm.kernels.fp8.configs import config_path, heuristic_config, shape_key  # noqa: E402
 from lightllm.kernels.fp8.shapes import SERVED_GEMMS, unique_gemms  # noqa: E402
 from lightllm.kernels.tuned_tables import batch_bucket, device_name, write_entries  # noqa: E402
+from lightllm.tools.tune_fused_moe import time_ms  # noqa: E402
 
 # (BM, BN, num_warps, num_stages): tiles that lower for sm_90 without register spills with their loads pipelined;
 # wgmma needs 64-row tiles per warp group, decode-sized M keeps 16-row tiles (mma) and narrow columns
@@ -69,20 +70,17 @@ class Tuned:
     bf16_us: float
     err: float
     tried: int
+    # the heuristic's configuration (the first candidate) and the activation quantization a layer adds
+    heuristic_us: float = math.nan
+    quant_us: float = math.nan
     failed: list[str] = field(default_factory=list)
 
     def tflops(self, us: float) -> float:
         return 2 * self.m * self.n * self.k / us / 1e6
 
 
-def time_us(fn, device: torch.device) -> float:
-    """Median µs of `fn` on CUDA (inf when it does not compile or fit); one wall-clock run elsewhere."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-    from lightllm.tools.tune_fused_moe import time_ms
-
+def time_us(fn) -> float:
+    """Median µs of `fn` (the fused MoE tuner's timer: inf when a candidate does not compile or fit)."""
     return time_ms(fn) * 1e3
 
 
@@ -110,6 +108,7 @@ def tune_shape(
     best: tuple[float, dict, float] | None = None
     failed: list[str] = []
     tried = 0
+    heuristic_us = math.nan
     for config in candidates(m, block, quick):
         if tried and time.monotonic() > deadline:
             break
@@ -123,13 +122,16 @@ def tune_shape(
         if not err < MAX_REL:
             failed.append(f"{config}: relative error {err:.2e}")
             continue
-        us = time_us(lambda c=config: fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block, config=c), device)
+        us = time_us(lambda c=config: fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block, config=c))
+        heuristic_us = us if tried == 1 else heuristic_us
         if best is None or us < best[0]:
             best = (us, config, err)
     if best is None:
         raise RuntimeError(f"fp8 GEMM N={n} K={k} M={m}: no candidate ran correctly: {failed}")
-    bf16_us = time_us(lambda: torch.matmul(x, w.T), device) if device.type == "cuda" else math.nan
-    return Tuned(n, k, m, best[1], best[0], bf16_us, best[2], tried, failed)
+    on_gpu = device.type == "cuda"
+    bf16_us = time_us(lambda: torch.matmul(x, w.T)) if on_gpu else math.nan
+    quant_us = time_us(lambda: quantize_activation_groups(x, block[1])) if on_gpu else math.nan
+    return Tuned(n, k, m, best[1], best[0], bf16_us, best[2], tried, heuristic_us, quant_us, failed)
 
 
 def format_row(name: str, t: Tuned) -> str:
@@ -137,14 +139,15 @@ def format_row(name: str, t: Tuned) -> str:
     tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} g{c['GROUP_M']} w{c['num_warps']} s{c['num_stages']}"
     tile += " tma" if c["TMA"] else " ptr"
     return (
-        f"| {name} | {t.m} | {t.n} | {t.k} | {t.bf16_us:.1f} | {t.tflops(t.bf16_us):.0f} | {t.us:.1f} | "
-        f"{t.tflops(t.us):.0f} | {t.bf16_us / t.us:.2f}x | {tile} | {t.tried} | {t.err:.1e} |"
+        f"| {name} | {t.m} | {t.n} | {t.k} | {t.bf16_us:.1f} | {t.tflops(t.bf16_us):.0f} | {t.heuristic_us:.1f} | "
+        f"{t.us:.1f} | {t.tflops(t.us):.0f} | {t.bf16_us / t.us:.2f}x | {t.bf16_us / (t.us + t.quant_us):.2f}x | "
+        f"{tile} | {t.tried} | {t.err:.1e} |"
     )
 
 
 HEADER = (
-    "| shape | M | N | K | bf16 us | bf16 TFLOP/s | fp8 us | fp8 TFLOP/s | bf16 / fp8 | best config | tried | rel err |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| shape | M | N | K | bf16 us | bf16 TFLOP/s | fp8 heuristic us | fp8 tuned us | fp8 TFLOP/s | bf16 / fp8 | "
+    "bf16 / (quant + fp8) | best config | tried | rel err |\n" + "|---" * 14 + "|"
 )
 
 

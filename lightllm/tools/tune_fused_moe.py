@@ -16,7 +16,7 @@ import argparse
 import itertools
 import json
 import math
-import os
+import time
 
 import torch
 import triton
@@ -28,6 +28,7 @@ from lightllm.kernels.fused_moe.fused_moe import fused_experts
 from lightllm.kernels.fused_moe.grouped_gemm import down_weighted, gate_up_swiglu
 from lightllm.kernels.fused_moe.routing import softmax_topk
 from lightllm.kernels.fused_moe.shapes import SERVED_SHAPES, MoEShape
+from lightllm.kernels.tuned_tables import write_entries
 from lightllm.models.layers.moe import run_experts
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -47,8 +48,13 @@ def tiles(grid: dict) -> list[dict]:
 
 
 def time_ms(fn) -> float:
-    """Median ms of `fn`, inf when it does not compile or run (too much shared memory, too many registers)."""
+    """Median ms of `fn` on the GPU, inf when it does not compile or run (too much shared memory, too many
+    registers); without CUDA (interpreter checks of the tuning scripts) one wall-clock run."""
     try:
+        if not torch.cuda.is_available():
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
         fn()
         torch.cuda.synchronize()
         return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
@@ -56,25 +62,28 @@ def time_ms(fn) -> float:
         return math.inf
 
 
-def problem(shape: MoEShape, num_tokens: int, dtype: torch.dtype, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(num_tokens, shape.hidden, device="cuda", generator=gen).to(dtype)
-    gate_up = torch.randn(shape.num_experts, 2 * shape.inter, shape.hidden, device="cuda", generator=gen)
-    down = torch.randn(shape.num_experts, shape.hidden, shape.inter, device="cuda", generator=gen)
+def problem(shape: MoEShape, num_tokens: int, dtype: torch.dtype, seed: int = 0, device: str = "cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, shape.hidden, device=device, generator=gen).to(dtype)
+    gate_up = torch.randn(shape.num_experts, 2 * shape.inter, shape.hidden, device=device, generator=gen)
+    down = torch.randn(shape.num_experts, shape.hidden, shape.inter, device=device, generator=gen)
     gate_up = (gate_up / math.sqrt(shape.hidden)).to(dtype)
     down = (down / math.sqrt(shape.inter)).to(dtype)
-    logits = torch.randn(num_tokens, shape.num_experts, device="cuda", generator=gen)
+    logits = torch.randn(num_tokens, shape.num_experts, device=device, generator=gen)
     weights, ids = softmax_topk(logits, shape.top_k, True)
     return x, gate_up, down, weights, ids
 
 
-def tune_one(shape: MoEShape, num_tokens: int, dtype: torch.dtype, grid: dict) -> tuple[dict, float]:
-    """The fastest configuration of one shape and token count, and its ms for both GEMMs."""
-    x, gate_up, down, weights, ids = problem(shape, num_tokens, dtype)
+def tune_one(
+    shape: MoEShape, num_tokens: int, dtype: torch.dtype, grid: dict, device: str = "cuda"
+) -> tuple[dict, float]:
+    """The fastest configuration of one shape and token count, and its ms for both GEMMs (`device` "cpu": the
+    interpreter, a check of the script)."""
+    x, gate_up, down, weights, ids = problem(shape, num_tokens, dtype, device=device)
     pairs = num_tokens * shape.top_k
     # the down GEMM is timed on real activations (zeros would let nothing overflow, garbage could be NaN)
-    act = torch.randn(pairs, shape.inter, device="cuda").to(dtype)
-    pair_out = torch.empty(pairs, shape.hidden, dtype=torch.float32, device="cuda")
+    act = torch.randn(pairs, shape.inter, device=device).to(dtype)
+    pair_out = torch.empty(pairs, shape.hidden, dtype=torch.float32, device=device)
     flat_weights = weights.reshape(-1)
     best, best_ms = None, math.inf
     # blocks much taller than an expert's expected rows only add padding: not worth timing
@@ -124,23 +133,14 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[args.dtype]
     device = torch.device("cuda")
     path = args.output or str(config_path(device_name(device)))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    try:
-        with open(path) as f:
-            table = json.load(f)
-    except FileNotFoundError:
-        table = {}
-    entries = table.setdefault(triton.__version__, {})
     grid = QUICK_GRID if args.quick else FULL_GRID
     for name in args.shapes.split(","):
         shape = SERVED_SHAPES[name].sharded(args.tp)
         key = shape_key(shape.num_experts, shape.inter, shape.hidden, shape.top_k, dtype)
         for num_tokens in (int(b) for b in args.batches.split(",")):
             config, ms = tune_one(shape, batch_bucket(num_tokens), dtype, grid)
-            entries.setdefault(key, {})[str(batch_bucket(num_tokens))] = config
+            write_entries(path, key, {batch_bucket(num_tokens): config})
             print(f"{shape.name} tokens {batch_bucket(num_tokens):4d}: {ms * 1e3:8.1f} us  {json.dumps(config)}")
-            with open(path, "w") as f:
-                json.dump(table, f, indent=1, sort_keys=True)
     print(f"wrote {path}")
 
 

@@ -169,3 +169,38 @@ def test_warmup_launches_every_variant():
     assert launches == 2 * len(tile_query_lengths(4))
     assert tile_query_lengths(32, MLATile()) == [1]
     assert tile_query_lengths(4, MLATile()) == [1, 2, 4, 8]
+
+
+def test_tuned_tiles_by_device_and_row_bucket(tmp_path, monkeypatch):
+    """`get_tile` reads the device's table (nearest row bucket), else the default; the warm-up compiles every tuned
+    tile of the shape; a tile's `waves` scales the split count (twin: another shape or dtype keeps the default)."""
+    import importlib
+
+    from lightllm.kernels import attention_splits
+    from lightllm.kernels.tuned_tables import write_entries
+
+    mla = importlib.import_module("lightllm.kernels.mla_attention")
+
+    monkeypatch.setattr(mla, "CONFIG_DIR", tmp_path)
+    mla._table.cache_clear()
+    mla.get_tile.cache_clear()
+    small = MLATile(block_heads=2, max_tile_rows=4, block_keys=16, num_warps=4, num_stages=2, waves=4)
+    wide = MLATile(block_heads=4, max_tile_rows=4, block_keys=16, num_warps=4, num_stages=1, waves=2)
+    key = mla.tile_key(4, 16, 8, torch.float32)
+    write_entries(tmp_path / "cpu.json", key, {1: small.__dict__, 64: wide.__dict__})
+    cpu = torch.device("cpu")
+    try:
+        assert mla.get_tile(4, 16, 8, torch.float32, cpu, 1) == small
+        assert mla.get_tile(4, 16, 8, torch.float32, cpu, 40) == wide
+        assert mla.get_tile(4, 16, 8, torch.float16, cpu, 1) == MLATile()
+        assert mla.get_tile(8, 16, 8, torch.float32, cpu, 1) == MLATile()
+        assert mla.shape_tiles(4, 16, 8, torch.float32, cpu) == [small, wide]
+        expected = 2 * (len(tile_query_lengths(4, small)) + len(tile_query_lengths(4, wide)))
+        assert warmup_mla_attention(4, 16, 8, torch.float32, "cpu") == expected
+    finally:
+        mla._table.cache_clear()
+        mla.get_tile.cache_clear()
+    monkeypatch.setattr(attention_splits, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert launch_splits(32, 64, 1, 32768, cuda, MLATile(waves=4)) == 8
+    assert launch_splits(32, 64, 1, 32768, cuda, MLATile(block_heads=16, waves=4)) == 4
