@@ -5,7 +5,8 @@ setup(
     version="0.1.0",
     description="Inference server for hybrid linear-attention LLMs (Gated DeltaNet, Kimi Delta Attention)",
     packages=find_packages(include=["lightllm", "lightllm.*"]),
-    package_data={"lightllm": ["**/*.json", "**/*.md"]},
+    # the trained demo checkpoint (served without --model_dir) ships with the package
+    package_data={"lightllm": ["**/*.json", "**/*.md", "tools/demo_model/weights/*"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11,<=2.14.1",

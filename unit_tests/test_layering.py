@@ -11,10 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "lightllm"
 LAYER = {"tools": 6, "server": 5, "worker": 4, "engine": 3, "models": 3, "cache": 2, "linear_att": 1, "kernels": 1}
-# (importing module, imported module), lazy on purpose: the demo checkpoint the server builds; the offline API
-# (`from lightllm import LLM, SamplingParams`)
+# (importing module, imported module), lazy on purpose: the demo checkpoint the server serves or builds; the offline
+# API (`from lightllm import LLM, SamplingParams`)
 ALLOWED_UPWARD = {
     ("lightllm.server.args", "lightllm.tools.make_tiny_model"),
+    ("lightllm.server.args", "lightllm.tools.demo_model"),
     ("lightllm", "lightllm.server.llm"),
     ("lightllm", "lightllm.engine.sampling_params"),
 }

@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from lightllm.server.args import demo_model_dir
+from lightllm.server.args import random_demo_model_dir
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.server.conftest import scrape, wait_for
 from unit_tests.server.live_server import LiveServer
@@ -91,7 +91,7 @@ def test_two_replicas_give_one_replicas_tokens(arch, flags):
 
 def _slow_fake_checkpoint(tmp_path) -> str:
     model_dir = tmp_path / "ckpt"
-    shutil.copytree(demo_model_dir(), model_dir)
+    shutil.copytree(random_demo_model_dir(), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.update(fake_step_delay_s=0.05)
     (model_dir / "config.json").write_text(json.dumps(config))

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from lightllm.server.args import demo_model_dir
+from lightllm.server.args import random_demo_model_dir
 from lightllm.server.http.edge import json_items
 from lightllm.server.http.protocol import CompletionRequest
 from unit_tests.server.live_server import LiveServer
@@ -36,7 +36,7 @@ HEALTH_P90_S, HEALTH_MAX_S = 0.05, 0.2
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("slow") / "ckpt"
-    shutil.copytree(demo_model_dir(), model_dir)
+    shutil.copytree(random_demo_model_dir(), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.update(fake_step_delay_s=0.02)
     (model_dir / "config.json").write_text(json.dumps(config))

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR
-from lightllm.server.args import demo_model_dir
+from lightllm.server.args import random_demo_model_dir
 from unit_tests.engine.fake_runner import FakeRunner
 from unit_tests.server.conftest import scrape, wait_for
 from unit_tests.server.live_server import LiveServer
@@ -24,7 +24,7 @@ VOCAB = 512
 def server(tmp_path_factory):
     # a copy of the demo checkpoint whose config tells the fake runner which prompt tokens fail
     model_dir = tmp_path_factory.mktemp("failing") / "ckpt"
-    shutil.copytree(demo_model_dir(), model_dir)
+    shutil.copytree(random_demo_model_dir(), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.update(fake_fail_token=VOCAB - 1, fake_nan_token=VOCAB - 2, fake_step_delay_s=0.01)
     (model_dir / "config.json").write_text(json.dumps(config))

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from lightllm.server.args import demo_model_dir
+from lightllm.server.args import random_demo_model_dir
 from unit_tests.server.conftest import scrape, wait_for
 from unit_tests.server.live_server import LiveServer
 
@@ -24,7 +24,7 @@ BODY_CAP = 4096
 def server(tmp_path_factory):
     # slow steps keep requests in flight long enough to fill the queue
     model_dir = tmp_path_factory.mktemp("slow") / "ckpt"
-    shutil.copytree(demo_model_dir(), model_dir)
+    shutil.copytree(random_demo_model_dir(), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.update(fake_step_delay_s=0.02)
     (model_dir / "config.json").write_text(json.dumps(config))

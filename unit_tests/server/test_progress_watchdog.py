@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from lightllm.engine.messages import EngineStats, TokenChunk
-from lightllm.server.args import demo_model_dir
+from lightllm.server.args import random_demo_model_dir
 from lightllm.server.http.watchdog import ProgressWatchdog
 from unit_tests.server.conftest import scrape, wait_for
 from unit_tests.server.live_server import LiveServer
@@ -53,7 +53,7 @@ def test_a_stall_is_reported_once_and_cleared_by_a_token(caplog):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("stalled") / "ckpt"
-    shutil.copytree(demo_model_dir(), model_dir)
+    shutil.copytree(random_demo_model_dir(), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     # each engine step takes longer than the bound: a request in flight sees no token for that long
     config.update(fake_step_delay_s=2.5)

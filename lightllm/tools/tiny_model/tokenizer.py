@@ -8,6 +8,7 @@ ids [0, vocab_size - num_specials) and the special tokens the tail (Kimi's `[PAD
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -18,7 +19,7 @@ from .real_vocab import build_real_tokenizer
 from .token_specs import SPECS, pre_tokenizer, special_token_ids
 
 
-def _train_bpe(arch: str, num_bpe_tokens: int) -> Tokenizer:
+def _train_bpe(arch: str, num_bpe_tokens: int, corpus: Iterable[str] | None) -> Tokenizer:
     spec = SPECS[arch]
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -29,16 +30,17 @@ def _train_bpe(arch: str, num_bpe_tokens: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(training_corpus(), trainer)
+    tok.train_from_iterator(training_corpus() if corpus is None else corpus, trainer)
     return tok
 
 
-def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
-    """Train the byte-level BPE and append the family's special tokens so that ids match `special_token_ids`."""
+def build_tokenizer(arch: str, vocab_size: int, corpus: Iterable[str] | None = None) -> Tokenizer:
+    """Train the byte-level BPE (on `corpus`, default the built-in text) and append the family's special tokens so
+    that ids match `special_token_ids`."""
     spec = SPECS[arch]
     ids = special_token_ids(arch, vocab_size)
     num_bpe = min(ids.values())
-    tok = _train_bpe(arch, num_bpe)
+    tok = _train_bpe(arch, num_bpe, corpus)
     # A small corpus may run out of merges before the target size; reserved tokens keep the special ids fixed.
     fill = [
         AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(num_bpe - tok.get_vocab_size())
@@ -88,17 +90,23 @@ def _tokenizer_config(arch: str, ids: dict[str, int], model_max_length: int) -> 
 
 
 def write_tokenizer(
-    arch: str, vocab_size: int, model_max_length: int, out_dir: Path, real_vocab: bool = False
+    arch: str,
+    vocab_size: int,
+    model_max_length: int,
+    out_dir: Path,
+    real_vocab: bool = False,
+    corpus: Iterable[str] | None = None,
 ) -> dict[str, int]:
     """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja where the real checkpoint has one).
 
-    With `real_vocab` the released Qwen vocabulary is used instead of the tiny BPE (see `real_vocab.py`).
+    With `real_vocab` the released Qwen vocabulary is used instead of the tiny BPE (see `real_vocab.py`); `corpus`
+    replaces the built-in training text of the BPE.
     Returns the special token ids (token -> id).
     """
     if real_vocab:
         tok, ids = build_real_tokenizer(arch)
     else:
-        tok, ids = build_tokenizer(arch, vocab_size), special_token_ids(arch, vocab_size)
+        tok, ids = build_tokenizer(arch, vocab_size, corpus), special_token_ids(arch, vocab_size)
     (out_dir / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     cfg = _tokenizer_config(arch, ids, model_max_length)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", "utf-8")
