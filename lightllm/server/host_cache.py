@@ -4,11 +4,15 @@ server stops.
 One arena per server, shared by every engine process (each data-parallel replica and each tensor-parallel rank):
 a file in /dev/shm named after this process. Its size is `--host_cache_gb`, or by default 16 GiB capped at half
 of the free space of /dev/shm (the file is sparse: memory is used as entries are written). It is off without the
-prefix cache and outside `--run_mode normal`.
+prefix cache and outside `--run_mode normal`. With several replicas, engines copy each new checkpoint at once
+(the others may need it); a single replica copies only what its device cache drops.
+
+Arenas left behind by a server that was killed (its pid no longer runs) are removed when the next one starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -17,6 +21,7 @@ from collections.abc import Callable
 
 from lightllm.cache.host_tier import HostArena
 from lightllm.cache.host_tier.arena import SHM_DIR
+from lightllm.cache.host_tier.slots import pid_alive
 from lightllm.server.args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -24,6 +29,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST_CACHE_GB = 16
 # blocks of the arena: an entry takes whole blocks (a tiny model's prefix takes one)
 BLOCK_BYTES = 1 << 20
+PREFIX = "lightllm-host-"
 
 
 def host_cache_bytes(args: ServerArgs) -> int:
@@ -59,7 +65,9 @@ def start_with_host_cache(args: ServerArgs, start: Callable[[ServerArgs], object
     num_bytes = host_cache_bytes(args)
     if num_bytes < BLOCK_BYTES:
         return start(args)
-    arena = HostArena.create(f"lightllm-host-{os.getpid()}-{uuid.uuid4().hex[:8]}", num_bytes, BLOCK_BYTES)
+    remove_orphans()
+    name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    arena = HostArena.create(name, num_bytes, BLOCK_BYTES, write_through=args.dp > 1)
     logger.info("host tier: %.2f GiB in %s/%s", arena.capacity_bytes / 2**30, SHM_DIR, arena.name)
     try:
         engine = start(dataclasses.replace(args, host_cache_name=arena.name))
@@ -67,3 +75,17 @@ def start_with_host_cache(args: ServerArgs, start: Callable[[ServerArgs], object
         arena.unlink()
         raise
     return WithHostCache(engine, arena)
+
+
+def remove_orphans() -> list[str]:
+    """Unlink the arenas of servers whose process is gone (killed before it could); returns their names."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        pid = name.removeprefix(PREFIX).split("-", 1)[0]
+        if name.startswith(PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+    if removed:
+        logger.info("removed host tiers of servers no longer running: %s", ", ".join(removed))
+    return removed

@@ -13,7 +13,6 @@ import pytest
 
 from lightllm.cache.host_tier import HostArena
 from lightllm.cache.host_tier.arena import READY
-from lightllm.cache.host_tier.slots import free_record
 from unit_tests.helpers.prefix_scenario import Result, drain, fresh, make_engine, submit
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,9 +27,23 @@ PAIRS = [
 ]
 
 
+def _arena(write_through: bool) -> HostArena:
+    name = f"lightllm-test-{uuid.uuid4().hex}"
+    return HostArena.create(name, 64 << 20, block_bytes=1 << 16, max_entries=64, write_through=write_through)
+
+
 @pytest.fixture
 def arena():
-    a = HostArena.create(f"lightllm-test-{uuid.uuid4().hex}", 64 << 20, block_bytes=1 << 16, max_entries=64)
+    """Shared by replicas: every new checkpoint is copied at once."""
+    a = _arena(write_through=True)
+    yield a
+    a.unlink()
+
+
+@pytest.fixture
+def single_arena():
+    """A single replica's: only what the device drops is copied."""
+    a = _arena(write_through=False)
     yield a
     a.unlink()
 
@@ -93,7 +106,8 @@ def test_zeroed_entry_changes_the_output(arena):
     assert np.abs(np.asarray(bad.logprobs) - np.asarray(good.logprobs)).max() > 1e-3
 
 
-def test_device_evictions_spill_and_come_back(arena):
+def test_device_evictions_spill_and_come_back(single_arena):
+    arena = single_arena
     first, new = _conversation(3)
     cold = make_engine("qwen3_5", "replay", {}, cache=False)
     answer = _run(cold, "c1", first).tokens
@@ -102,10 +116,8 @@ def test_device_evictions_spill_and_come_back(arena):
 
     engine = make_engine("qwen3_5", "replay", {}, host_cache_name=arena.name)
     assert _run(engine, "e1", first).tokens == answer
-    # forget what was copied at publish time: only the spill can bring the state back
-    with arena.locked():
-        for index in np.flatnonzero(arena.entries["state"] != 0):
-            free_record(arena, int(index))
+    # a single replica copies nothing while its device holds the checkpoints
+    assert not (arena.entries["state"] == READY).any()
     engine.runner.evict_prefix_cache()
     assert engine.runner.prefix_cache.cache.num_checkpoints() == 0
     assert (arena.entries["state"] == READY).sum() > 0

@@ -34,7 +34,15 @@ LAYOUT_BYTES = 16
 FREE, WRITING, READY = 0, 1, 2
 
 HEADER = np.dtype(
-    [("magic", "<u8"), ("max_entries", "<u8"), ("block_bytes", "<u8"), ("num_blocks", "<u8"), ("clock", "<u8")]
+    [
+        ("magic", "<u8"),
+        ("max_entries", "<u8"),
+        ("block_bytes", "<u8"),
+        ("num_blocks", "<u8"),
+        ("clock", "<u8"),
+        # 1: engines copy every new checkpoint here (replicas share them); 0: only what their devices drop
+        ("write_through", "<u8"),
+    ]
 )
 ENTRY = np.dtype(
     [
@@ -78,6 +86,7 @@ class HostArena:
         self.max_entries = int(self.header["max_entries"])
         self.block_bytes = int(self.header["block_bytes"])
         self.num_blocks = int(self.header["num_blocks"])
+        self.write_through = bool(self.header["write_through"])
         self.entries = np.ndarray((self.max_entries,), dtype=ENTRY, buffer=self._map, offset=HEADER_BYTES)
         data_offset = _data_offset(self.max_entries)
         self.data = np.ndarray(
@@ -86,8 +95,12 @@ class HostArena:
         self._thread_lock = threading.Lock()
 
     @classmethod
-    def create(cls, name: str, num_bytes: int, block_bytes: int = 1 << 20, max_entries: int = 4096) -> HostArena:
-        """A new arena of about `num_bytes` of data (whole blocks); the file is sparse until written."""
+    def create(
+        cls, name: str, num_bytes: int, block_bytes: int = 1 << 20, max_entries: int = 4096, write_through: bool = True
+    ) -> HostArena:
+        """A new arena of about `num_bytes` of data (whole blocks); the file is sparse until written.
+        `write_through`: engines copy each new checkpoint at once (several replicas share the arena), or only
+        the ones their device cache drops (a single replica: its own device holds the rest)."""
         num_blocks = num_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(f"host tier of {num_bytes} bytes holds no {block_bytes}-byte block")
@@ -101,6 +114,7 @@ class HostArena:
                     block_bytes,
                     num_blocks,
                 )
+                header["write_through"] = write_through
                 header["magic"] = MAGIC
                 del header
             return cls(name, fd, owner=True)

@@ -9,8 +9,9 @@ the tensors), so a hit goes through `import_request` like a decode node's transf
 mode resumes it. After the import the MTP hidden state is made pending, as a device prefix-cache hit leaves it:
 the next forward pairs it with the first new token, as a cold run would.
 
-Entries are written when the device prefix cache stores a new checkpoint (`save` after a publish) and when it
-drops one (spill on eviction; a no-op when the entry is there already).
+Entries are written when the device prefix cache drops a checkpoint (spill on eviction; a no-op when the entry
+is there already) and, when the arena is shared by several replicas (`write_through`), as soon as it stores one
+(`save` after a publish), so that the others find it.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class RunnerHostTier:
         self.runner = runner
         arena = HostArena.attach(arena_name)
         self.tier = HostTier(arena, layout_digest(runner), runner.config.tp_size, runner.config.tp_rank)
+        self.write_through = arena.write_through
         self.num_hit_tokens = 0
 
     # writing ---------------------------------------------------------------------------------------------

@@ -90,8 +90,9 @@ class RunnerPrefixCache:
         self.host: RunnerHostTier | None = None
 
     def attach_host(self, host: RunnerHostTier) -> None:
-        """Back this cache with the host tier: new checkpoints are copied there, dropped ones spill there (when
-        missing), and a request resumes from it when it holds a longer prefix than the device."""
+        """Back this cache with the host tier: new checkpoints are copied there (when the arena says so: other
+        replicas share it), dropped ones spill there (when missing), and a request resumes from it when it holds
+        a longer prefix than the device."""
         self.host = host
         self.cache.on_drop = host.save
 
@@ -144,7 +145,7 @@ class RunnerPrefixCache:
             # the head's KV must hold the pair of every published token (prefill chunks leave them pending)
             self.drafter.commit_known_pairs(handle, req)
         node = self.cache.publish(handle, token_ids, lambda: self._export(req))
-        if node is not None and self.host is not None:
+        if node is not None and self.host is not None and self.host.write_through:
             self.host.save(node)
 
     def release(self, handle: int) -> None:
