@@ -33,7 +33,14 @@ STOPPED, STOP_AT = "d", 2
 NUM_REFERENCE_TOKENS = 16
 
 
-def _engine(mode: str, mtp_step: int, acceptance=None, fixed_buffers: bool = False, device: str = "cpu"):
+def _engine(
+    mode: str,
+    mtp_step: int,
+    acceptance=None,
+    fixed_buffers: bool = False,
+    device: str = "cpu",
+    max_running_requests: int = 2,
+):
     """`fixed_buffers`: decode and draft steps through the buffers CUDA graphs replay (captured on CUDA, run
     eagerly on the CPU)."""
     args, info = load_server_args(
@@ -43,7 +50,7 @@ def _engine(mode: str, mtp_step: int, acceptance=None, fixed_buffers: bool = Fal
         data_type="float32",
         ssm_state_mode=mode,
         mtp_step=mtp_step,
-        max_running_requests=2,
+        max_running_requests=max_running_requests,
         chunked_prefill_size=16,
         max_total_token_num=512,
         disable_cudagraph=not fixed_buffers,
