@@ -130,3 +130,25 @@ def test_device_evictions_spill_and_come_back(single_arena):
     _run(bare, "x1", first)
     bare.runner.evict_prefix_cache()
     assert _run(bare, "x2", second).cached == 0
+
+
+def test_two_hits_admitted_together(arena):
+    """Both imports go through one staging buffer in the same admission: each must own its state afterwards."""
+    convs = [_conversation(10 + i) for i in range(2)]
+    cold = make_engine("qwen3_5", "replay", {"mtp_step": 2}, cache=False)
+    writer = make_engine("qwen3_5", "native", {"mtp_step": 2}, host_cache_name=arena.name)
+    seconds, expected = [], []
+    for i, (first, new) in enumerate(convs):
+        answer = _run(writer, f"w{i}", first).tokens
+        seconds.append(_second_turn(first, answer, new))
+        expected.append(_run(cold, f"c{i}", seconds[-1]))
+    reader = make_engine("qwen3_5", "replay", {"mtp_step": 2}, host_cache_name=arena.name)
+    results = {f"r{i}": Result() for i in range(2)}
+    for i, prompt in enumerate(seconds):
+        submit(reader, f"r{i}", prompt, MAX_TOKENS)
+    drain(reader, results)
+    for i in range(2):
+        hot = results[f"r{i}"]
+        assert hot.cached == len(convs[i][0]) + MAX_TOKENS - 1
+        assert hot.tokens == expected[i].tokens
+        np.testing.assert_allclose(hot.logprobs, expected[i].logprobs, atol=1e-5)

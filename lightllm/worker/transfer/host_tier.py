@@ -87,6 +87,9 @@ class RunnerHostTier:
         self.tier = HostTier(arena, layout_digest(runner), runner.config.tp_size, runner.config.tp_rank)
         self.write_through = arena.write_through
         self.num_hit_tokens = 0
+        # where a hit's entry is copied before it is checked and imported (pinned on CUDA, kept between hits:
+        # pinning memory costs more than the copy)
+        self._staging = torch.empty(0, dtype=torch.uint8)
 
     # writing ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -161,9 +164,8 @@ class RunnerHostTier:
         if _data_start(desc_len) > len(section):
             return False
         # a private copy first: the entry may be evicted once its lease ends, and a torn copy must never reach
-        # the state (pinned on CUDA, so the copies to the device run at full speed)
-        pinned = self.runner.device.type == "cuda"
-        local = torch.empty(len(section), dtype=torch.uint8, pin_memory=pinned)
+        # the state
+        local = self._staging_of(len(section))
         local.numpy()[:] = section
         if not self.tier.valid(ticket):
             return False
@@ -176,6 +178,14 @@ class RunnerHostTier:
             req.mtp_hidden, req.mtp_next_ids, req.mtp_last_hidden = [(hidden, 0, 1)], [], None
         self.num_hit_tokens += state.num_tokens
         return True
+
+    def _staging_of(self, num_bytes: int) -> torch.Tensor:
+        """`num_bytes` of the staging buffer, grown (to a power of two) when too small. The imports copy from it
+        synchronously, so the next hit may overwrite it."""
+        if self._staging.numel() < num_bytes:
+            size = 1 << max(num_bytes - 1, 1).bit_length()
+            self._staging = torch.empty(size, dtype=torch.uint8, pin_memory=self.runner.device.type == "cuda")
+        return self._staging[:num_bytes]
 
     def stats(self) -> dict[str, int]:
         s = self.tier.stats
