@@ -41,6 +41,10 @@ class EngineEndpoint:
         """/health's body while the engine is alive."""
         return {"status": "ok"}
 
+    def accepts_requests(self) -> bool:
+        """Whether a new request may be submitted now (else the front-end answers 503)."""
+        return self.is_alive()
+
     def serving_problem(self) -> str | None:
         """Why the engine, though alive, cannot serve now (None: it can); /health answers 503 with it."""
         return None

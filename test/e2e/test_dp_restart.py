@@ -1,7 +1,8 @@
 """A data-parallel replica whose engine process dies rejoins: over real processes on 127.0.0.1 (`--dp 2`, round
 robin, a slowed demo checkpoint), the dead replica's in-flight request fails naming it, the other replica serves
 throughout, /health says degraded while the replica is down and ok once a fresh engine (another process) took its
-place, and the rejoined replica takes requests again with the same tokens as the other replica."""
+place, and the rejoined replica takes requests again with the same tokens as the other replica. With every replica
+down and restarting, /health and new requests answer 503 until they are back."""
 
 from __future__ import annotations
 
@@ -88,5 +89,16 @@ def test_a_dead_replica_restarts_and_rejoins(tmp_path):
         assert [row["num_routed"] - before for row, before in zip(_replicas(server), routed)] == [1, 1]
         texts = [r.json()["choices"][0]["text"] for r in answers]
         assert texts[0] == texts[1] and texts[0]
+
+        # every replica down, both restarting: 503 (retry), then both serve again
+        for handle in server.engine.handles:
+            handle.process.kill()
+        wait_for(lambda: httpx.get(f"{server.base_url}/health").status_code == 503, what="503 with no replica")
+        assert "no data-parallel replica is running" in _health(server)["status"]
+        refused = _complete(server, [3, 1, 4, 1, 5], 8)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        wait_for(lambda: _health(server)["status"] == "ok", timeout_s=120, what="both replicas to rejoin")
+        assert [row["num_restarts"] for row in _replicas(server)] == [2, 1]
+        assert _complete(server, [3, 1, 4, 1, 5], 8).json()["choices"][0]["text"] == texts[0]
     finally:
         server.close()

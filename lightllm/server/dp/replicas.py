@@ -87,6 +87,10 @@ class ReplicaSet:
     def num_alive(self) -> int:
         return sum(h.is_alive() for h in self.handles)
 
+    def accepts_requests(self) -> bool:
+        """While every replica is down (some restarting) new requests are refused with 503, not failed."""
+        return self.num_alive() > 0
+
     def connect(self, args: ServerArgs) -> ReplicaClient:
         self.client = ReplicaClient(self, args.dp_balancer, args.prefix_cache_checkpoint_interval)
         return self.client

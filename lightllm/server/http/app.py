@@ -153,7 +153,7 @@ def create_app(
         client.observers.append(metrics.on_output)
         client.start()
         pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="lightllm-text")
-        app.state.frontend = Frontend(args, info, tokenizer, client, metrics, engine.is_alive, pool)
+        app.state.frontend = Frontend(args, info, tokenizer, client, metrics, engine.accepts_requests, pool)
         app.state.metrics = metrics
         watchdog = ProgressWatchdog(args.progress_timeout_s, metrics.in_flight, lambda: client.stats, metrics.registry)
         client.observers.append(watchdog.observe)
