@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightllm.engine.speculative import MtpSpeculator
+from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.engine.speculative.device_drafts import DraftBatch
 from unit_tests.helpers.scripted_drafts import ScriptedDrafts
 from unit_tests.models.test_device_drafts_engine import _engine, drive, greedy_continuations
@@ -163,3 +164,26 @@ def test_overlapped_verify_twin_broken_inputs_change_the_text(corrupt, continuat
     (off, *_) = spec_run("replay", 2, False, truth, stop_ids)
     assert sum(launches) >= 2
     assert on[0] != off[0]
+
+
+@pytest.mark.parametrize(
+    "mode, seed", [("native", 3), ("replay", 3), ("replay", 4)], ids=["native", "replay", "twin-other-coins"]
+)
+def test_overlapped_simulated_acceptance_equals_synchronous(mode, seed):
+    """Simulated acceptance (the benchmarks' controlled rate) over real MTP drafts: the overlapped steps draw the
+    same seeded coins in the same order as the synchronous verify, so every window keeps the same drafts. Twin:
+    other coins under overlap keep other drafts."""
+    runs = []
+    for overlap in (True, False):
+        engine = _engine(mode, 2, SimulatedAcceptance(0.6, seed=seed if overlap else 3), fixed_buffers=True)
+        engine.overlap_schedule = overlap
+        launches = []
+        launch = engine.overlap.spec.launch
+        engine.overlap.spec.launch = lambda plan, previous, launches=launches, launch=launch: (
+            launches.append(previous is not None) or launch(plan, previous)
+        )
+        result = drive(engine, {}, abort=False, requests=REQUESTS)
+        runs.append((result, engine.stats.accepted_length_counts))
+        assert (sum(launches) >= 4) == overlap
+    assert (runs[0] == runs[1]) == (seed == 3)
+    assert all(c > 0 for c in runs[0][1]), runs[0][1]
