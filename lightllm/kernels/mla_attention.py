@@ -129,10 +129,17 @@ def mla_attention_kernel(
     else:
         i_row = i_r64
     p_table = slot_table + i_row * stride_table_r
+    # the slots of each key block are read one iteration ahead and carried: a latent load whose addresses come
+    # from a load of the same iteration is not multi-buffered by Triton's pipeliner (every iteration would wait
+    # for its gather), one whose addresses are carried is (the next blocks stream in while this one computes)
+    o_next = kv_lo + tl.arange(0, BN).to(tl.int64)
+    b_slot_next = tl.load(p_table + o_next, mask=o_next < kv_hi, other=0).to(tl.int64)
     for start in range(kv_lo, kv_hi, BN):
         o_n = start + tl.arange(0, BN).to(tl.int64)  # [BN] context positions
         m_n = o_n < kv_hi
-        b_slot = tl.load(p_table + o_n, mask=m_n, other=0).to(tl.int64)  # [BN]
+        b_slot = b_slot_next  # [BN]
+        o_next = o_n + BN
+        b_slot_next = tl.load(p_table + o_next, mask=o_next < kv_hi, other=0).to(tl.int64)
         p_lat = latent + b_slot * stride_c_s  # [BN]
         # the latent block serves as the keys (transposed) and as the values: loaded once
         b_c = tl.load(p_lat[:, None] + o_c[None, :], mask=m_n[:, None] & m_c[None, :], other=0.0)  # [BN, BC]
@@ -174,10 +181,11 @@ class MLATile:
     to fill (`attention_splits.num_context_splits`).
 
     The default reads each latent once for all 32 heads of Kimi-Linear at TP1 (two 16-head programs would read it
-    twice, the second time from L2) with three stages of 32-latent blocks in flight; for sm_90 at rank 512 it
-    lowers to 190 registers and 76 KB of shared memory without spills (a 64-row tile spills), so one program holds
-    an SM. 16-head tiles of 4 warps lower to 191-218 registers: two programs per SM, one computing while the other
-    waits on memory, at twice the L2 reads. A tuned table per device (`get_tile`) picks among them."""
+    twice, the second time from L2) with two 32-latent blocks in flight while a third computes; for sm_90 at rank
+    512 it lowers to 176 registers and 112 KB of shared memory without spills (a 64-row tile spills), so one
+    program holds an SM. 16-head, 16-key tiles of 4 warps lower to 168 registers and 56-93 KB: two or three
+    programs per SM, one computing while the others wait on memory, at twice the L2 reads. A tuned table per
+    device (`get_tile`) picks among them."""
 
     block_heads: int = 32
     max_tile_rows: int = 32

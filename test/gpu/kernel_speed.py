@@ -54,15 +54,17 @@ FP8_M = [4096, 8192]
 MLA_SHAPE = (32, 512, 64)
 MLA_CASES = {"decode b64 @8k": (64, 8192), "decode b64 @32k": (64, 32768)}
 # launch tiles tried (block_heads, max_tile_rows, block_keys, warps, stages): each lowers for sm_90 without register
-# spills; 32-head tiles hold an SM alone (190 registers x 8 warps), 16-head ones of 4 warps fit two per SM
+# spills with its latent loads multi-buffered (stages - 1 blocks in flight); 32-head tiles hold an SM alone
+# (165-252 registers x 8 warps), 16-head ones of 4 warps fit two or three per SM (and keep 16-row tiles for verify)
 MLA_TILES = [
     (32, 32, 32, 8, 3),
+    (32, 32, 32, 8, 4),
     (32, 32, 16, 8, 4),
-    (32, 32, 64, 8, 2),
-    (16, 32, 32, 4, 3),
-    (16, 32, 16, 4, 4),
-    (16, 32, 32, 8, 3),
-    (16, 32, 64, 8, 2),
+    (32, 32, 16, 8, 5),
+    (32, 32, 64, 8, 3),
+    (16, 16, 16, 4, 4),
+    (16, 16, 16, 4, 5),
+    (16, 16, 16, 8, 4),
 ]
 MLA_WAVES = (2, 4)
 MOE_SHAPES = ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b"]
