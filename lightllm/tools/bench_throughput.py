@@ -10,7 +10,8 @@ checkpoint the project's serving numbers are measured on (`SERVING_BENCH_SIZES`:
 reports output tokens per second over the whole run (prefill included), decode tokens per second and the median
 wall time of a decode-only step, and on CUDA the
 kernel time per decode step (torch profiler over steady steps) and the rest of the step (host time not hidden
-behind the GPU). Each mode is one engine; its batch sizes share it.
+behind the GPU), and the share of decode steps left in flight while the host read the one before (overlap
+scheduling, MTP verify steps included). Each mode is one engine; its batch sizes share it.
 
 `--simulate_acceptance P` (with `--mtp_step` or `--spec_ngram`) makes the verifier keep each draft position with
 probability P whatever the model says (seeded by `--seed`; `engine.speculative.acceptance`), so the speed of
@@ -100,7 +101,7 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
     for i in range(batch):
         prompt = rng.integers(10, vocab - 10, size=input_len).tolist()
         assert engine.add_request(NewRequest(f"b{batch}-{i}", prompt, params)) == []
-    num_tokens, step_ms, gpu_ms = 0, [], None
+    num_tokens, step_ms, gpu_ms, num_overlapped = 0, [], None, 0
     stats = engine.stats
     windows_before, accepted_before = stats.num_spec_windows, stats.num_accepted_draft_tokens
     start = time.perf_counter()
@@ -115,6 +116,8 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
         outputs = engine.step()
         if decode_only:
             step_ms.append((time.perf_counter() - t0) * 1000)
+            # the step left one in flight: its successor was launched before its tokens were read
+            num_overlapped += engine.overlap.has_work()
         for out in outputs:
             if isinstance(out, TokenChunk):
                 num_tokens += len(out.token_ids)
@@ -135,6 +138,7 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
         "gpu_ms_per_step": gpu_ms,
         "host_ms_per_step": None if gpu_ms is None else max(step - gpu_ms, 0.0),
         "mean_accepted_len": accepted,
+        "overlapped_share": num_overlapped / len(step_ms) if step_ms else None,
     }
 
 
@@ -174,7 +178,7 @@ def _print_row(r: dict) -> None:
         f"{r['batch']} | {r['output_tok_per_s']:.0f} | "
         f"{r['decode_tok_per_s']:.0f} | "
         f"{r['decode_step_ms']:.2f} | {_fmt(r['gpu_ms_per_step'], '.2f')} | {_fmt(r['host_ms_per_step'], '.2f')} "
-        f"| {_fmt(r['mean_accepted_len'], '.2f')} |",
+        f"| {_fmt(r['mean_accepted_len'], '.2f')} | {_fmt(r['overlapped_share'], '.0%')} |",
         flush=True,
     )
 
@@ -193,9 +197,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # rows print as they finish: a run cut short by a time limit still shows what it measured
     print(
         "| mode | mtp | ngram | sim. accept | batch | out tok/s | decode tok/s | decode step ms | GPU ms/step "
-        "| host ms/step | accepted len |"
+        "| host ms/step | accepted len | overlapped |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for mode in a.modes.split(","):
         flags = dict(
             model_dir=model_dir,

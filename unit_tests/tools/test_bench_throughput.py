@@ -36,6 +36,8 @@ def test_bench_throughput_runs_every_mode_and_batch(tmp_path, capsys):
         assert r["output_tok_per_s"] > 0 and r["decode_step_ms"] > 0
         # no GPU: no kernel time, so no split
         assert r["gpu_ms_per_step"] is None and r["host_ms_per_step"] is None
+        # plain decode steps stay in flight while the host reads the one before
+        assert r["overlapped_share"] > 0
     assert json.loads(out.read_text()) == rows
     table = capsys.readouterr().out
     assert table.count("| replay | 0 | 0 |") == 2
@@ -61,6 +63,8 @@ def test_bench_throughput_with_drafts_reports_acceptance(capsys):
     )
     assert rows[0]["output_tokens"] == 12
     assert rows[0]["mean_accepted_len"] is not None and 1.0 <= rows[0]["mean_accepted_len"] <= 3.0
+    # an eager runner (the CPU without decode and draft buffers) verifies synchronously
+    assert rows[0]["overlapped_share"] == 0.0
 
 
 def test_bench_throughput_simulated_acceptance_sets_the_accepted_length(capsys):
