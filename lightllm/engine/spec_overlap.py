@@ -22,8 +22,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from lightllm.cache.device_copy import to_device
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
 from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR
 from lightllm.engine.messages import EngineOutput
@@ -143,7 +145,7 @@ class SpecOverlap:
             if e.acceptance is not None:
                 # the same coins, in the same order, as the synchronous step's verify draws
                 counts = e.acceptance.num_kept_drafts([k] * len(rows))
-                kept = torch.tensor(counts, dtype=torch.long).to(drafts.device, non_blocking=True)
+                kept = to_device(np.asarray(counts, dtype=np.int64), drafts.device)
             logits = fwd.logits
             counts, next_tokens, pairs, bad = verify_full_windows_on_device(logits, drafts.to(logits.device), kept)
             new_drafts = runner.accept_on_device(handles, counts, pairs)

@@ -614,7 +614,7 @@ class ModelRunner:
             position = {id(r): i for i, r in enumerate(entry.records)}
             index = [position.get(id(r), len(entry.records)) for r in records]
             padded = torch.cat([entry.counts.long(), entry.counts.new_zeros(1, dtype=torch.long)])
-            total += padded[torch.tensor(index, dtype=torch.long).to(self.device, non_blocking=True)]
+            total += padded[to_device(np.asarray(index, dtype=np.int64), self.device)]
         return total
 
     def _max_extra(self, records: list[RequestRecord]) -> np.ndarray:
