@@ -108,6 +108,29 @@ def test_overlap_without_the_masks_is_caught():
     assert "error" in {reason for _, reason in broken.values()}
 
 
+@pytest.mark.parametrize("mode", ["native", "replay"])
+def test_grammar_after_a_start_token_with_overlap_equals_without(mode):
+    """A grammar that starts after a token (a reasoning block's end): the output is free up to that token (the free
+    greedy run's own tokens), JSON after it, and the same with overlap on, where the switch happens between an
+    in-flight step's read-back and the next masked draw."""
+    prompt = PROMPTS[1]
+    engine, info, tok = make_engine("qwen3_5", mode)
+    free = staggered(engine, info, tok, [(0, "free", prompt, SamplingParams(temperature=0.0, max_tokens=6))])
+    start_token = free["free"][0][3]
+    head = free["free"][0][: free["free"][0].index(start_token) + 1]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, grammar=GRAMMAR, grammar_start_token=start_token)
+    requests = [(0, "r", prompt, params), *mixed_requests()[1:3]]
+    engine, info, tok = make_engine("qwen3_5", mode, disable_overlap_schedule=True)
+    reference = staggered(engine, info, tok, requests)
+    engine, info, tok = make_engine("qwen3_5", mode)
+    launches = counting_launches(engine)
+    overlapped = staggered(engine, info, tok, requests)
+    assert overlapped == reference and sum(launches) >= 10
+    ids, reason = overlapped["r"]
+    assert ids[: len(head)] == head and reason == "stop"
+    assert valid(text_of(tok, [ids[len(head) :]], set(tok.eos_token_ids)))
+
+
 class _BadDrafts:
     """MTP drafting after every step, verify windows drafted from the known continuation with one draft of every
     other window replaced by a token the grammar never allows."""
