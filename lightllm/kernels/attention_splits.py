@@ -35,6 +35,17 @@ def context_span(kv_end, num_splits, i_s, BN: tl.constexpr):
 
 
 @triton.jit
+def block_slots(p_table, start, kv_hi, BN: tl.constexpr):
+    """Pool slots `[BN]` (int64) of context positions `start .. start + BN` of one row's slot table (0 past `kv_hi`).
+
+    Callers read a block's slots one iteration ahead and carry them: a K/V load whose addresses come from a load of
+    the same iteration is not multi-buffered by Triton's pipeliner (every iteration waits for its gather), one whose
+    addresses are carried is (the next blocks stream in while this one computes)."""
+    o_n = start + tl.arange(0, BN).to(tl.int64)
+    return tl.load(p_table + o_n, mask=o_n < kv_hi, other=0).to(tl.int64)
+
+
+@triton.jit
 def online_softmax_step(b_s, b_m, b_l):
     """Fold one block of masked scores `b_s [BM, BN]` (log2 domain, -inf where invisible) into the running max
     `b_m [BM]` and sum `b_l [BM]`; returns (probabilities [BM, BN], rescale of the old accumulator [BM], new max,

@@ -34,6 +34,7 @@ import triton.language as tl
 from lightllm.kernels.attention_splits import (
     LOG2E,
     MAX_SPLITS,
+    block_slots,
     combine_splits,
     context_span,
     num_context_splits,
@@ -129,17 +130,13 @@ def mla_attention_kernel(
     else:
         i_row = i_r64
     p_table = slot_table + i_row * stride_table_r
-    # the slots of each key block are read one iteration ahead and carried: a latent load whose addresses come
-    # from a load of the same iteration is not multi-buffered by Triton's pipeliner (every iteration would wait
-    # for its gather), one whose addresses are carried is (the next blocks stream in while this one computes)
-    o_next = kv_lo + tl.arange(0, BN).to(tl.int64)
-    b_slot_next = tl.load(p_table + o_next, mask=o_next < kv_hi, other=0).to(tl.int64)
+    # slots read one block ahead (`block_slots`: so the latent gathers are multi-buffered)
+    b_slot_next = block_slots(p_table, kv_lo, kv_hi, BN)
     for start in range(kv_lo, kv_hi, BN):
         o_n = start + tl.arange(0, BN).to(tl.int64)  # [BN] context positions
         m_n = o_n < kv_hi
         b_slot = b_slot_next  # [BN]
-        o_next = o_n + BN
-        b_slot_next = tl.load(p_table + o_next, mask=o_next < kv_hi, other=0).to(tl.int64)
+        b_slot_next = block_slots(p_table, start + BN, kv_hi, BN)
         p_lat = latent + b_slot * stride_c_s  # [BN]
         # the latent block serves as the keys (transposed) and as the values: loaded once
         b_c = tl.load(p_lat[:, None] + o_c[None, :], mask=m_n[:, None] & m_c[None, :], other=0.0)  # [BN, BC]

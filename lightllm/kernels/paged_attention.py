@@ -33,6 +33,7 @@ import triton.language as tl
 from lightllm.kernels.attention_splits import (
     LOG2E,
     MAX_SPLITS,
+    block_slots,
     combine_splits,
     context_span,
     num_context_splits,
@@ -134,10 +135,13 @@ def paged_attention_kernel(
         i_row = i_r64
     p_table = slot_table + i_row * stride_table_r
     kh64 = i_kh.to(tl.int64)
+    # slots read one block ahead (`block_slots`: so the K/V gathers are multi-buffered)
+    b_slot_next = block_slots(p_table, kv_lo, kv_hi, BN)
     for start in range(kv_lo, kv_hi, BN):
         o_n = start + tl.arange(0, BN).to(tl.int64)  # [BN] context positions
         m_n = o_n < kv_hi
-        b_slot = tl.load(p_table + o_n, mask=m_n, other=0).to(tl.int64)  # [BN]
+        b_slot = b_slot_next  # [BN]
+        b_slot_next = block_slots(p_table, start + BN, kv_hi, BN)
         p_k = k_pool + b_slot[None, :] * stride_k_s + kh64 * stride_k_h + o_dk[:, None]
         b_kt = tl.load(p_k, mask=m_dk[:, None] & m_n[None, :], other=0.0)  # [BK, BN]
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
