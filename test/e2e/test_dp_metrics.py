@@ -6,6 +6,7 @@ in /dp/replicas and as /metrics samples labelled by replica."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 
@@ -108,10 +109,7 @@ def test_prefix_hits_per_replica_equal_the_requests_cached_tokens():
         want_hits = [cached[0] + cached[2] + cached[4], cached[1] + cached[3]]
         wait_for(lambda: [r["prefix_cache_queried_tokens"] for r in _rows(server)] == want_queried, what="lookups")
         rows = _rows(server)
-        labelled = [
-            scrape(server.base_url, f'lightllm_dp_replica_prefix_cache_hit_tokens_total{{replica="{i}",tier="device"}}')
-            for i in range(2)
-        ]
+        samples = _labelled_samples(server.base_url, "lightllm_dp_replica_prefix_cache_hit_tokens_total")
         queried = [
             scrape(server.base_url, f'lightllm_dp_replica_prefix_cache_queried_tokens_total{{replica="{i}"}}')
             for i in range(2)
@@ -119,8 +117,37 @@ def test_prefix_hits_per_replica_equal_the_requests_cached_tokens():
         total = scrape(server.base_url, "lightllm_prefix_cache_hit_tokens_total")
     finally:
         server.close()
-    # each replica's second turn of the shared prompt resumed it; nothing else could
-    assert cached[0] == cached[1] == cached[4] == 0 and cached[2] > 0 and cached[3] > 0
-    assert [r["prefix_cache_hit_tokens"] for r in rows] == [{"device": h} for h in want_hits]
-    assert [r["prefix_cache_hit_rate"]["device"] for r in rows] == [h / q for h, q in zip(want_hits, want_queried)]
-    assert labelled == want_hits and queried == want_queried and total == sum(want_hits)
+    # each replica's second turn of the shared prompt resumed it; a prompt nobody sent before resumed nothing
+    assert cached[0] == cached[4] == 0 and cached[2] > 0 and cached[3] > 0
+    # every tier together accounts for the tokens each replica's requests were told were cached
+    assert [sum(r["prefix_cache_hit_tokens"].values()) for r in rows] == want_hits
+    for row, q in zip(rows, want_queried):
+        assert row["prefix_cache_hit_rate"] == {t: n / q for t, n in row["prefix_cache_hit_tokens"].items()}
+    assert {(int(labels["replica"]), labels["tier"]): v for labels, v in samples} == {
+        (r["replica"], tier): n for r in rows for tier, n in r["prefix_cache_hit_tokens"].items()
+    }
+    assert queried == want_queried
+    # the server-wide counter is the device tier's, summed over the replicas
+    assert total == sum(r["prefix_cache_hit_tokens"]["device"] for r in rows)
+
+
+def _labelled_samples(base_url: str, name: str) -> list[tuple[dict, float]]:
+    """Every sample of a labelled Prometheus family: (labels, value)."""
+    text = httpx.get(f"{base_url}/metrics").text
+    found = []
+    for labels, value in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
+        found.append((dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
+    assert found, f"{name} not in /metrics"
+    return found
+
+
+def test_the_replica_view_needs_the_api_key():
+    server = LiveServer(model_dir=demo_model_dir(), device="cpu", dp=2, api_key="replica-key")
+    try:
+        assert httpx.get(f"{server.base_url}/dp/replicas").status_code == 401
+        r = httpx.get(f"{server.base_url}/dp/replicas", headers={"Authorization": "Bearer replica-key"})
+        assert r.status_code == 200 and [row["replica"] for row in r.json()["replicas"]] == [0, 1]
+        # /metrics stays open, as for a single engine
+        assert scrape(server.base_url, 'lightllm_dp_replica_up{replica="1"}') == 1
+    finally:
+        server.close()
