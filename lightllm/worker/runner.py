@@ -78,6 +78,11 @@ class _Unsettled:
     counts: torch.Tensor
     # [rows * W, hidden] the step's final hidden states (the MTP head's last hidden once counts are known)
     hidden: torch.Tensor | None
+    # row index of each record by identity (lookups stay O(rows) per step at large batches)
+    index: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.index = {id(r): i for i, r in enumerate(self.records)}
 
 
 class ModelRunner:
@@ -587,6 +592,8 @@ class ModelRunner:
         entry = self._unsettled.pop(0)
         if [r.handle for r in entry.records] != list(handles):
             raise ValueError("settle() must list the rows of the oldest step accepted on the device in their order")
+        # a later step still in flight keeps its worst-case window
+        later = self._max_extra(entry.records)
         rows, lengths = [], []
         for i, (record, width, count) in enumerate(zip(entry.records, entry.widths, num_accepted, strict=True)):
             if self._requests.get(record.handle) is not record:
@@ -597,13 +604,12 @@ class ModelRunner:
             record.mtp_len += count
             record.mtp_last_hidden = (entry.hidden, i * width + count - 1)
             rows.append(record.handle)
-            # a later step still in flight keeps its worst-case window
-            lengths.append(record.num_tokens + self._max_extra([record])[0])
+            lengths.append(record.num_tokens + later[i])
         if rows:
             self.kv.truncate_many(np.asarray(rows), np.asarray(lengths))
 
     def _is_unsettled(self, record: RequestRecord) -> bool:
-        return any(any(r is record for r in e.records) for e in self._unsettled)
+        return any(id(record) in e.index for e in self._unsettled)
 
     def _cached_extra(self, records: list[RequestRecord]) -> torch.Tensor | None:
         """[rows] int64 on the device: tokens each row committed in unsettled steps (None when no row has any)."""
@@ -611,8 +617,7 @@ class ModelRunner:
             return None
         total = torch.zeros(len(records), dtype=torch.long, device=self.device)
         for entry in self._unsettled:
-            position = {id(r): i for i, r in enumerate(entry.records)}
-            index = [position.get(id(r), len(entry.records)) for r in records]
+            index = [entry.index.get(id(r), len(entry.records)) for r in records]
             padded = torch.cat([entry.counts.long(), entry.counts.new_zeros(1, dtype=torch.long)])
             total += padded[to_device(np.asarray(index, dtype=np.int64), self.device)]
         return total
@@ -621,8 +626,8 @@ class ModelRunner:
         """Per row, the most tokens its unsettled steps may have committed (their widths)."""
         out = np.zeros(len(records), dtype=np.int64)
         for entry in self._unsettled:
-            width = {id(r): w for r, w in zip(entry.records, entry.widths)}
-            out += np.asarray([width.get(id(r), 0) for r in records], dtype=np.int64)
+            widths = entry.widths + [0]
+            out += np.asarray([widths[entry.index.get(id(r), -1)] for r in records], dtype=np.int64)
         return out
 
     # MTP -------------------------------------------------------------------------------------------------
