@@ -17,6 +17,11 @@ then with a third suffix to replica 1 (host hit: its device cache never saw the 
 from `add_request` to the step that emits the token, alone in the engine; medians over `--repeats` after one
 untimed round. Targets: host hit within 2x of the device hit, and at least 5x faster than cold.
 
+`http` (per state mode): the same three requests over HTTP to a real `--dp 2` server (two engine processes on the
+GPU, each with half of `--mem_fraction`, one host tier) with `--dp_balancer round_robin`, which alternates the
+replicas: cold on one replica, host hit on the other, device hit on the first again. Time to first token is to the
+first streamed chunk; the cached tokens come from the stream's usage.
+
 `bandwidth`: for prefixes of `--bandwidth_lens` tokens, the bytes of one host entry (KV of the prefix + the
 state checkpoint), the seconds to write it (device -> shared memory, `RunnerHostTier.save`) and to resume a
 request from it (lookup, copy out, import into the device: `add_request`), as GB/s.
@@ -42,6 +47,7 @@ for path in (HERE.parents[1], HERE):
 
 import torch  # noqa: E402
 from prefix_cache_ttft import checkpoint, parse_mode, time_to_first_token  # noqa: E402
+from smoke_serving_gpu import start_server, stop_server, wait_healthy  # noqa: E402
 
 RUNNER = "lightllm.server.runner_factory:create_runner"
 TINY = dict(prefix_len=128, suffix_len=12, interval=32, chunk=128, kv_tokens=2048, bandwidth_lens="64,128")
@@ -114,6 +120,93 @@ def ttft_rows(model_dir: str, a, arena, emit) -> None:
             torch.cuda.empty_cache()
 
 
+def stream_ttft(port: int, model: str, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to the first streamed chunk of a one-token completion, and the cached tokens of its usage."""
+    import httpx
+
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start, first, cached = time.perf_counter(), None, 0
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter() - start
+            usage = chunk.get("usage")
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return first, cached
+
+
+def http_rows(model_dir: str, a, emit) -> None:
+    import tempfile
+
+    import httpx
+
+    rng = random.Random(a.seed + 2)
+    log_dir = tempfile.mkdtemp(prefix="host-tier-http-")
+    for mode in a.modes.split(","):
+        flags = [
+            "--dp",
+            "2",
+            "--dp_balancer",
+            "round_robin",
+            "--max_req_total_len",
+            str(a.prefix_len + a.suffix_len + 16),
+        ]
+        flags += [f"--{k}={v}" for k, v in parse_mode(mode).items()]
+        if a.interval:
+            flags += ["--prefix_cache_checkpoint_interval", str(a.interval)]
+        if a.chunk:
+            flags += ["--chunked_prefill_size", str(a.chunk)]
+        if a.tiny:
+            flags += ["--max_total_token_num", str(a.kv_tokens), "--host_cache_gb", str(a.host_cache_gb)]
+        device = "cuda" if a.device == "auto" else a.device
+        proc, port = start_server(model_dir, device, flags, f"{log_dir}/{mode}.log")
+        try:
+            wait_healthy(proc, port, a.start_timeout)
+            model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"]
+            vocab = a.vocab
+            cold, host, device_hit, cached = [], [], [], []
+            for r in range(a.repeats + 1):
+                prefix = [rng.randrange(1, vocab) for _ in range(a.prefix_len)]
+                # round robin: replica x, then the other one, then x again
+                c, _ = stream_ttft(port, model, prefix + [rng.randrange(1, vocab) for _ in range(a.suffix_len)])
+                h, n = stream_ttft(port, model, prefix + [rng.randrange(1, vocab) for _ in range(a.suffix_len)])
+                d, _ = stream_ttft(port, model, prefix + [rng.randrange(1, vocab) for _ in range(a.suffix_len)])
+                if r:
+                    cold.append(c)
+                    host.append(h)
+                    device_hit.append(d)
+                    cached.append(n)
+            row = {
+                "part": "http",
+                "mode": mode,
+                "reader_mode": mode,
+                "prefix_len": a.prefix_len,
+                "suffix_len": a.suffix_len,
+                "cold_ms": 1e3 * statistics.median(cold),
+                "device_hit_ms": 1e3 * statistics.median(device_hit),
+                "host_hit_ms": 1e3 * statistics.median(host),
+                "host_cached_tokens": min(cached),
+            }
+            row["host_vs_device"] = row["host_hit_ms"] / row["device_hit_ms"]
+            row["cold_vs_host"] = row["cold_ms"] / row["host_hit_ms"]
+            emit(row)
+        finally:
+            stop_server(proc)
+
+
 def bandwidth_rows(model_dir: str, a, arena, emit) -> None:
     from lightllm.cache.host_tier.slots import free_record
 
@@ -167,9 +260,9 @@ def bandwidth_rows(model_dir: str, a, arena, emit) -> None:
 
 
 def print_row(row: dict) -> None:
-    if row["part"] == "ttft":
+    if row["part"] in ("ttft", "http"):
         print(
-            f"ttft {row['mode']:>12} -> {row['reader_mode']:<12} prefix {row['prefix_len']} + {row['suffix_len']}: "
+            f"{row['part']} {row['mode']:>12} -> {row['reader_mode']:<12} prefix {row['prefix_len']} + {row['suffix_len']}: "
             f"cold {row['cold_ms']:.1f} ms, device hit {row['device_hit_ms']:.1f} ms, host hit "
             f"{row['host_hit_ms']:.1f} ms ({row['host_cached_tokens']} cached) | host/device "
             f"{row['host_vs_device']:.2f}x (target <= 2), cold/host {row['cold_vs_host']:.1f}x (target >= 5)",
@@ -185,7 +278,7 @@ def print_row(row: dict) -> None:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="ttft,bandwidth", help="comma-separated: ttft, bandwidth")
+    p.add_argument("--parts", default="ttft,http,bandwidth", help="comma-separated: ttft, http, bandwidth")
     p.add_argument("--modes", default="native,replay,compact+mtp", help="state modes of replica 0 (the writer)")
     p.add_argument("--reader_mode", default=None, help="state mode of replica 1 (default: the writer's)")
     p.add_argument("--prefix_len", type=int, default=8192)
@@ -201,6 +294,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model_dir", default=None)
     p.add_argument("--cache_dir", default=None, help="where the built checkpoint is cached")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start_timeout", type=float, default=600, help="seconds for the http part's server to start")
     p.add_argument("--result_file", default=None)
     a = p.parse_args(argv)
     if a.tiny:
@@ -231,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         parts = a.parts.split(",")
         if "ttft" in parts:
             ttft_rows(model_dir, a, arena, emit)
+        if "http" in parts:
+            from lightllm.server.model_info import read_model_info
+
+            a.vocab = read_model_info(model_dir).vocab_size
+            http_rows(model_dir, a, emit)
         if "bandwidth" in parts:
             bandwidth_rows(model_dir, a, arena, emit)
     finally:
