@@ -186,7 +186,9 @@ def _fill_parallel(executor, bitmask: torch.Tensor, plain: list[tuple], drafted:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 [rows, words] (bit b of word w: token 32 w + b) → bool [rows, vocab]."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask[:, :, None] >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    """int32 [rows, words] (bit b of word w: token 32 w + b) → bool [rows, vocab] (a view of one uint8 tensor)."""
+    # little-endian words (x86, ARM, CUDA): byte k of word w holds tokens 32 w + 8 k .. 32 w + 8 k + 7, so the bytes
+    # unpack in token order, one byte per token instead of four
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    bits = (bitmask.view(torch.uint8)[:, :, None] >> shifts) & 1
+    return bits.view(torch.bool).reshape(bitmask.shape[0], -1)[:, :vocab]
