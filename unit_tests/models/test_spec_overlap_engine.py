@@ -85,10 +85,11 @@ def script_on_device(engine, truth: dict[tuple[int, ...], list[int]], kept_log: 
     runner.accept_on_device = scripted_accept
 
 
-def spec_run(mode: str, mtp_step: int, overlap: bool, truth, stop_ids, corrupt: str | None = None):
-    """REQUESTS through an engine with scripted MTP drafts; its result, the overlapped launches (chained or not)
-    and the kept counts the device script chose."""
-    engine = _engine(mode, mtp_step, fixed_buffers=True)
+def spec_run(mode: str, mtp_step: int, overlap: bool, truth, stop_ids, corrupt: str | None = None, device: str = "cpu"):
+    """REQUESTS through an engine with scripted MTP drafts (on CUDA: through captured graphs); its result, the
+    overlapped launches (chained or not), the kept counts the device script chose, the prefix-cache checkpoints
+    stored and the requests whose in-flight step was dropped."""
+    engine = _engine(mode, mtp_step, fixed_buffers=True, device=device)
     assert engine.runner.prefix_cache is not None
     scripted = ScriptedDrafts(truth, mtp_step, engine.runner.vocab_size)
     engine.speculator = ScriptedMtp(mtp_step, scripted, engine.runner.device)
