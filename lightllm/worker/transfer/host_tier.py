@@ -166,7 +166,8 @@ class RunnerHostTier:
         # a private copy first: the entry may be evicted once its lease ends, and a torn copy must never reach
         # the state
         local = self._staging_of(len(section))
-        local.numpy()[:] = section
+        # torch's copy runs on the intra-op threads (numpy's on one)
+        local.copy_(torch.from_numpy(section))
         if not self.tier.valid(ticket):
             return False
         desc = local[_DESC_LEN.size : _DESC_LEN.size + desc_len].numpy().tobytes()
