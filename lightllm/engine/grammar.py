@@ -85,14 +85,22 @@ class GrammarBackend:
         self._load_vocabulary = load_vocabulary
         self._executor = None
         self._tokenizers: dict[tuple[str, tuple[int, ...]], object] = {}
+        # a vocabulary that could not be built, and why: later requests fail at once instead of stalling a step
+        self._failed: dict[tuple[str, tuple[int, ...]], str] = {}
 
     def _tokenizer(self, tokenizer_dir: str, eos_ids: tuple[int, ...]):
         key = (tokenizer_dir, eos_ids)
+        if key in self._failed:
+            raise ValueError(self._failed[key])
         if key not in self._tokenizers:
             if self._load_vocabulary is None:
                 raise ValueError("this engine was built without a grammar vocabulary loader")
-            # sized to the model's logits (a checkpoint may pad its vocabulary past the tokenizer's)
-            self._tokenizers[key] = self._load_vocabulary(tokenizer_dir, self.vocab_size, eos_ids)
+            try:
+                # sized to the model's logits (a checkpoint may pad its vocabulary past the tokenizer's)
+                self._tokenizers[key] = self._load_vocabulary(tokenizer_dir, self.vocab_size, eos_ids)
+            except Exception as exc:
+                self._failed[key] = f"the grammar vocabulary of {tokenizer_dir} could not be built: {exc}"
+                raise ValueError(self._failed[key]) from exc
         return self._tokenizers[key]
 
     def _executor_pool(self):

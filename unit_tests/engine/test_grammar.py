@@ -130,6 +130,23 @@ def test_preloaded_vocabulary_is_the_one_requests_use(setup):
     assert len(loads) == 2
 
 
+def test_a_vocabulary_that_cannot_be_built_fails_each_request_at_once(setup, tmp_path):
+    _, model_dir, hf = setup
+    loads = []
+
+    def counted(*args):
+        loads.append(args)
+        return load_grammar_vocabulary(*args)
+
+    backend = GrammarBackend(VOCAB, counted)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="could not be built: .*tokenizer.json or tiktoken.model"):
+            backend.matcher(json_schema_grammar(SCHEMA), None, str(tmp_path), [hf.eos_token_id])
+    assert len(loads) == 1
+    # twin: another folder still builds
+    assert backend.matcher(json_schema_grammar(SCHEMA), None, model_dir, [hf.eos_token_id]) is not None
+
+
 def test_an_engine_without_a_vocabulary_loader_refuses_grammars(setup):
     _, model_dir, hf = setup
     with pytest.raises(ValueError, match="vocabulary loader"):
