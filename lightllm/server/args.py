@@ -163,7 +163,7 @@ class ServerArgs:
     max_num_batched_tokens: int | None = _flag(
         None,
         "token budget of one engine step: decode windows first, prefill chunks fill the rest (auto: "
-        "--chunked_prefill_size when given, else 2048 on cuda, 512 on cpu)",
+        "--chunked_prefill_size when given, else 8192 on cuda, 512 on cpu)",
         type=int,
     )
     max_req_total_len: int | None = _flag(
@@ -314,8 +314,9 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
     elif device == "cuda" and not _cuda_available():
         raise ValueError("--device cuda: no CUDA device is visible; use --device cpu (or auto)")
     on_cuda = device == "cuda"
-    # a step's tokens bound the time decode rows wait for a mixed step's prefill chunks (inter-token latency)
-    step_tokens = 2048 if on_cuda else 512
+    # a step's tokens bound the time decode rows wait for a mixed step's prefill chunks (inter-token latency); on a
+    # GPU each step also pays a fixed host cost, which steps below a few thousand tokens no longer hide
+    step_tokens = 8192 if on_cuda else 512
     data_type = args.data_type
     if data_type == "auto":
         saved = info.torch_dtype if info.torch_dtype in ("bfloat16", "float16") else "bfloat16"
@@ -524,7 +525,7 @@ def demo_model() -> tuple[str, str]:
         "gibberish; train one with `python -m lightllm.tools.train_demo_model`)",
         WEIGHTS_DIR,
     )
-    return random_demo_model_dir(), f"tiny-{DEMO_ARCH}"
+    return random_demo_model_dir(), SERVED_NAME
 
 
 def demo_model_dir() -> str:

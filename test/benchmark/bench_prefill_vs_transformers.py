@@ -137,7 +137,12 @@ def _timed(side, ids_untimed: torch.Tensor, ids: torch.Tensor) -> tuple[list[int
 
 def profile_kernels(side, ids: torch.Tensor, top: int, label: str) -> None:
     """One more pass of `side` over `ids` under the CUDA profiler: its `top` kernels by GPU time, and how much of
-    the pass's wall time the GPU spent in kernels (the rest is host time not hidden behind the GPU)."""
+    the pass's wall time the GPU spent in kernels (the rest is host time not hidden behind the GPU); then one pass
+    under cProfile: the `top` Python functions by own time (a wait for the device shows as the call that syncs)."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -147,6 +152,16 @@ def profile_kernels(side, ids: torch.Tensor, top: int, label: str) -> None:
     print(f"{label}: {seconds * 1e3:.1f} ms wall, {busy_us / 1e3:.1f} ms in kernels ({busy_us / 1e4 / seconds:.0f}%)")
     for e in events[:top]:
         print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d} calls  {e.key[:100]}")
+    host = cProfile.Profile()
+    host.enable()
+    side.first_tokens(ids)
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
+    lines = text.getvalue().splitlines()
+    start = next(i for i, line in enumerate(lines) if "ncalls" in line)
+    print(f"{label}, host (cProfile, own time):")
+    print("\n".join("  " + line[:170] for line in lines[start : start + top + 1]))
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
