@@ -68,7 +68,7 @@ def _parse(argv):
     p.add_argument("--mode", default="native", choices=("native", "compact", "replay"))
     p.add_argument("--mtp_step", type=int, default=0)
     p.add_argument("--schema", default="records", help="records, digits, or a JSON schema file")
-    p.add_argument("--repeats", type=int, default=2, help="free / constrained run pairs")
+    p.add_argument("--repeats", type=int, default=3, help="free / constrained run pairs")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--model_dir", default=None)
     p.add_argument("--load_format", default="auto")
