@@ -14,7 +14,13 @@ from lightllm.server.dp.replica_metrics import ReplicaCollector, replica_rows
 
 def _client():
     stats = [
-        EngineStats(num_waiting=3, num_running=2, prefix_cache_queried_tokens=200, prefix_cache_hit_tokens=50),
+        EngineStats(
+            num_waiting=3,
+            num_running=2,
+            prefix_cache_queried_tokens=200,
+            prefix_cache_hit_tokens=50,
+            prefix_cache_host_hit_tokens=20,
+        ),
         EngineStats(num_waiting=1, num_running=4, prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0),
     ]
     engines = [SimpleNamespace(stats=s, num_in_flight=n) for s, n in zip(stats, (5, 4))]
@@ -41,8 +47,8 @@ def test_rows_say_what_each_replica_does():
         "num_waiting": 3,
         "num_running": 2,
         "prefix_cache_queried_tokens": 200,
-        "prefix_cache_hit_tokens": {"device": 50},
-        "prefix_cache_hit_rate": {"device": 0.25},
+        "prefix_cache_hit_tokens": {"device": 50, "host": 20},
+        "prefix_cache_hit_rate": {"device": 0.25, "host": 0.1},
     }
     # a dead replica runs and queues nothing, whatever its engine said last
     assert (rows[1]["alive"], rows[1]["restarting"], rows[1]["num_waiting"], rows[1]["num_running"]) == (
@@ -51,7 +57,7 @@ def test_rows_say_what_each_replica_does():
         0,
         0,
     )
-    assert rows[1]["prefix_cache_hit_rate"] == {"device": 0.0}
+    assert rows[1]["prefix_cache_hit_rate"] == {"device": 0.0, "host": 0.0}
 
 
 def _samples(client) -> dict[str, float]:
@@ -72,6 +78,7 @@ def test_prometheus_samples_carry_the_replica_label():
     assert samples['lightllm_dp_replica_routed_requests_total{replica="0"}'] == 7.0
     assert samples['lightllm_dp_replica_prefix_cache_queried_tokens_total{replica="0"}'] == 200.0
     assert samples['lightllm_dp_replica_prefix_cache_hit_tokens_total{replica="0",tier="device"}'] == 50.0
+    assert samples['lightllm_dp_replica_prefix_cache_hit_tokens_total{replica="0",tier="host"}'] == 20.0
 
 
 def test_no_client_yet_gives_empty_families():
@@ -80,10 +87,10 @@ def test_no_client_yet_gives_empty_families():
 
 def test_a_new_tier_shows_up_in_both_views(monkeypatch):
     """The hook for another tier: its EngineStats field, named once, feeds the JSON and the Prometheus views."""
-    monkeypatch.setitem(replica_metrics.HIT_TOKENS_BY_TIER, "host", "prefix_cache_checkpoints_stored")
+    monkeypatch.setitem(replica_metrics.HIT_TOKENS_BY_TIER, "remote", "prefix_cache_checkpoints_stored")
     client = _client()
     client.clients[0].stats.prefix_cache_checkpoints_stored = 30
     rows = replica_rows(client)
-    assert rows[0]["prefix_cache_hit_tokens"] == {"device": 50, "host": 30}
-    assert rows[0]["prefix_cache_hit_rate"] == {"device": 0.25, "host": 0.15}
-    assert _samples(client)['lightllm_dp_replica_prefix_cache_hit_tokens_total{replica="0",tier="host"}'] == 30.0
+    assert rows[0]["prefix_cache_hit_tokens"] == {"device": 50, "host": 20, "remote": 30}
+    assert rows[0]["prefix_cache_hit_rate"] == {"device": 0.25, "host": 0.1, "remote": 0.15}
+    assert _samples(client)['lightllm_dp_replica_prefix_cache_hit_tokens_total{replica="0",tier="remote"}'] == 30.0

@@ -1,8 +1,8 @@
 """What each data-parallel replica is doing, for `GET /dp/replicas` (JSON) and `/metrics` (label `replica`).
 
-Per replica: alive and restarting, its engine's process id, restarts so far, requests routed to it, sequences in flight (the front-end's
-view), the engine's queue (waiting) and running sequences, and prefix-cache lookups with the tokens resumed per
-tier of the cache. A tier is a field of the engine's `EngineStats` counting only the tokens resumed from that
+Per replica: alive and restarting, its engine's process id, restarts so far, requests routed to it, sequences in
+flight (the front-end's view), the engine's queue (waiting) and running sequences, and prefix-cache lookups with
+the tokens resumed per tier of the cache. A tier is a field of the engine's `EngineStats` counting only the tokens resumed from that
 tier; `HIT_TOKENS_BY_TIER` lists them (a new tier adds its field here and shows up in both views).
 """
 
