@@ -96,8 +96,9 @@ class HostTier:
                 record = arena.entries[index]
                 stale = int(record["state"]) == WRITING and is_evictable(record, time.time())
                 if not stale:
-                    mine = (int(record["shard_mask"]) >> self.shard) & 1 or record["writer_pids"][self.shard]
-                    if int(record["state"]) == READY or mine or int(record["shard_bytes"]) != shard_bytes:
+                    # this shard's section is written, or its writer is at it (alive or not)
+                    taken = (int(record["shard_mask"]) >> self.shard) & 1 or int(record["writer_pids"][self.shard])
+                    if int(record["state"]) == READY or taken or int(record["shard_bytes"]) != shard_bytes:
                         return None
                     record["writer_pids"][self.shard] = self._pid
                     return self._ticket(index)

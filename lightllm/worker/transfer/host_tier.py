@@ -172,6 +172,8 @@ class RunnerHostTier:
             return False
         desc = local[_DESC_LEN.size : _DESC_LEN.size + desc_len].numpy().tobytes()
         state = msgspec.msgpack.decode(desc, type=RequestState)
+        if state.num_tokens != ticket.num_tokens:
+            raise RuntimeError(f"host tier entry of {ticket.num_tokens} tokens describes {state.num_tokens}")
         import_request(self.runner, req, state, local[_data_start(desc_len) :])
         if self.runner.drafter is not None:
             # pending, as a device hit leaves it: the next forward pairs it with the first new token
