@@ -152,3 +152,27 @@ def test_two_hits_admitted_together(arena):
         assert hot.cached == len(convs[i][0]) + MAX_TOKENS - 1
         assert hot.tokens == expected[i].tokens
         np.testing.assert_allclose(hot.logprobs, expected[i].logprobs, atol=1e-5)
+
+
+def test_eviction_under_pressure_keeps_outputs_right():
+    """A tier of three 1 MiB blocks (one entry each): the second conversation's entries push the first's out; the
+    first's next turn misses (recomputes, cold tokens), the second's resumes."""
+    small = HostArena.create(f"lightllm-test-{uuid.uuid4().hex}", 3 << 20, block_bytes=1 << 20, max_entries=16)
+    try:
+        convs = [_conversation(20 + i) for i in range(2)]
+        cold = make_engine("qwen3_5", "native", {}, cache=False)
+        writer = make_engine("qwen3_5", "native", {}, host_cache_name=small.name)
+        seconds, expected = [], []
+        for i, (first, new) in enumerate(convs):
+            answer = _run(writer, f"w{i}", first).tokens
+            seconds.append(_second_turn(first, answer, new))
+            expected.append(_run(cold, f"c{i}", seconds[-1]).tokens)
+        assert writer.runner.prefix_cache_stats()["host_entries_evicted"] > 0
+        assert (small.entries["state"] == READY).sum() == 3
+        reader = make_engine("qwen3_5", "native", {}, host_cache_name=small.name)
+        # the kept one first: the reader's own publishes write entries too (and evict)
+        kept, evicted = _run(reader, "r1", seconds[1]), _run(reader, "r0", seconds[0])
+        assert evicted.cached == 0 and evicted.tokens == expected[0]
+        assert kept.cached == len(convs[1][0]) + MAX_TOKENS - 1 and kept.tokens == expected[1]
+    finally:
+        small.unlink()
