@@ -57,6 +57,11 @@ def _types(extra: dict, act: str) -> dict:
     return {**{n: "i32" for n in INTS}, "x": act, "gate_up": act, "act": act, "down": act, **extra}
 
 
+def _reduced_dim(shape, gemm: str) -> int:
+    """K of a grouped GEMM (hidden for gate/up, intermediate for down): its launch sets EVEN_K from it."""
+    return shape.hidden if gemm == "gate_up" else shape.inter
+
+
 def cases() -> list[tuple[str, object, dict, dict, int, int]]:
     """(label, kernel, constexprs, types, warps, stages) of every variant the served shapes launch."""
     out = []
@@ -87,6 +92,7 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
                     DOT_PRECISION="tf32",
                     FP8=False,
                     BLOCK_N_SCALE=128,
+                    EVEN_K=_reduced_dim(s, name) % t["BLOCK_K"] == 0,
                 )
                 label = f"{s.name} {name} T={tokens} BM={c['BM']} BN={c['BN']} BK={c['BK']}"
                 out.append((label, kernel, c, _types(GEMM_TYPES, "*bf16"), t["num_warps"], t["num_stages"]))
@@ -108,6 +114,7 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
                 DOT_PRECISION="tf32",
                 FP8=True,
                 BLOCK_N_SCALE=128,
+                EVEN_K=_reduced_dim(s, name) % 128 == 0,
             )
             types = {**fp8_types, "act": "*bf16"} if name == "gate_up" else fp8_types
             out.append((f"{s.name} fp8 {name} T={tokens}", kernel, c, types, t["num_warps"], t["num_stages"]))

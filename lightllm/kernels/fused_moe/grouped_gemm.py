@@ -35,6 +35,21 @@ def _block_rows(sorted_pairs, block_expert, i_m, num_pairs, TOP_K: tl.constexpr,
 
 
 @triton.jit
+def _k_step_masks(p_a, m_m, m_n, o_k, k0, K, EVEN_K: tl.constexpr):
+    """K step `k0`: the activation tile `[BM, BK]` and the weight tile's mask `[BK, BN]` (along N only when K is a
+    whole number of steps). A mask along K keeps Triton (3.6) from staging the loads through shared memory
+    (cp.async pipelining): it is left out where no step is partial."""
+    if EVEN_K:
+        b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
+        m_w = tl.broadcast_to(m_n[None, :], (o_k.shape[0], m_n.shape[0]))
+    else:
+        m_k = k0 + o_k < K
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        m_w = m_k[:, None] & m_n[None, :]
+    return b_a, m_w
+
+
+@triton.jit
 def _weight_tile(p_w, m_w, dtype):
     """A `[BK, BN]` weight tile in the activation dtype (masked lanes read 0)."""
     return tl.load(p_w, mask=m_w, other=0.0).to(dtype)
@@ -48,6 +63,7 @@ def _fp8_step(acc, b_a, p_w, m_w, p_as, m_m, p_ws, m_n, i_k):
     return acc + tl.dot(b_a, tl.load(p_w, mask=m_w, other=0.0)) * b_as[:, None] * b_ws[None, :]
 
 
+@triton.heuristics({"EVEN_K": lambda args: args["H"] % args["BK"] == 0})
 @triton.jit(do_not_specialize=["num_pairs"])
 def moe_gate_up_kernel(
     x,  # [T, H]
@@ -75,6 +91,7 @@ def moe_gate_up_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False,
     BLOCK_N_SCALE: tl.constexpr = 128,
+    EVEN_K: tl.constexpr = False,
 ):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     e, b_pair, b_tok, m_m = _block_rows(sorted_pairs, block_expert, i_m, num_pairs, TOP_K, BM)
@@ -93,9 +110,7 @@ def moe_gate_up_kernel(
     b_g = tl.zeros([BM, BN], dtype=tl.float32)
     b_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
-        m_k = k0 + o_k < H
-        b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        m_w = m_k[:, None] & m_n[None, :]
+        b_x, m_w = _k_step_masks(p_x, m_m, m_n, o_k, k0, H, EVEN_K)
         if FP8:
             b_g = _fp8_step(b_g, b_x, p_g, m_w, p_xs, m_m, p_gs, m_n, k0 // BK)
             b_u = _fp8_step(b_u, b_x, p_u, m_w, p_xs, m_m, p_us, m_n, k0 // BK)
@@ -110,6 +125,7 @@ def moe_gate_up_kernel(
     tl.store(p_a, b_a.to(act.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
+@triton.heuristics({"EVEN_K": lambda args: args["I"] % args["BK"] == 0})
 @triton.jit(do_not_specialize=["num_pairs"])
 def moe_down_kernel(
     act,  # [P, I]
@@ -138,6 +154,7 @@ def moe_down_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False,
     BLOCK_N_SCALE: tl.constexpr = 128,
+    EVEN_K: tl.constexpr = False,
 ):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     e, b_pair, _, m_m = _block_rows(sorted_pairs, block_expert, i_m, num_pairs, TOP_K, BM)
@@ -152,9 +169,7 @@ def moe_down_kernel(
     p_ds = w_s + e * stride_wse + (o_n // BLOCK_N_SCALE).to(tl.int64) * stride_wsn
     b_o = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, I, BK):
-        m_k = k0 + o_k < I
-        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        m_w = m_k[:, None] & m_n[None, :]
+        b_a, m_w = _k_step_masks(p_a, m_m, m_n, o_k, k0, I, EVEN_K)
         if FP8:
             b_o = _fp8_step(b_o, b_a, p_d, m_w, p_as, m_m, p_ds, m_n, k0 // BK)
         else:
