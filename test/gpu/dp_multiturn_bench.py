@@ -10,8 +10,9 @@ conversations of `--turns` turns, all at once, each turn sending its whole histo
 `--system_words` words, earlier questions and answers) and a new question, `--output_len` tokens per answer. A
 warm-up round of other conversations runs first. Rows give request and token throughput, TTFT, the hit rate the
 clients saw (cached / prompt tokens of `usage`) and, from `GET /dp/replicas`, each replica's routed requests and
-device hit rate. The last line gives cache_aware's throughput and hit rate over round robin's (same run, same
-GPU). Without a CUDA device (and without `--device cpu`) it prints that it skipped and exits 0.
+hit rate per cache tier (`device`: its own prefix cache; `host`: the host tier the replicas share, unless
+`--server_flags='--host_cache_gb 0'` turns it off). The last line gives cache_aware's throughput and hit rate
+over round robin's (same run, same GPU). Without a CUDA device (and without `--device cpu`) it prints that it skipped and exits 0.
 
 Checkpoint: the serving benchmark's random-weight Qwen3.5 at real width (`SERVING_BENCH_SIZES` of
 `lightllm.tools.bench_throughput`), built once and cached; `--model_dir` serves another.
@@ -53,7 +54,7 @@ def server_flags(a, balancer: str) -> list[str]:
         flags += ["--prefix_cache_checkpoint_interval", str(a.interval)]
     if a.state_bytes:
         flags += ["--prefix_cache_state_bytes", str(a.state_bytes)]
-    return flags
+    return flags + a.server_flags.split()
 
 
 def replica_rows(port: int) -> list[dict]:
@@ -90,13 +91,12 @@ def balancer_row(model_dir: str, device: str, a, balancer: str) -> dict:
 
 
 def _replica_delta(before: dict, after: dict) -> dict:
-    """A replica's routed requests and device hits during the measured run."""
-    queried = after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
-    hits = after["prefix_cache_hit_tokens"]["device"] - before["prefix_cache_hit_tokens"]["device"]
+    """A replica's routed requests, lookups and hits per cache tier during the measured run."""
+    hits = after["prefix_cache_hit_tokens"]
     return {
         "routed": after["num_routed"] - before["num_routed"],
-        "queried_tokens": queried,
-        "device_hit_tokens": hits,
+        "queried_tokens": after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"],
+        "hit_tokens": {tier: n - before["prefix_cache_hit_tokens"].get(tier, 0) for tier, n in hits.items()},
         "alive": after["alive"],
     }
 
@@ -111,7 +111,9 @@ def print_row(row: dict) -> None:
         return
     s = row["summary"]
     replicas = "; ".join(
-        f"{r['routed']} req, {100 * r['device_hit_tokens'] / max(r['queried_tokens'], 1):.1f}%" for r in row["replicas"]
+        f"{r['routed']} req, "
+        + ", ".join(f"{tier} {100 * n / max(r['queried_tokens'], 1):.1f}%" for tier, n in r["hit_tokens"].items())
+        for r in row["replicas"]
     )
     print(
         f"| {row['balancer']} | {s['num_requests']} ({s['num_failed']} failed) | {s['request_throughput']:.2f} "
@@ -145,6 +147,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mem_fraction", type=float, default=0.0, help="--mem_fraction of the server (0: the default)")
     p.add_argument("--interval", type=int, default=0, help="--prefix_cache_checkpoint_interval (0: the default)")
     p.add_argument("--state_bytes", type=int, default=0, help="--prefix_cache_state_bytes (0: the default)")
+    p.add_argument(
+        "--server_flags", default="", help="more flags for both servers, e.g. --server_flags='--host_cache_gb 0'"
+    )
     p.add_argument("--tiny", action="store_true", help="the tiny checkpoint at tiny sizes (a dry run)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--model_dir", default=None)
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     print(
         "| balancer | requests | req/s | output tok/s | total tok/s | TTFT mean / median ms | cached / prompt tokens "
-        "| per replica: routed, device hit rate | server start s |"
+        "| per replica: routed, hit rate by tier | server start s |"
     )
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
