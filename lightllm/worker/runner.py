@@ -453,7 +453,7 @@ class ModelRunner:
                 np.asarray(state_slots[np_:]),
                 first_tokens,
                 batch.decode_draft_ids,
-                cached_extra=cached_extra,
+                cached_extra,
             )
             parts.append(hidden)
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), decode_rows
