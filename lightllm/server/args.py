@@ -44,7 +44,8 @@ class ServerArgs:
     dp: int = _flag(
         1,
         "data-parallel replicas: independent engines behind this server, one request on one replica for its life "
-        "(on a GPU the replicas share it, each with 1/N of --mem_fraction)",
+        "(on a GPU the replicas share it, each with 1/N of --mem_fraction); on a prefill/decode node, N node "
+        "processes, each registered with the pd_master",
         type=int,
     )
     dp_balancer: str = _flag(
