@@ -93,17 +93,45 @@ def test_zeroed_entry_changes_the_output(arena):
     good = _run(b, "b2", second)
     assert good.cached == len(first) + MAX_TOKENS - 1
     # the same request on a fresh engine, after every entry's state and KV bytes were zeroed
-    for index in np.flatnonzero(arena.entries["state"] == READY):
-        record = arena.entries[index]
-        start = int(record["first_block"]) * arena.block_bytes
-        tokens_bytes = -(-8 * int(record["num_tokens"]) // 64) * 64
-        section = arena.data[start + tokens_bytes : start + tokens_bytes + int(record["shard_bytes"])]
+    for section in _sections(arena):
         desc_end = -(-(4 + int(np.frombuffer(section[:4].tobytes(), "<u4")[0])) // 64) * 64
         section[desc_end:] = 0
     c = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
     bad = _run(c, "c2", second)
     assert bad.cached == good.cached
     assert np.abs(np.asarray(bad.logprobs) - np.asarray(good.logprobs)).max() > 1e-3
+
+
+def _sections(arena: HostArena):
+    """Each READY entry's (one) section: a writable view of shared memory."""
+    for index in np.flatnonzero(arena.entries["state"] == READY):
+        record = arena.entries[index]
+        start = int(record["first_block"]) * arena.block_bytes + -(-8 * int(record["num_tokens"]) // 64) * 64
+        yield arena.data[start : start + int(record["shard_bytes"])]
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda section: section.__setitem__(slice(4, 64), 0xC1),
+        lambda section: section.__setitem__(slice(0, 4), 0xFF),
+    ],
+    ids=["garbage-descriptor", "descriptor-past-the-entry"],
+)
+def test_unreadable_entry_is_refused_not_imported(arena, corrupt):
+    first, new = _conversation(4)
+    cold = make_engine("qwen3_5", "native", {}, cache=False)
+    answer = _run(cold, "c1", first).tokens
+    second = _second_turn(first, answer, new)
+    expected = _run(cold, "c2", second)
+    writer = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
+    _run(writer, "w1", first)
+    for section in _sections(arena):
+        corrupt(section)
+    reader = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
+    got = _run(reader, "r2", second)
+    assert got.cached == 0 and got.tokens == expected.tokens
+    assert reader.runner.prefix_cache.host.num_refused > 0
 
 
 def test_device_evictions_spill_and_come_back(single_arena):

@@ -17,6 +17,7 @@ is there already) and, when the arena is shared by several replicas (`write_thro
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 
 import msgspec
@@ -27,6 +28,8 @@ from lightllm.cache.host_tier import HostArena, HostTier, Ticket
 from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.prefix import TreeNode
 from lightllm.worker.transfer.request_state import import_request, request_state_of
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 64
 _DESC_LEN = struct.Struct("<I")
@@ -74,6 +77,19 @@ def _data_start(desc_len: int) -> int:
     return _aligned(_DESC_LEN.size + desc_len)
 
 
+def _decode_section(section: torch.Tensor) -> tuple[RequestState | None, int, str | None]:
+    """A section's descriptor, where its data starts, and what is wrong with it (None: nothing)."""
+    (desc_len,) = _DESC_LEN.unpack(section[: _DESC_LEN.size].numpy().tobytes())
+    data_start = _data_start(desc_len)
+    if data_start > len(section):
+        return None, 0, f"a descriptor of {desc_len} bytes in a {len(section)}-byte section"
+    try:
+        state = msgspec.msgpack.decode(section[_DESC_LEN.size : _DESC_LEN.size + desc_len].numpy(), type=RequestState)
+    except msgspec.DecodeError as exc:
+        return None, 0, f"undecodable descriptor ({exc})"
+    return state, data_start, None
+
+
 def _blob(t: torch.Tensor) -> TensorBlob:
     return TensorBlob(str(t.dtype).removeprefix("torch."), list(t.shape), b"")
 
@@ -87,6 +103,8 @@ class RunnerHostTier:
         self.tier = HostTier(arena, layout_digest(runner), runner.config.tp_size, runner.config.tp_rank)
         self.write_through = arena.write_through
         self.num_hit_tokens = 0
+        # entries found but not imported (a descriptor that does not fit this runner)
+        self.num_refused = 0
         # where a hit's entry is copied before it is checked and imported (pinned on CUDA, kept between hits:
         # pinning memory costs more than the copy)
         self._staging = torch.empty(0, dtype=torch.uint8)
@@ -160,27 +178,44 @@ class RunnerHostTier:
         if ticket is None:
             return False
         section = self.tier.section(ticket)
-        (desc_len,) = _DESC_LEN.unpack(section[: _DESC_LEN.size].tobytes())
-        if _data_start(desc_len) > len(section):
-            return False
-        # a private copy first: the entry may be evicted once its lease ends, and a torn copy must never reach
-        # the state
+        # a private copy first, checked after: the entry may be evicted once its lease ends, and a torn copy must
+        # never reach the state (torch's copy runs on the intra-op threads, numpy's on one)
         local = self._staging_of(len(section))
-        # torch's copy runs on the intra-op threads (numpy's on one)
         local.copy_(torch.from_numpy(section))
         if not self.tier.valid(ticket):
             return False
-        desc = local[_DESC_LEN.size : _DESC_LEN.size + desc_len].numpy().tobytes()
-        state = msgspec.msgpack.decode(desc, type=RequestState)
-        if state.num_tokens != ticket.num_tokens:
-            raise RuntimeError(f"host tier entry of {ticket.num_tokens} tokens describes {state.num_tokens}")
-        import_request(self.runner, req, state, local[_data_start(desc_len) :])
+        state, data_start, problem = _decode_section(local)
+        if problem is None:
+            problem = self._problem(state, ticket, len(local) - data_start)
+        if problem is not None:
+            return self._refuse(ticket, problem)
+        import_request(self.runner, req, state, local[data_start:])
         if self.runner.drafter is not None:
             # pending, as a device hit leaves it: the next forward pairs it with the first new token
             hidden, _ = req.mtp_last_hidden
             req.mtp_hidden, req.mtp_next_ids, req.mtp_last_hidden = [(hidden, 0, 1)], [], None
         self.num_hit_tokens += state.num_tokens
         return True
+
+    def _refuse(self, ticket: Ticket, problem: str) -> bool:
+        """Nothing was imported: the request resumes from the device cache instead."""
+        logger.warning("host tier entry of %d tokens refused: %s", ticket.num_tokens, problem)
+        self.num_refused += 1
+        return False
+
+    def _problem(self, state: RequestState, ticket: Ticket, region_bytes: int) -> str | None:
+        """Why `state` (an entry's descriptor) cannot be imported into this runner, or None."""
+        if state.num_tokens != ticket.num_tokens:
+            return f"describes {state.num_tokens} tokens"
+        if len(state.kv) != len(self.runner.kv.buffers) or (state.mtp_hidden is None) != (self.runner.drafter is None):
+            return "another set of tensors than this runner's"
+        blobs = [*state.kv, state.conv, state.ssm, *state.mtp_kv] + ([state.mtp_hidden] if state.mtp_hidden else [])
+        for blob in blobs:
+            if not isinstance(getattr(torch, blob.dtype, None), torch.dtype):
+                return f"unknown dtype {blob.dtype!r}"
+            if blob.offset is None or blob.offset < 0 or blob.offset + blob.nbytes > region_bytes:
+                return f"a tensor outside the entry ({blob.offset} + {blob.nbytes} > {region_bytes} bytes)"
+        return None
 
     def _staging_of(self, num_bytes: int) -> torch.Tensor:
         """`num_bytes` of the staging buffer, grown (to a power of two) when too small. The imports copy from it
@@ -197,4 +232,5 @@ class RunnerHostTier:
             "host_entries_written": s.num_writes,
             "host_entries_evicted": s.num_evicted,
             "host_bytes_written": s.num_written_bytes,
+            "host_entries_refused": self.num_refused,
         }
