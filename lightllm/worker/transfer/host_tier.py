@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import struct
 
 import msgspec
@@ -40,11 +41,12 @@ def _aligned(n: int) -> int:
 
 
 def layout_digest(runner) -> bytes:
-    """What a section's tensors look like on this runner, minus the token count: replicas that agree on it can
-    read each other's entries (state modes may differ: checkpoints are canonical)."""
-    ckpt = runner.prefix_cache.pool
+    """Which checkpoint this runner serves and what a section's tensors look like on it, minus the token count:
+    replicas that agree on it can read each other's entries (state modes may differ: checkpoints are canonical)."""
+    ckpt, config = runner.prefix_cache.pool, runner.config
     parts = [
-        runner.config.tp_size,
+        (os.path.realpath(config.model_dir), config.load_format, config.quantization),
+        config.tp_size,
         [(tuple(b.shape[2:]), str(b.dtype), b.shape[0]) for b in runner.kv.buffers],
         [(tuple(t.shape[:1] + t.shape[2:]), str(t.dtype)) for t in (ckpt.conv, ckpt.ssm)],
         None if runner.drafter is None else [(tuple(b.shape[2:]), str(b.dtype)) for b in runner.drafter.kv.buffers],
