@@ -142,6 +142,8 @@ def make_runner(model_dir: str, device: str, data_type: str, mtp_step: int, max_
             max_total_token_num=max_len + 16,
             max_req_total_len=max_len + 16,
             disable_prefix_cache=True,
+            # one request at a time: capturing graphs for every batch bucket would cost more than the whole count
+            disable_cudagraph=True,
         )
     )
 

@@ -35,5 +35,5 @@ def test_default_falls_back_to_the_random_model_with_a_warning(monkeypatch, capl
     monkeypatch.setattr(demo_model, "WEIGHTS_DIR", weights)
     with caplog.at_level(logging.WARNING, logger="lightllm.server.args"):
         args, _ = load_server_args([], device="cpu")
-    assert args.model_dir == random_demo_model_dir() and args.served_model_name == "tiny-qwen3_5"
+    assert args.model_dir == random_demo_model_dir() and args.served_model_name == demo_model.SERVED_NAME
     assert any("serving a tiny random checkpoint" in r.getMessage() for r in caplog.records)

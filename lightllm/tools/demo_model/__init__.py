@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-SERVED_NAME = "demo-qwen3_5"
+# one name whichever checkpoint is served, so clients written against the demo keep working
+SERVED_NAME = "tiny-qwen3_5"
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
 
 
