@@ -229,9 +229,11 @@ def part_mla(args, device: torch.device, out: Path, echo: Report) -> None:
     echo(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write of a 2 GiB buffer); floor = latent bytes / it\n")
     echo("| case | tile (heads, rows, keys, warps, stages, waves) | splits | us | floor us | us / floor | rel err |")
     echo("|---|---|---|---|---|---|---|")
-    deadline = time.monotonic() + args.mla_budget_s
+    start = time.monotonic()
     ratios: dict[MLATile, list[float]] = {}
-    for name, (rows, cached) in cases.items():
+    for i, (name, (rows, cached)) in enumerate(cases.items()):
+        # each case gets an even share of what is left, so the last one is not starved
+        deadline = time.monotonic() + (args.mla_budget_s - (time.monotonic() - start)) / (len(cases) - i)
         for tile, r in mla_case(name, rows, cached, shape, tiles, dtype, device, bandwidth, deadline, echo).items():
             ratios.setdefault(tile, []).append(r)
     complete = {t: r for t, r in ratios.items() if len(r) == len(cases)}
@@ -260,8 +262,10 @@ def part_moe(args, device: torch.device, out: Path, echo: Report) -> None:
     dtype = torch.float32 if dry else torch.bfloat16
     echo("## (c) fused MoE tuned at the served expert shapes (both grouped GEMMs, bf16)\n")
     echo("| shape | tokens | tuned us | config |\n|---|---|---|---|")
-    deadline = time.monotonic() + args.moe_budget_s
-    for shape in shapes:
+    start = time.monotonic()
+    for i, shape in enumerate(shapes):
+        # each shape gets an even share of what is left, so the last one is not starved
+        deadline = time.monotonic() + (args.moe_budget_s - (time.monotonic() - start)) / (len(shapes) - i)
         key = shape_key(shape.num_experts, shape.inter, shape.hidden, shape.top_k, dtype)
         for tokens in batches:
             if time.monotonic() > deadline:
@@ -288,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for the report and the produced tables")
     p.add_argument("--parts", default="fp8,mla,moe", help=f"of {list(PARTS)}")
-    p.add_argument("--fp8_budget_s", type=float, default=150)
-    p.add_argument("--mla_budget_s", type=float, default=110)
-    p.add_argument("--moe_budget_s", type=float, default=150)
+    p.add_argument("--fp8_budget_s", type=float, default=140)
+    p.add_argument("--mla_budget_s", type=float, default=100)
+    p.add_argument("--moe_budget_s", type=float, default=130)
     p.add_argument("--no_repo_tables", action="store_true", help="write the tables under --out only")
     p.add_argument("--dry_run", action="store_true", help="CPU, tiny shapes, Triton's interpreter")
     args = p.parse_args(argv)
