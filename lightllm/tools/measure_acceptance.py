@@ -96,9 +96,7 @@ def heldout_prompts(tokenizer, num_prompts: int, prompt_len: int) -> list[list[i
 
 def _forward_logits(runner: ModelRunner, handle: int, ids: list[int], is_prefill: bool) -> torch.Tensor:
     start = runner.num_tokens(handle)
-    batch = ForwardBatch(
-        [handle], [len(ids)], [start], int(is_prefill), torch.tensor(ids), [True] if is_prefill else None
-    )
+    batch = ForwardBatch([handle], [len(ids)], [start], int(is_prefill), torch.tensor(ids), [True] * is_prefill)
     return runner.forward(batch).logits
 
 

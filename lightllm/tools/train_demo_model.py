@@ -120,7 +120,7 @@ def train(args: argparse.Namespace) -> dict:
     _log(f"model: {num_params / 1e6:.2f}M parameters, layers {config['text_config']['layer_types']}, MTP 1")
     opt = _optimizer(model, args.lr, args.weight_decay, device)
     batches = Batches(train_ids, args.batch_size, args.seq_len, args.seed)
-    eval_batches = [b for b in _eval_batches(heldout_ids, args)]
+    eval_batches = _eval_batches(heldout_ids, args)
 
     history = []
     step, progress, t_train = 0, 0.0, time.time()
@@ -229,9 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--acceptance_tokens", type=int, default=128)
     p.add_argument("--acceptance_device", default="cpu")
     for name in _SIZE_FLAGS:
-        p.add_argument(
-            f"--{name}", type=int, default=0, help=f"default {DEFAULT_SIZES.get(name, TinySizes().head_dim)}"
-        )
+        p.add_argument(f"--{name}", type=int, default=0, help=f"default {DEFAULT_SIZES[name]}")
     args = p.parse_args(argv)
     if args.max_steps < 1 or args.batch_size < 1 or args.seq_len < 8:
         p.error("need --max_steps >= 1, --batch_size >= 1 and --seq_len >= 8")
