@@ -126,8 +126,8 @@ def test_teeth_mtp_resumed_without_its_hidden_state_drafts_differently(monkeypat
 
     resume = RunnerPrefixCache.resume
 
-    def zero_hidden(self, handle, req, token_ids):
-        resume(self, handle, req, token_ids)
+    def zero_hidden(self, handle, req, token_ids, host_tokens=None):
+        resume(self, handle, req, token_ids, host_tokens)
         req.mtp_hidden = [(torch.zeros_like(src[start : start + n]), 0, n) for src, start, n in req.mtp_hidden]
 
     monkeypatch.setattr(RunnerPrefixCache, "resume", zero_hidden)
