@@ -12,6 +12,7 @@
 #   bash test/gpu/h200_stages.sh pd         # PD over CUDA IPC vs the monolithic engine, then transfer GB/s per transport
 #   bash test/gpu/h200_stages.sh prefix     # prefix cache: TTFT of an 8k shared prefix, cold vs hit, per state mode
 #   bash test/gpu/h200_stages.sh compiles   # rounds of changing batch sizes: TTFT and kernels compiled while serving
+#   bash test/gpu/h200_stages.sh dp         # two replicas on the GPU, multi-turn: cache_aware vs round_robin routing
 #   bash test/gpu/h200_stages.sh STAGE 420  # stop the stage's programs after 420 s (default 540), then save the cache
 #   bash test/gpu/h200_stages.sh bench 540 --state-dtypes bf16   # sweep / bench: later arguments go to the script
 #   bash test/gpu/h200_stages.sh serving 300 --skip-tiny --real-width   # models / serving: one run with these
@@ -30,7 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 case "${1:-}" in
-kernels | sweep | bench | models | serving | profile | memcheck | startup | pd | prefix | compiles) ;;
+kernels | sweep | bench | models | serving | profile | memcheck | startup | pd | prefix | compiles | dp) ;;
 *)
     sed -n '2,/^set -uo/p' "$0" | grep '^#'
     exit 2
@@ -128,6 +129,10 @@ prefix)  # later arguments go to prefix_cache_ttft.py (default: its TTFT part)
     [ ${#args[@]} -eq 0 ] && args=(--parts ttft)
     py test/gpu/prefix_cache_ttft.py --result_file "$OUT_DIR/prefix_cache.json" "${args[@]}" 2>&1 |
         tee -a "$OUT_DIR/prefix_cache.log" | grep --line-buffered -E "^\||Error|Traceback"
+    ;;
+dp)  # later arguments go to dp_multiturn_bench.py (--balancers, --conversations, --server_flags, ...)
+    py test/gpu/dp_multiturn_bench.py --result_file "$OUT_DIR/dp_multiturn.json" --log_dir "$OUT_DIR/dp_logs" \
+        "${@:3}" 2>&1 | tee "$OUT_DIR/dp_multiturn.log" | grep --line-buffered -E "^\||^cache_aware|Error|Traceback"
     ;;
 compiles)  # later arguments go to serving_compiles.py (--mode, --mtp_step)
     py test/gpu/serving_compiles.py --log "$OUT_DIR/serving_compiles_server.log" "${@:3}" 2>&1 |
