@@ -173,10 +173,11 @@ def train(args: argparse.Namespace) -> dict:
         "heldout_text": manifest(heldout),
         "history": history,
     }
+    summary["train_and_export_s"] = time.time() - t_start
+    _write_json(out / "training.json", summary)
     if args.acceptance_prompts:
         summary["acceptance"] = _acceptance(out, args)
-    summary["total_s"] = time.time() - t_start
-    _write_json(out / "training.json", summary)
+        _write_json(out / "training.json", summary)
     return summary
 
 

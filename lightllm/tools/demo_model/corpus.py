@@ -1,8 +1,9 @@
 """Training and held-out text of the demo model: the running interpreter's own standard library source.
 
 Every Python ships it, so training needs no download. The module list is pinned to names present in Python 3.10,
-3.11 and 3.12 (packages contribute every .py file below them, test folders excluded); a given Python minor version
-always yields the same text, and `manifest()` records a digest of it so two runs can be compared.
+3.11 and 3.12 and in every distribution's core package (packages contribute every .py file below them, test folders
+excluded); a given Python minor version yields the same text, and `manifest()` records a digest of it so two runs can
+be compared.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Top-level stdlib modules and packages present in Python 3.10-3.12, sorted. Removed in 3.12 (distutils, imp,
-# asynchat, asyncore, smtpd), added after 3.10 (tomllib) and platform-specific files are left out.
+# asynchat, asyncore, smtpd), added after 3.10 (tomllib), platform-specific files, and what Linux distributions ship
+# in separate packages (tkinter, turtle, idlelib, lib2to3, venv, ensurepip) are left out.
 MODULES = (
     "__future__.py", "_collections_abc.py", "_compat_pickle.py", "_compression.py", "_markupbase.py", "_py_abc.py",
     "_pydecimal.py", "_pyio.py", "_sitebuiltins.py", "_strptime.py", "_threading_local.py", "_weakrefset.py",
@@ -23,19 +25,20 @@ MODULES = (
     "copyreg.py", "crypt.py", "csv.py", "ctypes", "curses", "dataclasses.py", "datetime.py", "dbm", "decimal.py",
     "dis.py", "doctest.py", "email", "enum.py", "filecmp.py", "fileinput.py", "fnmatch.py", "ftplib.py",
     "functools.py", "genericpath.py", "getopt.py", "getpass.py", "gettext.py", "glob.py", "graphlib.py", "gzip.py",
-    "hashlib.py", "hmac.py", "html", "http", "idlelib", "imaplib.py", "imghdr.py", "importlib", "inspect.py",
-    "io.py", "ipaddress.py", "keyword.py", "lib2to3", "linecache.py", "locale.py", "logging", "lzma.py",
+    "hashlib.py", "hmac.py", "html", "http", "imaplib.py", "imghdr.py", "importlib", "inspect.py",
+    "io.py", "ipaddress.py", "keyword.py", "linecache.py", "locale.py", "logging", "lzma.py",
     "mailbox.py", "mailcap.py", "mimetypes.py", "modulefinder.py", "multiprocessing", "netrc.py", "nntplib.py",
     "ntpath.py", "nturl2path.py", "numbers.py", "opcode.py", "operator.py", "optparse.py", "os.py", "pathlib.py",
     "pdb.py", "pickle.py", "pickletools.py", "pipes.py", "pkgutil.py", "platform.py", "plistlib.py", "poplib.py",
     "posixpath.py", "pprint.py", "profile.py", "pstats.py", "pty.py", "py_compile.py", "pyclbr.py", "pydoc.py",
+    "pydoc_data",
     "queue.py", "quopri.py", "random.py", "re", "reprlib.py", "rlcompleter.py", "runpy.py", "sched.py",
     "secrets.py", "selectors.py", "shelve.py", "shutil.py", "signal.py", "site.py", "smtplib.py", "sndhdr.py",
     "socket.py", "socketserver.py", "sqlite3", "sre_compile.py", "sre_constants.py", "sre_parse.py", "ssl.py",
     "stat.py", "statistics.py", "string.py", "stringprep.py", "struct.py", "subprocess.py", "sunau.py",
     "symtable.py", "sysconfig.py", "tabnanny.py", "tarfile.py", "telnetlib.py", "tempfile.py", "threading.py",
-    "timeit.py", "tkinter", "token.py", "tokenize.py", "trace.py", "traceback.py", "tracemalloc.py", "tty.py",
-    "turtle.py", "types.py", "typing.py", "unittest", "urllib", "uu.py", "uuid.py", "warnings.py", "wave.py",
+    "timeit.py", "token.py", "tokenize.py", "trace.py", "traceback.py", "tracemalloc.py", "tty.py",
+    "types.py", "typing.py", "unittest", "urllib", "uu.py", "uuid.py", "warnings.py", "wave.py",
     "weakref.py", "webbrowser.py", "wsgiref", "xdrlib.py", "xml", "xmlrpc", "zipapp.py", "zipfile.py",
     "zipimport.py", "zoneinfo",
 )  # fmt: skip

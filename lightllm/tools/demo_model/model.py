@@ -66,7 +66,11 @@ class DemoModel(nn.Module):
         positions = torch.arange(next_ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
         embeds = self.mtp.embed_tokens(next_ids)
         masks = self.mtp.create_masks_for_mtp_layer(0, embeds, None, positions)
-        rope = self.mtp.rotary_emb(embeds, position_ids=positions)
+        rope_positions = positions
+        if "mrope_section" in (getattr(self.mtp.config, "rope_parameters", None) or {}):
+            # text-only M-RoPE: the three position streams are equal; transformers 5.17's rotary wants them spelled out
+            rope_positions = positions[None].expand(3, -1, -1)
+        rope = self.mtp.rotary_emb(embeds, position_ids=rope_positions)
         out = self.mtp.layers[0](embeds, hidden[:, :-1], rope, masks.get("attention_mask"), positions, None)
         return self.mtp.shared_head(out)
 
