@@ -58,15 +58,16 @@ MLA_CASES = {"decode b64 @8k": (64, 8192), "decode b64 @32k": (64, 32768)}
 # (165-252 registers x 8 warps), 16-head ones of 4 warps fit two or three per SM (and keep 16-row tiles for verify)
 MLA_TILES = [
     (32, 32, 32, 8, 3),
-    (32, 32, 32, 8, 4),
+    (16, 16, 16, 4, 4),
     (32, 32, 16, 8, 4),
+    (16, 16, 16, 4, 5),
+    (32, 32, 32, 8, 4),
+    (16, 16, 16, 8, 4),
     (32, 32, 16, 8, 5),
     (32, 32, 64, 8, 3),
-    (16, 16, 16, 4, 4),
-    (16, 16, 16, 4, 5),
-    (16, 16, 16, 8, 4),
 ]
-MLA_WAVES = (2, 4)
+# waves of SMs a split launch aims to fill: a tile that fits several programs per SM fills them with more splits
+MLA_WAVES = (2, 4, 8)
 MOE_SHAPES = ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b"]
 MOE_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # the heuristic's tiles at these batch sizes are in this grid, so a tuned entry is never slower than the fallback
@@ -292,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for the report and the produced tables")
     p.add_argument("--parts", default="fp8,mla,moe", help=f"of {list(PARTS)}")
-    p.add_argument("--fp8_budget_s", type=float, default=140)
-    p.add_argument("--mla_budget_s", type=float, default=100)
-    p.add_argument("--moe_budget_s", type=float, default=130)
+    p.add_argument("--fp8_budget_s", type=float, default=130)
+    p.add_argument("--mla_budget_s", type=float, default=130)
+    p.add_argument("--moe_budget_s", type=float, default=120)
     p.add_argument("--no_repo_tables", action="store_true", help="write the tables under --out only")
     p.add_argument("--dry_run", action="store_true", help="CPU, tiny shapes, Triton's interpreter")
     args = p.parse_args(argv)
