@@ -3,11 +3,12 @@ windows of every width, drafts that match a random prefix of the argmax, NaN win
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightllm.engine.sampler import RowContext, Sampler
 from lightllm.engine.sampling_params import SamplingParams
-from lightllm.engine.speculative.verify import verify_greedy_windows, verify_window
+from lightllm.engine.speculative.verify import verify_full_windows_on_device, verify_greedy_windows, verify_window
 
 VOCAB = 50
 
@@ -59,3 +60,48 @@ def test_windows_read_at_the_wrong_rows_disagree():
     shifted = [min(s + 1, logits.shape[0] - w) for s, w in zip(starts, widths)]
     got = [r if r is None else r.token_ids for r in verify_greedy_windows(shifted, widths, drafts, logits)]
     assert got != _reference(starts, widths, drafts, logits)
+
+
+def _full_windows(seed: int, num_drafts: int):
+    """Windows of `num_drafts` drafts each (the overlapped path's shape), every kept count present, two NaN rows."""
+    g = torch.Generator().manual_seed(seed)
+    n, w = 30, num_drafts + 1
+    logits = torch.randn(n * w, VOCAB, generator=g)
+    argmax = logits.argmax(-1).view(n, w)
+    drafts = argmax[:, :num_drafts].clone()
+    for i in range(n):
+        keep = i % w
+        if keep < num_drafts:
+            drafts[i, keep] = (drafts[i, keep] + 1) % VOCAB
+    for i in (4, 11):
+        logits[i * w + int(torch.randint(0, w, (1,), generator=g)), 3] = float("nan")
+    return logits, drafts
+
+
+@pytest.mark.parametrize("num_drafts", [1, 2, 3])
+def test_verify_full_windows_on_device_equals_verify_greedy_windows(num_drafts):
+    """`verify_full_windows_on_device` (the overlapped MTP step's acceptance, nothing read back) gives the counts
+    and tokens of `verify_greedy_windows`; a window with a NaN is flagged and keeps one token; the first `count`
+    pair tokens are what the window emits."""
+    logits, drafts = _full_windows(5, num_drafts)
+    w = num_drafts + 1
+    n = drafts.shape[0]
+    expected = verify_greedy_windows([i * w for i in range(n)], [w] * n, drafts.tolist(), logits)
+    counts, next_tokens, pairs, bad = verify_full_windows_on_device(logits, drafts)
+    for i, result in enumerate(expected):
+        if result is None:
+            assert bad[i] and counts[i] == 1
+            continue
+        assert not bad[i]
+        assert counts[i] == result.num_accepted and next_tokens[i] == result.token_ids[-1]
+        assert pairs[i, : counts[i]].tolist() == result.token_ids
+    assert set(counts[~bad].tolist()) == set(range(1, w + 1))
+
+
+def test_verify_full_windows_on_device_twin_shifted_drafts():
+    """Twin: the drafts moved by one token no longer keep what the host's verification keeps."""
+    logits, drafts = _full_windows(5, 2)
+    n = drafts.shape[0]
+    expected = verify_greedy_windows([i * 3 for i in range(n)], [3] * n, drafts.tolist(), logits)
+    counts, *_ = verify_full_windows_on_device(logits, (drafts + 1) % VOCAB)
+    assert counts.tolist() != [1 if r is None else r.num_accepted for r in expected]
