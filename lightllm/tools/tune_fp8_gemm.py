@@ -47,12 +47,21 @@ QUICK_TILES = ((16, 32, 4, 2), (32, 32, 4, 2))
 MAX_REL = 1e-2
 
 
+# launch-order groups tried besides 8 (row tiles sharing a weight tile in L2) for two prefill tiles
+WIDE_GROUPS = (16,)
+WIDE_GROUP_TILES = ((128, 128, 8, 3), (64, 128, 4, 3))
+
+
 def candidates(m: int, block: tuple[int, int], quick: bool = False) -> list[dict]:
-    """The heuristic's configuration first, then every tile of M's size class with pointer and TMA loads."""
+    """The heuristic's configuration first, then every tile of M's size class with pointer and TMA loads (two
+    prefill tiles also with wider launch-order groups)."""
     tiles = QUICK_TILES if quick else LARGE_M_TILES if m > 64 else SMALL_M_TILES
+    grouped = [(t, 8) for t in tiles]
+    if tiles is LARGE_M_TILES:
+        grouped += [(t, g) for t in WIDE_GROUP_TILES for g in WIDE_GROUPS]
     out = [heuristic_config(batch_bucket(m), block)]
-    for (bm, bn, warps, stages), tma in itertools.product(tiles, (False, True)):
-        c = {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages, "TMA": tma}
+    for ((bm, bn, warps, stages), group), tma in itertools.product(grouped, (False, True)):
+        c = {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": group, "num_warps": warps, "num_stages": stages, "TMA": tma}
         if c not in out:
             out.append(c)
     return out
