@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from lightllm.linear_att import REPLAY_CAPACITIES
 from lightllm.models.quant_config import QUANTIZATION_CHOICES
 from lightllm.server.dp.balancer import BALANCERS
+from lightllm.server.dp.placement import place_replicas, visible_cuda_devices
 from lightllm.server.model_info import LOAD_FORMATS, ModelInfo, read_model_info
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ class ServerArgs:
     dp: int = _flag(
         1,
         "data-parallel replicas: independent engines behind this server, one request on one replica for its life "
-        "(on a GPU the replicas share it, each with 1/N of --mem_fraction); on a prefill/decode node, N node "
+        "(on CUDA, --dp x --tp devices: replica i takes devices i*tp..i*tp+tp-1; with one visible device and "
+        "--tp 1 the replicas share it, each with 1/N of --mem_fraction); on a prefill/decode node, N node "
         "processes, each registered with the pd_master",
         type=int,
     )
@@ -259,6 +261,12 @@ class ServerArgs:
     host_cache_name: str | None = _flag(
         None, "the host tier's file in /dev/shm; set by the server for its engine processes, not a user flag", type=str
     )
+    base_device: int | None = _flag(
+        None,
+        "CUDA device of this engine's tensor-parallel rank 0 (rank r on base_device + r); set by the data-parallel "
+        "launcher for each replica, not a user flag (auto: the current device, or cuda:r for rank r)",
+        type=int,
+    )
 
     disable_cudagraph: bool = _flag(
         False, "run decode and short prefill steps eagerly instead of replaying CUDA graphs", type=bool
@@ -315,6 +323,9 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
     elif device == "cuda" and not _cuda_available():
         raise ValueError("--device cuda: no CUDA device is visible; use --device cpu (or auto)")
     on_cuda = device == "cuda"
+    if on_cuda and args.base_device is None:
+        # refuse at start-up a --dp x --tp that the visible devices cannot hold
+        place_replicas(args.dp, args.tp, visible_cuda_devices())
     # a step's tokens bound the time decode rows wait for a mixed step's prefill chunks (inter-token latency); on a
     # GPU each step also pays a fixed host cost, which steps below a few thousand tokens no longer hide
     step_tokens = 8192 if on_cuda else 512

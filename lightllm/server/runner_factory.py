@@ -21,11 +21,12 @@ def create_runner(args: ServerArgs, info: ModelInfo) -> ModelRunnerProtocol:
     load; see `lightllm.worker.kv_sizing`). With --tp N the follower ranks start here and rank 0's runner comes back
     wrapped so that every call changing device state runs on all ranks (`lightllm.worker.tp.lockstep`).
     """
+    use_device(args)
     if args.tp == 1:
         return build_rank_runner(args, info)
     from lightllm.worker.tp.group import TPGroup
 
-    group = TPGroup(args.tp, args.device, num_threads=torch_threads(args))
+    group = TPGroup(args.tp, args.device, num_threads=torch_threads(args), base_device=args.base_device or 0)
     try:
         return create_tp_runner(args, info, group, owns_group=True)
     except BaseException:
@@ -33,6 +34,23 @@ def create_runner(args: ServerArgs, info: ModelInfo) -> ModelRunnerProtocol:
         # this process could not open another group)
         group.abandon()
         raise
+
+
+def rank_device(args: ServerArgs, rank: int = 0, size: int = 1) -> str:
+    """The torch device of tensor-parallel rank `rank` of `size`: `cuda:{base_device + rank}` on CUDA (a lone rank
+    without `base_device` keeps plain "cuda", the current device), else the device flag as is."""
+    if args.device != "cuda" or (size == 1 and args.base_device is None):
+        return args.device
+    return f"cuda:{(args.base_device or 0) + rank}"
+
+
+def use_device(args: ServerArgs) -> None:
+    """Make rank 0's device this process's current CUDA device, before anything allocates on plain "cuda" (CUDA
+    graphs, generators and staging buffers use the current device)."""
+    if args.device == "cuda" and args.base_device is not None:
+        import torch
+
+        torch.cuda.set_device(args.base_device)
 
 
 def torch_threads(args: ServerArgs) -> int | None:
@@ -58,7 +76,7 @@ def runner_config(args: ServerArgs, rank: int = 0, size: int = 1) -> RunnerConfi
     """The runner options of tensor-parallel rank `rank` of `size`, from resolved server flags (same names).
     Options a flag leaves unset after `resolve` (replay's outside replay mode, the memory share when the KV size
     is given) keep the runner's defaults."""
-    device = f"cuda:{rank}" if size > 1 and args.device == "cuda" else args.device
+    device = rank_device(args, rank, size)
     unset = {"replay_capacity", "replay_projection_mode", "mem_fraction"}
     optional = {name: getattr(args, name) for name in unset if getattr(args, name) is not None}
     return RunnerConfig(

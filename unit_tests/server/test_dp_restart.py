@@ -18,11 +18,12 @@ class _Clock:
 
 
 def _spawner(outcomes: list[dict | None]):
-    """spawn() for the restarter: each call answers the next outcome on its start-up pipe (None: the engine
-    exits without a word, as a crash during start-up does)."""
+    """spawn(replica) for the restarter: each call answers the next outcome on its start-up pipe (None: the engine
+    exits without a word, as a crash during start-up does); `spawn.replicas` lists the replica of each call."""
     calls = []
 
-    def spawn():
+    def spawn(replica: int):
+        spawn.replicas.append(replica)
         parent, child = mp.Pipe(duplex=False)
         outcome = outcomes[len(calls)]
         calls.append(outcome)
@@ -32,6 +33,7 @@ def _spawner(outcomes: list[dict | None]):
         process = mp.get_context("spawn").Process(target=print)
         return EngineHandle(process, "ipc://in", "ipc://out", "", "/nonexistent"), parent
 
+    spawn.replicas = []
     return spawn, calls
 
 
@@ -53,6 +55,8 @@ def test_a_replica_that_served_long_restarts_with_no_strike():
     handle = asyncio.run(restarter.restart(1))
     assert handle is not None and handle.capacity_report == "fresh"
     assert restarter.num_restarts == [0, 1] and restarter.restarting == set() and len(calls) == 1
+    # the fresh engine is the dead replica's (its own devices), not another one's
+    assert spawn.replicas == [1]
 
 
 def test_failed_starts_are_strikes_until_the_replica_stays_down():

@@ -1,7 +1,7 @@
 """Data parallelism (`--dp N`): N engine replicas behind one API server, one request on one replica for its life.
 
-`start_replicas` starts N engine processes from the same flags (on a GPU they share it: each gets 1/N of
-`--mem_fraction`); `ReplicaClient` is the HTTP process's client of all of them, with the interface of one
+`start_replicas` starts N engine processes from the same flags, each on its own CUDA devices or all sharing one
+(`placement`); `ReplicaClient` is the HTTP process's client of all of them, with the interface of one
 `EngineClient`: `submit` asks the balancer for a replica, `abort` and `release` follow the request to its
 replica. A replica whose process dies fails only its own requests (its in-flight ones at once, with an error
 naming the replica); the others keep serving and the balancer stops choosing it. Then a fresh engine is started
@@ -19,6 +19,7 @@ import msgspec
 from lightllm.engine.messages import EngineStats, Finished, NewRequest
 from lightllm.server.args import ServerArgs
 from lightllm.server.dp.balancer import NoReplicaAlive, create_balancer
+from lightllm.server.dp.placement import Placement, place_replicas, visible_cuda_devices
 from lightllm.server.dp.replica_metrics import ReplicaCollector, replica_rows
 from lightllm.server.dp.restart import ReplicaRestarter, RestartPolicy
 from lightllm.server.host_cache import start_with_host_cache
@@ -32,11 +33,35 @@ logger = logging.getLogger(__name__)
 REPLICA_CHECK_INTERVAL_S = 0.5
 
 
-def replica_args(args: ServerArgs) -> ServerArgs:
-    """One replica's flags: the same model and limits; on a GPU the replicas split the memory share."""
-    if args.device == "cuda" and args.max_total_token_num is None:
-        return dataclasses.replace(args, mem_fraction=args.mem_fraction / args.dp)
-    return args
+def replica_placement(args: ServerArgs, num_devices: int | None = None) -> Placement | None:
+    """Where the replicas run over `num_devices` visible CUDA devices (default: those this process sees); None on
+    a CPU. Logs once when the replicas share a device."""
+    if args.device != "cuda":
+        return None
+    placement = place_replicas(args.dp, args.tp, visible_cuda_devices() if num_devices is None else num_devices)
+    if placement.shared and args.dp > 1:
+        if args.max_total_token_num is not None:
+            share = f"--max_total_token_num {args.max_total_token_num}"
+        else:
+            share = f"1/{args.dp} of --mem_fraction ({placement.mem_fraction(args.mem_fraction):g})"
+        logger.info(
+            "the %d data-parallel replicas share CUDA device 0 (the only one visible), each with %s", args.dp, share
+        )
+    elif args.dp > 1:
+        where = "; ".join(f"replica {i}: cuda:{', cuda:'.join(map(str, d))}" for i, d in enumerate(placement.devices))
+        logger.info("data-parallel replicas on their own CUDA devices (%s)", where)
+    return placement
+
+
+def replica_args(args: ServerArgs, replica: int, placement: Placement | None) -> ServerArgs:
+    """Replica `replica`'s flags: the same model and limits, on its own device(s) (`placement`; None: a CPU);
+    replicas sharing a device split the memory share."""
+    if placement is None:
+        return args
+    mem_fraction = args.mem_fraction
+    if args.max_total_token_num is None:
+        mem_fraction = placement.mem_fraction(args.mem_fraction)
+    return dataclasses.replace(args, base_device=placement.base_device(replica), mem_fraction=mem_fraction)
 
 
 def start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> EngineHandle | ReplicaSet:
@@ -49,17 +74,24 @@ def _start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> En
     """One engine process, or with `--dp N` a set of N replicas."""
     if args.dp == 1:
         return start_engine(args, info, runner_factory)
+    placement = replica_placement(args)
     policy = RestartPolicy(args.dp_restart_attempts, args.dp_restart_backoff_s)
-    restarter = ReplicaRestarter(args.dp, policy, lambda: spawn_engine(replica_args(args), info, runner_factory))
-    return ReplicaSet(start_replicas(args, info, runner_factory), restarter)
+
+    def spawn(replica: int):
+        return spawn_engine(replica_args(args, replica, placement), info, runner_factory)
+
+    restarter = ReplicaRestarter(args.dp, policy, spawn)
+    return ReplicaSet(start_replicas(args, info, runner_factory, placement), restarter)
 
 
-def start_replicas(args: ServerArgs, info: ModelInfo, runner_factory: str) -> list[EngineHandle]:
+def start_replicas(
+    args: ServerArgs, info: ModelInfo, runner_factory: str, placement: Placement | None
+) -> list[EngineHandle]:
     """Start `args.dp` engine processes one after another (a start-up failure stops those already started)."""
     handles: list[EngineHandle] = []
     try:
-        for _ in range(args.dp):
-            handles.append(start_engine(replica_args(args), info, runner_factory))
+        for replica in range(args.dp):
+            handles.append(start_engine(replica_args(args, replica, placement), info, runner_factory))
     except BaseException:
         for handle in handles:
             handle.stop()

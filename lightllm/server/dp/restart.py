@@ -86,14 +86,15 @@ class Strikes:
 
 
 class ReplicaRestarter:
-    """Strikes and restarts of every replica. `spawn()` starts one engine process (on the event loop's thread:
-    an engine dies with the thread that spawned it) and returns it with its start-up pipe."""
+    """Strikes and restarts of every replica. `spawn(replica)` starts that replica's engine process (on its own
+    devices; on the event loop's thread: an engine dies with the thread that spawned it) and returns it with its
+    start-up pipe."""
 
     def __init__(
         self,
         num_replicas: int,
         policy: RestartPolicy,
-        spawn: Callable[[], tuple[EngineHandle, Connection]],
+        spawn: Callable[[int], tuple[EngineHandle, Connection]],
         clock: Callable[[], float] = time.monotonic,
     ):
         self.policy, self._spawn = policy, spawn
@@ -123,7 +124,7 @@ class ReplicaRestarter:
                 )
                 await asyncio.sleep(delay)
                 try:
-                    handle = await wait_started(*self._spawn())
+                    handle = await wait_started(*self._spawn(replica))
                 except EngineStartError as exc:
                     logger.error("data-parallel replica %d failed to restart: %s", replica, exc)
                     delay = self.strikes.failed_start(replica)

@@ -35,7 +35,7 @@ from lightllm.server.pd.nixl import NIXL_KIND, NixlEndpoint, NixlHandle
 from lightllm.server.pd.roles import DecodeRole, PrefillRole
 from lightllm.server.pd.staging import RegionReader, StagingBuffer, host_identity, uses_cuda_ipc
 from lightllm.server.pd.transport import ZmqHostTransport
-from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
+from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY, rank_device, use_device
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 20
@@ -79,9 +79,11 @@ def register(master_url: str, body: dict, wait_s: float, auth: PdAuth) -> None:
 
 def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY) -> int:
     """Run a prefill or decode node until SIGTERM/SIGINT; returns the exit code (2: the master refused it)."""
+    # a data-parallel replica's node runs on its own device: make it current before anything takes memory there
+    use_device(args)
     # a prefill node's staging buffer exists before the engine sizes its KV cache from the memory left, so the
     # cache does not take the bytes the buffer needs
-    staging = staging_buffer(args, torch.device(args.device)) if args.run_mode == "prefill" else None
+    staging = staging_buffer(args, torch.device(rank_device(args))) if args.run_mode == "prefill" else None
     engine = build_engine(args, info, runner_factory)
     logger.info("%s node engine ready: %s", args.run_mode, engine.capacity_report())
     header = runner_header(engine.runner, info.model_dir)

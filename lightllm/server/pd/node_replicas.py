@@ -3,8 +3,9 @@ pd_master as a node of its own (its own inbox, outbox, engine and node id), so t
 routes over any nodes and needs no notion of replicas.
 
 This process supervises them: one whose process dies is started again under the data-parallel restart policy
-(`--dp_restart_attempts`, `--dp_restart_backoff_s`); its requests fail in the master as for any lost node. On a GPU
-the replicas share the device, each with 1/N of `--mem_fraction`. SIGTERM stops every replica.
+(`--dp_restart_attempts`, `--dp_restart_backoff_s`); its requests fail in the master as for any lost node. On CUDA
+each replica runs on its own devices, or all share the one visible device (`server.dp.placement`). SIGTERM stops
+every replica.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 
 from lightllm.server.args import ServerArgs
-from lightllm.server.dp.replicas import replica_args
+from lightllm.server.dp.replicas import replica_args, replica_placement
 from lightllm.server.dp.restart import RestartPolicy, Strikes
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
@@ -46,9 +47,18 @@ def _replica_main(args: ServerArgs, info: ModelInfo, runner_factory: str, replic
 
 
 class NodeReplicas:
-    def __init__(self, args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY):
+    def __init__(
+        self,
+        args: ServerArgs,
+        info: ModelInfo,
+        runner_factory: str = DEFAULT_RUNNER_FACTORY,
+        num_cuda_devices: int | None = None,
+    ):
+        """`num_cuda_devices`: the CUDA devices to place the replicas on (default: those this process sees)."""
         self.args, self.info, self.runner_factory = args, info, runner_factory
-        self.one = dataclasses.replace(replica_args(args), dp=1)
+        placement = replica_placement(args, num_cuda_devices)
+        # each replica's flags: an ordinary node (--dp 1) on its own device(s)
+        self.replica_args = [dataclasses.replace(replica_args(args, i, placement), dp=1) for i in range(args.dp)]
         self.strikes = Strikes(args.dp, RestartPolicy(args.dp_restart_attempts, args.dp_restart_backoff_s))
         self.procs: list[mp.Process | None] = [None] * args.dp
         # replica -> when to start it again (monotonic)
@@ -57,7 +67,7 @@ class NodeReplicas:
     def start(self, replica: int) -> None:
         process = mp.get_context("spawn").Process(
             target=_replica_main,
-            args=(self.one, self.info, self.runner_factory, replica),
+            args=(self.replica_args[replica], self.info, self.runner_factory, replica),
             name=f"lightllm-{self.args.run_mode}-{replica}",
             daemon=True,
         )

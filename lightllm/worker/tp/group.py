@@ -53,6 +53,8 @@ class RankSetup:
     num_threads: int | None = None
     # rank 0's process id: a follower whose parent is already gone when it starts must not wait for it
     parent_pid: int = 0
+    # CUDA device of rank 0 (a data-parallel replica's first device); rank r runs on base_device + r
+    base_device: int = 0
 
 
 def free_port() -> int:
@@ -71,7 +73,7 @@ def join_group(setup: RankSetup) -> object:
     if setup.num_threads:
         torch.set_num_threads(setup.num_threads)
     if setup.backend == "nccl":
-        torch.cuda.set_device(setup.rank)
+        torch.cuda.set_device(setup.base_device + setup.rank)
     dist.init_process_group(
         setup.backend,
         init_method=setup.init_method,
@@ -111,11 +113,15 @@ class TPGroup:
         device: str,
         num_threads: int | None = None,
         on_rank_exit: Callable[[int, int | None], None] | None = None,
+        base_device: int = 0,
     ):
         if size < 2:
             raise ValueError(f"a tensor-parallel group needs at least 2 ranks, got {size}")
-        if device == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"--tp {size} needs {size} GPUs, {torch.cuda.device_count()} visible")
+        if device == "cuda" and torch.cuda.device_count() < base_device + size:
+            raise ValueError(
+                f"--tp {size} from CUDA device {base_device} needs devices {base_device}..{base_device + size - 1}, "
+                f"{torch.cuda.device_count()} visible"
+            )
         if torch.distributed.is_initialized():
             raise RuntimeError(
                 "this process already holds a torch.distributed process group (another tensor-parallel engine): "
@@ -129,14 +135,15 @@ class TPGroup:
         self.followers: list[subprocess.Popen] = []
         for rank in range(1, size):
             proc = subprocess.Popen([sys.executable, "-m", "lightllm.server.tp_follower"], stdin=subprocess.PIPE)
-            proc.stdin.write(pickle.dumps(RankSetup(rank, size, init, backend, num_threads, os.getpid())))
+            setup = RankSetup(rank, size, init, backend, num_threads, os.getpid(), base_device)
+            proc.stdin.write(pickle.dumps(setup))
             proc.stdin.close()
             self.followers.append(proc)
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
         self._watcher.start()
         try:
-            self.control = join_group(RankSetup(0, size, init, backend, num_threads))
+            self.control = join_group(RankSetup(0, size, init, backend, num_threads, base_device=base_device))
         except BaseException:
             # the followers would wait for rank 0 until the collective timeout
             self._stopping.set()
