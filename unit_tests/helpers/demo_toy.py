@@ -26,6 +26,12 @@ def toy_demo_checkpoint() -> tuple[Path, dict]:
 
     out = Path(tempfile.mkdtemp(prefix="lightllm-demo-toy-"))
     atexit.register(shutil.rmtree, out, True)
-    # training seeds the global generator; the tests around it keep theirs
-    with torch.random.fork_rng(devices=[]):
-        return out, train(parse_args(["--out", str(out), *TOY_ARGS]))
+    # training seeds the global generator; the tests around it keep theirs. One thread: tiny shapes gain nothing
+    # from more, and on a busy machine spin-waiting workers slow them down many times over.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return out, train(parse_args(["--out", str(out), *TOY_ARGS]))
+    finally:
+        torch.set_num_threads(threads)
