@@ -204,3 +204,16 @@ def test_eviction_under_pressure_keeps_outputs_right():
         assert kept.cached == len(convs[1][0]) + MAX_TOKENS - 1 and kept.tokens == expected[1]
     finally:
         small.unlink()
+
+
+def test_a_tier_smaller_than_one_entry_says_so(caplog):
+    tiny = HostArena.create(f"lightllm-test-{uuid.uuid4().hex}", 4096, block_bytes=4096, max_entries=4)
+    try:
+        engine = make_engine("qwen3_5", "native", {}, host_cache_name=tiny.name)
+        first, _ = _conversation(6)
+        with caplog.at_level("WARNING"):
+            _run(engine, "e1", first)
+        assert sum("cannot hold the state" in r.getMessage() for r in caplog.records) == 1
+        assert not (tiny.entries["state"] == READY).any()
+    finally:
+        tiny.unlink()

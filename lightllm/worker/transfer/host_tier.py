@@ -107,6 +107,7 @@ class RunnerHostTier:
         self.num_hit_tokens = 0
         # entries found but not imported (a descriptor that does not fit this runner)
         self.num_refused = 0
+        self._warned_size = False
         # where a hit's entry is copied before it is checked and imported (pinned on CUDA, kept between hits:
         # pinning memory costs more than the copy)
         self._staging = torch.empty(0, dtype=torch.uint8)
@@ -124,6 +125,7 @@ class RunnerHostTier:
         desc, offsets, nbytes = section_layout(tensors, state)
         ticket = self.tier.begin_write(tokens, nbytes)
         if ticket is None:
+            self._warn_if_never_fits(len(tokens), nbytes)
             return False
         section = self.tier.section(ticket)
         section[: _DESC_LEN.size] = np.frombuffer(_DESC_LEN.pack(len(desc)), dtype=np.uint8)
@@ -198,6 +200,20 @@ class RunnerHostTier:
             req.mtp_hidden, req.mtp_next_ids, req.mtp_last_hidden = [(hidden, 0, 1)], [], None
         self.num_hit_tokens += state.num_tokens
         return True
+
+    def _warn_if_never_fits(self, num_tokens: int, shard_bytes: int) -> None:
+        """Say once that entries this large can never be stored (the tier is smaller than one)."""
+        arena = self.tier.arena
+        if self._warned_size or self.tier.num_shards * shard_bytes <= arena.capacity_bytes:
+            return
+        self._warned_size = True
+        logger.warning(
+            "the host tier (%.1f MiB) cannot hold the state of a %d-token prefix (%.1f MiB): raise --host_cache_gb "
+            "(and the size of /dev/shm)",
+            arena.capacity_bytes / 2**20,
+            num_tokens,
+            self.tier.num_shards * shard_bytes / 2**20,
+        )
 
     def _refuse(self, ticket: Ticket, problem: str) -> bool:
         """Nothing was imported: the request resumes from the device cache instead."""
