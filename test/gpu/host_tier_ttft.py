@@ -50,7 +50,9 @@ from prefix_cache_ttft import checkpoint, parse_mode, time_to_first_token  # noq
 from smoke_serving_gpu import start_server, stop_server, wait_healthy  # noqa: E402
 
 RUNNER = "lightllm.server.runner_factory:create_runner"
-TINY = dict(prefix_len=128, suffix_len=12, interval=32, chunk=128, kv_tokens=2048, bandwidth_lens="64,128")
+TINY = dict(
+    prefix_len=128, suffix_len=12, interval=32, chunk=128, kv_tokens=2048, state_bytes=1 << 22, bandwidth_lens="64,128"
+)
 
 
 def build(model_dir: str, a, arena_name: str, **mode):
@@ -62,6 +64,8 @@ def build(model_dir: str, a, arena_name: str, **mode):
         max_running_requests=4,
         max_req_total_len=max(a.prefix_len + a.suffix_len, *a.lens) + 16,
         max_total_token_num=a.kv_tokens,
+        # room for every checkpoint of a round: the device hit must find the prefix's on the device
+        prefix_cache_state_bytes=a.state_bytes,
         host_cache_name=arena_name,
         **mode,
     )
@@ -94,7 +98,10 @@ def ttft_rows(model_dir: str, a, arena, emit) -> None:
         for r in range(a.repeats + 1):
             prefix = tokens(a.prefix_len)
             c, _ = time_to_first_token(replicas[0], f"c{r}", prefix + tokens(a.suffix_len))
-            d, _ = time_to_first_token(replicas[0], f"d{r}", prefix + tokens(a.suffix_len))
+            host_before = replicas[0].runner.prefix_cache_stats()["host_hit_tokens"]
+            d, m = time_to_first_token(replicas[0], f"d{r}", prefix + tokens(a.suffix_len))
+            if m == 0 or replicas[0].runner.prefix_cache_stats()["host_hit_tokens"] != host_before:
+                raise RuntimeError(f"the same-replica request was no device hit ({m} cached): raise --state_bytes")
             h, n = time_to_first_token(replicas[1], f"h{r}", prefix + tokens(a.suffix_len))
             if r:
                 cold.append(c)
@@ -287,6 +294,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--interval", type=int, default=0, help="--prefix_cache_checkpoint_interval (0: the default)")
     p.add_argument("--chunk", type=int, default=0, help="--chunked_prefill_size (0: the default)")
     p.add_argument("--kv_tokens", type=int, default=65536, help="--max_total_token_num of each replica")
+    p.add_argument("--state_bytes", type=int, default=1 << 30, help="--prefix_cache_state_bytes of each replica")
     p.add_argument("--bandwidth_lens", default="1024,2048,4096,8192,16384")
     p.add_argument("--host_cache_gb", type=float, default=16)
     p.add_argument("--tiny", action="store_true", help="the tiny checkpoint at tiny sizes (a dry run)")
