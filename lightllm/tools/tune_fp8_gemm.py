@@ -34,7 +34,7 @@ from lightllm.kernels.fp8 import (  # noqa: E402
     quantize_activation_groups,
     quantize_weight_blocks,
 )
-from lightllm.kernels.fp8.configs import config_path, heuristic_config, shape_key  # noqa: E402
+from lightllm.kernels.fp8.configs import CUBLAS, config_path, heuristic_config, shape_key  # noqa: E402
 from lightllm.kernels.fp8.shapes import SERVED_GEMMS, unique_gemms  # noqa: E402
 from lightllm.kernels.tuned_tables import batch_bucket, device_name, write_entries  # noqa: E402
 from lightllm.tools.tune_fused_moe import time_ms  # noqa: E402
@@ -64,6 +64,9 @@ def candidates(m: int, block: tuple[int, int], quick: bool = False) -> list[dict
         c = {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": group, "num_warps": warps, "num_stages": stages, "TMA": tma}
         if c not in out:
             out.append(c)
+    # cuBLASLt's block-scaled GEMM, where torch and the GPU offer it (a candidate that raises is skipped)
+    if not quick and tuple(block) == (128, 128):
+        out.append(CUBLAS)
     return out
 
 
@@ -124,12 +127,12 @@ def tune_shape(
         tried += 1
         try:
             out = fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block, config=config)
-        except Exception as e:  # a candidate that does not compile or fit is skipped, not fatal
-            failed.append(f"{config}: {type(e).__name__}")
+        except Exception as e:  # a candidate that does not compile, fit or exist here is skipped, not fatal
+            failed.append(f"{describe(config)}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
             continue
         err = relative_error(out, ref)
         if not err < MAX_REL:
-            failed.append(f"{config}: relative error {err:.2e}")
+            failed.append(f"{describe(config)}: relative error {err:.2e}")
             continue
         us = time_us(lambda c=config: fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block, config=c))
         heuristic_us = us if tried == 1 else heuristic_us
@@ -143,10 +146,15 @@ def tune_shape(
     return Tuned(n, k, m, best[1], best[0], bf16_us, best[2], tried, heuristic_us, quant_us, failed)
 
 
-def format_row(name: str, t: Tuned) -> str:
-    c = t.config
+def describe(c: dict) -> str:
+    if c == CUBLAS:
+        return "cublas"
     tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} g{c['GROUP_M']} w{c['num_warps']} s{c['num_stages']}"
-    tile += " tma" if c["TMA"] else " ptr"
+    return tile + (" tma" if c["TMA"] else " ptr")
+
+
+def format_row(name: str, t: Tuned) -> str:
+    tile = describe(t.config)
     return (
         f"| {name} | {t.m} | {t.n} | {t.k} | {t.bf16_us:.1f} | {t.tflops(t.bf16_us):.0f} | {t.heuristic_us:.1f} | "
         f"{t.us:.1f} | {t.tflops(t.us):.0f} | {t.bf16_us / t.us:.2f}x | {t.bf16_us / (t.us + t.quant_us):.2f}x | "
@@ -184,6 +192,8 @@ def tune_table(
         write_entries(path, shape_key(n, k, block), {batch_bucket(m): t.config})
         results.append(t)
         echo(format_row(shapes[(n, k)], t))
+        for reason in t.failed:
+            echo(f"|   skipped {reason} |")
     return results
 
 

@@ -47,3 +47,15 @@ def test_refuses_without_a_gpu():
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         tune_fp8_gemm.main(["--m", "8"])
+
+
+def test_the_cublas_candidate_is_checked_or_skipped():
+    """At 128 x 128 blocks the cuBLASLt candidate is tried last: where torch / the device do not offer it, it is
+    skipped with its reason; where they do, it had to match the reference to be kept."""
+    t = tune_fp8_gemm.tune_shape(130, 256, 5, torch.device("cpu"), (128, 128))
+    assert tune_fp8_gemm.candidates(5, (128, 128))[-1] == configs.CUBLAS
+    assert t.tried == len(tune_fp8_gemm.candidates(5, (128, 128))) and t.err < tune_fp8_gemm.MAX_REL
+    skipped = [r for r in t.failed if r.startswith("cublas: ")]
+    # a skipped candidate is never the choice; on this CPU build torch's scaled_mm refuses block scales
+    assert t.config != configs.CUBLAS or not skipped
+    assert skipped or torch.cuda.is_available()

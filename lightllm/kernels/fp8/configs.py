@@ -2,7 +2,8 @@
 
 A configuration is `{"BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages", "TMA"}` (the K step is always
 one scale group, `block_k`); `TMA` loads the operand tiles through tensor descriptors (Hopper's bulk copies)
-where the operands' strides allow it. Tables follow `lightllm.kernels.tuned_tables`: one file per device,
+where the operands' strides allow it. `CUBLAS` instead runs cuBLASLt's block-scaled GEMM (only from a tuned
+table: the tuner checks it on the device). Tables follow `lightllm.kernels.tuned_tables`: one file per device,
 entries per Triton version, keyed by `N=..,K=..,block=..x..` and the token count's power-of-two bucket;
 `lightllm/tools/tune_fp8_gemm.py` writes them. A lookup takes the tuned bucket within one power of two of the
 token count (or the largest tuned bucket above all of them: a taller M keeps the tall tile), else the
@@ -20,6 +21,9 @@ from lightllm.kernels.tuned_tables import batch_bucket, device_name, nearest_ent
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages", "TMA")
+# not a Triton launch: cuBLASLt's block-scaled FP8 GEMM through torch (CUDA 12.9+, 128 x 128 blocks), where the
+# tuner found it faster and matching the reference on that device
+CUBLAS = {"BACKEND": "cublas"}
 # (largest M, BM, widest BN, num_warps, num_stages, TMA): the first row whose bound covers M (None: any M); tall
 # tiles for prefill-sized M, short ones for decode batches. Each lowers for sm_90 without spills and with its
 # operand loads pipelined (wgmma from shared memory, 3 stages in flight)
@@ -42,7 +46,10 @@ def _table(device: str) -> dict:
 
 
 def check_config(config: dict) -> dict:
-    """Raise ValueError unless `config` has every key, power-of-two tiles >= 16 and a positive group."""
+    """Raise ValueError unless `config` is `CUBLAS` or has every key, power-of-two tiles >= 16 and a positive
+    group."""
+    if config == CUBLAS:
+        return config
     if set(config) != set(CONFIG_KEYS):
         raise ValueError(f"FP8 GEMM config needs exactly {CONFIG_KEYS}, got {config}")
     for b in (config["BLOCK_M"], config["BLOCK_N"]):

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lightllm.kernels.fp8.configs import check_config, get_config
+from lightllm.kernels.fp8.configs import CUBLAS, check_config, get_config
 from lightllm.kernels.fp8.quant import (
     DEFAULT_BLOCK,
     FP8_DTYPE,
@@ -143,6 +143,8 @@ def fp8_block_gemm(
     check_block_scales(tuple(w.shape), tuple(w_scale.shape), block, "w_scale")
     check_block_scales(tuple(a.shape), tuple(a_scale.shape), (1, block[1]), "a_scale")
     config = check_config(config) if config is not None else get_config(m, n, k, block, a.device)
+    if config == CUBLAS:
+        return cublas_block_gemm(a, a_scale, w, w_scale, out_dtype, block, out)
     # the K step is one scale group; a tile's columns may span several weight scale rows (read per column)
     assert block[1] >= 16 and block[1] & (block[1] - 1) == 0, f"block_k must be a power of two >= 16, got {block}"
     if out is None:
@@ -178,6 +180,34 @@ def fp8_block_gemm(
         num_stages=config["num_stages"],
     )
     return out
+
+
+def cublas_block_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    block: tuple[int, int],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fp8_block_gemm` through cuBLASLt's block-scaled FP8 GEMM (torch's scaled_mm with 1 x 128 activation and
+    128 x 128 weight scales; CUDA 12.9+ on sm_90). It wants the activation scales M-major and the weight as its
+    `[K, N]` transpose (a view, as are the weight scales'). Raises where this torch / CUDA / GPU does not offer it."""
+    if tuple(block) != (128, 128):
+        raise ValueError(f"cuBLASLt block-scaled FP8 needs 128 x 128 blocks, got {block}")
+    scale_a = a_scale.t().contiguous().t()
+    scaled_mm = getattr(torch.nn.functional, "scaled_mm", None)
+    if scaled_mm is not None:
+        recipe = torch.nn.functional.ScalingType
+        y = scaled_mm(
+            a, w.t(), scale_a, recipe.BlockWise1x128, w_scale.t(), recipe.BlockWise128x128, output_dtype=out_dtype
+        )
+    else:
+        y = torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=w_scale.t(), out_dtype=out_dtype)
+    if out is None:
+        return y
+    return out.copy_(y)
 
 
 def fp8_block_gemm_reference(
