@@ -69,6 +69,15 @@ class _PendingVerify:
 
 
 @dataclass
+class _CounterCopy:
+    """A device counter's last value read back without a sync: `host` (pinned) is filled after `ready`."""
+
+    host: torch.Tensor
+    ready: torch.cuda.Event | None = None
+    value: int = 0
+
+
+@dataclass
 class _Unsettled:
     """A verify accepted on the device (`accept_on_device`) whose counts the host has not read yet."""
 
@@ -177,6 +186,7 @@ class ModelRunner:
         self._pending: _PendingVerify | None = None
         # verifies accepted on the device, oldest first (at most two: one being read, one launched after it)
         self._unsettled: list[_Unsettled] = []
+        self._folds_copy: _CounterCopy | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
 
@@ -309,9 +319,24 @@ class ModelRunner:
         return self.kv.num_free_tokens() + evictable
 
     def stats(self) -> dict[str, int | None]:
-        """Counters for the metrics endpoint (read between steps: one device sync)."""
+        """Counters for the metrics endpoint. On a GPU the value is the one copied at the previous call (the copy
+        is made without waiting for the device, so a step in flight is never stalled for a metric)."""
         folds = self.state.counters().get("num_folds")
-        return {"num_folds": int(folds) if folds is not None else None}
+        if folds is None:
+            return {"num_folds": None}
+        if folds.device.type != "cuda":
+            return {"num_folds": int(folds)}
+        copy = self._folds_copy
+        if copy is None:
+            copy = self._folds_copy = _CounterCopy(torch.empty((), dtype=folds.dtype, pin_memory=True))
+        if copy.ready is not None and copy.ready.query():
+            copy.value = int(copy.host)
+            copy.ready = None
+        if copy.ready is None:
+            copy.host.copy_(folds, non_blocking=True)
+            copy.ready = torch.cuda.Event()
+            copy.ready.record()
+        return {"num_folds": copy.value}
 
     def bytes_per_request(self) -> int:
         """Linear-attention state bytes of one request slot (all layers, this state mode)."""
