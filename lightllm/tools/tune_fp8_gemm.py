@@ -153,6 +153,25 @@ def describe(c: dict) -> str:
     return tile + (" tma" if c["TMA"] else " ptr")
 
 
+def compile_candidates(
+    n: int, k: int, ms: list[int], device: torch.device, block: tuple[int, int], quick: bool = False
+) -> None:
+    """Launch every candidate of every M once on a short problem of one weight shape, so that the budget shares of
+    `tune_table` time candidates rather than compile them: the kernel specialises on the shapes' divisibility, not
+    their sizes, so one shape's variants serve every served shape (a candidate that fails is left to
+    `tune_shape`)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    w_q, w_s = quantize_weight_blocks(torch.randn(n, k, generator=gen, device=device).to(torch.bfloat16), block)
+    for m in ms:
+        x = torch.randn(min(m, 256), k, generator=gen, device=device).to(torch.bfloat16)
+        a_q, a_s = quantize_activation_groups(x, block[1])
+        for config in candidates(m, block, quick):
+            try:
+                fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block, config=config)
+            except Exception:  # reported by tune_shape, which runs it again
+                continue
+
+
 def format_row(name: str, t: Tuned) -> str:
     tile = describe(t.config)
     return (
@@ -178,11 +197,14 @@ def tune_table(
     quick: bool = False,
     echo=print,
 ) -> list[Tuned]:
-    """Tune every (N, K) of `shapes` at every M within `budget_s` seconds in all (the budget is shared evenly, so
-    a late shape is not starved) and merge each result into the table file `path` as it finishes."""
+    """Tune every (N, K) of `shapes` at every M within `budget_s` seconds in all (the candidates compiled first,
+    then the rest shared evenly, so a late shape is not starved) and merge each result into the table file `path`
+    as it finishes."""
     results = []
     jobs = [(nk, m) for nk in shapes for m in ms]
     start = time.monotonic()
+    compile_candidates(*next(iter(shapes)), ms, device, block, quick)
+    echo(f"(compiled the candidates in {time.monotonic() - start:.0f} s)")
     echo(HEADER)
     for i, ((n, k), m) in enumerate(jobs):
         # this job's share: what is left divided over the jobs left
