@@ -96,20 +96,11 @@ def train(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     sizes = TinySizes(**{**DEFAULT_SIZES, **{k: getattr(args, k) for k in _SIZE_FLAGS if getattr(args, k)}})
-
     docs = training_documents()
     if args.max_train_files:
         docs = docs[: args.max_train_files]
     heldout = heldout_documents()
-    ids = write_tokenizer(ARCH, sizes.vocab_size, _MAX_POSITIONS, out, corpus=(d.text for d in docs))
-    config = demo_config(sizes, args.dtype, ids)
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", generation_config(ARCH, ids))
-
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    train_ids, heldout_ids = token_stream(tokenizer, docs), token_stream(tokenizer, heldout)
+    config, train_ids, heldout_ids = _write_tokenizer_and_config(out, sizes, args.dtype, docs, heldout)
     _log(
         f"text: {len(docs)} training files -> {train_ids.numel()} tokens, {len(heldout)} held-out files -> "
         f"{heldout_ids.numel()} tokens (vocab {sizes.vocab_size}); {time.time() - t_start:.1f}s"
@@ -120,65 +111,84 @@ def train(args: argparse.Namespace) -> dict:
     model.to(device).train()
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     _log(f"model: {num_params / 1e6:.2f}M parameters, layers {config['text_config']['layer_types']}, MTP 1")
-    opt = _optimizer(model, args.lr, args.weight_decay, device)
-    batches = Batches(train_ids, args.batch_size, args.seq_len, args.seed)
-    eval_batches = _eval_batches(heldout_ids, args)
-
-    history = []
-    step, progress, t_train = 0, 0.0, time.time()
     with _kernels(device, args.fla_kernels):
-        while progress < 1.0:
-            lr = learning_rate(max(progress, (step + 1) / args.max_steps), args.lr, args.warmup)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            ids_batch = batches.next().to(device, non_blocking=True)
-            with _autocast(device):
-                loss, main, mtp = model.loss(ids_batch, args.mtp_weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            step += 1
-            elapsed = time.time() - t_train
-            progress = step / args.max_steps
-            if args.time_budget_s:
-                progress = max(progress, elapsed / args.time_budget_s)
-            if step % args.log_every == 0 or step == 1 or progress >= 1.0:
-                row = {"step": step, "loss": main.item(), "mtp_loss": mtp.item(), "lr": lr, "elapsed_s": elapsed}
-                if step % args.eval_every == 0 or progress >= 1.0:
-                    row["heldout_loss"], row["heldout_mtp_loss"] = heldout_loss(model, eval_batches, device)
-                history.append(row)
-                tok_s = step * args.batch_size * args.seq_len / max(elapsed, 1e-9)
-                extra = (
-                    f" heldout {row['heldout_loss']:.3f} / {row['heldout_mtp_loss']:.3f}"
-                    if "heldout_loss" in row
-                    else ""
-                )
-                _log(
-                    f"step {step:5d} loss {row['loss']:.3f} mtp {row['mtp_loss']:.3f} lr {lr:.2e}{extra} "
-                    f"| {elapsed:.0f}s, {tok_s / 1e3:.0f}k tok/s"
-                )
+        history = _train_loop(model, args, device, train_ids, _eval_batches(heldout_ids, args))
 
     weights_bytes = write_checkpoint_weights(model.cpu(), out, _DTYPES[args.dtype], args.seed)
     _log(f"wrote {out} (model.safetensors {weights_bytes / 2**20:.2f} MiB) after {time.time() - t_start:.0f}s")
+    steps = history[-1]["step"]
     summary = {
         "args": vars(args),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "steps": step,
-        "stopped_by": "steps" if step >= args.max_steps else "time_budget_s",
+        "steps": steps,
+        "stopped_by": "steps" if steps >= args.max_steps else "time_budget_s",
         "num_parameters": num_params,
         "weights_bytes": weights_bytes,
         "training_text": manifest(docs),
         "heldout_text": manifest(heldout),
         "history": history,
+        "train_and_export_s": time.time() - t_start,
     }
-    summary["train_and_export_s"] = time.time() - t_start
     _write_json(out / "training.json", summary)
     if args.acceptance_prompts:
         summary["acceptance"] = _acceptance(out, args)
         _write_json(out / "training.json", summary)
     return summary
+
+
+def _write_tokenizer_and_config(out: Path, sizes: TinySizes, dtype: str, docs, heldout):
+    """Train the BPE on `docs` and write it with config.json and generation_config.json; returns the config and the
+    training and held-out token streams."""
+    from tokenizers import Tokenizer
+
+    ids = write_tokenizer(ARCH, sizes.vocab_size, _MAX_POSITIONS, out, corpus=(d.text for d in docs))
+    config = demo_config(sizes, dtype, ids)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", generation_config(ARCH, ids))
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    return config, token_stream(tokenizer, docs), token_stream(tokenizer, heldout)
+
+
+def _train_loop(
+    model: DemoModel, args: argparse.Namespace, device: torch.device, train_ids: torch.Tensor, eval_batches
+) -> list[dict]:
+    """Steps until `max_steps` (or `time_budget_s`) is reached; returns the logged rows."""
+    opt = _optimizer(model, args.lr, args.weight_decay, device)
+    batches = Batches(train_ids, args.batch_size, args.seq_len, args.seed)
+    history: list[dict] = []
+    step, progress, t_train = 0, 0.0, time.time()
+    while progress < 1.0:
+        lr = learning_rate(max(progress, (step + 1) / args.max_steps), args.lr, args.warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        ids = batches.next().to(device, non_blocking=True)
+        with _autocast(device):
+            loss, main, mtp = model.loss(ids, args.mtp_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        elapsed = time.time() - t_train
+        progress = step / args.max_steps
+        if args.time_budget_s:
+            progress = max(progress, elapsed / args.time_budget_s)
+        if step % args.log_every == 0 or step == 1 or progress >= 1.0:
+            row = {"step": step, "loss": main.item(), "mtp_loss": mtp.item(), "lr": lr, "elapsed_s": elapsed}
+            if step % args.eval_every == 0 or progress >= 1.0:
+                row["heldout_loss"], row["heldout_mtp_loss"] = heldout_loss(model, eval_batches, device)
+            history.append(row)
+            _log_row(row, step * args.batch_size * args.seq_len / max(elapsed, 1e-9))
+    return history
+
+
+def _log_row(row: dict, tokens_per_s: float) -> None:
+    held = f" heldout {row['heldout_loss']:.3f} / {row['heldout_mtp_loss']:.3f}" if "heldout_loss" in row else ""
+    _log(
+        f"step {row['step']:5d} loss {row['loss']:.3f} mtp {row['mtp_loss']:.3f} lr {row['lr']:.2e}{held} "
+        f"| {row['elapsed_s']:.0f}s, {tokens_per_s / 1e3:.0f}k tok/s"
+    )
 
 
 def _eval_batches(stream: torch.Tensor, args: argparse.Namespace) -> list[torch.Tensor]:
