@@ -71,7 +71,9 @@ MLA_TILES = [
 # waves of SMs a split launch aims to fill: a tile that fits several programs per SM fills them with more splits
 MLA_WAVES = (2, 4, 8)
 MOE_SHAPES = ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b"]
-MOE_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+# coarse buckets first, then the ones between: a budget that runs out leaves gaps, which take the nearest tuned
+# bucket's entry, rather than leaving the large batches to a small batch's entry
+MOE_BATCHES = [1, 256, 64, 16, 128, 32, 4, 8, 2]
 # the heuristic's tiles at these batch sizes are in this grid, so a tuned entry is never slower than the fallback
 MOE_GRID = {
     "BLOCK_M": (16, 32, 64),
