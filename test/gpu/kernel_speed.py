@@ -245,11 +245,11 @@ def part_mla(args, device: torch.device, out: Path, echo: Report) -> None:
     bandwidth = copy_bandwidth(device) if not dry else 1e12
     echo(f"## (b) MLA latent decode, Kimi-Linear-48B-A3B attention (TP1: {heads} heads, rank {rank}, rope {rope})\n")
     echo(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write of a 2 GiB buffer); floor = latent bytes / it\n")
-    echo("| case | tile (heads, rows, keys, warps, stages, waves) | splits | us | floor us | us / floor | rel err |")
-    echo("|---|---|---|---|---|---|---|")
     start = time.monotonic()
     compile_mla_tiles(shape, tiles, dtype, device)
     echo(f"(compiled the tiles in {time.monotonic() - start:.0f} s)\n")
+    echo("| case | tile (heads, rows, keys, warps, stages, waves) | splits | us | floor us | us / floor | rel err |")
+    echo("|---|---|---|---|---|---|---|")
     ratios: dict[MLATile, list[float]] = {}
     for i, (name, (rows, cached)) in enumerate(cases.items()):
         # each case gets an even share of what is left, so the last one is not starved
