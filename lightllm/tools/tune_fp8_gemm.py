@@ -201,6 +201,7 @@ def tune_table(
     then the rest shared evenly, so a late shape is not starved) and merge each result into the table file `path`
     as it finishes."""
     results = []
+    reported: set[str] = set()
     jobs = [(nk, m) for nk in shapes for m in ms]
     start = time.monotonic()
     compile_candidates(*next(iter(shapes)), ms, device, block, quick)
@@ -214,8 +215,11 @@ def tune_table(
         write_entries(path, shape_key(n, k, block), {batch_bucket(m): t.config})
         results.append(t)
         echo(format_row(shapes[(n, k)], t))
+        # each reason once: a candidate this torch / GPU lacks fails the same way at every shape
         for reason in t.failed:
-            echo(f"|   skipped {reason} |")
+            if reason not in reported:
+                reported.add(reason)
+                echo(f"|   skipped {reason} |")
     return results
 
 
