@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Measurements of the open serving targets on one GPU, one bounded part after another, in one device command:
+#
+#   bash test/gpu/open_targets.sh [parts, default "structured host_tier dp_multiturn"]
+#
+# Parts (each prints its table as it finishes; full logs and JSON go to $OUT, or /tmp/lightllm_gpu_out):
+#   structured    free vs JSON-schema-constrained decode at batch 64, one engine (bench_structured_output.py)
+#   host_tier     two replicas on one GPU sharing the host tier: TTFT of a request forced to the other replica
+#                 against a same-replica device hit and a cold prefill; host-tier copy bandwidth (host_tier_ttft.py)
+#   dp_multiturn  --dp 2 on one GPU, 64 conversations x 4 turns, cache_aware vs round_robin (dp_multiturn_bench.py)
+#   spec          the serving checkpoint's decode step in replay, plain and MTP 2 (every draft rejected)
+#   prefill_host  the 64 x 1024 prefill, GPU kernels and the host's Python functions (bench_prefill_vs_transformers.py)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source test/gpu/python_env.sh || exit 1
+OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
+mkdir -p "$OUT_DIR"
+parts=${1:-"structured host_tier dp_multiturn"}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+run() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date +%T)): $*"
+    timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    # tables and summary lines, without progress bars
+    grep -v -E "it/s\]|s/it\]|shape/s|kernel/s|req/s\]|^\s*$|Warning|warn\(" "$OUT_DIR/$name.log" | grep -E "^\||tok/s|ratio|TTFT|skipped|GB/s|hit" | tail -40
+    [ "$rc" = 0 ] || { echo "== $name: exit $rc"; tail -12 "$OUT_DIR/$name.log"; }
+}
+for part in $parts; do
+    case $part in
+        structured) run structured 150 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 ;;
+        host_tier) run host_tier 200 python test/gpu/host_tier_ttft.py --parts ttft,bandwidth --modes replay \
+                       --result_file "$OUT_DIR/host_tier.json" ;;
+        dp_multiturn) run dp_multiturn 200 python test/gpu/dp_multiturn_bench.py --result_file "$OUT_DIR/dp_multiturn.json" ;;
+        spec) for mtp in 0 2; do
+                  run "spec-mtp$mtp" 120 python -m lightllm.tools.bench_throughput --serving_model --input_len 256 \
+                      --output_len 128 --modes replay --batch_sizes 1,64,256 --mtp_step $mtp \
+                      --result_file "$OUT_DIR/spec-mtp$mtp.json"
+              done ;;
+        prefill_host) run prefill_host 120 python test/benchmark/bench_prefill_vs_transformers.py --modes replay \
+                          --shapes 64x1024 --top_kernels 20 ;;
+        *) echo "unknown part $part" ;;
+    esac
+done
+echo "== done ($(date +%T))"
