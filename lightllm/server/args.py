@@ -252,13 +252,13 @@ class ServerArgs:
         None, "checkpoint pool size in bytes (auto: from --prefix_cache_state_fraction)", type=int
     )
 
-    host_cache_gb: float | None = _flag(
+    host_tier_gb: float | None = _flag(
         None,
         "host (CPU shared-memory) tier of prefix state shared by this server's engines and data-parallel replicas, "
         "in GiB (0: off; auto: 16, at most half of the free space of /dev/shm; needs the prefix cache)",
         type=float,
     )
-    host_cache_name: str | None = _flag(
+    host_tier_name: str | None = _flag(
         None, "the host tier's file in /dev/shm; set by the server for its engine processes, not a user flag", type=str
     )
     base_device: int | None = _flag(
@@ -460,10 +460,10 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
     for name in ("prefix_cache_state_fraction", "prefix_cache_state_bytes"):
         if (getattr(args, name) or 0) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if args.host_cache_gb is not None and args.host_cache_gb < 0:
-        raise ValueError(f"--host_cache_gb must be >= 0, got {args.host_cache_gb}")
-    if args.host_cache_gb and (args.disable_prefix_cache or args.run_mode != "normal"):
-        raise ValueError("--host_cache_gb backs the prefix cache of --run_mode normal: drop it, or the other flag")
+    if args.host_tier_gb is not None and args.host_tier_gb < 0:
+        raise ValueError(f"--host_tier_gb must be >= 0, got {args.host_tier_gb}")
+    if args.host_tier_gb and (args.disable_prefix_cache or args.run_mode != "normal"):
+        raise ValueError("--host_tier_gb backs the prefix cache of --run_mode normal: drop it, or the other flag")
     if args.max_total_token_num is not None and args.mem_fraction is not None:
         raise ValueError("--max_total_token_num and --mem_fraction both size the KV cache: give only one")
     if args.mem_fraction is not None and not 0.0 < args.mem_fraction <= 1.0:

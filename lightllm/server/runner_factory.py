@@ -101,7 +101,7 @@ def runner_config(args: ServerArgs, rank: int = 0, size: int = 1) -> RunnerConfi
         disable_prefix_cache=args.disable_prefix_cache,
         prefix_cache_state_fraction=args.prefix_cache_state_fraction,
         prefix_cache_state_bytes=args.prefix_cache_state_bytes,
-        host_cache_name=args.host_cache_name,
+        host_tier_name=args.host_tier_name,
         **optional,
     )
 

@@ -53,7 +53,7 @@ class RunnerConfig:
     prefix_cache_state_fraction: float | None = None
     prefix_cache_state_bytes: int | None = None
     # the server's host tier (a shared-memory file in /dev/shm) to attach by name; None: no host tier
-    host_cache_name: str | None = None
+    host_tier_name: str | None = None
 
     @property
     def verify_width(self) -> int:

@@ -179,9 +179,9 @@ class ModelRunner:
                 config.prefix_cache_state_fraction,
                 config.prefix_cache_state_bytes,
             )
-        if self.prefix_cache is not None and config.host_cache_name:
+        if self.prefix_cache is not None and config.host_tier_name:
             # the server's host tier: checkpoints are copied there and requests resume from it (any replica)
-            self.prefix_cache.attach_host(RunnerHostTier(self, config.host_cache_name))
+            self.prefix_cache.attach_host(RunnerHostTier(self, config.host_tier_name))
         self._requests: dict[int, RequestRecord] = {}
         self._pending: _PendingVerify | None = None
         # verifies accepted on the device, oldest first (at most two: one being read, one launched after it)

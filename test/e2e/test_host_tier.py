@@ -72,9 +72,9 @@ def test_resume_from_another_engines_entry(arena, writer, reader, spec):
     second = _second_turn(first, cold_first.tokens, new)
     cold_second = _run(cold, "c2", second)
 
-    a = make_engine("qwen3_5", writer, spec, host_cache_name=arena.name)
+    a = make_engine("qwen3_5", writer, spec, host_tier_name=arena.name)
     assert _run(a, "a1", first).tokens == cold_first.tokens
-    b = make_engine("qwen3_5", reader, spec, host_cache_name=arena.name)
+    b = make_engine("qwen3_5", reader, spec, host_tier_name=arena.name)
     hot = _run(b, "b2", second)
     # the writer's end of turn one: prompt + answer but the last answer token (never fed)
     assert hot.cached == len(first) + MAX_TOKENS - 1
@@ -86,17 +86,17 @@ def test_resume_from_another_engines_entry(arena, writer, reader, spec):
 
 def test_zeroed_entry_changes_the_output(arena):
     first, new = _conversation(2)
-    a = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
+    a = make_engine("qwen3_5", "native", {}, host_tier_name=arena.name)
     answer = _run(a, "a1", first).tokens
     second = _second_turn(first, answer, new)
-    b = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
+    b = make_engine("qwen3_5", "native", {}, host_tier_name=arena.name)
     good = _run(b, "b2", second)
     assert good.cached == len(first) + MAX_TOKENS - 1
     # the same request on a fresh engine, after every entry's state and KV bytes were zeroed
     for section in _sections(arena):
         desc_end = -(-(4 + int(np.frombuffer(section[:4].tobytes(), "<u4")[0])) // 64) * 64
         section[desc_end:] = 0
-    c = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
+    c = make_engine("qwen3_5", "native", {}, host_tier_name=arena.name)
     bad = _run(c, "c2", second)
     assert bad.cached == good.cached
     assert np.abs(np.asarray(bad.logprobs) - np.asarray(good.logprobs)).max() > 1e-3
@@ -124,11 +124,11 @@ def test_unreadable_entry_is_refused_not_imported(arena, corrupt):
     answer = _run(cold, "c1", first).tokens
     second = _second_turn(first, answer, new)
     expected = _run(cold, "c2", second)
-    writer = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
+    writer = make_engine("qwen3_5", "native", {}, host_tier_name=arena.name)
     _run(writer, "w1", first)
     for section in _sections(arena):
         corrupt(section)
-    reader = make_engine("qwen3_5", "native", {}, host_cache_name=arena.name)
+    reader = make_engine("qwen3_5", "native", {}, host_tier_name=arena.name)
     got = _run(reader, "r2", second)
     assert got.cached == 0 and got.tokens == expected.tokens
     assert reader.runner.prefix_cache.host.num_refused > 0
@@ -142,7 +142,7 @@ def test_device_evictions_spill_and_come_back(single_arena):
     second = _second_turn(first, answer, new)
     cold_second = _run(cold, "c2", second)
 
-    engine = make_engine("qwen3_5", "replay", {}, host_cache_name=arena.name)
+    engine = make_engine("qwen3_5", "replay", {}, host_tier_name=arena.name)
     assert _run(engine, "e1", first).tokens == answer
     # a single replica copies nothing while its device holds the checkpoints
     assert not (arena.entries["state"] == READY).any()
@@ -164,13 +164,13 @@ def test_two_hits_admitted_together(arena):
     """Both imports go through one staging buffer in the same admission: each must own its state afterwards."""
     convs = [_conversation(10 + i) for i in range(2)]
     cold = make_engine("qwen3_5", "replay", {"mtp_step": 2}, cache=False)
-    writer = make_engine("qwen3_5", "native", {"mtp_step": 2}, host_cache_name=arena.name)
+    writer = make_engine("qwen3_5", "native", {"mtp_step": 2}, host_tier_name=arena.name)
     seconds, expected = [], []
     for i, (first, new) in enumerate(convs):
         answer = _run(writer, f"w{i}", first).tokens
         seconds.append(_second_turn(first, answer, new))
         expected.append(_run(cold, f"c{i}", seconds[-1]))
-    reader = make_engine("qwen3_5", "replay", {"mtp_step": 2}, host_cache_name=arena.name)
+    reader = make_engine("qwen3_5", "replay", {"mtp_step": 2}, host_tier_name=arena.name)
     results = {f"r{i}": Result() for i in range(2)}
     for i, prompt in enumerate(seconds):
         submit(reader, f"r{i}", prompt, MAX_TOKENS)
@@ -189,7 +189,7 @@ def test_eviction_under_pressure_keeps_outputs_right():
     try:
         convs = [_conversation(20 + i) for i in range(2)]
         cold = make_engine("qwen3_5", "native", {}, cache=False)
-        writer = make_engine("qwen3_5", "native", {}, host_cache_name=small.name)
+        writer = make_engine("qwen3_5", "native", {}, host_tier_name=small.name)
         seconds, expected = [], []
         for i, (first, new) in enumerate(convs):
             answer = _run(writer, f"w{i}", first).tokens
@@ -197,7 +197,7 @@ def test_eviction_under_pressure_keeps_outputs_right():
             expected.append(_run(cold, f"c{i}", seconds[-1]).tokens)
         assert writer.runner.prefix_cache_stats()["host_entries_evicted"] > 0
         assert (small.entries["state"] == READY).sum() == 3
-        reader = make_engine("qwen3_5", "native", {}, host_cache_name=small.name)
+        reader = make_engine("qwen3_5", "native", {}, host_tier_name=small.name)
         # the kept one first: the reader's own publishes write entries too (and evict)
         kept, evicted = _run(reader, "r1", seconds[1]), _run(reader, "r0", seconds[0])
         assert evicted.cached == 0 and evicted.tokens == expected[0]
@@ -209,7 +209,7 @@ def test_eviction_under_pressure_keeps_outputs_right():
 def test_a_tier_smaller_than_one_entry_says_so(caplog):
     tiny = HostArena.create(f"lightllm-test-{uuid.uuid4().hex}", 4096, block_bytes=4096, max_entries=4)
     try:
-        engine = make_engine("qwen3_5", "native", {}, host_cache_name=tiny.name)
+        engine = make_engine("qwen3_5", "native", {}, host_tier_name=tiny.name)
         first, _ = _conversation(6)
         with caplog.at_level("WARNING"):
             _run(engine, "e1", first)

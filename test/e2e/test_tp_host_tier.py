@@ -69,7 +69,7 @@ def _run(engine, req_id: str, prompt: list[int]) -> tuple[list[int], int]:
 
 
 def _with_tp2(group, mode: str, arena_name: str, prompt: list[int]) -> tuple[list[int], int]:
-    args, info = _args(mode, 2, host_cache_name=arena_name)
+    args, info = _args(mode, 2, host_tier_name=arena_name)
     runner = create_tp_runner(args, info, group)
     try:
         return _run(engine_for_runner(args, runner), "r", prompt)
@@ -93,7 +93,7 @@ def test_tp2_entries_written_by_both_ranks_and_resumed(tp2, arena):
     assert cached == len(first) + MAX_TOKENS - 1
     assert tokens == expected
     # twin: a --tp 1 engine's sections have another layout; it resumes nothing from the tier
-    args, info = _args("native", 1, host_cache_name=arena.name)
+    args, info = _args("native", 1, host_tier_name=arena.name)
     single = engine_for_runner(args, build_rank_runner(args, info))
     tokens, cached = _run(single, "s", second)
     assert cached == 0 and tokens == expected

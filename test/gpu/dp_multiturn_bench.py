@@ -11,7 +11,7 @@ conversations of `--turns` turns, all at once, each turn sending its whole histo
 warm-up round of other conversations runs first. Rows give request and token throughput, TTFT, the hit rate the
 clients saw (cached / prompt tokens of `usage`) and, from `GET /dp/replicas`, each replica's routed requests and
 hit rate per cache tier (`device`: its own prefix cache; `host`: the host tier the replicas share, unless
-`--server_flags='--host_cache_gb 0'` turns it off). The last line gives cache_aware's throughput and hit rate
+`--server_flags='--host_tier_gb 0'` turns it off). The last line gives cache_aware's throughput and hit rate
 over round robin's (same run, same GPU). Without a CUDA device (and without `--device cpu`) it prints that it skipped and exits 0.
 
 Checkpoint: the serving benchmark's random-weight Qwen3.5 at real width (`SERVING_BENCH_SIZES` of
@@ -148,7 +148,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--interval", type=int, default=0, help="--prefix_cache_checkpoint_interval (0: the default)")
     p.add_argument("--state_bytes", type=int, default=0, help="--prefix_cache_state_bytes (0: the default)")
     p.add_argument(
-        "--server_flags", default="", help="more flags for both servers, e.g. --server_flags='--host_cache_gb 0'"
+        "--server_flags", default="", help="more flags for both servers, e.g. --server_flags='--host_tier_gb 0'"
     )
     p.add_argument("--tiny", action="store_true", help="the tiny checkpoint at tiny sizes (a dry run)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

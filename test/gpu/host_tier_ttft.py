@@ -66,7 +66,7 @@ def build(model_dir: str, a, arena_name: str, **mode):
         max_total_token_num=a.kv_tokens,
         # room for every checkpoint of a round: the device hit must find the prefix's on the device
         prefix_cache_state_bytes=a.state_bytes,
-        host_cache_name=arena_name,
+        host_tier_name=arena_name,
         **mode,
     )
     if a.device != "auto":
@@ -177,7 +177,7 @@ def http_rows(model_dir: str, a, emit) -> None:
         if a.chunk:
             flags += ["--chunked_prefill_size", str(a.chunk)]
         if a.tiny:
-            flags += ["--max_total_token_num", str(a.kv_tokens), "--host_cache_gb", str(a.host_cache_gb)]
+            flags += ["--max_total_token_num", str(a.kv_tokens), "--host_tier_gb", str(a.host_tier_gb)]
         device = "cuda" if a.device == "auto" else a.device
         proc, port = start_server(model_dir, device, flags, f"{log_dir}/{mode}.log")
         try:
@@ -296,7 +296,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv_tokens", type=int, default=65536, help="--max_total_token_num of each replica")
     p.add_argument("--state_bytes", type=int, default=1 << 30, help="--prefix_cache_state_bytes of each replica")
     p.add_argument("--bandwidth_lens", default="1024,2048,4096,8192,16384")
-    p.add_argument("--host_cache_gb", type=float, default=16)
+    p.add_argument("--host_tier_gb", type=float, default=16)
     p.add_argument("--tiny", action="store_true", help="the tiny checkpoint at tiny sizes (a dry run)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--model_dir", default=None)
@@ -308,7 +308,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if a.tiny:
         for k, v in TINY.items():
             setattr(a, k, v)
-        a.host_cache_gb = min(a.host_cache_gb, 0.25)
+        a.host_tier_gb = min(a.host_tier_gb, 0.25)
         a.repeats = min(a.repeats, 1)
     a.lens = [int(x) for x in a.bandwidth_lens.split(",")]
     return a
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     from lightllm.cache.host_tier import HostArena
 
     model_dir = checkpoint(a)
-    arena = HostArena.create(f"lightllm-bench-{uuid.uuid4().hex[:8]}", int(a.host_cache_gb * 2**30))
+    arena = HostArena.create(f"lightllm-bench-{uuid.uuid4().hex[:8]}", int(a.host_tier_gb * 2**30))
     rows = []
 
     def emit(row: dict) -> None:

@@ -22,7 +22,7 @@ from lightllm.server.dp.balancer import NoReplicaAlive, create_balancer
 from lightllm.server.dp.placement import Placement, place_replicas, visible_cuda_devices
 from lightllm.server.dp.replica_metrics import ReplicaCollector, replica_rows
 from lightllm.server.dp.restart import ReplicaRestarter, RestartPolicy
-from lightllm.server.host_cache import start_with_host_cache
+from lightllm.server.host_tier import start_with_host_tier
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.launcher import EngineHandle, spawn_engine, start_engine
 from lightllm.server.model_info import ModelInfo
@@ -66,8 +66,8 @@ def replica_args(args: ServerArgs, replica: int, placement: Placement | None) ->
 
 def start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> EngineHandle | ReplicaSet:
     """The engine the API server talks to, with the host tier its engines share when it is on
-    (`server.host_cache`)."""
-    return start_with_host_cache(args, lambda args: _start_engines(args, info, runner_factory))
+    (`server.host_tier`)."""
+    return start_with_host_tier(args, lambda args: _start_engines(args, info, runner_factory))
 
 
 def _start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> EngineHandle | ReplicaSet:

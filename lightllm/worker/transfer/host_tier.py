@@ -208,7 +208,7 @@ class RunnerHostTier:
             return
         self._warned_size = True
         logger.warning(
-            "the host tier (%.1f MiB) cannot hold the state of a %d-token prefix (%.1f MiB): raise --host_cache_gb "
+            "the host tier (%.1f MiB) cannot hold the state of a %d-token prefix (%.1f MiB): raise --host_tier_gb "
             "(and the size of /dev/shm)",
             arena.capacity_bytes / 2**20,
             num_tokens,

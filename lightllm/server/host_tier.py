@@ -2,7 +2,7 @@
 server stops.
 
 One arena per server, shared by every engine process (each data-parallel replica and each tensor-parallel rank):
-a file in /dev/shm named after this process. Its size is `--host_cache_gb`, or by default 16 GiB capped at half
+a file in /dev/shm named after this process. Its size is `--host_tier_gb`, or by default 16 GiB capped at half
 of the free space of /dev/shm (the file is sparse: memory is used as entries are written). It is off without the
 prefix cache and outside `--run_mode normal`. With several replicas, engines copy each new checkpoint at once
 (the others may need it); a single replica copies only what its device cache drops.
@@ -26,23 +26,23 @@ from lightllm.server.args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HOST_CACHE_GB = 16
+DEFAULT_HOST_TIER_GB = 16
 # blocks of the arena: an entry takes whole blocks (a tiny model's prefix takes one)
 BLOCK_BYTES = 1 << 20
 PREFIX = "lightllm-host-"
 
 
-def host_cache_bytes(args: ServerArgs) -> int:
+def host_tier_bytes(args: ServerArgs) -> int:
     """The arena's size for these flags (0: off)."""
-    if args.disable_prefix_cache or args.run_mode != "normal" or args.host_cache_name:
+    if args.disable_prefix_cache or args.run_mode != "normal" or args.host_tier_name:
         return 0
-    if args.host_cache_gb is not None:
-        return int(args.host_cache_gb * 2**30)
+    if args.host_tier_gb is not None:
+        return int(args.host_tier_gb * 2**30)
     shm = os.statvfs(SHM_DIR)
-    return min(DEFAULT_HOST_CACHE_GB << 30, shm.f_bavail * shm.f_frsize // 2)
+    return min(DEFAULT_HOST_TIER_GB << 30, shm.f_bavail * shm.f_frsize // 2)
 
 
-class WithHostCache:
+class WithHostTier:
     """An engine (one process or the replicas) and the host tier it uses: stopping it unlinks the arena. Every
     other attribute is the engine's."""
 
@@ -60,9 +60,9 @@ class WithHostCache:
             self.arena.unlink()
 
 
-def start_with_host_cache(args: ServerArgs, start: Callable[[ServerArgs], object]):
+def start_with_host_tier(args: ServerArgs, start: Callable[[ServerArgs], object]):
     """`start(args)` with the host tier created first and named in the engines' flags (as is when it is off)."""
-    num_bytes = host_cache_bytes(args)
+    num_bytes = host_tier_bytes(args)
     if num_bytes < BLOCK_BYTES:
         return start(args)
     remove_orphans()
@@ -70,11 +70,11 @@ def start_with_host_cache(args: ServerArgs, start: Callable[[ServerArgs], object
     arena = HostArena.create(name, num_bytes, BLOCK_BYTES, write_through=args.dp > 1)
     logger.info("host tier: %.2f GiB in %s/%s", arena.capacity_bytes / 2**30, SHM_DIR, arena.name)
     try:
-        engine = start(dataclasses.replace(args, host_cache_name=arena.name))
+        engine = start(dataclasses.replace(args, host_tier_name=arena.name))
     except BaseException:
         arena.unlink()
         raise
-    return WithHostCache(engine, arena)
+    return WithHostTier(engine, arena)
 
 
 def remove_orphans() -> list[str]:

@@ -12,9 +12,9 @@ import pytest
 
 from lightllm.cache.host_tier import HostArena
 from lightllm.cache.host_tier.arena import SHM_DIR
-from lightllm.server import host_cache
+from lightllm.server import host_tier
 from lightllm.server.args import load_server_args
-from lightllm.server.host_cache import PREFIX, host_cache_bytes, remove_orphans, start_with_host_cache
+from lightllm.server.host_tier import PREFIX, host_tier_bytes, remove_orphans, start_with_host_tier
 
 
 def _args(**flags):
@@ -25,31 +25,31 @@ class _Engine:
     def __init__(self, args):
         self.args, self.stopped = args, False
         # the engines attach by name while the server runs
-        self.attached = HostArena.attach(args.host_cache_name)
+        self.attached = HostArena.attach(args.host_tier_name)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stopped = True
 
 
 def test_size_from_the_flags(monkeypatch):
-    assert host_cache_bytes(_args(host_cache_gb=0.5)) == 1 << 29
-    assert host_cache_bytes(_args(host_cache_gb=0)) == 0
-    assert host_cache_bytes(_args(disable_prefix_cache=True)) == 0
+    assert host_tier_bytes(_args(host_tier_gb=0.5)) == 1 << 29
+    assert host_tier_bytes(_args(host_tier_gb=0)) == 0
+    assert host_tier_bytes(_args(disable_prefix_cache=True)) == 0
 
     class Shm:
         f_bavail, f_frsize = 1000, 1 << 20
 
-    monkeypatch.setattr(host_cache.os, "statvfs", lambda path: Shm)
+    monkeypatch.setattr(host_tier.os, "statvfs", lambda path: Shm)
     # auto: 16 GiB, at most half of the free space
-    assert host_cache_bytes(_args()) == 500 << 20
+    assert host_tier_bytes(_args()) == 500 << 20
     Shm.f_bavail = 1 << 20
-    assert host_cache_bytes(_args()) == 16 << 30
+    assert host_tier_bytes(_args()) == 16 << 30
 
 
 @pytest.mark.parametrize("dp", [1, 2])
 def test_created_for_the_engines_and_unlinked_at_stop(dp):
-    engine = start_with_host_cache(_args(host_cache_gb=0.01, dp=dp), _Engine)
-    name = engine.args.host_cache_name
+    engine = start_with_host_tier(_args(host_tier_gb=0.01, dp=dp), _Engine)
+    name = engine.args.host_tier_name
     assert name.startswith(f"{PREFIX}{os.getpid()}-") and os.path.exists(os.path.join(SHM_DIR, name))
     assert engine.attached.write_through == (dp > 1)
     assert engine.arena.capacity_bytes == 10 << 20
@@ -58,19 +58,19 @@ def test_created_for_the_engines_and_unlinked_at_stop(dp):
 
 
 def test_off_leaves_the_flags_alone():
-    engine = start_with_host_cache(_args(host_cache_gb=0), lambda args: args)
-    assert engine.host_cache_name is None
+    engine = start_with_host_tier(_args(host_tier_gb=0), lambda args: args)
+    assert engine.host_tier_name is None
 
 
 def test_unlinked_when_the_engines_fail_to_start():
     seen = []
 
     def fail(args):
-        seen.append(args.host_cache_name)
+        seen.append(args.host_tier_name)
         raise RuntimeError("engine did not start")
 
     with pytest.raises(RuntimeError, match="did not start"):
-        start_with_host_cache(_args(host_cache_gb=0.01), fail)
+        start_with_host_tier(_args(host_tier_gb=0.01), fail)
     assert seen and not os.path.exists(os.path.join(SHM_DIR, seen[0]))
 
 
@@ -88,7 +88,7 @@ def test_orphans_of_dead_servers_are_removed():
 
 
 def test_bad_flags_are_refused():
-    with pytest.raises(ValueError, match="--host_cache_gb must be >= 0"):
-        _args(host_cache_gb=-1)
+    with pytest.raises(ValueError, match="--host_tier_gb must be >= 0"):
+        _args(host_tier_gb=-1)
     with pytest.raises(ValueError, match="backs the prefix cache"):
-        _args(host_cache_gb=1, disable_prefix_cache=True)
+        _args(host_tier_gb=1, disable_prefix_cache=True)
