@@ -4,12 +4,15 @@ spawned process; tests inject a fake one the same way."""
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 
 from lightllm.engine.batch import ModelRunnerProtocol
 from lightllm.server.args import ServerArgs
 from lightllm.server.model_info import ModelInfo
 from lightllm.worker.config import RunnerConfig
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_RUNNER_FACTORY = "lightllm.server.runner_factory:create_runner"
 
@@ -115,8 +118,10 @@ def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: in
     # a step's prefill rows run as one varlen call: its token count reaches the step budget
     runner.warmup(args.max_num_batched_tokens, progress=rank == 0)
     if runner.device.type == "cuda" and not args.disable_cudagraph:
-        runner.init_decode_graphs()
-        runner.init_prefill_graphs()
+        with runner.startup.phase("CUDA graphs"):
+            runner.init_decode_graphs()
+            runner.init_prefill_graphs()
+    logger.info("start-up of rank %d: %s", rank, runner.startup.summary())
     return runner
 
 

@@ -35,6 +35,7 @@ from lightllm.worker.graphs.decode import DecodeGraphs, write_window_drafts
 from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
+from lightllm.worker.startup_phases import StartupPhases
 from lightllm.worker.transfer.host_tier import RunnerHostTier
 from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
@@ -106,19 +107,27 @@ class ModelRunner:
 
     def __init__(self, config: RunnerConfig, tp_group: object | None = None, memory_probe: MemoryProbe | None = None):
         self.config = config
+        # start-up time per phase, logged when the rank is ready
+        self.startup = StartupPhases()
         self.model_config = cfg = load_model_config(config.model_dir)
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(cfg.torch_dtype)
         tp = TPInfo(config.tp_rank, config.tp_size, tp_group)
-        self.model = HybridModel(cfg, tp, self.device)
-        if config.load_format == "dummy":
-            load_dummy_weights(
-                self.model, self.dtype, self.device, tp, model_dir=config.model_dir, quantization=config.quantization
-            )
-        else:
-            load_weights(
-                self.model, config.model_dir, self.dtype, self.device, tp, config.show_progress, config.quantization
-            )
+        with self.startup.phase("weights"):
+            self.model = HybridModel(cfg, tp, self.device)
+            if config.load_format == "dummy":
+                load_dummy_weights(
+                    self.model,
+                    self.dtype,
+                    self.device,
+                    tp,
+                    model_dir=config.model_dir,
+                    quantization=config.quantization,
+                )
+            else:
+                load_weights(
+                    self.model, config.model_dir, self.dtype, self.device, tp, config.show_progress, config.quantization
+                )
         self.vocab_size = cfg.vocab_size
         self.max_width = config.verify_width
         self.mtp_step = config.mtp_step if self.model.mtp is not None else 0
@@ -189,6 +198,7 @@ class ModelRunner:
         self._folds_copy: _CounterCopy | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.startup.mark("state, KV and prefix cache")
 
     def init_decode_graphs(self, use_graphs: bool = True) -> bool:
         """Run decode-only steps through fixed buffers, captured as CUDA graphs when `use_graphs` and on CUDA
@@ -677,27 +687,35 @@ class ModelRunner:
         import, verify widths, mixed steps) so that no kernel compiles after ready (call once at start-up, before
         serving and before `init_decode_graphs`; a no-op on CPU). `max_num_tokens`: the most prefill tokens of one
         step (`--max_num_batched_tokens`). Returns the number of warm-up calls."""
-        from lightllm.linear_att.fla_pinning import pin_for_device
         from lightllm.linear_att.startup_tune import tune_serving_shape
         from lightllm.linear_att.warmup import warmup_prefill
 
+        phase = self.startup.phase
         if self.device.type == "cuda":
-            # fla's chunk kernels take their configs from the shipped table of this GPU kind instead of autotuning
-            pin_for_device(torch.cuda.get_device_name(self.device))
-        tune_serving_shape(self.state, self.linear_spec, progress=progress)
-        calls = warmup_prefill(
-            self.state,
-            self.linear_spec,
-            max_num_tokens=max_num_tokens,
-            one_sequence_counts=prefill_buckets(self._prefill_graph_tokens()),
-            progress=progress,
-        )
-        calls += self.warmup_attention()
-        if self.device.type == "cuda":
-            calls += warm_expert_and_fp8_kernels(
-                self.model, self.dtype, max(max_num_tokens, self._prefill_graph_tokens())
+            with phase("fla import and pinning"):
+                from lightllm.linear_att.fla_pinning import pin_for_device
+
+                # fla's chunk kernels take their configs from the shipped table of this GPU kind instead of autotuning
+                pin_for_device(torch.cuda.get_device_name(self.device))
+        with phase("decode tuning"):
+            tune_serving_shape(self.state, self.linear_spec, progress=progress)
+        with phase("prefill warm-up"):
+            calls = warmup_prefill(
+                self.state,
+                self.linear_spec,
+                max_num_tokens=max_num_tokens,
+                one_sequence_counts=prefill_buckets(self._prefill_graph_tokens()),
+                progress=progress,
             )
-            calls += warm_serving_steps(self)
+        with phase("attention warm-up"):
+            calls += self.warmup_attention()
+        if self.device.type == "cuda":
+            with phase("expert and FP8 warm-up"):
+                calls += warm_expert_and_fp8_kernels(
+                    self.model, self.dtype, max(max_num_tokens, self._prefill_graph_tokens())
+                )
+            with phase("warm-up steps"):
+                calls += warm_serving_steps(self)
         return calls
 
     def warmup_attention(self) -> int:
