@@ -1,6 +1,6 @@
 """The vocabulary a grammar is matched against: llguidance's tokenizer (every token's bytes, the EOS ids) built
 from a checkpoint's tokenizer folder, a Hugging Face `tokenizer.json` or Kimi's `tiktoken.model`; and the start-up
-step that builds it before the first constrained request (about a second for a 150k-token vocabulary)."""
+step that builds it before the first constrained request, so that request does not wait for it."""
 
 from __future__ import annotations
 

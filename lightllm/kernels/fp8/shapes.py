@@ -5,26 +5,18 @@ projections into one (qkvz + ba), Qwen3.5 keeps q|k|v and z apart."""
 
 from __future__ import annotations
 
+# the layers both checkpoints share, after their GDN input projections
+_SHARED_GEMMS = {
+    "gdn out_proj": (2048, 4096),
+    "attn q_proj (q+gate)": (8192, 2048),
+    "attn k_proj / v_proj": (512, 2048),
+    "attn o_proj": (2048, 4096),
+    "shared expert gate_up": (1024, 2048),
+    "shared expert down": (2048, 512),
+}
 SERVED_GEMMS = {
-    "qwen3-next-80b-a3b": {
-        "gdn in_proj (qkvz+ba)": (12352, 2048),
-        "gdn out_proj": (2048, 4096),
-        "attn q_proj (q+gate)": (8192, 2048),
-        "attn k_proj / v_proj": (512, 2048),
-        "attn o_proj": (2048, 4096),
-        "shared expert gate_up": (1024, 2048),
-        "shared expert down": (2048, 512),
-    },
-    "qwen3.5-35b-a3b": {
-        "gdn in_proj_qkv": (8192, 2048),
-        "gdn in_proj_z": (4096, 2048),
-        "gdn out_proj": (2048, 4096),
-        "attn q_proj (q+gate)": (8192, 2048),
-        "attn k_proj / v_proj": (512, 2048),
-        "attn o_proj": (2048, 4096),
-        "shared expert gate_up": (1024, 2048),
-        "shared expert down": (2048, 512),
-    },
+    "qwen3-next-80b-a3b": {"gdn in_proj (qkvz+ba)": (12352, 2048), **_SHARED_GEMMS},
+    "qwen3.5-35b-a3b": {"gdn in_proj_qkv": (8192, 2048), "gdn in_proj_z": (4096, 2048), **_SHARED_GEMMS},
 }
 
 
