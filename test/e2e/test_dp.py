@@ -6,17 +6,14 @@ has them)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import threading
 
 import httpx
 import pytest
 
-from lightllm.server.args import random_demo_model_dir
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.server.conftest import scrape, wait_for
-from unit_tests.server.live_server import LiveServer
+from unit_tests.server.live_server import LiveServer, fake_checkpoint
 
 REAL_RUNNER = "lightllm.server.runner_factory:create_runner"
 CONFIGS = [
@@ -89,19 +86,10 @@ def test_two_replicas_give_one_replicas_tokens(arch, flags):
     assert health == {"status": "ok", "replicas": 2, "replicas_alive": 2, "replicas_restarting": 0}
 
 
-def _slow_fake_checkpoint(tmp_path) -> str:
-    model_dir = tmp_path / "ckpt"
-    shutil.copytree(random_demo_model_dir(), model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(fake_step_delay_s=0.05)
-    (model_dir / "config.json").write_text(json.dumps(config))
-    return str(model_dir)
-
-
 def test_a_dead_replica_fails_only_its_requests(tmp_path):
     """Without restarts (test_dp_restart.py has them) the dead replica stays down."""
     server = LiveServer(
-        model_dir=_slow_fake_checkpoint(tmp_path),
+        model_dir=fake_checkpoint(tmp_path, fake_step_delay_s=0.05),
         device="cpu",
         dp=2,
         dp_balancer="round_robin",

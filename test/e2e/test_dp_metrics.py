@@ -5,9 +5,7 @@ in /dp/replicas and as /metrics samples labelled by replica."""
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import threading
 
 import httpx
@@ -15,7 +13,7 @@ import httpx
 from lightllm.server.args import demo_model_dir
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.server.conftest import scrape, wait_for
-from unit_tests.server.live_server import LiveServer
+from unit_tests.server.live_server import LiveServer, fake_checkpoint
 
 REAL_RUNNER = "lightllm.server.runner_factory:create_runner"
 
@@ -31,19 +29,10 @@ def _rows(server: LiveServer) -> list[dict]:
     return httpx.get(f"{server.base_url}/dp/replicas", timeout=10).json()["replicas"]
 
 
-def _slow_fake_checkpoint(tmp_path) -> str:
-    model_dir = tmp_path / "ckpt"
-    shutil.copytree(demo_model_dir(), model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(fake_step_delay_s=0.05)
-    (model_dir / "config.json").write_text(json.dumps(config))
-    return str(model_dir)
-
-
 def test_queue_and_running_per_replica(tmp_path):
     """Three long requests over two replicas with one slot each: replica 0 runs one and queues one."""
     server = LiveServer(
-        model_dir=_slow_fake_checkpoint(tmp_path),
+        model_dir=fake_checkpoint(tmp_path, fake_step_delay_s=0.05),
         device="cpu",
         dp=2,
         dp_balancer="round_robin",

@@ -6,24 +6,12 @@ down and restarting, /health and new requests answer 503 until they are back."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import threading
 
 import httpx
 
-from lightllm.server.args import demo_model_dir
 from unit_tests.server.conftest import scrape, wait_for
-from unit_tests.server.live_server import LiveServer
-
-
-def _slow_fake_checkpoint(tmp_path) -> str:
-    model_dir = tmp_path / "ckpt"
-    shutil.copytree(demo_model_dir(), model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(fake_step_delay_s=0.05)
-    (model_dir / "config.json").write_text(json.dumps(config))
-    return str(model_dir)
+from unit_tests.server.live_server import LiveServer, fake_checkpoint
 
 
 def _complete(server: LiveServer, prompt: list[int], max_tokens: int) -> httpx.Response:
@@ -41,7 +29,7 @@ def _replicas(server: LiveServer) -> list[dict]:
 
 def test_a_dead_replica_restarts_and_rejoins(tmp_path):
     server = LiveServer(
-        model_dir=_slow_fake_checkpoint(tmp_path),
+        model_dir=fake_checkpoint(tmp_path, fake_step_delay_s=0.05),
         device="cpu",
         dp=2,
         dp_balancer="round_robin",

@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
-from lightllm.server.args import load_server_args
+from lightllm.server.args import load_server_args, random_demo_model_dir
 from lightllm.server.dp.replicas import start_engines
 from lightllm.server.http.app import create_app
 from lightllm.server.http.server import uvicorn_config
 from lightllm.server.tokenizer import Tokenizer
 
 FAKE_RUNNER = "unit_tests.engine.fake_runner:create_fake_runner"
+
+
+def fake_checkpoint(folder: Path, **fake_config) -> str:
+    """A copy of the random demo checkpoint in `folder`/ckpt whose config.json also carries the fake runner's
+    settings (`fake_step_delay_s`, `fake_fail_token`, ...)."""
+    model_dir = Path(folder) / "ckpt"
+    shutil.copytree(random_demo_model_dir(), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(fake_config)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return str(model_dir)
 
 
 def single_threaded_env() -> dict[str, str]:
