@@ -1,4 +1,4 @@
-"""Tuned launch tables shared by the kernels that have them (fused MoE, block-FP8 GEMM).
+"""Tuned launch tables shared by the kernels that have them (fused MoE, block-FP8 GEMM, MLA attention).
 
 A table is one JSON file per device name, `<dir>/<device>.json`:
 `{triton_version: {shape_key: {token_bucket: config}}}`. A tuning script measures configurations on the GPU and
