@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 
 # the CPU smoke run needs Triton's interpreter, which is chosen when the kernels are defined (at import)
@@ -33,6 +32,7 @@ from lightllm.kernels.fp8 import (  # noqa: E402
     quantize_weight_blocks,
 )
 from lightllm.kernels.fp8.shapes import SERVED_GEMMS  # noqa: E402
+from lightllm.tools.gpu_timing import graph_us  # noqa: E402
 from lightllm.tools.tune_fp8_gemm import candidates  # noqa: E402
 
 QWEN3_NEXT_80B = SERVED_GEMMS["qwen3-next-80b-a3b"]
@@ -40,25 +40,6 @@ PREFILL_M = (4096, 8192, 16384)
 TINY = {"tiny odd": (45, 71)}
 TINY_M = (5,)
 MAX_REL = 1e-2
-
-
-def timed(fn, iters: int, graph_launches: int = 10) -> float:
-    """Median microseconds of one `fn()` over `iters` replays of a CUDA graph of `graph_launches` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(graph_launches):
-            fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / graph_launches)
-    return statistics.median(times)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,17 +58,20 @@ def run_case(m: int, n: int, k: int, device: str, iters: int, sweep: bool, block
     row = {"M": m, "N": n, "K": k, "err": err}
     if device != "cuda":
         return row
-    row["bf16"] = timed(lambda: torch.matmul(x, w.T), iters)
-    row["fp8 gemm"] = timed(lambda: fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block), iters)
+    row["bf16"] = graph_us(lambda: torch.matmul(x, w.T), iters=iters)
+    row["fp8 gemm"] = graph_us(lambda: fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block), iters=iters)
 
     def linear():
         q, s = quantize_activation_groups(x, block[1], backend="triton")
         return fp8_block_gemm(q, s, w_q, w_s, torch.bfloat16, block)
 
-    row["fp8 linear"] = timed(linear, iters)
+    row["fp8 linear"] = graph_us(linear, iters=iters)
     if sweep:
         best = min(
-            (timed(lambda c=c: fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block, config=c), iters), str(c))
+            (
+                graph_us(lambda c=c: fp8_block_gemm(a_q, a_s, w_q, w_s, torch.bfloat16, block, config=c), iters=iters),
+                str(c),
+            )
             for c in candidates(m, block)
         )
         row["best"] = best

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 
 # the CPU smoke run needs Triton's interpreter, which is chosen when the kernels are defined (at import)
@@ -26,30 +25,12 @@ import torch  # noqa: E402
 
 from lightllm.kernels.fp8 import quantize_weight_blocks  # noqa: E402
 from lightllm.kernels.fused_moe import fused_experts, softmax_topk  # noqa: E402
+from lightllm.tools.gpu_timing import graph_us  # noqa: E402
 
 # (experts, top_k, intermediate, hidden)
 QWEN3_NEXT_80B = (512, 10, 512, 2048)
 TINY = (8, 2, 40, 48)
 BATCHES = {"cuda": (1, 64, 256, 4096), "cpu": (3,)}
-
-
-def timed(fn, iters: int, graph_launches: int = 10) -> float:
-    """Median microseconds of one `fn()` over `iters` replays of a CUDA graph of `graph_launches` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(graph_launches):
-            fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / graph_launches)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         if device != "cuda":
             print(f"{num_tokens:7d} {'-':>9s} {'-':>9s} {'-':>9s} {err:8.1e}")
             continue
-        t_bf16, t_fp8 = timed(bf16, args.iters), timed(fp8, args.iters)
+        t_bf16, t_fp8 = graph_us(bf16, iters=args.iters), graph_us(fp8, iters=args.iters)
         print(f"{num_tokens:7d} {t_bf16:9.1f} {t_fp8:9.1f} {t_fp8 / t_bf16:9.2f} {err:8.1e}")
 
 

@@ -49,6 +49,7 @@ from lightllm.kernels.mla_attention import (
 )
 from lightllm.kernels.tuned_tables import device_name, write_entries  # noqa: E402
 from lightllm.tools import tune_fp8_gemm, tune_fused_moe  # noqa: E402
+from lightllm.tools.gpu_timing import graph_us  # noqa: E402
 
 FP8_MODELS = ["qwen3-next-80b-a3b", "qwen3.5-35b-a3b"]
 FP8_M = [4096, 8192]
@@ -160,29 +161,6 @@ def mla_problem(rows: int, cached: int, shape: tuple[int, int, int], dtype, devi
     return q, latent, slots, meta
 
 
-def graph_us(fn, device: torch.device, launches: int = 10, iters: int = 10) -> float:
-    """Median µs of one `fn` over replays of a CUDA graph of `launches` calls (a wall-clock run off CUDA)."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return statistics.median(times)
-
-
 def mla_case(name, rows, cached, shape, tiles, dtype, device, bandwidth, deadline, echo) -> dict:
     """Time every tile (checked first against the torch path on four rows) on one case; `{tile: us / floor}`."""
     heads, rank, rope = shape
@@ -214,7 +192,7 @@ def mla_case(name, rows, cached, shape, tiles, dtype, device, bandwidth, deadlin
             if not err < (2e-2 if dtype == torch.bfloat16 else 1e-4):
                 echo(f"| {name} | {label} | {splits} | wrong: rel err {err:.2e} | | | |")
                 continue
-            us = graph_us(run, device)
+            us = graph_us(run, device=device)
         except Exception as e:  # a tile past the SM's registers / shared memory is skipped
             echo(f"| {name} | {label} | {splits} | failed: {type(e).__name__} | | | |")
             continue
