@@ -1,7 +1,7 @@
 """Host tier timing on one GPU: two data-parallel replicas (engines) on one device sharing one host tier, the
 second request of a shared prefix forced to the other replica.
 
-    python test/gpu/host_tier_ttft.py                          # H200: the serving checkpoint, ~3 min
+    python test/gpu/host_tier_ttft.py                          # the serving checkpoint on one GPU
     python test/gpu/host_tier_ttft.py --modes native,replay --prefix_len 8192
     python test/gpu/host_tier_ttft.py --tiny --device cpu      # a dry run of this script without a GPU
 
