@@ -11,7 +11,10 @@ named in the request by a loader the engine is given (the server's reads Hugging
 per folder and EOS set; `GrammarBackend.preload` builds it at start-up.
 
 Masks are applied without a host sync (pinned host buffers, copies that do not wait for the device), so an
-overlapped step can mask its logits while the device still runs its forward.
+overlapped step can mask its logits while the device still runs its forward. The host bitmask has one row per
+logits row (a row without a grammar keeps every bit set) and is reused from step to step (`HostBitmasks`); one
+kernel (`apply_token_bitmask`) reads its words and writes the masked logits, with no per-step unpacking or row
+gathering.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+
+from lightllm.kernels.token_bitmask import apply_token_bitmask, unpack_bitmask
+
+__all__ = ["GrammarBackend", "HostBitmasks", "RequestGrammar", "attach", "advance", "mask_windows", "unpack_bitmask"]
 
 if TYPE_CHECKING:
     from lightllm.engine.request import Request
@@ -34,11 +41,12 @@ class RequestGrammar:
     """One request's matcher. `start_token`: the grammar applies after this token (a reasoning block's end);
     until it is generated the output is free."""
 
-    def __init__(self, matcher, start_token: int | None, executor):
+    def __init__(self, matcher, start_token: int | None, executor, host_masks: HostBitmasks | None = None):
         self.matcher = matcher
         self.start_token = start_token
-        # llguidance's thread pool, shared by the backend's matchers
+        # llguidance's thread pool and the step's bitmask buffers, shared by the backend's matchers
         self.executor = executor
+        self.host_masks = host_masks if host_masks is not None else HostBitmasks()
         self.active = start_token is None
 
     def starts_inside(self, drafts: list[int]) -> bool:
@@ -76,6 +84,39 @@ class RequestGrammar:
         return None
 
 
+class HostBitmasks:
+    """Host bitmasks reused across steps: one int32 [rows, words] buffer per power-of-two row bucket, pinned when
+    the logits are on a GPU. A pinned buffer is rewritten only once the copy that read it has completed (its event,
+    queried, never waited on); while it is still in flight the step takes a fresh buffer instead."""
+
+    def __init__(self):
+        # (bucket rows, words, pinned) -> [buffer, event of its last copy or None]
+        self._buffers: dict[tuple[int, int, bool], list] = {}
+        self._last: list | None = None
+
+    def take(self, rows: int, words: int, pinned: bool) -> torch.Tensor:
+        """A [rows, words] int32 view with every bit set (no constraint)."""
+        key = (1 << max(rows - 1, 0).bit_length(), words, pinned)
+        entry = self._buffers.get(key)
+        if entry is None or (entry[1] is not None and not entry[1].query()):
+            entry = [torch.empty(key[:2], dtype=torch.int32, pin_memory=pinned), None]
+            self._buffers[key] = entry
+        self._last = entry
+        view = entry[0][:rows]
+        view.fill_(-1)
+        return view
+
+    def to_device(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`bitmask` (a view from `take`) on `device`, copied behind the device's queued work."""
+        if device.type != "cuda":
+            return bitmask
+        out = bitmask.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._last[1] = event
+        return out
+
+
 class GrammarBackend:
     """Matchers for requests; vocabularies built per tokenizer folder and EOS set by `load_vocabulary`, on first use
     or at `preload`. Without a loader, requests with a grammar fail (an engine built without one)."""
@@ -84,6 +125,7 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self._load_vocabulary = load_vocabulary
         self._executor = None
+        self._host_masks = HostBitmasks()
         self._tokenizers: dict[tuple[str, tuple[int, ...]], object] = {}
         # a vocabulary that could not be built, and why: later requests fail at once instead of stalling a step
         self._failed: dict[tuple[str, tuple[int, ...]], str] = {}
@@ -128,7 +170,7 @@ class GrammarBackend:
         matcher = LLMatcher(self._tokenizer(tokenizer_dir, tuple(eos_ids)), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
-        return RequestGrammar(matcher, start_token, self._executor_pool())
+        return RequestGrammar(matcher, start_token, self._executor_pool(), self._host_masks)
 
 
 def attach(backend: GrammarBackend, req: Request, msg) -> str | None:
@@ -150,34 +192,24 @@ def advance(req: Request, token_ids: list[int]) -> str | None:
 
 def mask_windows(windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor) -> torch.Tensor:
     """`logits` [rows, V] with every constrained position of every window (request, first row, width, drafts)
-    masked to -inf outside its grammar; the same tensor when no window has a grammar. No host sync: the masks go
-    to the device through pinned buffers, behind whatever the device is running."""
+    masked to -inf outside its grammar (a new tensor); the same tensor when no window has a grammar. No host sync:
+    the masks go to the device through pinned buffers, behind whatever the device is running."""
     constrained = [(req.grammar, start, drafts) for req, start, _, drafts in windows if req.grammar is not None]
     if not constrained:
         return logits
-    vocab = logits.shape[1]
-    num_rows = sum(len(d) + 1 for _, _, d in constrained)
-    pinned = logits.is_cuda
-    # -1 (every bit set): no constraint, the mask of a position before the grammar starts
-    bitmask = torch.full((num_rows, (vocab + 31) // 32), -1, dtype=torch.int32, pin_memory=pinned)
-    rows: list[int] = []
+    rows, vocab = logits.shape
+    host_masks = constrained[0][0].host_masks
+    # -1 (every bit set): no constraint, the mask of a free row or of a position before the grammar starts
+    bitmask = host_masks.take(rows, (vocab + 31) // 32, logits.is_cuda)
     plain, drafted = [], []
-    offset = 0
     for grammar, start, drafts in constrained:
-        width = len(drafts) + 1
-        rows += range(start, start + width)
         if grammar.starts_inside(drafts):
             # the grammar starts inside this window (a reasoning block ends): walked here, position by position
-            grammar.fill_window(bitmask, offset, drafts)
+            grammar.fill_window(bitmask, start, drafts)
         elif grammar.active:
-            (drafted if drafts else plain).append((grammar.matcher, offset, *([drafts] if drafts else [])))
-        offset += width
+            (drafted if drafts else plain).append((grammar.matcher, start, *([drafts] if drafts else [])))
     _fill_parallel(constrained[0][0].executor, bitmask, plain, drafted)
-    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
-    index = torch.tensor(rows, dtype=torch.long)
-    index = (index.pin_memory() if pinned else index).to(logits.device, non_blocking=True)
-    masked_rows = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-    return logits.index_copy(0, index, masked_rows)
+    return apply_token_bitmask(logits, host_masks.to_device(bitmask, logits.device))
 
 
 def _fill_parallel(executor, bitmask: torch.Tensor, plain: list[tuple], drafted: list[tuple]) -> None:
@@ -191,12 +223,3 @@ def _fill_parallel(executor, bitmask: torch.Tensor, plain: list[tuple], drafted:
         executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
     if drafted:
         executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 [rows, words] (bit b of word w: token 32 w + b) → bool [rows, vocab] (a view of one uint8 tensor)."""
-    # little-endian words (x86, ARM, CUDA): byte k of word w holds tokens 32 w + 8 k .. 32 w + 8 k + 7, so the bytes
-    # unpack in token order, one byte per token instead of four
-    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
-    bits = (bitmask.view(torch.uint8)[:, :, None] >> shifts) & 1
-    return bits.view(torch.bool).reshape(bitmask.shape[0], -1)[:, :vocab]

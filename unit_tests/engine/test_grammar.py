@@ -157,3 +157,22 @@ def test_a_grammar_that_does_not_compile_is_an_error(setup):
     backend, model_dir, hf = setup
     with pytest.raises(ValueError, match="grammar"):
         backend.matcher('{"grammars": [{"json_schema": {"type": "objectx"}}]}', None, model_dir, [hf.eos_token_id])
+
+
+def test_reused_host_bitmask_leaves_no_mask_of_an_earlier_step(setup):
+    """The host bitmask is reused from step to step: a row constrained at one step and free at the next (another
+    batch layout in the same row bucket) is not masked by the stale bits."""
+    backend, model_dir, hf = setup
+    req = _request(backend, model_dir, hf)
+    free = Request("free", [3], SamplingParams(), frozenset(), 8)
+    logits = torch.randn(3, VOCAB)
+    first = mask_windows([(req, 0, 1, []), (free, 1, 1, []), (free, 2, 1, [])], logits)
+    assert torch.isinf(first[0]).any()
+    buffers = req.grammar.host_masks
+    taken = buffers._last[0]
+    second = mask_windows([(free, 0, 1, []), (free, 1, 1, []), (req, 2, 1, [])], logits)
+    assert buffers._last[0] is taken, "the same buffer serves the next step of the bucket"
+    assert torch.equal(second[:2], logits[:2])
+    assert torch.equal(torch.isfinite(second[2]), _reference_mask(backend, model_dir, hf, []))
+    # twin: the row the grammar masks at the second step is masked
+    assert not torch.equal(second[2], logits[2])
