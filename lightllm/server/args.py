@@ -327,7 +327,7 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
         # refuse at start-up a --dp x --tp that the visible devices cannot hold
         place_replicas(args.dp, args.tp, visible_cuda_devices())
     # a step's tokens bound the time decode rows wait for a mixed step's prefill chunks (inter-token latency); on a
-    # GPU each step also pays a fixed host cost, which steps below a few thousand tokens no longer hide
+    # GPU each step also pays a fixed host cost, which steps below a few thousand tokens cannot hide
     step_tokens = 8192 if on_cuda else 512
     data_type = args.data_type
     if data_type == "auto":
