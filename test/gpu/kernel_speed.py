@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for part in args.parts.split(","):
         t0 = time.monotonic()
-        # one run on a lent GPU: a part that fails is reported and the others still run
+        # one bounded run: a part that fails is reported and the others still run
         try:
             PARTS[part](args, device, out, echo)
         except Exception:
