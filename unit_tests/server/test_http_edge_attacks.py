@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,10 +18,9 @@ import time
 import httpx
 import pytest
 
-from lightllm.server.args import random_demo_model_dir
 from lightllm.server.http.edge import json_items
 from lightllm.server.http.protocol import CompletionRequest
-from unit_tests.server.live_server import LiveServer
+from unit_tests.server.live_server import LiveServer, fake_checkpoint
 
 KEY = "edge-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -35,13 +33,9 @@ HEALTH_P90_S, HEALTH_MAX_S = 0.05, 0.2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("slow") / "ckpt"
-    shutil.copytree(random_demo_model_dir(), model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(fake_step_delay_s=0.02)
-    (model_dir / "config.json").write_text(json.dumps(config))
+    model_dir = fake_checkpoint(tmp_path_factory.mktemp("slow"), fake_step_delay_s=0.02)
     s = LiveServer(
-        model_dir=str(model_dir),
+        model_dir=model_dir,
         device="cpu",
         max_running_requests=MAX_RUNNING,
         max_queue_len=MAX_QUEUE,

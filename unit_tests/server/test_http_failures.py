@@ -5,17 +5,15 @@ mid-request gives every slot back; a dead engine process turns /health to 503 an
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import openai
 import pytest
 
 from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR
-from lightllm.server.args import random_demo_model_dir
 from unit_tests.engine.fake_runner import FakeRunner
 from unit_tests.server.conftest import scrape, wait_for
-from unit_tests.server.live_server import LiveServer
+from unit_tests.server.live_server import LiveServer, fake_checkpoint
 
 VOCAB = 512
 
@@ -23,12 +21,10 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # a copy of the demo checkpoint whose config tells the fake runner which prompt tokens fail
-    model_dir = tmp_path_factory.mktemp("failing") / "ckpt"
-    shutil.copytree(random_demo_model_dir(), model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(fake_fail_token=VOCAB - 1, fake_nan_token=VOCAB - 2, fake_step_delay_s=0.01)
-    (model_dir / "config.json").write_text(json.dumps(config))
-    s = LiveServer(model_dir=str(model_dir), device="cpu", max_running_requests=4, max_total_token_num=512)
+    model_dir = fake_checkpoint(
+        tmp_path_factory.mktemp("failing"), fake_fail_token=VOCAB - 1, fake_nan_token=VOCAB - 2, fake_step_delay_s=0.01
+    )
+    s = LiveServer(model_dir=model_dir, device="cpu", max_running_requests=4, max_total_token_num=512)
     yield s
     s.close()
 

@@ -5,15 +5,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import openai
 import pytest
 
-from lightllm.server.args import random_demo_model_dir
 from unit_tests.server.conftest import scrape, wait_for
-from unit_tests.server.live_server import LiveServer
+from unit_tests.server.live_server import LiveServer, fake_checkpoint
 
 KEY = "test-key-123"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -23,13 +21,9 @@ BODY_CAP = 4096
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # slow steps keep requests in flight long enough to fill the queue
-    model_dir = tmp_path_factory.mktemp("slow") / "ckpt"
-    shutil.copytree(random_demo_model_dir(), model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(fake_step_delay_s=0.02)
-    (model_dir / "config.json").write_text(json.dumps(config))
+    model_dir = fake_checkpoint(tmp_path_factory.mktemp("slow"), fake_step_delay_s=0.02)
     s = LiveServer(
-        model_dir=str(model_dir),
+        model_dir=model_dir,
         device="cpu",
         max_running_requests=2,
         max_total_token_num=1024,

@@ -5,9 +5,7 @@ with a scripted clock and against the real app and engine process whose steps ar
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 import threading
 
 import httpx
@@ -15,10 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from lightllm.engine.messages import EngineStats, TokenChunk
-from lightllm.server.args import random_demo_model_dir
 from lightllm.server.http.watchdog import ProgressWatchdog
 from unit_tests.server.conftest import scrape, wait_for
-from unit_tests.server.live_server import LiveServer
+from unit_tests.server.live_server import LiveServer, fake_checkpoint
 
 
 def test_a_stall_is_reported_once_and_cleared_by_a_token(caplog):
@@ -52,14 +49,10 @@ def test_a_stall_is_reported_once_and_cleared_by_a_token(caplog):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("stalled") / "ckpt"
-    shutil.copytree(random_demo_model_dir(), model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
     # each engine step takes longer than the bound: a request in flight sees no token for that long
-    config.update(fake_step_delay_s=2.5)
-    (model_dir / "config.json").write_text(json.dumps(config))
+    model_dir = fake_checkpoint(tmp_path_factory.mktemp("stalled"), fake_step_delay_s=2.5)
     s = LiveServer(
-        model_dir=str(model_dir), device="cpu", max_running_requests=2, max_total_token_num=1024, progress_timeout_s=1.0
+        model_dir=model_dir, device="cpu", max_running_requests=2, max_total_token_num=1024, progress_timeout_s=1.0
     )
     yield s
     s.close()
