@@ -18,7 +18,7 @@ import time
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model_dir", default=None)
-    p.add_argument("--tiny", action="store_true", help="the tiny demo model on this machine's device")
+    p.add_argument("--tiny", action="store_true", help="the tiny demo model on the CPU")
     p.add_argument("--ssm_state_mode", default="replay")
     p.add_argument("--out", default=None, help="write the raw profile here (pstats format)")
     p.add_argument("--top", type=int, default=30)
@@ -26,12 +26,16 @@ def main() -> None:
     t0 = time.perf_counter()
     import torch
 
+    if not torch.cuda.is_available() and not a.tiny:
+        print("startup_profile: no CUDA device; skipped (use --tiny for a CPU run)")
+        return
+
     from lightllm import LLM, SamplingParams
     from lightllm.tools.bench_throughput import serving_model_dir
 
     t_import = time.perf_counter() - t0
     model_dir = a.model_dir or (None if a.tiny else serving_model_dir())
-    device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    device = "cpu" if a.tiny else "cuda"
     profile = cProfile.Profile()
     t1 = time.perf_counter()
     profile.enable()
