@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 # (tokenizer folder, logits width, EOS ids) -> llguidance.LLTokenizer
 VocabularyLoader = Callable[[str, int, tuple[int, ...]], object]
+# compiled grammars kept for reuse (each holds its grammar and lexer in memory)
+MAX_TEMPLATES = 64
 # compiled at preload: the first matcher and mask of a vocabulary build llguidance's lazy structures
 _WARM_GRAMMAR = '{"grammars": [{"json_schema": {"type": "object"}}]}'
 
@@ -126,6 +128,8 @@ class GrammarBackend:
         self._load_vocabulary = load_vocabulary
         self._executor = None
         self._host_masks = HostBitmasks()
+        # (grammar, tokenizer folder, EOS ids) -> compiled matcher that requests copy, least recently used first
+        self._templates: dict[tuple[str, str, tuple[int, ...]], object] = {}
         self._tokenizers: dict[tuple[str, tuple[int, ...]], object] = {}
         # a vocabulary that could not be built, and why: later requests fail at once instead of stalling a step
         self._failed: dict[tuple[str, tuple[int, ...]], str] = {}
@@ -162,15 +166,25 @@ class GrammarBackend:
             raise ValueError(f"{tokenizer_dir}: the grammar vocabulary allows no token where JSON starts")
 
     def matcher(self, grammar: str, start_token: int | None, tokenizer_dir: str, eos_ids: list[int]) -> RequestGrammar:
-        """Raises ValueError naming the problem when the grammar does not compile."""
+        """A fresh matcher of `grammar`: a deep copy of the grammar's compiled, never-advanced template. A copy owns
+        its parser and lexer state and shares the compiled grammar; a batch of copies computes its masks faster than
+        a batch of separate compiles (test/benchmark/bench_grammar_masks.py), and a request skips the compile.
+        Raises ValueError naming the problem when the grammar does not compile."""
         from llguidance import LLMatcher
 
         if not tokenizer_dir:
             raise ValueError("a request with a grammar must name its tokenizer folder")
-        matcher = LLMatcher(self._tokenizer(tokenizer_dir, tuple(eos_ids)), grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
-        return RequestGrammar(matcher, start_token, self._executor_pool(), self._host_masks)
+        key = (grammar, tokenizer_dir, tuple(eos_ids))
+        template = self._templates.pop(key, None)
+        if template is None:
+            template = LLMatcher(self._tokenizer(tokenizer_dir, tuple(eos_ids)), grammar, log_level=0)
+            if template.is_error():
+                raise ValueError(f"the grammar does not compile: {template.get_error()}")
+            if len(self._templates) >= MAX_TEMPLATES:
+                del self._templates[next(iter(self._templates))]
+        # most recently used last
+        self._templates[key] = template
+        return RequestGrammar(template.deep_copy(), start_token, self._executor_pool(), self._host_masks)
 
 
 def attach(backend: GrammarBackend, req: Request, msg) -> str | None:

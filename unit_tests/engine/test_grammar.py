@@ -176,3 +176,36 @@ def test_reused_host_bitmask_leaves_no_mask_of_an_earlier_step(setup):
     assert torch.equal(torch.isfinite(second[2]), _reference_mask(backend, model_dir, hf, []))
     # twin: the row the grammar masks at the second step is masked
     assert not torch.equal(second[2], logits[2])
+
+
+def test_requests_of_one_grammar_copy_one_compiled_template(setup):
+    """Matchers of one grammar are deep copies of one compiled template: each advances alone, and a request's
+    mask equals a fresh compile's whatever the other copies consumed."""
+    backend, model_dir, hf = setup
+    text = hf.encode('{"n": 12}')
+    first, second = _request(backend, model_dir, hf), _request(backend, model_dir, hf)
+    assert len(backend._templates) == 1 and first.grammar.matcher is not second.grammar.matcher
+    assert first.grammar.advance(text[:3]) is None
+    assert torch.equal(_masked(second, [])[0], _reference_mask(backend, model_dir, hf, []))
+    assert torch.equal(_masked(first, [])[0], _reference_mask(backend, model_dir, hf, text[:3]))
+    third = _request(backend, model_dir, hf)
+    assert third.grammar.matcher.validate_tokens(text) == len(text)
+    # twin: the two states differ, so equal masks above are not two copies of one mask
+    assert not torch.equal(
+        _reference_mask(backend, model_dir, hf, []), _reference_mask(backend, model_dir, hf, text[:3])
+    )
+    # another grammar is another template
+    backend.matcher(json_schema_grammar({"type": "integer"}), None, model_dir, [hf.eos_token_id])
+    assert len(backend._templates) == 2
+
+
+def test_template_cache_keeps_the_most_recently_used(setup, monkeypatch):
+    from lightllm.engine import grammar as grammar_module
+
+    _, model_dir, hf = setup
+    backend = GrammarBackend(VOCAB, load_grammar_vocabulary)
+    monkeypatch.setattr(grammar_module, "MAX_TEMPLATES", 2)
+    schemas = [json_schema_grammar({"type": "integer", "minimum": i}) for i in range(3)]
+    for s in (schemas[0], schemas[1], schemas[0], schemas[2]):
+        backend.matcher(s, None, model_dir, [hf.eos_token_id])
+    assert [k[0] for k in backend._templates] == [schemas[0], schemas[2]]
