@@ -60,7 +60,8 @@ class HostTierStats:
     num_full: int = 0
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """`n` bytes rounded up to `ALIGN`: where a section and each tensor in it start."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -89,7 +90,7 @@ class HostTier:
         """This shard's ticket to write its `shard_bytes`-byte section of the entry of `token_ids`; None when the
         entry is READY already, this shard wrote (or is writing) it, or the tier cannot make room."""
         key, arena = host_key(token_ids), self.arena
-        shard_bytes = _aligned(shard_bytes)
+        shard_bytes = aligned(shard_bytes)
         with arena.locked():
             index = self._find(key)
             if index is not None:
@@ -206,7 +207,7 @@ class HostTier:
 
     @staticmethod
     def _tokens_bytes(num_tokens: int) -> int:
-        return _aligned(8 * num_tokens)
+        return aligned(8 * num_tokens)
 
     def _count_eviction(self) -> None:
         self.stats.num_evicted += 1

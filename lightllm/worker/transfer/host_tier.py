@@ -26,18 +26,14 @@ import numpy as np
 import torch
 
 from lightllm.cache.host_tier import HostArena, HostTier, Ticket
+from lightllm.cache.host_tier.tier import aligned
 from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.prefix import TreeNode
 from lightllm.worker.transfer.request_state import import_request, request_state_of
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 64
 _DESC_LEN = struct.Struct("<I")
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def layout_digest(runner) -> bytes:
@@ -60,7 +56,7 @@ def section_layout(tensors: list[torch.Tensor], state: RequestState) -> tuple[by
     offsets, end = [], 0
     for t in tensors:
         offsets.append(end)
-        end = _aligned(end + t.numel() * t.element_size())
+        end = aligned(end + t.numel() * t.element_size())
     _fill_offsets(state, iter(offsets))
     desc = msgspec.msgpack.encode(state)
     return desc, offsets, _data_start(len(desc)) + end
@@ -76,7 +72,7 @@ def _fill_offsets(state: RequestState, offsets) -> None:
 
 
 def _data_start(desc_len: int) -> int:
-    return _aligned(_DESC_LEN.size + desc_len)
+    return aligned(_DESC_LEN.size + desc_len)
 
 
 def _decode_section(section: torch.Tensor) -> tuple[RequestState | None, int, str | None]:
