@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from lightllm.engine.batch import ForwardBatch
+from lightllm.server.model_info import read_model_info
+from lightllm.server.tokenizer import checkpoint_tokenizer, eos_token_ids
 from lightllm.tools.demo_model.corpus import heldout_documents
 from lightllm.tools.demo_model.data import examples
 from lightllm.worker.config import RunnerConfig
@@ -147,9 +149,9 @@ def make_runner(model_dir: str, device: str, data_type: str, mtp_step: int, max_
 
 
 def stop_ids(model_dir: str) -> set[int]:
-    gen = json.loads((Path(model_dir) / "generation_config.json").read_text())
-    eos = gen.get("eos_token_id", [])
-    return set(eos if isinstance(eos, list) else [eos])
+    """The ids that end a sequence, by the server's rule (configs, generation config and tokenizer), so the
+    windows counted here are the ones a served request would run."""
+    return set(eos_token_ids(read_model_info(model_dir), checkpoint_tokenizer(model_dir)))
 
 
 def measure_acceptance(
