@@ -131,6 +131,11 @@ def decode_with_mtp(
         runner.free_request(handle)
 
 
+def default_data_type(device: str) -> str:
+    """float32 on the CPU (no fast bf16 matmuls there), bfloat16 on a GPU."""
+    return "float32" if device == "cpu" else "bfloat16"
+
+
 def make_runner(model_dir: str, device: str, data_type: str, mtp_step: int, max_len: int) -> ModelRunner:
     return ModelRunner(
         RunnerConfig(
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         from lightllm.server.args import demo_model_dir
 
         model_dir = demo_model_dir()
-    data_type = args.data_type or ("float32" if args.device == "cpu" else "bfloat16")
+    data_type = args.data_type or default_data_type(args.device)
     counts = measure_acceptance(
         model_dir, args.mtp_step, args.num_prompts, args.prompt_len, args.max_new_tokens, args.device, data_type
     )

@@ -200,10 +200,10 @@ def _eval_batches(stream: torch.Tensor, args: argparse.Namespace) -> list[torch.
 def _acceptance(out: Path, args: argparse.Namespace) -> dict:
     from dataclasses import asdict
 
-    from lightllm.tools.measure_acceptance import measure_acceptance
+    from lightllm.tools.measure_acceptance import default_data_type, measure_acceptance
 
     t = time.time()
-    data_type = "float32" if args.acceptance_device == "cpu" else "bfloat16"
+    data_type = default_data_type(args.acceptance_device)
     counts = measure_acceptance(
         str(out),
         mtp_step=2,
