@@ -4,13 +4,13 @@ is printed; with --synthetic_vocab the grammar runs over the generated tokenizer
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 from lightllm.tools.make_tiny_model import tiny_model_dir
+from unit_tests.server.live_server import single_threaded_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "test" / "benchmark" / "bench_structured_output.py"
@@ -20,7 +20,7 @@ def test_free_and_constrained_side_by_side():
     model = tiny_model_dir("qwen3_5", vocab_size=1024)
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--model_dir", str(model), "--synthetic_vocab", "700"]
     cmd += ["--batch", "3", "--input_len", "8", "--output_len", "12", "--repeats", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = single_threaded_env()
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = run.stdout

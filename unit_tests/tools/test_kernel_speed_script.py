@@ -12,12 +12,14 @@ from pathlib import Path
 
 import triton
 
+from unit_tests.server.live_server import single_threaded_env
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "test" / "gpu" / "kernel_speed.py"
 
 
 def _run(out: Path, *args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**single_threaded_env(), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(SCRIPT), "--dry_run", "--no_repo_tables", "--out", str(out), *args]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

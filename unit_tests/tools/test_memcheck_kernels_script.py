@@ -6,7 +6,6 @@ and a kernel reading one token past `x` fails its case."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from unit_tests.server.live_server import single_threaded_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "test" / "gpu" / "memcheck_kernels.py"
@@ -47,7 +48,7 @@ def _script():
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = single_threaded_env()
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

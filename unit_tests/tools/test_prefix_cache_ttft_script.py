@@ -6,18 +6,19 @@ tokens the cold chunk is cut at 96, and the table says the hit resumed 96."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from unit_tests.server.live_server import single_threaded_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "test" / "gpu" / "prefix_cache_ttft.py"
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[str, list[dict]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = single_threaded_env()
     result = tmp_path / "rows.json"
     cmd = [
         sys.executable,

@@ -4,18 +4,19 @@ run, a malformed mode is refused before anything starts."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from unit_tests.server.live_server import single_threaded_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "test" / "gpu" / "startup_check.py"
 
 
 def _run(tmp_path: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = single_threaded_env()
     cmd = [sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--log_dir", str(tmp_path / "logs"), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
