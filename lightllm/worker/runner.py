@@ -624,17 +624,21 @@ class ModelRunner:
         meanwhile are skipped."""
         if not self._unsettled:
             raise RuntimeError("settle() without a step accepted on the device")
-        entry = self._unsettled.pop(0)
+        entry = self._unsettled[0]
         if [r.handle for r in entry.records] != list(handles):
             raise ValueError("settle() must list the rows of the oldest step accepted on the device in their order")
+        # checked before anything changes: a refused settle leaves the step unsettled for the caller to settle again
+        if len(num_accepted) != len(entry.records) or not all(
+            1 <= count <= width for count, width in zip(num_accepted, entry.widths)
+        ):
+            raise ValueError(f"settle(): num_accepted {list(num_accepted)} outside [1, width] of {entry.widths}")
+        self._unsettled.pop(0)
         # a later step still in flight keeps its worst-case window
         later = self._max_extra(entry.records)
         rows, lengths = [], []
-        for i, (record, width, count) in enumerate(zip(entry.records, entry.widths, num_accepted, strict=True)):
+        for i, (record, width, count) in enumerate(zip(entry.records, entry.widths, num_accepted)):
             if self._requests.get(record.handle) is not record:
                 continue
-            if not 1 <= count <= width:
-                raise ValueError(f"request {record.handle}: num_accepted {count} outside [1, {width}]")
             record.num_tokens += count
             record.mtp_len += count
             record.mtp_last_hidden = (entry.hidden, i * width + count - 1)

@@ -135,3 +135,23 @@ def test_accept_on_device_twin_other_counts_in_flight():
     fwd = _decode(overlapped, handles, next_tokens, same)
     fwd_sync = _decode(synchronous, handles, next_tokens, same)
     assert not torch.allclose(fwd.logits, fwd_sync.logits, atol=1e-5, rtol=0)
+
+
+def test_a_refused_settle_leaves_the_step_to_settle_again():
+    """Counts outside [1, W] are refused before anything changes: the same step then settles, and a second settle
+    finds nothing (twin: the counts it would have taken are not applied twice)."""
+    runner = _runner("native", 1)
+    handles, first = _prefill(runner)
+    drafts = torch.randint(0, runner.vocab_size, (3, MTP_STEP), generator=torch.Generator().manual_seed(7))
+    fwd = _decode(runner, handles, first, drafts)
+    counts, _, pairs, _ = verify_full_windows_on_device(fwd.logits, drafts, torch.tensor([0, 2, 1]))
+    runner.accept_on_device(handles, counts, pairs)
+    lengths = [runner.num_tokens(h) for h in handles]
+    for bad in ([1, W + 1, 1], [1, 0, 1], [1, 1]):
+        with pytest.raises(ValueError, match="outside"):
+            runner.settle(handles, bad)
+        assert [runner.num_tokens(h) for h in handles] == lengths
+    runner.settle(handles, counts.tolist())
+    assert [runner.num_tokens(h) for h in handles] == [n + c for n, c in zip(lengths, counts.tolist())]
+    with pytest.raises(RuntimeError, match="without a step"):
+        runner.settle(handles, counts.tolist())
