@@ -19,14 +19,17 @@ class _Clock:
 
 def _spawner(outcomes: list[dict | None]):
     """spawn(replica) for the restarter: each call answers the next outcome on its start-up pipe (None: the engine
-    exits without a word, as a crash during start-up does); `spawn.replicas` lists the replica of each call."""
+    exits without a word, as a crash during start-up does; SPAWN_FAILS: no process could be spawned);
+    `spawn.replicas` lists the replica of each call."""
     calls = []
 
     def spawn(replica: int):
         spawn.replicas.append(replica)
-        parent, child = mp.Pipe(duplex=False)
         outcome = outcomes[len(calls)]
         calls.append(outcome)
+        if outcome == SPAWN_FAILS:
+            raise OSError(11, "Resource temporarily unavailable")
+        parent, child = mp.Pipe(duplex=False)
         if outcome is not None:
             child.send(outcome)
         child.close()
@@ -39,6 +42,7 @@ def _spawner(outcomes: list[dict | None]):
 
 OK = {"ok": True, "report": "fresh"}
 FAIL = {"ok": False, "error": "OutOfMemoryError: no room", "traceback": ""}
+SPAWN_FAILS = "spawn fails"
 
 
 def test_policy_doubles_the_wait_up_to_the_cap():
@@ -68,6 +72,22 @@ def test_failed_starts_are_strikes_until_the_replica_stays_down():
     assert asyncio.run(restarter.restart(0)) is None
     assert len(calls) == 2 and restarter.num_restarts == [0, 0]
     assert restarter.given_up == {0} and restarter.may_serve_again()
+
+
+def test_a_spawn_that_fails_is_a_strike_not_a_lost_restart():
+    """An OSError from spawning counts as a failed start: the next attempt still comes, and once the strikes are
+    used up the replica is given up (not left restarting for ever)."""
+    clock = _Clock()
+    spawn, calls = _spawner([SPAWN_FAILS, OK])
+    restarter = ReplicaRestarter(1, RestartPolicy(3, 0.0), spawn, clock)
+    clock.now += STABLE_S
+    assert asyncio.run(restarter.restart(0)) is not None
+    assert calls == [SPAWN_FAILS, OK] and restarter.num_restarts == [1]
+    spawn, calls = _spawner([SPAWN_FAILS, SPAWN_FAILS])
+    restarter = ReplicaRestarter(1, RestartPolicy(2, 0.0), spawn, clock)
+    clock.now += STABLE_S
+    assert asyncio.run(restarter.restart(0)) is None
+    assert restarter.given_up == {0} and restarter.restarting == set() and not restarter.may_serve_again()
 
 
 def test_a_crash_loop_uses_up_the_strikes():

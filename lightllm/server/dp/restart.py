@@ -125,7 +125,8 @@ class ReplicaRestarter:
                 await asyncio.sleep(delay)
                 try:
                     handle = await wait_started(*self._spawn(replica))
-                except EngineStartError as exc:
+                # OSError: the process could not even be spawned (no memory, process or file limits)
+                except (EngineStartError, OSError) as exc:
                     logger.error("data-parallel replica %d failed to restart: %s", replica, exc)
                     delay = self.strikes.failed_start(replica)
                     continue
