@@ -23,8 +23,13 @@ class _ScriptedReplicas(NodeReplicas):
         args = ServerArgs(run_mode="decode", device="cpu", dp=2, dp_restart_attempts=attempts, dp_restart_backoff_s=0)
         super().__init__(args, info=None)
         self.starts: list[int] = []
+        # how many of the next starts fail to spawn a process
+        self.num_spawn_failures = 0
 
     def start(self, replica: int) -> None:
+        if self.num_spawn_failures:
+            self.num_spawn_failures -= 1
+            raise OSError(11, "Resource temporarily unavailable")
         self.procs[replica] = _Process()
         self.strikes.started(replica)
         self.starts.append(replica)
@@ -65,3 +70,24 @@ def test_without_restarts_the_command_runs_until_every_replica_is_down():
     assert replicas.check() is None and replicas.starts == [0, 1]
     replicas.procs[1].exitcode = -9
     assert replicas.check() == 1
+
+
+def test_a_replica_that_cannot_be_spawned_takes_a_strike_and_is_tried_again():
+    replicas = _ScriptedReplicas(attempts=3)
+    replicas.start(0)
+    replicas.start(1)
+    # strike 1: the death; strike 2: the restart cannot spawn a process; the next start succeeds
+    replicas.procs[1].exitcode = -9
+    replicas.num_spawn_failures = 1
+    assert replicas.check() is None and replicas.starts == [0, 1] and 1 in replicas.due
+    assert replicas.check() is None and replicas.starts == [0, 1, 1] and not replicas.due
+
+
+def test_twin_spawn_failures_use_up_the_strikes_while_the_others_serve():
+    replicas = _ScriptedReplicas(attempts=2)
+    replicas.start(0)
+    replicas.start(1)
+    replicas.procs[1].exitcode = -9
+    replicas.num_spawn_failures = 1
+    assert replicas.check() is None and replicas.procs[1] is None and not replicas.due
+    assert replicas.starts == [0, 1] and replicas.procs[0].is_alive()

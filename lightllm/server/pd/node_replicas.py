@@ -86,24 +86,31 @@ class NodeReplicas:
             if process.exitcode == REFUSED_EXIT_CODE:
                 logger.error("the pd_master refused %s node replica %d: stopping every replica", self.args.run_mode, i)
                 return REFUSED_EXIT_CODE
-            delay = self.strikes.died(i)
-            logger.error(
-                "%s node replica %d exited (exit code %s); %s",
-                self.args.run_mode,
-                i,
-                process.exitcode,
-                "it stays down" if delay is None else f"restarting it in {delay:.1f} s",
-            )
-            if delay is not None:
-                self.due[i] = now + delay
+            self._schedule(i, self.strikes.died(i), now, f"exited (exit code {process.exitcode})")
         for i, when in list(self.due.items()):
             if now >= when:
                 del self.due[i]
-                self.start(i)
+                try:
+                    self.start(i)
+                # the process could not even be spawned (no memory, process or file limits): a failed start
+                except OSError as exc:
+                    self._schedule(i, self.strikes.failed_start(i), now, f"could not be started ({exc})")
         if not self.due and all(p is None for p in self.procs):
             logger.error("every %s node replica is down", self.args.run_mode)
             return 1
         return None
+
+    def _schedule(self, replica: int, delay: float | None, now: float, what: str) -> None:
+        """Log what happened to `replica` and start it again after `delay` (None: it stays down)."""
+        logger.error(
+            "%s node replica %d %s; %s",
+            self.args.run_mode,
+            replica,
+            what,
+            "it stays down" if delay is None else f"restarting it in {delay:.1f} s",
+        )
+        if delay is not None:
+            self.due[replica] = now + delay
 
     def stop(self, timeout_s: float = 20.0) -> None:
         for process in self.procs:
