@@ -55,6 +55,25 @@ TINY = dict(
 )
 
 
+def ttft_row(part: str, mode: str, reader: str, a, cold, device, host, cached) -> dict:
+    """One row of medians (ms) of the three requests' time to first token over the timed repeats, and their
+    ratios."""
+    row = {
+        "part": part,
+        "mode": mode,
+        "reader_mode": reader,
+        "prefix_len": a.prefix_len,
+        "suffix_len": a.suffix_len,
+        "cold_ms": 1e3 * statistics.median(cold),
+        "device_hit_ms": 1e3 * statistics.median(device),
+        "host_hit_ms": 1e3 * statistics.median(host),
+        "host_cached_tokens": min(cached),
+    }
+    row["host_vs_device"] = row["host_hit_ms"] / row["device_hit_ms"]
+    row["cold_vs_host"] = row["cold_ms"] / row["host_hit_ms"]
+    return row
+
+
 def build(model_dir: str, a, arena_name: str, **mode):
     from lightllm.server.args import load_server_args
     from lightllm.server.engine_process import build_engine
@@ -108,20 +127,7 @@ def ttft_rows(model_dir: str, a, arena, emit) -> None:
                 device.append(d)
                 host.append(h)
                 cached.append(n)
-        row = {
-            "part": "ttft",
-            "mode": mode,
-            "reader_mode": reader,
-            "prefix_len": a.prefix_len,
-            "suffix_len": a.suffix_len,
-            "cold_ms": 1e3 * statistics.median(cold),
-            "device_hit_ms": 1e3 * statistics.median(device),
-            "host_hit_ms": 1e3 * statistics.median(host),
-            "host_cached_tokens": min(cached),
-        }
-        row["host_vs_device"] = row["host_hit_ms"] / row["device_hit_ms"]
-        row["cold_vs_host"] = row["cold_ms"] / row["host_hit_ms"]
-        emit(row)
+        emit(ttft_row("ttft", mode, reader, a, cold, device, host, cached))
         del replicas
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -196,20 +202,7 @@ def http_rows(model_dir: str, a, emit) -> None:
                     host.append(h)
                     device_hit.append(d)
                     cached.append(n)
-            row = {
-                "part": "http",
-                "mode": mode,
-                "reader_mode": mode,
-                "prefix_len": a.prefix_len,
-                "suffix_len": a.suffix_len,
-                "cold_ms": 1e3 * statistics.median(cold),
-                "device_hit_ms": 1e3 * statistics.median(device_hit),
-                "host_hit_ms": 1e3 * statistics.median(host),
-                "host_cached_tokens": min(cached),
-            }
-            row["host_vs_device"] = row["host_hit_ms"] / row["device_hit_ms"]
-            row["cold_vs_host"] = row["cold_ms"] / row["host_hit_ms"]
-            emit(row)
+            emit(ttft_row("http", mode, mode, a, cold, device_hit, host, cached))
         finally:
             stop_server(proc)
 
