@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> list[Tuned]:
     p.add_argument("--quick", action="store_true", help="two small candidate tiles (a check of the script)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = p.parse_args(argv)
+    unknown = sorted(set(args.models.split(",")) - set(SERVED_GEMMS))
+    if unknown and not args.nk:
+        p.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(sorted(SERVED_GEMMS))}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tune_fp8_gemm needs a CUDA device (or --device cpu for an interpreter check)")
     device = torch.device(args.device)

@@ -50,6 +50,13 @@ def test_refuses_without_a_gpu():
         tune_fp8_gemm.main(["--m", "8"])
 
 
+def test_an_unknown_model_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tune_fp8_gemm.main(["--device", "cpu", "--models", "qwen3.5-35b-a3b,no-such-model"])
+    assert exit_info.value.code == 2
+    assert "--models: unknown no-such-model; choose from qwen3-next-80b-a3b, qwen3.5-35b-a3b" in capsys.readouterr().err
+
+
 def test_the_cublas_candidate_is_checked_or_skipped():
     """At 128 x 128 blocks the cuBLASLt candidate is tried last: where torch / the device do not offer it, it is
     skipped with its reason; where they do, it had to match the reference to be kept."""
