@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output", default=None, help="table file (default: the package's table of this device)")
     p.add_argument("--quick", action="store_true", help="a reduced candidate grid")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.shapes.split(",")) - set(SERVED_SHAPES))
+    if unknown:
+        p.error(f"--shapes: unknown {', '.join(unknown)}; choose from {', '.join(SERVED_SHAPES)}")
     if not torch.cuda.is_available():
         raise SystemExit("tune_fused_moe needs a CUDA device")
     dtype = DTYPES[args.dtype]
