@@ -23,6 +23,7 @@ path and the reference) otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,11 +207,19 @@ def _table(device: str) -> dict:
     return read_table(CONFIG_DIR / f"{device}.json")
 
 
+def tile_of(entry: dict) -> MLATile:
+    """A tuned table entry as a tile; ValueError naming the entry unless it has exactly `MLATile`'s fields."""
+    names = {f.name for f in dataclasses.fields(MLATile)}
+    if set(entry) != names:
+        raise ValueError(f"MLA tile entries need exactly {sorted(names)}, got {entry}")
+    return MLATile(**entry)
+
+
 @functools.lru_cache(maxsize=1024)
 def get_tile(num_heads: int, rank: int, rope: int, dtype: torch.dtype, device: torch.device, rows: int) -> MLATile:
     """The tuned tile of this shape on this device for `rows` rows (nearest tuned row bucket), else the default."""
     entry = nearest_entry(_table(device_name(device)).get(tile_key(num_heads, rank, rope, dtype)) or {}, rows)
-    return MLATile(**entry) if entry is not None else MLATile()
+    return tile_of(entry) if entry is not None else MLATile()
 
 
 def shape_tiles(num_heads: int, rank: int, rope: int, dtype: torch.dtype, device: torch.device) -> list[MLATile]:
@@ -218,7 +227,7 @@ def shape_tiles(num_heads: int, rank: int, rope: int, dtype: torch.dtype, device
     entries = _table(device_name(device)).get(tile_key(num_heads, rank, rope, dtype))
     if not entries:
         return [MLATile()]
-    return list(dict.fromkeys(MLATile(**e) for e in entries.values()))
+    return list(dict.fromkeys(tile_of(e) for e in entries.values()))
 
 
 def _tile(num_heads: int, max_query_len: int, tile: MLATile) -> tuple[int, int, int]:

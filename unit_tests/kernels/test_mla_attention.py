@@ -204,3 +204,27 @@ def test_tuned_tiles_by_device_and_row_bucket(tmp_path, monkeypatch):
     cuda = torch.device("cuda", 0)
     assert launch_splits(32, 64, 1, 32768, cuda, MLATile(waves=4)) == 8
     assert launch_splits(32, 64, 1, 32768, cuda, MLATile(block_heads=16, waves=4)) == 4
+
+
+def test_a_broken_tuned_tile_is_refused_by_name(tmp_path, monkeypatch):
+    """A table entry without every tile field (or with another) is a ValueError naming it, not a TypeError at the
+    first launch (twin of the valid entries above)."""
+    import importlib
+
+    from lightllm.kernels.tuned_tables import write_entries
+
+    mla = importlib.import_module("lightllm.kernels.mla_attention")
+    monkeypatch.setattr(mla, "CONFIG_DIR", tmp_path)
+    mla._table.cache_clear()
+    mla.get_tile.cache_clear()
+    broken = {**MLATile().__dict__, "BLOCK_K": 16}
+    del broken["waves"]
+    write_entries(tmp_path / "cpu.json", mla.tile_key(4, 16, 8, torch.float32), {1: broken})
+    try:
+        with pytest.raises(ValueError, match="MLA tile entries need exactly"):
+            mla.get_tile(4, 16, 8, torch.float32, torch.device("cpu"), 1)
+        with pytest.raises(ValueError, match="MLA tile entries need exactly"):
+            mla.shape_tiles(4, 16, 8, torch.float32, torch.device("cpu"))
+    finally:
+        mla._table.cache_clear()
+        mla.get_tile.cache_clear()
