@@ -13,6 +13,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from lightllm.cache.host_tier.arena import MAX_SHARDS
 from lightllm.linear_att import REPLAY_CAPACITIES
 from lightllm.models.quant_config import QUANTIZATION_CHOICES
 from lightllm.server.dp.balancer import BALANCERS
@@ -362,6 +363,16 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
     return resolved
 
 
+def check_host_tier_flags(args: ServerArgs) -> None:
+    """`--host_tier_gb` against the flags it depends on."""
+    if args.host_tier_gb is not None and args.host_tier_gb < 0:
+        raise ValueError(f"--host_tier_gb must be >= 0, got {args.host_tier_gb}")
+    if args.host_tier_gb and (args.disable_prefix_cache or args.run_mode != "normal"):
+        raise ValueError("--host_tier_gb backs the prefix cache of --run_mode normal: drop it, or the other flag")
+    if args.host_tier_gb and args.tp > MAX_SHARDS:
+        raise ValueError(f"--host_tier_gb: the host tier holds entries of at most {MAX_SHARDS} tensor-parallel ranks")
+
+
 def validate(args: ServerArgs, info: ModelInfo) -> None:
     """Refuse combinations that cannot work; every message says which flag to change."""
     _refuse_open_control_plane(args)
@@ -460,10 +471,7 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
     for name in ("prefix_cache_state_fraction", "prefix_cache_state_bytes"):
         if (getattr(args, name) or 0) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if args.host_tier_gb is not None and args.host_tier_gb < 0:
-        raise ValueError(f"--host_tier_gb must be >= 0, got {args.host_tier_gb}")
-    if args.host_tier_gb and (args.disable_prefix_cache or args.run_mode != "normal"):
-        raise ValueError("--host_tier_gb backs the prefix cache of --run_mode normal: drop it, or the other flag")
+    check_host_tier_flags(args)
     if args.max_total_token_num is not None and args.mem_fraction is not None:
         raise ValueError("--max_total_token_num and --mem_fraction both size the KV cache: give only one")
     if args.mem_fraction is not None and not 0.0 < args.mem_fraction <= 1.0:

@@ -4,8 +4,9 @@ server stops.
 One arena per server, shared by every engine process (each data-parallel replica and each tensor-parallel rank):
 a file in /dev/shm named after this process. Its size is `--host_tier_gb`, or by default 16 GiB capped at half
 of the free space of /dev/shm (the file is sparse: memory is used as entries are written). It is off without the
-prefix cache and outside `--run_mode normal`. With several replicas, engines copy each new checkpoint at once
-(the others may need it); a single replica copies only what its device cache drops.
+prefix cache, outside `--run_mode normal` and beyond `MAX_SHARDS` (8) tensor-parallel ranks. With several
+replicas, engines copy each new checkpoint at once (the others may need it); a single replica copies only what its
+device cache drops.
 
 Arenas left behind by a server that was killed (its pid no longer runs) are removed when the next one starts.
 """
@@ -20,7 +21,7 @@ import uuid
 from collections.abc import Callable
 
 from lightllm.cache.host_tier import HostArena
-from lightllm.cache.host_tier.arena import SHM_DIR
+from lightllm.cache.host_tier.arena import MAX_SHARDS, SHM_DIR
 from lightllm.cache.host_tier.slots import pid_alive
 from lightllm.server.args import ServerArgs
 
@@ -34,7 +35,7 @@ PREFIX = "lightllm-host-"
 
 def host_tier_bytes(args: ServerArgs) -> int:
     """The arena's size for these flags (0: off)."""
-    if args.disable_prefix_cache or args.run_mode != "normal" or args.host_tier_name:
+    if args.disable_prefix_cache or args.run_mode != "normal" or args.host_tier_name or args.tp > MAX_SHARDS:
         return 0
     if args.host_tier_gb is not None:
         return int(args.host_tier_gb * 2**30)

@@ -4,6 +4,7 @@ killed servers removed at the next start."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,9 +12,9 @@ import sys
 import pytest
 
 from lightllm.cache.host_tier import HostArena
-from lightllm.cache.host_tier.arena import SHM_DIR
+from lightllm.cache.host_tier.arena import MAX_SHARDS, SHM_DIR
 from lightllm.server import host_tier
-from lightllm.server.args import load_server_args
+from lightllm.server.args import check_host_tier_flags, load_server_args
 from lightllm.server.host_tier import PREFIX, host_tier_bytes, remove_orphans, start_with_host_tier
 
 
@@ -92,3 +93,15 @@ def test_bad_flags_are_refused():
         _args(host_tier_gb=-1)
     with pytest.raises(ValueError, match="backs the prefix cache"):
         _args(host_tier_gb=1, disable_prefix_cache=True)
+
+
+def test_more_ranks_than_an_entry_holds_turn_the_tier_off_or_are_refused():
+    args = _args()
+    many = dataclasses.replace(args, tp=MAX_SHARDS + 1)
+    # auto: off, the server still starts
+    assert host_tier_bytes(many) == 0
+    assert host_tier_bytes(dataclasses.replace(many, tp=MAX_SHARDS)) > 0
+    # asked for: refused with the reason
+    with pytest.raises(ValueError, match=f"at most {MAX_SHARDS} tensor-parallel ranks"):
+        check_host_tier_flags(dataclasses.replace(many, host_tier_gb=1.0))
+    check_host_tier_flags(dataclasses.replace(many, tp=MAX_SHARDS, host_tier_gb=1.0))
