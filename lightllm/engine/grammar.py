@@ -156,14 +156,18 @@ class GrammarBackend:
             self._executor = LLExecutor()
         return self._executor
 
-    def preload(self, tokenizer_dir: str, eos_ids: list[int]) -> None:
-        """Build a vocabulary, the mask thread pool, and one matcher and mask over them now (at start-up), so the
-        first constrained request does not pay for them inside a step."""
+    def preload(self, tokenizer_dir: str, eos_ids: list[int], device: str | None = None) -> None:
+        """Build a vocabulary, the mask thread pool, and one matcher and mask over them now (at start-up), and on a
+        GPU `device` compile the masking kernel (fp32 logits), so the first constrained request does not pay for
+        them inside a step."""
         grammar = self.matcher(_WARM_GRAMMAR, None, tokenizer_dir, eos_ids)
         bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
         _fill_parallel(grammar.executor, bitmask, [(grammar.matcher, 0)], [])
         if not bitmask.any():
             raise ValueError(f"{tokenizer_dir}: the grammar vocabulary allows no token where JSON starts")
+        if device is not None and torch.device(device).type == "cuda":
+            logits = torch.zeros((1, self.vocab_size), dtype=torch.float32, device=device)
+            apply_token_bitmask(logits, bitmask.to(device))
 
     def matcher(self, grammar: str, start_token: int | None, tokenizer_dir: str, eos_ids: list[int]) -> RequestGrammar:
         """A fresh matcher of `grammar`: a deep copy of the grammar's compiled, never-advanced template. A copy owns

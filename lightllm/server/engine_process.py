@@ -56,7 +56,7 @@ def build_engine(
     """The engine `args` describe. `acceptance` (offline benchmarks only, never from a server flag) replaces the
     model's verification of drafts. The checkpoint's grammar vocabulary is built here, before any request."""
     engine = engine_for_runner(args, load_factory(runner_factory)(args, info), acceptance)
-    warm_grammars(engine, info)
+    warm_grammars(engine, info, args.device)
     return engine
 
 

@@ -37,12 +37,12 @@ def load_grammar_vocabulary(tokenizer_dir: str, n_vocab: int, eos_ids: tuple[int
     return llguidance.hf.from_tokenizer(checkpoint_tokenizer(tokenizer_dir), n_vocab=n_vocab, eos_token=list(eos_ids))
 
 
-def warm_grammars(engine: Engine, info: ModelInfo) -> None:
+def warm_grammars(engine: Engine, info: ModelInfo, device: str | None = None) -> None:
     """Build the checkpoint's grammar vocabulary, with the EOS ids the front-end sends, and compile one grammar
-    over it now. A checkpoint whose vocabulary cannot be built still serves: its constrained requests fail alone
-    with the reason, which is logged here."""
+    over it now (and the masking kernel on a GPU `device`). A checkpoint whose vocabulary cannot be built still
+    serves: its constrained requests fail alone with the reason, which is logged here."""
     try:
         eos = eos_token_ids(info, checkpoint_tokenizer(info.model_dir))
-        engine.grammars.preload(info.model_dir, list(eos))
+        engine.grammars.preload(info.model_dir, list(eos), device)
     except Exception as exc:
         logger.warning("constrained output (response_format, forced tool calls) will fail: %s", exc)

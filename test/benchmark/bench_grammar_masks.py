@@ -4,7 +4,7 @@ random-weight model under a grammar amounts to), fresh matchers for `--steps` st
 `bench_structured_output.py`.
 
     python test/benchmark/bench_grammar_masks.py [--rows 64] [--steps 256] [--vocab_size 31000] \
-        [--vocabs generated,trained] [--schema records|digits] [--threads 1,2] [--device cpu|cuda]
+        [--vocabs generated,trained] [--schema records|digits] [--threads 1,2] [--device cpu|cuda] [--no_slices]
 
 Vocabularies: `generated` is `lightllm.tools.synthetic_vocab`'s (what `--synthetic_vocab N` serves), `trained` a
 byte-level BPE of the same size trained with `tokenizers` on the Python standard library's source (the demo
@@ -63,14 +63,16 @@ def trained_ranks(num_tokens: int) -> dict[bytes, int]:
     return ranks
 
 
-def lltokenizer(ranks: dict[bytes, int]):
-    """llguidance's tokenizer of `ranks` (EOS right after them), as the server's tiktoken loader builds it."""
+def lltokenizer(ranks: dict[bytes, int], slices: list[str] | None = None):
+    """llguidance's tokenizer of `ranks` (EOS right after them), as the server's tiktoken loader builds it
+    (`slices`: llguidance's slicer configuration, None for its default, [] for none)."""
     import llguidance.tiktoken
     import tiktoken
 
     eos = len(ranks)
     encoding = tiktoken.Encoding("bench", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens={"<eos>": eos})
-    return llguidance.tiktoken.lltokenizer_from_encoding(encoding, n_vocab=eos + 1, eos_token=[eos]), eos + 1
+    tok = llguidance.tiktoken.lltokenizer_from_encoding(encoding, n_vocab=eos + 1, eos_token=[eos], slices=slices)
+    return tok, eos + 1
 
 
 def unfused_apply(bitmask_src: torch.Tensor, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -110,32 +112,43 @@ class Timer:
         return out
 
 
-def _trajectory(tok, vocab: int, opts, step) -> None:
-    """Fresh matchers driven for `--steps` steps: `step(matchers)` computes the masks and returns the bitmask
-    (int32 [rows, words], host) each row's next token is drawn from (same seed: the same tokens in every run)."""
+def _matcher_sets(tok, vocab: int, opts) -> dict[str, list]:
+    """The rows' matchers twice: one compile per row, and copies of one compiled template (the engine's)."""
     from llguidance import LLMatcher
 
     grammar = json_schema_grammar(SCHEMAS[opts.schema])
-    if opts.matchers == "compiled":
-        matchers = [LLMatcher(tok, grammar, log_level=0) for _ in range(opts.rows)]
-    else:
-        backend = GrammarBackend(vocab, lambda *_: tok)
-        matchers = [backend.matcher(grammar, None, "bench", [vocab - 1]).matcher for _ in range(opts.rows)]
+    backend = GrammarBackend(vocab, lambda *_: tok)
+    return {
+        "compiled": [LLMatcher(tok, grammar, log_level=0) for _ in range(opts.rows)],
+        "copied": [backend.matcher(grammar, None, "bench", [vocab - 1]).matcher for _ in range(opts.rows)],
+    }
+
+
+def _trajectory(sets: dict[str, list], vocab: int, opts, step) -> None:
+    """Drive every set of matchers for `--steps` steps: `step(name, matchers)` computes a set's masks (int32
+    [rows, words], host); every set must get the same masks, and each row's next token is drawn from them."""
     rng = np.random.default_rng(opts.seed)
-    for _ in range(opts.steps):
-        bitmask = step(matchers)
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
-        for m, row in zip(matchers, bits):
-            if not m.consume_token(int(rng.choice(np.flatnonzero(row)))):
+    for i in range(opts.steps):
+        # alternate which set goes first: a set timed right after another must not always pay for its cache misses
+        names = list(sets)[:: 1 if i % 2 else -1]
+        masks = {name: step(name, sets[name]).clone() for name in names}
+        first = masks[names[0]]
+        if any(not torch.equal(first, m) for m in masks.values()):
+            raise RuntimeError(f"step {i}: the sets' masks differ")
+        bits = np.unpackbits(first.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+        tokens = [int(rng.choice(np.flatnonzero(row))) for row in bits]
+        for matchers in sets.values():
+            if not all(m.consume_token(t) for m, t in zip(matchers, tokens)):
                 raise RuntimeError("a token its mask allowed was refused")
 
 
 def run_vocab(ranks: dict[bytes, int], opts) -> dict[str, float]:
-    """Each executor size on its own trajectory (a mask computed twice for one state is cached by the matcher),
-    then the engine's `mask_windows` with the largest, its llguidance part timed inside, and the torch parts."""
+    """For each executor size a trajectory of both matcher sets, interleaved step by step (a mask computed twice
+    for one state is cached by its matcher, so each set computes its own); then the engine's `mask_windows` with
+    the largest size on the copied set, its llguidance part timed inside, and the torch parts alone."""
     from llguidance import LLExecutor
 
-    tok, vocab = lltokenizer(ranks)
+    tok, vocab = lltokenizer(ranks, [] if opts.no_slices else None)
     words = (vocab + 31) // 32
     device = torch.device(opts.device)
     logits = torch.randn(opts.rows, vocab, device=device)
@@ -144,23 +157,25 @@ def run_vocab(ranks: dict[bytes, int], opts) -> dict[str, float]:
     for n in opts.threads:
         pool = LLExecutor(n)
 
-        def fill(matchers, pool=pool, name=f"llguidance {n} thr"):
+        def fill(name, matchers, pool=pool, n=n):
             bitmask.fill_(-1)
             plain = [(m, i) for i, m in enumerate(matchers)]
-            timer(name, lambda: pool.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), words * 4, opts.rows))
+            timer(f"llguidance {n} thr, {name}", lambda: pool.unsafe_compute_mask_ptr(
+                plain, bitmask.data_ptr(), words * 4, opts.rows))  # fmt: skip
             return bitmask
 
-        _trajectory(tok, vocab, opts, fill)
+        _trajectory(_matcher_sets(tok, vocab, opts), vocab, opts, fill)
     served_masks, served_pool, reused = HostBitmasks(), LLExecutor(max(opts.threads)), HostBitmasks()
     inner_fill = grammar_module._fill_parallel
 
     def timed_fill(*args):
         # no device sync here: inside mask_windows, as the engine runs it
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         inner_fill(*args)
         timer.samples.setdefault("  of which llguidance", []).append(time.perf_counter() - t0)
+        timer.cpu.setdefault("  of which llguidance", []).append(time.process_time() - c0)
 
-    def served(matchers):
+    def served(_, matchers):
         windows = [(SimpleNamespace(grammar=RequestGrammar(m, None, served_pool, served_masks)), i, 1, [])
                    for i, m in enumerate(matchers)]  # fmt: skip
         grammar_module._fill_parallel = timed_fill
@@ -171,15 +186,15 @@ def run_vocab(ranks: dict[bytes, int], opts) -> dict[str, float]:
         filled = served_masks._last[0][: opts.rows]
         timer("unfused torch", lambda: unfused_apply(filled, logits, list(range(opts.rows))))
         timer("fused torch", lambda: fused_apply(reused, filled, logits))
-        return filled.clone()
+        return filled
 
-    _trajectory(tok, vocab, opts, served)
-    result = {f"{part} ms/step": statistics.mean(samples) * 1000 for part, samples in timer.samples.items()}
-    for n in opts.threads:
-        samples = timer.samples[f"llguidance {n} thr"]
-        result[f"llguidance {n} thr us/mask"] = statistics.mean(samples) * 1e6 / opts.rows
-        result[f"llguidance {n} thr cpu/wall"] = sum(timer.cpu[f"llguidance {n} thr"]) / sum(samples)
-    total, inside = result["mask_windows ms/step"], result["  of which llguidance ms/step"]
+    _trajectory({"copied": _matcher_sets(tok, vocab, opts)["copied"]}, vocab, opts, served)
+    result = {}
+    for part, samples in timer.samples.items():
+        result[f"{part}: mean ms"] = statistics.mean(samples) * 1000
+        result[f"{part}: median ms"] = statistics.median(samples) * 1000
+        result[f"{part}: cpu ms"] = statistics.mean(timer.cpu[part]) * 1000
+    total, inside = result["mask_windows: median ms"], result["  of which llguidance: median ms"]
     result["mask_windows outside llguidance %"] = 100 * (total - inside) / total
     return result
 
@@ -194,10 +209,7 @@ def _parse(argv):
     p.add_argument("--threads", default="1,2", help="llguidance executor thread counts, comma-separated")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--matchers", default="copied", choices=("copied", "compiled"),
-        help="copies of one compiled template (the engine's GrammarBackend) or one compile per row",
-    )  # fmt: skip
+    p.add_argument("--no_slices", action="store_true", help="llguidance's tokenizer without its slicer")
     opts = p.parse_args(argv)
     opts.threads = [int(n) for n in opts.threads.split(",")]
     return opts
@@ -216,12 +228,13 @@ def main(argv=None) -> dict:
         build_s = time.perf_counter() - t0
         results[name] = run_vocab(ranks, opts)
         print(f"{name}: {len(ranks)} tokens (built in {build_s:.1f} s)", flush=True)
-    print(f"rows {opts.rows}, steps {opts.steps}, schema {opts.schema}, matchers {opts.matchers}, device "
-          f"{opts.device}, torch threads {torch.get_num_threads()}; means per step")  # fmt: skip
+    print(f"rows {opts.rows}, steps {opts.steps}, schema {opts.schema}, slices {not opts.no_slices}, device "
+          f"{opts.device}, torch threads "
+          f"{torch.get_num_threads()}; host time per step (cpu: the process's CPU time, every thread)")  # fmt: skip
     names = list(results)
-    print(f"{'':<36}" + "".join(f"{n:>12}" for n in names))
+    print(f"{'':<44}" + "".join(f"{n:>12}" for n in names))
     for key in results[names[0]]:
-        print(f"{key:<36}" + "".join(f"{results[n][key]:>12.2f}" for n in names))
+        print(f"{key:<44}" + "".join(f"{results[n][key]:>12.2f}" for n in names))
     return results
 
 
