@@ -21,6 +21,7 @@ Host times only (as the engine's step sees them); on CUDA the device is synchron
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -199,6 +200,16 @@ def run_vocab(ranks: dict[bytes, int], opts) -> dict[str, float]:
     return result
 
 
+def host_cpus() -> str:
+    """What the pool can use: the machine's CPUs, those this process may run on, and the cgroup's CPU quota."""
+    try:
+        quota = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        quota = "none" if quota[0] == "max" else f"{int(quota[0]) / int(quota[1]):.1f} CPUs"
+    except (OSError, ValueError, IndexError):
+        quota = "unknown"
+    return f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable, cgroup quota {quota}"
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=64)
@@ -230,7 +241,8 @@ def main(argv=None) -> dict:
         print(f"{name}: {len(ranks)} tokens (built in {build_s:.1f} s)", flush=True)
     print(f"rows {opts.rows}, steps {opts.steps}, schema {opts.schema}, slices {not opts.no_slices}, device "
           f"{opts.device}, torch threads "
-          f"{torch.get_num_threads()}; host time per step (cpu: the process's CPU time, every thread)")  # fmt: skip
+          f"{torch.get_num_threads()}, {host_cpus()}; host time per step (cpu: the process's CPU time, every "
+          "thread)")  # fmt: skip
     names = list(results)
     print(f"{'':<44}" + "".join(f"{n:>12}" for n in names))
     for key in results[names[0]]:
