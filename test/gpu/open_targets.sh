@@ -5,6 +5,8 @@
 #
 # Parts (each prints its table as it finishes; full logs and JSON go to $OUT, or /tmp/lightllm_gpu_out):
 #   structured    free vs JSON-schema-constrained decode at batch 64, one engine (bench_structured_output.py)
+#   grammar_masks the host side of those masks without a model: llguidance's pool per thread count, the engine's
+#                 mask step on CUDA and the torch work around it (bench_grammar_masks.py)
 #   host_tier     two replicas on one GPU sharing the host tier: TTFT of a request forced to the other replica
 #                 against a same-replica device hit and a cold prefill; host-tier copy bandwidth (host_tier_ttft.py)
 #   dp_multiturn  --dp 2 on one GPU, 64 conversations x 4 turns, cache_aware vs round_robin (dp_multiturn_bench.py)
@@ -30,6 +32,9 @@ run() {
 for part in $parts; do
     case $part in
         structured) run structured 150 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 ;;
+        grammar_masks) run grammar_masks 300 python test/benchmark/bench_grammar_masks.py --device cuda \
+                           --threads 1,2,4,8,12
+                       tail -40 "$OUT_DIR/grammar_masks.log" ;;
         host_tier) run host_tier 200 python test/gpu/host_tier_ttft.py --parts ttft,bandwidth --modes replay \
                        --result_file "$OUT_DIR/host_tier.json" ;;
         dp_multiturn) run dp_multiturn 200 python test/gpu/dp_multiturn_bench.py --result_file "$OUT_DIR/dp_multiturn.json" ;;
