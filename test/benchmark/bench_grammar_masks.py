@@ -113,16 +113,21 @@ class Timer:
         return out
 
 
-def _matcher_sets(tok, vocab: int, opts) -> dict[str, list]:
-    """The rows' matchers twice: one compile per row, and copies of one compiled template (the engine's)."""
+def _matcher_sets(tok, vocab: int, opts, timer: Timer | None = None) -> dict[str, list]:
+    """The rows' matchers twice: one compile per row, and copies of one compiled template (the engine's); with a
+    `timer`, how long giving the rows their matchers takes each way (the template compiled beforehand)."""
     from llguidance import LLMatcher
 
     grammar = json_schema_grammar(SCHEMAS[opts.schema])
     backend = GrammarBackend(vocab, lambda *_: tok)
-    return {
-        "compiled": [LLMatcher(tok, grammar, log_level=0) for _ in range(opts.rows)],
-        "copied": [backend.matcher(grammar, None, "bench", [vocab - 1]).matcher for _ in range(opts.rows)],
-    }
+    backend.matcher(grammar, None, "bench", [vocab - 1])
+    timer = timer or Timer(torch.device("cpu"))
+    compiled = timer(
+        "admit rows: compile each", lambda: [LLMatcher(tok, grammar, log_level=0) for _ in range(opts.rows)]
+    )
+    copied = timer("admit rows: copy the template", lambda: [
+        backend.matcher(grammar, None, "bench", [vocab - 1]).matcher for _ in range(opts.rows)])  # fmt: skip
+    return {"compiled": compiled, "copied": copied}
 
 
 def _trajectory(sets: dict[str, list], vocab: int, opts, step) -> None:
@@ -165,7 +170,7 @@ def run_vocab(ranks: dict[bytes, int], opts) -> dict[str, float]:
                 plain, bitmask.data_ptr(), words * 4, opts.rows))  # fmt: skip
             return bitmask
 
-        _trajectory(_matcher_sets(tok, vocab, opts), vocab, opts, fill)
+        _trajectory(_matcher_sets(tok, vocab, opts, timer), vocab, opts, fill)
     served_masks, served_pool, reused = HostBitmasks(), LLExecutor(max(opts.threads)), HostBitmasks()
     inner_fill = grammar_module._fill_parallel
 
