@@ -76,3 +76,36 @@ def test_constrained_overlap_equals_sync_through_graphs(mode):
     for rid, (ids, reason) in overlapped.items():
         if rid != "free":
             assert reason == "stop" and valid(tok.decode([t for t in ids if t not in eos])), rid
+
+
+def test_reused_pinned_bitmask_across_steps_without_a_host_sync():
+    """Consecutive steps reuse the pinned host bitmask once its copy has completed (queried, never waited on), with
+    no host sync, and each step's masks equal the CPU's; a buffer whose copy is still queued is not rewritten."""
+    vocab = 512
+    windows = _windows(vocab)
+    gen = torch.Generator().manual_seed(5)
+    steps = [torch.randn(7, vocab, generator=gen) for _ in range(3)]
+    expected = [mask_windows(windows, logits) for logits in steps]
+    masks = windows[1][0].grammar.host_masks
+    on_gpu = [logits.cuda() for logits in steps]
+    torch.cuda.synchronize()
+    # a long kernel queued ahead keeps the first copy in flight while the second step takes its buffer
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            busy = busy @ busy
+        first = mask_windows(windows, on_gpu[0])
+        buffer_first = masks._last[0]
+        second = mask_windows(windows, on_gpu[1])
+        buffer_second = masks._last[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    third = mask_windows(windows, on_gpu[2])
+    assert buffer_second is not buffer_first, "a buffer whose copy is queued must not be rewritten"
+    assert masks._last[0] is buffer_second, "a buffer whose copy completed is reused"
+    for got, want in zip((first, second, third), expected):
+        assert torch.equal(got.cpu(), want)
+    # twin: the steps' logits differ, so equal results are not one step's masks seen three times
+    assert not torch.equal(expected[0], expected[1])
