@@ -1,5 +1,5 @@
 """The memcheck cases of the kernels models share (`lightllm/kernels/`): paged attention, MLA latent attention,
-the fused MoE and the block-FP8 GEMM, at served and odd tiny shapes (`build_model_cases`). The linear-attention
+the fused MoE, the block-FP8 GEMM and the grammar-mask kernel, at served and odd tiny shapes (`build_model_cases`). The linear-attention
 state kernels' cases are `memcheck_cases.py`."""
 
 from __future__ import annotations
@@ -85,6 +85,25 @@ MOE_SHAPES = (
     MoEShape("kimi-moe", 256, 8, 2304, 1024, "sigmoid", "bfloat16", tiny=False),  # Kimi-Linear-48B-A3B TP1
     MoEShape("tiny-moe", 6, 2, 40, 24, "softmax", "float32", tiny=True),
     MoEShape("tiny-moe-grouped", 8, 3, 24, 40, "sigmoid", "float16", tiny=True),
+)
+
+
+@dataclass(frozen=True)
+class BitmaskShape:
+    """Grammar masks over R logits rows of a V-token vocabulary (int32 words of 32 tokens, `words` per row)."""
+
+    name: str
+    rows: int
+    vocab: int
+    words: int
+    dtype: str
+    tiny: bool
+
+
+BITMASK_SHAPES = (
+    BitmaskShape("qwen3.5-vocab", 64, 248320, 7760, "float32", tiny=False),  # batch 64, Qwen3.5's padded vocabulary
+    # a tail tile and a last word that are both partial, and rows wider than the vocabulary needs
+    BitmaskShape("tiny-bitmask", 5, 1000, 40, "float32", tiny=True),
 )
 
 
@@ -218,6 +237,23 @@ def case_fp8_linear(shape: Fp8Shape) -> Callable[[Ctx], str]:
     return run
 
 
+def case_token_bitmask(shape: BitmaskShape) -> Callable[[Ctx], str]:
+    """Masks applied on exact-size logits [R, V], bitmask [R, W] and output: the last vocabulary tile is partial
+    and must read and write nothing past V (nor past the words of a row)."""
+
+    def run(ctx: Ctx) -> str:
+        from lightllm.kernels.token_bitmask import apply_token_bitmask_triton
+
+        logits = ctx.randn(shape.rows, shape.vocab, dtype=shape.dtype)
+        bits = ctx.torch.randint(-(2**31), 2**31 - 1, (shape.rows, shape.words), generator=ctx.gen, device=ctx.device)
+        out = apply_token_bitmask_triton(logits, bits.to(ctx.torch.int32))
+        kept = int(ctx.torch.isfinite(out).sum())
+        assert 0 < kept < out.numel(), "the masks kept every token or none"
+        return f"{kept} of {out.numel()} kept"
+
+    return run
+
+
 def build_model_cases() -> list[Case]:
     cases = []
     for a in ATTENTION_SHAPES:
@@ -240,6 +276,11 @@ def build_model_cases() -> list[Case]:
     for f in FP8_SHAPES:
         kernels = ("fp8_group_quant_kernel", "fp8_block_gemm_kernel")
         cases.append(Case("fp8", f.name, f"M={f.m} N={f.n} K={f.k}", kernels, f.tiny, case_fp8_linear(f)))
+    for b in BITMASK_SHAPES:
+        detail = f"R={b.rows} V={b.vocab}"
+        cases.append(
+            Case("token_bitmask", b.name, detail, ("apply_token_bitmask_kernel",), b.tiny, case_token_bitmask(b))
+        )
     for m in LATENT_SHAPES:
         # decode and verify windows of 1..4 and a short chunk; a row with no query (a HOLD row of a graph bucket)
         for rows in ([(61, 1), (7, 4), (0, 2), (33, 1), (90, 19)], [(12, 4), (5, 0), (40, 2)]):

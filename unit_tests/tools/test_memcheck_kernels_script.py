@@ -36,6 +36,7 @@ CPU_CASES = [
     "fused_moe/tiny-moe/T=37",
     "fused_moe/tiny-moe-grouped/T=37",
     "fp8/tiny-fp8-odd/M=37 N=200 K=136",
+    "token_bitmask/tiny-bitmask/R=5 V=1000",
 ]
 
 
@@ -80,12 +81,13 @@ def test_the_case_list_covers_every_kernel_shape_width_and_mode():
         "moe_combine_kernel",
         "fp8_group_quant_kernel",
         "fp8_block_gemm_kernel",
+        "apply_token_bitmask_kernel",
     } <= set(kernels)
     cases = mk.build_cases()
     for name in kernels:
         for shape in ("qwen3-next", "qwen3.5", "kimi-linear", "tiny-gdn", "tiny-kda"):
             # the state kernels run at every served state shape; the others have shapes of their own
-            if not name.startswith(("paged_attention", "mla_attention", "moe_", "fp8_")):
+            if not name.startswith(("paged_attention", "mla_attention", "moe_", "fp8_", "apply_token_bitmask")):
                 assert any(name in c.kernels and c.shape == shape for c in cases), f"{name} has no {shape} case"
         assert re.search(rf"^  {name} .* [1-9]\d* cases$", run.stdout, re.M), f"{name} not listed with its cases"
     ids = [c.id for c in cases]
