@@ -72,8 +72,29 @@ def test_activation_groups_triton_matches_torch(m, k, group):
     q, s = quantize_activation_groups(x, group, backend="triton")
     assert s.shape == (m, math.ceil(k / group))
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
-    # the kernel rounds exact halfway cases away from zero, torch to even: these inputs hit none
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+# a group whose largest magnitude is 448 has scale 1, so each value below is its own quotient: exact halfway cases
+# between two e4m3 values (normal, both signs, and subnormal), which go to the even neighbour as torch's cast does,
+# and a negative value rounding to -0 (the bytes are compared, so the sign of zero counts)
+HALFWAY = [448.0, 1.0625, 1.1875, -1.0625, -1.1875, 17.0, 19.0, 2.0**-10, 3 * 2.0**-10, -(5 * 2.0**-10), -(2.0**-12)]
+HALFWAY_EVEN = [448.0, 1.0, 1.25, -1.0, -1.25, 16.0, 20.0, 0.0, 2.0**-8, -(2.0**-8), -0.0]
+
+
+def test_activation_groups_triton_rounds_halfway_cases_to_even():
+    x = torch.tensor([HALFWAY + [0.0] * (16 - len(HALFWAY))])
+    q, s = quantize_activation_groups(x, 16, backend="triton")
+    assert s.item() == 1.0
+    assert q.float()[0, : len(HALFWAY)].tolist() == HALFWAY_EVEN
+    q_ref, _ = quantize_activation_groups(x, 16, backend="torch")
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # twin: a hair above the halfway points whose even neighbour is the smaller magnitude rounds to the larger one
+    down = [i for i, (v, e) in enumerate(zip(HALFWAY, HALFWAY_EVEN)) if 0 < abs(e) < abs(v)]
+    above = x.clone()
+    above[0, down] *= 1 + 2.0**-20
+    q_above, _ = quantize_activation_groups(above, 16, backend="triton")
+    assert all(abs(q_above[0, i].item()) > abs(HALFWAY[i]) for i in down), q_above[0, down]
 
 
 def quantized_operands(m, n, k, block, seed):

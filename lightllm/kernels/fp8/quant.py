@@ -56,7 +56,9 @@ def quantize_weight_blocks(
     *lead, n, k = w.shape
     tiles = _pad_to_blocks(w.float(), block)
     amax = tiles.abs().amax(dim=(-3, -1)).clamp_min(MIN_AMAX)
-    scale = amax / FP8_MAX
+    # a tensor divisor: CUDA turns division by a Python number into multiplication by its rounded reciprocal, which
+    # is not the IEEE quotient the kernel (and the CPU) computes
+    scale = amax / amax.new_tensor(FP8_MAX)
     # the quotient of a tile's largest element can round a hair above FP8_MAX; the cast does not saturate
     q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     gn, gk = scale.shape[-2:]
@@ -89,7 +91,7 @@ def dequantize_activation_groups(q: torch.Tensor, scale: torch.Tensor, group: in
 
 @triton.jit
 def round_to_e4m3(x):
-    """fp32 `x` (|x| <= 448) rounded to the nearest float8_e4m3fn value (halfway cases away from zero), still fp32.
+    """fp32 `x` (|x| <= 448) rounded to the nearest float8_e4m3fn value (ties to even, as torch's cast), still fp32.
 
     The cast that follows is then exact. Rounding here rather than in the cast keeps the GPU and Triton's CPU
     interpreter in agreement: the interpreter's fp32 -> e4m3 cast drops the carry when the mantissa rounds up
@@ -99,8 +101,14 @@ def round_to_e4m3(x):
     # 3 mantissa bits: the spacing is 2^(e - 3) in binade e, and 2^-9 throughout the subnormals (e < -6)
     step_exponent = tl.maximum(exponent - 3, 127 - 9)
     step = (step_exponent << 23).to(tl.float32, bitcast=True)
-    magnitude = tl.floor(tl.abs(x) / step + 0.5) * step
-    return tl.where(x < 0, -magnitude, magnitude)
+    # exact: a power-of-two divisor, and a quotient below 2^4 leaves room for the + 0.5
+    units = tl.abs(x) / step
+    rounded = tl.floor(units + 0.5)
+    odd = rounded - 2.0 * tl.floor(rounded * 0.5)
+    rounded = tl.where((rounded - units == 0.5) & (odd == 1.0), rounded - 1.0, rounded)
+    magnitude = (rounded * step).to(tl.int32, bitcast=True)
+    # the sign bit copied, so a negative value rounding to zero stays -0 as in torch's cast
+    return (magnitude | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 # the token count changes from step to step: specialising on it would compile variants while serving
@@ -126,8 +134,9 @@ def fp8_group_quant_kernel(
     mask = m_m[:, None] & m_k[None, :]
     # [BM, GROUP]
     b_x = tl.load(x + o_m[:, None] * stride_xm + o_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    b_s = tl.maximum(tl.max(tl.abs(b_x), axis=1), min_amax) / fp8_max
-    b_q = round_to_e4m3(tl.clamp(b_x / b_s[:, None], -fp8_max, fp8_max))
+    # IEEE divisions, as torch's: the GPU's default fp32 `/` is approximate, a scale one ulp off moves the quotients
+    b_s = tl.div_rn(tl.maximum(tl.max(tl.abs(b_x), axis=1), min_amax), fp8_max)
+    b_q = round_to_e4m3(tl.clamp(tl.div_rn(b_x, b_s[:, None]), -fp8_max, fp8_max))
     tl.store(q + o_m[:, None] * stride_qm + o_k[None, :], b_q.to(q.dtype.element_ty), mask=mask)
     tl.store(s + o_m * stride_sm + i_g, b_s, mask=m_m)
 
