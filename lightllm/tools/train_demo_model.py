@@ -24,7 +24,14 @@ from pathlib import Path
 
 import torch
 
-from lightllm.tools.demo_model.corpus import heldout_documents, manifest, training_documents
+from lightllm.tools.demo_model.corpus import (
+    EXTRA_PACKAGES,
+    heldout_documents,
+    manifest,
+    package_documents,
+    package_versions,
+    training_documents,
+)
 from lightllm.tools.demo_model.data import Batches, token_stream
 from lightllm.tools.demo_model.export import write_checkpoint_weights
 from lightllm.tools.demo_model.model import ARCH, DEFAULT_SIZES, DemoModel, demo_config
@@ -96,7 +103,8 @@ def train(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     sizes = TinySizes(**{**DEFAULT_SIZES, **{k: getattr(args, k) for k in _SIZE_FLAGS if getattr(args, k)}})
-    docs = training_documents()
+    packages = tuple(name for name in args.extra_packages.split(",") if name)
+    docs = training_documents() + package_documents(packages)
     if args.max_train_files:
         docs = docs[: args.max_train_files]
     heldout = heldout_documents()
@@ -118,7 +126,8 @@ def train(args: argparse.Namespace) -> dict:
     _log(f"wrote {out} (model.safetensors {weights_bytes / 2**20:.2f} MiB) after {time.time() - t_start:.0f}s")
     steps = history[-1]["step"]
     summary = {
-        "args": vars(args),
+        # the output folder is the caller's own path, not a property of the run
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
         "python": platform.python_version(),
         "torch": torch.__version__,
         "steps": steps,
@@ -126,6 +135,7 @@ def train(args: argparse.Namespace) -> dict:
         "num_parameters": num_params,
         "weights_bytes": weights_bytes,
         "training_text": manifest(docs),
+        "training_packages": package_versions(packages),
         "heldout_text": manifest(heldout),
         "history": history,
         "train_and_export_s": time.time() - t_start,
@@ -164,7 +174,7 @@ def _train_loop(
             group["lr"] = lr
         ids = batches.next().to(device, non_blocking=True)
         with _autocast(device):
-            loss, main, mtp = model.loss(ids, args.mtp_weight)
+            loss, main, mtp = model.loss(ids, args.mtp_weight, args.mtp_distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -232,6 +242,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=0.03, help="warm-up fraction of training")
     p.add_argument("--weight_decay", type=float, default=0.1)
     p.add_argument("--mtp_weight", type=float, default=1.0, help="weight of the MTP head's loss")
+    p.add_argument(
+        "--mtp_distill",
+        type=float,
+        default=1.0,
+        help="weight of the MTP head's loss against the main model's own next-token distribution",
+    )
+    p.add_argument(
+        "--extra_packages",
+        default=",".join(EXTRA_PACKAGES),
+        help="comma-separated installed packages whose source joins the standard library's as training text",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=tuple(_DTYPES), help="dtype of the saved weights")
     p.add_argument("--max_train_files", type=int, default=0, help="train on the first N files only (quick checks)")
     p.add_argument("--log_every", type=int, default=50)

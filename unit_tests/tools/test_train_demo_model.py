@@ -9,9 +9,18 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
-from lightllm.tools.demo_model.corpus import HELDOUT, MODULES, heldout_documents, manifest, training_documents
+from lightllm.tools.demo_model.corpus import (
+    HELDOUT,
+    MODULES,
+    heldout_documents,
+    manifest,
+    package_documents,
+    package_versions,
+    training_documents,
+)
 from lightllm.tools.demo_model.data import END_OF_TEXT, chat_example, examples, snippets
 from lightllm.tools.demo_model.export import write_checkpoint_weights
 from lightllm.tools.demo_model.model import ARCH, DEFAULT_SIZES, DemoModel, demo_config
@@ -159,6 +168,62 @@ def test_corpus_is_pinned_and_heldout_is_disjoint():
     # plain and chat examples alternate, in document order
     first = list(examples(train[:1]))
     assert first[0] == snippets(train[0])[0] and first[1].startswith("<|im_start|>user\nWrite `")
+
+
+def test_package_source_joins_the_training_text_without_tests():
+    import transformers
+
+    docs = package_documents(("transformers",))
+    names = [d.name for d in docs]
+    assert len(docs) > 100 and all(n.startswith("transformers/") and n.endswith(".py") for n in names)
+    assert "transformers/__init__.py" in names and len(set(names)) == len(names)
+    assert not any({"test", "tests", "__pycache__"} & set(n.split("/")[:-1]) for n in names)
+    assert package_versions(("transformers",)) == {"transformers": transformers.__version__}
+    with pytest.raises(ModuleNotFoundError, match="package 'no_such_pkg_xyz' is not installed"):
+        package_documents(("no_such_pkg_xyz",))
+
+
+def _small_demo_model() -> DemoModel:
+    small = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16, "linear_key_head_dim": 16, "vocab_size": 512}
+    sizes = TinySizes(**{**DEFAULT_SIZES, **small})
+    model = DemoModel(demo_config(sizes, "float32", special_token_ids(ARCH, 512)))
+    model.init_weights(3)
+    return model
+
+
+def _grads(model: DemoModel, loss: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def test_distillation_term_is_the_heads_cross_entropy_against_the_detached_model():
+    """loss(ids, 1, w) adds w x CE(draft, softmax(main logits of the same token)), the teacher detached: the same
+    value and gradients as that term written out here; twin: a teacher left attached changes the gradients."""
+    model = _small_demo_model()
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(5))
+
+    def written_out(detach: bool) -> torch.Tensor:
+        hidden = model.lm.model(input_ids=ids).last_hidden_state
+        logits = model.lm.lm_head(hidden)
+        main = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        draft = model.mtp_logits(hidden, ids)[:, :-1].reshape(-1, 512)
+        teacher = logits[:, 1:-1].reshape(-1, 512).softmax(-1)
+        teacher = teacher.detach() if detach else teacher
+        soft = -(teacher * draft.log_softmax(-1)).sum(-1).mean()
+        return main + F.cross_entropy(draft, ids[:, 2:].flatten()) + 0.5 * soft
+
+    with torch_paths():
+        total, main, mtp = model.loss(ids, 1.0, 0.5)
+        plain, _, _ = model.loss(ids, 1.0, 0.0)
+        assert plain.item() == pytest.approx((main + mtp).item(), rel=1e-6) and total.item() > plain.item() + 0.1
+        got = _grads(model, total)
+        expected = written_out(detach=True)
+        assert expected.item() == pytest.approx(total.item(), rel=1e-5)
+        want = _grads(model, expected)
+        assert all(torch.allclose(g, w, rtol=1e-4, atol=1e-7) for g, w in zip(got, want))
+        attached = _grads(model, written_out(detach=False))
+        assert not all(torch.allclose(g, w, rtol=1e-4, atol=1e-7) for g, w in zip(got, attached))
 
 
 def test_same_arguments_give_identical_files(tmp_path):

@@ -74,13 +74,23 @@ class DemoModel(nn.Module):
         out = self.mtp.layers[0](embeds, hidden[:, :-1], rope, masks.get("attention_mask"), positions, None)
         return self.mtp.shared_head(out)
 
-    def loss(self, ids: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`ids [B, T]` -> (total, next-token loss, token-after-next loss of the MTP head)."""
+    def loss(
+        self, ids: torch.Tensor, mtp_weight: float, distill_weight: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`ids [B, T]` -> (total, next-token loss, token-after-next loss of the MTP head).
+
+        `distill_weight` adds the MTP head's cross-entropy against the main model's own (detached) distribution
+        for the same token: a draft is accepted when it equals the main model's prediction, not the text's, so the
+        head is also taught to predict the model."""
         out = self.lm.model(input_ids=ids)
         hidden = out.last_hidden_state
         logits = self.lm.lm_head(hidden)
         vocab = logits.shape[-1]
         main = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-        draft = self.mtp_logits(hidden, ids)[:, :-1]
-        mtp = F.cross_entropy(draft.reshape(-1, vocab).float(), ids[:, 2:].flatten())
-        return main + mtp_weight * mtp, main, mtp
+        draft = self.mtp_logits(hidden, ids)[:, :-1].reshape(-1, vocab).float()
+        mtp = F.cross_entropy(draft, ids[:, 2:].flatten())
+        total = main + mtp_weight * mtp
+        if distill_weight:
+            teacher = logits[:, 1:-1].reshape(-1, vocab).float().detach().softmax(-1)
+            total = total + distill_weight * F.cross_entropy(draft, teacher)
+        return total, main, mtp
