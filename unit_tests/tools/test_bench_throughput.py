@@ -68,9 +68,9 @@ def test_bench_throughput_with_drafts_reports_acceptance(capsys):
 
 
 def test_bench_throughput_simulated_acceptance_sets_the_accepted_length(capsys):
-    """MTP 2 on the demo model (random weights: its drafts are almost never right): at P = 1 every draft stays
-    (accepted length 3), at P = 0 none (1); every request still runs to its length through the real runner's
-    accept path."""
+    """MTP 2 on the demo model, whatever its drafts: at P = 1 every draft stays (accepted length 3), at P = 0 none
+    (1); every request still runs to its length through the real runner's accept path, and a decode step's tokens
+    are the batch times the accepted length."""
     full, none = (
         bench_throughput.main(
             [
@@ -95,6 +95,8 @@ def test_bench_throughput_simulated_acceptance_sets_the_accepted_length(capsys):
     assert full["output_tokens"] == none["output_tokens"] == 20
     # ten tokens: the prefill's, then three windows of three
     assert full["mean_accepted_len"] == 3.0 and none["mean_accepted_len"] == 1.0
+    assert full["decode_tok_per_s"] == pytest.approx(2 * 3.0 * 1000 / full["decode_step_ms"])
+    assert none["decode_tok_per_s"] == pytest.approx(2 * 1000 / none["decode_step_ms"])
     assert full["simulate_acceptance"] == 1.0
     assert "| replay | 2 | 0 | 1 | 2 |" in capsys.readouterr().out
 
