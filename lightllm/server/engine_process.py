@@ -57,7 +57,19 @@ def build_engine(
     model's verification of drafts. The checkpoint's grammar vocabulary is built here, before any request."""
     engine = engine_for_runner(args, load_factory(runner_factory)(args, info), acceptance)
     warm_grammars(engine, info, args.device)
+    quiet_host_threads(args.device)
     return engine
+
+
+def quiet_host_threads(device: str) -> None:
+    """One torch intra-op thread once a GPU engine is built (its weights load with all of them). The step loop's
+    CPU tensor work is small host buffers that the intra-op pool does not speed up, and the pool's idle threads
+    spin after each such op on cores that llguidance's mask pool and the HTTP side need: on a 16-core host, 64 grammar
+    masks took as long on 12 pool threads as on one beside them."""
+    if device == "cuda":
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def engine_for_runner(args: ServerArgs, runner, acceptance: SimulatedAcceptance | None = None) -> Engine:

@@ -18,7 +18,7 @@ from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine, quiet_garbage_collector
-from lightllm.server.llm_lifecycle import GcSettings, release_engine
+from lightllm.server.llm_lifecycle import ProcessSettings, release_engine
 from lightllm.server.output import PromptLogprobs, SequenceOutput, prompt_problem
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.server.tokenizer import Tokenizer
@@ -58,10 +58,10 @@ class LLM:
     def __init__(self, model_dir: str | None = None, *, runner_factory: str = DEFAULT_RUNNER_FACTORY, **flags):
         self.args, self.info = load_server_args([], model_dir=model_dir, **flags)
         self.tokenizer = Tokenizer(self.info)
-        gc_settings = GcSettings()
+        settings = ProcessSettings()
         self.engine = build_engine(self.args, self.info, runner_factory)
         # runs once: at close(), when this object is collected, or at interpreter exit (before torch tears down)
-        self._release = weakref.finalize(self, release_engine, self.engine, gc_settings)
+        self._release = weakref.finalize(self, release_engine, self.engine, settings)
         # token chunks of unfinished sequences whose text is built at finish (see `_absorb`)
         self._buffered: dict[str, list[TokenChunk]] = {}
         quiet_garbage_collector()

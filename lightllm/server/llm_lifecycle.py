@@ -6,17 +6,24 @@ from __future__ import annotations
 import gc
 
 
-class GcSettings:
-    """The collector's thresholds before an engine tuned them (`quiet_garbage_collector`), to put back at close."""
+class ProcessSettings:
+    """What building an engine tunes for the whole process, as it was before, to put back at close: the
+    collector's thresholds (`quiet_garbage_collector`) and torch's intra-op threads (`quiet_host_threads`)."""
 
     def __init__(self):
+        import torch
+
         self.threshold = gc.get_threshold()
+        self.torch_threads = torch.get_num_threads()
 
     def restore(self) -> None:
+        import torch
+
         gc.set_threshold(*self.threshold)
+        torch.set_num_threads(self.torch_threads)
 
 
-def release_engine(engine, gc_settings: GcSettings) -> None:
+def release_engine(engine, settings: ProcessSettings) -> None:
     """Close `engine`'s runner (a tensor-parallel runner stops its followers and leaves the process group), then
     collect it. The engine's objects were frozen out of the cyclic collector at start-up (`gc.freeze`), and its
     step loop holds reference cycles, so without unfreezing they would never be freed."""
@@ -28,7 +35,7 @@ def release_engine(engine, gc_settings: GcSettings) -> None:
     finally:
         engine.__dict__.clear()
         gc.unfreeze()
-        gc_settings.restore()
+        settings.restore()
         gc.collect()
         release_device_cache()
 

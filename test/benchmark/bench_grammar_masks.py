@@ -37,6 +37,7 @@ from bench_structured_output import SCHEMAS  # noqa: E402
 from lightllm.engine import grammar as grammar_module  # noqa: E402
 from lightllm.engine.grammar import GrammarBackend, HostBitmasks, RequestGrammar  # noqa: E402
 from lightllm.kernels.token_bitmask import apply_token_bitmask, unpack_bitmask  # noqa: E402
+from lightllm.server.engine_process import quiet_host_threads  # noqa: E402
 from lightllm.server.http.structured import json_schema_grammar  # noqa: E402
 from lightllm.server.tiktoken_tokenizer import KIMI_PATTERN  # noqa: E402
 from lightllm.tools.synthetic_vocab import synthetic_ranks  # noqa: E402
@@ -114,20 +115,21 @@ class Timer:
 
 
 def _matcher_sets(tok, vocab: int, opts, timer: Timer | None = None) -> dict[str, list]:
-    """The rows' matchers twice: one compile per row, and copies of one compiled template (the engine's); with a
-    `timer`, how long giving the rows their matchers takes each way (the template compiled beforehand)."""
+    """The rows' matchers twice: the engine's (`GrammarBackend.matcher`: each row compiles its own, in the
+    background once the grammar is known) and deep copies of one compiled matcher (which share its lexer's lock);
+    with a `timer`, how long giving the rows their matchers takes the step each way (the grammar compiled once
+    beforehand, as a server that has seen it)."""
     from llguidance import LLMatcher
 
     grammar = json_schema_grammar(SCHEMAS[opts.schema])
     backend = GrammarBackend(vocab, lambda *_: tok)
-    backend.matcher(grammar, None, "bench", [vocab - 1])
+    template = backend.matcher(grammar, None, "bench", [vocab - 1]).matcher
     timer = timer or Timer(torch.device("cpu"))
-    compiled = timer(
-        "admit rows: compile each", lambda: [LLMatcher(tok, grammar, log_level=0) for _ in range(opts.rows)]
-    )
-    copied = timer("admit rows: copy the template", lambda: [
-        backend.matcher(grammar, None, "bench", [vocab - 1]).matcher for _ in range(opts.rows)])  # fmt: skip
-    return {"compiled": compiled, "copied": copied}
+    compiled = timer("admit rows: the engine's", lambda: [
+        backend.matcher(grammar, None, "bench", [vocab - 1]) for _ in range(opts.rows)])  # fmt: skip
+    copied = timer("admit rows: copies of one", lambda: [template.deep_copy() for _ in range(opts.rows)])
+    assert all(isinstance(m, LLMatcher) for m in copied)
+    return {"compiled": [g.matcher for g in compiled], "copied": copied}
 
 
 def _trajectory(sets: dict[str, list], vocab: int, opts, step) -> None:
@@ -151,7 +153,7 @@ def _trajectory(sets: dict[str, list], vocab: int, opts, step) -> None:
 def run_vocab(ranks: dict[bytes, int], opts) -> dict[str, float]:
     """For each executor size a trajectory of both matcher sets, interleaved step by step (a mask computed twice
     for one state is cached by its matcher, so each set computes its own); then the engine's `mask_windows` with
-    the largest size on the copied set, its llguidance part timed inside, and the torch parts alone."""
+    the largest size on the engine's (compiled) set, its llguidance part timed inside, and the torch parts alone."""
     from llguidance import LLExecutor
 
     tok, vocab = lltokenizer(ranks, [] if opts.no_slices else None)
@@ -194,7 +196,7 @@ def run_vocab(ranks: dict[bytes, int], opts) -> dict[str, float]:
         timer("fused torch", lambda: fused_apply(reused, filled, logits))
         return filled
 
-    _trajectory({"copied": _matcher_sets(tok, vocab, opts)["copied"]}, vocab, opts, served)
+    _trajectory({"compiled": _matcher_sets(tok, vocab, opts)["compiled"]}, vocab, opts, served)
     result = {}
     for part, samples in timer.samples.items():
         result[f"{part}: mean ms"] = statistics.mean(samples) * 1000
@@ -236,6 +238,8 @@ def main(argv=None) -> dict:
     if opts.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: skipped (the default --device cpu times the host parts alone)")
         return {}
+    # the engine's torch threads on this device
+    quiet_host_threads(opts.device)
     builders = {"generated": synthetic_ranks, "trained": trained_ranks}
     results = {}
     for name in opts.vocabs.split(","):

@@ -178,13 +178,20 @@ def test_reused_host_bitmask_leaves_no_mask_of_an_earlier_step(setup):
     assert not torch.equal(second[2], logits[2])
 
 
-def test_requests_of_one_grammar_copy_one_compiled_template(setup):
-    """Matchers of one grammar are deep copies of one compiled template: each advances alone, and a request's
-    mask equals a fresh compile's whatever the other copies consumed."""
-    backend, model_dir, hf = setup
+def test_requests_compile_their_own_matchers(setup):
+    """Each request owns a matcher compiled for it (copies of one compiled matcher share its lexer's lock in
+    llguidance, which serialises their masks on the pool): the first request of a grammar compiles it at once,
+    later ones in the background. Each advances alone, and a request's mask equals a fresh compile's whatever the
+    others consumed."""
+    from concurrent.futures import Future
+
+    backend = GrammarBackend(VOCAB, load_grammar_vocabulary)
+    _, model_dir, hf = setup
     text = hf.encode('{"n": 12}')
     first, second = _request(backend, model_dir, hf), _request(backend, model_dir, hf)
-    assert len(backend._templates) == 1 and first.grammar.matcher is not second.grammar.matcher
+    assert not isinstance(first.grammar._matcher, Future), "a new grammar compiles at once (its errors fail it)"
+    assert isinstance(second.grammar._matcher, Future), "a known grammar compiles in the background"
+    assert first.grammar.matcher is not second.grammar.matcher
     assert first.grammar.advance(text[:3]) is None
     assert torch.equal(_masked(second, [])[0], _reference_mask(backend, model_dir, hf, []))
     assert torch.equal(_masked(first, [])[0], _reference_mask(backend, model_dir, hf, text[:3]))
@@ -194,18 +201,18 @@ def test_requests_of_one_grammar_copy_one_compiled_template(setup):
     assert not torch.equal(
         _reference_mask(backend, model_dir, hf, []), _reference_mask(backend, model_dir, hf, text[:3])
     )
-    # another grammar is another template
-    backend.matcher(json_schema_grammar({"type": "integer"}), None, model_dir, [hf.eos_token_id])
-    assert len(backend._templates) == 2
+    # another grammar is compiled at once again
+    other = backend.matcher(json_schema_grammar({"type": "integer"}), None, model_dir, [hf.eos_token_id])
+    assert not isinstance(other._matcher, Future) and len(backend._compiled) == 2
 
 
-def test_template_cache_keeps_the_most_recently_used(setup, monkeypatch):
+def test_known_grammars_keep_the_most_recently_used(setup, monkeypatch):
     from lightllm.engine import grammar as grammar_module
 
     _, model_dir, hf = setup
     backend = GrammarBackend(VOCAB, load_grammar_vocabulary)
-    monkeypatch.setattr(grammar_module, "MAX_TEMPLATES", 2)
+    monkeypatch.setattr(grammar_module, "MAX_COMPILED", 2)
     schemas = [json_schema_grammar({"type": "integer", "minimum": i}) for i in range(3)]
     for s in (schemas[0], schemas[1], schemas[0], schemas[2]):
         backend.matcher(s, None, model_dir, [hf.eos_token_id])
-    assert [k[0] for k in backend._templates] == [schemas[0], schemas[2]]
+    assert [k[0] for k in backend._compiled] == [schemas[0], schemas[2]]
