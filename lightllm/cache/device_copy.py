@@ -27,3 +27,13 @@ def copy_to_device(dst: torch.Tensor, values: np.ndarray) -> None:
         dst.copy_(host.pin_memory(), non_blocking=True)
     else:
         dst.copy_(host)
+
+
+def list_to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A list of Python numbers (or nested lists) as a `dtype` tensor on `device`, without making the host wait:
+    `torch.tensor(values, device=cuda)` copies from pageable memory and waits for the stream to drain, which in a
+    step stalls the host behind the work it has just launched (see `to_device`)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightllm.cache.device_copy import list_to_device
 from lightllm.engine.sampling_params import SamplingParams
 
 
@@ -34,11 +35,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tenso
         p = row.params
         if not p.has_penalties:
             continue
-        out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+        out = list_to_device(row.output_ids, torch.long, logits.device)
         counts = torch.bincount(out[(out >= 0) & (out < vocab)], minlength=vocab).to(logits.dtype)
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            prompt = torch.tensor(row.prompt_ids, dtype=torch.long, device=logits.device)
+            prompt = list_to_device(row.prompt_ids, torch.long, logits.device)
             seen[prompt[(prompt >= 0) & (prompt < vocab)]] = True
             x = logits[i]
             penalised = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
@@ -71,9 +72,13 @@ def filter_probs_batch(
     return torch.zeros_like(probs).scatter_(1, order, kept)
 
 
+# top_k, top_p, min_p
+KNOB_DTYPES = (torch.long, torch.float32, torch.float32)
+
+
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """`filter_probs_batch` for one distribution `probs` [V]."""
-    knobs = [torch.tensor([v], device=probs.device) for v in (top_k, top_p, min_p)]
+    knobs = [list_to_device([v], dtype, probs.device) for v, dtype in zip((top_k, top_p, min_p), KNOB_DTYPES)]
     return filter_probs_batch(probs[None], *knobs)[0]
 
 
@@ -99,7 +104,7 @@ class Sampler:
         """
         logits = apply_penalties(logits.float().clone(), rows)
         device = logits.device
-        temps = torch.tensor([p.params.temperature or 1.0 for p in rows], dtype=torch.float32, device=device)
+        temps = list_to_device([p.params.temperature or 1.0 for p in rows], torch.float32, device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         filtered = [
             i
@@ -107,17 +112,18 @@ class Sampler:
             if not row.params.greedy and (row.params.top_k > 0 or row.params.top_p < 1.0 or row.params.min_p > 0.0)
         ]
         if filtered:
-            index = torch.tensor(filtered, device=device)
+            index = list_to_device(filtered, torch.long, device)
             vocab = probs.shape[1]
             # top_k beyond the vocabulary keeps everything; clamped so no client value can overflow the tensor
-            top_k = torch.tensor([min(rows[i].params.top_k, vocab) for i in filtered], device=device)
+            top_k = list_to_device([min(rows[i].params.top_k, vocab) for i in filtered], torch.long, device)
             knobs = [top_k] + [
-                torch.tensor([getattr(rows[i].params, k) for i in filtered], device=device) for k in ("top_p", "min_p")
+                list_to_device([float(getattr(rows[i].params, k)) for i in filtered], torch.float32, device)
+                for k in ("top_p", "min_p")
             ]
             probs[index] = filter_probs_batch(probs[index], *knobs)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
-            index = torch.tensor(greedy, device=device)
+            index = list_to_device(greedy, torch.long, device)
             one_hot = torch.zeros(len(greedy), probs.shape[1], device=device)
             one_hot.scatter_(1, logits[index].argmax(dim=-1, keepdim=True), 1.0)
             probs[index] = one_hot
@@ -146,9 +152,9 @@ class Sampler:
         noise = torch.empty_like(probs)
         shared = [i for i, row in enumerate(rows) if row.generator is None and not row.params.greedy]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
-                generator=self._shared(probs.device)
-            )
+            noise[list_to_device(shared, torch.long, probs.device)] = torch.empty(
+                len(shared), probs.shape[1], device=probs.device
+            ).exponential_(generator=self._shared(probs.device))
         for i, row in enumerate(rows):
             if row.generator is not None and not row.params.greedy:
                 noise[i] = torch.empty_like(probs[i]).exponential_(generator=row.generator)
@@ -165,7 +171,7 @@ def compute_logprobs(
 ) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Raw-model log-probabilities of `token_ids` (one per row of `logits` [N, V]) and each row's top `num_top`."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp[torch.arange(len(token_ids), device=logp.device), torch.tensor(token_ids, device=logp.device)]
+    chosen = logp[torch.arange(len(token_ids), device=logp.device), list_to_device(token_ids, torch.long, logp.device)]
     tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
     if num_top > 0:
         values, indices = torch.topk(logp, num_top, dim=-1)

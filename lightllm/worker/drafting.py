@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lightllm.cache.device_copy import to_device
 from lightllm.cache.kv_cache import KVCache, ragged_arange
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
 from lightllm.worker.graphs.draft import DraftGraphs
@@ -44,7 +45,7 @@ class MtpDrafter:
         rows = np.asarray(handles)[order]
         cached = np.asarray([req.mtp_len for req in reqs], dtype=np.int64)
         # each row's pairs: the tokens after its pending hidden states (on the device), then its next token
-        next_dev = torch.tensor(np.asarray(next_tokens, dtype=np.int64)[order]).to(device, non_blocking=True)
+        next_dev = to_device(np.asarray(next_tokens, dtype=np.int64)[order], device)
         tokens = gather_spans([[*req.mtp_next_ids, (next_dev, i, 1)] for i, req in enumerate(reqs)], device)
         hidden = gather_spans([req.mtp_hidden for req in reqs], device)
         inverse = torch.from_numpy(np.argsort(order)).to(device)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lightllm.cache.device_copy import to_device
+from lightllm.cache.device_copy import list_to_device, to_device
 from lightllm.cache.kv_cache import KVCache
 from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.prefix import PrefixMatch
@@ -741,4 +741,4 @@ class ModelRunner:
 
     def _state_slots(self, handles: list[int]) -> torch.Tensor:
         slots = [self._requests[h].state_slot for h in handles]
-        return torch.tensor(slots, dtype=torch.int32, device=self.device)
+        return list_to_device(slots, torch.int32, self.device)

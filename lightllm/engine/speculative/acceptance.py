@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from lightllm.cache.device_copy import list_to_device
 from lightllm.engine.request import Request
 from lightllm.engine.sampler import RowContext, Sampler
 from lightllm.engine.speculative.device_drafts import draft_matrix
@@ -58,7 +59,7 @@ class SimulatedAcceptance:
             return []
         device = logits.device
         kept = self.num_kept_drafts([len(drafts) for *_, drafts in windows])
-        positions = torch.tensor([start + n for (_, start, _, _), n in zip(windows, kept)], device=device)
+        positions = list_to_device([start + n for (_, start, _, _), n in zip(windows, kept)], torch.long, device)
         rows = logits[positions]
         if all(req.params.greedy and not req.params.has_penalties for req, *_ in windows):
             next_tokens = rows.argmax(dim=-1)
@@ -71,7 +72,9 @@ class SimulatedAcceptance:
             next_tokens = sampler.draw_tokens(sampler.target_probs(rows, contexts), contexts)
         starts = [start for _, start, _, _ in windows]
         widths = [width for _, _, width, _ in windows]
-        nans = window_nan_counts(logits, torch.tensor(starts, device=device), torch.tensor(widths, device=device))
+        nans = window_nan_counts(
+            logits, list_to_device(starts, torch.long, device), list_to_device(widths, torch.long, device)
+        )
         drafts = [d for *_, d in windows]
         padded = draft_matrix(drafts, device)
         host = read_with_drafts(torch.stack([next_tokens, nans], dim=1), padded, drafts)

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from lightllm.cache.device_copy import list_to_device
+
 
 class DraftBatch:
     """The drafts `[rows, num_drafts]` int64 of one drafting call, on the device, and their host copy once read."""
@@ -84,15 +86,14 @@ def draft_matrix(drafts: list[Sequence[int]], device: torch.device, width: int |
         batch, rows = whole
         if rows == list(range(batch.tensor.shape[0])):
             return batch.tensor.to(device)
-        return batch.tensor[torch.tensor(rows, dtype=torch.long).to(batch.tensor.device, non_blocking=True)].to(device)
+        return batch.tensor[list_to_device(rows, torch.long, batch.tensor.device)].to(device)
     matrix = torch.full((len(drafts), width), -1, dtype=torch.long, device=device)
     if width == 0:
         return matrix
     host_rows = [i for i, d in enumerate(drafts) if not (isinstance(d, DeviceDrafts) and not d.is_read)]
     if host_rows:
         padded = [list(drafts[i]) + [-1] * (width - len(drafts[i])) for i in host_rows]
-        index = torch.tensor(host_rows, dtype=torch.long)
-        matrix[index.to(device)] = torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)
+        matrix[list_to_device(host_rows, torch.long, device)] = list_to_device(padded, torch.long, device)
     by_batch: dict[int, tuple[DraftBatch, list[int], list[int]]] = {}
     for i, d in enumerate(drafts):
         if isinstance(d, DeviceDrafts) and not d.is_read:
@@ -101,13 +102,13 @@ def draft_matrix(drafts: list[Sequence[int]], device: torch.device, width: int |
             by_batch[id(d.batch)][2].append(d.index)
     columns = torch.arange(width, device=device)
     for batch, rows, sources in by_batch.values():
-        lengths = torch.tensor([len(drafts[i]) for i in rows], dtype=torch.long).to(device, non_blocking=True)
-        source = batch.tensor[torch.tensor(sources, dtype=torch.long).to(batch.tensor.device, non_blocking=True)]
+        lengths = list_to_device([len(drafts[i]) for i in rows], torch.long, device)
+        source = batch.tensor[list_to_device(sources, torch.long, batch.tensor.device)]
         source = source[:, :width].to(device)
         if source.shape[1] < width:
             source = torch.cat([source, source.new_full((source.shape[0], width - source.shape[1]), -1)], dim=1)
         kept = torch.where(columns[None, :] < lengths[:, None], source, torch.full_like(source, -1))
-        matrix[torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)] = kept
+        matrix[list_to_device(rows, torch.long, device)] = kept
     return matrix
 
 

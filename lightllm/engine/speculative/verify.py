@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightllm.cache.device_copy import list_to_device
 from lightllm.engine.logits_check import nonfinite_rows
 from lightllm.engine.sampler import RowContext, Sampler
 from lightllm.engine.speculative.device_drafts import draft_matrix, has_device_drafts
@@ -79,8 +80,8 @@ def verify_greedy_windows(
         return []
     device = logits.device
     argmax = logits.argmax(dim=-1)
-    start = torch.tensor(starts, dtype=torch.long, device=device)
-    width = torch.tensor(widths, dtype=torch.long, device=device)
+    start = list_to_device(starts, torch.long, device)
+    width = list_to_device(widths, torch.long, device)
     max_drafts = max(len(d) for d in drafts)
     padded = draft_matrix(drafts, device, max_drafts)
     if max_drafts:

@@ -43,7 +43,8 @@ class StateCommon:
     # slots -----------------------------------------------------------------------------------------------
     def alloc(self) -> int:
         slot = self._slots.alloc()
-        self.reset(torch.tensor([slot], dtype=torch.int32, device=self.device))
+        # a fill, not a copy from host memory: admitting a request does not wait for the device
+        self.reset(torch.full((1,), slot, dtype=torch.int32, device=self.device))
         return slot
 
     def free(self, slot: int) -> None:

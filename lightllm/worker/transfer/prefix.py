@@ -30,7 +30,7 @@ DEFAULT_STATE_FRACTION = 0.1
 
 def checkpoint_template(state: LinearAttState, device: torch.device) -> Checkpoint:
     """A one-request checkpoint (of the HOLD slot) giving the pool its shapes and dtypes."""
-    return state.export_checkpoint(torch.tensor([state.hold_slot], dtype=torch.int32, device=device))
+    return state.export_checkpoint(torch.full((1,), state.hold_slot, dtype=torch.int32, device=device))
 
 
 def state_fraction(fraction: float | None) -> float:
@@ -163,7 +163,8 @@ class RunnerPrefixCache:
         return ckpt, source[row : row + 1]
 
     def _slots(self, req) -> torch.Tensor:
-        return torch.tensor([req.state_slot], dtype=torch.int32, device=self.device)
+        # a fill, not a copy from host memory: no wait for the device
+        return torch.full((1,), req.state_slot, dtype=torch.int32, device=self.device)
 
     def stats(self) -> dict[str, int]:
         s, pool = self.cache.stats, self.pool

@@ -30,7 +30,7 @@ def export_request(runner, req, pack: Callable[[list[torch.Tensor]], list[Tensor
     n = req.num_tokens
     slots = runner.kv.slots(req.handle)[:n].to(runner.device)
     tensors = [buf[:, slots] for buf in runner.kv.buffers]
-    ckpt = runner.state.export_checkpoint(torch.tensor([req.state_slot], dtype=torch.int32, device=runner.device))
+    ckpt = runner.state.export_checkpoint(torch.full((1,), req.state_slot, dtype=torch.int32, device=runner.device))
     tensors += [ckpt.conv, ckpt.ssm]
     drafter = runner.drafter
     mtp_len = 0
@@ -73,7 +73,7 @@ def import_request(runner, req, state: RequestState, region: torch.Tensor | None
     for buf, blob in zip(runner.kv.buffers, state.kv):
         buf[:, slots] = tensor(blob).to(buf.dtype)
     conv, ssm = tensor(state.conv), tensor(state.ssm)
-    slot = torch.tensor([req.state_slot], dtype=torch.int32, device=device)
+    slot = torch.full((1,), req.state_slot, dtype=torch.int32, device=device)
     runner.state.import_checkpoint(slot, Checkpoint(conv=conv, ssm=ssm))
     req.num_tokens = state.num_tokens
     if runner.drafter is not None:
