@@ -13,7 +13,7 @@ from torch import nn
 from lightllm.models.config import ModelConfig
 from lightllm.models.context import StepContext
 from lightllm.models.layers.decoder import build_layer
-from lightllm.models.layers.norms import rms_norm
+from lightllm.models.layers.norms import add_rms_norm
 from lightllm.models.layers.rotary import Rotary
 from lightllm.models.loader import Shapes, WeightLoader
 from lightllm.models.mtp import MtpHead
@@ -84,10 +84,10 @@ class HybridModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """`input_ids [T]` -> final-normed hidden `[T, hidden]` (the lm_head input and the MTP head's input)."""
-        h = self.embed_tokens(input_ids)
+        h, pending = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(h, ctx)
-        return rms_norm(h, self.norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
+            h, pending = layer(h, ctx, pending)
+        return add_rms_norm(pending, h, self.norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden [n, hidden]` -> fp32 `[n, vocab]`."""

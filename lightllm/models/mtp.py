@@ -13,7 +13,7 @@ from torch import nn
 from lightllm.models.config import FULL, MOE, ModelConfig
 from lightllm.models.context import StepContext
 from lightllm.models.layers.decoder import build_layer
-from lightllm.models.layers.norms import rms_norm
+from lightllm.models.layers.norms import add_rms_norm, rms_norm
 from lightllm.models.layers.quantized_linear import linear, set_weight
 from lightllm.models.layers.rotary import Rotary
 from lightllm.models.loader import Shapes, WeightLoader
@@ -47,5 +47,5 @@ class MtpHead(nn.Module):
         x = torch.cat(
             [rms_norm(token_embeds, self.norm_embed, eps, zc), rms_norm(hidden, self.norm_hidden, eps, zc)], -1
         )
-        h = self.layer(linear(x, self.fc), ctx)
-        return rms_norm(h, self.norm, eps, zc)
+        h, delta = self.layer(linear(x, self.fc), ctx)
+        return add_rms_norm(delta, h, self.norm, eps, zc)[0]

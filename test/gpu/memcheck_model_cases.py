@@ -107,6 +107,24 @@ BITMASK_SHAPES = (
 )
 
 
+@dataclass(frozen=True)
+class NormShape:
+    """RMSNorm over `rows` rows of `dim` (strided rows: views of a wider tensor), in one weight convention."""
+
+    name: str
+    rows: int
+    dim: int
+    dtype: str
+    tiny: bool
+
+
+NORM_SHAPES = (
+    NormShape("hidden-2048", 70, 2048, "bfloat16", tiny=False),  # a decoder norm of a step of 70 tokens
+    NormShape("head-128", 1000, 128, "bfloat16", tiny=False),  # GDN output norm rows (tokens x heads)
+    # a tail tile of the row, a last program with fewer rows than its tile
+    NormShape("tiny-norm", 37, 100, "float32", tiny=True),
+)
+
 # ---------------------------------------------------------------------------------------------------------------
 # cases
 
@@ -254,6 +272,25 @@ def case_token_bitmask(shape: BitmaskShape) -> Callable[[Ctx], str]:
     return run
 
 
+def case_rms_norm(shape: NormShape, mode: int, gate_kind: int, residual: bool, strided: bool) -> Callable[[Ctx], str]:
+    """One fused norm on exact-size inputs (a strided input is a view whose last row ends at its allocation):
+    the tail of the row tile and the rows past the last one must read and write nothing."""
+
+    def run(ctx: Ctx) -> str:
+        from lightllm.kernels.rms_norm import rms_norm_triton
+
+        wide = ctx.randn(shape.rows, shape.dim + (5 if strided else 0), dtype=shape.dtype)
+        x = wide[:, : shape.dim] if strided else wide
+        gate = ctx.randn(shape.rows, shape.dim, dtype=shape.dtype) if gate_kind else None
+        res = ctx.randn(shape.rows, shape.dim, dtype=shape.dtype) if residual else None
+        weight = ctx.randn(shape.dim, dtype=shape.dtype)
+        out, total = rms_norm_triton(x, weight, 1e-6, mode, gate, gate_kind, res)
+        assert bool(ctx.torch.isfinite(out).all()), "non-finite norm outputs"
+        return f"stride {x.stride(0)}" + (", residual" if total is not None else "")
+
+    return run
+
+
 def build_model_cases() -> list[Case]:
     cases = []
     for a in ATTENTION_SHAPES:
@@ -281,6 +318,12 @@ def build_model_cases() -> list[Case]:
         cases.append(
             Case("token_bitmask", b.name, detail, ("apply_token_bitmask_kernel",), b.tiny, case_token_bitmask(b))
         )
+    for n in NORM_SHAPES:
+        # each convention once: Qwen's (strided input, residual add), the GDN output norm (silu gate), the KDA one
+        for mode, gate_kind, residual, strided in ((0, 0, True, True), (1, 1, False, False), (2, 2, True, False)):
+            detail = f"T={n.rows} D={n.dim} mode={mode} gate={gate_kind}"
+            run = case_rms_norm(n, mode, gate_kind, residual, strided)
+            cases.append(Case("rms_norm", n.name, detail, ("rms_norm_kernel",), n.tiny, run))
     for m in LATENT_SHAPES:
         # decode and verify windows of 1..4 and a short chunk; a row with no query (a HOLD row of a graph bucket)
         for rows in ([(61, 1), (7, 4), (0, 2), (33, 1), (90, 19)], [(12, 4), (5, 0), (40, 2)]):

@@ -13,7 +13,7 @@ from lightllm.models.layers.kda import KimiDeltaAttention
 from lightllm.models.layers.mla import LatentAttention
 from lightllm.models.layers.mlp import SwiGLU
 from lightllm.models.layers.moe import MoE
-from lightllm.models.layers.norms import rms_norm
+from lightllm.models.layers.norms import add_rms_norm, rms_norm
 from lightllm.models.layers.rotary import Rotary
 from lightllm.models.loader import Shapes, WeightLoader
 from lightllm.models.tp import TPInfo
@@ -42,11 +42,18 @@ class DecoderLayer(nn.Module):
         self.mixer.load(w, prefix)
         self.ffn.load(w, f"{prefix}mlp.")
 
-    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = rms_norm(h, self.input_norm, self.eps, self.zero_centered)
-        h = h + self.tp.all_reduce(self.mixer(x, ctx))
-        x = rms_norm(h, self.post_norm, self.eps, self.zero_centered)
-        return h + self.tp.all_reduce(self.ffn(x))
+    def forward(
+        self, h: torch.Tensor, ctx: StepContext, pending: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(residual stream, its pending delta)`: the FFN's output is returned unadded, so that the add and the
+        next norm (the next layer's, or the model's final one) run as one pass; `pending` is the previous layer's.
+        The stream after this layer is `h + delta` of the pair returned."""
+        if pending is None:
+            x = rms_norm(h, self.input_norm, self.eps, self.zero_centered)
+        else:
+            x, h = add_rms_norm(pending, h, self.input_norm, self.eps, self.zero_centered)
+        x, h = add_rms_norm(self.tp.all_reduce(self.mixer(x, ctx)), h, self.post_norm, self.eps, self.zero_centered)
+        return h, self.tp.all_reduce(self.ffn(x))
 
 
 def build_layer(
