@@ -54,9 +54,11 @@ class StateCommon:
         return self._slots.num_free()
 
     def reset(self, slots: torch.Tensor) -> None:
+        # index_fill_ takes its value as a scalar argument: a setitem of 0 copies a host tensor, which waits for
+        # the device (admitting a request would stall the host behind the running step)
         sl = slots.long()
-        self.conv[:, sl] = 0
-        self.conv_offset[sl] = 0
+        self.conv.index_fill_(1, sl, 0)
+        self.conv_offset.index_fill_(0, sl, 0)
         self._ssm_reset(sl)
 
     def counters(self) -> dict[str, torch.Tensor]:
@@ -179,9 +181,9 @@ class StateCommon:
 
     def import_checkpoint(self, slots: torch.Tensor, checkpoint: Checkpoint) -> None:
         sl = slots.long()
-        self.conv[:, sl] = 0
+        self.conv.index_fill_(1, sl, 0)
         self.conv[:, sl, :, : self.conv_hist_len] = checkpoint.conv.to(self.conv.dtype)
-        self.conv_offset[sl] = 0
+        self.conv_offset.index_fill_(0, sl, 0)
         self._ssm_import(sl, checkpoint.ssm)
 
     # hooks -----------------------------------------------------------------------------------------------

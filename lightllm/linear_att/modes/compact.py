@@ -61,9 +61,9 @@ class CompactState(StateCommon):
         return [(self.ssm, 1), *((t, 1) for t in self._windows()), (self.pending, 0), (self.parity, 0)]
 
     def _ssm_reset(self, slots):
-        self.ssm[:, slots] = 0
-        self.pending[slots] = 0
-        self.parity[slots] = 0
+        self.ssm.index_fill_(1, slots, 0)
+        self.pending.index_fill_(0, slots, 0)
+        self.parity.index_fill_(0, slots, 0)
 
     def _ssm_prefill_initial(self, layer, slots):
         # the chunk kernel reads the merged state; pending is cleared once for all layers in finish_prefill
@@ -87,5 +87,5 @@ class CompactState(StateCommon):
 
     def _ssm_import(self, slots, ssm):
         self.ssm[:, slots] = ssm.to(self.ssm.dtype)
-        self.pending[slots] = 0
-        self.parity[slots] = 0
+        self.pending.index_fill_(0, slots, 0)
+        self.parity.index_fill_(0, slots, 0)

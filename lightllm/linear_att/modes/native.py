@@ -41,8 +41,8 @@ class NativeState(StateCommon):
         return [(self.ssm, 1), (self.ssm_index, 0)]
 
     def _ssm_reset(self, slots):
-        self.ssm[:, slots] = 0
-        self.ssm_index[slots] = 0
+        self.ssm.index_fill_(1, slots, 0)
+        self.ssm_index.index_fill_(0, slots, 0)
 
     def _current(self, slots):
         return self.ssm_index[slots].long()
@@ -59,6 +59,6 @@ class NativeState(StateCommon):
         return self.ssm[:, slots, self._current(slots)].clone()
 
     def _ssm_import(self, slots, ssm):
-        self.ssm[:, slots] = 0
+        self.ssm.index_fill_(1, slots, 0)
         self.ssm[:, slots, 0] = ssm.to(self.ssm.dtype)
-        self.ssm_index[slots] = 0
+        self.ssm_index.index_fill_(0, slots, 0)

@@ -72,9 +72,9 @@ class ReplayState(StateCommon):
         ]
 
     def _ssm_reset(self, slots):
-        self.ssm[:, slots] = 0
-        self.cursor[slots] = 0
-        self.parity[slots] = 0
+        self.ssm.index_fill_(1, slots, 0)
+        self.cursor.index_fill_(0, slots, 0)
+        self.parity.index_fill_(0, slots, 0)
 
     def _ssm_prefill_initial(self, layer, slots):
         # pending history must be in the canonical state before the chunk kernel reads it; the cursor is cleared
@@ -99,5 +99,5 @@ class ReplayState(StateCommon):
 
     def _ssm_import(self, slots, ssm):
         self.ssm[:, slots] = ssm.to(self.ssm.dtype)
-        self.cursor[slots] = 0
-        self.parity[slots] = 0
+        self.cursor.index_fill_(0, slots, 0)
+        self.parity.index_fill_(0, slots, 0)
