@@ -1,8 +1,8 @@
 """Step-path host work that must not wait for the device (a wait stalls the host behind the work it has just
 launched, and the GPU then idles while the host prepares the next launch): sampling with temperature, top-k /
 top-p and a greedy row in one batch, drawing the tokens, log-probabilities, a request's state slot at admission
-and the export of its state for the prefix cache. Each runs under `torch.cuda.set_sync_debug_mode("error")` and
-equals the CPU's result."""
+and the export of its state for the prefix cache. Each runs under `torch.cuda.set_sync_debug_mode("error")` (after
+one untimed call where a kernel launches for the first time) and equals the CPU's result."""
 
 from __future__ import annotations
 
@@ -70,8 +70,15 @@ def test_state_slot_and_checkpoint_export_wait_for_nothing(mode):
 
     with LLM(str(tiny_model_dir("qwen3_5")), device="cuda", ssm_state_mode=mode, mtp_step=1) as llm:
         state = llm.engine.runner.state
-        with no_host_sync():
+
+        def admit_and_export():
             slot = state.alloc()
             ckpt = state.export_checkpoint(torch.full((1,), slot, dtype=torch.int32, device="cuda"))
+            return slot, ckpt
+
+        # once outside the check: a kernel's first launch loads its module (and may tune it), once per process
+        state.free(admit_and_export()[0])
+        with no_host_sync():
+            slot, ckpt = admit_and_export()
         assert ckpt.ssm.abs().sum().item() == 0, "a fresh slot exports the zero state"
         state.free(slot)
