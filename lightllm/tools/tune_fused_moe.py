@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m lightllm.tools.tune_fused_moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="qwen3.5-35b-a3b,qwen3-next-80b-a3b,kimi-linear-48b-a3b")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
+    p.add_argument(
+        "--data_type", default="bfloat16", choices=tuple(DTYPES), help="activations and experts (the server's flag)"
+    )
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128,256,512")
     p.add_argument("--output", default=None, help="table file (default: the package's table of this device)")
     p.add_argument("--quick", action="store_true", help="a reduced candidate grid")
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--shapes: unknown {', '.join(unknown)}; choose from {', '.join(SERVED_SHAPES)}")
     if not torch.cuda.is_available():
         raise SystemExit("tune_fused_moe needs a CUDA device")
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPES[args.data_type]
     device = torch.device("cuda")
     path = args.output or str(config_path(device_name(device)))
     grid = QUICK_GRID if args.quick else FULL_GRID

@@ -114,20 +114,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="qwen3.5-35b-a3b,qwen3-next-80b-a3b,kimi-linear-48b-a3b")
     p.add_argument("--batches", default="1,64,256")
-    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
+    p.add_argument(
+        "--data_type", default="bfloat16", choices=tuple(DTYPES), help="activations and experts (the server's flag)"
+    )
     p.add_argument("--hbm_tbps", type=float, default=4.8, help="HBM peak, TB/s (H200: 4.8)")
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_fused_moe: no CUDA device; nothing to measure")
         return 0
-    print(f"{torch.cuda.get_device_name()}, {args.dtype}, HBM peak {args.hbm_tbps} TB/s")
+    print(f"{torch.cuda.get_device_name()}, {args.data_type}, HBM peak {args.hbm_tbps} TB/s")
     header = "| shape | batch | experts used | loop ms | fused ms | fused graph ms | speedup | floor ms | GB/s | % peak | BM |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for name in args.shapes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            r = row(SERVED_SHAPES[name], batch, DTYPES[args.dtype], args.iters, args.hbm_tbps)
+            r = row(SERVED_SHAPES[name], batch, DTYPES[args.data_type], args.iters, args.hbm_tbps)
             print(
                 f"| {r['shape']} | {r['batch']} | {r['experts']} | {r['loop_ms']:.3f} | {r['fused_ms']:.3f} | "
                 f"{r['graph_ms']:.3f} | {r['loop_ms'] / r['graph_ms']:.1f}x | {r['floor_ms']:.3f} | {r['gbps']:.0f} | "

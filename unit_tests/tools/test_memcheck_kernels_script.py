@@ -37,6 +37,7 @@ CPU_CASES = [
     "fused_moe/tiny-moe-grouped/T=37",
     "fp8/tiny-fp8-odd/M=37 N=200 K=136",
     "token_bitmask/tiny-bitmask/R=5 V=1000",
+    "rms_norm/tiny-norm/T=37 D=100 mode=1 gate=1",
 ]
 
 
@@ -82,12 +83,15 @@ def test_the_case_list_covers_every_kernel_shape_width_and_mode():
         "fp8_group_quant_kernel",
         "fp8_block_gemm_kernel",
         "apply_token_bitmask_kernel",
+        "rms_norm_kernel",
     } <= set(kernels)
     cases = mk.build_cases()
     for name in kernels:
         for shape in ("qwen3-next", "qwen3.5", "kimi-linear", "tiny-gdn", "tiny-kda"):
             # the state kernels run at every served state shape; the others have shapes of their own
-            if not name.startswith(("paged_attention", "mla_attention", "moe_", "fp8_", "apply_token_bitmask")):
+            if not name.startswith(
+                ("paged_attention", "mla_attention", "moe_", "fp8_", "apply_token_bitmask", "rms_norm")
+            ):
                 assert any(name in c.kernels and c.shape == shape for c in cases), f"{name} has no {shape} case"
         assert re.search(rf"^  {name} .* [1-9]\d* cases$", run.stdout, re.M), f"{name} not listed with its cases"
     ids = [c.id for c in cases]
