@@ -33,6 +33,11 @@ def test_nonfinite_rows_flags_nan_posinf_and_rows_with_nothing_finite():
     rows[3, 9] = float("inf")
     rows[4] = float("-inf")
     assert nonfinite_rows(rows).tolist() == [False, False, True, True, True]
+    # in half precision too, and a NaN beside a +inf or after the maximum
+    more = rows.clone()
+    more[0, 3], more[0, 8] = float("nan"), float("inf")
+    more[1, 10] = float("nan")
+    assert nonfinite_rows(more.bfloat16()).tolist() == [True, True, True, True, True]
     # the check it replaces saw only NaN: a +inf row went on to a NaN softmax
     assert torch.isnan(rows).any(dim=-1).tolist() == [False, False, True, False, False]
     assert torch.isnan(torch.softmax(rows[3], dim=-1)).any()
