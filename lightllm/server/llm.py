@@ -53,7 +53,9 @@ class LLM:
 
     `close()` (or leaving a `with LLM(...) as llm:` block, or the object being garbage-collected, or the
     interpreter exiting) releases the engine: device memory, CUDA graphs, and with `tp > 1` the follower
-    processes and the process group. Another `LLM` can then start in the same process."""
+    processes and the process group. Another `LLM` can then start in the same process. While an engine on a GPU
+    lives, this process runs torch on one intra-op thread and its garbage collector with higher thresholds (see
+    `lightllm.server.engine_process`); closing puts both back."""
 
     def __init__(self, model_dir: str | None = None, *, runner_factory: str = DEFAULT_RUNNER_FACTORY, **flags):
         self.args, self.info = load_server_args([], model_dir=model_dir, **flags)
