@@ -8,6 +8,7 @@ outs[0].outputs[0].text
 
 from __future__ import annotations
 
+import gc
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class LLM:
         self.args, self.info = load_server_args([], model_dir=model_dir, **flags)
         self.tokenizer = Tokenizer(self.info)
         settings = ProcessSettings()
+        # an earlier LLM's engine that someone's reference kept past its close is cyclic garbage by now: collect it
+        # before this one loads weights and sizes its KV cache from the device's free memory
+        gc.collect()
         self.engine = build_engine(self.args, self.info, runner_factory)
         # runs once: at close(), when this object is collected, or at interpreter exit (before torch tears down)
         self._release = weakref.finalize(self, release_engine, self.engine, settings)
