@@ -7,13 +7,13 @@ commits), the state's accept with those device counts and the MTP head's drafts 
 runner shifts the successor's positions, cached lengths and KV write slots by the unread counts on the device, KV
 having been allocated for the worst case (W more tokens a row), and releases the rejected KV when the host reads
 the counts (`runner.settle`), one step later. Emitting tokens, stop checks, finishes and their publishes follow
-one step late, as for plain overlap; a row that finished at step t rides along in t + 1 and its tokens are dropped.
+one step late, as for plain overlap; a row that finished at step t rides along in t + 1 and its tokens are dropped,
+and t + 2 chains on without it. A row near its length limit keeps full windows: the runner's slot tables have room
+for the two windows in flight past a request's limit, and emitting stops at the limit.
 
-Only steady greedy MTP decode chains this way: every row greedy without penalties or a grammar, a full window of
-drafts, at least 2W tokens left (so neither in-flight step can reach the length limit and the successor's window
-is full, exactly as the synchronous scheduler would make it), nothing to admit, the runner's decode and draft
-buffers holding the batch. Anything else (prefill chunks, sampled rows, n-gram drafts, a row near its limit,
-tensor-parallel runners without the buffers) runs synchronously, as with overlap off.
+Only greedy MTP decode chains this way: every row greedy without penalties or a grammar with a full window of
+drafts, nothing to admit, the runner's decode and draft buffers holding the batch. Anything else (prefill chunks,
+sampled rows, n-gram drafts, tensor-parallel runners without the buffers) runs synchronously, as with overlap off.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class SpecInFlight:
     next_tokens: torch.Tensor
     # [rows, mtp_step] on the device: the MTP head's drafts for the successor's windows
     drafts: torch.Tensor
+    # [rows] on the device: tokens each row kept (the host reads them with `host`)
+    counts: torch.Tensor
     # [rows, 2 + W] host copy of (count, non-finite flag, pair tokens), valid once `ready` has completed
     host: torch.Tensor
     ready: torch.cuda.Event | None
@@ -64,8 +66,10 @@ class SpecInFlight:
 
 
 def chained_spec_plan(inflight: SpecInFlight) -> SchedulePlan:
-    """The in-flight step's rows again, a full window each."""
-    return SchedulePlan(decode=[ScheduledRow(row.req, inflight.width) for row in inflight.plan.decode])
+    """The in-flight step's rows whose requests are still running, a full window each."""
+    return SchedulePlan(
+        decode=[ScheduledRow(row.req, inflight.width) for row in inflight.plan.decode if not row.req.is_finished]
+    )
 
 
 class SpecOverlap:
@@ -80,11 +84,7 @@ class SpecOverlap:
 
     def _rows_fit(self, reqs) -> bool:
         e = self.engine
-        width = e.speculator.num_drafts + 1
-        if not all(
-            r.params.greedy and not r.params.has_penalties and not r.grammar and r.num_remaining_tokens >= 2 * width
-            for r in reqs
-        ):
+        if not all(r.params.greedy and not r.params.has_penalties and not r.grammar for r in reqs):
             return False
         can = getattr(e.runner, "can_accept_on_device", None)
         return can is not None and can([r.handle for r in reqs])
@@ -99,11 +99,12 @@ class SpecOverlap:
         return self._rows_fit([row.req for row in plan.decode])
 
     def can_chain(self, inflight: SpecInFlight) -> bool:
-        """Whether the next step is the in-flight step's rows again, full windows, whatever they accept."""
+        """Whether the next step is the in-flight step's running rows again (those that finished are left out),
+        full windows, whatever they accept."""
         e = self.engine
         sched, runner = e.scheduler, e.runner
-        reqs = [row.req for row in inflight.plan.decode]
-        if len(reqs) != len(sched.running) or any(r.is_finished for r in reqs):
+        reqs = [row.req for row in inflight.plan.decode if not row.req.is_finished]
+        if not reqs or len(reqs) != len(sched.running):
             return False
         if sched.waiting and len(sched.running) < sched.max_running_requests and runner.num_free_requests():
             return False
@@ -124,17 +125,18 @@ class SpecOverlap:
         rows = plan.decode
         handles = [row.req.handle for row in rows]
         try:
-            drafts = None if previous is None else previous.drafts
+            drafts = previous_counts = None
             if previous is None:
                 batch = e.build_batch(plan)
             else:
+                next_tokens, drafts, previous_counts = _rows_of(previous, rows)
                 batch = ForwardBatch(
                     req_handles=handles,
                     query_lens=[width] * len(rows),
                     num_cached_tokens=[row.req.num_computed_tokens for row in rows],
                     num_prefill_rows=0,
                     input_ids=torch.zeros(width * len(rows), dtype=torch.long),
-                    decode_input_ids=previous.next_tokens,
+                    decode_input_ids=next_tokens,
                     decode_draft_ids=drafts,
                 )
             fwd = runner.forward(batch)
@@ -143,9 +145,7 @@ class SpecOverlap:
                 drafts = draft_matrix([row.draft_ids for row in rows], fwd.logits.device, k)
             kept = None
             if e.acceptance is not None:
-                # the same coins, in the same order, as the synchronous step's verify draws
-                counts = e.acceptance.num_kept_drafts([k] * len(rows))
-                kept = to_device(np.asarray(counts, dtype=np.int64), drafts.device)
+                kept = self._simulated_kept(rows, previous_counts, drafts.device)
             logits = fwd.logits
             counts, next_tokens, pairs, bad = verify_full_windows_on_device(logits, drafts.to(logits.device), kept)
             new_drafts = runner.accept_on_device(handles, counts, pairs)
@@ -164,7 +164,19 @@ class SpecOverlap:
             e.settle_runner(plan)
             e.overlap.add_failed(e.fail_rows(plan))
             return None
-        return SpecInFlight(plan, handles, fwd, width, next_tokens, new_drafts, host, ready)
+        return SpecInFlight(plan, handles, fwd, width, next_tokens, new_drafts, counts, host, ready)
+
+    def _simulated_kept(self, rows, previous_counts: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """Kept drafts per row under simulated acceptance, on the device: each request's coins for its next window
+        (as the synchronous verify draws them), capped as the synchronous scheduler caps a window near the
+        request's length limit, counting the tokens its step still in flight keeps."""
+        k = self.engine.speculator.num_drafts
+        reqs = [row.req for row in rows]
+        kept = self.engine.acceptance.num_kept_drafts([r.req_id for r in reqs], [k] * len(reqs))
+        room = to_device(np.asarray([r.num_remaining_tokens - 1 for r in reqs], dtype=np.int64), device)
+        if previous_counts is not None:
+            room = room - previous_counts.to(device)
+        return torch.minimum(to_device(np.asarray(kept, dtype=np.int64), device), room).clamp(min=0)
 
     def complete(self, inflight: SpecInFlight) -> list[EngineOutput]:
         """Read an overlapped verify back: settle the runner, emit each row's accepted tokens (rows whose request
@@ -193,8 +205,21 @@ class SpecOverlap:
             if bad:
                 outputs += e.finish(req, "error", error=NONFINITE_LOGITS_ERROR)
                 continue
+            # a window near the request's limit counts as the synchronous scheduler would have cut it
+            room = max(req.num_remaining_tokens, 1)
             tokens = pairs[:count]
-            e._record_window(k, WindowResult(tokens))
+            e._record_window(min(k, room - 1), WindowResult(tokens[:room]))
             req.draft_ids = drafts.row(i, k)
             outputs += e.emit(req, tokens, inflight.fwd.logits, i * inflight.width)
         return outputs
+
+
+def _rows_of(previous: SpecInFlight, rows: list[ScheduledRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`previous`'s device outputs (next tokens, drafts, kept counts) for `rows`, a subset of its rows in its order
+    (rows that finished meanwhile are left out)."""
+    ids = [id(row.req) for row in previous.plan.decode]
+    if len(rows) == len(ids):
+        return previous.next_tokens, previous.drafts, previous.counts
+    position = {rid: i for i, rid in enumerate(ids)}
+    index = to_device(np.asarray([position[id(row.req)] for row in rows], dtype=np.int64), previous.drafts.device)
+    return previous.next_tokens[index], previous.drafts[index], previous.counts[index]

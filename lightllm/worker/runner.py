@@ -160,7 +160,7 @@ class ModelRunner:
             shapes,
             self.kv_tokens,
             config.max_running_requests,
-            config.max_req_total_len,
+            self._row_lengths()[0],
             self.dtype,
             self.device,
         )
@@ -171,7 +171,7 @@ class ModelRunner:
                 shapes,
                 self.kv_tokens + self._mtp_extra_tokens(),
                 config.max_running_requests,
-                config.max_req_total_len + self.mtp_step + 1,
+                self._row_lengths()[1],
                 self.dtype,
                 self.device,
             )
@@ -229,6 +229,14 @@ class ModelRunner:
         """The largest prefill bucket: the flag, capped at the longest request."""
         return min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
 
+    def _row_lengths(self) -> tuple[int, int]:
+        """Columns of a request's KV slot table: the longest request, and with an MTP head the room two verify
+        windows need past it (an overlapped verify step and its successor are launched before the host knows
+        whether the first one reached the request's limit; the tokens past it are dropped). The MTP head's table
+        holds one more verify window."""
+        longest = self.config.max_req_total_len + (2 * self.max_width if self.mtp_step else 0)
+        return longest, longest + self.mtp_step + 1
+
     def _mtp_extra_tokens(self) -> int:
         """The MTP head's KV holds the main KV's tokens plus one verify window per request."""
         return self.config.max_running_requests * (self.mtp_step + 1)
@@ -247,7 +255,8 @@ class ModelRunner:
         num_layers, mtp = len(self.model_config.full_layer_ids), 1 if self.mtp_step else 0
         # per layer: the hold slot (and on the MTP head its extra slots); per cache: an int64 slot table
         fixed = per_layer * (num_layers + mtp * (1 + self._mtp_extra_tokens()))
-        fixed += 8 * c.max_running_requests * (c.max_req_total_len + mtp * (c.max_req_total_len + self.mtp_step + 1))
+        main_row, head_row = self._row_lengths()
+        fixed += 8 * c.max_running_requests * (main_row + mtp * head_row)
         bytes_per_token = per_layer * (num_layers + mtp)
         if not c.disable_prefix_cache:
             # the checkpoint pool comes out of the same budget: a fixed size, or a share of every KV token's bytes

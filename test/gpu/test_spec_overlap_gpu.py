@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("mode", ["native", "compact", "replay"])
 def test_overlapped_verify_in_graphs_equals_synchronous(mode, mtp_step):
     truth, stop_ids = greedy_continuations("cuda", requests=REQUESTS, num_tokens=40, stop_at=STOP_AT)
-    on, launches, kept, _, dropped = spec_run(mode, mtp_step, True, truth, stop_ids, device="cuda")
+    on, launches, kept, _, dropped, _ = spec_run(mode, mtp_step, True, truth, stop_ids, device="cuda")
     off, off_launches, *_ = spec_run(mode, mtp_step, False, truth, stop_ids, device="cuda")
     assert sum(launches) >= 4 and not off_launches and "d" in dropped
     assert set(kept) == set(range(mtp_step + 1)), kept

@@ -40,7 +40,9 @@ def _within_bound(kept: list[int], num_drafts: int, p: float) -> bool:
 
 @pytest.mark.parametrize("p", [0.5, 0.7, 0.9], ids=lambda p: f"p{p}")
 def test_num_kept_drafts_accepts_each_position_at_the_given_rate(p):
-    kept = SimulatedAcceptance(p, seed=11).num_kept_drafts([NUM_DRAFTS] * NUM_WINDOWS)
+    # half the windows from distinct requests, half as successive windows of a few (both must be fair coins)
+    ids = [f"r{i}" for i in range(NUM_WINDOWS // 2)] + [f"s{i % 10}" for i in range(NUM_WINDOWS // 2)]
+    kept = SimulatedAcceptance(p, seed=11).num_kept_drafts(ids, [NUM_DRAFTS] * NUM_WINDOWS)
     assert all(0 <= n <= NUM_DRAFTS for n in kept)
     assert _within_bound(kept, NUM_DRAFTS, p)
     # the mean kept count is the truncated geometric's: p + p^2 + p^3
@@ -52,11 +54,12 @@ def test_num_kept_drafts_accepts_each_position_at_the_given_rate(p):
 
 
 def test_num_kept_drafts_edges_seed_and_short_windows():
-    assert SimulatedAcceptance(0.0).num_kept_drafts([4, 2, 0]) == [0, 0, 0]
-    assert SimulatedAcceptance(1.0).num_kept_drafts([4, 2, 0]) == [4, 2, 0]
-    assert SimulatedAcceptance(0.6).num_kept_drafts([]) == []
+    assert SimulatedAcceptance(0.0).num_kept_drafts(["a", "b", "c"], [4, 2, 0]) == [0, 0, 0]
+    assert SimulatedAcceptance(1.0).num_kept_drafts(["a", "b", "c"], [4, 2, 0]) == [4, 2, 0]
+    assert SimulatedAcceptance(0.6).num_kept_drafts([], []) == []
     counts = [5, 1, 0, 3] * 50
-    a, b, c = (SimulatedAcceptance(0.6, seed=s).num_kept_drafts(counts) for s in (3, 3, 4))
+    ids = [f"r{i}" for i in range(len(counts))]
+    a, b, c = (SimulatedAcceptance(0.6, seed=s).num_kept_drafts(ids, counts) for s in (3, 3, 4))
     assert a == b and a != c
     assert all(n <= limit for n, limit in zip(a, counts))
     for bad in (-0.1, 1.5, float("nan")):
@@ -79,13 +82,29 @@ def test_verify_emits_kept_drafts_then_the_models_token_at_the_first_rejected_po
         start += len(d) + 1
     logits = torch.randn(start, vocab)
     acceptance = SimulatedAcceptance(0.5, seed=5)
-    kept = SimulatedAcceptance(0.5, seed=5).num_kept_drafts([len(d) for d in drafts])
+    kept = SimulatedAcceptance(0.5, seed=5).num_kept_drafts([f"r{i}" for i in range(3)], [len(d) for d in drafts])
     results = acceptance.verify(windows, logits, sampler=None, row_context=None)
     for (_, first, _, d), n, result in zip(windows, kept, results):
         assert result.token_ids == [*d[:n], int(logits[first + n].argmax())]
     # twin: another seed keeps other counts, and the check above tells them apart
-    other = SimulatedAcceptance(0.5, seed=6).num_kept_drafts([len(d) for d in drafts] * 20)
-    assert other != SimulatedAcceptance(0.5, seed=5).num_kept_drafts([len(d) for d in drafts] * 20)
+    ids = [f"r{i}" for i in range(60)]
+    other = SimulatedAcceptance(0.5, seed=6).num_kept_drafts(ids, [len(d) for d in drafts] * 20)
+    assert other != SimulatedAcceptance(0.5, seed=5).num_kept_drafts(ids, [len(d) for d in drafts] * 20)
+
+
+def test_a_windows_coins_depend_on_its_request_and_index_not_on_the_batch():
+    """The same request's n-th window keeps the same drafts whether it is drawn alone, beside other rows, in
+    another order or as a shorter window (its count capped); twin: its next window draws new coins."""
+    ids = [f"q{i}" for i in range(40)]
+    together = SimulatedAcceptance(0.6, seed=9)
+    first = together.num_kept_drafts(ids, [3] * 40)
+    second = together.num_kept_drafts(ids, [3] * 40)
+    alone = SimulatedAcceptance(0.6, seed=9)
+    # each request on its own, in reverse order, the first windows as short ones
+    for i in reversed(range(40)):
+        assert alone.num_kept_drafts([ids[i]], [1]) == [min(first[i], 1)]
+    assert [alone.num_kept_drafts([r], [3])[0] for r in ids] == second
+    assert first != second
 
 
 def test_verify_fails_only_the_window_with_nan_logits():

@@ -40,9 +40,11 @@ def _engine(
     fixed_buffers: bool = False,
     device: str = "cpu",
     max_running_requests: int = 2,
+    max_req_total_len: int | None = None,
 ):
     """`fixed_buffers`: decode and draft steps through the buffers CUDA graphs replay (captured on CUDA, run
     eagerly on the CPU)."""
+    limits = {} if max_req_total_len is None else {"max_req_total_len": max_req_total_len}
     args, info = load_server_args(
         [],
         model_dir=case_dir("qwen3_5-hv2"),
@@ -54,6 +56,7 @@ def _engine(
         chunked_prefill_size=16,
         max_total_token_num=512,
         disable_cudagraph=not fixed_buffers,
+        **limits,
     )
     engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner", acceptance)
     if fixed_buffers and device == "cpu":

@@ -85,22 +85,58 @@ def script_on_device(engine, truth: dict[tuple[int, ...], list[int]], kept_log: 
     runner.accept_on_device = scripted_accept
 
 
-def spec_run(mode: str, mtp_step: int, overlap: bool, truth, stop_ids, corrupt: str | None = None, device: str = "cpu"):
+def spec_run(
+    mode: str,
+    mtp_step: int,
+    overlap: bool,
+    truth,
+    stop_ids,
+    corrupt: str | None = None,
+    device: str = "cpu",
+    requests=REQUESTS,
+    max_running_requests: int = 2,
+):
     """REQUESTS through an engine with scripted MTP drafts (on CUDA: through captured graphs); its result, the
     overlapped launches (chained or not), the kept counts the device script chose, the prefix-cache checkpoints
-    stored and the requests whose in-flight step was dropped."""
-    engine = _engine(mode, mtp_step, fixed_buffers=True, device=device)
+    stored, the requests whose in-flight step was dropped, and the chained launches that left out a finished row
+    or held a row within two windows of its limit. The longest request fills a whole KV row (max_req_total_len)."""
+    engine = _engine(
+        mode,
+        mtp_step,
+        fixed_buffers=True,
+        device=device,
+        max_running_requests=max_running_requests,
+        max_req_total_len=max(len(prompt) + max_tokens for _, prompt, max_tokens, _ in requests),
+    )
     assert engine.runner.prefix_cache is not None
     scripted = ScriptedDrafts(truth, mtp_step, engine.runner.vocab_size)
     engine.speculator = ScriptedMtp(mtp_step, scripted, engine.runner.device)
     engine.overlap_schedule = overlap
     launches, kept, dropped = [], [], []
+    chains = {"without a finished row": 0, "near a limit": 0, "synchronous after the first": 0}
     script_on_device(engine, truth, kept)
     spec = engine.overlap.spec
-    launch = spec.launch
+    launch, forward = spec.launch, engine.runner.forward
+    in_launch = []
+
+    def counted_forward(batch):
+        chains["synchronous after the first"] += bool(launches) and not in_launch
+        return forward(batch)
+
+    engine.runner.forward = counted_forward
 
     def counted(plan, previous):
+        in_launch.append(True)
+        try:
+            return counted_launch(plan, previous)
+        finally:
+            in_launch.pop()
+
+    def counted_launch(plan, previous):
         launches.append(previous is not None)
+        if previous is not None:
+            chains["without a finished row"] += len(plan.decode) < len(previous.plan.decode)
+            chains["near a limit"] += any(r.req.num_remaining_tokens < 2 * (mtp_step + 1) for r in plan.decode)
         if corrupt == "tokens" and previous is not None:
             previous.next_tokens = (previous.next_tokens + 1) % engine.runner.vocab_size
         return launch(plan, previous)
@@ -116,9 +152,9 @@ def spec_run(mode: str, mtp_step: int, overlap: bool, truth, stop_ids, corrupt: 
     spec.complete = reading
     if corrupt == "positions":
         engine.runner._cached_extra = lambda records: None
-    result = drive(engine, stop_ids, requests=REQUESTS, abort_after=ABORT_AFTER)
+    result = drive(engine, stop_ids, abort=requests is REQUESTS, requests=requests, abort_after=ABORT_AFTER)
     stored = engine.runner.prefix_cache_stats()["num_checkpoints_stored"]
-    return result, launches, kept, stored, dropped
+    return result, launches, kept, stored, dropped, chains
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +167,8 @@ def continuations():
 @pytest.mark.parametrize("mode", ["native", "compact", "replay"])
 def test_overlapped_verify_equals_synchronous(mode, mtp_step, continuations):
     truth, stop_ids = continuations
-    (on, launches, kept, stored, dropped) = spec_run(mode, mtp_step, True, truth, stop_ids)
-    (off, off_launches, _, off_stored, _) = spec_run(mode, mtp_step, False, truth, stop_ids)
+    (on, launches, kept, stored, dropped, chains) = spec_run(mode, mtp_step, True, truth, stop_ids)
+    (off, off_launches, _, off_stored, _, _) = spec_run(mode, mtp_step, False, truth, stop_ids)
     tokens, logprobs, finished, _ = on
     # the aborted request stops where the host has seen enough of its tokens: its own count, the model's text
     aborted = tokens.pop("c"), off[0].pop("c")
@@ -146,6 +182,8 @@ def test_overlapped_verify_equals_synchronous(mode, mtp_step, continuations):
     assert sum(launches) >= 4 and not off_launches
     # the stop token was read while a later step of its request was in flight: that step rode along, dropped
     assert "d" in dropped, dropped
+    # the chain went on past a finish and through rows about to reach their limit
+    assert chains["near a limit"], chains
     # windows chosen on the device kept every count of drafts
     assert set(kept) == set(range(mtp_step + 1)), kept
     # finished requests still fed the prefix cache
@@ -154,6 +192,21 @@ def test_overlapped_verify_equals_synchronous(mode, mtp_step, continuations):
     # the greedy text is the model's
     for rid, prompt, _, _ in REQUESTS[:2] + REQUESTS[3:]:
         assert tokens[rid] == truth[tuple(prompt)][: len(tokens[rid])], rid
+
+
+@pytest.mark.parametrize("mode", ["native", "replay"])
+def test_chained_steps_leave_finished_rows_out(mode, continuations):
+    """Three requests decoding together, nothing waiting, finishing at their length limits one after another: each
+    finish leaves its row out of the next chained step instead of ending the chain, with the synchronous text."""
+    truth, stop_ids = continuations
+    staggered = [(f"{rid}-{n}", prompt, n, 0) for (rid, prompt, _, _), n in zip(REQUESTS[:2] + REQUESTS[3:], (9, 14, 24))]
+    on, launches, _, _, _, chains = spec_run(mode, 3, True, truth, {}, requests=staggered, max_running_requests=3)
+    off, *_ = spec_run(mode, 3, False, truth, {}, requests=staggered, max_running_requests=3)
+    assert on[0] == off[0] and on[2] == off[2]
+    assert {rid: reason for rid, (reason, _) in on[2].items()} == {rid: "length" for rid, *_ in staggered}
+    assert chains["without a finished row"] >= 2, chains
+    # once overlapped, every step chained from its predecessor to the end
+    assert chains["synchronous after the first"] == 0 and all(launches[1:]), (chains, launches)
 
 
 @pytest.mark.parametrize("corrupt", ["tokens", "positions"])
@@ -172,8 +225,10 @@ def test_overlapped_verify_twin_broken_inputs_change_the_text(corrupt, continuat
 )
 def test_overlapped_simulated_acceptance_equals_synchronous(mode, seed):
     """Simulated acceptance (the benchmarks' controlled rate) over real MTP drafts: the overlapped steps draw the
-    same seeded coins in the same order as the synchronous verify, so every window keeps the same drafts. Twin:
-    other coins under overlap keep other drafts."""
+    same seeded coins for each request's windows as the synchronous verify (whatever rows share a step, and with
+    full windows near a request's length limit, where the synchronous scheduler cuts them), so every window keeps
+    the same drafts: the same tokens, finishes and acceptance counts, log-probabilities to float rounding (the
+    batches differ). Twin: other coins under overlap keep other drafts."""
     runs = []
     for overlap in (True, False):
         engine = _engine(mode, 2, SimulatedAcceptance(0.6, seed=seed if overlap else 3), fixed_buffers=True)
@@ -183,8 +238,11 @@ def test_overlapped_simulated_acceptance_equals_synchronous(mode, seed):
         engine.overlap.spec.launch = lambda plan, previous, launches=launches, launch=launch: (
             launches.append(previous is not None) or launch(plan, previous)
         )
-        result = drive(engine, {}, abort=False, requests=REQUESTS)
-        runs.append((result, engine.stats.accepted_length_counts))
+        tokens, logprobs, finished, _ = drive(engine, {}, abort=False, requests=REQUESTS)
+        runs.append((tokens, finished, engine.stats.accepted_length_counts, logprobs))
         assert (sum(launches) >= 4) == overlap
-    assert (runs[0] == runs[1]) == (seed == 3)
-    assert all(c > 0 for c in runs[0][1]), runs[0][1]
+    assert (runs[0][:3] == runs[1][:3]) == (seed == 3)
+    if seed == 3:
+        for rid, values in runs[0][3].items():
+            assert torch.allclose(torch.tensor(values), torch.tensor(runs[1][3][rid]), atol=1e-5), rid
+    assert all(c > 0 for c in runs[0][2]), runs[0][2]

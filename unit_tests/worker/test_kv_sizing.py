@@ -129,8 +129,9 @@ def _kv_bytes(kv) -> int:
     [
         # 1 full layer of (2 x 16) K + V fp32 = 256 bytes; hold slot 256 + slot table 4 x 512 x 8
         (0, 256, 256 + 4 * 512 * 8, None),
-        # plus the MTP layer: 256 per token, hold slot + 4 x 2 extra slots, slot table 4 x (512 + 2) x 8
-        (1, 512, 256 + 256 * 9 + 4 * 512 * 8 + 4 * 514 * 8, 1008),
+        # plus the MTP layer: 256 per token, hold slot + 4 x 2 extra slots; both slot tables 2 verify windows
+        # (2 x 2 columns) longer, room for the steps in flight past a request's limit, the head's 2 more
+        (1, 512, 256 + 256 * 9 + 4 * 516 * 8 + 4 * 518 * 8, 1008),
     ],
 )
 def test_runner_sizes_kv_from_what_is_left_after_weights_and_state(mtp_step, per_token, fixed, mtp_capacity):

@@ -8,14 +8,20 @@ one token drawn from the model's distribution at window position n (the first re
 position after the last draft). The emitted tokens are therefore always what the state holds: an accepted
 position emits its draft, the following token is the model's own choice given those drafts.
 
+A window's coins depend only on the seed, its request and the window's index among that request's windows, never
+on which other rows share its step, so a step that chains windows before the host has read its predecessor (overlap)
+keeps the same drafts as a synchronous step.
+
 Reached only by an engine built with it (`Engine(..., acceptance=SimulatedAcceptance(p, seed))`), which the
 offline benchmark does; the server has no flag for it, since its outputs are not the model's.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from lightllm.cache.device_copy import list_to_device
@@ -27,6 +33,18 @@ from lightllm.engine.speculative.verify import WindowResult, read_with_drafts, w
 # (request, first logits row, window width, drafts) as the engine lists the windows of a step
 Window = tuple[Request, int, int, list[int]]
 
+_MASK64 = (1 << 64) - 1
+# coin counters of one window: index * _MAX_DRAFTS + position (no window has this many drafts)
+_MAX_DRAFTS = 1 << 16
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser over uint64 arrays (wrapping arithmetic): a counter-based source of coins."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
 
 class SimulatedAcceptance:
     """Acceptance strategy: accept each draft position with probability `probability` (seeded, host-side coins)."""
@@ -35,16 +53,27 @@ class SimulatedAcceptance:
         if not 0.0 <= probability <= 1.0:
             raise ValueError(f"simulated acceptance probability must be in [0, 1], got {probability}")
         self.probability = probability
-        self._generator = torch.Generator().manual_seed(seed)
+        self._seed = np.uint64(seed & _MASK64)
+        # windows drawn so far per request id (a benchmark's requests: a few thousand entries)
+        self._windows: dict[str, int] = {}
 
-    def num_kept_drafts(self, num_drafts: list[int]) -> list[int]:
-        """Per window, how many of its `num_drafts[i]` drafts are kept: the run of successes its coins start with."""
+    def num_kept_drafts(self, req_ids: list[str], num_drafts: list[int]) -> list[int]:
+        """For each request's next window, how many of its `num_drafts[i]` drafts are kept: the run of successes
+        its coins start with."""
         k = max(num_drafts, default=0)
+        index = np.asarray([self._next_window(r) for r in req_ids], dtype=np.uint64)
         if k == 0:
             return [0] * len(num_drafts)
-        coins = torch.rand(len(num_drafts), k, generator=self._generator) < self.probability
-        runs = coins.long().cumprod(dim=1).sum(dim=1).tolist()
-        return [min(run, n) for run, n in zip(runs, num_drafts)]
+        keys = _mix(np.asarray([zlib.crc32(r.encode()) for r in req_ids], dtype=np.uint64) ^ self._seed)
+        counters = index[:, None] * np.uint64(_MAX_DRAFTS) + np.arange(k, dtype=np.uint64)[None, :]
+        uniform = (_mix(_mix(keys[:, None] ^ counters)) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        runs = np.cumprod(uniform < self.probability, axis=1).sum(axis=1)
+        return [min(int(run), n) for run, n in zip(runs, num_drafts)]
+
+    def _next_window(self, req_id: str) -> int:
+        n = self._windows.get(req_id, 0)
+        self._windows[req_id] = n + 1
+        return n
 
     def verify(
         self,
@@ -58,7 +87,7 @@ class SimulatedAcceptance:
         if not windows:
             return []
         device = logits.device
-        kept = self.num_kept_drafts([len(drafts) for *_, drafts in windows])
+        kept = self.num_kept_drafts([req.req_id for req, *_ in windows], [len(drafts) for *_, drafts in windows])
         positions = list_to_device([start + n for (_, start, _, _), n in zip(windows, kept)], torch.long, device)
         rows = logits[positions]
         if all(req.params.greedy and not req.params.has_penalties for req, *_ in windows):
