@@ -6,7 +6,7 @@ input tokens are the in-flight step's tokens still on the device (argmax, or a d
 before reading them back, so the host's bookkeeping of step t runs while the GPU computes step t + 1. A successor
 is launched only when it would be the same rows anyway (nothing to admit, nobody prefilling, nobody at its length
 limit, KV for one more token each); a row that turns out to have stopped at step t rides along in t + 1 and its
-extra token is dropped. Everything else (prefill, drafts, penalties, which read the tokens in flight) runs
+extra token is dropped, and t + 2 chains on without it. Everything else (prefill, drafts, penalties, which read the tokens in flight) runs
 synchronously, exactly as with overlap off.
 
 Rows with a grammar overlap too. The mask of step t + 1 depends on step t's token, which only the host's matcher
@@ -24,8 +24,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from lightllm.cache.device_copy import to_device
 from lightllm.engine import grammar
 from lightllm.engine.batch import ForwardOutput
 from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR, nonfinite_rows
@@ -62,7 +64,7 @@ def chained_plan(inflight: InFlight | SpecInFlight) -> SchedulePlan:
     """The in-flight step's rows again, one token each (a full window each for a verify step)."""
     if isinstance(inflight, SpecInFlight):
         return chained_spec_plan(inflight)
-    return SchedulePlan(decode=[ScheduledRow(row.req, 1) for row in inflight.plan.decode])
+    return SchedulePlan(decode=[ScheduledRow(row.req, 1) for row in inflight.plan.decode if not row.req.is_finished])
 
 
 class OverlapScheduler:
@@ -103,12 +105,13 @@ class OverlapScheduler:
         )
 
     def can_chain(self, inflight: InFlight | SpecInFlight) -> bool:
-        """Whether the next step is the in-flight step's rows again, one token each, whatever tokens it yields."""
+        """Whether the next step is the in-flight step's running rows again (those that finished are left out), one
+        token each, whatever tokens it yields."""
         if isinstance(inflight, SpecInFlight):
             return self.spec.can_chain(inflight)
         sched, runner = self.engine.scheduler, self.engine.runner
-        reqs = [row.req for row in inflight.plan.decode]
-        if len(reqs) != len(sched.running) or any(r.is_finished for r in reqs):
+        reqs = [row.req for row in inflight.plan.decode if not row.req.is_finished]
+        if not reqs or len(reqs) != len(sched.running):
             return False
         # a request the scheduler could admit now, or a row whose in-flight token may be its last, changes the batch
         if sched.waiting and len(sched.running) < sched.max_running_requests and runner.num_free_requests():
@@ -131,7 +134,7 @@ class OverlapScheduler:
         outputs: list[EngineOutput] = []
         try:
             batch = engine.build_batch(plan)
-            batch.decode_input_ids = previous.tokens if previous is not None else None
+            batch.decode_input_ids = None if previous is None else _tokens_of(previous, plan.decode)
             fwd = engine.runner.forward(batch)
             engine.awaiting_accept = True
             handles = [row.req.handle for row in plan.decode]
@@ -220,3 +223,13 @@ class OverlapScheduler:
             else:
                 outputs += engine.emit(req, [tokens[i]], inflight.fwd.logits, i)
         return outputs
+
+
+def _tokens_of(previous: InFlight, rows: list[ScheduledRow]) -> torch.Tensor:
+    """`previous`'s device tokens for `rows`, a subset of its rows in its order (rows that finished meanwhile are
+    left out)."""
+    if len(rows) == len(previous.plan.decode):
+        return previous.tokens
+    position = {id(row.req): i for i, row in enumerate(previous.plan.decode)}
+    index = to_device(np.asarray([position[id(row.req)] for row in rows], dtype=np.int64), previous.tokens.device)
+    return previous.tokens[index]

@@ -123,3 +123,41 @@ def test_a_wrong_device_token_changes_the_output():
     # compared without the aborted request, whose length may differ by one with overlap whatever the tokens
     corrupted.pop("r3"), reference.pop("r3")
     assert corrupted != reference
+
+
+def _stop_run(overlap: bool, stop_token: int | None):
+    """Three greedy requests decoding together, nothing waiting; r1 stops on `stop_token`. The result and, per
+    launch, (chained, rows, rows of the step it chained from)."""
+    engine = _engine("replay", overlap)
+    vocab = engine.runner.vocab_size
+    rng = np.random.default_rng(5)
+    requests = []
+    for i, max_tokens in enumerate((16, 30, 22)):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        if i == 1 and stop_token is not None:
+            params.stop_token_ids = [stop_token]
+        requests.append((0, NewRequest(f"r{i}", rng.integers(3, vocab - 3, size=9).tolist(), params)))
+    launches = []
+    launch = engine.overlap.launch
+
+    def counted(plan, previous):
+        launches.append((previous is not None, len(plan.decode), len(previous.plan.decode) if previous else 0))
+        return launch(plan, previous)
+
+    engine.overlap.launch = counted
+    return _drive(engine, requests, abort_at={}), launches
+
+
+def test_a_stopped_row_is_left_out_of_the_next_chained_step():
+    """A row that stops rides along in the step launched before its stop token was read, and the step after that
+    chains on without it (the chain does not end) with the synchronous tokens; twin: the stop token is what ends
+    r1, and without it no step leaves a row out."""
+    cold, _ = _stop_run(overlap=False, stop_token=None)
+    stop_token = cold["r1"][0][5]
+    assert stop_token not in cold["r1"][0][:5]
+    reference, _ = _stop_run(overlap=False, stop_token=stop_token)
+    overlapped, launches = _stop_run(overlap=True, stop_token=stop_token)
+    assert overlapped == reference and reference["r1"] == (cold["r1"][0][:6], "stop")
+    assert any(chained and rows < before for chained, rows, before in launches), launches
+    _, free_launches = _stop_run(overlap=True, stop_token=None)
+    assert not any(chained and rows < before for chained, rows, before in free_launches), free_launches
