@@ -441,7 +441,7 @@ class Engine:
             if req.num_remaining_tokens <= 0:
                 reason = "length"
                 break
-        grammar_error = grammar.follow(req)
+        grammar_error = grammar.advance(req, emitted)
         chunk = TokenChunk(req.req_id, emitted)
         if is_first:
             chunk.num_cached_tokens = req.num_cached_tokens

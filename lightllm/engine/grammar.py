@@ -27,17 +27,7 @@ import torch
 
 from lightllm.kernels.token_bitmask import apply_token_bitmask, unpack_bitmask
 
-__all__ = [
-    "GrammarBackend",
-    "HostBitmasks",
-    "PendingMasks",
-    "RequestGrammar",
-    "attach",
-    "follow",
-    "mask_windows",
-    "start_masks",
-    "unpack_bitmask",
-]
+__all__ = ["GrammarBackend", "HostBitmasks", "RequestGrammar", "attach", "advance", "mask_windows", "unpack_bitmask"]
 
 if TYPE_CHECKING:
     from lightllm.engine.request import Request
@@ -57,25 +47,13 @@ class RequestGrammar:
     until it is generated the output is free. `matcher` may be given as a future of a compile still running in the
     background (it is first needed at the request's first sampled token, after its prefill)."""
 
-    def __init__(
-        self,
-        matcher,
-        start_token: int | None,
-        executor,
-        host_masks: HostBitmasks | None = None,
-        mask_thread: ThreadPoolExecutor | None = None,
-    ):
+    def __init__(self, matcher, start_token: int | None, executor, host_masks: HostBitmasks | None = None):
         self._matcher = matcher
         self.start_token = start_token
-        # llguidance's thread pool, the step's bitmask buffers and the thread that waits for the pool while the
-        # step goes on (None: masks are computed in the caller's thread), shared by the backend's matchers
+        # llguidance's thread pool and the step's bitmask buffers, shared by the backend's matchers
         self.executor = executor
         self.host_masks = host_masks if host_masks is not None else HostBitmasks()
-        self.mask_thread = mask_thread
         self.active = start_token is None
-        # output tokens the matcher has followed, and the error of the first one it refused
-        self.num_followed = 0
-        self.error: str | None = None
 
     @property
     def matcher(self):
@@ -107,19 +85,15 @@ class RequestGrammar:
         if consumed:
             self.matcher.rollback(consumed)
 
-    def follow(self, output_ids: list[int]) -> str | None:
-        """Consume the request's output tokens not consumed yet (a caller may follow a token before it is emitted:
-        following the same output again consumes nothing); an error message once the grammar refused one (a
-        masking bug)."""
-        for token in output_ids[self.num_followed :]:
-            if self.error is not None:
-                break
-            self.num_followed += 1
+    def advance(self, token_ids: list[int]) -> str | None:
+        """Consume the emitted tokens; an error message if the grammar refuses one (a masking bug)."""
+        for token in token_ids:
             if not self.active:
                 self.active = token == self.start_token
-            elif not self.matcher.consume_token(token):
-                self.error = f"token {token} left the grammar: {self.matcher.get_error()}"
-        return self.error
+                continue
+            if not self.matcher.consume_token(token):
+                return f"token {token} left the grammar: {self.matcher.get_error()}"
+        return None
 
 
 class HostBitmasks:
@@ -170,7 +144,6 @@ class GrammarBackend:
         self._load_vocabulary = load_vocabulary
         self._executor = None
         self._compiler: ThreadPoolExecutor | None = None
-        self._mask_thread: ThreadPoolExecutor | None = None
         self._host_masks = HostBitmasks()
         # grammars known to compile, (grammar, tokenizer folder, EOS ids), least recently used first
         self._compiled: dict[tuple[str, str, tuple[int, ...]], None] = {}
@@ -198,7 +171,6 @@ class GrammarBackend:
             from llguidance import LLExecutor
 
             self._executor = LLExecutor()
-            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return self._executor
 
     def preload(self, tokenizer_dir: str, eos_ids: list[int], device: str | None = None) -> None:
@@ -231,7 +203,7 @@ class GrammarBackend:
                 del self._compiled[next(iter(self._compiled))]
         # most recently used last
         self._compiled[key] = None
-        return RequestGrammar(matcher, start_token, self._executor_pool(), self._host_masks, self._mask_thread)
+        return RequestGrammar(matcher, start_token, self._executor_pool(), self._host_masks)
 
 
 def _compile(tokenizer, grammar: str):
@@ -255,38 +227,22 @@ def attach(backend: GrammarBackend, req: Request, msg) -> str | None:
     return None
 
 
-def follow(req: Request) -> str | None:
-    """Move the request's matcher over its output tokens not consumed yet; an error message when the grammar
-    refused one."""
-    return req.grammar.follow(req.output_ids) if req.grammar is not None else None
+def advance(req: Request, token_ids: list[int]) -> str | None:
+    """Move the request's matcher over the tokens it emits; an error message when the grammar refuses one."""
+    return req.grammar.advance(token_ids) if req.grammar is not None else None
 
 
-class PendingMasks:
-    """A step's masks being computed on the mask thread (`start_masks`); `apply` waits for them."""
-
-    def __init__(self, work: Future | None, bitmask: torch.Tensor, host_masks: HostBitmasks):
-        self._work, self._bitmask, self._host_masks = work, bitmask, host_masks
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` masked (a new tensor). No host sync: the masks go to the device through pinned buffers,
-        behind whatever the device is running."""
-        if self._work is not None:
-            self._work.result()
-        return apply_token_bitmask(logits, self._host_masks.to_device(self._bitmask, logits.device))
-
-
-def start_masks(
-    windows: list[tuple[Request, int, int, list[int]]], num_rows: int, vocab: int, on_cuda: bool
-) -> PendingMasks | None:
-    """Start computing the masks of every constrained position of every window (request, first logits row, width,
-    drafts) of a step with `num_rows` logits rows of `vocab` tokens; None when no window has a grammar. The
-    matchers are the pool's until `apply` returns: the caller must not follow tokens meanwhile."""
+def mask_windows(windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor) -> torch.Tensor:
+    """`logits` [rows, V] with every constrained position of every window (request, first row, width, drafts)
+    masked to -inf outside its grammar (a new tensor); the same tensor when no window has a grammar. No host sync:
+    the masks go to the device through pinned buffers, behind whatever the device is running."""
     constrained = [(req.grammar, start, drafts) for req, start, _, drafts in windows if req.grammar is not None]
     if not constrained:
-        return None
-    first = constrained[0][0]
+        return logits
+    rows, vocab = logits.shape
+    host_masks = constrained[0][0].host_masks
     # -1 (every bit set): no constraint, the mask of a free row or of a position before the grammar starts
-    bitmask = first.host_masks.take(num_rows, (vocab + 31) // 32, on_cuda)
+    bitmask = host_masks.take(rows, (vocab + 31) // 32, logits.is_cuda)
     plain, drafted = [], []
     for grammar, start, drafts in constrained:
         if grammar.starts_inside(drafts):
@@ -294,17 +250,8 @@ def start_masks(
             grammar.fill_window(bitmask, start, drafts)
         elif grammar.active:
             (drafted if drafts else plain).append((grammar.matcher, start, *([drafts] if drafts else [])))
-    if first.mask_thread is None or not (plain or drafted):
-        _fill_parallel(first.executor, bitmask, plain, drafted)
-        return PendingMasks(None, bitmask, first.host_masks)
-    return PendingMasks(first.mask_thread.submit(_fill_parallel, first.executor, bitmask, plain, drafted), bitmask, first.host_masks)
-
-
-def mask_windows(windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor) -> torch.Tensor:
-    """`logits` [rows, V] with every constrained position of every window masked to -inf outside its grammar (a
-    new tensor); the same tensor when no window has a grammar (see `start_masks`)."""
-    pending = start_masks(windows, logits.shape[0], logits.shape[1], logits.is_cuda)
-    return logits if pending is None else pending.apply(logits)
+    _fill_parallel(constrained[0][0].executor, bitmask, plain, drafted)
+    return apply_token_bitmask(logits, host_masks.to_device(bitmask, logits.device))
 
 
 def _fill_parallel(executor, bitmask: torch.Tensor, plain: list[tuple], drafted: list[tuple]) -> None:

@@ -11,9 +11,9 @@ synchronously, exactly as with overlap off.
 
 Rows with a grammar overlap too. The mask of step t + 1 depends on step t's token, which only the host's matcher
 can turn into a mask, so a batch with constrained rows defers only its draw: step t + 1's forward is launched
-from the tokens on the device, then step t's tokens are read back, the matchers follow them, the masks of step
-t + 1 are computed on llguidance's pool (waited for on a mask thread) while step t's tokens are emitted and the
-device still runs its forward, and the masked draw is queued behind it. The draw sees the same masked logits as the synchronous step, so the tokens are the same; the device
+from the tokens on the device, then step t's tokens are read back and emitted (advancing the matchers), the masks
+of step t + 1 are computed on the host while the device still runs its forward, and the masked draw is queued
+behind it. The draw sees the same masked logits as the synchronous step, so the tokens are the same; the device
 waits only when computing the masks takes longer than a forward. (Computing masks on the device for every
 possible in-flight token is not possible: a matcher's state is host data of llguidance.)
 """
@@ -143,15 +143,10 @@ class OverlapScheduler:
             for row in plan.decode:
                 row.req.num_computed_tokens += 1
             if previous is not None and any(row.req.grammar is not None for row in plan.decode):
-                # the masks need the tokens in flight: read them while the device runs this step's forward, move
-                # the matchers over them, and emit them while the mask thread computes this step's masks
+                # the masks need the tokens in flight: read them while the device runs this step's forward
                 done, previous = previous, None
-                self._follow(done)
-                masks = self._start_masks(plan, fwd.logits)
                 outputs += self.complete(done)
-            else:
-                masks = self._start_masks(plan, fwd.logits)
-            logits = fwd.logits if masks is None else masks.apply(fwd.logits)
+            logits = self._masked(plan, fwd.logits)
             tokens = self._draw_on_device(plan, logits)
             flags = torch.stack([tokens, nonfinite_rows(logits).long()])
             ready = None
@@ -173,25 +168,11 @@ class OverlapScheduler:
         return outputs
 
     @staticmethod
-    def _follow(inflight: InFlight) -> None:
-        """Move the constrained rows' matchers over the in-flight step's tokens before they are emitted (emitting
-        them then consumes nothing; a refused token fails its request there)."""
-        tokens, has_nan = inflight.read()
-        for row, token, bad in zip(inflight.plan.decode, tokens, has_nan, strict=True):
-            req = row.req
-            if req.grammar is not None and not req.is_finished and not bad:
-                req.grammar.follow([*req.output_ids, token])
-
-    @staticmethod
-    def _start_masks(plan: SchedulePlan, logits: torch.Tensor) -> grammar.PendingMasks | None:
-        """Start the masks of the constrained rows; rows whose request finished at the step before ride along
-        unmasked (their token is dropped), as do rows whose grammar refused a token (they fail when emitted)."""
-        windows = [
-            (row.req, i, 1, [])
-            for i, row in enumerate(plan.decode)
-            if not row.req.is_finished and (row.req.grammar is None or row.req.grammar.error is None)
-        ]
-        return grammar.start_masks(windows, logits.shape[0], logits.shape[1], logits.is_cuda)
+    def _masked(plan: SchedulePlan, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with each constrained row masked by its grammar; rows whose request finished at the step
+        before ride along unmasked (their token is dropped)."""
+        windows = [(row.req, i, 1, []) for i, row in enumerate(plan.decode) if not row.req.is_finished]
+        return grammar.mask_windows(windows, logits)
 
     def _draw_on_device(self, plan: SchedulePlan, logits: torch.Tensor) -> torch.Tensor:
         """Each row's token, left on the device: the argmax, or a draw from the same distribution and the same

@@ -85,19 +85,20 @@ def _schema(name: str) -> dict:
 
 
 class _MaskTimer:
-    """Time computing masks on llguidance's pool per step (`grammar._fill_parallel`, which the engine calls through
-    the module, in the step or on its mask thread)."""
+    """Host time inside grammar.mask_windows (the engine and the overlap scheduler call it through the module)."""
 
     def __init__(self):
         self.seconds, self.calls = 0.0, 0
-        self._inner = grammar_module._fill_parallel
-        grammar_module._fill_parallel = self
+        self._inner = grammar_module.mask_windows
+        grammar_module.mask_windows = self
 
-    def __call__(self, *args):
+    def __call__(self, windows, logits):
         t0 = time.perf_counter()
-        self._inner(*args)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
+        out = self._inner(windows, logits)
+        if out is not logits:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+        return out
 
 
 def _run(engine, tok, model_dir: str, opts, grammar: str | None, tag: str, seed: int, timer: _MaskTimer) -> dict:

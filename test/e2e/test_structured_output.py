@@ -100,7 +100,7 @@ def test_overlap_without_the_masks_is_caught():
     engine, info, tok = make_engine("qwen3_5", "native", disable_overlap_schedule=True)
     reference = staggered(engine, info, tok, mixed_requests())
     engine, info, tok = make_engine("qwen3_5", "native")
-    engine.overlap._start_masks = lambda plan, logits: None
+    engine.overlap._masked = lambda plan, logits: logits
     launches = counting_launches(engine)
     broken = staggered(engine, info, tok, mixed_requests())
     # unmasked, an overlapped draw leaves the grammar: the matcher refuses it and the request fails

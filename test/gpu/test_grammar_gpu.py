@@ -29,7 +29,7 @@ def _windows(vocab: int):
     def constrained(rid: str, emitted: list[int]) -> Request:
         req = Request(rid, [1], SamplingParams(grammar=GRAMMAR), frozenset(), 64)
         req.grammar = backend.matcher(GRAMMAR, None, model_dir, [hf.eos_token_id])
-        assert req.grammar.follow(emitted) is None
+        assert req.grammar.advance(emitted) is None
         return req
 
     free = Request("free", [1], SamplingParams(), frozenset(), 64)

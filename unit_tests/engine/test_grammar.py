@@ -60,7 +60,7 @@ def test_each_draft_position_has_its_own_mask(setup):
     backend, model_dir, hf = setup
     text = hf.encode('{"n": 1234}')
     req = _request(backend, model_dir, hf)
-    assert req.grammar.follow(text[:1]) is None
+    assert req.grammar.advance(text[:1]) is None
     drafts = text[1:5]
     kept = _masked(req, drafts)
     for j in range(len(drafts) + 1):
@@ -82,13 +82,13 @@ def test_refused_draft_is_masked_at_its_position(setup):
     assert kept[0][text[0]]
     assert req.grammar.matcher.validate_tokens(text) == len(text)
     # an emitted token the grammar refuses is reported (it would be a masking bug)
-    assert "left the grammar" in req.grammar.follow([bad])
+    assert "left the grammar" in req.grammar.advance([bad])
 
 
 def test_finished_grammar_allows_only_eos(setup):
     backend, model_dir, hf = setup
     req = _request(backend, model_dir, hf)
-    assert req.grammar.follow(hf.encode('{"n": 7}')) is None
+    assert req.grammar.advance(hf.encode('{"n": 7}')) is None
     kept = _masked(req, [])
     assert kept[0].nonzero().flatten().tolist() == [hf.eos_token_id]
 
@@ -99,7 +99,7 @@ def test_grammar_starts_after_its_token(setup):
     text = hf.encode('{"n": 5}')
     req = _request(backend, model_dir, hf, start_token=think_end)
     free_tokens = hf.encode("hmm ok")
-    assert req.grammar.follow(free_tokens) is None and not req.grammar.active
+    assert req.grammar.advance(free_tokens) is None and not req.grammar.active
     # a window whose drafts close the reasoning: free up to and including the token, constrained after it
     drafts = [free_tokens[0], think_end, text[0]]
     kept = _masked(req, drafts)
@@ -108,7 +108,7 @@ def test_grammar_starts_after_its_token(setup):
     assert torch.equal(kept[3], _reference_mask(backend, model_dir, hf, text[:1]))
     assert not req.grammar.active
     # the emitted tokens switch it on; from then on every position is constrained
-    assert req.grammar.follow([*free_tokens, free_tokens[0], think_end]) is None and req.grammar.active
+    assert req.grammar.advance([free_tokens[0], think_end]) is None and req.grammar.active
     assert torch.equal(_masked(req, [])[0], _reference_mask(backend, model_dir, hf, []))
 
 
@@ -192,7 +192,7 @@ def test_requests_compile_their_own_matchers(setup):
     assert not isinstance(first.grammar._matcher, Future), "a new grammar compiles at once (its errors fail it)"
     assert isinstance(second.grammar._matcher, Future), "a known grammar compiles in the background"
     assert first.grammar.matcher is not second.grammar.matcher
-    assert first.grammar.follow(text[:3]) is None
+    assert first.grammar.advance(text[:3]) is None
     assert torch.equal(_masked(second, [])[0], _reference_mask(backend, model_dir, hf, []))
     assert torch.equal(_masked(first, [])[0], _reference_mask(backend, model_dir, hf, text[:3]))
     third = _request(backend, model_dir, hf)
