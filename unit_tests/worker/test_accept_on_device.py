@@ -155,3 +155,35 @@ def test_a_refused_settle_leaves_the_step_to_settle_again():
     assert [runner.num_tokens(h) for h in handles] == [n + c for n, c in zip(lengths, counts.tolist())]
     with pytest.raises(RuntimeError, match="without a step"):
         runner.settle(handles, counts.tolist())
+
+
+def test_draft_phases_sit_after_the_pairs_the_device_counted():
+    """The draft buffers of a step accepted on the device, for three drafts (two chained phases after the commit):
+    row i's phase p >= 1 reads at `mtp_len[i] + counts[i] + p - 1` (positions one past it, the KV write slot of
+    that column of the row's table, that many cached pairs), every phase written at once from the device counts;
+    checked against values the test computes from the counts it chose."""
+    steps = 3
+    runner = _engine("replay", steps, fixed_buffers=True, max_running_requests=4).runner
+    handles = [runner.add_request() for _ in PROMPTS]
+    ids = torch.tensor([t for p in PROMPTS for t in p], dtype=torch.long)
+    fwd = runner.forward(ForwardBatch(handles, [len(p) for p in PROMPTS], [0] * 3, 3, ids))
+    first = fwd.logits.argmax(dim=-1)
+    runner.draft(handles, first, steps)
+    drafts = torch.randint(0, runner.vocab_size, (3, steps), generator=torch.Generator().manual_seed(3))
+    window = torch.cat([first[:, None], drafts], dim=1).reshape(-1)
+    cached = [runner.num_tokens(h) for h in handles]
+    fwd = runner.forward(ForwardBatch(handles, [steps + 1] * 3, cached, 0, window))
+    kept = torch.tensor([2, 0, 3])
+    counts, _, pairs, _ = verify_full_windows_on_device(fwd.logits, drafts, kept)
+    mtp_len = [runner._requests[h].mtp_len for h in handles]
+    runner.accept_on_device(handles, counts, pairs)
+    graphs = runner.drafter.graphs
+    for phase in range(1, steps):
+        at = torch.tensor([m + int(c) + phase - 1 for m, c in zip(mtp_len, counts)])
+        positions = graphs._i64[graphs._field64(phase, "positions"), :3]
+        write_slots = graphs._i64[graphs._field64(phase, "write_slots"), :3]
+        num_cached = graphs._i32[graphs._field32(phase, "num_cached"), :3]
+        assert positions.tolist() == (at + 1).tolist(), phase
+        assert num_cached.tolist() == at.tolist(), phase
+        assert write_slots.tolist() == runner.drafter.kv.req_to_slot[torch.tensor(handles), at].tolist(), phase
+    runner.settle(handles, counts.tolist())

@@ -140,8 +140,7 @@ def verify_full_windows_on_device(
     argmax = logits.argmax(dim=-1).view(n, w)
     if kept is None:
         kept = (drafts == argmax[:, :k]).long().cumprod(dim=1).sum(dim=1)
-    starts = torch.arange(n, device=logits.device) * w
-    bad = window_nan_counts(logits, starts, torch.full_like(starts, w)) > 0
+    bad = nonfinite_rows(logits).view(n, w).any(dim=1)
     counts = torch.where(bad, torch.ones_like(kept), kept.to(torch.long) + 1)
     next_tokens = argmax.gather(1, (counts - 1)[:, None]).squeeze(1)
     columns = torch.arange(w, device=logits.device)[None, :]

@@ -208,8 +208,14 @@ class DraftGraphs:
         i32[self._field32(0, "query_len"), :n] = q.to(torch.int32)
         i32[self._field32(0, "num_cached"), :n] = start.to(torch.int32)
         i64[1, :n] = torch.arange(n, device=device) * w + q - 1
-        for phase in range(1, self.mtp_step):
-            at = start + q + phase - 1
-            i64[self._field64(phase, "positions"), :n] = at + 1
-            i64[self._field64(phase, "write_slots"), :n] = self.kv.req_to_slot[table_rows, at.clamp(max=max_col)]
-            i32[self._field32(phase, "num_cached"), :n] = at.to(torch.int32)
+        if self.mtp_step > 1:
+            # every draft phase at once: phase p's fields sit a fixed number of buffer rows after phase p - 1's
+            last = self.mtp_step - 1
+            at = (start + q - 1)[None, :] + torch.arange(1, self.mtp_step, device=device)[:, None]
+            step64, step32 = len(_I64), len(_I32)
+            first = self._field64(1, "positions")
+            i64[first : first + last * step64 : step64, :n] = at + 1
+            first = self._field64(1, "write_slots")
+            i64[first : first + last * step64 : step64, :n] = self.kv.req_to_slot[table_rows, at.clamp(max=max_col)]
+            first = self._field32(1, "num_cached")
+            i32[first : first + last * step32 : step32, :n] = at.to(torch.int32)
