@@ -661,10 +661,15 @@ class ModelRunner:
 
     def _cached_extra(self, records: list[RequestRecord]) -> torch.Tensor | None:
         """[rows] int64 on the device: tokens each row committed in unsettled steps (None when no row has any)."""
-        if not any(self._is_unsettled(r) for r in records):
+        entries = [e for e in self._unsettled if any(id(r) in e.index for r in records)]
+        if not entries:
             return None
+        if len(entries) == 1 and len(entries[0].records) == len(records):
+            if all(a is b for a, b in zip(entries[0].records, records)):
+                # a chained step of the same rows in the same order: the counts as they are, no gather
+                return entries[0].counts.long()
         total = torch.zeros(len(records), dtype=torch.long, device=self.device)
-        for entry in self._unsettled:
+        for entry in entries:
             index = [entry.index.get(id(r), len(entry.records)) for r in records]
             padded = torch.cat([entry.counts.long(), entry.counts.new_zeros(1, dtype=torch.long)])
             total += padded[to_device(np.asarray(index, dtype=np.int64), self.device)]
