@@ -11,7 +11,14 @@ the host work a GPU step also pays; the table prints milliseconds per step, medi
 
 On CUDA the forward is followed by a synchronize timed as `gpu_wait` (the GPU work still queued when the host
 finished launching), so `forward` is the host's launch cost alone; `--top_ops N` adds the torch profiler's N most
-expensive host-side operators per step (self CPU time), which names what the launch cost is made of.
+expensive host-side operators per step (self CPU time, with their counts: kernel launches, copies, driver
+queries), which names what the launch cost is made of, and `--by_caller N` the N engine and runner functions
+that make the most torch calls per step outside the model's modules (calls a CUDA graph replays are not counted:
+they are not made from Python; on the CPU the buffers' forwards run eagerly, so their context building counts). With `--mtp_step`, `--simulate_acceptance P` keeps each draft with probability
+P (as `bench_throughput`'s option), so overlapped verify steps accept a controlled number of tokens.
+
+    python test/benchmark/profile_engine_host.py --serving_model --device cuda --mode replay --batch 64 \
+        --mtp_step 3 --simulate_acceptance 0.7 --top_ops 18 --by_caller 20
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 
 from lightllm.engine.messages import NewRequest
 from lightllm.engine.sampling_params import SamplingParams
+from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine, quiet_garbage_collector
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
@@ -69,7 +77,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--serving_model", action="store_true", help="the real-width random checkpoint of bench_throughput")
     p.add_argument("--top_ops", type=int, default=0, help="print the N host operators with the most self CPU time")
+    p.add_argument("--by_caller", type=int, default=0, help="print the N callers making the most torch calls")
+    p.add_argument("--simulate_acceptance", type=float, default=None, metavar="P")
     a = p.parse_args(argv)
+    # enough tokens for every measured step (a verify step emits up to mtp_step + 1 per row)
+    num_tokens = (a.mtp_step + 1) * (2 * a.steps + 8) + 3 * a.steps
     torch.set_num_threads(1)
     model_dir = a.model_dir
     if a.serving_model:
@@ -84,16 +96,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mtp_step=a.mtp_step,
         spec_ngram=a.spec_ngram,
         max_running_requests=a.batch,
-        max_req_total_len=64 + 2 * a.steps + 16,
+        max_req_total_len=64 + num_tokens + 16,
         chunked_prefill_size=64 * a.batch,
-        max_total_token_num=a.batch * (64 + 2 * a.steps + 16),
+        max_total_token_num=a.batch * (64 + num_tokens + 16),
     )
-    engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
+    acceptance = None if a.simulate_acceptance is None else SimulatedAcceptance(a.simulate_acceptance)
+    engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY, acceptance)
     if engine.runner.decode_graphs is None:
         engine.runner.init_decode_graphs(use_graphs=a.device == "cuda")
     quiet_garbage_collector()
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0, max_tokens=2 * a.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     for i in range(a.batch):
         engine.add_request(NewRequest(f"r{i}", rng.integers(10, info.vocab_size - 10, 64).tolist(), params))
     while any(r.is_prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
@@ -123,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"| {name} | {value:.3f} |")
     if a.top_ops:
         _print_top_ops(engine, a.steps, a.top_ops)
+    if a.by_caller:
+        result["torch_calls"] = _print_by_caller(engine, a.steps, a.by_caller)
     return result
 
 
@@ -139,6 +154,43 @@ def _print_top_ops(engine, steps: int, top: int) -> None:
     for e in rows:
         print(f"| {e.key} | {e.count / steps:.1f} | {e.self_cpu_time_total / 1000 / steps:.3f} |")
 
+
+
+# the model's modules: calls made inside a forward (eager on the CPU, replayed from a graph on CUDA) are not counted
+_MODEL_PATHS = ("lightllm/models/", "lightllm/linear_att/", "lightllm/kernels/")
+
+
+def _print_by_caller(engine, steps: int, top: int) -> float:
+    """Torch calls per step made from Python outside the model's modules, by calling function; returns the total."""
+    import collections
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    counts: collections.Counter = collections.Counter()
+
+    class _Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            frame = sys._getframe(1)
+            while frame is not None and "/torch/" in frame.f_code.co_filename:
+                frame = frame.f_back
+            caller, outer = frame, frame
+            while outer is not None and not any(m in outer.f_code.co_filename for m in _MODEL_PATHS):
+                outer = outer.f_back
+            if caller is not None and outer is None:
+                name = caller.f_code.co_filename.split("lightllm/")[-1]
+                counts[f"{name}:{caller.f_code.co_name}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        for _ in range(steps):
+            engine.step()
+    total = sum(counts.values()) / steps
+    print(f"| torch calls per step outside the model: {total:.1f} | calls per step |")
+    print("|---|---|")
+    for name, n in counts.most_common(top):
+        print(f"| {name} | {n / steps:.1f} |")
+    return total
 
 if __name__ == "__main__":
     main()
