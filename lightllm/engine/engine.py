@@ -280,7 +280,9 @@ class Engine:
             start = row.req.num_computed_tokens
             ids += row.req.all_ids[start : start + row.num_tokens]
         for row in plan.decode:
-            ids += [row.req.last_token_id, *host_drafts(row.draft_ids)]
+            ids.append(row.req.last_token_id)
+            if row.draft_ids:
+                ids += host_drafts(row.draft_ids)
         rows = plan.rows
         asks = [self._asks_prompt_logits(row.req, row.num_tokens) for row in plan.prefill]
         return ForwardBatch(

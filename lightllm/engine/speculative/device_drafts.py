@@ -129,7 +129,7 @@ def _whole_rows(drafts: list[Sequence[int]], width: int) -> tuple[DraftBatch, li
 def decode_draft_ids(drafts: list[Sequence[int]]) -> torch.Tensor | None:
     """The `ForwardBatch.decode_draft_ids` of decode rows with these drafts: their `draft_matrix` on the drafts'
     device when some are still unread there, else None (the host's `input_ids` hold them all)."""
-    unread = [d for d in drafts if isinstance(d, DeviceDrafts) and d.length and not d.is_read]
+    unread = [d for d in drafts if d and isinstance(d, DeviceDrafts) and not d.is_read]
     if not unread:
         return None
     return draft_matrix(drafts, unread[0].batch.tensor.device)
