@@ -133,18 +133,17 @@ def verify_full_windows_on_device(
 
     Returns, all on the device: accepted counts `[n]` int64 (kept drafts + 1; 1 for a window whose logits cannot
     be sampled from, as `verify_greedy_windows` accepts for it), next tokens `[n]`, pair tokens `[n, W]` (the
-    token following each window position: the kept drafts, then the next token, then the rejected drafts' places
-    zeroed) and non-finite flags `[n]` bool. The first `counts[i]` pair tokens are what the window emits."""
+    token following each window position: the kept drafts, then the next token; the places after it hold what is
+    left of the window and are never read) and non-finite flags `[n]` bool. The first `counts[i]` pair tokens are
+    what the window emits."""
     n, k = drafts.shape
     w = k + 1
     argmax = logits.argmax(dim=-1).view(n, w)
     if kept is None:
         kept = (drafts == argmax[:, :k]).long().cumprod(dim=1).sum(dim=1)
     bad = nonfinite_rows(logits).view(n, w).any(dim=1)
-    counts = torch.where(bad, torch.ones_like(kept), kept.to(torch.long) + 1)
-    next_tokens = argmax.gather(1, (counts - 1)[:, None]).squeeze(1)
-    columns = torch.arange(w, device=logits.device)[None, :]
-    after = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
-    pairs = torch.where(columns < (counts - 1)[:, None], after, torch.zeros_like(after))
-    pairs = torch.where(columns == (counts - 1)[:, None], next_tokens[:, None], pairs)
-    return counts, next_tokens, pairs, bad
+    # the next token's window position: after the kept drafts (0 for a window that cannot be sampled from)
+    last = torch.where(bad, 0, kept.to(torch.long))[:, None]
+    next_tokens = argmax.gather(1, last)
+    pairs = torch.cat([drafts, next_tokens], dim=1).scatter(1, last, next_tokens)
+    return last.squeeze(1) + 1, next_tokens.squeeze(1), pairs, bad
