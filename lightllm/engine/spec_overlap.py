@@ -130,6 +130,9 @@ class SpecOverlap:
                 batch = e.build_batch(plan)
             else:
                 next_tokens, drafts, previous_counts = _rows_of(previous, rows)
+                # rows that may reach their length limit in the step in flight: their state as it leaves them,
+                # before this step moves it on (the prefix cache publishes it if they did)
+                runner.hold_checkpoints([row.req.handle for row in rows if row.req.num_remaining_tokens <= width])
                 batch = ForwardBatch(
                     req_handles=handles,
                     query_lens=[width] * len(rows),
@@ -143,11 +146,14 @@ class SpecOverlap:
             e.awaiting_accept = True
             if drafts is None:
                 drafts = draft_matrix([row.draft_ids for row in rows], fwd.logits.device, k)
+            room = self._room(rows, previous_counts, drafts.device)
             kept = None
             if e.acceptance is not None:
-                kept = self._simulated_kept(rows, previous_counts, drafts.device)
+                kept = self._simulated_kept(rows, room)
             logits = fwd.logits
-            counts, next_tokens, pairs, bad = verify_full_windows_on_device(logits, drafts.to(logits.device), kept)
+            counts, next_tokens, pairs, bad = verify_full_windows_on_device(
+                logits, drafts.to(logits.device), kept, max_kept=room
+            )
             new_drafts = runner.accept_on_device(handles, counts, pairs)
             e.awaiting_accept = False
             figures = torch.cat([counts[:, None], bad.long()[:, None], pairs], dim=1)
@@ -166,17 +172,20 @@ class SpecOverlap:
             return None
         return SpecInFlight(plan, handles, fwd, width, next_tokens, new_drafts, counts, host, ready)
 
-    def _simulated_kept(self, rows, previous_counts: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    @staticmethod
+    def _room(rows, previous_counts: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """Per row, on the device: the most drafts its window may keep, as the synchronous scheduler cuts a window
+        near the request's length limit (counting the tokens its step still in flight keeps), so a window never
+        commits state past what the request emits; negative for a row that the step in flight finishes."""
+        room = to_device(np.asarray([row.req.num_remaining_tokens - 1 for row in rows], dtype=np.int64), device)
+        return room if previous_counts is None else room - previous_counts.to(device)
+
+    def _simulated_kept(self, rows, room: torch.Tensor) -> torch.Tensor:
         """Kept drafts per row under simulated acceptance, on the device: each request's coins for its next window
-        (as the synchronous verify draws them), capped as the synchronous scheduler caps a window near the
-        request's length limit, counting the tokens its step still in flight keeps."""
+        (as the synchronous verify draws them), at most `room`."""
         k = self.engine.speculator.num_drafts
-        reqs = [row.req for row in rows]
-        kept = self.engine.acceptance.num_kept_drafts([r.req_id for r in reqs], [k] * len(reqs))
-        room = to_device(np.asarray([r.num_remaining_tokens - 1 for r in reqs], dtype=np.int64), device)
-        if previous_counts is not None:
-            room = room - previous_counts.to(device)
-        return torch.minimum(to_device(np.asarray(kept, dtype=np.int64), device), room).clamp(min=0)
+        kept = self.engine.acceptance.num_kept_drafts([row.req.req_id for row in rows], [k] * len(rows))
+        return torch.minimum(to_device(np.asarray(kept, dtype=np.int64), room.device), room).clamp(min=0)
 
     def complete(self, inflight: SpecInFlight) -> list[EngineOutput]:
         """Read an overlapped verify back: settle the runner, emit each row's accepted tokens (rows whose request

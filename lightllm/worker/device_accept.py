@@ -7,6 +7,11 @@ then a step of the same rows shifts its positions, cached lengths and KV write s
 device (`_cached_extra`), its KV allocated for the worst case (`_max_extra`). At most two steps are unsettled: the
 one being read and the one launched after it.
 
+A request that reaches its length limit in a step still in flight rides along in the next one, which moves its
+state past the tokens it emits; to publish its prefix-cache checkpoint at its end anyway, the step launched after
+it first takes a checkpoint of the rows that may reach their limit there (`hold_checkpoints`), which `publish`
+uses once that step is settled.
+
 `ModelRunner` inherits these methods; they use its requests, state, KV caches, MTP drafter and decode buffers.
 """
 
@@ -21,10 +26,11 @@ import torch
 from lightllm.cache.device_copy import to_device
 
 if TYPE_CHECKING:
+    from lightllm.linear_att.base import Checkpoint
     from lightllm.worker.runner import RequestRecord
 
 
-@dataclass
+@dataclass(eq=False)
 class UnsettledStep:
     """A verify accepted on the device (`accept_on_device`) whose counts the host has not read yet."""
 
@@ -41,8 +47,49 @@ class UnsettledStep:
         self.index = {id(r): i for i, r in enumerate(self.records)}
 
 
+@dataclass(eq=False)
+class HeldCheckpoint:
+    """A row's state and MTP hidden state as `step` left them, taken before the next step changed them."""
+
+    step: UnsettledStep
+    checkpoint: Checkpoint
+    hidden: torch.Tensor | None
+
+
 class DeviceAcceptance:
     """The accept-on-device half of `ModelRunner` (see the module docstring)."""
+
+    def hold_checkpoints(self, handles: list[int]) -> None:
+        """Before a step is launched after an unsettled one: a checkpoint of each of `handles` as the unsettled step
+        leaves it (rows that may reach their length limit in it), replacing the ones held before."""
+        self._held = {}
+        if not handles or not self._unsettled or self.prefix_cache is None:
+            return
+        step = self._unsettled[-1]
+        rows = [(h, step.index[id(self._requests[h])]) for h in handles if id(self._requests[h]) in step.index]
+        if not rows:
+            return
+        slots = to_device(np.asarray([self._requests[h].state_slot for h, _ in rows], dtype=np.int32), self.device)
+        checkpoint = self.state.export_checkpoint(slots)
+        hidden = None
+        if step.hidden is not None:
+            # the last committed token's row of the step's output: window start + kept count - 1
+            width = step.widths[0]
+            index = to_device(np.asarray([i for _, i in rows], dtype=np.int64), self.device)
+            hidden = step.hidden.index_select(0, index * width + step.counts.index_select(0, index).long() - 1)
+        for j, (h, _) in enumerate(rows):
+            row = slice(j, j + 1)
+            held = type(checkpoint)(conv=checkpoint.conv[:, row], ssm=checkpoint.ssm[:, row])
+            self._held[h] = HeldCheckpoint(step, held, None if hidden is None else hidden[row])
+
+    def held_checkpoint(self, handle: int) -> HeldCheckpoint | None:
+        """The checkpoint held for `handle` if the step it was taken after is settled and no later step of the row
+        is: the row's state at its committed length."""
+        held = self._held.get(handle)
+        record = self._requests[handle]
+        if held is None or any(step is held.step for step in self._unsettled) or record.settled_step is not held.step:
+            return None
+        return held
 
     def can_accept_on_device(self, handles: list[int]) -> bool:
         """Whether a decode-only step of these rows may be accepted on the device (`accept_on_device`): the decode
@@ -115,6 +162,7 @@ class DeviceAcceptance:
                 continue
             record.num_tokens += count
             record.mtp_len += count
+            record.settled_step = entry
             record.mtp_last_hidden = (entry.hidden, i * width + count - 1)
             rows.append(record.handle)
             lengths.append(record.num_tokens + later[i])

@@ -30,7 +30,7 @@ from lightllm.models.loader import load_weights
 from lightllm.models.registry import load_model_config
 from lightllm.models.tp import TPInfo
 from lightllm.worker.config import RunnerConfig
-from lightllm.worker.device_accept import DeviceAcceptance, UnsettledStep
+from lightllm.worker.device_accept import DeviceAcceptance, HeldCheckpoint, UnsettledStep
 from lightllm.worker.drafting import MtpDrafter, drop_last_rows
 from lightllm.worker.graphs.decode import DecodeGraphs, write_window_drafts
 from lightllm.worker.graphs.draft import DraftGraphs
@@ -61,6 +61,8 @@ class RequestRecord:
     mtp_len: int = 0
     # MTP: (step output, row) of the last committed token's hidden state once a draft consumed the spans
     mtp_last_hidden: tuple[torch.Tensor, int] | None = None
+    # the last step accepted on the device that `settle` counted for this request (see device_accept.py)
+    settled_step: object | None = None
 
 
 @dataclass
@@ -179,6 +181,8 @@ class ModelRunner(DeviceAcceptance):
         self._pending: _PendingVerify | None = None
         # verifies accepted on the device, oldest first (at most two: one being read, one launched after it)
         self._unsettled: list[UnsettledStep] = []
+        # checkpoints taken before a step changed rows that may have reached their limit (device_accept.py)
+        self._held: dict[int, HeldCheckpoint] = {}
         self._folds_copy: _CounterCopy | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -279,6 +283,7 @@ class ModelRunner(DeviceAcceptance):
         return handle
 
     def free_request(self, handle: int) -> None:
+        self._held.pop(handle, None)
         req = self._requests.pop(handle)
         self.kv.free_row(handle)
         self.state.free(req.state_slot)
@@ -301,7 +306,11 @@ class ModelRunner(DeviceAcceptance):
             raise RuntimeError("publish() between forward and accept: the state is not committed")
         record = self._requests[handle]
         if self._is_unsettled(record):
-            # the state holds tokens whose count the host has not read: no committed length to checkpoint at
+            # the state holds tokens whose count the host has not read, unless a checkpoint was held at the
+            # committed length (a request that reached its limit while a later step of it was launched)
+            held = self.held_checkpoint(handle)
+            if held is not None:
+                self.prefix_cache.publish(handle, record, token_ids, (held.checkpoint, held.hidden))
             return
         self.prefix_cache.publish(handle, record, token_ids)
 

@@ -195,13 +195,21 @@ def test_overlapped_verify_equals_synchronous(mode, mtp_step, continuations):
 
 
 @pytest.mark.parametrize("mode", ["native", "replay"])
-def test_chained_steps_leave_finished_rows_out(mode, continuations):
+def test_chained_steps_leave_finished_rows_out(mode, continuations, monkeypatch):
     """Three requests decoding together, nothing waiting, finishing at their length limits one after another: each
-    finish leaves its row out of the next chained step instead of ending the chain, with the synchronous text."""
+    finish leaves its row out of the next chained step instead of ending the chain, with the synchronous text, and
+    each still publishes its prefix-cache checkpoint at its end (held before the step it rode along in moved its
+    state on). Twin: without the held checkpoints those publishes are lost."""
     truth, stop_ids = continuations
     staggered = [(f"{rid}-{n}", prompt, n, 0) for (rid, prompt, _, _), n in zip(REQUESTS[:2] + REQUESTS[3:], (9, 14, 24))]
-    on, launches, _, _, _, chains = spec_run(mode, 3, True, truth, {}, requests=staggered, max_running_requests=3)
-    off, *_ = spec_run(mode, 3, False, truth, {}, requests=staggered, max_running_requests=3)
+    on, launches, _, stored, _, chains = spec_run(mode, 3, True, truth, {}, requests=staggered, max_running_requests=3)
+    off, _, _, off_stored, *_ = spec_run(mode, 3, False, truth, {}, requests=staggered, max_running_requests=3)
+    assert stored == off_stored
+    from lightllm.worker.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "hold_checkpoints", lambda self, handles: None)
+    *_, lost, _, _ = spec_run(mode, 3, True, truth, {}, requests=staggered, max_running_requests=3)
+    assert lost < stored
     assert on[0] == off[0] and on[2] == off[2]
     assert {rid: reason for rid, (reason, _) in on[2].items()} == {rid: "length" for rid, *_ in staggered}
     assert chains["without a finished row"] >= 2, chains

@@ -125,11 +125,12 @@ def window_nan_counts(logits: torch.Tensor, starts: torch.Tensor, widths: torch.
 
 
 def verify_full_windows_on_device(
-    logits: torch.Tensor, drafts: torch.Tensor, kept: torch.Tensor | None = None
+    logits: torch.Tensor, drafts: torch.Tensor, kept: torch.Tensor | None = None, max_kept: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy verification left on the device, for windows that all hold K drafts: row i's window spans logits rows
     `i * W .. i * W + K` (W = K + 1), `drafts [n, K]` on the device. A window keeps its drafts while each equals the
-    argmax before it (or `kept [n]` of them: simulated acceptance), then the argmax after the last kept one.
+    argmax before it (or `kept [n]` of them: simulated acceptance), at most `max_kept [n]` (a window cut at the
+    request's length limit), then the argmax after the last kept one.
 
     Returns, all on the device: accepted counts `[n]` int64 (kept drafts + 1; 1 for a window whose logits cannot
     be sampled from, as `verify_greedy_windows` accepts for it), next tokens `[n]`, pair tokens `[n, W]` (the
@@ -141,6 +142,8 @@ def verify_full_windows_on_device(
     argmax = logits.argmax(dim=-1).view(n, w)
     if kept is None:
         kept = (drafts == argmax[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    if max_kept is not None:
+        kept = torch.minimum(kept, max_kept).clamp(min=0)
     bad = nonfinite_rows(logits).view(n, w).any(dim=1)
     # the next token's window position: after the kept drafts (0 for a window that cannot be sampled from)
     last = torch.where(bad, 0, kept.to(torch.long))[:, None]

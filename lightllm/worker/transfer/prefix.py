@@ -136,15 +136,20 @@ class RunnerPrefixCache:
             req.mtp_len = hit.num_tokens - 1
             req.mtp_hidden, req.mtp_next_ids = [(hit.hidden.clone(), 0, 1)], []
 
-    def publish(self, handle: int, req, token_ids: Sequence[int]) -> None:
+    def publish(
+        self, handle: int, req, token_ids: Sequence[int], held: tuple[Checkpoint, torch.Tensor | None] | None = None
+    ) -> None:
         """Offer the request's committed tokens `token_ids` (exactly its committed length) to the cache (and a
-        new checkpoint to the host tier)."""
+        new checkpoint to the host tier). `held`: the checkpoint (and MTP hidden state) at that length, taken
+        before a later step moved the request's state on; by default it is exported now."""
         if not token_ids or len(token_ids) != req.num_tokens:
             return
         if self.drafter is not None:
             # the head's KV must hold the pair of every published token (prefill chunks leave them pending)
             self.drafter.commit_known_pairs(handle, req)
-        node = self.cache.publish(handle, token_ids, lambda: self._export(req))
+        node = self.cache.publish(
+            handle, token_ids, (lambda: held) if held is not None else (lambda: self._export(req))
+        )
         if node is not None and self.host is not None and self.host.write_through:
             self.host.save(node)
 
