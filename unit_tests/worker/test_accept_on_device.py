@@ -159,7 +159,8 @@ def test_a_refused_settle_leaves_the_step_to_settle_again():
 
 def test_draft_phases_sit_after_the_pairs_the_device_counted():
     """The draft buffers of a step accepted on the device, for three drafts (two chained phases after the commit):
-    row i's phase p >= 1 reads at `mtp_len[i] + counts[i] + p - 1` (positions one past it, the KV write slot of
+    the commit phase holds row i's counts[i] pairs after its committed ones (the last one's row read as the
+    drafts' start), and row i's phase p >= 1 reads at `mtp_len[i] + counts[i] + p - 1` (positions one past it, the KV write slot of
     that column of the row's table, that many cached pairs), every phase written at once from the device counts;
     checked against values the test computes from the counts it chose."""
     steps = 3
@@ -178,6 +179,17 @@ def test_draft_phases_sit_after_the_pairs_the_device_counted():
     mtp_len = [runner._requests[h].mtp_len for h in handles]
     runner.accept_on_device(handles, counts, pairs)
     graphs = runner.drafter.graphs
+    # the commit phase: row i commits counts[i] pairs after its mtp_len (padding places at its first position)
+    w = steps + 1
+    start = torch.tensor(mtp_len)
+    cols = torch.arange(w)[None, :]
+    real = cols < counts[:, None]
+    positions = torch.where(real, start[:, None] + cols, start[:, None]) + 1
+    assert graphs._i64[graphs._field64(0, "positions"), : 3 * w].view(3, w).tolist() == positions.tolist()
+    assert graphs._i64[graphs._field64(0, "real"), : 3 * w].view(3, w).tolist() == real.long().tolist()
+    assert graphs._i32[graphs._field32(0, "query_len"), :3].tolist() == counts.tolist()
+    assert graphs._i32[graphs._field32(0, "num_cached"), :3].tolist() == mtp_len
+    assert graphs._i64[1, :3].tolist() == [i * w + int(c) - 1 for i, c in enumerate(counts)]
     for phase in range(1, steps):
         at = torch.tensor([m + int(c) + phase - 1 for m, c in zip(mtp_len, counts)])
         positions = graphs._i64[graphs._field64(phase, "positions"), :3]

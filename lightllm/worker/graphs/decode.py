@@ -162,7 +162,7 @@ class DecodeGraphs:
         extra = extra.to(device=i64.device, dtype=torch.int64)
         positions = i64[_I64.index("positions"), : n * w].view(n, w)
         positions += extra[:, None]
-        i32[_I32.index("num_cached"), :n] += extra.to(torch.int32)
+        i32[_I32.index("num_cached"), :n] += extra
         real = i64[_I64.index("real"), : n * w].view(n, w) != 0
         table_rows = i64[_I64.index("table_rows"), :n]
         slots = self.kv.req_to_slot[table_rows[:, None], positions.clamp(max=self.kv.max_req_len - 1)]

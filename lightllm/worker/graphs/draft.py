@@ -42,6 +42,10 @@ class DraftGraphs:
         self._host64 = np.zeros(tuple(self._i64.shape), dtype=np.int64)
         self._host32 = np.zeros(tuple(self._i32.shape), dtype=np.int32)
         self._hidden = torch.zeros(self._n_tok, model.cfg.hidden_size, dtype=model.embed.dtype, device=device)
+        # constants of `_shift`: window columns, each row's first token index less one, draft phases 1 .. mtp_step - 1
+        self._columns = torch.arange(width, device=device)
+        self._row_ends = torch.arange(self.max_batch, device=device) * width - 1
+        self._phases = torch.arange(1, mtp_step, device=device)[:, None]
         self.use_graphs = use_graphs and device.type == "cuda"
 
     def bucket(self, num_rows: int) -> int | None:
@@ -196,26 +200,26 @@ class DraftGraphs:
             start = start + cached_extra.to(device=device, dtype=torch.int64)
         table_rows = i64[2, :n]
         max_col = self.kv.max_req_len - 1
-        col = torch.arange(w, device=device)
+        col = self._columns
         real = col[None, :] < q[:, None]
         pos = start[:, None] + col[None, :]
         slots = self.kv.req_to_slot[table_rows[:, None], pos.clamp(max=max_col)]
-        hold = torch.full_like(slots, self.kv.hold_slot)
         # padding places take their row's first position, as `layout_positions` gives them
         i64[self._field64(0, "positions"), : n * w] = (torch.where(real, pos, start[:, None]) + 1).flatten()
-        i64[self._field64(0, "write_slots"), : n * w] = torch.where(real, slots, hold).flatten()
-        i64[self._field64(0, "real"), : n * w] = real.long().flatten()
-        i32[self._field32(0, "query_len"), :n] = q.to(torch.int32)
-        i32[self._field32(0, "num_cached"), :n] = start.to(torch.int32)
-        i64[1, :n] = torch.arange(n, device=device) * w + q - 1
+        i64[self._field64(0, "write_slots"), : n * w] = torch.where(real, slots, self.kv.hold_slot).flatten()
+        # the buffers' copies cast: no separate cast kernels
+        i64[self._field64(0, "real"), : n * w] = real.flatten()
+        i32[self._field32(0, "query_len"), :n] = q
+        i32[self._field32(0, "num_cached"), :n] = start
+        torch.add(self._row_ends[:n], q, out=i64[1, :n])
         if self.mtp_step > 1:
             # every draft phase at once: phase p's fields sit a fixed number of buffer rows after phase p - 1's
             last = self.mtp_step - 1
-            at = (start + q - 1)[None, :] + torch.arange(1, self.mtp_step, device=device)[:, None]
+            at = (start + q - 1)[None, :] + self._phases
             step64, step32 = len(_I64), len(_I32)
             first = self._field64(1, "positions")
             i64[first : first + last * step64 : step64, :n] = at + 1
             first = self._field64(1, "write_slots")
             i64[first : first + last * step64 : step64, :n] = self.kv.req_to_slot[table_rows, at.clamp(max=max_col)]
             first = self._field32(1, "num_cached")
-            i32[first : first + last * step32 : step32, :n] = at.to(torch.int32)
+            i32[first : first + last * step32 : step32, :n] = at
