@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from lightllm.cache.device_copy import to_device
+from lightllm.worker.records import RequestRecord
 
 if TYPE_CHECKING:
     from lightllm.linear_att.base import Checkpoint
-    from lightllm.worker.runner import RequestRecord
 
 
 @dataclass(eq=False)

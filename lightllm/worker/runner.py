@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from lightllm.worker.graphs.decode import DecodeGraphs, write_window_drafts
 from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
+from lightllm.worker.records import PendingVerify, RequestRecord
 from lightllm.worker.startup_phases import StartupPhases
 from lightllm.worker.transfer.host_tier import RunnerHostTier
 from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
@@ -43,33 +44,6 @@ from lightllm.worker.transfer.request_state import export_request, host_blobs, i
 from lightllm.worker.warmup_steps import warm_attention_kernels, warm_expert_and_fp8_kernels, warm_serving_steps
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestRecord:
-    """What the runner keeps of one request: its handle (the KV row), state slot and committed tokens."""
-
-    handle: int
-    state_slot: int
-    # tokens whose KV / linear state is committed
-    num_tokens: int = 0
-    # MTP: final hidden states not yet paired with their next token, as (step output, first row, rows) spans,
-    # and the tokens that follow them as (step's token ids on the device, first, count) spans
-    mtp_hidden: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
-    mtp_next_ids: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
-    # MTP: committed (hidden, token) pairs in the MTP head's KV
-    mtp_len: int = 0
-    # MTP: (step output, row) of the last committed token's hidden state once a draft consumed the spans
-    mtp_last_hidden: tuple[torch.Tensor, int] | None = None
-    # the last step accepted on the device that `settle` counted for this request (see device_accept.py)
-    settled_step: object | None = None
-
-
-@dataclass
-class _PendingVerify:
-    handles: list[int]
-    widths: list[int]
-    rows: DecodeRows
 
 
 @dataclass
@@ -178,7 +152,7 @@ class ModelRunner(DeviceAcceptance):
             # the server's host tier: checkpoints are copied there and requests resume from it (any replica)
             self.prefix_cache.attach_host(RunnerHostTier(self, config.host_tier_name))
         self._requests: dict[int, RequestRecord] = {}
-        self._pending: _PendingVerify | None = None
+        self._pending: PendingVerify | None = None
         # verifies accepted on the device, oldest first (at most two: one being read, one launched after it)
         self._unsettled: list[UnsettledStep] = []
         # checkpoints taken before a step changed rows that may have reached their limit (device_accept.py)
@@ -444,7 +418,7 @@ class ModelRunner(DeviceAcceptance):
         for req, q in zip(reqs[:np_], batch.query_lens[:np_]):
             req.num_tokens += q
         if decode_rows is not None:
-            self._pending = _PendingVerify(batch.req_handles[np_:], batch.query_lens[np_:], decode_rows)
+            self._pending = PendingVerify(batch.req_handles[np_:], batch.query_lens[np_:], decode_rows)
         out_hidden = hidden[select]
         out = ForwardOutput(logits=self.model.logits(out_hidden), hidden=out_hidden)
         if any(batch.prefill_prompt_logits):
