@@ -151,19 +151,31 @@ class Engine:
         outputs = self.overlap.take_failed()
         due = self._publishes.take()
         inflight = self.overlap.take_inflight()
+        plan = None
         if inflight is not None:
             # an overlapped step has no drafts: its publishes wait for nothing
             self._publishes.run(due)
             due = []
             if self.overlap.can_chain(inflight):
                 return outputs + self.overlap.launch(chained_plan(inflight), inflight)
+            plan = self.overlap.schedule_ahead(inflight)
+            if plan is not None:
+                outputs += self._finish_unfittable(plan)
+                if not plan.is_empty and self.overlap.can_launch(plan):
+                    return outputs + self.overlap.launch(plan, inflight)
             outputs += self.overlap.complete(inflight)
-        outputs += self._propose()
-        # after the drafts: the MTP head's KV they commit is the part of a publish that costs a forward
-        self._publishes.run(due)
-        plan = self.scheduler.schedule()
-        for req in plan.unfittable:
-            outputs += self.finish(req, "error", error=f"{req.num_tokens} tokens do not fit in the KV cache")
+            if plan is not None:
+                # planned before the read-back: rows whose request finished there drop out
+                plan.prefill = [row for row in plan.prefill if not row.req.is_finished]
+                plan.decode = [row for row in plan.decode if not row.req.is_finished]
+                if plan.is_empty:
+                    plan = None
+        if plan is None:
+            outputs += self._propose()
+            # after the drafts: the MTP head's KV they commit is the part of a publish that costs a forward
+            self._publishes.run(due)
+            plan = self.scheduler.schedule()
+            outputs += self._finish_unfittable(plan)
         if plan.is_empty:
             return outputs
         if self.overlap.can_launch(plan):
@@ -174,7 +186,7 @@ class Engine:
             fwd = self.runner.forward(self.build_batch(plan))
             self.awaiting_accept = bool(plan.decode)
             outputs += self._process(plan, fwd)
-            self._publish_prefills(plan)
+            self.queue_prefill_checkpoints(plan)
         except Exception:
             # the failure cannot be pinned on one row: every request of the batch finishes, the loop goes on
             logger.exception("engine step failed; finishing %d requests with an error", len(plan.rows))
@@ -183,6 +195,13 @@ class Engine:
                 if not row.req.is_finished:
                     # clients see a message; the exception and its traceback are in the engine log
                     outputs += self.finish(row.req, "error", error="the model step failed (see the engine log)")
+        return outputs
+
+    def _finish_unfittable(self, plan: SchedulePlan) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        for req in plan.unfittable:
+            outputs += self.finish(req, "error", error=f"{req.num_tokens} tokens do not fit in the KV cache")
+        plan.unfittable = []
         return outputs
 
     def _propose(self) -> list[EngineOutput]:
@@ -205,7 +224,7 @@ class Engine:
                 outputs += self.finish(row.req, "error", error="the model step failed (see the engine log)")
         return outputs
 
-    def _publish_prefills(self, plan: SchedulePlan) -> None:
+    def queue_prefill_checkpoints(self, plan: SchedulePlan) -> None:
         """Queue for the prefix cache the prefill rows (committed, after the step) that stand where a checkpoint
         is due; rows that finished are queued by their finish."""
         for row in plan.prefill:
@@ -284,7 +303,7 @@ class Engine:
             if row.draft_ids:
                 ids += host_drafts(row.draft_ids)
         rows = plan.rows
-        asks = [self._asks_prompt_logits(row.req, row.num_tokens) for row in plan.prefill]
+        asks = [self.asks_prompt_logits(row.req, row.num_tokens) for row in plan.prefill]
         return ForwardBatch(
             req_handles=[row.req.handle for row in rows],
             query_lens=[row.num_tokens for row in rows],
@@ -299,7 +318,7 @@ class Engine:
         )
 
     @staticmethod
-    def _asks_prompt_logits(req: Request, num_tokens: int) -> bool:
+    def asks_prompt_logits(req: Request, num_tokens: int) -> bool:
         """Whether a prefill chunk of `num_tokens` holds positions whose prompt log-probabilities are still due: the
         logits at position j score prompt token j + 1, and a recompute after a preemption inside the prefill passes
         over the positions gathered before it."""

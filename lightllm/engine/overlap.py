@@ -1,13 +1,18 @@
 """Overlap scheduling: the host prepares step t + 1 while the device runs step t.
 
-With `Engine.overlap_schedule` on (the server's default unless `--disable_overlap_schedule`), a plain decode step
-(no drafts, no penalties) is launched and left in flight; the next `Engine.step()` launches its successor, whose
-input tokens are the in-flight step's tokens still on the device (argmax, or a draw from the same random stream),
-before reading them back, so the host's bookkeeping of step t runs while the GPU computes step t + 1. A successor
-is launched only when it would be the same rows anyway (nothing to admit, nobody prefilling, nobody at its length
-limit, KV for one more token each); a row that turns out to have stopped at step t rides along in t + 1 and its
-extra token is dropped, and t + 2 chains on without it. Everything else (prefill, drafts, penalties, which read the tokens in flight) runs
-synchronously, exactly as with overlap off.
+With `Engine.overlap_schedule` on (the server's default unless `--disable_overlap_schedule`), a step without drafts
+or penalties (decode rows of one token, prefill chunks, or both) is launched and left in flight; the next
+`Engine.step()` launches its successor before reading the in-flight step's tokens back, so the host's bookkeeping
+of step t (emitting, finishing, publishing, scheduling, building the batch) runs while the GPU computes step
+t + 1. A successor's decode rows whose last token is still in flight take it from the device (argmax, or a draw
+from the same random stream); its other rows (prefill chunks, a prompt's last token fed as a window) need nothing
+from step t. When the successor is the in-flight step's rows again (nothing to admit, nobody prefilling, nobody at
+its length limit, KV for one more token each) it is chained without asking the scheduler; otherwise the scheduler
+plans it while step t is in flight (`schedule_ahead`), leaving out the rows whose token in flight is their last
+(they leave at the read-back) and never preempting (the step falls back to reading step t first when KV is short).
+A row that turns out to have stopped at step t rides along in t + 1 and its extra token is dropped, and t + 2
+goes on without it. Drafts, penalties and prompt log-probabilities (which need the tokens in flight, or the
+step's logits on the host) run synchronously, exactly as with overlap off.
 
 Rows with a grammar overlap too. The mask of step t + 1 depends on step t's token, which only the host's matcher
 can turn into a mask, so a batch with constrained rows defers only its draw: step t + 1's forward is launched
@@ -32,6 +37,7 @@ from lightllm.engine import grammar
 from lightllm.engine.batch import ForwardOutput
 from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR, nonfinite_rows
 from lightllm.engine.messages import EngineOutput
+from lightllm.engine.request import Request
 from lightllm.engine.scheduler import ScheduledRow, SchedulePlan
 from lightllm.engine.spec_overlap import SpecInFlight, SpecOverlap, chained_spec_plan
 
@@ -43,13 +49,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class InFlight:
-    """A launched overlapped decode step whose tokens the host has not read yet."""
+    """A launched overlapped step whose tokens the host has not read yet."""
 
     plan: SchedulePlan
     fwd: ForwardOutput
-    # [rows] int64 on the device: each row's token (the next step's input)
+    # the requests that sample a token in this step, in the order of its logits rows: prefill rows ending their
+    # prompt, then decode rows
+    windows: list[Request]
+    # [windows] int64 on the device: each window's token (the next step's input)
     tokens: torch.Tensor
-    # [2, rows] host copy of (tokens, non-finite flags), valid once `ready` has completed
+    # [2, windows] host copy of (tokens, non-finite flags), valid once `ready` has completed
     host: torch.Tensor
     ready: torch.cuda.Event | None
 
@@ -61,10 +70,17 @@ class InFlight:
 
 
 def chained_plan(inflight: InFlight | SpecInFlight) -> SchedulePlan:
-    """The in-flight step's rows again, one token each (a full window each for a verify step)."""
+    """The in-flight step's sampling rows again, one token each (a full window each for a verify step)."""
     if isinstance(inflight, SpecInFlight):
         return chained_spec_plan(inflight)
-    return SchedulePlan(decode=[ScheduledRow(row.req, 1) for row in inflight.plan.decode if not row.req.is_finished])
+    return SchedulePlan(decode=[ScheduledRow(req, 1) for req in inflight.windows if not req.is_finished])
+
+
+def sampling_rows(plan: SchedulePlan) -> list[Request]:
+    """The requests that sample a token in `plan`, in the order of the step's logits rows: prefill rows whose chunk
+    ends the prefill, then every decode row (one-token windows)."""
+    ends = [row.req for row in plan.prefill if row.req.num_computed_tokens + row.num_tokens == row.req.num_prefill_tokens]
+    return ends + [row.req for row in plan.decode]
 
 
 class OverlapScheduler:
@@ -93,16 +109,34 @@ class OverlapScheduler:
         return inflight
 
     def can_launch(self, plan: SchedulePlan) -> bool:
-        """A step that may stay in flight: plain decode rows only, none with penalties (they need every token of
-        the output, the one in flight included, to shape the next distribution). With drafts (MTP):
+        """A step that may stay in flight: decode rows of one token and prefill chunks, none with penalties (they
+        need every token of the output, the one in flight included, to shape the next distribution) and no chunk
+        gathering prompt log-probabilities (read from the step's logits on the host). With drafts (MTP):
         `SpecOverlap.can_launch`."""
-        if self.engine.speculator.num_drafts:
+        engine = self.engine
+        if engine.speculator.num_drafts:
             return self.spec.can_launch(plan)
         return (
-            self.engine.overlap_schedule
-            and not plan.prefill
+            engine.overlap_schedule
             and all(row.num_tokens == 1 and not row.req.params.has_penalties for row in plan.decode)
+            and not any(
+                row.req.params.has_penalties or engine.asks_prompt_logits(row.req, row.num_tokens) for row in plan.prefill
+            )
         )
+
+    def schedule_ahead(self, inflight: InFlight | SpecInFlight) -> SchedulePlan | None:
+        """The next step's plan from the scheduler while `inflight` still runs, or None when it needs the in-flight
+        tokens on the host first (drafts, or too little free KV for the running rows: only a preemption could make
+        room, and a preempted request must not have a token in flight). Rows whose token in flight is their last
+        are left out: they finish at the read-back."""
+        engine = self.engine
+        if isinstance(inflight, SpecInFlight) or engine.speculator.num_drafts or not engine.overlap_schedule:
+            return None
+        sched = engine.scheduler
+        if engine.runner.num_free_kv_tokens() < len(sched.running):
+            return None
+        last = [req for req in inflight.windows if not req.is_finished and req.num_remaining_tokens < 2]
+        return sched.schedule(held=last)
 
     def can_chain(self, inflight: InFlight | SpecInFlight) -> bool:
         """Whether the next step is the in-flight step's running rows again (those that finished are left out), one
@@ -110,7 +144,7 @@ class OverlapScheduler:
         if isinstance(inflight, SpecInFlight):
             return self.spec.can_chain(inflight)
         sched, runner = self.engine.scheduler, self.engine.runner
-        reqs = [row.req for row in inflight.plan.decode if not row.req.is_finished]
+        reqs = [req for req in inflight.windows if not req.is_finished]
         if not reqs or len(reqs) != len(sched.running):
             return False
         # a request the scheduler could admit now, or a row whose in-flight token may be its last, changes the batch
@@ -121,10 +155,11 @@ class OverlapScheduler:
         return runner.num_free_kv_tokens() >= len(reqs)
 
     def launch(self, plan: SchedulePlan, previous: InFlight | None) -> list[EngineOutput]:
-        """Launch `plan` (plain decode rows) and leave it in flight: its one-token windows are accepted at once
-        (nothing to verify), its tokens stay on the device for the successor and are copied back asynchronously.
-        `previous`: the in-flight step `plan` chains from (its tokens are the input); it is read back and emitted
-        here, and its outputs are returned. Verify rows (MTP): `SpecOverlap.launch`."""
+        """Launch `plan` (prefill chunks and one-token decode rows) and leave it in flight: its one-token windows
+        are accepted at once (nothing to verify), its tokens stay on the device for the successor and are copied
+        back asynchronously. `previous`: the in-flight step launched before (the source of the decode rows' tokens
+        it holds); it is read back and emitted here, and its outputs are returned. Verify rows (MTP):
+        `SpecOverlap.launch`."""
         if isinstance(previous, SpecInFlight) or (previous is None and self.engine.speculator.num_drafts):
             self._inflight = self.spec.launch(plan, previous)
             return self.complete(previous) if previous is not None else []
@@ -132,55 +167,65 @@ class OverlapScheduler:
         engine.stats.num_steps += 1
         engine.awaiting_accept = False
         outputs: list[EngineOutput] = []
+        windows = sampling_rows(plan)
         try:
             batch = engine.build_batch(plan)
             batch.decode_input_ids = None if previous is None else _tokens_of(previous, plan.decode)
             fwd = engine.runner.forward(batch)
-            engine.awaiting_accept = True
-            handles = [row.req.handle for row in plan.decode]
-            engine.runner.accept(handles, [1] * len(handles))
-            engine.awaiting_accept = False
-            for row in plan.decode:
-                row.req.num_computed_tokens += 1
-            if previous is not None and any(row.req.grammar is not None for row in plan.decode):
+            if plan.decode:
+                engine.awaiting_accept = True
+                handles = [row.req.handle for row in plan.decode]
+                engine.runner.accept(handles, [1] * len(handles))
+                engine.awaiting_accept = False
+            for row in plan.rows:
+                row.req.num_computed_tokens += row.num_tokens
+            engine.queue_prefill_checkpoints(plan)
+            if previous is not None and any(req.grammar is not None for req in windows):
                 # the masks need the tokens in flight: read them while the device runs this step's forward
                 done, previous = previous, None
                 outputs += self.complete(done)
-            logits = self._masked(plan, fwd.logits)
-            tokens = self._draw_on_device(plan, logits)
-            flags = torch.stack([tokens, nonfinite_rows(logits).long()])
-            ready = None
-            if flags.is_cuda:
-                host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-                host.copy_(flags, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-            else:
-                host = flags
+            tokens, host, ready = self._sample(windows, fwd.logits)
         except Exception:
-            logger.exception("engine step failed; finishing %d requests with an error", len(plan.decode))
+            logger.exception("engine step failed; finishing %d requests with an error", len(plan.rows))
             engine.settle_runner(plan)
             self._failed_outputs += engine.fail_rows(plan)
         else:
-            self._inflight = InFlight(plan, fwd, tokens, host, ready)
+            self._inflight = InFlight(plan, fwd, windows, tokens, host, ready)
         if previous is not None:
             outputs += self.complete(previous)
         return outputs
 
+    def _sample(
+        self, windows: list[Request], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """Each window's token left on the device, and its host copy (with the non-finite flags) on its way."""
+        if not windows:
+            return logits.new_empty(0, dtype=torch.long), logits.new_empty((2, 0), dtype=torch.long, device="cpu"), None
+        logits = self._masked(windows, logits)
+        tokens = self._draw_on_device(windows, logits)
+        flags = torch.stack([tokens, nonfinite_rows(logits).long()])
+        if not flags.is_cuda:
+            return tokens, flags, None
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return tokens, host, ready
+
     @staticmethod
-    def _masked(plan: SchedulePlan, logits: torch.Tensor) -> torch.Tensor:
+    def _masked(windows: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """The logits with each constrained row masked by its grammar; rows whose request finished at the step
         before ride along unmasked (their token is dropped)."""
-        windows = [(row.req, i, 1, []) for i, row in enumerate(plan.decode) if not row.req.is_finished]
-        return grammar.mask_windows(windows, logits)
+        rows = [(req, i, 1, []) for i, req in enumerate(windows) if not req.is_finished]
+        return grammar.mask_windows(rows, logits)
 
-    def _draw_on_device(self, plan: SchedulePlan, logits: torch.Tensor) -> torch.Tensor:
+    def _draw_on_device(self, windows: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Each row's token, left on the device: the argmax, or a draw from the same distribution and the same
         random stream as the synchronous step's."""
-        if all(row.req.params.greedy for row in plan.decode):
+        if all(req.params.greedy for req in windows):
             return logits.argmax(dim=-1)
         sampler = self.engine.sampler
-        contexts = [self.engine.row_context(row.req, [], logits.device) for row in plan.decode]
+        contexts = [self.engine.row_context(req, [], logits.device) for req in windows]
         return sampler.draw_tokens(sampler.target_probs(logits, contexts), contexts)
 
     def complete(self, inflight: InFlight | SpecInFlight) -> list[EngineOutput]:
@@ -189,14 +234,15 @@ class OverlapScheduler:
         if isinstance(inflight, SpecInFlight):
             return self.spec.complete(inflight)
         engine = self.engine
+        if not inflight.windows:
+            return []
         try:
             tokens, has_nan = inflight.read()
         except Exception:
-            logger.exception("engine step failed; finishing %d requests with an error", len(inflight.plan.decode))
+            logger.exception("engine step failed; finishing %d requests with an error", len(inflight.windows))
             return engine.fail_rows(inflight.plan)
         outputs: list[EngineOutput] = []
-        for i, row in enumerate(inflight.plan.decode):
-            req = row.req
+        for i, req in enumerate(inflight.windows):
             if req.is_finished:
                 continue
             if has_nan[i]:
@@ -206,11 +252,19 @@ class OverlapScheduler:
         return outputs
 
 
-def _tokens_of(previous: InFlight, rows: list[ScheduledRow]) -> torch.Tensor:
-    """`previous`'s device tokens for `rows`, a subset of its rows in its order (rows that finished meanwhile are
-    left out)."""
-    if len(rows) == len(previous.plan.decode):
+def _tokens_of(previous: InFlight, rows: list[ScheduledRow]) -> torch.Tensor | None:
+    """The decode rows' input tokens on the device: a request that sampled in `previous` takes that token (still
+    on the device), any other row its last token known to the host (a prompt's last token fed as a window). None
+    when every row's token is on the host."""
+    position = {id(req): i for i, req in enumerate(previous.windows)}
+    index = [position.get(id(row.req), -1) for row in rows]
+    if all(i < 0 for i in index):
+        return None
+    if index == list(range(len(previous.windows))):
         return previous.tokens
-    position = {id(row.req): i for i, row in enumerate(previous.plan.decode)}
-    index = to_device(np.asarray([position[id(row.req)] for row in rows], dtype=np.int64), previous.tokens.device)
-    return previous.tokens[index]
+    source = previous.tokens
+    if any(i < 0 for i in index):
+        known = [row.req.last_token_id for row in rows]
+        source = torch.cat([source, to_device(np.asarray(known, dtype=np.int64), source.device)])
+        index = [i if i >= 0 else len(previous.windows) + j for j, i in enumerate(index)]
+    return source[to_device(np.asarray(index, dtype=np.int64), source.device)]

@@ -27,6 +27,7 @@ resumes at an earlier checkpoint (the one the hit itself resumed from) and prefi
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from lightllm.engine.batch import ModelRunnerProtocol
@@ -172,11 +173,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulePlan:
+    def schedule(self, held: Collection[Request] = ()) -> SchedulePlan:
+        """The next step's rows. `held`: running requests that get no row (their token in flight is their last:
+        they leave when it is read back); with any, nothing is preempted for lack of progress."""
         plan = SchedulePlan()
+        held = set(held)
         self._prompt_logit_rows_left = self.max_prompt_logit_rows
         free_kv = self.runner.num_free_kv_tokens()
-        decoding = [r for r in self.running if not r.is_prefilling or self.awaits_last_token(r)]
+        decoding = [
+            r for r in self.running if r not in held and (not r.is_prefilling or self.awaits_last_token(r))
+        ]
         # every decode row needs one KV token for its last token; preempt latest admissions until they fit
         while decoding and len(decoding) > free_kv:
             victim = max(self.running, key=lambda r: r.admit_seq)
@@ -207,7 +213,7 @@ class Scheduler:
                 budget -= chunk
                 free_kv -= chunk
         self._admit(plan, budget, free_kv)
-        if plan.is_empty and self.running:
+        if plan.is_empty and self.running and not held:
             # nothing could progress (prefills starved of KV): free the latest admission so the rest can move
             self._preempt(max(self.running, key=lambda r: r.admit_seq), plan)
         return plan

@@ -56,6 +56,8 @@ class PrefillRows:
     # [T] bool, only for one row padded to a fixed token count (a prefill replayed as a CUDA graph): its real
     # tokens come first, `cu_seqlens` ends at their count, and the padding tokens after them change no state
     padded_valid: torch.Tensor | None = None
+    # [chunks, 2] int64 `fla_prefill.chunk_index(cu_seqlens)`, built on the host (None: the kernels derive it)
+    chunk_indices: torch.Tensor | None = None
 
     @cached_property
     def chunk_cu_seqlens(self) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 from lightllm.cache.device_copy import to_device
 from lightllm.cache.kv_cache import KVCache, ragged_arange
 from lightllm.linear_att.base import DecodeRows, LinearAttState, PrefillRows
+from lightllm.linear_att.fla_prefill import chunk_index
 
 # prefill rows of one attention group times its longest context: bounds what a group gathers or pads at once (the
 # torch path's dense slot table and mask, MLA's expanded keys), while a step of many short prompts attends in one
@@ -194,6 +195,8 @@ def build_context(
                 slots=slots[:np_],
                 cu_seqlens=to_device(starts[: np_ + 1].astype(np.int32), device),
                 has_initial_state=to_device(cached[:np_] > 0, device),
+                # fla's kernels run on CUDA only
+                chunk_indices=to_device(chunk_index(starts[: np_ + 1]), device) if torch.device(device).type == "cuda" else None,
             )
         if num_decode:
             ctx.decode_rows = DecodeRows(

@@ -245,6 +245,7 @@ class ModelRunner(DeviceAcceptance):
         """Reserve a state slot and a KV row; the handle is the KV row index. With `prefix` (the request's
         tokens) the request resumes from the prefix cache or its host tier (`host_tokens`: see
         `RunnerPrefixCache.resume`): `num_tokens(handle)` tells how many are committed."""
+        self._flush_checkpoints()
         if self.kv.num_free_rows() == 0 or self.state.num_free_slots() == 0:
             raise RuntimeError("no free request slot")
         handle = self.kv.alloc_row()
@@ -265,6 +266,12 @@ class ModelRunner(DeviceAcceptance):
             self.drafter.kv.free_row(handle)
         if self.prefix_cache is not None:
             self.prefix_cache.release(handle)
+
+    def _flush_checkpoints(self) -> None:
+        """Write the prefix-cache checkpoints published since the last call (one export for all of them) before a
+        state slot or the checkpoint pool is read or written again."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
 
     def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
         """What `add_request(token_ids)` would resume from the prefix cache; changes nothing."""
@@ -290,6 +297,7 @@ class ModelRunner(DeviceAcceptance):
 
     def evict_prefix_cache(self) -> None:
         """Drop every prefix-cache entry no running request uses (tests, memory pressure)."""
+        self._flush_checkpoints()
         if self.prefix_cache is not None:
             self.prefix_cache.cache.evict()
 
@@ -341,6 +349,7 @@ class ModelRunner(DeviceAcceptance):
         self, handle: int, pack: Callable[[list[torch.Tensor]], list[TensorBlob]] | None = None
     ) -> RequestState:
         """See `ModelRunnerProtocol.export_request` (`lightllm.worker.transfer.request_state` says what moves)."""
+        self._flush_checkpoints()
         if self._pending is not None:
             raise RuntimeError("export between forward and accept: the state is not committed")
         if self._is_unsettled(self._requests[handle]):
@@ -363,6 +372,7 @@ class ModelRunner(DeviceAcceptance):
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one step (see `ModelRunnerProtocol.forward`). A step with decode rows must be followed by
         `accept` before the next forward."""
+        self._flush_checkpoints()
         if self._pending is not None:
             raise RuntimeError("accept() must be called after a step with decode rows before the next forward")
         reqs = [self._requests[h] for h in batch.req_handles]
@@ -610,9 +620,11 @@ class ModelRunner(DeviceAcceptance):
 
     # checkpoints (prefix cache, PD) ----------------------------------------------------------------------
     def export_checkpoint(self, handles: list[int]) -> Checkpoint:
+        self._flush_checkpoints()
         return self.state.export_checkpoint(self._state_slots(handles))
 
     def import_checkpoint(self, handles: list[int], checkpoint: Checkpoint) -> None:
+        self._flush_checkpoints()
         self.state.import_checkpoint(self._state_slots(handles), checkpoint)
 
     def _state_slots(self, handles: list[int]) -> torch.Tensor:

@@ -397,7 +397,7 @@ def case_state(shape: StateShape, mode: str, requests: int, w: int, projection: 
 
 def build_cases() -> list[Case]:
     cases = []
-    conv_p, conv_d = ("causal_conv_prefill_kernel",), ("causal_conv_decode_kernel",)
+    conv_p, conv_d = ("causal_conv_prefill_kernel", "causal_conv_prefill_tail_kernel"), ("causal_conv_decode_kernel",)
     native = ("serial_verify_kernel", "native_accept_kernel")
     compact = ("serial_verify_kernel", "compact_commit_kernel")
     replay_tail = ("replay_accept_kernel", "replay_fold_kernel")
@@ -407,8 +407,9 @@ def build_cases() -> list[Case]:
             cases.append(Case(family, s.name, detail, kernels, s.tiny, run))
 
         # packed prefill rows: lengths over / under the 16-token tile, empty and one-token rows, a row shorter than
-        # the conv history; the last row ends x with a length that is no multiple of 16
-        for lengths, wmax in (([17, 0, 29], 1), ([5, 0, 1, 37, 2, 16, 23], 4)):
+        # the conv history; the last row ends x with a length that is no multiple of 16; a long row beside short
+        # ones, its tiles spread over several programs
+        for lengths, wmax in (([17, 0, 29], 1), ([5, 0, 1, 37, 2, 16, 23], 4), ([1100, 0, 3], 2)):
             add(
                 "conv_prefill",
                 f"N={len(lengths)} lens={'-'.join(map(str, lengths))} Wmax={wmax}",

@@ -262,3 +262,38 @@ def test_teeth_rows_that_free_shared_slots_break_the_workload(monkeypatch):
     monkeypatch.setattr(KVCache, "set_shared", lambda self, row, n: None)
     with pytest.raises(AssertionError):
         _run_workload(mtp=False)
+
+
+def _brute_force_victim(cache: PrefixCache):
+    """The owner a full scan picks: least recently touched, the earliest stored among equals."""
+    return min(cache._owners.values(), key=lambda n: n.last_access)
+
+
+@pytest.mark.parametrize("touch_every", [1, 3])
+def test_eviction_picks_the_least_recently_used_checkpoint_like_a_full_scan(touch_every):
+    """Many requests publish into a small pool while earlier ones are touched by hits in between; before every
+    eviction the heap's victim is the full scan's. Twin: a heap that never refreshes touched owners disagrees."""
+    rng = random.Random(touch_every)
+    for refresh in (True, False):
+        cache = make_cache(num_checkpoints=6, capacity=4000, rows=4, max_len=40)
+        kv = cache.caches[0]
+        if not refresh:
+            # live entries by the access time they were pushed with, never refreshed
+            cache._least_recent_owner = lambda c=cache: min(e for e in c._by_access if c._owners.get(e[2]) is e[3])[3]
+        disagreements = 0
+        for i in range(120):
+            tokens = [rng.randrange(1, 6) for _ in range(rng.randrange(3, 8))] + [100 + i]
+            row = kv.alloc_row()
+            hit = cache.resume(row, tokens[:-1], len(tokens))
+            compute(cache, row, tokens, hit.num_tokens if hit else 0)
+            if cache.pool.num_free() == 0:
+                disagreements += cache._least_recent_owner() is not _brute_force_victim(cache)
+            cache.publish(row, tokens, marker(float(i)))
+            kv.free_row(row)
+            cache.release(row)
+            if i % touch_every == 0 and cache._owners:
+                cache.tree.touch(rng.choice(list(cache._owners.values())))
+        if refresh:
+            assert disagreements == 0 and cache.stats.num_checkpoints_evicted > 50
+        else:
+            assert disagreements > 0

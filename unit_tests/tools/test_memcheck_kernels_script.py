@@ -136,7 +136,7 @@ def test_a_kernel_reading_past_x_fails_its_case(monkeypatch, capsys):
         return real(x, conv, offset, slots, cu, *args, **kwargs)
 
     monkeypatch.setattr(ops, "causal_conv_prefill", one_token_too_many)
-    rc = _script().main(["--tiny-only", "--device", "cpu", "--cases", "conv_prefill/tiny-kda/N=3"])
+    rc = _script().main(["--tiny-only", "--device", "cpu", "--cases", "conv_prefill/tiny-kda/N=3 lens=17"])
     out = capsys.readouterr()
     assert rc == 1
     assert "outside every tensor argument" in out.out and "failures: 1" in out.out

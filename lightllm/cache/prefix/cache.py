@@ -16,6 +16,8 @@ the MTP row); it appends after them into private slots, so shared slots are neve
 
 from __future__ import annotations
 
+import heapq
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -69,6 +71,10 @@ class PrefixCache:
         self._held: dict[int, TreeNode] = {}
         # checkpoint slot -> its node
         self._owners: dict[int, TreeNode] = {}
+        # the owners by last access, for eviction: a heap of (access time when pushed, creation order, slot, node)
+        # whose stale entries (touched since, or no longer owning the slot) are fixed when they reach the top
+        self._by_access: list[tuple[int, int, int, TreeNode]] = []
+        self._num_owned = 0
         # called with a node about to lose its checkpoint, while its checkpoint and path KV are intact (the host
         # tier keeps a copy)
         self.on_drop: Callable[[TreeNode], None] | None = None
@@ -111,12 +117,13 @@ class PrefixCache:
         ckpt, hidden = self.pool.read(node.checkpoint)
         return Hit(depth, ckpt, hidden)
 
-    def publish(self, row: int, tokens: Sequence[int], export: Exporter) -> TreeNode | None:
+    def publish(self, row: int, tokens: Sequence[int], export: Exporter | None) -> TreeNode | None:
         """Insert the row's first `len(tokens)` committed tokens (`tokens`) with a checkpoint at their end.
 
         The tree adopts the row's slots for the tokens it lacks; where it already holds a token, the row's own
         duplicate slot is freed and the row points at the tree's. The row then shares (and locks) the whole
-        prefix. `export()` is called only when the node has no checkpoint yet. Returns the node when it got a new
+        prefix. `export()` is called only when the node has no checkpoint yet (None: the caller writes the returned
+        node's checkpoint slot itself, before the pool is read). Returns the node when it got a new
         checkpoint, else None."""
         n = len(tokens)
         kv = self.caches[0]
@@ -148,10 +155,10 @@ class PrefixCache:
         self.tree.touch(node)
         if node.checkpoint is None and self.pool.num_slots:
             slot = self._alloc_checkpoint()
-            ckpt, hidden = export()
-            self.pool.write(slot, ckpt, hidden)
-            node.checkpoint = slot
-            self._owners[slot] = node
+            if export is not None:
+                ckpt, hidden = export()
+                self.pool.write(slot, ckpt, hidden)
+            self._own(slot, node)
             self.stats.num_checkpoints_stored += 1
             return node
         return None
@@ -178,9 +185,30 @@ class PrefixCache:
 
         return reclaim
 
+    def _own(self, slot: int, node: TreeNode) -> None:
+        node.checkpoint = slot
+        self._owners[slot] = node
+        self._num_owned += 1
+        heapq.heappush(self._by_access, (node.last_access, self._num_owned, slot, node))
+        if len(self._by_access) > 2 * len(self._owners) + 64:
+            self._by_access = [e for e in self._by_access if self._owners.get(e[2]) is e[3]]
+            heapq.heapify(self._by_access)
+
+    def _least_recent_owner(self) -> TreeNode:
+        """The checkpoint owner touched longest ago (the earliest stored among equals), in O(log n) amortized."""
+        heap = self._by_access
+        while True:
+            access, order, slot, node = heap[0]
+            if self._owners.get(slot) is not node:
+                heapq.heappop(heap)
+            elif node.last_access != access:
+                heapq.heapreplace(heap, (node.last_access, order, slot, node))
+            else:
+                return node
+
     def _alloc_checkpoint(self) -> int:
         if self.pool.num_free() == 0:
-            victim = min(self._owners.values(), key=lambda n: n.last_access)
+            victim = self._least_recent_owner()
             self._drop_checkpoint(victim)
             self._prune(victim)
         return self.pool.alloc()

@@ -64,6 +64,13 @@ class CheckpointPool:
             assert hidden is not None, "this pool stores the MTP hidden state with every checkpoint"
             self.hidden[slot] = hidden.reshape(-1)
 
+    def write_many(self, slots: torch.Tensor, checkpoint: Checkpoint) -> None:
+        """Store checkpoint `i` of a batch (without MTP hidden states) in `slots[i]` (distinct slots, on the pool's
+        device), one copy per tensor."""
+        assert self.hidden is None, "this pool stores the MTP hidden state with every checkpoint"
+        self.conv.index_copy_(1, slots, checkpoint.conv.to(self.conv.dtype))
+        self.ssm.index_copy_(1, slots, checkpoint.ssm.to(self.ssm.dtype))
+
     def read(self, slot: int) -> tuple[Checkpoint, torch.Tensor | None]:
         """Views of `slot`: a one-request checkpoint and the `[1, hidden]` hidden state (None without MTP)."""
         ckpt = Checkpoint(conv=self.conv[:, slot : slot + 1], ssm=self.ssm[:, slot : slot + 1])

@@ -145,8 +145,12 @@ def _tap_source_strided(p_x, p_hist, pos, length, stride_x_t, m_c, has_init):
     return tl.where((pos >= 0)[:, None], b_x, b_h)
 
 
+# the programs a row's tiles spread over follows the batch's token count too
+PREFILL_VARYING_ARGS = (*BATCH_VARYING_ARGS, "NSEG")
+
+
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias"] is not None})
-@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
+@triton.jit(do_not_specialize=PREFILL_VARYING_ARGS)
 def causal_conv_prefill_kernel(
     x,
     conv,
@@ -161,14 +165,16 @@ def causal_conv_prefill_kernel(
     stride_conv_s,
     stride_conv_c,
     stride_y_t,
+    NSEG,
     C: tl.constexpr,
     KC: tl.constexpr,
     BC: tl.constexpr,
     BT: tl.constexpr,
-    BH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    i_c, i_n = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """y of the token tiles `i_s, i_s + NSEG, ...` of row `i_n`: a long row spreads over NSEG programs per channel
+    block. Reads the history, writes none of it (`causal_conv_prefill_tail_kernel` does, once every tile read it)."""
+    i_c, i_n, i_s = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
     slot = tl.load(slots + i_n).to(tl.int64)
@@ -185,7 +191,7 @@ def causal_conv_prefill_kernel(
         b_bias = tl.load(bias + o_c, mask=m_c, other=0).to(tl.float32)
     else:
         b_bias = tl.zeros([BC], dtype=tl.float32)
-    for t0 in range(0, length, BT):
+    for t0 in range(i_s * BT, length, NSEG * BT):
         o_tok = t0 + tl.arange(0, BT)
         b_acc = tl.zeros([BT, BC], dtype=tl.float32) + b_bias[None, :]
         for j in tl.static_range(KC):
@@ -196,12 +202,47 @@ def causal_conv_prefill_kernel(
         p_y = y + (bos + o_tok)[:, None] * stride_y_t + o_c[None, :]
         tl.store(p_y, _silu(b_acc).to(y.dtype.element_ty), mask=(o_tok < length)[:, None] & m_c[None, :])
 
-    # the last Kc - 1 inputs of [history | x] go back to the same columns (read all of them before writing)
+
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
+def causal_conv_prefill_tail_kernel(
+    x,
+    conv,
+    conv_offset,
+    slots,
+    cu_seqlens,
+    has_initial_state,
+    stride_x_t,
+    stride_conv_s,
+    stride_conv_c,
+    C: tl.constexpr,
+    KC: tl.constexpr,
+    BC: tl.constexpr,
+    BH: tl.constexpr,
+):
+    """The last Kc - 1 inputs of row `i_n`'s `[history | x]` back to its history columns (rows with no tokens keep
+    theirs)."""
+    i_c, i_n = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    slot = tl.load(slots + i_n).to(tl.int64)
+    has_init = tl.load(has_initial_state + i_n).to(tl.int1)
+    off = tl.load(conv_offset + slot).to(tl.int64)
+    HL: tl.constexpr = KC - 1
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    p_x = x + bos * stride_x_t + o_c[None, :]
+    p_hist = conv + slot * stride_conv_s + o_c[None, :] * stride_conv_c + off + HL
     o_j = tl.arange(0, BH)
     b_tail = _tap_source_strided(p_x, p_hist, length - HL + o_j, length, stride_x_t, m_c, has_init)  # [BH, BC]
+    # a row shorter than Kc - 1 reads part of its tail from the columns written here: all reads come first
     tl.debug_barrier()
     p_out = conv + slot * stride_conv_s + o_c[None, :] * stride_conv_c + off + o_j[:, None]
     tl.store(p_out, b_tail.to(conv.dtype.element_ty), mask=(o_j < HL)[:, None] & m_c[None, :] & (length > 0))
+
+
+# token tiles of the conv's prefill kernel, and how many tiles one of its programs takes at least
+CONV_PREFILL_TILE = 16
+CONV_PREFILL_TILES_PER_PROGRAM = 16
 
 
 def causal_conv_prefill_triton(
@@ -211,12 +252,53 @@ def causal_conv_prefill_triton(
 
     x `[T, C]`; conv `[S, C, Kc - 1 + Wmax - 1]` (in place: the last `Kc - 1` inputs of each non-empty row's
     `[history | x]` at columns `off .. off + Kc - 2`); cu_seqlens `[N + 1]`; has_initial_state `[N]` bool
-    (False: zero history). Returns y `[T, C]` in the dtype of x.
+    (False: zero history). Returns y `[T, C]` in the dtype of x. Each row's tiles spread over as many programs as
+    an average row of the batch fills (the row lengths stay on the device), then one launch writes the histories.
     """
     N = slots.shape[0]
     y, C, KC, BC = _launch_setup(x, conv, weight)
     if N == 0:
         return y
+    per_program = CONV_PREFILL_TILE * CONV_PREFILL_TILES_PER_PROGRAM
+    nseg = max(1, triton.cdiv(x.shape[0], N * per_program))
+    causal_conv_prefill_kernel[(triton.cdiv(C, BC), N, nseg)](
+        x,
+        conv,
+        conv_offset,
+        slots,
+        cu_seqlens,
+        weight,
+        bias,
+        has_initial_state,
+        y,
+        x.stride(0),
+        conv.stride(0),
+        conv.stride(1),
+        y.stride(0),
+        nseg,
+        C=C,
+        KC=KC,
+        BC=BC,
+        BT=CONV_PREFILL_TILE,
+        num_warps=4,
+    )
+    causal_conv_prefill_tail_kernel[(triton.cdiv(C, BC), N)](
+        x,
+        conv,
+        conv_offset,
+        slots,
+        cu_seqlens,
+        has_initial_state,
+        x.stride(0),
+        conv.stride(0),
+        conv.stride(1),
+        C=C,
+        KC=KC,
+        BC=BC,
+        BH=triton.next_power_of_2(max(KC - 1, 1)),
+        num_warps=4,
+    )
+    return y
     causal_conv_prefill_kernel[(triton.cdiv(C, BC), N)](
         x,
         conv,

@@ -157,7 +157,9 @@ class StateCommon:
         # prefill follows the device (fla on CUDA, torch on CPU) even when tests force the Triton decode kernels
         # a padded row runs as one sequence of all its tokens, without offsets a CUDA graph could not read
         cu_seqlens = None if valid is not None else rows.chunk_cu_seqlens
-        o, final = ops.chunk_delta_rule(q, k, v, g, beta, init, cu_seqlens, algorithm=self.spec.algorithm)
+        o, final = ops.chunk_delta_rule(
+            q, k, v, g, beta, init, cu_seqlens, algorithm=self.spec.algorithm, chunk_indices=rows.chunk_indices
+        )
         if valid is not None:
             # one row with at least one real token: no data-dependent selection (a host sync) needed
             self._ssm_prefill_write(layer, rows.slots, final)

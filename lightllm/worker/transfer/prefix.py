@@ -15,10 +15,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from lightllm.cache.device_copy import to_device
 from lightllm.cache.kv_cache import KVCache
 from lightllm.cache.prefix import CheckpointPool, PrefixCache, PrefixMatch
+from lightllm.cache.prefix.radix_tree import TreeNode
 from lightllm.linear_att.base import Checkpoint, LinearAttState
 from lightllm.worker.transfer.host_tier import RunnerHostTier
 
@@ -88,6 +91,8 @@ class RunnerPrefixCache:
         self.device = pool.device
         # the host tier behind this cache (`attach_host`), or None
         self.host: RunnerHostTier | None = None
+        # new checkpoints not exported yet: (pool slot, its node, the request's state slot), written by `flush`
+        self._unwritten: list[tuple[int, TreeNode, int]] = []
 
     def attach_host(self, host: RunnerHostTier) -> None:
         """Back this cache with the host tier: new checkpoints are copied there (when the arena says so: other
@@ -147,11 +152,30 @@ class RunnerPrefixCache:
         if self.drafter is not None:
             # the head's KV must hold the pair of every published token (prefill chunks leave them pending)
             self.drafter.commit_known_pairs(handle, req)
+        if held is None and self.drafter is None and self.host is None:
+            # exported with the other publishes before the state or the pool is next read or written (`flush`):
+            # one export and one pool write for all the checkpoints of a step instead of one each
+            node = self.cache.publish(handle, token_ids, None)
+            if node is not None:
+                self._unwritten.append((node.checkpoint, node, req.state_slot))
+            return
         node = self.cache.publish(
             handle, token_ids, (lambda: held) if held is not None else (lambda: self._export(req))
         )
         if node is not None and self.host is not None and self.host.write_through:
             self.host.save(node)
+
+    def flush(self) -> None:
+        """Export and store the checkpoints published since the last flush, in one batch. The runner calls it
+        before anything reads or writes a state slot or the pool (a forward, a new request, an export). A
+        checkpoint evicted meanwhile is left out (its pool slot may belong to a later one of the batch)."""
+        entries = [(slot, state_slot) for slot, node, state_slot in self._unwritten if node.checkpoint == slot]
+        self._unwritten = []
+        if not entries:
+            return
+        slots, state_slots = zip(*entries)
+        ckpt = self.state.export_checkpoint(to_device(np.asarray(state_slots, dtype=np.int32), self.device))
+        self.pool.write_many(to_device(np.asarray(slots, dtype=np.int64), self.device), ckpt)
 
     def release(self, handle: int) -> None:
         self.cache.release(handle)

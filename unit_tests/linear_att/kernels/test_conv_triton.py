@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.linear_att import ops
+from lightllm.linear_att.kernels import conv as conv_kernels
 from unit_tests.helpers.asserts import assert_rel_close
 
 # odd channel count: one partial channel block
@@ -100,6 +101,34 @@ def test_causal_conv_prefill(dtype, kc, nan_outputs):
         expected[:, off : off + hl] = stream[-hl:].T
         assert torch.equal(conv[slot], expected), f"row {i}: write-back is not the last Kc - 1 stream elements"
     assert torch.equal(conv[HOLD], before[HOLD]), "a slot outside the batch was written"
+
+
+@pytest.mark.parametrize("kc", [2, 4], ids=lambda k: f"Kc{k}")
+def test_causal_conv_prefill_long_row_over_many_programs(kc, monkeypatch, nan_outputs):
+    """A row much longer than the others spreads its token tiles over several programs (a grid-stride loop), the
+    histories written by a second launch once every tile has read them: outputs and buffers equal the torch twin
+    and a direct conv1d over the stream. Twin: the same rows with one history flag flipped differ."""
+    monkeypatch.setattr(conv_kernels, "CONV_PREFILL_TILES_PER_PROGRAM", 1)
+    gen = torch.Generator().manual_seed(31 * kc)
+    weight, bias, conv, offset = _params(kc, 3, torch.float32, gen)
+    slots = torch.tensor([2, 4, 0, 1], dtype=torch.int32)
+    lengths = [150, 0, 2, 37]
+    has = torch.tensor([True, True, False, True])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x = torch.randn(int(cu[-1]), C, generator=gen)
+    # 150 tokens are 10 tiles: each program of row 0 takes every third one or so
+    assert -(-x.shape[0] // (len(lengths) * conv_kernels.CONV_PREFILL_TILE)) >= 3
+    before, twin_conv = conv.clone(), conv.clone()
+    y = ops.causal_conv_prefill(x, conv, offset, slots, cu, weight, bias, has, backend="triton")
+    y_twin = ops.causal_conv_prefill(x, twin_conv, offset, slots, cu, weight, bias, has, backend="torch")
+    assert_rel_close("y vs twin", y, y_twin, MAX_REL[torch.float32])
+    assert torch.equal(conv, twin_conv), "window buffer differs from the twin"
+    hist = before[2, :, offset[2] : offset[2] + kc - 1].T
+    stream = torch.cat([hist, x[:150]])
+    assert_rel_close("long row vs conv1d", y[:150], _conv_stream(stream, weight, bias), MAX_REL[torch.float32])
+    flipped = before.clone()
+    y_flipped = ops.causal_conv_prefill(x, flipped, offset, slots, cu, weight, bias, ~has, backend="triton")
+    assert not torch.allclose(y_flipped[:150], y[:150])
 
 
 @pytest.mark.parametrize("max_width", [2, 4], ids=lambda w: f"W{w}")
