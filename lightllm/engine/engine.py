@@ -4,8 +4,8 @@ Keep this file minimal: features (speculation strategies, scheduling policy, sam
 and are chosen at start-up. The engine never looks at the state mode; every state decision goes through the
 runner (`forward`, `accept`, `free_request`).
 
-Overlap scheduling (a plain decode step left in flight while the host prepares the next) is `overlap.py`; MTP
-verify steps left in flight the same way are `spec_overlap.py`.
+Overlap scheduling (a step left in flight while the host reads the one before and plans the next) is
+`overlap.py`; MTP verify steps left in flight the same way are `spec_overlap.py`.
 """
 
 from __future__ import annotations

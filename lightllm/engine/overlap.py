@@ -79,7 +79,9 @@ def chained_plan(inflight: InFlight | SpecInFlight) -> SchedulePlan:
 def sampling_rows(plan: SchedulePlan) -> list[Request]:
     """The requests that sample a token in `plan`, in the order of the step's logits rows: prefill rows whose chunk
     ends the prefill, then every decode row (one-token windows)."""
-    ends = [row.req for row in plan.prefill if row.req.num_computed_tokens + row.num_tokens == row.req.num_prefill_tokens]
+    ends = [
+        row.req for row in plan.prefill if row.req.num_computed_tokens + row.num_tokens == row.req.num_prefill_tokens
+    ]
     return ends + [row.req for row in plan.decode]
 
 
@@ -120,7 +122,8 @@ class OverlapScheduler:
             engine.overlap_schedule
             and all(row.num_tokens == 1 and not row.req.params.has_penalties for row in plan.decode)
             and not any(
-                row.req.params.has_penalties or engine.asks_prompt_logits(row.req, row.num_tokens) for row in plan.prefill
+                row.req.params.has_penalties or engine.asks_prompt_logits(row.req, row.num_tokens)
+                for row in plan.prefill
             )
         )
 

@@ -180,9 +180,7 @@ class Scheduler:
         held = set(held)
         self._prompt_logit_rows_left = self.max_prompt_logit_rows
         free_kv = self.runner.num_free_kv_tokens()
-        decoding = [
-            r for r in self.running if r not in held and (not r.is_prefilling or self.awaits_last_token(r))
-        ]
+        decoding = [r for r in self.running if r not in held and (not r.is_prefilling or self.awaits_last_token(r))]
         # every decode row needs one KV token for its last token; preempt latest admissions until they fit
         while decoding and len(decoding) > free_kv:
             victim = max(self.running, key=lambda r: r.admit_seq)

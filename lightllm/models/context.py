@@ -196,7 +196,9 @@ def build_context(
                 cu_seqlens=to_device(starts[: np_ + 1].astype(np.int32), device),
                 has_initial_state=to_device(cached[:np_] > 0, device),
                 # fla's kernels run on CUDA only
-                chunk_indices=to_device(chunk_index(starts[: np_ + 1]), device) if torch.device(device).type == "cuda" else None,
+                chunk_indices=to_device(chunk_index(starts[: np_ + 1]), device)
+                if torch.device(device).type == "cuda"
+                else None,
             )
         if num_decode:
             ctx.decode_rows = DecodeRows(

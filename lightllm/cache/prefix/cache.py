@@ -17,7 +17,6 @@ the MTP row); it appends after them into private slots, so shared slots are neve
 from __future__ import annotations
 
 import heapq
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
