@@ -26,6 +26,8 @@ The torch fallback (and the only CPU implementation) is the SDPA path in `lightl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -179,14 +181,26 @@ def _max_tile_tokens(group: int) -> int:
     return max(1, 64 // group)
 
 
-def _tile(max_query_len: int, group: int, bk: int) -> tuple[int, int, int]:
-    """(BT tokens per tile, BM = padded BT * GROUP tile rows, BN keys per block). BT is a power of two (or the
-    largest tile): a handful of compiled variants serve every query length; a decode window fits in one tile."""
+@dataclass(frozen=True)
+class Tile:
+    """One launch shape: BT query tokens per tile (BM = BT * GROUP padded tile rows), BN keys per block, warps and
+    pipeline stages."""
+
+    bt: int
+    bm: int
+    bn: int
+    num_warps: int
+    num_stages: int
+
+
+def _tile(max_query_len: int, group: int, bk: int) -> Tile:
+    """The launch shape for query length `max_query_len`. BT is a power of two (or the largest tile): a handful of
+    compiled variants serve every query length; a decode window fits in one tile."""
     bt = min(triton.next_power_of_2(max(1, max_query_len)), _max_tile_tokens(group))
     bm = max(16, triton.next_power_of_2(bt * group))
     # large heads (Dk = 256) keep the [BK, BN] key block and [BM, BV] accumulator within registers
     bn = 32 if bk > 128 else 64
-    return bt, bm, bn
+    return Tile(bt, bm, bn, num_warps=8 if bk > 128 else 4, num_stages=2)
 
 
 def paged_attention(
@@ -203,6 +217,7 @@ def paged_attention(
     table_rows: torch.Tensor | None = None,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """Causal attention of each row's new tokens over its cached prefix and itself, through the slot table.
 
@@ -227,7 +242,8 @@ def paged_attention(
     group = h // hk
     # tensor-core dots need every dimension >= 16; padded head dims are masked on load and store
     bk, bv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
-    bt, bm, bn = _tile(max_query_len, group, bk)
+    tile = tile or _tile(max_query_len, group, max(bk, bv))
+    bt, bm, bn = tile.bt, tile.bm, tile.bn
     m_tiles = triton.cdiv(max_query_len, bt)
     if num_splits is None:
         num_splits = (
@@ -271,8 +287,8 @@ def paged_attention(
         BV=bv,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SPLIT=num_splits > 1,
-        num_warps=8 if max(bk, bv) > 128 else 4,
-        num_stages=2,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     if num_splits > 1:
         combine_splits(o_part, ml_part, out, query_start, query_len, max_query_len, num_splits)
@@ -293,7 +309,7 @@ def warmup_paged_attention(
     scratch tensors, so no serving step compiles one; returns the launch count. `table_rows`: whether the caller
     addresses the KV cache's request table by row (the pool path) or passes its own table (gathered KV)."""
     group = heads // kv_heads
-    bn = _tile(1, group, max(16, triton.next_power_of_2(dk)))[2]
+    bn = _tile(1, group, max(16, triton.next_power_of_2(max(dk, dv)))).bn
     cached = 2 * bn  # two key blocks: a split launch has something to split
     launches = 0
     for query_len in tile_query_lengths(group):

@@ -102,9 +102,9 @@ def main() -> None:
             torch.manual_seed(0)
             inputs = make_inputs(shape, cached, new, rows, dtype, device)
             ctx, scale = cached + new, dk**-0.5
-            bt, _, bn = kernel._tile(new, heads // kv_heads, max(16, triton.next_power_of_2(dk)))
-            programs = triton.cdiv(new, bt) * rows * kv_heads
-            splits = kernel.num_context_splits(programs, ctx, bn, device) if device.type == "cuda" else 3
+            tile = kernel._tile(new, heads // kv_heads, max(16, triton.next_power_of_2(max(dk, shape[3]))))
+            programs = triton.cdiv(new, tile.bt) * rows * kv_heads
+            splits = kernel.num_context_splits(programs, ctx, tile.bn, device) if device.type == "cuda" else 3
             whole, split = launch(inputs, scale, new, ctx, 1), launch(inputs, scale, new, ctx, splits)
             diff = (whole().float() - split().float()).abs().max().item()
             assert diff < (2e-2 if dtype == torch.bfloat16 else 1e-4), f"{shape_name} {case}: outputs differ by {diff}"

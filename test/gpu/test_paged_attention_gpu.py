@@ -45,9 +45,9 @@ def test_split_context_on_gpu_matches_reference(shape, rows, dtype):
     heads, kv_heads, dk, dv = SHAPES[shape]
     cached, q_lens = SPLIT_ROWS[rows]
     longest = max(c + n for c, n in zip(cached, q_lens))
-    bt, _, bn = kernel._tile(max(q_lens), heads // kv_heads, max(16, triton.next_power_of_2(dk)))
-    programs = -(-max(q_lens) // bt) * len(q_lens) * kv_heads
-    assert kernel.num_context_splits(programs, longest, bn, torch.device("cuda")) > 1
+    tile = kernel._tile(max(q_lens), heads // kv_heads, max(16, triton.next_power_of_2(max(dk, dv))))
+    programs = -(-max(q_lens) // tile.bt) * len(q_lens) * kv_heads
+    assert kernel.num_context_splits(programs, longest, tile.bn, torch.device("cuda")) > 1
     k_pool, v_pool, slots = scattered_pool(cached, q_lens, kv_heads, dk, dv, dtype, seed=11)
     q = torch.randn(sum(q_lens), heads, dk, generator=torch.Generator().manual_seed(12)).to(dtype)
     out = _run_on_cuda(q, k_pool, v_pool, slots, cached, q_lens, dk**-0.5, max_context_len=longest)
