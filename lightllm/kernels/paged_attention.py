@@ -176,9 +176,10 @@ def paged_attention_kernel(
     )
 
 
-def _max_tile_tokens(group: int) -> int:
-    # ~64 (token, head) rows per prefill tile
-    return max(1, 64 // group)
+def _max_tile_tokens(group: int, bk: int) -> int:
+    """Query tokens of the largest (prefill) tile: ~128 (token, head) rows for heads of 256 dims (on the H200 a
+    128-row tile with 64-key blocks ran a long causal chunk at 2.6x the 64-row tile's rate), ~64 otherwise."""
+    return max(1, (128 if bk > 128 else 64) // group)
 
 
 @dataclass(frozen=True)
@@ -194,13 +195,18 @@ class Tile:
 
 
 def _tile(max_query_len: int, group: int, bk: int) -> Tile:
-    """The launch shape for query length `max_query_len`. BT is a power of two (or the largest tile): a handful of
-    compiled variants serve every query length; a decode window fits in one tile."""
-    bt = min(triton.next_power_of_2(max(1, max_query_len)), _max_tile_tokens(group))
+    """The launch shape for query length `max_query_len` (`bk`: the padded head dim). BT is a power of two (or the
+    largest tile): a handful of compiled variants serve every query length; a decode window fits in one tile."""
+    largest = _max_tile_tokens(group, bk)
+    bt = min(triton.next_power_of_2(max(1, max_query_len)), largest)
     bm = max(16, triton.next_power_of_2(bt * group))
-    # large heads (Dk = 256) keep the [BK, BN] key block and [BM, BV] accumulator within registers
-    bn = 32 if bk > 128 else 64
-    return Tile(bt, bm, bn, num_warps=8 if bk > 128 else 4, num_stages=2)
+    if bk <= 128:
+        return Tile(bt, bm, 64, num_warps=4, num_stages=2)
+    if bt == largest and bm >= 128:
+        # prefill chunks of large heads: 64-key blocks fit beside the 128-row tile in two stages
+        return Tile(bt, bm, 64, num_warps=8, num_stages=2)
+    # decode windows of large heads keep the [BK, BN] key block and [BM, BV] accumulator within registers
+    return Tile(bt, bm, 32, num_warps=8, num_stages=2)
 
 
 def paged_attention(
@@ -295,10 +301,10 @@ def paged_attention(
     return out
 
 
-def tile_query_lengths(group: int) -> list[int]:
+def tile_query_lengths(group: int, bk: int) -> list[int]:
     """One query length per tile variant a launch can take (`_tile`): the powers of two below the largest tile,
     and the largest tile."""
-    largest = _max_tile_tokens(group)
+    largest = _max_tile_tokens(group, bk)
     return [1 << i for i in range(largest.bit_length()) if 1 << i < largest] + [largest]
 
 
@@ -309,10 +315,11 @@ def warmup_paged_attention(
     scratch tensors, so no serving step compiles one; returns the launch count. `table_rows`: whether the caller
     addresses the KV cache's request table by row (the pool path) or passes its own table (gathered KV)."""
     group = heads // kv_heads
-    bn = _tile(1, group, max(16, triton.next_power_of_2(max(dk, dv)))).bn
-    cached = 2 * bn  # two key blocks: a split launch has something to split
+    bk = max(16, triton.next_power_of_2(max(dk, dv)))
+    # two key blocks of the widest: a split launch has something to split
+    cached = 2 * max(_tile(n, group, bk).bn for n in tile_query_lengths(group, bk))
     launches = 0
-    for query_len in tile_query_lengths(group):
+    for query_len in tile_query_lengths(group, bk):
         total = cached + query_len
         q = torch.randn(query_len, heads, dk, device=device).to(dtype)
         k_pool = torch.randn(total, kv_heads, dk, device=device).to(dtype)
