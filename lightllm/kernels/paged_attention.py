@@ -176,10 +176,11 @@ def paged_attention_kernel(
     )
 
 
-def _max_tile_tokens(group: int, bk: int) -> int:
-    """Query tokens of the largest (prefill) tile: ~128 (token, head) rows for heads of 256 dims (on the H200 a
-    128-row tile with 64-key blocks ran a long causal chunk at 2.6x the 64-row tile's rate), ~64 otherwise."""
-    return max(1, (128 if bk > 128 else 64) // group)
+def _max_tile_tokens(group: int, bk: int, itemsize: int) -> int:
+    """Query tokens of the largest (prefill) tile: ~128 (token, head) rows for 16-bit heads of 256 dims (on the
+    H200 a 128-row tile with 64-key blocks ran a long causal chunk at 2.6x the 64-row tile's rate; fp32 operands
+    of that tile would not fit in shared memory), ~64 otherwise."""
+    return max(1, (128 if bk > 128 and itemsize <= 2 else 64) // group)
 
 
 @dataclass(frozen=True)
@@ -194,15 +195,16 @@ class Tile:
     num_stages: int
 
 
-def _tile(max_query_len: int, group: int, bk: int) -> Tile:
-    """The launch shape for query length `max_query_len` (`bk`: the padded head dim). BT is a power of two (or the
-    largest tile): a handful of compiled variants serve every query length; a decode window fits in one tile."""
-    largest = _max_tile_tokens(group, bk)
+def _tile(max_query_len: int, group: int, bk: int, itemsize: int) -> Tile:
+    """The launch shape for query length `max_query_len` (`bk`: the padded head dim; `itemsize`: bytes per q / K /
+    V element). BT is a power of two (or the largest tile): a handful of compiled variants serve every query
+    length; a decode window fits in one tile."""
+    largest = _max_tile_tokens(group, bk, itemsize)
     bt = min(triton.next_power_of_2(max(1, max_query_len)), largest)
     bm = max(16, triton.next_power_of_2(bt * group))
     if bk <= 128:
         return Tile(bt, bm, 64, num_warps=4, num_stages=2)
-    if bt == largest and bm >= 128:
+    if bt == largest and bm >= 128 and itemsize <= 2:
         # prefill chunks of large heads: 64-key blocks fit beside the 128-row tile in two stages
         return Tile(bt, bm, 64, num_warps=8, num_stages=2)
     # decode windows of large heads keep the [BK, BN] key block and [BM, BV] accumulator within registers
@@ -248,7 +250,7 @@ def paged_attention(
     group = h // hk
     # tensor-core dots need every dimension >= 16; padded head dims are masked on load and store
     bk, bv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
-    tile = tile or _tile(max_query_len, group, max(bk, bv))
+    tile = tile or _tile(max_query_len, group, max(bk, bv), q.element_size())
     bt, bm, bn = tile.bt, tile.bm, tile.bn
     m_tiles = triton.cdiv(max_query_len, bt)
     if num_splits is None:
@@ -301,10 +303,10 @@ def paged_attention(
     return out
 
 
-def tile_query_lengths(group: int, bk: int) -> list[int]:
+def tile_query_lengths(group: int, bk: int, itemsize: int) -> list[int]:
     """One query length per tile variant a launch can take (`_tile`): the powers of two below the largest tile,
     and the largest tile."""
-    largest = _max_tile_tokens(group, bk)
+    largest = _max_tile_tokens(group, bk, itemsize)
     return [1 << i for i in range(largest.bit_length()) if 1 << i < largest] + [largest]
 
 
@@ -315,11 +317,11 @@ def warmup_paged_attention(
     scratch tensors, so no serving step compiles one; returns the launch count. `table_rows`: whether the caller
     addresses the KV cache's request table by row (the pool path) or passes its own table (gathered KV)."""
     group = heads // kv_heads
-    bk = max(16, triton.next_power_of_2(max(dk, dv)))
+    bk, itemsize = max(16, triton.next_power_of_2(max(dk, dv))), dtype.itemsize
     # two key blocks of the widest: a split launch has something to split
-    cached = 2 * max(_tile(n, group, bk).bn for n in tile_query_lengths(group, bk))
+    cached = 2 * max(_tile(n, group, bk, itemsize).bn for n in tile_query_lengths(group, bk, itemsize))
     launches = 0
-    for query_len in tile_query_lengths(group, bk):
+    for query_len in tile_query_lengths(group, bk, itemsize):
         total = cached + query_len
         q = torch.randn(query_len, heads, dk, device=device).to(dtype)
         k_pool = torch.randn(total, kv_heads, dk, device=device).to(dtype)

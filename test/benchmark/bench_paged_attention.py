@@ -102,7 +102,8 @@ def main() -> None:
             torch.manual_seed(0)
             inputs = make_inputs(shape, cached, new, rows, dtype, device)
             ctx, scale = cached + new, dk**-0.5
-            tile = kernel._tile(new, heads // kv_heads, max(16, triton.next_power_of_2(max(dk, shape[3]))))
+            bk = max(16, triton.next_power_of_2(max(dk, shape[3])))
+            tile = kernel._tile(new, heads // kv_heads, bk, dtype.itemsize)
             programs = triton.cdiv(new, tile.bt) * rows * kv_heads
             splits = kernel.num_context_splits(programs, ctx, tile.bn, device) if device.type == "cuda" else 3
             whole, split = launch(inputs, scale, new, ctx, 1), launch(inputs, scale, new, ctx, splits)

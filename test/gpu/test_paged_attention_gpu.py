@@ -45,7 +45,7 @@ def test_split_context_on_gpu_matches_reference(shape, rows, dtype):
     heads, kv_heads, dk, dv = SHAPES[shape]
     cached, q_lens = SPLIT_ROWS[rows]
     longest = max(c + n for c, n in zip(cached, q_lens))
-    tile = kernel._tile(max(q_lens), heads // kv_heads, max(16, triton.next_power_of_2(max(dk, dv))))
+    tile = kernel._tile(max(q_lens), heads // kv_heads, max(16, triton.next_power_of_2(max(dk, dv))), dtype.itemsize)
     programs = -(-max(q_lens) // tile.bt) * len(q_lens) * kv_heads
     assert kernel.num_context_splits(programs, longest, tile.bn, torch.device("cuda")) > 1
     k_pool, v_pool, slots = scattered_pool(cached, q_lens, kv_heads, dk, dv, dtype, seed=11)

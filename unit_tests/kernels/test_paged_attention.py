@@ -102,18 +102,18 @@ def test_paged_attention_matches_masked_softmax(rows, heads, dtype):
 
 @pytest.mark.parametrize("rows", [([0], [40]), ([70], [21]), ([5, 0], [3, 33])], ids=["chunk", "after-prefix", "mixed"])
 def test_large_head_prefill_tile_matches_masked_softmax(rows):
-    """Heads of 256 dims (Qwen3.5's attention, GQA 8) take the 128-row prefill tile with 64-key blocks: chunks
-    longer than one tile, after a prefix longer than one key block, beside a short row."""
+    """16-bit heads of 256 dims (Qwen3.5's attention, GQA 8) take the 128-row prefill tile with 64-key blocks:
+    chunks longer than one tile, after a prefix longer than one key block, beside a short row."""
     from lightllm.kernels.paged_attention import _tile
 
     cached, q_lens = rows
     h, hk, dk = 16, 2, 256
-    assert _tile(max(q_lens), h // hk, dk).bm == 128
-    k_pool, v_pool, slots = scattered_pool(cached, q_lens, hk, dk, dk, torch.float32, seed=sum(q_lens))
-    q = torch.randn(sum(q_lens), h, dk, generator=torch.Generator().manual_seed(3)).to(torch.float32)
+    assert _tile(max(q_lens), h // hk, dk, torch.float16.itemsize).bm == 128
+    k_pool, v_pool, slots = scattered_pool(cached, q_lens, hk, dk, dk, torch.float16, seed=sum(q_lens))
+    q = torch.randn(sum(q_lens), h, dk, generator=torch.Generator().manual_seed(3)).to(torch.float16)
     out = run_kernel(q, k_pool, v_pool, slots, cached, q_lens, 1 / 16)
     expected = expected_rows(q, k_pool, v_pool, slots, cached, q_lens, 1 / 16)
-    assert_rel_close("paged_attention 256-dim heads", out, expected, MAX_REL[torch.float32])
+    assert_rel_close("paged_attention 256-dim heads", out, expected, MAX_REL[torch.float16])
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
@@ -233,17 +233,18 @@ def test_model_forward_triton_attention_equals_torch(tiny_model, arch):
     assert_rel_close(f"{arch} logits", logits["triton"], logits["torch"], 1e-5)
 
 
+@pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("bk", [128, 256])
 @pytest.mark.parametrize("group", [1, 3, 8])
-def test_a_few_tile_variants_serve_every_query_length(group, bk):
+def test_a_few_tile_variants_serve_every_query_length(group, bk, itemsize):
     """Query lengths 1..2000 map to the tile variants `tile_query_lengths` lists (what the warm-up compiles): the
     powers of two below the largest tile and the largest tile, a handful instead of one per length."""
     from lightllm.kernels.paged_attention import _tile, tile_query_lengths
 
-    variants = {_tile(n, group, bk) for n in range(1, 2001)}
-    warmed = {_tile(n, group, bk) for n in tile_query_lengths(group, bk)}
+    variants = {_tile(n, group, bk, itemsize) for n in range(1, 2001)}
+    warmed = {_tile(n, group, bk, itemsize) for n in tile_query_lengths(group, bk, itemsize)}
     assert variants == warmed
-    assert len(variants) <= ((128 if bk > 128 else 64) // group).bit_length() + 1
+    assert len(variants) <= ((128 if bk > 128 and itemsize == 2 else 64) // group).bit_length() + 1
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])
@@ -258,5 +259,5 @@ def test_attention_warmup_runs_each_layer_shape(tiny_model, arch):
     for heads, kv_heads, dk, dv, by_row in shapes:
         launches = warmup_paged_attention(heads, kv_heads, dk, dv, torch.float32, "cpu", by_row)
         bk = max(16, 1 << (max(dk, dv) - 1).bit_length())
-        assert launches == 2 * len(tile_query_lengths(heads // kv_heads, bk))
+        assert launches == 2 * len(tile_query_lengths(heads // kv_heads, bk, torch.float32.itemsize))
     assert runner.warmup_attention() == 0  # on the CPU nothing is compiled
