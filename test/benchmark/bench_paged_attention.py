@@ -3,6 +3,7 @@ programs to fill the GPU) against one program per query tile, in one run, at the
 
     python test/benchmark/bench_paged_attention.py           # CUDA: a table of microseconds per launch
     python test/benchmark/bench_paged_attention.py --device cpu --iters 1   # interpreter smoke run, tiny contexts
+    python test/benchmark/bench_paged_attention.py --sweep   # launch shapes of a long prefill chunk, TFLOP/s each
 
 Rows: a prefix-cache hit (a short prompt chunk after a long cached prefix), decode and verify batches over long
 contexts, and launches that already fill the GPU (a long prefill chunk, a large decode batch), where both columns
@@ -56,12 +57,61 @@ def make_inputs(shape, cached, new, rows, dtype, device):
     return q, k_pool, v_pool, slots, starts, lens, prefix
 
 
-def launch(inputs, scale, new, ctx, splits):
+def launch(inputs, scale, new, ctx, splits, tile=None):
     q, k_pool, v_pool, slots, starts, lens, prefix = inputs
     out = torch.empty(q.shape[0], q.shape[1], v_pool.shape[-1], dtype=q.dtype, device=q.device)
     return lambda: kernel.paged_attention(
-        q, k_pool, v_pool, slots, starts, lens, prefix, scale, new, out, max_context_len=ctx, num_splits=splits
+        q,
+        k_pool,
+        v_pool,
+        slots,
+        starts,
+        lens,
+        prefix,
+        scale,
+        new,
+        out,
+        max_context_len=ctx,
+        num_splits=splits,
+        tile=tile,
     )
+
+
+# a long prefill chunk over no prefix and over a prefix as long as itself
+SWEEP_CASES = {"chunk 8192 @0": (0, 8192, 1), "chunk 8192 @8192": (8192, 8192, 1)}
+
+
+def sweep(dtype, device, iters: int) -> None:
+    """Every launch shape of the sweep's grid at Qwen3.5's attention heads, per long-chunk case: milliseconds and
+    TFLOP/s of the causal work, checked against the default shape's output first; shapes that do not fit the GPU
+    (shared memory) say so."""
+    shape = SHAPES["qwen3.5-attention"]
+    heads, kv_heads, dk, dv = shape
+    group = heads // kv_heads
+    print(f"default tile of a long chunk: {kernel._tile(8192, group, dk, dtype.itemsize)}\n")
+    print("| case | tokens / tile | keys / block | warps | stages | ms | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
+    for case, (cached, new, rows) in SWEEP_CASES.items():
+        torch.manual_seed(0)
+        inputs = make_inputs(shape, cached, new, rows, dtype, device)
+        ctx, scale = cached + new, dk**-0.5
+        reference = launch(inputs, scale, new, ctx, 1)()
+        flops = 4 * new * (cached + new / 2) * dk * heads * rows
+        for bt in (64 // group, 128 // group):
+            for bn, warps, stages in ((32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 8, 2), (64, 8, 3)):
+                tile = kernel.Tile(bt, max(16, bt * group), bn, warps, stages)
+                fn = launch(inputs, scale, new, ctx, 1, tile)
+                try:
+                    diff = (fn().float() - reference.float()).abs().max().item()
+                except triton.runtime.errors.OutOfResources as e:
+                    print(f"| {case} | {bt} | {bn} | {warps} | {stages} | does not fit: {str(e)[:60]} | |")
+                    continue
+                assert diff < 2e-2, f"{case} {tile}: outputs differ by {diff}"
+                us = time_us(fn, iters)
+                print(
+                    f"| {case} | {bt} | {bn} | {warps} | {stages} | {us / 1000:.2f} | {flops / us / 1e6:.0f} |",
+                    flush=True,
+                )
 
 
 def time_us(fn, iters: int) -> float:
@@ -88,9 +138,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--sweep", action="store_true", help="time launch shapes of a long prefill chunk (CUDA)")
     a = p.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if a.sweep:
+        sweep(dtype, device, a.iters)
+        return
     cases = CASES if device.type == "cuda" else TINY
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"paged attention, {gpu}, {dtype}; us per launch (median of {a.iters} graph replays of 20 launches)\n")
