@@ -96,3 +96,34 @@ def test_capacity_report_names_the_binding_limit():
     report = engine.capacity_report()
     assert report.startswith("up to 6 concurrent requests")
     assert "4 full-length requests fit at once, limited by KV tokens (1000) / max_req_total_len (250)" in report
+
+
+def test_held_requests_get_no_row_and_cost_no_preemption():
+    """A running request whose token in flight is its last (`held`) gets no row while the others are scheduled as
+    usual; a plan left empty by held requests preempts nobody. Twin: without `held` the same request gets its
+    decode row."""
+    from lightllm.engine.request import Request
+    from lightllm.engine.scheduler import Scheduler
+
+    runner = FakeRunner(max_requests=4, kv_tokens=100)
+    sched = Scheduler(runner, max_running_requests=4, token_budget=16, max_width=1)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    a, b, c = (Request(rid, [1, 2, 3], params, frozenset(), 4) for rid in "ABC")
+    for req in (a, b):
+        sched.add(req)
+    plan = sched.schedule()
+    assert [row.req for row in plan.prefill] == [a, b]
+    for req in (a, b):
+        req.num_computed_tokens = req.num_prefill_tokens
+        req.output_ids.append(7)
+    sched.add(c)
+    plan = sched.schedule(held=[a])
+    assert [row.req for row in plan.decode] == [b] and [row.req for row in plan.prefill] == [c]
+    twin = Scheduler(runner, max_running_requests=4, token_budget=16, max_width=1)
+    twin.running = [a, b]
+    assert [row.req for row in twin.schedule().decode] == [a, b]
+    # only a held request and nothing else to do: an empty plan, nobody sent back to the queue
+    lone = Scheduler(runner, max_running_requests=4, token_budget=16, max_width=1)
+    lone.running = [a]
+    plan = lone.schedule(held=[a])
+    assert plan.is_empty and not plan.preempted and lone.running == [a]
