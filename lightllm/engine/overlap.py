@@ -139,7 +139,7 @@ class OverlapScheduler:
         if engine.runner.num_free_kv_tokens() < len(sched.running):
             return None
         last = [req for req in inflight.windows if not req.is_finished and req.num_remaining_tokens < 2]
-        return sched.schedule(held=last)
+        return sched.schedule(held=last, may_preempt=False)
 
     def can_chain(self, inflight: InFlight | SpecInFlight) -> bool:
         """Whether the next step is the in-flight step's running rows again (those that finished are left out), one

@@ -173,16 +173,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, held: Collection[Request] = ()) -> SchedulePlan:
+    def schedule(self, held: Collection[Request] = (), may_preempt: bool = True) -> SchedulePlan:
         """The next step's rows. `held`: running requests that get no row (their token in flight is their last:
-        they leave when it is read back); with any, nothing is preempted for lack of progress."""
+        they leave when it is read back). Without `may_preempt` nobody is sent back to the queue (a step is in
+        flight: its rows' tokens are not read yet); the plan is then what fits without it, possibly empty."""
         plan = SchedulePlan()
         held = set(held)
         self._prompt_logit_rows_left = self.max_prompt_logit_rows
         free_kv = self.runner.num_free_kv_tokens()
         decoding = [r for r in self.running if r not in held and (not r.is_prefilling or self.awaits_last_token(r))]
         # every decode row needs one KV token for its last token; preempt latest admissions until they fit
-        while decoding and len(decoding) > free_kv:
+        while may_preempt and decoding and len(decoding) > free_kv:
             victim = max(self.running, key=lambda r: r.admit_seq)
             if victim in decoding:
                 decoding.remove(victim)
@@ -211,7 +212,7 @@ class Scheduler:
                 budget -= chunk
                 free_kv -= chunk
         self._admit(plan, budget, free_kv)
-        if plan.is_empty and self.running and not held:
+        if plan.is_empty and self.running and may_preempt:
             # nothing could progress (prefills starved of KV): free the latest admission so the rest can move
             self._preempt(max(self.running, key=lambda r: r.admit_seq), plan)
         return plan

@@ -122,8 +122,15 @@ def test_held_requests_get_no_row_and_cost_no_preemption():
     twin = Scheduler(runner, max_running_requests=4, token_budget=16, max_width=1)
     twin.running = [a, b]
     assert [row.req for row in twin.schedule().decode] == [a, b]
-    # only a held request and nothing else to do: an empty plan, nobody sent back to the queue
-    lone = Scheduler(runner, max_running_requests=4, token_budget=16, max_width=1)
-    lone.running = [a]
-    plan = lone.schedule(held=[a])
-    assert plan.is_empty and not plan.preempted and lone.running == [a]
+    # a request starved of KV, planned while a step is in flight: an empty plan, nobody sent back to the queue;
+    # planned after the read-back (preemption allowed) it is preempted so that something can progress
+    for may_preempt in (False, True):
+        starved = FakeRunner(max_requests=4, kv_tokens=4)
+        lone = Scheduler(starved, max_running_requests=4, token_budget=16, max_width=1)
+        d = Request("D", [1] * 10, params, frozenset(), 4)
+        d.handle = starved.add_request()
+        starved.cache[d.handle] = [1] * 4
+        d.num_computed_tokens, d.num_prefill_tokens = 4, 10
+        lone.running = [d]
+        plan = lone.schedule(may_preempt=may_preempt)
+        assert plan.is_empty and (plan.preempted == [d]) == may_preempt, may_preempt
