@@ -14,6 +14,9 @@
 #   spec_host     what an overlapped MTP 3 step at simulated acceptance 0.7 spends on the host at batch 1 and 64:
 #                 host operators (launches, copies) and the callers of its eager torch calls (profile_engine_host.py)
 #   prefill_host  the 64 x 1024 prefill, GPU kernels and the host's Python functions (bench_prefill_vs_transformers.py)
+#   prefill       prefill against a transformers forward at the four shapes of the prefill target
+#   prefill_syncs where the host waits for the GPU during prefill-heavy steps (prefill_syncs.py)
+#   attn_sweep    launch shapes of the paged-attention kernel on a long prefill chunk (bench_paged_attention.py --sweep)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source test/gpu/python_env.sh || exit 1
@@ -51,6 +54,11 @@ for part in $parts; do
                    done ;;
         prefill_host) run prefill_host 120 python test/benchmark/bench_prefill_vs_transformers.py --modes replay \
                           --shapes 64x1024 --top_kernels 20 ;;
+        prefill) run prefill 300 python test/benchmark/bench_prefill_vs_transformers.py --modes replay \
+                     --shapes 64x1024,16x4096,256x256,4x16384 ;;
+        prefill_syncs) run prefill_syncs 150 python test/gpu/prefill_syncs.py
+                       tail -22 "$OUT_DIR/prefill_syncs.log" ;;
+        attn_sweep) run attn_sweep 200 python test/benchmark/bench_paged_attention.py --sweep ;;
         *) echo "unknown part $part" ;;
     esac
 done
