@@ -145,6 +145,18 @@ def _tap_source_strided(p_x, p_hist, pos, length, stride_x_t, m_c, has_init):
     return tl.where((pos >= 0)[:, None], b_x, b_h)
 
 
+@triton.jit
+def _prefill_row(cu_seqlens, slots, has_initial_state, conv_offset, i_n):
+    """Prefill row `i_n`'s first token in x, token count, state slot, whether it has a history, and its window
+    offset."""
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    slot = tl.load(slots + i_n).to(tl.int64)
+    has_init = tl.load(has_initial_state + i_n).to(tl.int1)
+    off = tl.load(conv_offset + slot).to(tl.int64)
+    return bos, length, slot, has_init, off
+
+
 # the programs a row's tiles spread over follows the batch's token count too
 PREFILL_VARYING_ARGS = (*BATCH_VARYING_ARGS, "NSEG")
 
@@ -175,11 +187,7 @@ def causal_conv_prefill_kernel(
     """y of the token tiles `i_s, i_s + NSEG, ...` of row `i_n`: a long row spreads over NSEG programs per channel
     block. Reads the history, writes none of it (`causal_conv_prefill_tail_kernel` does, once every tile read it)."""
     i_c, i_n, i_s = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    slot = tl.load(slots + i_n).to(tl.int64)
-    has_init = tl.load(has_initial_state + i_n).to(tl.int1)
-    off = tl.load(conv_offset + slot).to(tl.int64)
+    bos, length, slot, has_init, off = _prefill_row(cu_seqlens, slots, has_initial_state, conv_offset, i_n)
     HL: tl.constexpr = KC - 1
 
     o_c = i_c * BC + tl.arange(0, BC)
@@ -222,11 +230,7 @@ def causal_conv_prefill_tail_kernel(
     """The last Kc - 1 inputs of row `i_n`'s `[history | x]` back to its history columns (rows with no tokens keep
     theirs)."""
     i_c, i_n = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    slot = tl.load(slots + i_n).to(tl.int64)
-    has_init = tl.load(has_initial_state + i_n).to(tl.int1)
-    off = tl.load(conv_offset + slot).to(tl.int64)
+    bos, length, slot, has_init, off = _prefill_row(cu_seqlens, slots, has_initial_state, conv_offset, i_n)
     HL: tl.constexpr = KC - 1
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
@@ -295,28 +299,6 @@ def causal_conv_prefill_triton(
         C=C,
         KC=KC,
         BC=BC,
-        BH=triton.next_power_of_2(max(KC - 1, 1)),
-        num_warps=4,
-    )
-    return y
-    causal_conv_prefill_kernel[(triton.cdiv(C, BC), N)](
-        x,
-        conv,
-        conv_offset,
-        slots,
-        cu_seqlens,
-        weight,
-        bias,
-        has_initial_state,
-        y,
-        x.stride(0),
-        conv.stride(0),
-        conv.stride(1),
-        y.stride(0),
-        C=C,
-        KC=KC,
-        BC=BC,
-        BT=16,
         BH=triton.next_power_of_2(max(KC - 1, 1)),
         num_warps=4,
     )
