@@ -2,7 +2,7 @@
 
     python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8000 --dataset random \
         --num_prompts 256 --max_concurrency 64 --input_len 256 --output_len 128 [--request_rate 8] \
-        [--result_file out.json] [--plot out.png]
+        [--result_file out.json] [--plot out.png] [--num_workers 4]
     python -m lightllm.tools.bench_serving --dataset multi_turn --num_prompts 32 --num_turns 4 ...
 
 `random`: prompts of `--input_len` random token ids (completions API, exact lengths). `multi_turn`: chat
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -139,28 +140,69 @@ async def _conversation(client, a, model: str, turns: list[dict], start: float, 
         messages.append({"role": "assistant", "content": text})
 
 
-async def _run(a, model: str, jobs: list[list[dict]]) -> tuple[list[RequestResult], float]:
-    limits = httpx.Limits(max_connections=a.max_concurrency, max_keepalive_connections=a.max_concurrency)
+async def _run(
+    a, model: str, jobs: list[list[dict]], concurrency: int, rate: float, start_at: float | None = None, bar=True
+) -> tuple[list[RequestResult], float]:
+    """Run `jobs` with at most `concurrency` in flight (arrivals at `rate` per second; 0: all at once). Times are
+    relative to the wall-clock `start_at` (waited for; default now), which the workers of one run share."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     results: list[RequestResult] = []
-    sem = asyncio.Semaphore(a.max_concurrency)
+    sem = asyncio.Semaphore(concurrency)
     rng = np.random.default_rng(a.seed)
-    bar = tqdm(total=sum(len(j) for j in jobs), desc="requests", unit="req")
+    progress = tqdm(total=sum(len(j) for j in jobs), desc="requests", unit="req", disable=not bar)
     async with httpx.AsyncClient(timeout=httpx.Timeout(a.timeout_s), limits=limits) as client:
-        start = time.perf_counter()
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        # perf_counter's reading at the shared start
+        start = time.perf_counter() - (0.0 if start_at is None else time.time() - start_at)
 
         async def one(turns):
             async with sem:
-                await _conversation(client, a, model, turns, start, results, bar)
+                await _conversation(client, a, model, turns, start, results, progress)
 
         tasks = []
         for turns in jobs:
             tasks.append(asyncio.create_task(one(turns)))
-            if a.request_rate > 0:
+            if rate > 0:
                 # Poisson arrivals at the given rate (requests or conversations per second)
-                await asyncio.sleep(float(rng.exponential(1.0 / a.request_rate)))
+                await asyncio.sleep(float(rng.exponential(1.0 / rate)))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    bar.close()
+    progress.close()
+    return results, elapsed
+
+
+def _worker(a, index: int, model: str, jobs: list[list[dict]], concurrency: int, start_at: float, conn) -> None:
+    """Client process `index` of `--num_workers`: its share of the jobs, concurrency and arrival rate (its own
+    arrival times)."""
+    a = argparse.Namespace(**{**vars(a), "seed": a.seed + index})
+    results, elapsed = asyncio.run(
+        _run(a, model, jobs, concurrency, a.request_rate / a.num_workers, start_at, bar=False)
+    )
+    conn.send(([asdict(r) for r in results], elapsed))
+    conn.close()
+
+
+def _run_workers(a, model: str, jobs: list[list[dict]]) -> tuple[list[RequestResult], float]:
+    """The jobs dealt round-robin to `--num_workers` client processes (one Python client parses a few thousand
+    streamed events a second: at high concurrency one process would measure itself), started together."""
+    n = a.num_workers
+    ctx = mp.get_context("spawn")
+    start_at = time.time() + 3.0 + 0.5 * n
+    procs, pipes = [], []
+    for i in range(n):
+        share = a.max_concurrency // n + (i < a.max_concurrency % n)
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker, args=(a, i, model, jobs[i::n], max(share, 1), start_at, send), daemon=True)
+        proc.start()
+        procs.append(proc)
+        pipes.append(recv)
+    results, elapsed = [], 0.0
+    for proc, recv in zip(procs, pipes):
+        rows, worker_elapsed = recv.recv()
+        results += [RequestResult(**r) for r in rows]
+        elapsed = max(elapsed, worker_elapsed)
+        proc.join()
     return results, elapsed
 
 
@@ -219,10 +261,16 @@ def _parse(argv):
     p.add_argument("--max_concurrency", type=int, default=64)
     p.add_argument("--request_rate", type=float, default=0.0, help="arrivals per second (0: all at once)")
     p.add_argument("--timeout_s", type=float, default=600.0)
+    p.add_argument(
+        "--num_workers", type=int, default=1, help="client processes sharing the requests (for high concurrency)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result_file", default=None, help="JSON with the summary and every request")
     p.add_argument("--plot", default=None, help="PNG of TTFT and TPOT over the run")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.num_workers < 1:
+        p.error(f"--num_workers must be >= 1, got {a.num_workers}")
+    return a
 
 
 def _print(s: dict) -> None:
@@ -252,7 +300,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         jobs = _multi_turn_jobs(a)
     before = _spec_counters(a.base_url)
-    results, elapsed = asyncio.run(_run(a, model, jobs))
+    if a.num_workers > 1:
+        results, elapsed = _run_workers(a, model, jobs)
+    else:
+        results, elapsed = asyncio.run(_run(a, model, jobs, a.max_concurrency, a.request_rate))
     summary = summarize(results, elapsed, before, _spec_counters(a.base_url))
     _print(summary)
     if a.result_file:

@@ -296,10 +296,13 @@ class ModelRunner(DeviceAcceptance):
         self.prefix_cache.publish(handle, record, token_ids)
 
     def evict_prefix_cache(self) -> None:
-        """Drop every prefix-cache entry no running request uses (tests, memory pressure)."""
+        """Drop every prefix-cache entry no running request uses (tests, memory pressure); what they spill to
+        the host tier is there on return."""
         self._flush_checkpoints()
         if self.prefix_cache is not None:
             self.prefix_cache.cache.evict()
+            if self.prefix_cache.host is not None:
+                self.prefix_cache.host.flush()
 
     def prefix_cache_stats(self) -> dict[str, int] | None:
         return self.prefix_cache.stats() if self.prefix_cache is not None else None

@@ -13,6 +13,7 @@ import pytest
 
 from lightllm.cache.host_tier import HostArena
 from lightllm.cache.host_tier.arena import READY
+from lightllm.worker.transfer.section_writer import SectionWriter
 from unit_tests.helpers.prefix_scenario import Result, drain, fresh, make_engine, submit
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -134,7 +135,9 @@ def test_unreadable_entry_is_refused_not_imported(arena, corrupt):
     assert reader.runner.prefix_cache.host.num_refused > 0
 
 
-def test_device_evictions_spill_and_come_back(single_arena):
+@pytest.mark.parametrize("background", [False, True])
+def test_device_evictions_spill_and_come_back(single_arena, background):
+    """`background`: the spills are copied out by the writer thread, as on a GPU (the evictions wait for them)."""
     arena = single_arena
     first, new = _conversation(3)
     cold = make_engine("qwen3_5", "replay", {}, cache=False)
@@ -143,6 +146,8 @@ def test_device_evictions_spill_and_come_back(single_arena):
     cold_second = _run(cold, "c2", second)
 
     engine = make_engine("qwen3_5", "replay", {}, host_tier_name=arena.name)
+    host = engine.runner.prefix_cache.host
+    host.writer = SectionWriter(host.tier, background)
     assert _run(engine, "e1", first).tokens == answer
     # a single replica copies nothing while its device holds the checkpoints
     assert not (arena.entries["state"] == READY).any()

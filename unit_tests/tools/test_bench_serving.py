@@ -55,6 +55,19 @@ def test_random_dataset(server, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_several_client_processes_share_the_requests(server, tmp_path):
+    out = tmp_path / "w.json"
+    argv = ["--base_url", server.base_url, "--num_prompts", "7", "--max_concurrency", "3", "--input_len", "9"]
+    s = bench_serving.main([*argv, "--output_len", "4", "--num_workers", "2", "--result_file", str(out)])
+    requests = json.loads(out.read_text())["requests"]
+    assert s["num_requests"] == 7 and s["num_failed"] == 0 and len(requests) == 7
+    assert [r["output_tokens"] for r in requests] == [4] * 7
+    # both processes count from one shared start: every request began and ended inside the run
+    assert all(0 <= r["start_s"] and r["start_s"] + r["latency_s"] <= s["duration_s"] + 1e-6 for r in requests)
+    with pytest.raises(SystemExit):
+        bench_serving.main([*argv, "--num_workers", "0"])
+
+
 def test_multi_turn_dataset_sends_growing_conversations(server, tmp_path):
     out = tmp_path / "m.json"
     s = bench_serving.main(

@@ -11,7 +11,8 @@ the next forward pairs it with the first new token, as a cold run would.
 
 Entries are written when the device prefix cache drops a checkpoint (spill on eviction; a no-op when the entry
 is there already) and, when the arena is shared by several replicas (`write_through`), as soon as it stores one
-(`save` after a publish), so that the others find it.
+(`save` after a publish), so that the others find it. On CUDA the copy runs behind the steps (`SectionWriter`): an
+entry becomes visible to lookups once its copy has landed, a step or two after its `save`.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ import os
 import struct
 
 import msgspec
-import numpy as np
 import torch
 
+from lightllm.cache.device_copy import to_device
 from lightllm.cache.host_tier import HostArena, HostTier, Ticket
 from lightllm.cache.host_tier.tier import aligned
 from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.prefix import TreeNode
 from lightllm.worker.transfer.request_state import import_request, request_state_of
+from lightllm.worker.transfer.section_writer import SectionWriter
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +97,13 @@ def _blob(t: torch.Tensor) -> TensorBlob:
 class RunnerHostTier:
     """One rank's handle: `save` a node's state, `match_len` and `resume` a new request from an entry."""
 
-    def __init__(self, runner, arena_name: str):
+    def __init__(self, runner, arena_name: str, background: bool | None = None):
+        """`background`: entries are copied out by a worker thread (see `SectionWriter`); default on CUDA."""
         self.runner = runner
         arena = HostArena.attach(arena_name)
         self.tier = HostTier(arena, layout_digest(runner), runner.config.tp_size, runner.config.tp_rank)
+        background = runner.device.type == "cuda" if background is None else background
+        self.writer = SectionWriter(self.tier, background)
         self.write_through = arena.write_through
         self.num_hit_tokens = 0
         # entries found but not imported (a descriptor that does not fit this runner)
@@ -112,7 +117,8 @@ class RunnerHostTier:
     @torch.inference_mode()
     def save(self, node: TreeNode) -> bool:
         """Copy the node's prefix state into the tier unless it holds it already; False when it did not (there,
-        or no room). A node without a checkpoint has nothing to resume from."""
+        or no room). A node without a checkpoint has nothing to resume from. In the background mode the copy may
+        still be running on return (`flush` waits for it)."""
         cache = self.runner.prefix_cache.cache
         tokens = cache.tree.path_tokens(node)
         if node.checkpoint is None or len(tokens) == 0 or self.tier.contains(tokens):
@@ -123,15 +129,12 @@ class RunnerHostTier:
         if ticket is None:
             self._warn_if_never_fits(len(tokens), nbytes)
             return False
-        section = self.tier.section(ticket)
-        section[: _DESC_LEN.size] = np.frombuffer(_DESC_LEN.pack(len(desc)), dtype=np.uint8)
-        section[_DESC_LEN.size : _DESC_LEN.size + len(desc)] = np.frombuffer(desc, dtype=np.uint8)
-        data = section[_data_start(len(desc)) :]
-        for t, offset in zip(tensors, offsets):
-            nbytes = t.numel() * t.element_size()
-            if nbytes:
-                torch.from_numpy(data[offset : offset + nbytes]).view(t.dtype).view(t.shape).copy_(t)
-        return self.tier.commit(ticket)
+        data = self.tier.section(ticket)[_data_start(len(desc)) :]
+        return self.writer.write(ticket, _DESC_LEN.pack(len(desc)) + desc, data, tensors, offsets)
+
+    def flush(self) -> None:
+        """Wait until every entry `save` started is in the tier (committed, or lost if its record was taken)."""
+        self.writer.flush()
 
     def _node_state(self, node: TreeNode) -> tuple[list[torch.Tensor], RequestState]:
         """The node's prefix as tensors in export order and the `RequestState` describing them (blobs without
@@ -139,13 +142,13 @@ class RunnerHostTier:
         runner, cache = self.runner, self.runner.prefix_cache.cache
         values = cache.tree.path_values(node)
         n = len(values)
-        slots = torch.from_numpy(values[:, 0]).to(runner.device)
+        slots = to_device(values[:, 0], runner.device)
         tensors = [buf[:, slots] for buf in runner.kv.buffers]
         ckpt, hidden = cache.pool.read(node.checkpoint)
         tensors += [ckpt.conv, ckpt.ssm]
         mtp_len = None
         if runner.drafter is not None:
-            mtp_slots = torch.from_numpy(values[1:, 1]).to(runner.device)
+            mtp_slots = to_device(values[1:, 1], runner.device)
             tensors += [buf[:, mtp_slots] for buf in runner.drafter.kv.buffers]
             tensors.append(hidden)
             mtp_len = n - 1

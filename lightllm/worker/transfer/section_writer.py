@@ -1,0 +1,133 @@
+"""Host-tier sections written from device tensors without making the step loop wait for the GPU.
+
+Copying a spilled prefix (its KV and a linear-state checkpoint: ~16 MiB at the serving width) straight into the
+shared-memory arena is a copy into pageable memory: the host waits for every step queued before it, then for
+the copy at pageable speed, once per eviction. In the background mode a write instead copies its tensors into a
+pinned staging buffer on the current stream, which orders the copy after the work that produced the tensors and
+before anything queued later that overwrites them (a reused checkpoint slot, freed KV), and returns at once. A
+worker thread waits for that copy, moves the bytes into the arena and commits the entry; until then the entry is
+WRITING, which readers never see. Staging is bounded: a write that finds it full waits for the oldest ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from lightllm.cache.host_tier import HostTier, Ticket
+
+logger = logging.getLogger(__name__)
+
+# pinned bytes all pending writes of one rank may hold (a write larger than this still goes, alone)
+STAGING_BYTES = 512 << 20
+# smallest staging buffer allocated (pinning costs more than copying, so buffers are kept and reused)
+MIN_BUFFER_BYTES = 1 << 20
+
+
+class SectionWriter:
+    """Writes `tensors` into a ticket's section and commits it: at once (`background=False`), or through pinned
+    staging and a worker thread (`background=True`; `flush` waits for every pending write)."""
+
+    def __init__(self, tier: HostTier, background: bool, staging_bytes: int = STAGING_BYTES):
+        self.tier, self.background, self.staging_bytes = tier, background, staging_bytes
+        self._free: list[torch.Tensor] = []
+        self._held = 0
+        self._pending = 0
+        self._done = threading.Condition()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.num_failed = 0
+
+    def write(self, ticket: Ticket, head: bytes, data: np.ndarray, tensors: Sequence[torch.Tensor], offsets) -> bool:
+        """`head` at the start of the section, each tensor at its offset in `data` (the section past its head),
+        then commit. Returns False when the entry could not be committed (only known now in the foreground)."""
+        section = self.tier.section(ticket)
+        section[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        extent = max((o + _nbytes(t) for t, o in zip(tensors, offsets)), default=0)
+        if not self.background:
+            _copy_into(_arena_view(data[:extent]), tensors, offsets, non_blocking=False)
+            return self.tier.commit(ticket)
+        staging = self._take(extent)
+        _copy_into(staging[:extent], tensors, offsets, non_blocking=True)
+        ready = torch.cuda.Event() if any(t.is_cuda for t in tensors) else None
+        if ready is not None:
+            ready.record()
+        self._start()
+        self._queue.put((ticket, ready, staging, data, extent))
+        return True
+
+    def flush(self) -> None:
+        """Wait until every pending write is in the arena and committed."""
+        with self._done:
+            self._done.wait_for(lambda: self._pending == 0)
+
+    def close(self) -> None:
+        self.flush()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    # staging ---------------------------------------------------------------------------------------------
+    def _take(self, num_bytes: int) -> torch.Tensor:
+        """A staging buffer of at least `num_bytes`, once the pending writes hold room for it."""
+        size = max(MIN_BUFFER_BYTES, 1 << max(num_bytes - 1, 1).bit_length())
+        with self._done:
+            self._done.wait_for(lambda: self._pending == 0 or self._held + size <= self.staging_bytes)
+            fits = [b for b in self._free if b.numel() >= num_bytes]
+            if fits:
+                buffer = min(fits, key=torch.Tensor.numel)
+                self._free.remove(buffer)
+            else:
+                # drop idle buffers that would keep the new one over the bound
+                while self._free and self._held + sum(b.numel() for b in self._free) + size > self.staging_bytes:
+                    self._free.remove(min(self._free, key=torch.Tensor.numel))
+                buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._held += buffer.numel()
+            self._pending += 1
+        return buffer
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="host-tier-writer", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            ticket, ready, staging, data, extent = item
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                _arena_view(data[:extent]).copy_(staging[:extent])
+                if not self.tier.commit(ticket):
+                    self.num_failed += 1
+            except Exception:
+                # a lost entry is a cache miss later; the writer must keep serving the others
+                self.num_failed += 1
+                logger.exception("host tier write of %d tokens failed", ticket.num_tokens)
+            with self._done:
+                self._free.append(staging)
+                self._held -= staging.numel()
+                self._pending -= 1
+                self._done.notify_all()
+
+
+def _arena_view(region: np.ndarray) -> torch.Tensor:
+    """A tensor over shared memory (its copies run without the GIL)."""
+    return torch.from_numpy(region)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _copy_into(region: torch.Tensor, tensors: Sequence[torch.Tensor], offsets, non_blocking: bool) -> None:
+    for t, offset in zip(tensors, offsets):
+        n = _nbytes(t)
+        if n:
+            region[offset : offset + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=non_blocking)

@@ -1,0 +1,121 @@
+"""The HTTP benchmark's workload without HTTP: a closed loop of `--concurrency` requests on the offline engine
+(each finished request is replaced at once by a new one, as `bench_serving --max_concurrency` does), the serving
+checkpoint, replay. Prints a timeline per half second (steps, their mean wall time, prefill tokens and decode rows
+scheduled, first tokens, finishes) and, with `--syncs`, every call that made the host wait for the GPU, by its
+calling line. Separates what the engine does from what the front-end adds.
+
+    python test/gpu/closed_loop.py [--requests 512 --concurrency 256 --input_len 1024 --output_len 256] [--syncs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import time
+import traceback
+import warnings
+
+import numpy as np
+import torch
+
+from lightllm import LLM
+from lightllm.engine.messages import Finished, NewRequest, TokenChunk
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.tools.bench_throughput import serving_model_dir
+
+
+@contextlib.contextmanager
+def counting_syncs(sites: collections.Counter):
+    """Count each host wait on the GPU (CUDA's sync debug mode) by the last lightllm or fla frame that caused it."""
+
+    def count(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "lightllm" in f.filename or "/fla/" in f.filename]
+        f = frames[-1] if frames else None
+        sites[f"{'/'.join(f.filename.rsplit('/', 3)[-3:])}:{f.lineno} {f.name}" if f else "?"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = count
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--input_len", type=int, default=1024)
+    p.add_argument("--output_len", type=int, default=256)
+    p.add_argument("--mode", default="replay")
+    p.add_argument("--syncs", action="store_true")
+    p.add_argument("--disable_prefix_cache", action="store_true")
+    p.add_argument("--device", default="cuda", help="cpu: a quick check of the script at tiny sizes")
+    a = p.parse_args()
+    llm = LLM(
+        serving_model_dir(),
+        device=a.device,
+        ssm_state_mode=a.mode,
+        max_running_requests=a.concurrency,
+        disable_prefix_cache=a.disable_prefix_cache,
+    )
+    engine, vocab = llm.engine, llm.engine.runner.vocab_size
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    sched = engine.scheduler
+    sent, done = 0, 0
+    t0 = time.perf_counter()
+    rows = collections.defaultdict(lambda: collections.Counter())
+    step_ms = collections.defaultdict(list)
+    sites: collections.Counter[str] = collections.Counter()
+
+    def submit() -> None:
+        nonlocal sent
+        prompt = rng.integers(3, vocab - 3, a.input_len).tolist()
+        engine.add_request(NewRequest(f"r{sent}", prompt, params))
+        sent += 1
+
+    seen_first: set[str] = set()
+    with counting_syncs(sites) if a.syncs and a.device == "cuda" else contextlib.nullcontext():
+        for _ in range(min(a.concurrency, a.requests)):
+            submit()
+        while done < a.requests:
+            bucket = int((time.perf_counter() - t0) * 2)
+            rows[bucket]["running"] = max(rows[bucket]["running"], len(sched.running))
+            s = time.perf_counter()
+            outputs = engine.step()
+            step_ms[bucket].append((time.perf_counter() - s) * 1e3)
+            for out in outputs:
+                if isinstance(out, TokenChunk) and out.req_id not in seen_first:
+                    seen_first.add(out.req_id)
+                    rows[bucket]["first"] += 1
+                elif isinstance(out, TokenChunk):
+                    rows[bucket]["tokens"] += len(out.token_ids)
+                elif isinstance(out, Finished):
+                    done += 1
+                    rows[bucket]["finished"] += 1
+                    if sent < a.requests:
+                        submit()
+    elapsed = time.perf_counter() - t0
+    print(f"{a.requests} requests in {elapsed:.2f} s: {a.requests * a.output_len / elapsed:.0f} output tok/s")
+    print("| t s | steps | step ms mean | step ms max | running max | first tokens | tokens | finished |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b in sorted(rows):
+        ms = step_ms[b]
+        r = rows[b]
+        print(
+            f"| {b / 2:.1f} | {len(ms)} | {np.mean(ms):.1f} | {max(ms):.1f} | {r['running']} | {r['first']} "
+            f"| {r['tokens']} | {r['finished']} |"
+        )
+    if a.syncs:
+        print("host waits by calling line:")
+        for site, n in sites.most_common(15):
+            print(f"  {n:6d}  {site}")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()

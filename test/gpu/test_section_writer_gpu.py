@@ -1,0 +1,53 @@
+"""Host-tier writes from CUDA tensors in the background: `write` returns while the device is still busy (no host
+wait), and the entry holds the tensors as they were at `write` even though later work on the same stream
+overwrites them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from lightllm.cache.host_tier import HostArena, HostTier
+from lightllm.cache.host_tier.arena import READY
+from lightllm.worker.transfer.section_writer import SectionWriter
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_write_does_not_wait_and_keeps_the_values_of_its_time():
+    arena = HostArena.create(f"lightllm-test-{uuid.uuid4().hex}", 256 << 20, block_bytes=1 << 20, max_entries=16)
+    try:
+        tier = HostTier(arena, b"gpu-writer-test")
+        writer = SectionWriter(tier, background=True)
+        src = torch.randn(4 << 20, device="cuda")
+        expected = src.cpu()
+        a = torch.randn(4096, 4096, device="cuda")
+        # warm the writer (its first staging buffer is pinned on first use) and the matmul
+        ticket = tier.begin_write([0], 64 + src.numel() * 4)
+        writer.write(ticket, b"x", tier.section(ticket)[64:], [src], [0])
+        writer.flush()
+        (a @ a).sum().item()
+
+        # a busy device: ~tens of ms of matmuls queued ahead of the copy
+        for _ in range(40):
+            a = (a @ a).clamp_(-1, 1)
+        ticket = tier.begin_write([1, 2], 64 + src.numel() * 4)
+        t0 = time.perf_counter()
+        writer.write(ticket, b"x", tier.section(ticket)[64:], [src], [0])
+        returned_s = time.perf_counter() - t0
+        src.fill_(7.0)
+        busy_left = not torch.cuda.current_stream().query()
+        writer.flush()
+        assert busy_left, "the device finished before write returned: the test proves nothing"
+        assert returned_s < 0.005
+        assert int(arena.entries[ticket.index]["state"]) == READY
+        section = tier.section(ticket)[64 : 64 + src.numel() * 4]
+        stored = torch.from_numpy(section.copy()).view(torch.float32)
+        assert torch.equal(stored, expected)
+        assert not torch.equal(stored, src.cpu())
+        writer.close()
+    finally:
+        arena.unlink()
