@@ -14,6 +14,7 @@ from lightllm.kernels.fp8 import (
     quantize_activation_groups,
     quantize_weight_blocks,
 )
+from lightllm.kernels.fp8.gemm import CUBLAS_ROWS, cublas_block_gemm
 from lightllm.kernels.fused_moe import fused_experts, softmax_topk
 from lightllm.kernels.fused_moe.shapes import SERVED_SHAPES
 from lightllm.models.layers.moe import run_experts
@@ -44,6 +45,31 @@ def test_fp8_block_gemm_matches_reference_on_gpu(m, n, k, out_dtype):
     # twin: scales of the wrong layout
     wrong = scale.flip(0).contiguous()
     assert relative_error(fp8_block_gemm(a, a_scale, q, wrong, out_dtype), out) > 0.05
+
+
+@pytest.mark.parametrize("m", [1, 3, 2049, 4096])
+def test_cublas_block_gemm_at_any_row_count(m):
+    """The tuned tables route large prefill buckets to cuBLASLt, whose warm-up and serving row counts are
+    arbitrary (2049: the warm-up's first count of the 4096 bucket); cuBLASLt itself refuses unaligned ones."""
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 2048, device="cuda", generator=gen)
+    q, scale = quantize_weight_blocks(torch.randn(12352, 2048, device="cuda", generator=gen))
+    a, a_scale = quantize_activation_groups(x)
+    try:
+        out = cublas_block_gemm(
+            a,
+            a_scale,
+            q,
+            scale,
+            torch.bfloat16,
+            (128, 128),
+            poison_(torch.empty(m, 12352, device="cuda", dtype=torch.bfloat16)),
+        )
+    except (RuntimeError, AttributeError, TypeError) as exc:
+        if m % CUBLAS_ROWS == 0 and "NOT_SUPPORTED" not in str(exc):
+            pytest.skip(f"this torch / CUDA has no block-scaled cuBLASLt FP8: {exc}")
+        raise
+    assert_rel_close("cublas fp8 gemm", out, fp8_block_gemm_reference(a, a_scale, q, scale, torch.float64), 5e-3)
 
 
 def test_fp8_linear_replays_in_a_cuda_graph():

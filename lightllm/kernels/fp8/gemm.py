@@ -24,6 +24,9 @@ from lightllm.kernels.fp8.quant import (
     quantize_activation_groups,
 )
 
+# rows of the activation a cuBLASLt block-scaled call is given (a multiple: see `cublas_block_gemm`)
+CUBLAS_ROWS = 16
+
 
 @triton.jit
 def _load_operand_tiles(a, w, o_m, o_n, o_k, m_m, m_n, i_m, i_n, i_k, K, stride_am, stride_wn, BM, BN, BK, TMA, EVEN_K):
@@ -196,6 +199,13 @@ def cublas_block_gemm(
     `[K, N]` transpose (a view, as are the weight scales'). Raises where this torch / CUDA / GPU does not offer it."""
     if tuple(block) != (128, 128):
         raise ValueError(f"cuBLASLt block-scaled FP8 needs 128 x 128 blocks, got {block}")
+    m = a.shape[0]
+    pad = -m % CUBLAS_ROWS
+    if pad:
+        # cuBLASLt refuses (NOT_SUPPORTED) a row count whose M-major activation scales are not 16-byte aligned;
+        # zero rows with unit scales cost one small copy and are cut off the result
+        a = torch.nn.functional.pad(a.view(torch.uint8), (0, 0, 0, pad)).view(a.dtype)
+        a_scale = torch.nn.functional.pad(a_scale, (0, 0, 0, pad), value=1.0)
     scale_a = a_scale.t().contiguous().t()
     scaled_mm = getattr(torch.nn.functional, "scaled_mm", None)
     if scaled_mm is not None:
@@ -205,6 +215,7 @@ def cublas_block_gemm(
         )
     else:
         y = torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=w_scale.t(), out_dtype=out_dtype)
+    y = y[:m]
     if out is None:
         return y
     return out.copy_(y)
