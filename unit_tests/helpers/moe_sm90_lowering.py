@@ -19,6 +19,7 @@ from lightllm.kernels.fused_moe.align import (
     moe_align_count_kernel,
     moe_align_plan_kernel,
     moe_align_scatter_kernel,
+    tile_sizes,
 )
 from lightllm.kernels.fused_moe.combine import moe_combine_kernel
 from lightllm.kernels.fused_moe.configs import heuristic_config
@@ -74,11 +75,12 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
                 out.append((f"{s.name} sigmoid_topk groups={groups}", moe_sigmoid_topk_kernel, c, ROUTING_TYPES, 4, 1))
         else:
             out.append((f"{s.name} softmax_topk", moe_softmax_topk_kernel, route, ROUTING_TYPES, 4, 1))
-        bp = max(16, 16384 // be)
-        out.append((f"{s.name} align_count", moe_align_count_kernel, dict(BP=bp, BE=be), ALIGN_TYPES, 8, 1))
-        out.append((f"{s.name} align_scatter", moe_align_scatter_kernel, dict(BP=bp, BE=be), ALIGN_TYPES, 8, 1))
+        tiles = tile_sizes(s.num_experts)
+        chunks = dict(BP=tiles["BP"], BE=be)
+        out.append((f"{s.name} align_count", moe_align_count_kernel, chunks, ALIGN_TYPES, 8, 1))
+        out.append((f"{s.name} align_scatter", moe_align_scatter_kernel, chunks, ALIGN_TYPES, 8, 1))
         for bm in (16, 64):
-            c = dict(BM=bm, BE=be, BB=max(16, 16384 // be), BR=1024)
+            c = dict(BM=bm, BE=be, BB=tiles["BB"], BR=1024, BCH=tiles["BCH"])
             out.append((f"{s.name} align_plan BM={bm}", moe_align_plan_kernel, c, ALIGN_TYPES, 8, 1))
         for tokens in (1, 64, 256, 2048):
             config = heuristic_config(tokens, s.num_experts, s.inter, s.hidden, s.top_k, torch.bfloat16)

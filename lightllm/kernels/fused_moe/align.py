@@ -7,9 +7,10 @@ padded length never exceeds `num_pairs + min(E, num_pairs) * (block_m - 1)`: eve
 (host shapes only, no `.item()`), blocks past the real end name expert E and are skipped by the GEMMs.
 
 Three launches, no atomics (the same layout every run): `moe_align_count_kernel` counts each chunk of `BP` pairs
-per expert; `moe_align_plan_kernel` (one program) turns the counts into each chunk's first slot per expert, the
-padded expert starts and each block's expert, and fills the layout with the sentinel; `moe_align_scatter_kernel`
-writes every pair at its expert's start + its chunk's offset + its rank among the chunk's pairs of that expert.
+per expert; `moe_align_plan_kernel` (one program) turns the counts into each chunk's first slot per expert (a tile
+of chunks per load), the padded expert starts and each block's expert, and fills the layout with the sentinel;
+`moe_align_scatter_kernel` writes every pair at its expert's start + its chunk's offset + its rank among the
+chunk's pairs of that expert.
 `align_pairs_reference` is the same layout in torch ops (a stable sort), the reference of the tests.
 """
 
@@ -86,15 +87,19 @@ def moe_align_plan_kernel(
     BE: tl.constexpr,
     BB: tl.constexpr,
     BR: tl.constexpr,
+    BCH: tl.constexpr,
 ):
     o_e = tl.arange(0, BE)
     m_e = o_e < E
     b_run = tl.zeros([BE], dtype=tl.int32)
-    for c in range(0, num_chunks):
-        p_c = chunk_counts + c * E + o_e
-        b_n = tl.load(p_c, mask=m_e, other=0)
-        tl.store(p_c, b_run, mask=m_e)
-        b_run += b_n
+    # BCH chunks' counts per load: one dependent round trip to memory per tile of chunks, not per chunk
+    for c0 in range(0, num_chunks, BCH):
+        o_c = c0 + tl.arange(0, BCH)
+        m_ce = (o_c < num_chunks)[:, None] & m_e[None, :]
+        p_c = chunk_counts + o_c[:, None] * E + o_e[None, :]
+        b_n = tl.load(p_c, mask=m_ce, other=0)
+        tl.store(p_c, b_run[None, :] + tl.cumsum(b_n, axis=0) - b_n, mask=m_ce)
+        b_run += tl.sum(b_n, axis=0)
     b_pad = (b_run + BM - 1) // BM * BM
     b_end = tl.cumsum(b_pad, axis=0)
     tl.store(pad_start + o_e, b_end - b_pad, mask=m_e)
@@ -130,6 +135,15 @@ def moe_align_scatter_kernel(
     tl.store(sorted_pairs + b_start + b_chunk + b_rank, o_p.to(tl.int32), mask=m_e)
 
 
+def tile_sizes(num_experts: int) -> dict[str, int]:
+    """The compile-time tiles of the three kernels for `num_experts` (fixed per expert count, not per batch: one
+    compiled variant per model): BE experts (a power of two), BP pairs per chunk, BB blocks and BCH chunks per step of
+    the plan, each one-hot or count tile within `ONE_HOT_ELEMENTS`."""
+    be = triton.next_power_of_2(num_experts)
+    per_tile = max(16, ONE_HOT_ELEMENTS // be)
+    return dict(BE=be, BP=per_tile, BB=per_tile, BCH=per_tile)
+
+
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """`ids [T, top_k]` (int32/int64 expert ids in 0..E-1) -> the padded per-expert layout of its pairs."""
     flat = ids.reshape(-1)
@@ -139,15 +153,13 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBloc
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
     if num_pairs == 0:
         return ExpertBlocks(sorted_pairs, block_expert, block_m, 0)
-    be = triton.next_power_of_2(num_experts)
-    # chunk size fixed per expert count (not per batch): one compiled variant per model
-    bp = max(16, ONE_HOT_ELEMENTS // be)
+    tiles = tile_sizes(num_experts)
+    be, bp = tiles["BE"], tiles["BP"]
     num_chunks = triton.cdiv(num_pairs, bp)
     chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=ids.device)
     pad_start = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     warps = 8 if bp * be >= 8192 else 4
     moe_align_count_kernel[(num_chunks,)](flat, chunk_counts, num_pairs, num_experts, BP=bp, BE=be, num_warps=warps)
-    bb = max(16, ONE_HOT_ELEMENTS // be)
     moe_align_plan_kernel[(1,)](
         chunk_counts,
         pad_start,
@@ -159,8 +171,9 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBloc
         num_experts,
         BM=block_m,
         BE=be,
-        BB=bb,
+        BB=tiles["BB"],
         BR=1024,
+        BCH=tiles["BCH"],
         num_warps=8,
     )
     moe_align_scatter_kernel[(num_chunks,)](
