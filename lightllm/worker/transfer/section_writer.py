@@ -4,8 +4,8 @@ Copying a spilled prefix (its KV and a linear-state checkpoint: ~16 MiB at the s
 shared-memory arena is a copy into pageable memory: the host waits for every step queued before it, then for
 the copy at pageable speed, once per eviction. In the background mode a write instead copies its tensors into a
 pinned staging buffer on the current stream, which orders the copy after the work that produced the tensors and
-before anything queued later that overwrites them (a reused checkpoint slot, freed KV), and returns at once. A
-worker thread waits for that copy, moves the bytes into the arena and commits the entry; until then the entry is
+before anything queued later that overwrites them (a reused checkpoint slot, freed KV), and returns at once. One
+of a few worker threads waits for that copy, moves the bytes into the arena and commits the entry; until then the entry is
 WRITING, which readers never see. Staging is bounded: a write that finds it full waits for the oldest ones.
 """
 
@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 STAGING_BYTES = 512 << 20
 # smallest staging buffer allocated (pinning costs more than copying, so buffers are kept and reused)
 MIN_BUFFER_BYTES = 1 << 20
+# worker threads: a copy into fresh shared memory is bound by page faults (~a few GB/s per thread), and a burst of
+# evictions (a wave of new prompts filling the device cache) spills faster than one thread copies
+NUM_WORKERS = 4
 
 
 class SectionWriter:
@@ -40,7 +43,7 @@ class SectionWriter:
         self._pending = 0
         self._done = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.num_failed = 0
 
     def write(self, ticket: Ticket, head: bytes, data: np.ndarray, tensors: Sequence[torch.Tensor], offsets) -> bool:
@@ -68,10 +71,11 @@ class SectionWriter:
 
     def close(self) -> None:
         self.flush()
-        if self._thread is not None:
+        for _ in self._threads:
             self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
 
     # staging ---------------------------------------------------------------------------------------------
     def _take(self, num_bytes: int) -> torch.Tensor:
@@ -93,24 +97,25 @@ class SectionWriter:
         return buffer
 
     def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="host-tier-writer", daemon=True)
-            self._thread.start()
+        while len(self._threads) < NUM_WORKERS:
+            thread = threading.Thread(target=self._work, name=f"host-tier-writer-{len(self._threads)}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             ticket, ready, staging, data, extent = item
+            committed = False
             try:
                 if ready is not None:
                     ready.synchronize()
                 _arena_view(data[:extent]).copy_(staging[:extent])
-                if not self.tier.commit(ticket):
-                    self.num_failed += 1
+                committed = self.tier.commit(ticket)
             except Exception:
                 # a lost entry is a cache miss later; the writer must keep serving the others
-                self.num_failed += 1
                 logger.exception("host tier write of %d tokens failed", ticket.num_tokens)
             with self._done:
+                self.num_failed += not committed
                 self._free.append(staging)
                 self._held -= staging.numel()
                 self._pending -= 1
