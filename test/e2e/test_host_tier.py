@@ -165,6 +165,30 @@ def test_device_evictions_spill_and_come_back(single_arena, background):
     assert _run(bare, "x2", second).cached == 0
 
 
+def test_a_checkpoint_dropped_before_it_is_written_is_not_spilled(single_arena, monkeypatch):
+    """A step's checkpoints are written in one batch before the runner next touches the state; one evicted before
+    that holds nothing of its node in the pool, so copying it to the host tier would store garbage."""
+    engine = make_engine("qwen3_5", "replay", {}, host_tier_name=single_arena.name)
+    prefix = engine.runner.prefix_cache
+    saved = []
+    monkeypatch.setattr(prefix.host, "save", lambda node: saved.append(node) or True)
+    first, _ = _conversation(4)
+    _run(engine, "a", first)
+    # the finished request's last checkpoint is still waiting for the next flush
+    pending = [node for _, node, _ in prefix._unwritten]
+    assert len(pending) == 1
+    stored = prefix.cache.num_checkpoints()
+    prefix.cache.evict()
+    assert len(saved) == stored - 1 and not any(node is pending[0] for node in saved)
+    # twin: written first, every dropped checkpoint spills
+    second = make_engine("qwen3_5", "replay", {}, host_tier_name=single_arena.name)
+    monkeypatch.setattr(second.runner.prefix_cache.host, "save", lambda node: saved.append(node) or True)
+    saved.clear()
+    _run(second, "b", first)
+    second.runner.evict_prefix_cache()
+    assert len(saved) == stored
+
+
 def test_two_hits_admitted_together(arena):
     """Both imports go through one staging buffer in the same admission: each must own its state afterwards."""
     convs = [_conversation(10 + i) for i in range(2)]

@@ -99,7 +99,7 @@ class RunnerPrefixCache:
         replicas share it), dropped ones spill there (when missing), and a request resumes from it when it holds
         a longer prefix than the device."""
         self.host = host
-        self.cache.on_drop = host.save
+        self.cache.on_drop = self._spill
 
     @property
     def pool(self) -> CheckpointPool:
@@ -152,7 +152,7 @@ class RunnerPrefixCache:
         if self.drafter is not None:
             # the head's KV must hold the pair of every published token (prefill chunks leave them pending)
             self.drafter.commit_known_pairs(handle, req)
-        if held is None and self.drafter is None and self.host is None:
+        if held is None and self.drafter is None and (self.host is None or not self.host.write_through):
             # exported with the other publishes before the state or the pool is next read or written (`flush`):
             # one export and one pool write for all the checkpoints of a step instead of one each
             node = self.cache.publish(handle, token_ids, None)
@@ -176,6 +176,13 @@ class RunnerPrefixCache:
         slots, state_slots = zip(*entries)
         ckpt = self.state.export_checkpoint(to_device(np.asarray(state_slots, dtype=np.int32), self.device))
         self.pool.write_many(to_device(np.asarray(slots, dtype=np.int64), self.device), ckpt)
+
+    def _spill(self, node: TreeNode) -> bool:
+        """A dropped node's state to the host tier, unless its checkpoint was never written (published and dropped
+        before the next `flush`: its pool slot holds nothing of it)."""
+        if any(unwritten is node for _, unwritten, _ in self._unwritten):
+            return False
+        return self.host.save(node)
 
     def release(self, handle: int) -> None:
         self.cache.release(handle)
