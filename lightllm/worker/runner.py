@@ -34,14 +34,14 @@ from lightllm.worker.device_accept import DeviceAcceptance, HeldCheckpoint, Unse
 from lightllm.worker.drafting import MtpDrafter, drop_last_rows
 from lightllm.worker.graphs.decode import DecodeGraphs, write_window_drafts
 from lightllm.worker.graphs.draft import DraftGraphs
-from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
+from lightllm.worker.graphs.prefill import PrefillGraphs
 from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
 from lightllm.worker.records import PendingVerify, RequestRecord
 from lightllm.worker.startup_phases import StartupPhases
 from lightllm.worker.transfer.host_tier import RunnerHostTier
 from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
 from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
-from lightllm.worker.warmup_steps import warm_attention_kernels, warm_expert_and_fp8_kernels, warm_serving_steps
+from lightllm.worker.warmup_steps import warm_attention_kernels, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -573,48 +573,13 @@ class ModelRunner(DeviceAcceptance):
         return self.drafter.draft(handles, [self._requests[h] for h in handles], next_tokens.tolist(), mtp_step)
 
     def warmup(self, max_num_tokens: int, progress: bool = True) -> int:
-        """Compile/autotune the linear-attention prefill kernels at the serving shapes on scratch tensors (the
-        padded one-sequence prefills of `init_prefill_graphs` included), tune the decode kernels of a shape the
-        shipped tables lack, compile every variant of the attention kernel the model's attention layers launch, and
-        run one step of each kind serving makes on scratch requests (`warmup_steps`: the state's folds, export and
-        import, verify widths, mixed steps) so that no kernel compiles after ready (call once at start-up, before
-        serving and before `init_decode_graphs`; a no-op on CPU). `max_num_tokens`: the most prefill tokens of one
-        step (`--max_num_batched_tokens`). Returns the number of warm-up calls."""
-        from lightllm.linear_att.startup_tune import tune_serving_shape
-        from lightllm.linear_att.warmup import warmup_prefill
-
-        phase = self.startup.phase
-        if self.device.type == "cuda":
-            with phase("fla import and pinning"):
-                from lightllm.linear_att.fla_pinning import pin_for_device
-
-                # fla's chunk kernels take their configs from the shipped table of this GPU kind instead of autotuning
-                pin_for_device(torch.cuda.get_device_name(self.device))
-        with phase("decode tuning"):
-            tune_serving_shape(self.state, self.linear_spec, progress=progress)
-        with phase("prefill warm-up"):
-            calls = warmup_prefill(
-                self.state,
-                self.linear_spec,
-                max_num_tokens=max_num_tokens,
-                one_sequence_counts=prefill_buckets(self._prefill_graph_tokens()),
-                progress=progress,
-            )
-        with phase("attention warm-up"):
-            calls += self.warmup_attention()
-        if self.device.type == "cuda":
-            with phase("expert and FP8 warm-up"):
-                calls += warm_expert_and_fp8_kernels(
-                    self.model, self.dtype, max(max_num_tokens, self._prefill_graph_tokens())
-                )
-            with phase("warm-up steps"):
-                calls += warm_serving_steps(self)
-        return calls
+        """Compile and tune every kernel variant serving launches (`warmup_steps.warm_up`), once, before serving and
+        `init_decode_graphs`. `max_num_tokens`: `--max_num_batched_tokens`. Returns the number of warm-up calls."""
+        return warm_up(self, max_num_tokens, progress)
 
     def warmup_attention(self) -> int:
-        """Every tile size and split variant of the attention kernels at each attention shape of the model (paged and
-        MLA latent; the MTP head's included), on scratch tensors: a short prompt chunk or a prefix-cache hit's few new
-        tokens would otherwise compile one in the middle of a serving step. A no-op on CPU; returns the launch count."""
+        """Every tile and split variant of the attention kernels at each attention shape of the model, on scratch
+        tensors (`warmup_steps.warm_attention_kernels`). A no-op on CPU; returns the launch count."""
         if self.device.type != "cuda":
             return 0
         launches = warm_attention_kernels(self.model, self.dtype, self.device)

@@ -21,6 +21,44 @@ from lightllm.kernels.mla_attention import warmup_mla_attention
 from lightllm.kernels.paged_attention import warmup_paged_attention
 from lightllm.models.layers.moe import MoE
 from lightllm.models.layers.quantized_linear import Fp8Weight, warmup_fp8_linears
+from lightllm.worker.graphs.prefill import prefill_buckets
+
+
+def warm_up(runner, max_num_tokens: int, progress: bool = True) -> int:
+    """The runner's start-up warm-up, phase by phase (timed in its start-up log): fla's chunk kernels pinned to the
+    shipped table of this GPU kind instead of autotuning, the decode kernels of a shape the shipped tables lack
+    tuned, the linear-attention prefill kernels compiled at the serving shapes (the padded one-sequence prefills of
+    the prefill graphs included), every attention kernel variant, the fused MoE and FP8 GEMM variants, then one
+    step of each kind serving makes (`warm_serving_steps`). Returns the number of warm-up calls."""
+    from lightllm.linear_att.startup_tune import tune_serving_shape
+    from lightllm.linear_att.warmup import warmup_prefill
+
+    phase, cuda = runner.startup.phase, runner.device.type == "cuda"
+    if cuda:
+        with phase("fla import and pinning"):
+            from lightllm.linear_att.fla_pinning import pin_for_device
+
+            pin_for_device(torch.cuda.get_device_name(runner.device))
+    with phase("decode tuning"):
+        tune_serving_shape(runner.state, runner.linear_spec, progress=progress)
+    graph_tokens = runner._prefill_graph_tokens()
+    with phase("prefill warm-up"):
+        calls = warmup_prefill(
+            runner.state,
+            runner.linear_spec,
+            max_num_tokens=max_num_tokens,
+            one_sequence_counts=prefill_buckets(graph_tokens),
+            progress=progress,
+        )
+    with phase("attention warm-up"):
+        calls += runner.warmup_attention()
+    if cuda:
+        with phase("expert and FP8 warm-up"):
+            calls += warm_expert_and_fp8_kernels(runner.model, runner.dtype, max(max_num_tokens, graph_tokens))
+        with phase("warm-up steps"):
+            calls += warm_serving_steps(runner)
+    return calls
+
 
 # prompt chunks of the two warm-up requests: a first chunk from an empty state, then one resuming it
 _CHUNKS = ((3, 5), (6, 2))
