@@ -17,6 +17,13 @@
 #   prefill       prefill against a transformers forward at the four shapes of the prefill target
 #   prefill_syncs where the host waits for the GPU during prefill-heavy steps (prefill_syncs.py)
 #   attn_sweep    launch shapes of the paged-attention kernel on a long prefill chunk (bench_paged_attention.py --sweep)
+#   http          the serving checkpoint over HTTP, 512 requests 1024 in / 256 out at concurrency 256, replay, four client
+#                 processes: the server's defaults, then without the host tier (--host_tier_gb 0)
+#   closed_loop   the same workload on the engine alone (test/gpu/closed_loop.py)
+#   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
+#                 kernels of a replay step at 256
+#   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: replay and native decode at 1 / 64 / 256
+#   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source test/gpu/python_env.sh || exit 1
@@ -59,6 +66,30 @@ for part in $parts; do
         prefill_syncs) run prefill_syncs 150 python test/gpu/prefill_syncs.py
                        tail -22 "$OUT_DIR/prefill_syncs.log" ;;
         attn_sweep) run attn_sweep 200 python test/benchmark/bench_paged_attention.py --sweep ;;
+        http) model=$(python -c "from lightllm.tools.bench_throughput import serving_model_dir; print(serving_model_dir())")
+              for flags in "" "--host_tier_gb 0"; do
+                  python -m lightllm.server.api_server --model_dir "$model" --ssm_state_mode replay --port 8011 $flags \
+                      > "$OUT_DIR/http_server${flags// /_}.log" 2>&1 &
+                  server=$!
+                  for _ in $(seq 180); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
+                  run "http${flags// /_}" 120 python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8011 \
+                      --num_prompts 512 --input_len 1024 --output_len 256 --max_concurrency 256 --num_workers 4 \
+                      --result_file "$OUT_DIR/http${flags// /_}.json"
+                  kill $server; wait $server
+              done ;;
+        closed_loop) run closed_loop 150 python test/gpu/closed_loop.py
+                     grep -E "^\|" "$OUT_DIR/closed_loop.log" | tail -14 ;;
+        moe_full) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
+                  run moe_full 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
+                      --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
+                  run moe_kernels 200 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
+                      --modes replay --batch_sizes 256 --input_len 128 --output_len 48 --top_kernels 28
+                  grep -E "kernel " "$OUT_DIR/moe_kernels.log" | head -28 ;;
+        q3n_fp8) python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
+                 run q3n_fp8 330 python -m lightllm.tools.bench_throughput --model_dir /tmp/q3n --load_format dummy \
+                     --quantization fp8 --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48 ;;
+        fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
+                 grep -E "^\|" "$OUT_DIR/fp8_moe.log" | tail -20 ;;
         *) echo "unknown part $part" ;;
     esac
 done
