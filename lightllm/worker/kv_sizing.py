@@ -8,10 +8,13 @@ slot gets a full-length request's worth of tokens, capped.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from lightllm.worker.transfer.prefix import state_fraction
 
 
 @dataclass(frozen=True)
@@ -95,3 +98,37 @@ def kv_tokens_for_memory(
             "--max_running_requests"
         )
     return tokens
+
+
+def runner_kv_tokens(runner, shapes: tuple[tuple[int, ...], ...], probe: MemoryProbe | None) -> int:
+    """KV token slots for `runner`, whose weights and state are already allocated: `max_total_token_num` when
+    given; else what `mem_fraction` of the device leaves after them, the per-layer hold slots, the slot tables and
+    the prefix cache's checkpoint pool (`shapes`: one token's KV tensors per attention layer)."""
+    c = runner.config
+    if c.max_total_token_num is not None:
+        return c.max_total_token_num
+    if probe is None and runner.device.type == "cpu":
+        return cpu_kv_tokens(c.max_running_requests, c.max_req_total_len)
+    if probe is None:
+        probe = cuda_memory_probe(runner.device)
+    itemsize = torch.empty((), dtype=runner.dtype).element_size()
+    per_layer = sum(math.prod(s) for s in shapes) * itemsize
+    num_layers, mtp = len(runner.model_config.full_layer_ids), 1 if runner.mtp_step else 0
+    # per layer: the hold slot (and on the MTP head its extra slots); per cache: an int64 slot table
+    fixed = per_layer * (num_layers + mtp * (1 + runner._mtp_extra_tokens()))
+    main_row, head_row = runner._row_lengths()
+    fixed += 8 * c.max_running_requests * (main_row + mtp * head_row)
+    bytes_per_token = per_layer * (num_layers + mtp)
+    if not c.disable_prefix_cache:
+        # the checkpoint pool comes out of the same budget: a fixed size, or a share of every KV token's bytes
+        if c.prefix_cache_state_bytes is not None:
+            fixed += c.prefix_cache_state_bytes
+        else:
+            bytes_per_token = int(bytes_per_token * (1 + state_fraction(c.prefix_cache_state_fraction)))
+    return kv_tokens_for_memory(
+        probe(),
+        mem_fraction=c.mem_fraction,
+        bytes_per_token=bytes_per_token,
+        fixed_bytes=fixed,
+        max_req_total_len=c.max_req_total_len,
+    )

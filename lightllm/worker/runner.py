@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,11 +34,11 @@ from lightllm.worker.drafting import MtpDrafter, drop_last_rows
 from lightllm.worker.graphs.decode import DecodeGraphs, write_window_drafts
 from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.worker.graphs.prefill import PrefillGraphs
-from lightllm.worker.kv_sizing import MemoryProbe, cpu_kv_tokens, cuda_memory_probe, kv_tokens_for_memory
+from lightllm.worker.kv_sizing import MemoryProbe, runner_kv_tokens
 from lightllm.worker.records import PendingVerify, RequestRecord
 from lightllm.worker.startup_phases import StartupPhases
 from lightllm.worker.transfer.host_tier import RunnerHostTier
-from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache, state_fraction
+from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache
 from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
 from lightllm.worker.warmup_steps import warm_attention_kernels, warm_up
 
@@ -114,7 +113,7 @@ class ModelRunner(DeviceAcceptance):
         )
         shapes = self._kv_token_shapes(tp.size)
         # every rank allocates the same KV slots (free memory differs a little between devices)
-        self.kv_tokens = tp.min_over_ranks(self._size_kv(shapes, memory_probe), self.device)
+        self.kv_tokens = tp.min_over_ranks(runner_kv_tokens(self, shapes, memory_probe), self.device)
         self.kv = KVCache(
             len(cfg.full_layer_ids),
             shapes,
@@ -203,37 +202,6 @@ class ModelRunner(DeviceAcceptance):
         """The MTP head's KV holds the main KV's tokens plus one verify window per request."""
         return self.config.max_running_requests * (self.mtp_step + 1)
 
-    def _size_kv(self, shapes: tuple[tuple[int, ...], ...], probe: MemoryProbe | None) -> int:
-        """KV token slots to allocate (weights and state are already allocated)."""
-        c = self.config
-        if c.max_total_token_num is not None:
-            return c.max_total_token_num
-        if probe is None and self.device.type == "cpu":
-            return cpu_kv_tokens(c.max_running_requests, c.max_req_total_len)
-        if probe is None:
-            probe = cuda_memory_probe(self.device)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = sum(math.prod(s) for s in shapes) * itemsize
-        num_layers, mtp = len(self.model_config.full_layer_ids), 1 if self.mtp_step else 0
-        # per layer: the hold slot (and on the MTP head its extra slots); per cache: an int64 slot table
-        fixed = per_layer * (num_layers + mtp * (1 + self._mtp_extra_tokens()))
-        main_row, head_row = self._row_lengths()
-        fixed += 8 * c.max_running_requests * (main_row + mtp * head_row)
-        bytes_per_token = per_layer * (num_layers + mtp)
-        if not c.disable_prefix_cache:
-            # the checkpoint pool comes out of the same budget: a fixed size, or a share of every KV token's bytes
-            if c.prefix_cache_state_bytes is not None:
-                fixed += c.prefix_cache_state_bytes
-            else:
-                bytes_per_token = int(bytes_per_token * (1 + state_fraction(c.prefix_cache_state_fraction)))
-        return kv_tokens_for_memory(
-            probe(),
-            mem_fraction=c.mem_fraction,
-            bytes_per_token=bytes_per_token,
-            fixed_bytes=fixed,
-            max_req_total_len=c.max_req_total_len,
-        )
-
     def _kv_token_shapes(self, tp_size: int) -> tuple[tuple[int, ...], ...]:
         a = self.model_config.attention
         if a.kind == "mla":
@@ -266,6 +234,11 @@ class ModelRunner(DeviceAcceptance):
             self.drafter.kv.free_row(handle)
         if self.prefix_cache is not None:
             self.prefix_cache.release(handle)
+
+    def close(self) -> None:
+        """Let go of what outlives a dropped runner: the host tier's writer threads and staging."""
+        if self.prefix_cache is not None and self.prefix_cache.host is not None:
+            self.prefix_cache.host.writer.close()
 
     def _flush_checkpoints(self) -> None:
         """Write the prefix-cache checkpoints published since the last call (one export for all of them) before a

@@ -158,6 +158,9 @@ def test_device_evictions_spill_and_come_back(single_arena, background):
     assert hot.cached == len(first) + MAX_TOKENS - 1
     assert hot.tokens == cold_second.tokens
     np.testing.assert_allclose(hot.logprobs, cold_second.logprobs, atol=1e-5)
+    # closing the runner lets the writer's threads go
+    engine.runner.close()
+    assert not host.writer._threads
     # twin: without the host tier the evicted prefix is recomputed
     bare = make_engine("qwen3_5", "replay", {})
     _run(bare, "x1", first)

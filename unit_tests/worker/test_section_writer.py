@@ -144,3 +144,16 @@ def test_a_lost_entry_is_counted_and_the_writer_goes_on(tier, monkeypatch):
     writer.flush()
     assert writer.num_failed == 1 and int(tier.arena.entries[index]["state"]) == READY
     writer.close()
+
+
+def test_close_stops_the_workers_and_drops_the_staging(tier):
+    writer = SectionWriter(tier, background=True)
+    tensors, offsets = _tensors(3)
+    _start(tier, writer, [5, 5], tensors, offsets)
+    threads = list(writer._threads)
+    assert threads and all(t.is_alive() for t in threads)
+    writer.close()
+    assert not any(t.is_alive() for t in threads) and not writer._free
+    # the pending write landed first
+    assert tier.lookup([5, 5, 1]).num_tokens == 2
+    writer.close()

@@ -215,6 +215,7 @@ class LockstepRunner:
     def close(self) -> None:
         """Drop this runner on every rank; the group stays, ready to build another, unless this runner owns it."""
         self.group.send(Plan("close"))
+        self.runner.close()
         self.runner = None
         _release_memory()
         if self.owns_group:
@@ -255,6 +256,8 @@ def follow(control, build: Callable) -> None:
         if plan.method == "build":
             runner = build(*plan.args)
         elif plan.method == "close":
+            if runner is not None:
+                runner.close()
             runner = None
             _release_memory()
         else:

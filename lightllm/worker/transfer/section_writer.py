@@ -11,9 +11,11 @@ WRITING, which readers never see. Staging is bounded: a write that finds it full
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -70,12 +72,14 @@ class SectionWriter:
             self._done.wait_for(lambda: self._pending == 0)
 
     def close(self) -> None:
+        """Finish the pending writes, stop the workers and drop the staging buffers (idempotent)."""
         self.flush()
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:
             thread.join()
         self._threads = []
+        self._free.clear()
 
     # staging ---------------------------------------------------------------------------------------------
     def _take(self, num_bytes: int) -> torch.Tensor:
@@ -97,6 +101,9 @@ class SectionWriter:
         return buffer
 
     def _start(self) -> None:
+        if not self._threads:
+            # the workers must not be inside a CUDA call when the interpreter tears CUDA down
+            atexit.register(_close_at_exit, weakref.ref(self))
         while len(self._threads) < NUM_WORKERS:
             thread = threading.Thread(target=self._work, name=f"host-tier-writer-{len(self._threads)}", daemon=True)
             thread.start()
@@ -120,6 +127,12 @@ class SectionWriter:
                 self._held -= staging.numel()
                 self._pending -= 1
                 self._done.notify_all()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    writer = ref()
+    if writer is not None:
+        writer.close()
 
 
 def _arena_view(region: np.ndarray) -> torch.Tensor:
