@@ -22,7 +22,8 @@
 #   closed_loop   the same workload on the engine alone (test/gpu/closed_loop.py)
 #   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
 #                 kernels of a replay step at 256
-#   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: replay and native decode at 1 / 64 / 256
+#   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: the server's memory plan and 64 requests
+#                 over HTTP, then replay and native decode at 1 / 64 / 256
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -86,6 +87,15 @@ for part in $parts; do
                       --modes replay --batch_sizes 256 --input_len 128 --output_len 48 --top_kernels 28
                   grep -E "kernel " "$OUT_DIR/moe_kernels.log" | head -28 ;;
         q3n_fp8) python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
+                 # the server at its defaults: the memory plan's line (the concurrency it affords), then it serves
+                 python -m lightllm.server.api_server --model_dir /tmp/q3n --load_format dummy --quantization fp8 \
+                     --ssm_state_mode replay --port 8012 > "$OUT_DIR/q3n_server.log" 2>&1 &
+                 server=$!
+                 for _ in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break; sleep 1; done
+                 grep -E "engine ready|start-up of rank" "$OUT_DIR/q3n_server.log" | cut -c1-400
+                 run q3n_serve 120 python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8012 \
+                     --num_prompts 64 --input_len 1024 --output_len 64 --max_concurrency 64
+                 kill $server; wait $server
                  run q3n_fp8 330 python -m lightllm.tools.bench_throughput --model_dir /tmp/q3n --load_format dummy \
                      --quantization fp8 --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48 ;;
         fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
