@@ -14,6 +14,9 @@ import triton.language as tl
 
 from lightllm.linear_att.kernels.common import BATCH_VARYING_ARGS, sigmoid
 
+# values of one decode program's [channels, columns] tile (`decode_channel_block`)
+DECODE_TILE = 4096
+
 
 @triton.jit
 def _silu(x):
@@ -105,9 +108,11 @@ def causal_conv_decode_triton(x, conv, conv_offset, slots, widths, weight, bias)
     """
     N, WMAX = x.shape[:2]
     WC = conv.shape[2]
-    y, C, KC, BC = _launch_setup(x, conv, weight)
+    y, C, KC, _ = _launch_setup(x, conv, weight)
     if N == 0:
         return y
+    BT = triton.next_power_of_2(KC - 1 + WMAX)
+    BC = decode_channel_block(C, BT)
     causal_conv_decode_kernel[(triton.cdiv(C, BC), N)](
         x,
         conv,
@@ -128,10 +133,17 @@ def causal_conv_decode_triton(x, conv, conv_offset, slots, widths, weight, bias)
         WMAX=WMAX,
         WC=WC,
         BC=BC,
-        BT=triton.next_power_of_2(KC - 1 + WMAX),
-        num_warps=4,
+        BT=BT,
+        num_warps=8 if BC * BT >= DECODE_TILE else 4,
     )
     return y
+
+
+def decode_channel_block(C: int, BT: int) -> int:
+    """Channels of one decode program: a `[channels, columns]` tile of `DECODE_TILE` values. A program's work is a
+    few KB of one row's window, so the kernel's time is its number of waves of programs times their latency; with
+    128 channels a step of 256 rows at 8192 channels launched 16k programs (~8 waves)."""
+    return min(triton.next_power_of_2(C), max(128, DECODE_TILE // BT))
 
 
 @triton.jit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from lightllm.linear_att import ops
 from lightllm.linear_att.kernels import conv as conv_kernels
@@ -175,3 +176,27 @@ def test_multi_round_accept_equals_stream(kc, max_width):
     for i in range(num_rows):
         stream = torch.cat([torch.zeros(kc - 1, C), streams[i][: pos[i]]])
         assert_rel_close(f"row {i}", torch.cat(outs[i]), _conv_stream(stream, weight, bias), 1e-6)
+
+
+@pytest.mark.parametrize("max_width", [1, 3], ids=lambda w: f"W{w}")
+def test_causal_conv_decode_over_several_channel_blocks(max_width):
+    """More channels than one decode program holds (`decode_channel_block`: up to 1024), with a partial last block:
+    every block reads and rewrites its own channels only."""
+    kc = 4
+    channels = 2 * conv_kernels.decode_channel_block(1 << 20, triton.next_power_of_2(kc - 1 + max_width)) + 37
+    gen = torch.Generator().manual_seed(7 + max_width)
+    weight, bias = torch.randn(channels, kc, generator=gen), torch.randn(channels, generator=gen)
+    conv = torch.randn(3, channels, kc - 1 + max_width - 1, generator=gen)
+    offset = torch.zeros(3, dtype=torch.int32)
+    slots, widths = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([max_width, 1], dtype=torch.int32)
+    x = torch.randn(2, max_width, channels, generator=gen)
+    before, twin = conv.clone(), conv.clone()
+    y = ops.causal_conv_decode(x, conv, offset, slots, widths, weight, bias, backend="triton")
+    y_twin = ops.causal_conv_decode(x, twin, offset, slots, widths, weight, bias, backend="torch")
+    assert_rel_close("y vs twin", y, y_twin, MAX_REL[torch.float32])
+    assert torch.equal(conv, twin)
+    # twin: the last block's channels broken in the input must change the output there
+    x[0, 0, -5:] += 1.0
+    y_broken = ops.causal_conv_decode(x, before, offset, slots, widths, weight, bias, backend="triton")
+    assert not torch.allclose(y_broken[0, 0, -5:], y[0, 0, -5:])
+    assert torch.equal(y_broken[0, 0, :-5], y[0, 0, :-5])
