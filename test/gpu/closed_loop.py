@@ -72,9 +72,13 @@ def main() -> None:
     step_ms = collections.defaultdict(list)
     sites: collections.Counter[str] = collections.Counter()
 
+    # per request: when it was submitted, when its first token and when its finish came out of a step
+    submitted, first_at, finished_at = {}, {}, {}
+
     def submit() -> None:
         nonlocal sent
         prompt = rng.integers(3, vocab - 3, a.input_len).tolist()
+        submitted[f"r{sent}"] = time.perf_counter()
         engine.add_request(NewRequest(f"r{sent}", prompt, params))
         sent += 1
 
@@ -87,20 +91,30 @@ def main() -> None:
             rows[bucket]["running"] = max(rows[bucket]["running"], len(sched.running))
             s = time.perf_counter()
             outputs = engine.step()
-            step_ms[bucket].append((time.perf_counter() - s) * 1e3)
+            now = time.perf_counter()
+            step_ms[bucket].append((now - s) * 1e3)
             for out in outputs:
                 if isinstance(out, TokenChunk) and out.req_id not in seen_first:
                     seen_first.add(out.req_id)
+                    first_at[out.req_id] = now
                     rows[bucket]["first"] += 1
                 elif isinstance(out, TokenChunk):
                     rows[bucket]["tokens"] += len(out.token_ids)
                 elif isinstance(out, Finished):
+                    finished_at[out.req_id] = now
                     done += 1
                     rows[bucket]["finished"] += 1
                     if sent < a.requests:
                         submit()
     elapsed = time.perf_counter() - t0
     print(f"{a.requests} requests in {elapsed:.2f} s: {a.requests * a.output_len / elapsed:.0f} output tok/s")
+    # as bench_serving reports them over HTTP, here at the engine's own step boundaries
+    ttft = np.array([first_at[r] - submitted[r] for r in first_at]) * 1e3
+    tpot = np.array([(finished_at[r] - first_at[r]) / max(a.output_len - 1, 1) for r in finished_at]) * 1e3
+    print(
+        f"TTFT ms mean {ttft.mean():.1f} p50 {np.median(ttft):.1f} p99 {np.percentile(ttft, 99):.1f}; "
+        f"TPOT ms median {np.median(tpot):.2f}"
+    )
     print("| t s | steps | step ms mean | step ms max | running max | first tokens | tokens | finished |")
     print("|---|---|---|---|---|---|---|---|")
     for b in sorted(rows):
