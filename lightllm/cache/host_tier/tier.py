@@ -147,8 +147,8 @@ class HostTier:
         arena = self.arena
         with arena.locked():
             table = arena.entries
-            ok = (table["state"] == READY) & (table["layout"] == self.layout).all(axis=1)
-            ok &= (table["num_tokens"] > min_tokens) & (table["num_tokens"] <= len(tokens))
+            ok = (table["state"] == READY) & (table["num_tokens"] > min_tokens) & (table["num_tokens"] <= len(tokens))
+            ok = self._of_layout(ok)
             lengths = sorted({int(n) for n in table["num_tokens"][ok]})
             for key in reversed(prefix_keys(tokens, lengths)):
                 for index in self._matches(key, ok):
@@ -183,15 +183,23 @@ class HostTier:
     def _find(self, key: HostKey) -> int | None:
         """The record of `key` in this layout, READY or WRITING (under the lock)."""
         table = self.arena.entries
-        live = (table["state"] != 0) & (table["layout"] == self.layout).all(axis=1)
-        found = self._matches(key, live)
+        found = self._matches(key, self._of_layout(table["state"] != 0))
         return int(found[0]) if len(found) else None
 
+    def _of_layout(self, mask: np.ndarray) -> np.ndarray:
+        """`mask` narrowed to records of this handle's layout (the byte compare only on the records it keeps: the
+        table's scalar columns are cheap to scan, its byte columns are not)."""
+        rows = np.flatnonzero(mask)
+        mask = np.zeros_like(mask)
+        mask[rows[(self.arena.entries["layout"][rows] == self.layout).all(axis=1)]] = True
+        return mask
+
     def _matches(self, key: HostKey, mask: np.ndarray) -> np.ndarray:
+        """Records under `mask` holding `key` (length first, then the digest of the few that remain)."""
         table = self.arena.entries
+        rows = np.flatnonzero(mask & (table["num_tokens"] == key.num_tokens))
         digest = np.frombuffer(key.digest, dtype=np.uint8)
-        hit = mask & (table["num_tokens"] == key.num_tokens) & (table["digest"] == digest).all(axis=1)
-        return np.flatnonzero(hit)
+        return rows[(table["digest"][rows] == digest).all(axis=1)]
 
     def _ticket(self, index: int, creator: bool = False) -> Ticket:
         r = self.arena.entries[index]
