@@ -5,8 +5,8 @@ shared-memory arena is a copy into pageable memory: the host waits for every ste
 the copy at pageable speed, once per eviction. In the background mode a write instead copies its tensors into a
 pinned staging buffer on the current stream, which orders the copy after the work that produced the tensors and
 before anything queued later that overwrites them (a reused checkpoint slot, freed KV), and returns at once. One
-of a few worker threads waits for that copy, moves the bytes into the arena and commits the entry; until then the entry is
-WRITING, which readers never see. Staging is bounded: a write that finds it full waits for the oldest ones.
+of a few worker threads waits for that copy, moves the bytes into the arena and commits the entry; until then the
+entry is WRITING, which readers never see. Staging is bounded: a write that finds it full waits for the oldest.
 """
 
 from __future__ import annotations
