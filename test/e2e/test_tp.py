@@ -26,7 +26,7 @@ from lightllm.server.runner_factory import build_rank_runner, create_tp_runner
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from lightllm.worker.tp.group import Plan, TPGroup
 from lightllm.worker.tp.layout import merge_checkpoints, split_checkpoint
-from lightllm.worker.tp.lockstep import GLOBAL_LAYOUT, LOCAL, LOCKSTEP, START_UP, LockstepRunner
+from lightllm.worker.tp.lockstep import GLOBAL_LAYOUT, LOCAL, LOCKSTEP, SHUT_DOWN, START_UP, LockstepRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -207,7 +207,7 @@ def test_every_runner_method_is_placed():
     from lightllm.worker.runner import ModelRunner
 
     public = {n for n, v in vars(ModelRunner).items() if callable(v) and not n.startswith("_")}
-    placed = LOCKSTEP | GLOBAL_LAYOUT | LOCAL | START_UP
+    placed = LOCKSTEP | GLOBAL_LAYOUT | LOCAL | START_UP | SHUT_DOWN
     assert public - placed == set(), f"unplaced runner methods: {sorted(public - placed)}"
 
 
