@@ -1,19 +1,20 @@
 """Overlapped speculative steps: greedy MTP verify t + 1 launched before the host reads verify t back.
 
-A launched step runs, without a host wait, the verify forward of full windows (W = mtp_step + 1 tokens per row),
-acceptance on the device (`verify_full_windows_on_device`: counts, next tokens, and the pair tokens the MTP head
-commits), the state's accept with those device counts and the MTP head's drafts for the next windows
-(`runner.accept_on_device`). Its successor takes its first tokens and drafts from those device tensors; the
-runner shifts the successor's positions, cached lengths and KV write slots by the unread counts on the device, KV
-having been allocated for the worst case (W more tokens a row), and releases the rejected KV when the host reads
-the counts (`runner.settle`), one step later. Emitting tokens, stop checks, finishes and their publishes follow
-one step late, as for plain overlap; a row that finished at step t rides along in t + 1 and its tokens are dropped,
-and t + 2 chains on without it. A row near its length limit keeps full windows: the runner's slot tables have room
-for the two windows in flight past a request's limit, and emitting stops at the limit.
+A launched step is one runner call, `verify_on_device` (on CUDA one graph replay): the verify forward of full
+windows (W = mtp_step + 1 tokens per row), acceptance on the device (counts, next tokens, and the pair tokens the
+MTP head commits), the state's accept with those device counts and the MTP head's drafts for the next windows.
+Its successor takes its windows (next token, drafts) from that step's device figures; the runner shifts the
+successor's positions, cached lengths and KV write slots by the unread counts on the device, KV having been
+allocated for the worst case (W more tokens a row), and releases the rejected KV when the host reads the counts
+(`runner.settle`), one step later. Emitting tokens, stop checks, finishes and their publishes follow one step
+late, as for plain overlap; a row that finished at step t rides along in t + 1 and its tokens are dropped, and
+t + 2 chains on without it. A row near its length limit keeps full windows: the runner's slot tables have room for
+the two windows in flight past a request's limit, and emitting stops at the limit.
 
 Only greedy MTP decode chains this way: every row greedy without penalties or a grammar with a full window of
-drafts, nothing to admit, the runner's decode and draft buffers holding the batch. Anything else (prefill chunks,
-sampled rows, n-gram drafts, tensor-parallel runners without the buffers) runs synchronously, as with overlap off.
+drafts, nothing to admit, the runner's step buffers holding the batch. Anything else (prefill chunks, sampled
+rows, n-gram drafts, runners without the buffers) runs synchronously, as with overlap off. A row asking for
+log-probabilities keeps the step's logits (a copy per step); the others never read them.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import numpy as np
 import torch
 
 from lightllm.cache.device_copy import to_device
-from lightllm.engine.batch import ForwardBatch, ForwardOutput
+from lightllm.engine.batch import ForwardBatch
 from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR
 from lightllm.engine.messages import EngineOutput
 from lightllm.engine.scheduler import ScheduledRow, SchedulePlan
-from lightllm.engine.speculative.device_drafts import DraftBatch, draft_matrix
+from lightllm.engine.speculative.device_drafts import DraftBatch, write_window_drafts
 from lightllm.engine.speculative.mtp import MtpSpeculator
-from lightllm.engine.speculative.verify import WindowResult, verify_full_windows_on_device
+from lightllm.engine.speculative.verify import WindowResult
 
 if TYPE_CHECKING:
     from lightllm.engine.engine import Engine
@@ -47,22 +48,26 @@ class SpecInFlight:
     plan: SchedulePlan
     # the rows' runner handles at launch (a request finished meanwhile has given its handle back)
     handles: list[int]
-    fwd: ForwardOutput
     width: int
-    # [rows] on the device: each row's next token (the successor's first token)
-    next_tokens: torch.Tensor
-    # [rows, mtp_step] on the device: the MTP head's drafts for the successor's windows
-    drafts: torch.Tensor
-    # [rows] on the device: tokens each row kept (the host reads them with `host`)
-    counts: torch.Tensor
-    # [rows, 2 + W] host copy of (count, non-finite flag, pair tokens), valid once `ready` has completed
+    # [rows, 2 W + 2] on the device (the runner's `verify_on_device`): each row's next window (next token, the MTP
+    # head's drafts), then its kept count, non-finite flag and pair tokens
+    figures: torch.Tensor
+    # a host copy of `figures`, valid once `ready` has completed
     host: torch.Tensor
     ready: torch.cuda.Event | None
+    # [rows * W, V] the logits of every window position, kept only when a row asks for log-probabilities
+    logits: torch.Tensor | None
 
     def read(self) -> list[list[int]]:
+        """Per row: (kept count, non-finite flag, the W pair tokens)."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()
+        return [row[self.width :] for row in self.host.tolist()]
+
+    @property
+    def windows(self) -> torch.Tensor:
+        """[rows, W] on the device: each row's next window (its next token, then the head's drafts)."""
+        return self.figures[:, : self.width]
 
 
 def chained_spec_plan(inflight: SpecInFlight) -> SchedulePlan:
@@ -86,7 +91,7 @@ class SpecOverlap:
         e = self.engine
         if not all(r.params.greedy and not r.params.has_penalties and not r.grammar for r in reqs):
             return False
-        can = getattr(e.runner, "can_accept_on_device", None)
+        can = getattr(e.runner, "can_verify_on_device", None)
         return can is not None and can([r.handle for r in reqs])
 
     def can_launch(self, plan: SchedulePlan) -> bool:
@@ -125,38 +130,21 @@ class SpecOverlap:
         rows = plan.decode
         handles = [row.req.handle for row in rows]
         try:
-            drafts = previous_counts = None
             if previous is None:
-                batch = e.build_batch(plan)
+                windows = _host_windows(e.build_batch(plan), len(rows), width, runner.device)
             else:
-                next_tokens, drafts, previous_counts = _rows_of(previous, rows)
+                windows = _rows_of(previous, rows)
                 # rows that may reach their length limit in the step in flight: their state as it leaves them,
                 # before this step moves it on (the prefix cache publishes it if they did)
                 runner.hold_checkpoints([row.req.handle for row in rows if row.req.num_remaining_tokens <= width])
-                batch = ForwardBatch(
-                    req_handles=handles,
-                    query_lens=[width] * len(rows),
-                    num_cached_tokens=[row.req.num_computed_tokens for row in rows],
-                    num_prefill_rows=0,
-                    input_ids=torch.zeros(width * len(rows), dtype=torch.long),
-                    decode_input_ids=next_tokens,
-                    decode_draft_ids=drafts,
-                )
-            fwd = runner.forward(batch)
-            e.awaiting_accept = True
-            if drafts is None:
-                drafts = draft_matrix([row.draft_ids for row in rows], fwd.logits.device, k)
-            room = self._room(rows, previous_counts, drafts.device)
+            # a window never keeps drafts past the request's limit (the runner counts the tokens still in flight)
+            room = np.asarray([row.req.num_remaining_tokens - 1 for row in rows], dtype=np.int64)
             kept = None
             if e.acceptance is not None:
-                kept = self._simulated_kept(rows, room)
-            logits = fwd.logits
-            counts, next_tokens, pairs, bad = verify_full_windows_on_device(
-                logits, drafts.to(logits.device), kept, max_kept=room
-            )
-            new_drafts = runner.accept_on_device(handles, counts, pairs)
-            e.awaiting_accept = False
-            figures = torch.cat([counts[:, None], bad.long()[:, None], pairs], dim=1)
+                # each request's coins for its next window, as the synchronous verify draws them
+                kept = np.asarray(e.acceptance.num_kept_drafts([row.req.req_id for row in rows], [k] * len(rows)))
+            keep_logits = any(row.req.params.logprobs is not None for row in rows)
+            figures, logits = runner.verify_on_device(handles, windows, room, kept, keep_logits)
             ready = None
             if figures.is_cuda:
                 host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=True)
@@ -167,25 +155,9 @@ class SpecOverlap:
                 host = figures
         except Exception:
             logger.exception("engine step failed; finishing %d requests with an error", len(rows))
-            e.settle_runner(plan)
             e.overlap.add_failed(e.fail_rows(plan))
             return None
-        return SpecInFlight(plan, handles, fwd, width, next_tokens, new_drafts, counts, host, ready)
-
-    @staticmethod
-    def _room(rows, previous_counts: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """Per row, on the device: the most drafts its window may keep, as the synchronous scheduler cuts a window
-        near the request's length limit (counting the tokens its step still in flight keeps), so a window never
-        commits state past what the request emits; negative for a row that the step in flight finishes."""
-        room = to_device(np.asarray([row.req.num_remaining_tokens - 1 for row in rows], dtype=np.int64), device)
-        return room if previous_counts is None else room - previous_counts.to(device)
-
-    def _simulated_kept(self, rows, room: torch.Tensor) -> torch.Tensor:
-        """Kept drafts per row under simulated acceptance, on the device: each request's coins for its next window
-        (as the synchronous verify draws them), at most `room`."""
-        k = self.engine.speculator.num_drafts
-        kept = self.engine.acceptance.num_kept_drafts([row.req.req_id for row in rows], [k] * len(rows))
-        return torch.minimum(to_device(np.asarray(kept, dtype=np.int64), room.device), room).clamp(min=0)
+        return SpecInFlight(plan, handles, width, figures, host, ready, logits)
 
     def complete(self, inflight: SpecInFlight) -> list[EngineOutput]:
         """Read an overlapped verify back: settle the runner, emit each row's accepted tokens (rows whose request
@@ -204,7 +176,7 @@ class SpecOverlap:
                 logger.exception("could not settle the runner after a failed step")
             return outputs
         k = inflight.width - 1
-        drafts = DraftBatch(inflight.drafts)
+        drafts = DraftBatch(inflight.windows[:, 1:])
         outputs: list[EngineOutput] = []
         for i, (row, (count, bad, *pairs)) in enumerate(zip(rows, host, strict=True)):
             req = row.req
@@ -219,16 +191,25 @@ class SpecOverlap:
             tokens = pairs[:count]
             e._record_window(min(k, room - 1), WindowResult(tokens[:room]))
             req.draft_ids = drafts.row(i, k)
-            outputs += e.emit(req, tokens, inflight.fwd.logits, i * inflight.width)
+            outputs += e.emit(req, tokens, inflight.logits, i * inflight.width)
         return outputs
 
 
-def _rows_of(previous: SpecInFlight, rows: list[ScheduledRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`previous`'s device outputs (next tokens, drafts, kept counts) for `rows`, a subset of its rows in its order
-    (rows that finished meanwhile are left out)."""
+def _rows_of(previous: SpecInFlight, rows: list[ScheduledRow]) -> torch.Tensor:
+    """`previous`'s next windows for `rows`, a subset of its rows in its order (rows that finished meanwhile are
+    left out)."""
     ids = [id(row.req) for row in previous.plan.decode]
     if len(rows) == len(ids):
-        return previous.next_tokens, previous.drafts, previous.counts
+        return previous.windows
     position = {rid: i for i, rid in enumerate(ids)}
-    index = to_device(np.asarray([position[id(row.req)] for row in rows], dtype=np.int64), previous.drafts.device)
-    return previous.next_tokens[index], previous.drafts[index], previous.counts[index]
+    index = to_device(np.asarray([position[id(row.req)] for row in rows], dtype=np.int64), previous.figures.device)
+    return previous.windows[index]
+
+
+def _host_windows(batch: ForwardBatch, num_rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """The windows `[rows, W]` of a step whose rows' last tokens the host knows, on the device: the batch's ids,
+    with the drafts still unread on the device written over their places."""
+    windows = to_device(batch.input_ids.view(num_rows, width), device)
+    if batch.decode_draft_ids is not None:
+        write_window_drafts(windows, batch.decode_draft_ids)
+    return windows

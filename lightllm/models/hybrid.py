@@ -89,6 +89,7 @@ class HybridModel(nn.Module):
             h, pending = layer(h, ctx, pending)
         return add_rms_norm(pending, h, self.norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden [n, hidden]` -> fp32 `[n, vocab]`."""
-        return self.tp.all_gather_last(F.linear(hidden, self.lm_head)).float()
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """`hidden [n, hidden]` -> `[n, vocab]`, fp32 (or the LM head's dtype)."""
+        out = self.tp.all_gather_last(F.linear(hidden, self.lm_head))
+        return out.float() if fp32 else out

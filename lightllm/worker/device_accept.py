@@ -1,18 +1,19 @@
 """Verify steps accepted on the device and settled a step later: the runner's side of overlapped MTP steps.
 
-`accept_on_device` commits a verify step's accepted counts while they are still on the device (the state's accept,
-the MTP head's commit and its drafts for the next windows), so the next step can be launched before the host reads
-them; the rows' committed lengths and KV stay as if nothing were accepted until `settle` gives the counts. Until
-then a step of the same rows shifts its positions, cached lengths and KV write slots by the unread counts on the
-device (`_cached_extra`), its KV allocated for the worst case (`_max_extra`). At most two steps are unsettled: the
-one being read and the one launched after it.
+`verify_on_device` runs a verify step of full windows, its acceptance, the state's accept and the MTP head's commit
+and drafts for the next windows, with the counts left on the device, so the next step can be launched before the
+host reads them (on CUDA the whole step is one graph replay: `graphs/spec_step.py`); the rows' committed lengths
+and KV stay as if nothing were accepted until `settle` gives the counts. Until then a step of the same rows shifts
+its positions, cached lengths and KV write slots by the unread counts on the device (`_cached_extra`), its KV
+allocated for the worst case (`_max_extra`). At most two steps are unsettled: the one being read and the one
+launched after it.
 
 A request that reaches its length limit in a step still in flight rides along in the next one, which moves its
 state past the tokens it emits; to publish its prefix-cache checkpoint at its end anyway, the step launched after
 it first takes a checkpoint of the rows that may reach their limit there (`hold_checkpoints`), which `publish`
 uses once that step is settled.
 
-`ModelRunner` inherits these methods; they use its requests, state, KV caches, MTP drafter and decode buffers.
+`ModelRunner` inherits these methods; they use its requests, state, KV caches, MTP drafter and step buffers.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class UnsettledStep:
-    """A verify accepted on the device (`accept_on_device`) whose counts the host has not read yet."""
+    """A verify accepted on the device (`verify_on_device`) whose counts the host has not read yet."""
 
     records: list[RequestRecord]
     widths: list[int]
@@ -82,7 +83,7 @@ class DeviceAcceptance:
             held = type(checkpoint)(conv=checkpoint.conv[:, row], ssm=checkpoint.ssm[:, row])
             self._held[h] = HeldCheckpoint(step, held, None if hidden is None else hidden[row])
 
-    def held_checkpoint(self, handle: int) -> HeldCheckpoint | None:
+    def _held_checkpoint(self, handle: int) -> HeldCheckpoint | None:
         """The checkpoint held for `handle` if the step it was taken after is settled and no later step of the row
         is: the row's state at its committed length."""
         held = self._held.get(handle)
@@ -91,56 +92,62 @@ class DeviceAcceptance:
             return None
         return held
 
-    def can_accept_on_device(self, handles: list[int]) -> bool:
-        """Whether a decode-only step of these rows may be accepted on the device (`accept_on_device`): the decode
-        and MTP draft buffers hold the batch, the rows' MTP pairs are all drafted, the head's KV has room for the
-        worst case, and at most one accepted step is unsettled."""
-        decode, drafter = self.decode_graphs, self.drafter
-        if drafter is None or decode is None or drafter.graphs is None or len(self._unsettled) > 1:
-            return False
-        n = len(handles)
-        if decode.bucket(n) is None or drafter.graphs.bucket(n) is None or drafter.graphs.mtp_step != self.mtp_step:
+    def can_verify_on_device(self, handles: list[int]) -> bool:
+        """Whether a step of full verify windows of these rows may run on the device alone (`verify_on_device`):
+        the overlapped step's buffers hold the batch, the rows' MTP pairs are all drafted, the head's KV has room
+        for the worst case, and at most one such step is unsettled."""
+        graphs, drafter = self.spec_step_graphs, self.drafter
+        if graphs is None or drafter is None or len(self._unsettled) > 1 or graphs.bucket(len(handles)) is None:
             return False
         if any(self._requests[h].mtp_hidden for h in handles):
             return False
-        return drafter.kv.num_free_tokens() >= n * (2 * self.max_width + self.mtp_step)
+        return drafter.kv.num_free_tokens() >= len(handles) * (2 * self.max_width + self.mtp_step)
 
     @torch.inference_mode()
-    def accept_on_device(
-        self, handles: list[int], num_accepted: torch.Tensor, pair_tokens: torch.Tensor
-    ) -> torch.Tensor:
-        """`accept` with the counts on the device `[rows]` (each in 1 .. W), for a decode-only step whose rows all
-        verified a full window of W tokens (`can_accept_on_device` said so before its forward), then the MTP
-        head's drafts for the next windows `[rows, mtp_step]` on the device: row i commits its first
-        `num_accepted[i]` (hidden, token) pairs, `pair_tokens [rows, W]` holding the token after each window
-        position (the accepted drafts, then the next token). Nothing is read back: the rows' committed lengths and
-        KV stay as if nothing were accepted until `settle` gives the counts, and the next step may take these rows
-        (its positions and KV slots are shifted on the device)."""
-        pending = self._pending
-        if pending is None or list(handles) != pending.handles:
-            raise ValueError("accept_on_device() must list the last step's decode rows in their order")
+    def verify_on_device(
+        self,
+        handles: list[int],
+        windows: torch.Tensor,
+        room: np.ndarray,
+        kept: np.ndarray | None = None,
+        keep_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A greedy verify step of full windows left on the device (`can_verify_on_device` said so): `windows
+        [rows, W]` (on the device: each row's last token, then its drafts) are verified (at most `room[i]` drafts
+        kept, counted from the row's length as the host knows it; `kept[i]` of them when given: simulated
+        acceptance), accepted into the state, and the MTP head drafts the next windows, all without the host (one
+        graph replay on CUDA; `graphs/spec_step.py`). Returns the step's figures `[rows, 2 W + 2]` on the device
+        (`SpecFigures`: next window, count, non-finite flag, pair tokens) and, with `keep_logits`, the logits of
+        every window position `[rows * W, V]`. The rows' committed lengths and KV stay as if nothing were
+        accepted until `settle` gives the counts; a later step of the same rows may run before that (its
+        positions and KV slots shifted by the unread counts on the device)."""
+        graphs = self.spec_step_graphs
+        n, width = len(handles), self.max_width
+        if self._pending is not None:
+            raise RuntimeError("accept() must be called after a step with decode rows before the next step")
+        if graphs is None or graphs.bucket(n) is None or tuple(windows.shape) != (n, width):
+            raise ValueError(f"verify_on_device() takes [rows, {width}] windows of a batch its buffers hold")
         records = [self._requests[h] for h in handles]
-        width = pending.widths[0]
-        hidden = records[0].mtp_hidden[-1][0] if records and records[0].mtp_hidden else None
-        spans_ok = hidden is not None and all(
-            len(r.mtp_hidden) == 1 and r.mtp_hidden[0][0] is hidden and r.mtp_hidden[0][1:] == (i * width, width)
-            for i, r in enumerate(records)
-        )
-        if self.drafter is None or set(pending.widths) != {width} or not spans_ok:
-            raise ValueError("accept_on_device() takes a decode-only step of full windows with an MTP head")
+        if any(r.mtp_hidden for r in records):
+            raise ValueError("verify_on_device() needs rows whose MTP pairs are all drafted")
+        if n * width > self.num_free_kv_tokens():
+            raise RuntimeError(f"step needs {n * width} KV slots, {self.num_free_kv_tokens()} free")
+        self._flush_checkpoints()
+        rows = np.asarray(handles, dtype=np.int64)
         extra, max_extra = self._cached_extra(records), self._max_extra(records)
-        self.state.accept(pending.rows, num_accepted.to(torch.int32))
-        self._pending = None
-        for r in records:
-            r.mtp_hidden, r.mtp_next_ids = [], []
-        drafts = self.drafter.draft_on_device(
-            handles, records, hidden, pair_tokens.reshape(-1), num_accepted, extra, max_extra, self.mtp_step
-        )
-        self._unsettled.append(UnsettledStep(records, list(pending.widths), num_accepted, hidden))
-        return drafts
+        self.kv.extend_many(rows, np.full(n, width, dtype=np.int64))
+        cached = np.asarray([r.num_tokens for r in records], dtype=np.int64)
+        slots = np.asarray([r.state_slot for r in records], dtype=np.int64)
+        bucket = graphs.decode.load(None, np.full(n, width, dtype=np.int64), cached, rows, slots)
+        mtp_len = np.asarray([r.mtp_len for r in records], dtype=np.int64)
+        assert graphs.draft.load_full_windows(rows, mtp_len, max_extra) == bucket
+        graphs.load(n, windows, extra, room, kept)
+        figures, hidden, logits = graphs.run(bucket, n, keep_logits)
+        self._unsettled.append(UnsettledStep(records, [width] * n, figures[:, graphs.figures.count], hidden))
+        return figures, logits
 
     def settle(self, handles: list[int], num_accepted: list[int]) -> None:
-        """The host's counts of the oldest step accepted on the device (`handles` as given to `accept_on_device`):
+        """The host's counts of the oldest step accepted on the device (`handles` as given to `verify_on_device`):
         the rows' committed lengths grow by them and the KV of their rejected tokens is released. Rows freed
         meanwhile are skipped."""
         if not self._unsettled:

@@ -79,30 +79,6 @@ class MtpDrafter:
         # back to the callers' row order
         return torch.stack(drafts, dim=1)[inverse], torch.stack(all_logits, dim=1)[inverse]
 
-    def draft_on_device(
-        self,
-        handles: list[int],
-        reqs: list,
-        hidden: torch.Tensor,
-        tokens: torch.Tensor,
-        num_pairs: torch.Tensor,
-        cached_extra: torch.Tensor | None,
-        max_extra: np.ndarray,
-        mtp_step: int,
-    ) -> torch.Tensor:
-        """Drafts `[N, mtp_step]` after a verify whose accepted counts are on the device: row i commits the first
-        `num_pairs[i]` of its W pairs (`hidden`, `tokens`: `[N * W]`, row-major) after its `mtp_len` committed ones
-        plus `cached_extra[i]` still unsettled (at most `max_extra[i]`). Through the draft buffers only; the rows'
-        `mtp_len` grows when the host learns the counts."""
-        graphs = self.graphs
-        if graphs is None or graphs.mtp_step != mtp_step or graphs.bucket(len(handles)) is None:
-            raise RuntimeError("drafting with counts on the device needs the draft buffers for this batch")
-        width = hidden.shape[0] // len(handles)
-        cached = np.asarray([req.mtp_len for req in reqs], dtype=np.int64)
-        return graphs.run_on_device(
-            np.asarray(handles, dtype=np.int64), cached, max_extra, width, tokens, hidden, num_pairs, cached_extra
-        )
-
     @staticmethod
     def _committed(reqs: list, q_lens: np.ndarray, hidden: torch.Tensor) -> None:
         """The rows' pending pairs are in the head's KV now."""

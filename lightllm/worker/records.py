@@ -31,7 +31,7 @@ class RequestRecord:
 
 @dataclass
 class PendingVerify:
-    """The decode rows of the last step, waiting for `accept` (or `accept_on_device`)."""
+    """The decode rows of the last step, waiting for `accept`."""
 
     handles: list[int]
     widths: list[int]

@@ -20,6 +20,7 @@ from lightllm.cache.kv_cache import KVCache
 from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.prefix import PrefixMatch
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
+from lightllm.engine.speculative.device_drafts import write_window_drafts
 from lightllm.linear_att import StateConfig, StateMode, create_state
 from lightllm.linear_att.base import Checkpoint, DecodeRows
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
@@ -31,9 +32,10 @@ from lightllm.models.tp import TPInfo
 from lightllm.worker.config import RunnerConfig
 from lightllm.worker.device_accept import DeviceAcceptance, HeldCheckpoint, UnsettledStep
 from lightllm.worker.drafting import MtpDrafter, drop_last_rows
-from lightllm.worker.graphs.decode import DecodeGraphs, write_window_drafts
+from lightllm.worker.graphs.decode import DecodeGraphs
 from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.worker.graphs.prefill import PrefillGraphs
+from lightllm.worker.graphs.spec_step import SpecStepGraphs
 from lightllm.worker.kv_sizing import MemoryProbe, runner_kv_tokens
 from lightllm.worker.records import PendingVerify, RequestRecord
 from lightllm.worker.startup_phases import StartupPhases
@@ -158,6 +160,8 @@ class ModelRunner(DeviceAcceptance):
         self._held: dict[int, HeldCheckpoint] = {}
         self._folds_copy: _CounterCopy | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        # overlapped MTP steps over the decode and draft buffers (device_accept.py)
+        self.spec_step_graphs: SpecStepGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.startup.mark("state, KV and prefix cache")
 
@@ -174,6 +178,11 @@ class ModelRunner(DeviceAcceptance):
                 self.model, drafter.kv, max_batch, drafter.max_width, self.mtp_step, use_graphs
             )
             drafter.graphs.capture()
+            if self.max_width == self.mtp_step + 1:
+                # windows wider than the head's drafts (a larger `max_width`) verify synchronously
+                graphs = SpecStepGraphs(self.model, self.state, self.decode_graphs, drafter.graphs, use_graphs)
+                graphs.capture()
+                self.spec_step_graphs = graphs
         return True
 
     def init_prefill_graphs(self, use_graphs: bool = True) -> bool:
@@ -262,7 +271,7 @@ class ModelRunner(DeviceAcceptance):
         if self._is_unsettled(record):
             # the state holds tokens whose count the host has not read, unless a checkpoint was held at the
             # committed length (a request that reached its limit while a later step of it was launched)
-            held = self.held_checkpoint(handle)
+            held = self._held_checkpoint(handle)
             if held is not None:
                 self.prefix_cache.publish(handle, record, token_ids, (held.checkpoint, held.hidden))
             return
@@ -352,6 +361,8 @@ class ModelRunner(DeviceAcceptance):
         if self._pending is not None:
             raise RuntimeError("accept() must be called after a step with decode rows before the next forward")
         reqs = [self._requests[h] for h in batch.req_handles]
+        if self._unsettled and any(self._is_unsettled(r) for r in reqs):
+            raise RuntimeError("a row whose accepted counts are still on the device: settle() comes first")
         for h, req, cached in zip(batch.req_handles, reqs, batch.num_cached_tokens):
             assert cached == req.num_tokens, (
                 f"request {h}: engine says {cached} cached tokens, runner has {req.num_tokens}"
@@ -369,12 +380,7 @@ class ModelRunner(DeviceAcceptance):
         ids[layout] = batch.input_ids.numpy()
         # a decode row's first token may still be on the device (the last step's sample, not yet seen by the host)
         first_tokens = batch.decode_input_ids
-        cached_extra = self._cached_extra(reqs[np_:])
-        if cached_extra is not None and np_:
-            raise RuntimeError("a prefill row beside rows whose accepted counts are on the device")
-        fixed = self._forward_fixed_buffers(batch, ids, q_lens, handles, state_slots, first_tokens, cached_extra)
-        if fixed is None and cached_extra is not None:
-            raise RuntimeError("rows whose accepted counts are on the device run through the decode buffers only")
+        fixed = self._forward_fixed_buffers(batch, ids, q_lens, handles, state_slots, first_tokens)
         ids_dev = None
         if fixed is not None:
             hidden, decode_rows = fixed
@@ -419,7 +425,6 @@ class ModelRunner(DeviceAcceptance):
         handles: np.ndarray,
         state_slots: list[int],
         first_tokens: torch.Tensor | None,
-        cached_extra: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, DecodeRows | None] | None:
         """The step through the graphs' fixed buffers when its shape has them: decode rows only (a decode graph),
         one short prefill row (a prefill graph), or one short prefill row beside decode rows (both graphs, one after
@@ -450,7 +455,6 @@ class ModelRunner(DeviceAcceptance):
                 np.asarray(state_slots[np_:]),
                 first_tokens,
                 batch.decode_draft_ids,
-                cached_extra,
             )
             parts.append(hidden)
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), decode_rows

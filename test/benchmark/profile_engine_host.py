@@ -6,15 +6,17 @@
 Runs the engine on the tiny demo model (or `--model_dir`) with `batch` requests decoding together, through the
 same fixed-buffer decode path the CUDA graphs use, and times each phase by wrapping it: the scheduler, building the
 batch, the runner's forward (on the CPU this includes the model's arithmetic, which is why the model is tiny),
-verification, accept, emitting tokens and the whole of `_process`. On the CPU the phases other than `forward` are
-the host work a GPU step also pays; the table prints milliseconds per step, medians of `--steps` steps.
+verification, accept, an overlapped MTP step's one runner call (`verify_on_device`), emitting tokens and the whole
+of `_process`. On the CPU the phases other than `forward` and `verify_on_device` are the host work a GPU step also
+pays; the table prints milliseconds per step, medians of `--steps` steps.
 
-On CUDA the forward is followed by a synchronize timed as `gpu_wait` (the GPU work still queued when the host
-finished launching), so `forward` is the host's launch cost alone; `--top_ops N` adds the torch profiler's N most
-expensive host-side operators per step (self CPU time, with their counts: kernel launches, copies, driver
-queries), which names what the launch cost is made of, and `--by_caller N` the N engine and runner functions
-that make the most torch calls per step outside the model's modules (calls a CUDA graph replays are not counted:
-they are not made from Python; on the CPU the buffers' forwards run eagerly, so their context building counts). With `--mtp_step`, `--simulate_acceptance P` keeps each draft with probability
+On CUDA the forward and `verify_on_device` are followed by a synchronize timed as `gpu_wait` (the GPU work still
+queued when the host finished launching), so `forward` is the host's launch cost alone; `--top_ops N` adds the
+torch profiler's N most expensive host-side operators per step (self CPU time, with their counts: kernel launches,
+copies, driver queries), which names what the launch cost is made of, and `--by_caller N` the N engine and runner
+functions that make the most torch calls per step outside the model's modules (calls a CUDA graph replays are not
+counted: they are not made from Python; on the CPU the buffers' forwards run eagerly, so their context building
+counts). With `--mtp_step`, `--simulate_acceptance P` keeps each draft with probability
 P (as `bench_throughput`'s option), so overlapped verify steps accept a controlled number of tokens.
 
     python test/benchmark/profile_engine_host.py --serving_model --device cuda --mode replay --batch 64 \
@@ -42,6 +44,7 @@ PHASES = (
     ("scheduler", "schedule"),
     ("engine", "build_batch"),
     ("runner", "forward"),
+    ("runner", "verify_on_device"),
     ("engine", "_verify_greedy"),
     ("runner", "accept"),
     ("engine", "emit"),
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     totals: dict[str, float] = {}
     for owner_name, name in PHASES:
         owner = {"scheduler": engine.scheduler, "engine": engine, "runner": engine.runner}[owner_name]
-        _timed(owner, name, totals, sync=name == "forward" and a.device == "cuda")
+        _timed(owner, name, totals, sync=name in ("forward", "verify_on_device") and a.device == "cuda")
     names = [name for _, name in PHASES] + (["gpu_wait"] if a.device == "cuda" else [])
     per_step: dict[str, list[float]] = {name: [] for name in names}
     steps = []
@@ -155,7 +158,6 @@ def _print_top_ops(engine, steps: int, top: int) -> None:
         print(f"| {e.key} | {e.count / steps:.1f} | {e.self_cpu_time_total / 1000 / steps:.3f} |")
 
 
-
 # the model's modules: calls made inside a forward (eager on the CPU, replayed from a graph on CUDA) are not counted
 _MODEL_PATHS = ("lightllm/models/", "lightllm/linear_att/", "lightllm/kernels/")
 
@@ -191,6 +193,7 @@ def _print_by_caller(engine, steps: int, top: int) -> float:
     for name, n in counts.most_common(top):
         print(f"| {name} | {n / steps:.1f} |")
     return total
+
 
 if __name__ == "__main__":
     main()

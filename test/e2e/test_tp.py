@@ -203,10 +203,18 @@ def test_checkpoints_leave_and_enter_by_global_head(tp2, arch):
 
 
 def test_every_runner_method_is_placed():
-    """A new ModelRunner method must say whether it changes state on every rank or is a rank-0 read."""
+    """A new ModelRunner method (its own or a mixin's) must say whether it changes state on every rank or is a
+    rank-0 read."""
     from lightllm.worker.runner import ModelRunner
 
-    public = {n for n, v in vars(ModelRunner).items() if callable(v) and not n.startswith("_")}
+    public = {
+        n
+        for cls in ModelRunner.__mro__
+        if cls.__module__.startswith("lightllm.")
+        for n, v in vars(cls).items()
+        if callable(v) and not n.startswith("_")
+    }
+    assert {"verify_on_device", "settle", "forward"} <= public
     placed = LOCKSTEP | GLOBAL_LAYOUT | LOCAL | START_UP | SHUT_DOWN
     assert public - placed == set(), f"unplaced runner methods: {sorted(public - placed)}"
 

@@ -11,6 +11,9 @@
 #                 against a same-replica device hit and a cold prefill; host-tier copy bandwidth (host_tier_ttft.py)
 #   dp_multiturn  --dp 2 on one GPU, 64 conversations x 4 turns, cache_aware vs round_robin (dp_multiturn_bench.py)
 #   spec          the serving checkpoint's decode step in replay, plain and MTP 2 (every draft rejected)
+#   spec_graph    overlapped MTP steps as one graph each: graph == synchronous tokens (test_spec_overlap_gpu.py), then
+#                 replay decode at 1 / 64 / 256 plain, MTP 3 at simulated acceptance 0.7 and MTP 2 with every draft
+#                 rejected, one command
 #   spec_host     what an overlapped MTP 3 step at simulated acceptance 0.7 spends on the host at batch 1 and 64:
 #                 host operators (launches, copies) and the callers of its eager torch calls (profile_engine_host.py)
 #   prefill_host  the 64 x 1024 prefill, GPU kernels and the host's Python functions (bench_prefill_vs_transformers.py)
@@ -56,6 +59,12 @@ for part in $parts; do
                       --output_len 128 --modes replay --batch_sizes 1,64,256 --mtp_step $mtp \
                       --result_file "$OUT_DIR/spec-mtp$mtp.json"
               done ;;
+        spec_graph) run spec_graph_test 300 python -m pytest -q -x test/gpu/test_spec_overlap_gpu.py
+                    for flags in "--mtp_step 0" "--mtp_step 3 --simulate_acceptance 0.7" \
+                                 "--mtp_step 2 --simulate_acceptance 0"; do
+                        run "spec_graph${flags// /_}" 150 python -m lightllm.tools.bench_throughput --serving_model \
+                            --input_len 256 --output_len 128 --modes replay --batch_sizes 1,64,256 $flags
+                    done ;;
         spec_host) for b in 1 64; do
                        run "spec_host-b$b" 120 python test/benchmark/profile_engine_host.py --serving_model --device cuda \
                            --mode replay --batch $b --mtp_step 3 --simulate_acceptance 0.7 --top_ops 18 --by_caller 20

@@ -1,8 +1,9 @@
-"""Overlapped MTP verify steps through captured CUDA graphs (decode and draft graphs replayed with counts the host
-has not read): per state mode and width the engine's tokens and finish reasons equal the synchronous run's and its
-log-probabilities to rounding, with scripted drafts keeping 0 .. W - 1, staggered arrivals, an abort, a stop token
-read a step late, length limits, slot reuse and prefix-cache publishes (`unit_tests/models/test_spec_overlap_engine.py`
-is the CPU suite, whose twins show that broken inputs change the text)."""
+"""Overlapped MTP verify steps through captured CUDA graphs (one graph a step: verify forward, acceptance, the
+state's accept and the MTP head's drafts, with counts the host has not read): per state mode and width the engine's
+tokens and finish reasons equal the synchronous run's and its log-probabilities to rounding, with scripted drafts
+keeping 0 .. W - 1, staggered arrivals, an abort, a stop token read a step late, length limits, slot reuse and
+prefix-cache publishes (`unit_tests/models/test_spec_overlap_engine.py` is the CPU suite, whose twins show that
+broken inputs change the text)."""
 
 from __future__ import annotations
 

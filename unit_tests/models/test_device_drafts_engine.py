@@ -64,6 +64,8 @@ def _engine(
     if fixed_buffers:
         assert engine.runner.decode_graphs is not None
         assert engine.runner.decode_graphs.use_graphs == (device == "cuda"), "capture failed (see the log)"
+        spec_step = engine.runner.spec_step_graphs
+        assert spec_step is None or spec_step.use_graphs == (device == "cuda"), "capture failed (see the log)"
     return engine
 
 

@@ -49,14 +49,15 @@ class ScriptedMtp(MtpSpeculator):
 
 
 def script_on_device(engine, truth: dict[tuple[int, ...], list[int]], kept_log: list[int]) -> None:
-    """Wrap the runner's `accept_on_device`: the head's drafts for the next windows become the script's, computed
+    """Wrap the runner's `verify_on_device`: the head's drafts for the next windows become the script's, computed
     on the device from each row's output length there (the host's plus the counts it has not read)."""
     runner, scripted = engine.runner, engine.speculator.scripted
     k = engine.speculator.num_drafts
-    original = runner.accept_on_device
+    original = runner.verify_on_device
 
-    def scripted_accept(handles, num_accepted, pair_tokens):
-        drafts = original(handles, num_accepted, pair_tokens)
+    def scripted_verify(handles, *args, **kwargs):
+        figures, logits = original(handles, *args, **kwargs)
+        num_accepted = figures[:, k + 1]
         reqs = {r.handle: r for r in engine.scheduler.running}
         records = [runner._requests[h] for h in handles]
         in_flight = runner._unsettled[:-1]
@@ -66,7 +67,7 @@ def script_on_device(engine, truth: dict[tuple[int, ...], list[int]], kept_log: 
             for j, rec in enumerate(records):
                 if id(rec) in position:
                     extra[j] += entry.counts[position[id(rec)]].cpu()
-        out = drafts.clone()
+        out = figures.clone()
         for j, h in enumerate(handles):
             req = reqs.get(h)
             if req is None:
@@ -79,10 +80,10 @@ def script_on_device(engine, truth: dict[tuple[int, ...], list[int]], kept_log: 
             if wrong is not None:
                 row[wrong] = (row[wrong] + 1) % runner.vocab_size
             kept_log.append(k if wrong is None else wrong)
-            out[j] = row.to(out.device)
-        return out
+            out[j, 1 : k + 1] = row.to(out.device)
+        return out, logits
 
-    runner.accept_on_device = scripted_accept
+    runner.verify_on_device = scripted_verify
 
 
 def spec_run(
@@ -138,7 +139,7 @@ def spec_run(
             chains["without a finished row"] += len(plan.decode) < len(previous.plan.decode)
             chains["near a limit"] += any(r.req.num_remaining_tokens < 2 * (mtp_step + 1) for r in plan.decode)
         if corrupt == "tokens" and previous is not None:
-            previous.next_tokens = (previous.next_tokens + 1) % engine.runner.vocab_size
+            previous.figures[:, 0] = (previous.figures[:, 0] + 1) % engine.runner.vocab_size
         return launch(plan, previous)
 
     spec.launch = counted
@@ -201,7 +202,9 @@ def test_chained_steps_leave_finished_rows_out(mode, continuations, monkeypatch)
     each still publishes its prefix-cache checkpoint at its end (held before the step it rode along in moved its
     state on). Twin: without the held checkpoints those publishes are lost."""
     truth, stop_ids = continuations
-    staggered = [(f"{rid}-{n}", prompt, n, 0) for (rid, prompt, _, _), n in zip(REQUESTS[:2] + REQUESTS[3:], (9, 14, 24))]
+    staggered = [
+        (f"{rid}-{n}", prompt, n, 0) for (rid, prompt, _, _), n in zip(REQUESTS[:2] + REQUESTS[3:], (9, 14, 24))
+    ]
     on, launches, _, stored, _, chains = spec_run(mode, 3, True, truth, {}, requests=staggered, max_running_requests=3)
     off, _, _, off_stored, *_ = spec_run(mode, 3, False, truth, {}, requests=staggered, max_running_requests=3)
     assert stored == off_stored

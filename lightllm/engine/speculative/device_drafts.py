@@ -141,3 +141,12 @@ def host_drafts(drafts: Sequence[int]) -> list[int]:
     if isinstance(drafts, DeviceDrafts) and not drafts.is_read:
         return [0] * len(drafts)
     return list(drafts)
+
+
+def write_window_drafts(windows: torch.Tensor, draft_ids: torch.Tensor) -> None:
+    """In place on `windows` [n, W] (decode rows' token ids): row i's positions 1 .. D take `draft_ids[i]` [D]
+    where it is not -1 (a row with fewer drafts keeps what the host wrote)."""
+    num = draft_ids.shape[1]
+    assert num < windows.shape[1], f"{num} drafts in windows of {windows.shape[1]} tokens"
+    target = windows[:, 1 : 1 + num]
+    target.copy_(torch.where(draft_ids >= 0, draft_ids, target))

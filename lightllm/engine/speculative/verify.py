@@ -129,8 +129,8 @@ def verify_full_windows_on_device(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy verification left on the device, for windows that all hold K drafts: row i's window spans logits rows
     `i * W .. i * W + K` (W = K + 1), `drafts [n, K]` on the device. A window keeps its drafts while each equals the
-    argmax before it (or `kept [n]` of them: simulated acceptance), at most `max_kept [n]` (a window cut at the
-    request's length limit), then the argmax after the last kept one.
+    argmax before it (or `kept[i]` of them where `kept [n]` is not negative: simulated acceptance), at most
+    `max_kept [n]` (a window cut at the request's length limit), then the argmax after the last kept one.
 
     Returns, all on the device: accepted counts `[n]` int64 (kept drafts + 1; 1 for a window whose logits cannot
     be sampled from, as `verify_greedy_windows` accepts for it), next tokens `[n]`, pair tokens `[n, W]` (the
@@ -140,8 +140,8 @@ def verify_full_windows_on_device(
     n, k = drafts.shape
     w = k + 1
     argmax = logits.argmax(dim=-1).view(n, w)
-    if kept is None:
-        kept = (drafts == argmax[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    natural = (drafts == argmax[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    kept = natural if kept is None else torch.where(kept >= 0, kept, natural)
     if max_kept is not None:
         kept = torch.minimum(kept, max_kept).clamp(min=0)
     bad = nonfinite_rows(logits).view(n, w).any(dim=1)

@@ -33,6 +33,8 @@ class BucketGraphs:
         self._forward, self._fill_hold, self._what = forward, fill_hold, what
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, object] = {}
+        # the memory pool of the captured graphs (None before a capture)
+        self.pool = None
 
     def bucket(self, size: int) -> int | None:
         """The smallest bucket holding `size`; None when it is larger than every bucket."""
@@ -41,10 +43,11 @@ class BucketGraphs:
                 return b
         return None
 
-    def capture(self) -> bool:
+    def capture(self, pool=None) -> bool:
         """One graph per bucket, largest first (the smaller ones reuse its memory pool). Call after the kernels'
-        warm-up/autotune. A failure is logged and leaves every bucket eager; returns whether graphs exist."""
-        pool = None
+        warm-up/autotune. A failure is logged and leaves every bucket eager; returns whether graphs exist.
+        `pool`: another set's pool to capture into, for sets whose replays never overlap and whose outputs are
+        used before any other graph of the pool replays."""
         # Python's collector must not run mid-capture: a dead engine's graph it destroys frees its memory pool, an
         # illegal call while a stream captures, which invalidates this capture
         gc.collect()
@@ -64,6 +67,7 @@ class BucketGraphs:
                 pool = graph.pool()
                 self._graphs[rows] = graph
             torch.cuda.synchronize()
+            self.pool = pool
         except Exception:
             logger.exception("CUDA graph capture of %s failed; it runs eagerly", self._what)
             self._graphs.clear()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from lightllm.cache.device_copy import copy_to_device
+from lightllm.engine.speculative.device_drafts import write_window_drafts
 from lightllm.linear_att.base import DecodeRows
 from lightllm.models.context import AttentionGroup, StepContext, layout_positions
 from lightllm.worker.graphs.buckets import BucketGraphs, batch_buckets
@@ -32,7 +33,7 @@ class DecodeGraphs:
     def __init__(self, model, kv, state, max_batch: int, width: int, use_graphs: bool):
         self.model, self.kv, self.state = model, kv, state
         self.width = width
-        self._graphs = BucketGraphs(batch_buckets(max_batch), self._forward, self._fill_hold, "decode steps")
+        self._graphs = BucketGraphs(batch_buckets(max_batch), self.forward, self.fill_hold, "decode steps")
         self.buckets = self._graphs.buckets
         self.max_batch = self.buckets[-1]
         device = kv.device
@@ -76,10 +77,11 @@ class DecodeGraphs:
             decode_rows=DecodeRows(slots=field32["state_slots"], widths=field32["widths"], max_width=self.width),
         )
 
-    def _forward(self, rows: int) -> torch.Tensor:
+    def forward(self, rows: int) -> torch.Tensor:
+        """The forward of a loaded bucket (eager; what each bucket's graph captures)."""
         return self.model(self._i64[0, : rows * self.width], self._context(rows))
 
-    def _fill_hold(self, rows: int) -> None:
+    def fill_hold(self, rows: int) -> None:
         """Every row a HOLD row: the inputs of warm-up and capture, which must change no state."""
         self._host64[:] = 0
         self._host64[_I64.index("write_slots")] = self.kv.hold_slot
@@ -92,30 +94,27 @@ class DecodeGraphs:
         copy_to_device(self._i64[:, :n_tok], self._host64[:, :n_tok])
         copy_to_device(self._i32[:, :rows], self._host32[:, :rows])
 
+    def graph_pool(self):
+        """The memory pool of the captured graphs (None without them)."""
+        return self._graphs.pool
+
     def capture(self) -> None:
         """Capture one graph per bucket, largest first (the smaller ones reuse its memory pool). Call after the
         kernels' warm-up/autotune. A capture failure turns graphs off (logged) instead of failing start-up."""
         if self.use_graphs:
             self.use_graphs = self._graphs.capture()
 
-    def run(
+    def load(
         self,
-        input_ids: np.ndarray,
+        input_ids: np.ndarray | None,
         q_lens: np.ndarray,
         cached: np.ndarray,
         kv_rows: np.ndarray,
         state_slots: np.ndarray,
-        first_tokens: torch.Tensor | None = None,
-        draft_ids: torch.Tensor | None = None,
-        cached_extra: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, DecodeRows]:
-        """One decode-only step of `n = len(q_lens)` rows (`n <= max_batch`); `input_ids [n * W]` in the padded
-        layout, whose first token per row is replaced by `first_tokens [n]` and whose drafts by `draft_ids [n, D]`
-        (device tensors; see `write_window_drafts`) when given. `cached_extra [n]` (int, on the device): tokens
-        each row committed beyond `cached[i]` that the host has not read yet (a verify still in flight); positions,
-        cached lengths and KV write slots are shifted by them on the device, the row's KV row already holding slots
-        that far. Returns the hidden states `[n * W, hidden]` (a view, valid until the next run) and the rows'
-        DecodeRows for `accept`."""
+    ) -> int:
+        """Fill the buffers for a decode-only step of `n = len(q_lens)` rows (`n <= max_batch`), `input_ids
+        [n * W]` in the padded layout (None: zeros, for a caller that writes the windows on the device), and
+        return its bucket: rows past `n` are HOLD rows."""
         n = len(q_lens)
         rows = self.bucket(n)
         assert rows is not None, f"{n} rows exceed the largest decode bucket {self.max_batch}"
@@ -132,7 +131,8 @@ class DecodeGraphs:
             ("table_rows", kv_rows),
             ("real", real),
         ):
-            h64[_I64.index(name), : len(values)] = values
+            if values is not None:
+                h64[_I64.index(name), : len(values)] = values
         h32[:, :rows] = 0
         h32[_I32.index("state_slots"), :rows] = self.state.hold_slot
         for name, values in (
@@ -143,37 +143,51 @@ class DecodeGraphs:
         ):
             h32[_I32.index(name), :n] = values
         self._upload(rows)
+        return rows
+
+    def run(
+        self,
+        input_ids: np.ndarray,
+        q_lens: np.ndarray,
+        cached: np.ndarray,
+        kv_rows: np.ndarray,
+        state_slots: np.ndarray,
+        first_tokens: torch.Tensor | None = None,
+        draft_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, DecodeRows]:
+        """One decode-only step (see `load`), whose rows' first tokens are replaced by `first_tokens [n]` and
+        drafts by `draft_ids [n, D]` (device tensors; see `write_window_drafts`) when given. Returns the hidden
+        states `[n * W, hidden]` (a view, valid until the next run) and the rows' DecodeRows for `accept`."""
+        n, w = len(q_lens), self.width
+        rows = self.load(input_ids, q_lens, cached, kv_rows, state_slots)
         if first_tokens is not None:
             self._i64[0, : n * w : w].copy_(first_tokens)
         if draft_ids is not None:
             write_window_drafts(self._i64[0, : n * w].view(n, w), draft_ids)
-        if cached_extra is not None:
-            self._shift_rows(n, cached_extra)
         hidden = self._graphs.run(rows)
-        i32 = self._i32
-        accept_rows = DecodeRows(
-            slots=i32[_I32.index("state_slots"), :n], widths=i32[_I32.index("widths"), :n], max_width=w
-        )
-        return hidden[: n * w], accept_rows
+        return hidden[: n * w], self.rows_to_accept(n)
 
-    def _shift_rows(self, n: int, extra: torch.Tensor) -> None:
-        """Move the first `n` rows' windows `extra[i]` tokens further on the device (see `run`)."""
+    def rows_to_accept(self, n: int) -> DecodeRows:
+        """The first `n` rows of the loaded step as the state's `accept` takes them (HOLD rows have width 0)."""
+        i32 = self._i32
+        slots, widths = i32[_I32.index("state_slots"), :n], i32[_I32.index("widths"), :n]
+        return DecodeRows(slots=slots, widths=widths, max_width=self.width)
+
+    def windows(self, rows: int) -> torch.Tensor:
+        """The token ids of a bucket's rows `[rows, W]` (a view of the buffer the forward reads)."""
+        return self._i64[0, : rows * self.width].view(rows, self.width)
+
+    def shift_rows(self, rows: int, extra: torch.Tensor) -> None:
+        """Move the first `rows` rows' windows `extra[i]` tokens further on the device: positions, cached lengths
+        and the KV write slots of real tokens (a HOLD row has none; give it 0). The row's KV row must already hold
+        slots that far (a verify still in flight whose counts the host has not read)."""
         w, i64, i32 = self.width, self._i64, self._i32
         extra = extra.to(device=i64.device, dtype=torch.int64)
-        positions = i64[_I64.index("positions"), : n * w].view(n, w)
+        positions = i64[_I64.index("positions"), : rows * w].view(rows, w)
         positions += extra[:, None]
-        i32[_I32.index("num_cached"), :n] += extra
-        real = i64[_I64.index("real"), : n * w].view(n, w) != 0
-        table_rows = i64[_I64.index("table_rows"), :n]
+        i32[_I32.index("num_cached"), :rows] += extra
+        real = i64[_I64.index("real"), : rows * w].view(rows, w) != 0
+        table_rows = i64[_I64.index("table_rows"), :rows]
         slots = self.kv.req_to_slot[table_rows[:, None], positions.clamp(max=self.kv.max_req_len - 1)]
-        write_slots = i64[_I64.index("write_slots"), : n * w].view(n, w)
+        write_slots = i64[_I64.index("write_slots"), : rows * w].view(rows, w)
         write_slots.copy_(torch.where(real, slots, write_slots))
-
-
-def write_window_drafts(windows: torch.Tensor, draft_ids: torch.Tensor) -> None:
-    """In place on `windows` [n, W] (decode rows' token ids): row i's positions 1 .. D take `draft_ids[i]` [D]
-    where it is not -1 (a row with fewer drafts keeps what the host wrote)."""
-    num = draft_ids.shape[1]
-    assert num < windows.shape[1], f"{num} drafts in windows of {windows.shape[1]} tokens"
-    target = windows[:, 1 : 1 + num]
-    target.copy_(torch.where(draft_ids >= 0, draft_ids, target))

@@ -7,7 +7,9 @@ the host allocates every KV slot the draft writes up front, fills the per-phase 
 query and cached lengths) in two buffers with one copy each, scatters the gathered hidden states into the
 padded layout, and replays. Rows past the real batch are HOLD rows (query length 0, KV writes to the HOLD slot).
 
-Rows committing more than W pairs (a prompt's pairs right after its prefill) take the drafter's eager path.
+Rows committing more than W pairs (a prompt's pairs right after its prefill) take the drafter's eager path. An
+overlapped MTP step drafts inside its own graph (`spec_step.py`) over these buffers: the host loads what it knows
+(`load_full_windows`), the step's graph writes the pairs and their counts (`commit_on_device`) and runs `forward`.
 Without CUDA (or with graphs disabled) the same buffers run eagerly, which is how the CPU tests check them.
 """
 
@@ -32,7 +34,7 @@ class DraftGraphs:
     def __init__(self, model, kv, max_batch: int, width: int, mtp_step: int, use_graphs: bool):
         self.model, self.head, self.kv = model, model.mtp, kv
         self.width, self.mtp_step = width, mtp_step
-        self._graphs = BucketGraphs(batch_buckets(max_batch), self._forward, self._fill_hold, "MTP drafting")
+        self._graphs = BucketGraphs(batch_buckets(max_batch), self.forward, self.fill_hold, "MTP drafting")
         self.max_batch = self._graphs.buckets[-1]
         device = kv.device
         self._n_tok = self.max_batch * width
@@ -42,7 +44,8 @@ class DraftGraphs:
         self._host64 = np.zeros(tuple(self._i64.shape), dtype=np.int64)
         self._host32 = np.zeros(tuple(self._i32.shape), dtype=np.int32)
         self._hidden = torch.zeros(self._n_tok, model.cfg.hidden_size, dtype=model.embed.dtype, device=device)
-        # constants of `_shift`: window columns, each row's first token index less one, draft phases 1 .. mtp_step - 1
+        # constants of `commit_on_device`: window columns, each row's first token index less one, draft phases
+        # 1 .. mtp_step - 1
         self._columns = torch.arange(width, device=device)
         self._row_ends = torch.arange(self.max_batch, device=device) * width - 1
         self._phases = torch.arange(1, mtp_step, device=device)[:, None]
@@ -80,7 +83,7 @@ class DraftGraphs:
             kv=self.kv,
         )
 
-    def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Commit forward, then the chained drafts: (drafts `[rows, mtp_step]`, logits `[rows, mtp_step, V]`)."""
         n_tok = rows * self.width
         embeds = self.model.embed_tokens(self._i64[0, :n_tok])
@@ -98,7 +101,7 @@ class DraftGraphs:
         copy_to_device(self._i64[:, : rows * self.width], self._host64[:, : rows * self.width])
         copy_to_device(self._i32[:, :rows], self._host32[:, :rows])
 
-    def _fill_hold(self, rows: int) -> None:
+    def fill_hold(self, rows: int) -> None:
         h64, h32 = self._host64, self._host32
         h64[:] = 0
         for phase in range(self.mtp_step):
@@ -139,11 +142,18 @@ class DraftGraphs:
         hidden: torch.Tensor,
     ) -> None:
         """The buffers of `run` for rows whose KV slots are allocated."""
+        self._fill_host(n, rows, kv_rows, q_lens, cached)
+        layout_dev = to_device(padded_token_index(q_lens.tolist(), 0, self.width), self._hidden.device)
+        self._i64[0, layout_dev] = tokens
+        self._hidden[layout_dev] = hidden.to(self._hidden.dtype)
+
+    def _fill_host(self, n: int, rows: int, kv_rows: np.ndarray, q_lens: np.ndarray, cached: np.ndarray) -> None:
+        """Every buffer but the pairs' tokens and hidden states, from the host, for rows whose KV slots are
+        allocated."""
         w, steps = self.width, self.mtp_step
         h64, h32 = self._host64, self._host32
         h64[:, : rows * w] = 0
         h32[:, :rows] = 0
-        layout = padded_token_index(q_lens.tolist(), 0, w)
         h64[1, :rows] = np.arange(rows) * w
         h64[1, :n] += q_lens - 1
         h64[2, :n] = kv_rows
@@ -158,68 +168,56 @@ class DraftGraphs:
             h32[self._field32(phase, "query_len"), :n] = q
             h32[self._field32(phase, "num_cached"), :n] = start
         self._upload(rows)
-        layout_dev = to_device(layout, self._hidden.device)
-        self._i64[0, layout_dev] = tokens
-        self._hidden[layout_dev] = hidden.to(self._hidden.dtype)
 
-    def run_on_device(
-        self,
-        kv_rows: np.ndarray,
-        cached: np.ndarray,
-        max_extra: np.ndarray,
-        width: int,
-        tokens: torch.Tensor,
-        hidden: torch.Tensor,
-        num_pairs: torch.Tensor,
-        cached_extra: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """`run` for rows whose counts are on the device, not yet read by the host: row i commits the first
-        `num_pairs[i]` (1 .. `width`) of its `width` pairs (`hidden`, `tokens`: `[n * width]`, row-major) after
-        `cached[i] + cached_extra[i]` committed ones (`cached_extra[i]` at most `max_extra[i]`: pairs of a draft
-        still in flight). KV slots are allocated for the worst case (`max_extra` and `width` pairs); positions,
-        write slots, lengths and the row's last pair are set on the device. Returns the drafts `[n, mtp_step]`."""
+    def load_full_windows(self, kv_rows: np.ndarray, cached: np.ndarray, max_extra: np.ndarray) -> int:
+        """Allocate the KV slots and fill the host's part of the buffers for a draft whose counts are still on the
+        device (`commit_on_device` writes the rest): row i will commit 1 .. W pairs after `cached[i]` committed
+        ones plus at most `max_extra[i]` (pairs of a draft still in flight). KV slots are allocated for the worst
+        case. Returns the bucket."""
         n = len(kv_rows)
         rows = self.bucket(n)
-        assert rows is not None and width <= self.width, "batch outside the captured shapes"
+        assert rows is not None, "batch outside the captured shapes"
         keep = cached + max_extra
         self.kv.truncate_many(kv_rows, keep)
         short = keep - self.kv.lengths_cpu[kv_rows]
-        self.kv.extend_many(kv_rows, short + width + self.mtp_step - 1)
-        self._fill(n, rows, kv_rows, np.full(n, width, dtype=np.int64), cached, tokens, hidden)
-        self._shift(n, num_pairs, cached_extra)
-        drafts, _ = self._graphs.run(rows)
-        return drafts[:n].clone()
+        self.kv.extend_many(kv_rows, short + self.width + self.mtp_step - 1)
+        self._fill_host(n, rows, kv_rows, np.full(n, self.width, dtype=np.int64), cached)
+        return rows
 
-    def _shift(self, n: int, num_pairs: torch.Tensor, cached_extra: torch.Tensor | None) -> None:
-        """Set the device counts of `run_on_device` into the buffers `_fill` wrote for full-width rows."""
+    def commit_on_device(
+        self, rows: int, pairs: torch.Tensor, hidden: torch.Tensor, num_pairs: torch.Tensor, extra: torch.Tensor
+    ) -> None:
+        """The device's part of a loaded bucket (`load_full_windows`): row i commits the first `num_pairs[i]` of
+        its W pairs (`pairs [rows, W]` tokens, `hidden [rows * W, hidden]`) after `cached[i] + extra[i]` committed
+        ones. A HOLD row has `num_pairs` 0: it commits nothing and its drafts write the HOLD slot."""
         w, i64, i32 = self.width, self._i64, self._i32
-        device = i64.device
-        q = num_pairs.to(device=device, dtype=torch.int64)
-        start = i32[self._field32(0, "num_cached"), :n].long()
-        if cached_extra is not None:
-            start = start + cached_extra.to(device=device, dtype=torch.int64)
-        table_rows = i64[2, :n]
+        i64[0, : rows * w] = pairs.reshape(-1)
+        self._hidden[: rows * w] = hidden.to(self._hidden.dtype)
+        live = num_pairs > 0
+        q = num_pairs.to(dtype=torch.int64)
+        start = i32[self._field32(0, "num_cached"), :rows].long() + extra.to(dtype=torch.int64)
+        table_rows = i64[2, :rows]
         max_col = self.kv.max_req_len - 1
-        col = self._columns
-        real = col[None, :] < q[:, None]
-        pos = start[:, None] + col[None, :]
+        real = self._columns[None, :] < q[:, None]
+        pos = start[:, None] + self._columns[None, :]
         slots = self.kv.req_to_slot[table_rows[:, None], pos.clamp(max=max_col)]
         # padding places take their row's first position, as `layout_positions` gives them
-        i64[self._field64(0, "positions"), : n * w] = (torch.where(real, pos, start[:, None]) + 1).flatten()
-        i64[self._field64(0, "write_slots"), : n * w] = torch.where(real, slots, self.kv.hold_slot).flatten()
+        i64[self._field64(0, "positions"), : rows * w] = (torch.where(real, pos, start[:, None]) + 1).flatten()
+        i64[self._field64(0, "write_slots"), : rows * w] = torch.where(real, slots, self.kv.hold_slot).flatten()
         # the buffers' copies cast: no separate cast kernels
-        i64[self._field64(0, "real"), : n * w] = real.flatten()
-        i32[self._field32(0, "query_len"), :n] = q
-        i32[self._field32(0, "num_cached"), :n] = start
-        torch.add(self._row_ends[:n], q, out=i64[1, :n])
+        i64[self._field64(0, "real"), : rows * w] = real.flatten()
+        i32[self._field32(0, "query_len"), :rows] = q
+        i32[self._field32(0, "num_cached"), :rows] = start
+        torch.add(self._row_ends[:rows], q.clamp(min=1), out=i64[1, :rows])
         if self.mtp_step > 1:
             # every draft phase at once: phase p's fields sit a fixed number of buffer rows after phase p - 1's
             last = self.mtp_step - 1
             at = (start + q - 1)[None, :] + self._phases
             step64, step32 = len(_I64), len(_I32)
             first = self._field64(1, "positions")
-            i64[first : first + last * step64 : step64, :n] = at + 1
+            i64[first : first + last * step64 : step64, :rows] = at + 1
             first = self._field64(1, "write_slots")
-            i64[first : first + last * step64 : step64, :n] = self.kv.req_to_slot[table_rows, at.clamp(max=max_col)]
+            slots = self.kv.req_to_slot[table_rows, at.clamp(min=0, max=max_col)]
+            i64[first : first + last * step64 : step64, :rows] = torch.where(live, slots, self.kv.hold_slot)
             first = self._field32(1, "num_cached")
-            i32[first : first + last * step32 : step32, :n] = at
+            i32[first : first + last * step32 : step32, :rows] = at

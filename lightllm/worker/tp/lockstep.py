@@ -35,7 +35,8 @@ LOCKSTEP = frozenset(
         "evict_prefix_cache",
         "forward",
         "accept",
-        "accept_on_device",
+        "verify_on_device",
+        "hold_checkpoints",
         "settle",
         "draft",
         "draft_with_logits",
@@ -44,7 +45,7 @@ LOCKSTEP = frozenset(
 # reads: rank 0 answers for all ranks
 LOCAL = frozenset(
     {
-        "can_accept_on_device",
+        "can_verify_on_device",
         "match_prefix",
         "prefix_cache_stats",
         "num_free_requests",
