@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightllm.worker.config import RunnerConfig
 from lightllm.worker.transfer.prefix import state_fraction
 
 
@@ -100,6 +101,20 @@ def kv_tokens_for_memory(
     return tokens
 
 
+def kv_row_lengths(c: RunnerConfig, max_width: int, mtp_step: int) -> tuple[int, int]:
+    """Columns of a request's KV slot table: the longest request, and with an MTP head the room two verify windows
+    need past it (an overlapped verify step and its successor are launched before the host knows whether the first
+    one reached the request's limit; the tokens past it are dropped). The MTP head's table holds one more verify
+    window."""
+    longest = c.max_req_total_len + (2 * max_width if mtp_step else 0)
+    return longest, longest + mtp_step + 1
+
+
+def mtp_extra_tokens(c: RunnerConfig, mtp_step: int) -> int:
+    """Token slots the MTP head's KV holds beyond the main KV's: one verify window per request."""
+    return c.max_running_requests * (mtp_step + 1)
+
+
 def runner_kv_tokens(runner, shapes: tuple[tuple[int, ...], ...], probe: MemoryProbe | None) -> int:
     """KV token slots for `runner`, whose weights and state are already allocated: `max_total_token_num` when
     given; else what `mem_fraction` of the device leaves after them, the per-layer hold slots, the slot tables and
@@ -115,8 +130,8 @@ def runner_kv_tokens(runner, shapes: tuple[tuple[int, ...], ...], probe: MemoryP
     per_layer = sum(math.prod(s) for s in shapes) * itemsize
     num_layers, mtp = len(runner.model_config.full_layer_ids), 1 if runner.mtp_step else 0
     # per layer: the hold slot (and on the MTP head its extra slots); per cache: an int64 slot table
-    fixed = per_layer * (num_layers + mtp * (1 + runner._mtp_extra_tokens()))
-    main_row, head_row = runner._row_lengths()
+    fixed = per_layer * (num_layers + mtp * (1 + mtp_extra_tokens(c, runner.mtp_step)))
+    main_row, head_row = kv_row_lengths(c, runner.max_width, runner.mtp_step)
     fixed += 8 * c.max_running_requests * (main_row + mtp * head_row)
     bytes_per_token = per_layer * (num_layers + mtp)
     if not c.disable_prefix_cache:

@@ -36,7 +36,7 @@ from lightllm.worker.graphs.decode import DecodeGraphs
 from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.worker.graphs.prefill import PrefillGraphs
 from lightllm.worker.graphs.spec_step import SpecStepGraphs
-from lightllm.worker.kv_sizing import MemoryProbe, runner_kv_tokens
+from lightllm.worker.kv_sizing import MemoryProbe, kv_row_lengths, mtp_extra_tokens, runner_kv_tokens
 from lightllm.worker.records import PendingVerify, RequestRecord
 from lightllm.worker.startup_phases import StartupPhases
 from lightllm.worker.transfer.host_tier import RunnerHostTier
@@ -121,7 +121,7 @@ class ModelRunner(DeviceAcceptance):
             shapes,
             self.kv_tokens,
             config.max_running_requests,
-            self._row_lengths()[0],
+            kv_row_lengths(config, self.max_width, self.mtp_step)[0],
             self.dtype,
             self.device,
         )
@@ -130,9 +130,9 @@ class ModelRunner(DeviceAcceptance):
             mtp_kv = KVCache(
                 1,
                 shapes,
-                self.kv_tokens + self._mtp_extra_tokens(),
+                self.kv_tokens + mtp_extra_tokens(config, self.mtp_step),
                 config.max_running_requests,
-                self._row_lengths()[1],
+                kv_row_lengths(config, self.max_width, self.mtp_step)[1],
                 self.dtype,
                 self.device,
             )
@@ -198,18 +198,6 @@ class ModelRunner(DeviceAcceptance):
     def _prefill_graph_tokens(self) -> int:
         """The largest prefill bucket: the flag, capped at the longest request."""
         return min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
-
-    def _row_lengths(self) -> tuple[int, int]:
-        """Columns of a request's KV slot table: the longest request, and with an MTP head the room two verify
-        windows need past it (an overlapped verify step and its successor are launched before the host knows
-        whether the first one reached the request's limit; the tokens past it are dropped). The MTP head's table
-        holds one more verify window."""
-        longest = self.config.max_req_total_len + (2 * self.max_width if self.mtp_step else 0)
-        return longest, longest + self.mtp_step + 1
-
-    def _mtp_extra_tokens(self) -> int:
-        """The MTP head's KV holds the main KV's tokens plus one verify window per request."""
-        return self.config.max_running_requests * (self.mtp_step + 1)
 
     def _kv_token_shapes(self, tp_size: int) -> tuple[tuple[int, ...], ...]:
         a = self.model_config.attention
