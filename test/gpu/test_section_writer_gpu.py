@@ -1,6 +1,6 @@
 """Host-tier writes from CUDA tensors in the background: `write` returns while the device is still busy (no host
-wait), and the entry holds the tensors as they were at `write` even though later work on the same stream
-overwrites them."""
+wait), the entry holds the tensors as they were at `write` even though later work on the same stream overwrites
+them, and the copy to the host does not hold up the work queued after it (it runs on the writer's stream)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,40 @@ def test_write_does_not_wait_and_keeps_the_values_of_its_time():
         stored = torch.from_numpy(section.copy()).view(torch.float32)
         assert torch.equal(stored, expected)
         assert not torch.equal(stored, src.cpu())
+        writer.close()
+    finally:
+        arena.unlink()
+
+
+def test_work_queued_after_a_write_does_not_wait_for_its_copy():
+    arena = HostArena.create(f"lightllm-test-{uuid.uuid4().hex}", 640 << 20, block_bytes=1 << 20, max_entries=16)
+    try:
+        tier = HostTier(arena, b"gpu-writer-stream-test")
+        writer = SectionWriter(tier, background=True, staging_bytes=1 << 30)
+        src = torch.randn(64 << 20, device="cuda")
+        # the device-to-host copy alone, into pinned memory as the writer's
+        pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pinned.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        d2h_s = time.perf_counter() - t0
+        for tokens in ([0], [1, 2]):
+            ticket = tier.begin_write(tokens, 64 + src.numel() * 4)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            writer.write(ticket, b"x", tier.section(ticket)[64:], [src], [0])
+            # a small kernel queued after the write: with the copy on the same stream it would wait for all of it
+            after = src[:1] + 1
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            after_s = time.perf_counter() - t0
+            writer.flush()
+        assert d2h_s > 0.004, f"the copy took {d2h_s * 1e3:.1f} ms: the test proves nothing"
+        assert after_s < d2h_s / 2, f"work after the write waited {after_s * 1e3:.1f} ms (the copy: {d2h_s * 1e3:.1f})"
+        stored = torch.from_numpy(tier.section(ticket)[64 : 64 + src.numel() * 4].copy()).view(torch.float32)
+        assert torch.equal(stored, src.cpu()) and after.item() == src[0].item() + 1
         writer.close()
     finally:
         arena.unlink()

@@ -2,11 +2,13 @@
 
 Copying a spilled prefix (its KV and a linear-state checkpoint: ~16 MiB at the serving width) straight into the
 shared-memory arena is a copy into pageable memory: the host waits for every step queued before it, then for
-the copy at pageable speed, once per eviction. In the background mode a write instead copies its tensors into a
-pinned staging buffer on the current stream, which orders the copy after the work that produced the tensors and
-before anything queued later that overwrites them (a reused checkpoint slot, freed KV), and returns at once. One
-of a few worker threads waits for that copy, moves the bytes into the arena and commits the entry; until then the
-entry is WRITING, which readers never see. Staging is bounded: a write that finds it full waits for the oldest.
+the copy at pageable speed, once per eviction. In the background mode a write instead takes a device copy of its
+tensors on the current stream (ordered after the work that produced them and before anything queued later that
+overwrites them: a reused checkpoint slot, freed KV; microseconds at device bandwidth) and copies that snapshot
+into a pinned staging buffer on the writer's own stream, so the slow copy to the host runs beside the steps
+instead of between them; it returns at once. One of a few worker threads waits for that copy, moves the bytes
+into the arena and commits the entry; until then the entry is WRITING, which readers never see. Staging and the
+device snapshots in flight are bounded: a write that finds either full waits for the oldest.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # pinned bytes all pending writes of one rank may hold (a write larger than this still goes, alone)
 STAGING_BYTES = 512 << 20
+# device bytes the snapshots of pending writes may hold: they come out of the memory kept for activations
+SNAPSHOT_BYTES = 128 << 20
 # smallest staging buffer allocated (pinning costs more than copying, so buffers are kept and reused)
 MIN_BUFFER_BYTES = 1 << 20
 # worker threads: a copy into fresh shared memory is bound by page faults (~a few GB/s per thread), and a burst of
@@ -42,6 +46,9 @@ class SectionWriter:
         self.tier, self.background, self.staging_bytes = tier, background, staging_bytes
         self._free: list[torch.Tensor] = []
         self._held = 0
+        # device bytes of the pending writes' snapshots, and the stream their copies to the host run on
+        self._snapshots = 0
+        self._stream: torch.cuda.Stream | None = None
         self._pending = 0
         self._done = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -57,14 +64,35 @@ class SectionWriter:
         if not self.background:
             _copy_into(_arena_view(data[:extent]), tensors, offsets, non_blocking=False)
             return self.tier.commit(ticket)
-        staging = self._take(extent)
-        _copy_into(staging[:extent], tensors, offsets, non_blocking=True)
-        ready = torch.cuda.Event() if any(t.is_cuda for t in tensors) else None
-        if ready is not None:
-            ready.record()
+        on_device = [t for t in tensors if t.is_cuda]
+        snapshot_bytes = sum(_nbytes(t) for t in on_device)
+        staging = self._take(extent, snapshot_bytes)
+        ready = None
+        if on_device:
+            ready = self._copy_beside_steps(staging[:extent], tensors, offsets)
+        else:
+            _copy_into(staging[:extent], tensors, offsets, non_blocking=True)
         self._start()
-        self._queue.put((ticket, ready, staging, data, extent))
+        self._queue.put((ticket, ready, staging, data, extent, snapshot_bytes))
         return True
+
+    def _copy_beside_steps(self, region: torch.Tensor, tensors: Sequence[torch.Tensor], offsets) -> torch.cuda.Event:
+        """Snapshots of `tensors` on the current stream, copied into `region` on the writer's stream; the event of
+        that copy. The snapshots' memory goes back to the allocator once the copy has run."""
+        device = next(t.device for t in tensors if t.is_cuda)
+        current = torch.cuda.current_stream(device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        snapshots = [t.clone() if t.is_cuda else t for t in tensors]
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            _copy_into(region, snapshots, offsets, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        for t in snapshots:
+            if t.is_cuda:
+                t.record_stream(self._stream)
+        return ready
 
     def flush(self) -> None:
         """Wait until every pending write is in the arena and committed."""
@@ -82,11 +110,17 @@ class SectionWriter:
         self._free.clear()
 
     # staging ---------------------------------------------------------------------------------------------
-    def _take(self, num_bytes: int) -> torch.Tensor:
-        """A staging buffer of at least `num_bytes`, once the pending writes hold room for it."""
+    def _take(self, num_bytes: int, snapshot_bytes: int) -> torch.Tensor:
+        """A staging buffer of at least `num_bytes`, once the pending writes hold room for it and for a device
+        snapshot of `snapshot_bytes`."""
         size = max(MIN_BUFFER_BYTES, 1 << max(num_bytes - 1, 1).bit_length())
         with self._done:
-            self._done.wait_for(lambda: self._pending == 0 or self._held + size <= self.staging_bytes)
+            self._done.wait_for(
+                lambda: (
+                    self._pending == 0
+                    or (self._held + size <= self.staging_bytes and self._snapshots + snapshot_bytes <= SNAPSHOT_BYTES)
+                )
+            )
             fits = [b for b in self._free if b.numel() >= num_bytes]
             if fits:
                 buffer = min(fits, key=torch.Tensor.numel)
@@ -97,6 +131,7 @@ class SectionWriter:
                     self._free.remove(min(self._free, key=torch.Tensor.numel))
                 buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             self._held += buffer.numel()
+            self._snapshots += snapshot_bytes
             self._pending += 1
         return buffer
 
@@ -111,7 +146,7 @@ class SectionWriter:
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
-            ticket, ready, staging, data, extent = item
+            ticket, ready, staging, data, extent, snapshot_bytes = item
             committed = False
             try:
                 if ready is not None:
@@ -125,6 +160,7 @@ class SectionWriter:
                 self.num_failed += not committed
                 self._free.append(staging)
                 self._held -= staging.numel()
+                self._snapshots -= snapshot_bytes
                 self._pending -= 1
                 self._done.notify_all()
 
