@@ -11,6 +11,8 @@
 #                 against a same-replica device hit and a cold prefill; host-tier copy bandwidth (host_tier_ttft.py)
 #   dp_multiturn  --dp 2 on one GPU, 64 conversations x 4 turns, cache_aware vs round_robin (dp_multiturn_bench.py)
 #   spec          the serving checkpoint's decode step in replay, plain and MTP 2 (every draft rejected)
+#   checks        compute-sanitizer memcheck of the fused MoE, FP8 and conv decode kernels; the GPU tests of the
+#                 host tier's writer and of overlapped MTP steps in graphs
 #   spec_graph    overlapped MTP steps as one graph each: graph == synchronous tokens (test_spec_overlap_gpu.py), then
 #                 replay decode at 1 / 64 / 256 plain, MTP 3 at simulated acceptance 0.7 and MTP 2 with every draft
 #                 rejected, one command
@@ -59,6 +61,11 @@ for part in $parts; do
                       --output_len 128 --modes replay --batch_sizes 1,64,256 --mtp_step $mtp \
                       --result_file "$OUT_DIR/spec-mtp$mtp.json"
               done ;;
+        checks) run memcheck 400 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+                    --error-exitcode 1 python test/gpu/memcheck_kernels.py --cases fused_moe,fp8,conv_decode
+                tail -5 "$OUT_DIR/memcheck.log"
+                run gpu_tests 300 python -m pytest -q test/gpu/test_section_writer_gpu.py test/gpu/test_spec_overlap_gpu.py
+                tail -3 "$OUT_DIR/gpu_tests.log" ;;
         spec_graph) run spec_graph_test 300 python -m pytest -q -x test/gpu/test_spec_overlap_gpu.py
                     for flags in "--mtp_step 0" "--mtp_step 3 --simulate_acceptance 0.7" \
                                  "--mtp_step 2 --simulate_acceptance 0"; do
