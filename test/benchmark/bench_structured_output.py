@@ -14,6 +14,9 @@ Both schemas are arrays that cannot end before `--output_len` (at least 100000 i
 number of tokens: `records` (objects with free strings, an enum, integers and a list: most steps mask inside a
 string, the costly case) or `digits` (one-digit integers: a cheap mask). Prints each run's median decode step and
 tokens/s, the host time spent computing masks per constrained step, and constrained / free (target >= 0.9).
+`--phases` adds, per run, the median host milliseconds per decode step inside each part of the step (scheduling,
+building the batch, the runner's forward launch, the read-back of the step in flight with its wait for the device,
+emitting tokens, advancing the matchers, the masks, the draw), which says what a constrained step adds.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def _parse(argv):
     p.add_argument("--load_format", default="auto")
     p.add_argument("--synthetic_vocab", type=int, default=0, help="replace the tokenizer by N generated tokens")
     p.add_argument("--disable_overlap_schedule", action="store_true")
+    p.add_argument("--phases", action="store_true", help="host ms per decode step in each part of the step")
     return p.parse_args(argv)
 
 
@@ -101,7 +105,48 @@ class _MaskTimer:
         return out
 
 
-def _run(engine, tok, model_dir: str, opts, grammar: str | None, tag: str, seed: int, timer: _MaskTimer) -> dict:
+class _PhaseTimer:
+    """Host seconds inside named parts of a step (each wrapped in place; nested parts count in both)."""
+
+    def __init__(self, engine):
+        from lightllm.engine.overlap import InFlight
+
+        overlap = engine.overlap
+        self.parts = {
+            "schedule": (engine.scheduler, "schedule"),
+            "build_batch": (engine, "build_batch"),
+            "forward": (engine.runner, "forward"),
+            "read_wait": (InFlight, "read"),
+            "complete": (overlap, "complete"),
+            "emit": (engine, "emit"),
+            "advance": (grammar_module, "advance"),
+            "masks": (grammar_module, "mask_windows"),
+            "draw": (overlap, "_draw_on_device"),
+        }
+        self.seconds = dict.fromkeys(self.parts, 0.0)
+        for name, (owner, attr) in self.parts.items():
+            setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
+
+    def _wrap(self, name: str, inner):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """Milliseconds per part since the last call."""
+        out = {name: s * 1000 for name, s in self.seconds.items()}
+        self.seconds = dict.fromkeys(self.parts, 0.0)
+        return out
+
+
+def _run(
+    engine, tok, model_dir: str, opts, grammar: str | None, tag: str, seed: int, timer: _MaskTimer, phases=None
+) -> dict:
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0, max_tokens=opts.output_len, ignore_eos=grammar is None, grammar=grammar)
     vocab = min(engine.runner.vocab_size, len(tok.hf))
@@ -111,13 +156,18 @@ def _run(engine, tok, model_dir: str, opts, grammar: str | None, tag: str, seed:
         refused = engine.add_request(msg)
         assert refused == [], refused
     step_ms, num_tokens = [], 0
+    per_part: list[dict[str, float]] = []
     timer.seconds, timer.calls = 0.0, 0
     while engine.has_work():
         decode_only = not any(r.is_prefilling for r in engine.scheduler.running) and not engine.scheduler.waiting
+        if phases is not None:
+            phases.take()
         t0 = time.perf_counter()
         outputs = engine.step()
         if decode_only:
             step_ms.append((time.perf_counter() - t0) * 1000)
+            if phases is not None:
+                per_part.append(phases.take())
         for out in outputs:
             if isinstance(out, TokenChunk):
                 num_tokens += len(out.token_ids)
@@ -127,7 +177,11 @@ def _run(engine, tok, model_dir: str, opts, grammar: str | None, tag: str, seed:
         raise RuntimeError(f"{tag}: {num_tokens} tokens, expected {opts.batch * opts.output_len}")
     step = statistics.median(step_ms[4:] or step_ms)
     mask_ms = timer.seconds * 1000 / timer.calls if timer.calls else 0.0
-    return {"decode_step_ms": step, "decode_tok_per_s": opts.batch * 1000 / step, "mask_ms": mask_ms}
+    row = {"decode_step_ms": step, "decode_tok_per_s": opts.batch * 1000 / step, "mask_ms": mask_ms}
+    if per_part:
+        steady = per_part[4:] or per_part
+        row["phases_ms"] = {name: statistics.median(p[name] for p in steady) for name in steady[0]}
+    return row
 
 
 def main(argv=None) -> dict:
@@ -154,6 +208,7 @@ def main(argv=None) -> dict:
     engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
     quiet_garbage_collector()
     timer = _MaskTimer()
+    phases = _PhaseTimer(engine) if opts.phases else None
     short = argparse.Namespace(**{**vars(opts), "output_len": 8})
     # warm-up at the same shapes: the first prefill and decode of a shape compile and autotune kernels
     for g in (None, grammar):
@@ -161,7 +216,7 @@ def main(argv=None) -> dict:
     runs: dict[str, list[dict]] = {"free": [], "constrained": []}
     for r in range(opts.repeats):
         for name, g in (("free", None), ("constrained", grammar)):
-            runs[name].append(_run(engine, tok, info.model_dir, opts, g, f"{name}{r}", 2 + r, timer))
+            runs[name].append(_run(engine, tok, info.model_dir, opts, g, f"{name}{r}", 2 + r, timer, phases))
     print(
         f"batch {opts.batch}, mode {opts.mode}, mtp_step {opts.mtp_step}, schema {opts.schema}, {opts.device}, "
         f"overlap {not opts.disable_overlap_schedule}, tokenizer {len(tok.hf)} tokens, model {info.model_dir}"
@@ -172,6 +227,14 @@ def main(argv=None) -> dict:
             print(
                 f"{f'{name} {r}':<14} {row['decode_step_ms']:>15.2f} {row['decode_tok_per_s']:>13.1f} {row['mask_ms']:>13.3f}"
             )
+    if phases is not None:
+        names = list(phases.parts)
+        print("host ms per decode step, medians (nested parts count in both: complete holds read_wait and emit)")
+        print("| run | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+        for name, rows in runs.items():
+            for r, row in enumerate(rows):
+                print(f"| {name} {r} | " + " | ".join(f"{row['phases_ms'][n]:.3f}" for n in names) + " |")
     tok_s = {name: statistics.median(row["decode_tok_per_s"] for row in rows) for name, rows in runs.items()}
     ratio = tok_s["constrained"] / tok_s["free"]
     print(f"decode tok/s (median): free {tok_s['free']:.1f}, constrained {tok_s['constrained']:.1f}")

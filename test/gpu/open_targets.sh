@@ -49,7 +49,8 @@ run() {
 }
 for part in $parts; do
     case $part in
-        structured) run structured 150 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 ;;
+        structured) run structured 150 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 \
+                        --phases ;;
         grammar_masks) run grammar_masks 300 python test/benchmark/bench_grammar_masks.py --device cuda \
                            --threads 1,2,4,8,12
                        tail -40 "$OUT_DIR/grammar_masks.log" ;;

@@ -1,6 +1,7 @@
 """`test/benchmark/bench_structured_output.py` on the CPU at tiny size: free and constrained runs alternate in one
 engine, each emits its full length (the schema cannot end sooner), constrained steps compute masks, and the ratio
-is printed; with --synthetic_vocab the grammar runs over the generated tokenizer."""
+is printed; with --synthetic_vocab the grammar runs over the generated tokenizer; `--phases` splits the steps'
+host time by part, where only the constrained run spends time on masks."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ SCRIPT = ROOT / "test" / "benchmark" / "bench_structured_output.py"
 def test_free_and_constrained_side_by_side():
     model = tiny_model_dir("qwen3_5", vocab_size=1024)
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--model_dir", str(model), "--synthetic_vocab", "700"]
-    cmd += ["--batch", "3", "--input_len", "8", "--output_len", "12", "--repeats", "1"]
+    cmd += ["--batch", "3", "--input_len", "8", "--output_len", "12", "--repeats", "1", "--phases"]
     env = single_threaded_env()
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -28,3 +29,12 @@ def test_free_and_constrained_side_by_side():
     rows = dict(re.findall(r"^(free 0|constrained 0)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$", out, re.M))
     assert float(rows["free 0"]) == 0 and float(rows["constrained 0"]) > 0
     assert re.search(r"^constrained / free = \d+\.\d{3}$", out, re.M)
+    header = re.search(r"^\| run \| (.*) \|$", out, re.M).group(1).split(" | ")
+    parts = {
+        m.group(1): dict(zip(header, map(float, m.group(2).split(" | "))))
+        for m in re.finditer(r"^\| (free 0|constrained 0) \| (.*) \|$", out, re.M)
+    }
+    assert {"forward", "masks", "advance", "read_wait", "emit"} <= set(header)
+    # a free step only passes through the mask call
+    assert parts["constrained 0"]["masks"] > 10 * parts["free 0"]["masks"]
+    assert parts["constrained 0"]["forward"] > 0 and parts["free 0"]["forward"] > 0
