@@ -244,6 +244,8 @@ def summarize(results: list[RequestResult], elapsed_s: float, spec_before, spec_
         "ttft": _stats([r.ttft_s for r in ok]),
         "tpot": _stats(tpot),
         "itl": _stats([g for r in ok for g in r.itl_s]),
+        # ITL is the gap between streamed events; a token whose text is empty (or held back) streams none
+        "tokens_per_event": sum(r.output_tokens for r in ok) / max(sum(len(r.itl_s) + 1 for r in ok), 1),
         "mean_accepted_len": 1.0 + accepted / windows if windows else None,
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
@@ -285,6 +287,7 @@ def _print(s: dict) -> None:
         v = s[name]
         cells = ["-" if v[k] is None else f"{v[k]:.2f}" for k in ("mean_ms", "median_ms", "p99_ms")]
         print(f"| {name.upper()} | {' | '.join(cells)} |")
+    print(f"output tokens per streamed event: {s['tokens_per_event']:.2f}")
     accepted = s["mean_accepted_len"]
     print(f"mean accepted length: {'-' if accepted is None else f'{accepted:.3f}'}")
     for e in s["errors"]:

@@ -65,6 +65,19 @@ def serving_model_dir(cache_dir: str | None = None) -> str:
     return str(tiny_model_dir("qwen3_5", seed=0, dtype="bfloat16", cache_dir=cache_dir, **SERVING_BENCH_SIZES))
 
 
+def serving_text_model_dir(cache_dir: str | None = None) -> str:
+    """The serving checkpoint with a generated tokenizer over all its rows, for benchmarks that stream text (HTTP).
+    Its own tokenizer is small (4771 tokens for 32000 rows): random weights draw from every row, and the ~85% of
+    tokens beyond it decode to nothing and stream no event, so time to first text and the gaps between events
+    would span several steps."""
+    from lightllm.server.tiktoken_tokenizer import NUM_RESERVED_SPECIAL
+    from lightllm.tools.synthetic_vocab import synthetic_vocab_dir
+
+    base = serving_model_dir(cache_dir)
+    rows = SERVING_BENCH_SIZES["vocab_size"]
+    return str(synthetic_vocab_dir(base, rows - NUM_RESERVED_SPECIAL, rows, out_dir=f"{base}-text"))
+
+
 def _is_decode_only(engine) -> bool:
     sched = engine.scheduler
     return not sched.waiting and bool(sched.running) and not any(r.is_prefilling for r in sched.running)

@@ -22,8 +22,9 @@
 #   prefill       prefill against a transformers forward at the four shapes of the prefill target
 #   prefill_syncs where the host waits for the GPU during prefill-heavy steps (prefill_syncs.py)
 #   attn_sweep    launch shapes of the paged-attention kernel on a long prefill chunk (bench_paged_attention.py --sweep)
-#   http          the serving checkpoint over HTTP, 512 requests 1024 in / 256 out at concurrency 256, replay, four client
-#                 processes: the server's defaults, then without the host tier (--host_tier_gb 0)
+#   http          the serving checkpoint (with a tokenizer over all its rows) over HTTP, 512 requests 1024 in / 256
+#                 out at concurrency 256, replay, four client processes: the server's defaults, then without the host
+#                 tier (--host_tier_gb 0)
 #   closed_loop   the same workload on the engine alone (test/gpu/closed_loop.py)
 #   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
 #                 kernels of a replay step at 256
@@ -84,7 +85,7 @@ for part in $parts; do
         prefill_syncs) run prefill_syncs 150 python test/gpu/prefill_syncs.py
                        tail -22 "$OUT_DIR/prefill_syncs.log" ;;
         attn_sweep) run attn_sweep 200 python test/benchmark/bench_paged_attention.py --sweep ;;
-        http) model=$(python -c "from lightllm.tools.bench_throughput import serving_model_dir; print(serving_model_dir())")
+        http) model=$(python -c "from lightllm.tools.bench_throughput import serving_text_model_dir as d; print(d())")
               for flags in "" "--host_tier_gb 0"; do
                   python -m lightllm.server.api_server --model_dir "$model" --ssm_state_mode replay --port 8011 $flags \
                       > "$OUT_DIR/http_server${flags// /_}.log" 2>&1 &

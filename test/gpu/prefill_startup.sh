@@ -10,7 +10,7 @@
 #   profile  the offline engine's build under cProfile (test/gpu/startup_profile.py), warm cache; the decode-kernel
 #            autotune cache of start-up (for the shipped tables) copied to $OUT
 #   prefill  LLM.generate(max_tokens=1) against a transformers forward (test/benchmark/bench_prefill_vs_transformers.py)
-#   http     a server on the serving checkpoint driven by lightllm.tools.bench_serving: 512 requests, 1024 in / 256 out,
+#   http     a server on the serving checkpoint (a tokenizer over all its rows) driven by lightllm.tools.bench_serving: 512 requests, 1024 in / 256 out,
 #            concurrency 256, replay
 # Rows print as they finish; logs and JSON go to $OUT (or /tmp/lightllm_gpu_out).
 set -uo pipefail
@@ -50,7 +50,7 @@ for part in $parts; do
             ;;
         http)
             stage http
-            model=$(python -c "from lightllm.tools.bench_throughput import serving_model_dir; print(serving_model_dir())")
+            model=$(python -c "from lightllm.tools.bench_throughput import serving_text_model_dir as d; print(d())")
             python -m lightllm.server.api_server --model_dir "$model" --ssm_state_mode replay --port 8011 \
                 > "$OUT_DIR/http_server.log" 2>&1 &
             server=$!

@@ -50,6 +50,9 @@ def test_random_dataset(server, tmp_path):
     assert s["output_token_throughput"] > 0
     for name in ("ttft", "tpot", "itl"):
         assert 0 < s[name]["median_ms"] <= s[name]["p99_ms"]
+    # ITL spans events: the tokens each streamed event carried on average
+    events = sum(len(r["itl_s"]) + 1 for r in saved["requests"])
+    assert 6 <= events <= 30 and s["tokens_per_event"] == pytest.approx(30 / events)
     # the server drafts with its MTP head: every decode window is drafted, accepted length in [1, 2]
     assert 1.0 <= s["mean_accepted_len"] <= 2.0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
