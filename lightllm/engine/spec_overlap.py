@@ -33,7 +33,7 @@ from lightllm.engine.messages import EngineOutput
 from lightllm.engine.scheduler import ScheduledRow, SchedulePlan
 from lightllm.engine.speculative.device_drafts import DraftBatch, write_window_drafts
 from lightllm.engine.speculative.mtp import MtpSpeculator
-from lightllm.engine.speculative.verify import WindowResult
+from lightllm.engine.speculative.verify import VerifyFigures, WindowResult
 
 if TYPE_CHECKING:
     from lightllm.engine.engine import Engine
@@ -49,8 +49,7 @@ class SpecInFlight:
     # the rows' runner handles at launch (a request finished meanwhile has given its handle back)
     handles: list[int]
     width: int
-    # [rows, 2 W + 2] on the device (the runner's `verify_on_device`): each row's next window (next token, the MTP
-    # head's drafts), then its kept count, non-finite flag and pair tokens
+    # [rows, 2 W + 2] on the device (the runner's `verify_on_device`; `VerifyFigures` says which column is which)
     figures: torch.Tensor
     # a host copy of `figures`, valid once `ready` has completed
     host: torch.Tensor
@@ -58,16 +57,17 @@ class SpecInFlight:
     # [rows * W, V] the logits of every window position, kept only when a row asks for log-probabilities
     logits: torch.Tensor | None
 
-    def read(self) -> list[list[int]]:
+    def read(self) -> list[tuple[int, bool, list[int]]]:
         """Per row: (kept count, non-finite flag, the W pair tokens)."""
         if self.ready is not None:
             self.ready.synchronize()
-        return [row[self.width :] for row in self.host.tolist()]
+        layout = VerifyFigures(self.width)
+        return [layout.read(row) for row in self.host.tolist()]
 
     @property
     def windows(self) -> torch.Tensor:
         """[rows, W] on the device: each row's next window (its next token, then the head's drafts)."""
-        return self.figures[:, : self.width]
+        return VerifyFigures(self.width).window(self.figures)
 
 
 def chained_spec_plan(inflight: SpecInFlight) -> SchedulePlan:
@@ -166,7 +166,7 @@ class SpecOverlap:
         rows = inflight.plan.decode
         try:
             host = inflight.read()
-            e.runner.settle(inflight.handles, [figures[0] for figures in host])
+            e.runner.settle(inflight.handles, [count for count, _, _ in host])
         except Exception:
             logger.exception("engine step failed; finishing %d requests with an error", len(rows))
             outputs = e.fail_rows(inflight.plan)
@@ -178,7 +178,7 @@ class SpecOverlap:
         k = inflight.width - 1
         drafts = DraftBatch(inflight.windows[:, 1:])
         outputs: list[EngineOutput] = []
-        for i, (row, (count, bad, *pairs)) in enumerate(zip(rows, host, strict=True)):
+        for i, (row, (count, bad, pairs)) in enumerate(zip(rows, host, strict=True)):
             req = row.req
             if req.is_finished:
                 continue

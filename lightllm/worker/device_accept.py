@@ -117,7 +117,7 @@ class DeviceAcceptance:
         kept, counted from the row's length as the host knows it; `kept[i]` of them when given: simulated
         acceptance), accepted into the state, and the MTP head drafts the next windows, all without the host (one
         graph replay on CUDA; `graphs/spec_step.py`). Returns the step's figures `[rows, 2 W + 2]` on the device
-        (`SpecFigures`: next window, count, non-finite flag, pair tokens) and, with `keep_logits`, the logits of
+        (`VerifyFigures`: next window, count, non-finite flag, pair tokens) and, with `keep_logits`, the logits of
         every window position `[rows * W, V]`. The rows' committed lengths and KV stay as if nothing were
         accepted until `settle` gives the counts; a later step of the same rows may run before that (its
         positions and KV slots shifted by the unread counts on the device)."""
@@ -143,7 +143,7 @@ class DeviceAcceptance:
         assert graphs.draft.load_full_windows(rows, mtp_len, max_extra) == bucket
         graphs.load(n, windows, extra, room, kept)
         figures, hidden, logits = graphs.run(bucket, n, keep_logits)
-        self._unsettled.append(UnsettledStep(records, [width] * n, figures[:, graphs.figures.count], hidden))
+        self._unsettled.append(UnsettledStep(records, [width] * n, graphs.figures.counts(figures), hidden))
         return figures, logits
 
     def settle(self, handles: list[int], num_accepted: list[int]) -> None:

@@ -150,3 +150,31 @@ def verify_full_windows_on_device(
     next_tokens = argmax.gather(1, last)
     pairs = torch.cat([drafts, next_tokens], dim=1).scatter(1, last, next_tokens)
     return last.squeeze(1) + 1, next_tokens.squeeze(1), pairs, bad
+
+
+@dataclass(frozen=True)
+class VerifyFigures:
+    """The layout of an overlapped verify step's figures `[rows, 2 W + 2]` int64 (`verify_on_device` of the
+    runner): each row's next window first (its next token, then the MTP head's drafts: what the step after it
+    verifies), then what the host reads (kept count, non-finite flag, and the W pair tokens: the token after each
+    window position, of which the first `count` are emitted)."""
+
+    width: int
+
+    def pack(
+        self, next_tokens: torch.Tensor, drafts: torch.Tensor, counts: torch.Tensor, bad: torch.Tensor, pairs
+    ) -> torch.Tensor:
+        return torch.cat([next_tokens[:, None], drafts, counts[:, None], bad.long()[:, None], pairs], dim=1)
+
+    def window(self, figures: torch.Tensor) -> torch.Tensor:
+        """[rows, W]: each row's next window."""
+        return figures[:, : self.width]
+
+    def counts(self, figures: torch.Tensor) -> torch.Tensor:
+        """[rows]: tokens each row kept."""
+        return figures[:, self.width]
+
+    def read(self, row: list[int]) -> tuple[int, bool, list[int]]:
+        """One row of the figures on the host: (kept count, non-finite flag, pair tokens)."""
+        count, bad, *pairs = row[self.width :]
+        return count, bool(bad), pairs

@@ -22,41 +22,14 @@ On the CPU (or with graphs off) the same function runs eagerly over the same buf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from lightllm.cache.device_copy import copy_to_device
-from lightllm.engine.speculative.verify import verify_full_windows_on_device
+from lightllm.engine.speculative.verify import VerifyFigures, verify_full_windows_on_device
 from lightllm.worker.graphs.buckets import BucketGraphs
 from lightllm.worker.graphs.decode import DecodeGraphs
 from lightllm.worker.graphs.draft import DraftGraphs
-
-
-@dataclass
-class SpecFigures:
-    """Columns of a step's figures `[rows, 2 W + 2]` int64: the next step's window first (next token, the head's
-    drafts), then what the host reads (kept count, non-finite flag, the W pair tokens: the token after each window
-    position, of which the first `count` are emitted)."""
-
-    width: int
-
-    @property
-    def window(self) -> slice:
-        return slice(0, self.width)
-
-    @property
-    def count(self) -> int:
-        return self.width
-
-    @property
-    def host(self) -> slice:
-        return slice(self.width, 2 * self.width + 2)
-
-    @property
-    def total(self) -> int:
-        return 2 * self.width + 2
 
 
 class SpecStepGraphs:
@@ -67,7 +40,7 @@ class SpecStepGraphs:
             raise ValueError(f"decode width {decode.width} and {draft.mtp_step} drafts of width {draft.width}")
         self.model, self.state, self.decode, self.draft = model, state, decode, draft
         self.width = decode.width
-        self.figures = SpecFigures(self.width)
+        self.figures = VerifyFigures(self.width)
         self._graphs = BucketGraphs(decode.buckets, self.forward, self.fill_hold, "overlapped MTP steps")
         max_batch, device = decode.max_batch, decode.kv.device
         # per row: the window (first token, drafts) and the tokens committed in steps the host has not read
@@ -101,8 +74,7 @@ class SpecStepGraphs:
         self.state.accept(accept_rows, counts.to(torch.int32))
         self.draft.commit_on_device(rows, pairs, hidden, torch.where(live, counts, 0), extra)
         drafts, _ = self.draft.forward(rows)
-        figures = torch.cat([next_tokens[:, None], drafts, counts[:, None], bad.long()[:, None], pairs], dim=1)
-        return figures, hidden, logits
+        return self.figures.pack(next_tokens, drafts, counts, bad, pairs), hidden, logits
 
     def fill_hold(self, rows: int) -> None:
         """Every row a HOLD row (capture and warm-up change no state)."""
