@@ -1,6 +1,8 @@
 """A MoE model (tiny Qwen3.5-MoE) through the fixed-buffer decode path that CUDA graphs replay (eager on the CPU):
 MoE routing needs no host value mid-step (on CUDA it runs in `lightllm.kernels.fused_moe` with fixed shapes).
-Batches padded to buckets with HOLD rows, whose tokens are routed to experts too, give transformers' greedy text."""
+Batches padded to buckets with HOLD rows, whose tokens are routed to experts too, give transformers' greedy text;
+overlapped MTP steps (the verify, acceptance, accept and drafts of one step as one graph function) give the
+synchronous steps' tokens (twin: other acceptance coins give other tokens)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 
 from lightllm.engine.messages import NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
+from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
 from lightllm.tools.make_tiny_model import tiny_model_dir
@@ -58,3 +61,46 @@ def test_moe_decode_through_fixed_buffers_matches_transformers(expected, mode, m
                 out[o.req_id] += o.token_ids
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == [g[:n] for g, n in zip(greedy, MAX_TOKENS)]
     assert len(calls) >= 3 and any(n < bucket for n, bucket in calls), str(calls)
+
+
+def _mtp_run(model_dir: str, mode: str, overlap: bool, seed: int) -> tuple[dict, list[bool]]:
+    """PROMPTS through a MoE engine with MTP 2 at simulated acceptance 0.6 (`seed`: the coins); the tokens and, per
+    launch of an overlapped verify, whether it chained from the step in flight."""
+    args, info = load_server_args(
+        [],
+        model_dir=model_dir,
+        device="cpu",
+        ssm_state_mode=mode,
+        mtp_step=2,
+        max_running_requests=3,
+        chunked_prefill_size=64,
+        max_total_token_num=512,
+    )
+    engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner", SimulatedAcceptance(0.6, seed))
+    assert engine.runner.init_decode_graphs(use_graphs=False) and engine.runner.spec_step_graphs is not None
+    engine.overlap_schedule = overlap
+    launches: list[bool] = []
+    launch = engine.overlap.spec.launch
+    engine.overlap.spec.launch = lambda plan, previous: launches.append(previous is not None) or launch(plan, previous)
+    for i, p in enumerate(PROMPTS):
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i] + 8, ignore_eos=True)
+        assert engine.add_request(NewRequest(f"r{i}", p, params)) == []
+    out = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while engine.has_work():
+        for o in engine.step():
+            if isinstance(o, TokenChunk):
+                out[o.req_id] += o.token_ids
+    return out, launches
+
+
+@pytest.mark.parametrize("mode", ["native", "replay"])
+def test_moe_overlapped_mtp_steps_equal_synchronous(expected, mode):
+    model_dir, _ = expected
+    on, launches = _mtp_run(model_dir, mode, True, seed=5)
+    off, off_launches = _mtp_run(model_dir, mode, False, seed=5)
+    # three rows in a bucket of four (a HOLD row) chained from the step in flight, the synchronous run none
+    assert sum(launches) >= 4 and not off_launches
+    assert on == off
+    assert [len(t) for t in on.values()] == [n + 8 for n in MAX_TOKENS]
+    twin, _ = _mtp_run(model_dir, mode, True, seed=6)
+    assert twin != on
