@@ -18,6 +18,8 @@ functions that make the most torch calls per step outside the model's modules (c
 counted: they are not made from Python; on the CPU the buffers' forwards run eagerly, so their context building
 counts). With `--mtp_step`, `--simulate_acceptance P` keeps each draft with probability
 P (as `bench_throughput`'s option), so overlapped verify steps accept a controlled number of tokens.
+`--stub_model` makes the model's forward passes return zeros, so that on the CPU a step costs its host work: the
+way to compare two trees' host paths without a GPU.
 
     python test/benchmark/profile_engine_host.py --serving_model --device cuda --mode replay --batch 64 \
         --mtp_step 3 --simulate_acceptance 0.7 --top_ops 18 --by_caller 20
@@ -82,6 +84,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--top_ops", type=int, default=0, help="print the N host operators with the most self CPU time")
     p.add_argument("--by_caller", type=int, default=0, help="print the N callers making the most torch calls")
     p.add_argument("--simulate_acceptance", type=float, default=None, metavar="P")
+    p.add_argument(
+        "--stub_model",
+        action="store_true",
+        help="the model's forward passes return zeros: a step then costs its host work alone (CPU comparisons)",
+    )
     a = p.parse_args(argv)
     # enough tokens for every measured step (a verify step emits up to mtp_step + 1 per row)
     num_tokens = (a.mtp_step + 1) * (2 * a.steps + 8) + 3 * a.steps
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     acceptance = None if a.simulate_acceptance is None else SimulatedAcceptance(a.simulate_acceptance)
     engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY, acceptance)
+    if a.stub_model:
+        _stub_model(engine.runner.model)
     if engine.runner.decode_graphs is None:
         engine.runner.init_decode_graphs(use_graphs=a.device == "cuda")
     quiet_garbage_collector()
@@ -142,6 +151,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if a.by_caller:
         result["torch_calls"] = _print_by_caller(engine, a.steps, a.by_caller)
     return result
+
+
+def _stub_model(model) -> None:
+    """The model's and the MTP head's forward return zeros of their output's shape (the LM head still runs): on the
+    CPU the step then costs what a GPU step pays on the host, plus the LM head and the eager ops a CUDA graph would
+    replay (the same for two trees, so before / after comparisons of the host's work hold)."""
+    hidden, dtype = model.cfg.hidden_size, model.embed.dtype
+    model.forward = lambda input_ids, ctx: torch.zeros(input_ids.shape[0], hidden, dtype=dtype)
+    if model.mtp is not None:
+        model.mtp.forward = lambda token_embeds, h, ctx: torch.zeros_like(h)
 
 
 def _print_top_ops(engine, steps: int, top: int) -> None:
