@@ -1,6 +1,6 @@
 """`test/benchmark/profile_engine_host.py` on the CPU at tiny size: the per-phase table, and the torch calls per step
 by caller outside the model, which name the overlapped verify's device acceptance when MTP steps run at a simulated
-acceptance and not in plain decode; with `--stub_model` the model's forward passes do no work."""
+acceptance and not in plain decode; with `--host_only` the model does no work."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def test_torch_calls_by_caller(mtp, capsys):
     assert ("verify_full_windows_on_device" in out) == mtp
 
 
-def test_stub_model_leaves_the_host_work():
+def test_host_only_leaves_the_host_work():
     argv = ["--mode", "replay", "--batch", "4", "--steps", "4", "--mtp_step", "2", "--simulate_acceptance", "0.7"]
-    real, stub = _main()(argv), _main()([*argv, "--stub_model"])
-    # the stubbed step still verifies, emits and drafts, without the model's layers
+    real, stub = _main()(argv), _main()([*argv, "--host_only"])
+    # the step still loads its buffers, emits and settles, without the model's layers or the step's graph body
     assert 0 < stub["emit"] and 0 < stub["verify_on_device"] < real["verify_on_device"] / 2
