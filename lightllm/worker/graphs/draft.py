@@ -83,8 +83,10 @@ class DraftGraphs:
             kv=self.kv,
         )
 
-    def forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Commit forward, then the chained drafts: (drafts `[rows, mtp_step]`, logits `[rows, mtp_step, V]`)."""
+    def forward(self, rows: int, keep_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Commit forward, then the chained drafts: (drafts `[rows, mtp_step]`, fp32 logits `[rows, mtp_step, V]`,
+        or None without `keep_logits`: then each phase's logits stay in the LM head's dtype, which gives the same
+        argmax, and are dropped after it)."""
         n_tok = rows * self.width
         embeds = self.model.embed_tokens(self._i64[0, :n_tok])
         out = self.head(embeds, self._hidden[:n_tok], self._context(0, rows))
@@ -93,9 +95,11 @@ class DraftGraphs:
         for phase in range(self.mtp_step):
             if phase:
                 last = self.head(self.model.embed_tokens(drafts[-1]), last, self._context(phase, rows))
-            logits.append(self.model.logits(last))
-            drafts.append(logits[-1].argmax(-1))
-        return torch.stack(drafts, dim=1), torch.stack(logits, dim=1)
+            phase_logits = self.model.logits(last, fp32=keep_logits)
+            drafts.append(phase_logits.argmax(-1))
+            if keep_logits:
+                logits.append(phase_logits)
+        return torch.stack(drafts, dim=1), torch.stack(logits, dim=1) if keep_logits else None
 
     def _upload(self, rows: int) -> None:
         copy_to_device(self._i64[:, : rows * self.width], self._host64[:, : rows * self.width])

@@ -73,7 +73,7 @@ class SpecStepGraphs:
         )
         self.state.accept(accept_rows, counts.to(torch.int32))
         self.draft.commit_on_device(rows, pairs, hidden, torch.where(live, counts, 0), extra)
-        drafts, _ = self.draft.forward(rows)
+        drafts, _ = self.draft.forward(rows, keep_logits=False)
         return self.figures.pack(next_tokens, drafts, counts, bad, pairs), hidden, logits
 
     def fill_hold(self, rows: int) -> None:
