@@ -92,7 +92,7 @@ class SpecOverlap:
         if not all(r.params.greedy and not r.params.has_penalties and not r.grammar for r in reqs):
             return False
         can = getattr(e.runner, "can_verify_on_device", None)
-        return can is not None and can([r.handle for r in reqs])
+        return can is not None and can([r.handle for r in reqs], e.speculator.num_drafts + 1)
 
     def can_launch(self, plan: SchedulePlan) -> bool:
         """Decode rows only, each a full window of drafts (see the module docstring)."""

@@ -92,12 +92,14 @@ class DeviceAcceptance:
             return None
         return held
 
-    def can_verify_on_device(self, handles: list[int]) -> bool:
-        """Whether a step of full verify windows of these rows may run on the device alone (`verify_on_device`):
-        the overlapped step's buffers hold the batch, the rows' MTP pairs are all drafted, the head's KV has room
-        for the worst case, and at most one such step is unsettled."""
+    def can_verify_on_device(self, handles: list[int], width: int) -> bool:
+        """Whether a step of these rows' verify windows of `width` tokens may run on the device alone
+        (`verify_on_device`): the overlapped step's buffers hold the batch at that width, the rows' MTP pairs are
+        all drafted, the head's KV has room for the worst case, and at most one such step is unsettled."""
         graphs, drafter = self.spec_step_graphs, self.drafter
-        if graphs is None or drafter is None or len(self._unsettled) > 1 or graphs.bucket(len(handles)) is None:
+        if graphs is None or drafter is None or width != graphs.width or len(self._unsettled) > 1:
+            return False
+        if graphs.bucket(len(handles)) is None:
             return False
         if any(self._requests[h].mtp_hidden for h in handles):
             return False
