@@ -188,6 +188,19 @@ def test_a_refused_settle_leaves_the_step_to_settle_again():
         runner.settle(handles, counts.tolist())
 
 
+def test_only_windows_of_the_buffers_width_run_on_the_device():
+    """A batch of drafted rows may verify on the device at the buffers' width W, not at another width (a
+    speculator drafting fewer tokens verifies synchronously), and not before its MTP pairs are drafted."""
+    runner = _runner("replay", 1)
+    handles = [runner.add_request() for _ in PROMPTS]
+    ids = torch.tensor([t for p in PROMPTS for t in p], dtype=torch.long)
+    fwd = runner.forward(ForwardBatch(handles, [len(p) for p in PROMPTS], [0] * 3, 3, ids))
+    assert not runner.can_verify_on_device(handles, W)
+    runner.draft(handles, fwd.logits.argmax(dim=-1), MTP_STEP)
+    assert runner.can_verify_on_device(handles, W)
+    assert not runner.can_verify_on_device(handles, W - 1) and not runner.can_verify_on_device(handles, W + 1)
+
+
 def test_a_forward_of_an_unsettled_row_is_refused():
     """A synchronous step of a row whose counts are still on the device would run at the wrong positions: refused
     until `settle`, then it runs."""
