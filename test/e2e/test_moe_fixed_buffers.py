@@ -29,20 +29,40 @@ def expected(hf_oracle):
     return model_dir, [oracle.greedy(p, max(MAX_TOKENS)) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("mode", ["native", "replay"])
-def test_moe_decode_through_fixed_buffers_matches_transformers(expected, mode, monkeypatch):
-    model_dir, greedy = expected
+def _engine(model_dir: str, mode: str, max_running_requests: int, acceptance=None, **flags):
+    """A MoE engine on the CPU with its decode (and draft) buffers run eagerly."""
     args, info = load_server_args(
         [],
         model_dir=model_dir,
         device="cpu",
         ssm_state_mode=mode,
-        max_running_requests=5,
+        max_running_requests=max_running_requests,
         chunked_prefill_size=64,
         max_total_token_num=512,
+        **flags,
     )
-    engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner")
+    engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner", acceptance)
     assert engine.runner.init_decode_graphs(use_graphs=False)
+    return engine
+
+
+def _generate(engine, max_tokens: list[int]) -> dict[str, list[int]]:
+    """PROMPTS greedily, request i up to `max_tokens[i]` tokens; each request's tokens."""
+    for i, p in enumerate(PROMPTS):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens[i], ignore_eos=True)
+        assert engine.add_request(NewRequest(f"r{i}", p, params)) == []
+    out = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while engine.has_work():
+        for o in engine.step():
+            if isinstance(o, TokenChunk):
+                out[o.req_id] += o.token_ids
+    return out
+
+
+@pytest.mark.parametrize("mode", ["native", "replay"])
+def test_moe_decode_through_fixed_buffers_matches_transformers(expected, mode, monkeypatch):
+    model_dir, greedy = expected
+    engine = _engine(model_dir, mode, 5)
     calls: list[tuple[int, int]] = []
     run = DecodeGraphs.run
 
@@ -51,14 +71,7 @@ def test_moe_decode_through_fixed_buffers_matches_transformers(expected, mode, m
         return run(self, input_ids, q_lens, *rest)
 
     monkeypatch.setattr(DecodeGraphs, "run", counted)
-    for i, p in enumerate(PROMPTS):
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
-        assert engine.add_request(NewRequest(f"r{i}", p, params)) == []
-    out = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while engine.has_work():
-        for o in engine.step():
-            if isinstance(o, TokenChunk):
-                out[o.req_id] += o.token_ids
+    out = _generate(engine, MAX_TOKENS)
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == [g[:n] for g, n in zip(greedy, MAX_TOKENS)]
     assert len(calls) >= 3 and any(n < bucket for n, bucket in calls), str(calls)
 
@@ -66,31 +79,13 @@ def test_moe_decode_through_fixed_buffers_matches_transformers(expected, mode, m
 def _mtp_run(model_dir: str, mode: str, overlap: bool, seed: int) -> tuple[dict, list[bool]]:
     """PROMPTS through a MoE engine with MTP 2 at simulated acceptance 0.6 (`seed`: the coins); the tokens and, per
     launch of an overlapped verify, whether it chained from the step in flight."""
-    args, info = load_server_args(
-        [],
-        model_dir=model_dir,
-        device="cpu",
-        ssm_state_mode=mode,
-        mtp_step=2,
-        max_running_requests=3,
-        chunked_prefill_size=64,
-        max_total_token_num=512,
-    )
-    engine = build_engine(args, info, "lightllm.server.runner_factory:create_runner", SimulatedAcceptance(0.6, seed))
-    assert engine.runner.init_decode_graphs(use_graphs=False) and engine.runner.spec_step_graphs is not None
+    engine = _engine(model_dir, mode, 3, SimulatedAcceptance(0.6, seed), mtp_step=2)
+    assert engine.runner.spec_step_graphs is not None
     engine.overlap_schedule = overlap
     launches: list[bool] = []
     launch = engine.overlap.spec.launch
     engine.overlap.spec.launch = lambda plan, previous: launches.append(previous is not None) or launch(plan, previous)
-    for i, p in enumerate(PROMPTS):
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i] + 8, ignore_eos=True)
-        assert engine.add_request(NewRequest(f"r{i}", p, params)) == []
-    out = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while engine.has_work():
-        for o in engine.step():
-            if isinstance(o, TokenChunk):
-                out[o.req_id] += o.token_ids
-    return out, launches
+    return _generate(engine, [n + 8 for n in MAX_TOKENS]), launches
 
 
 @pytest.mark.parametrize("mode", ["native", "replay"])
