@@ -14,8 +14,8 @@
 #   checks        compute-sanitizer memcheck of the fused MoE, FP8 and conv decode kernels; the GPU tests of the
 #                 host tier's writer and of overlapped MTP steps in graphs
 #   spec_graph    overlapped MTP steps as one graph each: graph == synchronous tokens (test_spec_overlap_gpu.py), then
-#                 replay decode at 1 / 64 / 256 plain, MTP 3 at simulated acceptance 0.7 and MTP 2 with every draft
-#                 rejected, one command
+#                 replay and native decode at 1 / 64 / 256 plain, MTP 3 at simulated acceptance 0.7 and MTP 2 with
+#                 every draft rejected, one command
 #   spec_host     what an overlapped MTP 3 step at simulated acceptance 0.7 spends on the host at batch 1 and 64:
 #                 host operators (launches, copies) and the callers of its eager torch calls (profile_engine_host.py)
 #   prefill_host  the 64 x 1024 prefill, GPU kernels and the host's Python functions (bench_prefill_vs_transformers.py)
@@ -71,8 +71,8 @@ for part in $parts; do
         spec_graph) run spec_graph_test 300 python -m pytest -q -x test/gpu/test_spec_overlap_gpu.py
                     for flags in "--mtp_step 0" "--mtp_step 3 --simulate_acceptance 0.7" \
                                  "--mtp_step 2 --simulate_acceptance 0"; do
-                        run "spec_graph${flags// /_}" 150 python -m lightllm.tools.bench_throughput --serving_model \
-                            --input_len 256 --output_len 128 --modes replay --batch_sizes 1,64,256 $flags
+                        run "spec_graph${flags// /_}" 200 python -m lightllm.tools.bench_throughput --serving_model \
+                            --input_len 256 --output_len 128 --modes replay,native --batch_sizes 1,64,256 $flags
                     done ;;
         spec_host) for b in 1 64; do
                        run "spec_host-b$b" 120 python test/benchmark/profile_engine_host.py --serving_model --device cuda \
