@@ -92,6 +92,9 @@ class ModelRunnerProtocol(Protocol):
         """Offer the request's committed tokens (all `num_tokens(handle)` of them, `token_ids`) to the prefix
         cache with a checkpoint of its state at their end. Between steps only (after `accept`)."""
 
+    def publish_many(self, entries: list[tuple[int, list[int]]]) -> None:
+        """`publish` for each (handle, token ids) of `entries`, at once."""
+
     def num_free_requests(self) -> int: ...
 
     def num_free_kv_tokens(self) -> int: ...

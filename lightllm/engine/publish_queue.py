@@ -50,16 +50,21 @@ class PublishQueue:
         """Publish each entry's committed tokens; a request that left then gives its resources back. A running
         request that left meanwhile (an abort publishes and releases at once) is skipped. A failure costs the cache
         its entry, never the request (its tokens are out) nor the others."""
-        for req, left in entries:
+        running = [req for req, left in entries if not left and req.handle is not None and not req.is_finished]
+        if running:
             try:
-                if left:
-                    self._scheduler.release(req, publish=True)
-                elif req.handle is not None and not req.is_finished:
-                    self._runner.publish(req.handle, req.all_ids[: req.num_computed_tokens])
+                # one call for all of them: with MTP one pass of the head over what their prefills left pending
+                self._runner.publish_many([(req.handle, req.all_ids[: req.num_computed_tokens]) for req in running])
+            except Exception:
+                logger.exception("prefix-cache publish of %d requests failed", len(running))
+        for req, left in entries:
+            if not left:
+                continue
+            try:
+                self._scheduler.release(req, publish=True)
             except Exception:
                 logger.exception("prefix-cache publish of %s failed", req.req_id)
-                if left:
-                    try:
-                        self._scheduler.release(req, publish=False)
-                    except Exception:
-                        logger.exception("could not release %s", req.req_id)
+                try:
+                    self._scheduler.release(req, publish=False)
+                except Exception:
+                    logger.exception("could not release %s", req.req_id)

@@ -115,6 +115,7 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
         prompt = rng.integers(10, vocab - 10, size=input_len).tolist()
         assert engine.add_request(NewRequest(f"b{batch}-{i}", prompt, params)) == []
     num_tokens, step_ms, gpu_ms, num_overlapped, profiled_s = 0, [], None, 0, 0.0
+    other_ms: list[float] = []
     stats = engine.stats
     windows_before, accepted_before = stats.num_spec_windows, stats.num_accepted_draft_tokens
     start = time.perf_counter()
@@ -134,6 +135,8 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
             step_ms.append((time.perf_counter() - t0) * 1000)
             # the step left one in flight: its successor was launched before its tokens were read
             num_overlapped += engine.overlap.has_work()
+        else:
+            other_ms.append((time.perf_counter() - t0) * 1000)
         for out in outputs:
             if isinstance(out, TokenChunk):
                 num_tokens += len(out.token_ids)
@@ -155,6 +158,11 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
         "host_ms_per_step": None if gpu_ms is None else max(step - gpu_ms, 0.0),
         "mean_accepted_len": accepted,
         "overlapped_share": num_overlapped / len(step_ms) if step_ms else None,
+        # where the wall time went: decode-only steps, and the others (prefill, mixed)
+        "decode_steps": len(step_ms),
+        "decode_s": sum(step_ms) / 1000,
+        "other_steps": len(other_ms),
+        "other_s": sum(other_ms) / 1000,
     }
 
 
@@ -252,6 +260,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             )
             rows.append(row)
             _print_row(row)
+            print(
+                f"  batch {batch}: {row['seconds']:.3f} s = {row['decode_steps']} decode-only steps "
+                f"{row['decode_s']:.3f} s + {row['other_steps']} other steps {row['other_s']:.3f} s",
+                flush=True,
+            )
             if a.result_file:
                 with open(a.result_file, "w") as f:
                     json.dump(rows, f, indent=2)

@@ -88,24 +88,32 @@ class MtpDrafter:
             # the prefix cache checkpoints the hidden state of the last committed token
             req.mtp_last_hidden = (hidden, end - 1)
 
-    def commit_known_pairs(self, handle: int, req) -> None:
-        """Commit the request's pending pairs whose next token is known (every pending hidden row but the last)
+    def commit_known_pairs(self, handles: list[int], reqs: list) -> None:
+        """Commit the requests' pending pairs whose next token is known (every pending hidden row but the last)
         into the head's KV without drafting, so the head's KV holds the pair of every committed token (the prefix
-        cache shares it). The last hidden row stays pending for the next `draft`, which commits the same entries
-        a single `draft` would have."""
-        num_known = sum(count for _, _, count in req.mtp_next_ids)
-        if num_known == 0:
+        cache shares it): one pass of the head, each row its own attention group. The last hidden row stays
+        pending for the next `draft`, which commits the same entries a single `draft` would have."""
+        known = [sum(count for _, _, count in req.mtp_next_ids) for req in reqs]
+        todo = [i for i, n in enumerate(known) if n]
+        if not todo:
             return
         device = self.kv.device
-        hidden = gather_spans([req.mtp_hidden], device)
-        row = np.asarray([handle])
-        self.kv.truncate_many(row, np.asarray([req.mtp_len]))
-        self.kv.extend_many(row, np.asarray([num_known]))
-        ctx = build_context([num_known], [req.mtp_len], 1, [handle], self.kv, position_offset=1)
-        ids = gather_spans([req.mtp_next_ids], device)
-        self.head(self.model.embed_tokens(ids), hidden[:num_known], ctx)
-        req.mtp_len += num_known
-        req.mtp_hidden, req.mtp_next_ids = [(hidden, num_known, hidden.shape[0] - num_known)], []
+        handles, reqs = [handles[i] for i in todo], [reqs[i] for i in todo]
+        q_lens = np.asarray([known[i] for i in todo], dtype=np.int64)
+        pending = np.asarray([sum(count for _, _, count in req.mtp_hidden) for req in reqs], dtype=np.int64)
+        # every row's pending hidden rows, back to back; the head reads each row's first `known` of them
+        hidden = gather_spans([req.mtp_hidden for req in reqs], device)
+        starts = np.cumsum(pending) - pending
+        rows_in = to_device(ragged_arange(starts, q_lens), device)
+        rows, cached = np.asarray(handles), np.asarray([req.mtp_len for req in reqs], dtype=np.int64)
+        self.kv.truncate_many(rows, cached)
+        self.kv.extend_many(rows, q_lens)
+        ctx = build_context(q_lens.tolist(), cached.tolist(), len(rows), rows.tolist(), self.kv, position_offset=1)
+        ids = gather_spans([req.mtp_next_ids for req in reqs], device)
+        self.head(self.model.embed_tokens(ids), hidden[rows_in], ctx)
+        for req, n, start, total in zip(reqs, q_lens.tolist(), starts.tolist(), pending.tolist()):
+            req.mtp_len += n
+            req.mtp_hidden, req.mtp_next_ids = [(hidden, start + n, total - n)], []
 
 
 def gather_spans(spans_per_row: list[list[tuple[torch.Tensor, int, int]]], device) -> torch.Tensor:

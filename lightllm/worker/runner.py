@@ -247,23 +247,32 @@ class ModelRunner(DeviceAcceptance):
         """What `add_request(token_ids)` would resume from the prefix cache; changes nothing."""
         return self.prefix_cache.match(token_ids) if self.prefix_cache is not None else PrefixMatch()
 
-    @torch.inference_mode()
     def publish(self, handle: int, token_ids: list[int]) -> None:
         """Offer the request's committed tokens (`token_ids`, exactly `num_tokens(handle)` of them) to the prefix
         cache with a checkpoint of its state there. Only between steps, never between forward and accept."""
+        self.publish_many([(handle, token_ids)])
+
+    @torch.inference_mode()
+    def publish_many(self, entries: list[tuple[int, list[int]]]) -> None:
+        """`publish` for many requests (handle, token ids) at once: with MTP one pass of the head commits what
+        their prefills left pending, and their checkpoints are exported together before the next forward."""
         if self.prefix_cache is None:
             return
         if self._pending is not None:
             raise RuntimeError("publish() between forward and accept: the state is not committed")
-        record = self._requests[handle]
-        if self._is_unsettled(record):
-            # the state holds tokens whose count the host has not read, unless a checkpoint was held at the
-            # committed length (a request that reached its limit while a later step of it was launched)
-            held = self._held_checkpoint(handle)
-            if held is not None:
-                self.prefix_cache.publish(handle, record, token_ids, (held.checkpoint, held.hidden))
-            return
-        self.prefix_cache.publish(handle, record, token_ids)
+        ready = []
+        for handle, token_ids in entries:
+            record = self._requests[handle]
+            held = None
+            if self._is_unsettled(record):
+                # the state holds tokens whose count the host has not read, unless a checkpoint was held at the
+                # committed length (a request that reached its limit while a later step of it was launched)
+                held = self._held_checkpoint(handle)
+                if held is None:
+                    continue
+                held = (held.checkpoint, held.hidden)
+            ready.append((handle, record, token_ids, held))
+        self.prefix_cache.publish_many(ready)
 
     def evict_prefix_cache(self) -> None:
         """Drop every prefix-cache entry no running request uses (tests, memory pressure); what they spill to

@@ -178,7 +178,7 @@ def test_a_checkpoint_dropped_before_it_is_written_is_not_spilled(single_arena, 
     first, _ = _conversation(4)
     _run(engine, "a", first)
     # the finished request's last checkpoint is still waiting for the next flush
-    pending = [node for _, node, _ in prefix._unwritten]
+    pending = [node for _, node, *_ in prefix._unwritten]
     assert len(pending) == 1
     stored = prefix.cache.num_checkpoints()
     prefix.cache.evict()

@@ -9,6 +9,7 @@ generated text. The KV cache is the token history itself, so the runner can chec
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -83,6 +84,14 @@ class FakeRunner:
     def publish(self, handle: int, token_ids: list[int]) -> None:
         assert self._window_start == {}, "publish() between forward and accept"
         assert token_ids == self.cache[handle], "publish() of tokens that are not the committed ones"
+
+    def publish_many(self, entries: list[tuple[int, list[int]]]) -> None:
+        # as the runner's: a failed publish is logged and the others go on
+        for handle, token_ids in entries:
+            try:
+                self.publish(handle, token_ids)
+            except Exception:
+                logging.getLogger(__name__).exception("publish of %d failed", handle)
 
     def free_request(self, handle: int) -> None:
         assert handle in self.cache, f"double free of handle {handle}"

@@ -11,7 +11,7 @@ import torch
 from unit_tests.helpers.hf_oracle import torch_paths
 from unit_tests.models.conftest import MTP_CASES
 from unit_tests.models.drive import decode, make_runner, prefill, verify
-from unit_tests.models.test_parity import assert_logits, prompt
+from unit_tests.models.test_parity import assert_logits, max_rel, prompt
 
 
 @torch.no_grad()
@@ -96,3 +96,36 @@ def test_verify_with_partial_acceptance_equals_plain_decode(tiny, case, width, a
     assert spec.num_tokens(hs) == plain.num_tokens(hp) == len(ids) + accept + len(tail)
     expected = oracle.prefill_logits(ids + window[:accept] + tail)[0, -1]
     assert_logits(f"{case}/{mode} vs transformers", last, expected)
+
+
+@pytest.mark.parametrize("break_row", [None, 1], ids=["batched", "teeth-shifted-hidden"])
+def test_pairs_committed_for_many_rows_at_once_draft_as_transformers(tiny, break_row):
+    """The prefix cache's publishes commit every row's pending pairs in one pass of the head (rows of different
+    lengths and cached counts, one of them with nothing pending): the drafts after it equal transformers' chain
+    for each row. Twin: one row's pending hidden states shifted by one row must change its drafts."""
+    case = MTP_CASES[0]
+    model_dir, oracle = tiny(case)
+    runner = make_runner(model_dir, mtp_step=2)
+    prompts = [prompt(40, 19), prompt(41, 6), prompt(42, 1), prompt(43, 12)]
+    handles = [runner.add_request() for _ in prompts]
+    reqs = [runner._requests[h] for h in handles]
+    # the first row commits its first chunks' pairs alone: the rows then start from different cached counts
+    prefill(runner, handles[0], prompts[0][:10], chunk=5)
+    runner.drafter.commit_known_pairs(handles[:1], reqs[:1])
+    assert reqs[0].mtp_len == 9 and sum(n for _, _, n in reqs[0].mtp_hidden) == 1
+    nexts = [int(prefill(runner, handles[0], prompts[0][10:], chunk=4).argmax())]
+    nexts += [int(prefill(runner, h, ids, chunk=5).argmax()) for h, ids in zip(handles[1:], prompts[1:])]
+    runner.drafter.commit_known_pairs(handles, reqs)
+    assert [r.mtp_len for r in reqs] == [18, 5, 0, 11]
+    assert all(sum(n for _, _, n in r.mtp_hidden) == 1 and not r.mtp_next_ids for r in reqs)
+    if break_row is not None:
+        src, start, n = reqs[break_row].mtp_hidden[0]
+        reqs[break_row].mtp_hidden = [(src, start - 1, n)]
+    _, logits = runner.draft_with_logits(handles, torch.tensor(nexts), 2)
+    for i, (ids, nxt) in enumerate(zip(prompts, nexts)):
+        expected = hf_draft_chain(oracle, ids, nxt, 2)
+        if i == break_row:
+            assert max_rel(logits[i, 0], expected[0]) > 1e-2, "a shifted hidden row must change the draft"
+            continue
+        for s in range(2):
+            assert_logits(f"row {i} draft step {s}", logits[i, s], expected[s])

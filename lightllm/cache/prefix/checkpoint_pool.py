@@ -64,12 +64,14 @@ class CheckpointPool:
             assert hidden is not None, "this pool stores the MTP hidden state with every checkpoint"
             self.hidden[slot] = hidden.reshape(-1)
 
-    def write_many(self, slots: torch.Tensor, checkpoint: Checkpoint) -> None:
-        """Store checkpoint `i` of a batch (without MTP hidden states) in `slots[i]` (distinct slots, on the pool's
-        device), one copy per tensor."""
-        assert self.hidden is None, "this pool stores the MTP hidden state with every checkpoint"
+    def write_many(self, slots: torch.Tensor, checkpoint: Checkpoint, hidden: torch.Tensor | None = None) -> None:
+        """Store checkpoint `i` of a batch (and, with MTP, its hidden state `hidden[i]`, `[N, hidden]`) in
+        `slots[i]` (distinct slots, on the pool's device), one copy per tensor."""
+        assert (hidden is None) == (self.hidden is None), "MTP hidden states go with every checkpoint, or none"
         self.conv.index_copy_(1, slots, checkpoint.conv.to(self.conv.dtype))
         self.ssm.index_copy_(1, slots, checkpoint.ssm.to(self.ssm.dtype))
+        if hidden is not None:
+            self.hidden.index_copy_(0, slots, hidden.to(self.hidden.dtype))
 
     def read(self, slot: int) -> tuple[Checkpoint, torch.Tensor | None]:
         """Views of `slot`: a one-request checkpoint and the `[1, hidden]` hidden state (None without MTP)."""

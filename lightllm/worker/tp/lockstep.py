@@ -32,6 +32,7 @@ LOCKSTEP = frozenset(
         "add_request",
         "free_request",
         "publish",
+        "publish_many",
         "evict_prefix_cache",
         "forward",
         "accept",

@@ -27,6 +27,8 @@ from lightllm.worker.transfer.host_tier import RunnerHostTier
 
 logger = logging.getLogger(__name__)
 
+# a checkpoint exported at a request's committed length, with the MTP head's `[1, hidden]` hidden state there
+HeldExport = tuple[Checkpoint, torch.Tensor | None]
 # checkpoint pool size as a fraction of the KV cache's bytes when neither the fraction nor the bytes are given
 DEFAULT_STATE_FRACTION = 0.1
 
@@ -91,8 +93,9 @@ class RunnerPrefixCache:
         self.device = pool.device
         # the host tier behind this cache (`attach_host`), or None
         self.host: RunnerHostTier | None = None
-        # new checkpoints not exported yet: (pool slot, its node, the request's state slot), written by `flush`
-        self._unwritten: list[tuple[int, TreeNode, int]] = []
+        # new checkpoints not exported yet: (pool slot, its node, the request's state slot, with MTP the `[1, hidden]`
+        # hidden state of its last token), written by `flush`
+        self._unwritten: list[tuple[int, TreeNode, int, torch.Tensor | None]] = []
 
     def attach_host(self, host: RunnerHostTier) -> None:
         """Back this cache with the host tier: new checkpoints are copied there (when the arena says so: other
@@ -141,23 +144,38 @@ class RunnerPrefixCache:
             req.mtp_len = hit.num_tokens - 1
             req.mtp_hidden, req.mtp_next_ids = [(hit.hidden.clone(), 0, 1)], []
 
-    def publish(
-        self, handle: int, req, token_ids: Sequence[int], held: tuple[Checkpoint, torch.Tensor | None] | None = None
-    ) -> None:
+    def publish_many(self, entries: list[tuple[int, object, Sequence[int], HeldExport | None]]) -> None:
+        """Offer each request's committed tokens to the cache: entries (handle, request, token ids, held) as for
+        `publish`. With MTP the head first commits every request's pending pairs in one pass. A publish that fails
+        is logged and costs the cache its entry only."""
+        if self.drafter is not None:
+            ready = [(handle, req) for handle, req, token_ids, _ in entries if _publishable(req, token_ids)]
+            if ready:
+                self.drafter.commit_known_pairs(*map(list, zip(*ready)))
+        for handle, req, token_ids, held in entries:
+            try:
+                self.publish(handle, req, token_ids, held)
+            except Exception:
+                # the cache loses this entry; the request and the other publishes are unharmed
+                logger.exception("prefix-cache publish of request %d failed", handle)
+
+    def publish(self, handle: int, req, token_ids: Sequence[int], held: HeldExport | None = None) -> None:
         """Offer the request's committed tokens `token_ids` (exactly its committed length) to the cache (and a
         new checkpoint to the host tier). `held`: the checkpoint (and MTP hidden state) at that length, taken
-        before a later step moved the request's state on; by default it is exported now."""
-        if not token_ids or len(token_ids) != req.num_tokens:
+        before a later step moved the request's state on; by default it is exported with the step's other
+        checkpoints (`flush`), or now when the host tier writes it through."""
+        if not _publishable(req, token_ids):
             return
         if self.drafter is not None:
             # the head's KV must hold the pair of every published token (prefill chunks leave them pending)
-            self.drafter.commit_known_pairs(handle, req)
-        if held is None and self.drafter is None and (self.host is None or not self.host.write_through):
+            self.drafter.commit_known_pairs([handle], [req])
+        if held is None and (self.host is None or not self.host.write_through):
             # exported with the other publishes before the state or the pool is next read or written (`flush`):
             # one export and one pool write for all the checkpoints of a step instead of one each
             node = self.cache.publish(handle, token_ids, None)
             if node is not None:
-                self._unwritten.append((node.checkpoint, node, req.state_slot))
+                hidden = self._last_hidden(req) if self.drafter is not None else None
+                self._unwritten.append((node.checkpoint, node, req.state_slot, hidden))
             return
         node = self.cache.publish(
             handle, token_ids, (lambda: held) if held is not None else (lambda: self._export(req))
@@ -167,36 +185,43 @@ class RunnerPrefixCache:
 
     def flush(self) -> None:
         """Export and store the checkpoints published since the last flush, in one batch. The runner calls it
-        before anything reads or writes a state slot or the pool (a forward, a new request, an export). A
-        checkpoint evicted meanwhile is left out (its pool slot may belong to a later one of the batch)."""
-        entries = [(slot, state_slot) for slot, node, state_slot in self._unwritten if node.checkpoint == slot]
+        before anything reads or writes a state slot or the pool (a forward, a new request, an export), so the
+        MTP hidden rows they name are still those of the step that published. A checkpoint evicted meanwhile is
+        left out (its pool slot may belong to a later one of the batch)."""
+        entries = [
+            (slot, state_slot, hidden) for slot, node, state_slot, hidden in self._unwritten if node.checkpoint == slot
+        ]
         self._unwritten = []
         if not entries:
             return
-        slots, state_slots = zip(*entries)
+        slots, state_slots, hidden = zip(*entries)
         ckpt = self.state.export_checkpoint(to_device(np.asarray(state_slots, dtype=np.int32), self.device))
-        self.pool.write_many(to_device(np.asarray(slots, dtype=np.int64), self.device), ckpt)
+        rows = torch.cat(hidden) if self.drafter is not None else None
+        self.pool.write_many(to_device(np.asarray(slots, dtype=np.int64), self.device), ckpt, rows)
 
     def _spill(self, node: TreeNode) -> bool:
         """A dropped node's state to the host tier, unless its checkpoint was never written (published and dropped
         before the next `flush`: its pool slot holds nothing of it)."""
-        if any(unwritten is node for _, unwritten, _ in self._unwritten):
+        if any(unwritten is node for _, unwritten, *_ in self._unwritten):
             return False
         return self.host.save(node)
 
     def release(self, handle: int) -> None:
         self.cache.release(handle)
 
-    def _export(self, req) -> tuple[Checkpoint, torch.Tensor | None]:
+    def _export(self, req) -> HeldExport:
         ckpt = self.state.export_checkpoint(self._slots(req))
-        if self.drafter is None:
-            return ckpt, None
+        return ckpt, self._last_hidden(req) if self.drafter is not None else None
+
+    @staticmethod
+    def _last_hidden(req) -> torch.Tensor:
+        """`[1, hidden]`: the main model's hidden state of the request's last committed token (a view)."""
         if req.mtp_hidden:
             source, start, count = req.mtp_hidden[-1]
             row = start + count - 1
         else:
             source, row = req.mtp_last_hidden
-        return ckpt, source[row : row + 1]
+        return source[row : row + 1]
 
     def _slots(self, req) -> torch.Tensor:
         # a fill, not a copy from host memory: no wait for the device
@@ -216,3 +241,8 @@ class RunnerPrefixCache:
             "num_cached_tokens": self.cache.tree.num_tokens,
             **(self.host.stats() if self.host is not None else {}),
         }
+
+
+def _publishable(req, token_ids: Sequence[int]) -> bool:
+    """Only a request's committed tokens, all of them, are published."""
+    return bool(token_ids) and len(token_ids) == req.num_tokens
