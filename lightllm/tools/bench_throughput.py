@@ -11,7 +11,9 @@ reports output tokens per second over the whole run (prefill included), decode t
 wall time of a decode-only step, and on CUDA the
 kernel time per decode step (torch profiler over steady steps) and the rest of the step (host time not hidden
 behind the GPU), and the share of decode steps left in flight while the host read the one before (overlap
-scheduling, MTP verify steps included). Each mode is one engine; its batch sizes share it.
+scheduling, MTP verify steps included). Under each row it prints where the run's wall time went: decode-only
+steps and the others (prefill and mixed steps, the last read-backs). Each mode is one engine; its batch sizes
+share it.
 
 `--simulate_acceptance P` (with `--mtp_step` or `--spec_ngram`) makes the verifier keep each draft position with
 probability P whatever the model says (seeded by `--seed`; `engine.speculative.acceptance`), so the speed of
@@ -158,7 +160,7 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
         "host_ms_per_step": None if gpu_ms is None else max(step - gpu_ms, 0.0),
         "mean_accepted_len": accepted,
         "overlapped_share": num_overlapped / len(step_ms) if step_ms else None,
-        # where the wall time went: decode-only steps, and the others (prefill, mixed)
+        # where the wall time went: decode-only steps, and the others (prefill, mixed, the last read-backs)
         "decode_steps": len(step_ms),
         "decode_s": sum(step_ms) / 1000,
         "other_steps": len(other_ms),

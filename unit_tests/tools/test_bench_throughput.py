@@ -38,9 +38,14 @@ def test_bench_throughput_runs_every_mode_and_batch(tmp_path, capsys):
         assert r["gpu_ms_per_step"] is None and r["host_ms_per_step"] is None
         # plain decode steps stay in flight while the host reads the one before
         assert r["overlapped_share"] > 0
+        # the run's wall time split: a decode-only step per token after the prefill's; the others are the prefill
+        # and the steps that read back the last tokens once no request is left running
+        assert r["decode_steps"] >= 4 and r["other_steps"] >= 1, r
+        assert 0 < r["decode_s"] + r["other_s"] <= r["seconds"]
     assert json.loads(out.read_text()) == rows
     table = capsys.readouterr().out
     assert table.count("| replay | 0 | 0 |") == 2
+    assert table.count(" decode-only steps ") == 4
     assert all(r["decode_tok_per_s"] > 0 for r in rows)
 
 
