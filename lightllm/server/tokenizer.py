@@ -42,6 +42,13 @@ def eos_token_ids(info: ModelInfo, hf) -> tuple[int, ...]:
     return tuple(dict.fromkeys(eos))
 
 
+def direct_decoder(hf):
+    """The Rust tokenizer behind `hf` when its decode is transformers' decode without the Python around it (no
+    space clean-up), else None. Streaming decodes twice per token; the direct call costs a quarter as much."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    return None if backend is None or getattr(hf, "clean_up_tokenization_spaces", True) else backend
+
+
 class Tokenizer:
     """Wraps the tokenizer of a checkpoint folder: its Hugging Face tokenizer, or for a folder with
     `tiktoken.model` and no `tokenizer.json` (Kimi's format) the project's `TiktokenTokenizer`, which takes the
@@ -65,6 +72,7 @@ class Tokenizer:
             self._bytes = [self._raw_bytes(i, piece) for i, piece in enumerate(pieces)]
         # no token spans more bytes than this, and a character is at least one byte
         self.max_token_bytes = max((len(b) for b in self._bytes), default=1) or 1
+        self._fast_decode = direct_decoder(self.hf)
 
     @property
     def has_chat_template(self) -> bool:
@@ -104,6 +112,8 @@ class Tokenizer:
         return list(self.hf.encode(prompt, add_special_tokens=False))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -9,7 +9,7 @@ from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.detokenizer import IncrementalDetokenizer, StopMatcher
 from lightllm.server.output import SequenceOutput
-from lightllm.server.tokenizer import Tokenizer
+from lightllm.server.tokenizer import Tokenizer, direct_decoder
 
 TEXT = "héllo 你好, wörld 😀🎉 ok ✓ 日本語テキスト"
 
@@ -92,3 +92,32 @@ def test_sequence_output_hides_eos_but_reports_it(tokenizer):
     out.on_tokens(TokenChunk("r", ids + [eos]))
     out.on_finished(Finished("r", "stop", stop_token_id=eos))
     assert out.text == "hi there" and out.token_ids[-1] == eos and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_equals_transformers_decode(tokenizer, skip_special_tokens):
+    """`Tokenizer.decode` (the Rust tokenizer called directly) gives transformers' text for random id runs, special
+    ids included; a tokenizer that cleans up spaces goes through transformers (twin: with the clean-up forced on,
+    transformers' own text differs where the fast path's would)."""
+    import random
+
+    rng = random.Random(7)
+    specials = sorted(tokenizer.hf.added_tokens_decoder)
+    assert tokenizer._fast_decode is not None, "the demo checkpoint's tokenizer takes the fast path"
+    runs = [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(300)]
+    runs += [run[:3] + [rng.choice(specials)] + run[3:] for run in runs[:50]]
+    for ids in runs:
+        expected = tokenizer.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) == expected, ids
+
+
+def test_decode_with_space_clean_up_is_transformers_own():
+    _, info = load_server_args([])
+    tok = Tokenizer(info)
+    ids = tok.encode("a , b . c ' d")
+    tok.hf.clean_up_tokenization_spaces = True
+    tok.hf.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    cleaned = tok.hf.decode(ids)
+    assert cleaned != tok.decode(ids), "the twin must see the clean-up change the text"
+    tok._fast_decode = direct_decoder(tok.hf)
+    assert tok._fast_decode is None and tok.decode(ids) == cleaned
