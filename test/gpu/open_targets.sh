@@ -16,6 +16,7 @@
 #   spec_graph    overlapped MTP steps as one graph each: graph == synchronous tokens (test_spec_overlap_gpu.py), then
 #                 replay and native decode at 1 / 64 / 256 plain, MTP 3 at simulated acceptance 0.7 and MTP 2 with
 #                 every draft rejected, one command
+#   spec_kernels  the kernels of a replay MTP 3 step at simulated acceptance 0.7 and 256 rows (what its GPU time is)
 #   spec_host     what an overlapped MTP 3 step at simulated acceptance 0.7 spends on the host at batch 1 and 64:
 #                 host operators (launches, copies) and the callers of its eager torch calls (profile_engine_host.py)
 #   prefill_host  the 64 x 1024 prefill, GPU kernels and the host's Python functions (bench_prefill_vs_transformers.py)
@@ -74,6 +75,10 @@ for part in $parts; do
                         run "spec_graph${flags// /_}" 200 python -m lightllm.tools.bench_throughput --serving_model \
                             --input_len 256 --output_len 128 --modes replay,native --batch_sizes 1,64,256 $flags
                     done ;;
+        spec_kernels) run spec_kernels 150 python -m lightllm.tools.bench_throughput --serving_model --input_len 256 \
+                          --output_len 128 --modes replay --batch_sizes 256 --mtp_step 3 --simulate_acceptance 0.7 \
+                          --top_kernels 24
+                      grep -E "kernel " "$OUT_DIR/spec_kernels.log" | head -24 ;;
         spec_host) for b in 1 64; do
                        run "spec_host-b$b" 120 python test/benchmark/profile_engine_host.py --serving_model --device cuda \
                            --mode replay --batch $b --mtp_step 3 --simulate_acceptance 0.7 --top_ops 18 --by_caller 20
