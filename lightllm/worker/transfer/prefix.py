@@ -145,8 +145,9 @@ class RunnerPrefixCache:
             req.mtp_hidden, req.mtp_next_ids = [(hit.hidden.clone(), 0, 1)], []
 
     def publish_many(self, entries: list[tuple[int, object, Sequence[int], HeldExport | None]]) -> None:
-        """Offer each request's committed tokens to the cache: entries (handle, request, token ids, held) as for
-        `publish`. With MTP the head first commits every request's pending pairs in one pass. A publish that fails
+        """Offer each request's committed tokens to the cache: entries (handle, request, token ids, held), see
+        `_publish`. With MTP the head first commits every request's pending pairs (the head's KV must hold the pair
+        of every published token; prefill chunks leave them pending) in one pass. A publish that fails
         is logged and costs the cache its entry only."""
         if self.drafter is not None:
             ready = [(handle, req) for handle, req, token_ids, _ in entries if _publishable(req, token_ids)]
@@ -154,21 +155,19 @@ class RunnerPrefixCache:
                 self.drafter.commit_known_pairs(*map(list, zip(*ready)))
         for handle, req, token_ids, held in entries:
             try:
-                self.publish(handle, req, token_ids, held)
+                self._publish(handle, req, token_ids, held)
             except Exception:
                 # the cache loses this entry; the request and the other publishes are unharmed
                 logger.exception("prefix-cache publish of request %d failed", handle)
 
-    def publish(self, handle: int, req, token_ids: Sequence[int], held: HeldExport | None = None) -> None:
+    def _publish(self, handle: int, req, token_ids: Sequence[int], held: HeldExport | None) -> None:
         """Offer the request's committed tokens `token_ids` (exactly its committed length) to the cache (and a
-        new checkpoint to the host tier). `held`: the checkpoint (and MTP hidden state) at that length, taken
-        before a later step moved the request's state on; by default it is exported with the step's other
-        checkpoints (`flush`), or now when the host tier writes it through."""
+        new checkpoint to the host tier); with MTP the head's KV holds their pairs already (`publish_many`).
+        `held`: the checkpoint (and MTP hidden state) at that length, taken before a later step moved the
+        request's state on; by default it is exported with the step's other checkpoints (`flush`), or now when
+        the host tier writes it through."""
         if not _publishable(req, token_ids):
             return
-        if self.drafter is not None:
-            # the head's KV must hold the pair of every published token (prefill chunks leave them pending)
-            self.drafter.commit_known_pairs([handle], [req])
         if held is None and (self.host is None or not self.host.write_through):
             # exported with the other publishes before the state or the pool is next read or written (`flush`):
             # one export and one pool write for all the checkpoints of a step instead of one each
