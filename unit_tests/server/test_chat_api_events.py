@@ -54,8 +54,8 @@ def _collect_events(fe, out, pieces: list[str]) -> list[dict]:
         return events
 
     raw = asyncio.run(run())
-    assert raw[-1] == "data: [DONE]\n\n"
-    return [json.loads(e[len("data: ") :]) for e in raw[:-1]]
+    assert raw[-1] == b"data: [DONE]\n\n"
+    return [json.loads(e[len(b"data: ") :]) for e in raw[:-1]]
 
 
 def test_non_streamed_message():

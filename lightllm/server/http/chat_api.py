@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from lightllm.server.http.logprobs import chat_logprobs
 from lightllm.server.http.openai_api import (
+    SSE_DONE,
     _cached_tokens,
     _collect,
     _frontend,
@@ -197,7 +198,7 @@ def _choice(fe: Frontend, out: ChatOutput, s: Sequence) -> dict:
 
 async def _events(
     fe: Frontend, out: ChatOutput, stream, n: int, num_prompt_tokens: int, include_usage: bool, rid, created, model
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     for i in range(n):
         yield _sse(
@@ -212,7 +213,7 @@ async def _events(
         seen[seq.index] = seq
         if delta.finish_reason == "error":
             yield _sse_error(seq.output.error or "the engine failed this request")
-            yield "data: [DONE]\n\n"
+            yield SSE_DONE
             return
         parsed = ParsedDelta(content=delta.text)
         if out.parses:
@@ -242,4 +243,4 @@ async def _events(
     if include_usage:
         usage = _usage(num_prompt_tokens, num_tokens, _cached_tokens(seen.values(), n))
         yield _sse({**head, "choices": [], "usage": usage})
-    yield "data: [DONE]\n\n"
+    yield SSE_DONE

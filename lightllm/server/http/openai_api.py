@@ -3,7 +3,6 @@ JSON or SSE."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -32,8 +31,14 @@ def _frontend(request: Request) -> Frontend:
     return request.app.state.frontend
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+_JSON = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _sse(obj) -> bytes:
+    """One server-sent event. msgspec writes UTF-8 JSON at a fraction of `json.dumps`'s cost (one event per
+    streamed delta); a non-finite float, which JSON cannot carry, becomes null."""
+    return b"data: " + _JSON.encode(obj) + b"\n\n"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -70,11 +75,11 @@ async def _collect(stream: AsyncIterator[tuple[Sequence, Delta]]) -> list[Sequen
     return ordered
 
 
-def _sse_error(message: str) -> str:
+def _sse_error(message: str) -> bytes:
     return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": 500}})
 
 
-async def _guarded(events: AsyncIterator[str], stream: AsyncIterator) -> AsyncIterator[str]:
+async def _guarded(events: AsyncIterator[bytes], stream: AsyncIterator) -> AsyncIterator[bytes]:
     """A stream that always ends well-formed: an unexpected failure becomes an error event (the status line went
     out long ago), and the engine sequences are closed whatever happens."""
     try:
@@ -83,7 +88,7 @@ async def _guarded(events: AsyncIterator[str], stream: AsyncIterator) -> AsyncIt
     except Exception:
         logger.exception("streaming response failed")
         yield _sse_error("internal server error")
-        yield "data: [DONE]\n\n"
+        yield SSE_DONE
     finally:
         await stream.aclose()
 
@@ -163,11 +168,11 @@ async def completions(body: CompletionRequest, request: Request):
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[bytes]:
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         offsets: dict[int, TextOffsets] = {}
 
-        def echo_events(p: int, entries: PromptLogprobs | None) -> list[str]:
+        def echo_events(p: int, entries: PromptLogprobs | None) -> list[bytes]:
             """The echo event of each sequence of prompt `p`."""
             prefix, prompt_logprobs = echoed(p, entries)
             choices = [
@@ -180,7 +185,7 @@ async def completions(body: CompletionRequest, request: Request):
             offsets[i] = TextOffsets(len(echoed(i // params.n)[0]))
         # a scored prompt's echo waits for its scores (its first sequence's first chunk); the events of its
         # sequences wait behind it here, so each choice still starts with the echo
-        held: dict[int, list[str]] = {p: [] for p in range(len(prompts))} if scored else {}
+        held: dict[int, list[bytes]] = {p: [] for p in range(len(prompts))} if scored else {}
         if body.echo and not scored:
             for p in range(len(prompts)):
                 for event in echo_events(p, None):
@@ -192,9 +197,9 @@ async def completions(body: CompletionRequest, request: Request):
             seen[seq.index] = seq
             if delta.finish_reason == "error":
                 yield _sse_error(seq.output.error or "the engine failed this request")
-                yield "data: [DONE]\n\n"
+                yield SSE_DONE
                 return
-            events_now: list[str] = []
+            events_now: list[bytes] = []
             if delta.text or delta.finish_reason or delta.logprobs:
                 choice = {
                     "index": seq.index,
@@ -215,7 +220,7 @@ async def completions(body: CompletionRequest, request: Request):
         if include_usage:
             usage = _usage(num_prompt_tokens, num_tokens, _cached_tokens(seen.values(), params.n))
             yield _sse({**head, "choices": [], "usage": usage})
-        yield "data: [DONE]\n\n"
+        yield SSE_DONE
 
     return StreamingResponse(_guarded(events(), stream), media_type="text/event-stream")
 
