@@ -27,6 +27,7 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
     """Serve until shut down; returns the process exit code."""
     import uvicorn
 
+    from lightllm.server.collector import freeze_startup_objects
     from lightllm.server.http.app import create_app
     from lightllm.server.http.server import uvicorn_config
     from lightllm.server.tokenizer import Tokenizer
@@ -46,6 +47,7 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
     try:
         app = create_app(args, info, tokenizer, engine, on_engine_exit)
         server = uvicorn.Server(uvicorn_config(app, args))
+        freeze_startup_objects()
         server.run()
     finally:
         engine.stop()

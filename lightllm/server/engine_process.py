@@ -8,7 +8,6 @@ decides when to stop) and exits when the parent dies.
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 import os
 import signal
@@ -23,6 +22,7 @@ from lightllm.engine.engine import Engine
 from lightllm.engine.messages import EngineInput
 from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.server.args import ServerArgs
+from lightllm.server.collector import quiet_garbage_collector
 from lightllm.server.engine_loop import ServingRole, run_engine_loop
 from lightllm.server.grammar_vocab import load_grammar_vocabulary, warm_grammars
 from lightllm.server.model_info import ModelInfo
@@ -89,16 +89,6 @@ def engine_for_runner(args: ServerArgs, runner, acceptance: SimulatedAcceptance 
         acceptance=acceptance,
         grammar_vocabulary=load_grammar_vocabulary,
     )
-
-
-def quiet_garbage_collector() -> None:
-    """Keep Python's cyclic collector off the step loop: the objects made at start-up (modules, weights, pools)
-    live for the whole process, and rescanning them in every full collection cost milliseconds per step at a
-    few hundred requests. They move to the permanent generation, and young collections run less often. For a
-    process that serves one engine (the engine process, the offline API, benchmarks), after it is built."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
 
 
 def engine_main(

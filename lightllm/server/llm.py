@@ -18,7 +18,8 @@ import msgspec
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
-from lightllm.server.engine_process import build_engine, quiet_garbage_collector
+from lightllm.server.collector import quiet_garbage_collector
+from lightllm.server.engine_process import build_engine
 from lightllm.server.llm_lifecycle import ProcessSettings, release_engine
 from lightllm.server.output import PromptLogprobs, SequenceOutput, prompt_problem
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY

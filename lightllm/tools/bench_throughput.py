@@ -37,7 +37,8 @@ from lightllm.engine.sampling_params import SamplingParams
 from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.models.quant_config import QUANTIZATION_CHOICES
 from lightllm.server.args import load_server_args
-from lightllm.server.engine_process import build_engine, quiet_garbage_collector
+from lightllm.server.collector import quiet_garbage_collector
+from lightllm.server.engine_process import build_engine
 from lightllm.server.model_info import LOAD_FORMATS
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 

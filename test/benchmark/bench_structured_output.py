@@ -36,7 +36,8 @@ from lightllm.engine import grammar as grammar_module
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
-from lightllm.server.engine_process import build_engine, quiet_garbage_collector
+from lightllm.server.collector import quiet_garbage_collector
+from lightllm.server.engine_process import build_engine
 from lightllm.server.http.structured import json_schema_grammar
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.server.tokenizer import Tokenizer

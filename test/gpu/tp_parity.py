@@ -23,7 +23,8 @@ import torch
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
-from lightllm.server.engine_process import engine_for_runner, quiet_garbage_collector
+from lightllm.server.collector import quiet_garbage_collector
+from lightllm.server.engine_process import engine_for_runner
 from lightllm.server.model_info import read_model_info
 from lightllm.server.runner_factory import build_rank_runner, create_tp_runner
 from lightllm.tools.bench_throughput import SERVING_BENCH_SIZES, run_batch

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -162,6 +163,10 @@ def create_app(
         tasks = [loop.create_task(_watch_engine(engine, client, on_engine_exit)), loop.create_task(_watch(watchdog))]
         if args.log_stats_interval > 0:
             tasks.append(loop.create_task(log_stats(client, metrics, args.log_stats_interval)))
+        # every streamed response runs in an anyio task group, and anyio imports its asyncio backend at the first
+        # one: import it now, not on the event loop of the first stream
+        async with anyio.create_task_group():
+            pass
         yield
         for task in tasks:
             task.cancel()

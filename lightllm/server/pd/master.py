@@ -101,6 +101,7 @@ def serve_master(args: ServerArgs, info: ModelInfo) -> int:
     """Serve the master until shut down; returns the exit code (3 when the router thread died)."""
     import uvicorn
 
+    from lightllm.server.collector import freeze_startup_objects
     from lightllm.server.http.app import create_app
     from lightllm.server.http.server import uvicorn_config
     from lightllm.server.tokenizer import Tokenizer
@@ -118,6 +119,7 @@ def serve_master(args: ServerArgs, info: ModelInfo) -> int:
         app = create_app(args, info, Tokenizer(info), router, on_router_exit, router.serving_problem)
         add_pd_routes(app, router)
         server = uvicorn.Server(uvicorn_config(app, args))
+        freeze_startup_objects()
         server.run()
     finally:
         router.stop()

@@ -24,8 +24,9 @@ import torch
 import zmq
 
 from lightllm.server.args import ServerArgs
+from lightllm.server.collector import quiet_garbage_collector
 from lightllm.server.engine_loop import run_engine_loop
-from lightllm.server.engine_process import build_engine, quiet_garbage_collector
+from lightllm.server.engine_process import build_engine
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.pd.auth import REGISTER_CHANNEL, SEAL_HEADER, PdAuth, SealedDecoder
 from lightllm.server.pd.cuda_ipc import CudaIpcHandle, CudaIpcReads, cuda_ipc_kind, share_cuda_buffer
