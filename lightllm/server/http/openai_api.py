@@ -33,12 +33,19 @@ def _frontend(request: Request) -> Frontend:
 
 _JSON = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
+# JSON leaves U+0085, U+2028 and U+2029 unescaped, and readers that split lines as str.splitlines does (httpx's
+# iter_lines among them) end a line at each: escaped, an event is one line for every reader. Their UTF-8 bytes
+# occur only inside strings (the rest of the JSON is ASCII), so replacing the bytes is exact.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
 
 
 def _sse(obj) -> bytes:
     """One server-sent event. msgspec writes UTF-8 JSON at a fraction of `json.dumps`'s cost (one event per
     streamed delta); a non-finite float, which JSON cannot carry, becomes null."""
-    return b"data: " + _JSON.encode(obj) + b"\n\n"
+    data = _JSON.encode(obj)
+    for raw, escaped in _LINE_BREAKS:
+        data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
