@@ -4,6 +4,7 @@ JSON and PNG files are written."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import zlib
 
@@ -107,3 +108,57 @@ def test_png_encoder_roundtrip():
     raw = zlib.decompress(idat[: idat.index(b"IEND") - 8])
     assert raw == b"\x00" + img[0].tobytes() + b"\x00" + img[1].tobytes()
     assert b"tEXtk\x00v" in data
+
+
+class _ChunkedResponse:
+    """What `_sse_data` reads of an httpx response: its body in the given chunks."""
+
+    def __init__(self, chunks: list[bytes]):
+        self.chunks = chunks
+
+    async def aiter_bytes(self):
+        for chunk in self.chunks:
+            yield chunk
+
+
+def _events_and_body(rng) -> tuple[list[bytes], bytes]:
+    """Random SSE events (raw U+2028 and U+0085 inside the JSON, as a server may send them) with LF, CRLF or CR
+    line ends, comment lines and blank lines between, and the stream's bytes."""
+    payloads, body = [], b""
+    for i in range(int(rng.integers(1, 30))):
+        text = "".join(rng.choice(["a", "é", "\u2028", "\x85", " ", "中"], size=int(rng.integers(0, 12))))
+        payload = json.dumps({"i": i, "text": text}, ensure_ascii=False).encode()
+        end = [b"\n", b"\r\n", b"\r"][int(rng.integers(0, 3))]
+        if rng.random() < 0.3:
+            body += b": keep-alive" + end
+        body += b"data: " + payload + end + end
+        payloads.append(payload)
+    return payloads + [b"[DONE]"], body + b"data: [DONE]\n\n"
+
+
+def _parse(chunks: list[bytes]) -> list[bytes]:
+    async def run():
+        return [data async for data in bench_serving._sse_data(_ChunkedResponse(chunks))]
+
+    return asyncio.run(run())
+
+
+def _random_cuts(rng, body: bytes) -> list[bytes]:
+    cuts = sorted(set(rng.integers(0, len(body), size=int(rng.integers(0, 12))).tolist()))
+    return [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+
+
+def test_sse_events_parse_from_any_chunking():
+    rng = np.random.default_rng()
+    for _ in range(100):
+        payloads, body = _events_and_body(rng)
+        assert _parse(_random_cuts(rng, body)) == payloads
+
+
+def test_twin_a_line_reader_that_splits_like_str_splitlines_breaks_events():
+    rng = np.random.default_rng()
+    payloads, body = _events_and_body(rng)
+    while not any("\u2028".encode() in p or "\x85".encode() in p for p in payloads):
+        payloads, body = _events_and_body(rng)
+    lines = body.decode().splitlines()
+    assert [line[6:].encode() for line in lines if line.startswith("data: ")] != payloads
