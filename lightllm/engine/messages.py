@@ -22,6 +22,8 @@ class NewRequest(msgspec.Struct, tag=True):
     checkpoint_hints: list[int] = msgspec.field(default_factory=list)
     # with params.grammar: the tokenizer folder whose vocabulary the grammar is matched against
     tokenizer_dir: str = ""
+    # the HTTP front-end process that submitted it (`--http_workers`): its outputs go back to that process only
+    frontend: int = 0
 
 
 class Abort(msgspec.Struct, tag=True):

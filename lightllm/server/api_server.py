@@ -9,6 +9,8 @@ ENGINE_EXITED (non-zero, so a supervisor restarts it) unless --keep_serving_afte
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import os
 import signal
 import sys
 
@@ -19,8 +21,9 @@ from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 
 logger = logging.getLogger("lightllm.server")
-# exit code when the server stopped because its engine process died
+# exit codes when the server stopped because its engine process, or one of its HTTP processes, died
 ENGINE_EXITED = 3
+HTTP_WORKER_EXITED = 4
 
 
 def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY) -> int:
@@ -29,29 +32,66 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
 
     from lightllm.server.collector import freeze_startup_objects
     from lightllm.server.http.app import create_app
+    from lightllm.server.http.metric_rows import MetricRows
+    from lightllm.server.http.metrics import Metrics
     from lightllm.server.http.server import uvicorn_config
+    from lightllm.server.http.workers import Workers, listen_socket
     from lightllm.server.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(info)
     engine = start_engines(args, info, runner_factory)
     logger.info("engine ready: %s", engine.capacity_report)
-    engine_died = False
+    exit_code = 0
     server = None
+    workers, rows_path = None, None
 
-    def on_engine_exit() -> None:
-        nonlocal engine_died
-        engine_died = True
-        logger.error("the engine process is gone: stopping the server, which exits with code %d", ENGINE_EXITED)
+    def stop_serving(code: int, why: str) -> None:
+        nonlocal exit_code
+        exit_code = code
+        logger.error("%s: stopping the server, which exits with code %d", why, code)
         server.should_exit = True
 
+    def on_worker_exit(process) -> None:
+        if server.should_exit:
+            # the server is stopping anyway (a signal to every process of the group, as Ctrl-C or systemd send)
+            return
+        if process.exitcode == 0:
+            # stopped on request: the server stops with it, cleanly
+            logger.info("%s stopped: stopping the server", process.name)
+            server.should_exit = True
+        else:
+            stop_serving(HTTP_WORKER_EXITED, f"{process.name} exited with code {process.exitcode}")
+
     try:
-        app = create_app(args, info, tokenizer, engine, on_engine_exit)
+        rows, sockets = None, None
+        if args.http_workers > 1:
+            # bound before the others start, so a port in use fails here
+            sockets = [listen_socket(args.host, args.port)]
+            rows_path = MetricRows.create_file(Metrics.WIDTH, args.http_workers)
+            rows = MetricRows(Metrics.WIDTH, args.http_workers, 0, rows_path)
+        app = create_app(
+            args,
+            info,
+            tokenizer,
+            engine,
+            lambda: stop_serving(ENGINE_EXITED, "the engine process is gone"),
+            metric_rows=rows,
+        )
         server = uvicorn.Server(uvicorn_config(app, args))
+        if args.http_workers > 1:
+            workers = Workers(args, info, engine, rows_path)
+            workers.watch(on_worker_exit)
+            pids = ", ".join(str(p.pid) for p in [mp.current_process(), *workers.processes])
+            logger.info("%d HTTP processes share port %d (pids %s)", args.http_workers, args.port, pids)
         freeze_startup_objects()
-        server.run()
+        server.run(sockets=sockets)
     finally:
+        if workers is not None:
+            workers.stop()
         engine.stop()
-    return ENGINE_EXITED if engine_died else 0
+        if rows_path is not None:
+            os.remove(rows_path)
+    return exit_code
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -67,6 +67,13 @@ class ServerArgs:
     dp_restart_backoff_s: float = _flag(
         1.0, "data-parallel replicas: seconds before restarting a dead replica, doubled per failed start", type=float
     )
+    http_workers: int = _flag(
+        1,
+        "HTTP front-end processes sharing --port (the kernel spreads connections over them): each parses requests, "
+        "detokenizes and streams its share; /metrics and the admission limit count all of them (more than one "
+        "only with --run_mode normal and --dp 1)",
+        type=int,
+    )
     run_mode: str = _flag(
         "normal",
         "process role: normal, or prefill/decode disaggregation's pd_master (HTTP front), prefill or decode node",
@@ -426,6 +433,13 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
         raise ValueError(
             f"--dp {args.dp}: the pd_master runs no engine; give --dp to the prefill or decode nodes (each replica "
             "registers as a node)"
+        )
+    if args.http_workers < 1:
+        raise ValueError(f"--http_workers must be at least 1, got {args.http_workers}")
+    if args.http_workers > 1 and (args.run_mode != "normal" or args.dp > 1):
+        raise ValueError(
+            f"--http_workers {args.http_workers}: more than one HTTP process only with --run_mode normal and --dp 1 "
+            f"(got --run_mode {args.run_mode} --dp {args.dp})"
         )
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")

@@ -2,7 +2,7 @@
 
 Each turn it drains the inbox (decoded messages go to the role), lets the role act between steps (`tick`), runs
 `Engine.step` when there is work and passes its outputs through the role (`after_step`), and sends everything to
-the outbox as one msgpack list, with the engine's stats every half second and right after a request finishes (so
+the outbox as one list, with the engine's stats every half second and right after a request finishes (so
 /metrics sees freed slots promptly). What differs between processes is the role: `ServingRole` here (requests
 in, tokens out), the prefill and decode roles of `lightllm.server.pd.roles`.
 """
@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from lightllm.engine.engine import Engine
-from lightllm.engine.messages import Abort, EngineOutput, Finished, NewRequest
+from lightllm.engine.messages import Abort, EngineOutput, EngineStats, Finished, NewRequest
 
 logger = logging.getLogger(__name__)
 # how often stats go out while idle or busy, seconds
@@ -41,17 +41,46 @@ class EngineRole(Protocol):
         """The step's outputs as the process sends them (a role may take some and add others)."""
 
 
-class ServingRole:
-    """The engine process's role: `NewRequest` and `Abort` from the front-end, every output back to it."""
+class FrontendRoutes:
+    """Which HTTP front-end process each request came from (`NewRequest.frontend`): the engine process sends a
+    request's outputs to that process only, and its stats to every one."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, count: int):
+        self.count = count
+        self._of: dict[str, int] = {}
+
+    def note(self, req_id: str, frontend: object) -> None:
+        # an index no process has (a peer that is not a front-end of this server) answers to the first one
+        self._of[req_id] = frontend if isinstance(frontend, int) and 0 <= frontend < self.count else 0
+
+    def split(self, outputs: list[EngineOutput]) -> list[list[EngineOutput]]:
+        """`outputs` per front-end process, in their order; a request's route is dropped with its `Finished`."""
+        parts: list[list[EngineOutput]] = [[] for _ in range(self.count)]
+        for out in outputs:
+            if isinstance(out, EngineStats):
+                for part in parts:
+                    part.append(out)
+                continue
+            parts[self._of.get(out.req_id, 0)].append(out)
+            if isinstance(out, Finished):
+                self._of.pop(out.req_id, None)
+        return parts
+
+
+class ServingRole:
+    """The engine process's role: `NewRequest` and `Abort` from the front-end processes, each request's outputs
+    back to the process that sent it (`routes`)."""
+
+    def __init__(self, engine: Engine, num_frontends: int = 1):
         self.engine = engine
+        self.routes = FrontendRoutes(num_frontends)
 
     def has_work(self) -> bool:
         return self.engine.has_work()
 
     def on_message(self, msg) -> list[EngineOutput]:
         if isinstance(msg, NewRequest):
+            self.routes.note(msg.req_id, msg.frontend)
             return self.engine.add_request(msg)
         if isinstance(msg, Abort):
             return self.engine.abort(msg.req_id)
@@ -68,6 +97,7 @@ class ServingRole:
         if not isinstance(req_id, str) or loose.get("type") != "NewRequest":
             logger.error("dropping an undecodable message: %s", exc)
             return []
+        self.routes.note(req_id, loose.get("frontend", 0))
         return [Finished(req_id, "error", error=f"the engine could not read this request: {exc}")]
 
     def tick(self) -> list[EngineOutput]:
@@ -89,18 +119,16 @@ def dispatch(role: EngineRole, decoder: msgspec.msgpack.Decoder, raw: bytes) -> 
 def run_engine_loop(
     role: EngineRole,
     inbox: zmq.Socket,
-    outbox: zmq.Socket,
     decoder: msgspec.msgpack.Decoder,
     *,
     idle_poll_ms: int,
     keep_running: Callable[[], bool],
-    send: Callable[[bytes], None],
+    send: Callable[[list[EngineOutput]], None],
     log_name: str,
 ) -> None:
-    """Serve until `keep_running()` is False. `send` puts one encoded output list on the outbox (blocking or
-    not: the caller decides what an unread outbox means); `log_name` names the log an engine fault points to."""
+    """Serve until `keep_running()` is False. `send` puts a turn's outputs on the outbox (blocking or not: the
+    caller decides what an unread outbox means); `log_name` names the log an engine fault points to."""
     engine = role.engine
-    encoder = msgspec.msgpack.Encoder()
     last_stats = 0.0
     while keep_running():
         outputs: list[EngineOutput] = []
@@ -122,4 +150,4 @@ def run_engine_loop(
             outputs.append(engine.snapshot())
             last_stats = now
         if outputs:
-            send(encoder.encode(outputs))
+            send(outputs)

@@ -92,9 +92,10 @@ def engine_for_runner(args: ServerArgs, runner, acceptance: SimulatedAcceptance 
 
 
 def engine_main(
-    args: ServerArgs, info: ModelInfo, input_addr: str, output_addr: str, runner_factory: str, conn
+    args: ServerArgs, info: ModelInfo, input_addr: str, output_addrs: list[str], runner_factory: str, conn
 ) -> None:
-    """Entry point of the spawned engine process."""
+    """Entry point of the spawned engine process: requests in at `input_addr` from every HTTP front-end process,
+    front-end i's outputs out at `output_addrs[i]`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the parent stops us with SIGTERM: exit through Python so multiprocessing's finalizers release what they hold
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -112,17 +113,26 @@ def engine_main(
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(input_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.bind(output_addr)
+    outboxes = []
+    for addr in output_addrs:
+        outboxes.append(ctx.socket(zmq.PUSH))
+        outboxes[-1].bind(addr)
     conn.send({"ok": True, "report": report})
     conn.close()
+    role = ServingRole(engine, len(outboxes))
+    encoder = msgspec.msgpack.Encoder()
+
+    def send(outputs) -> None:
+        for outbox, part in zip(outboxes, role.routes.split(outputs)):
+            if part:
+                outbox.send(encoder.encode(part))
+
     run_engine_loop(
-        ServingRole(engine),
+        role,
         inbox,
-        outbox,
         msgspec.msgpack.Decoder(EngineInput),
         idle_poll_ms=IDLE_POLL_MS,
         keep_running=lambda: os.getppid() == parent,
-        send=outbox.send,
+        send=send,
         log_name="engine log",
     )

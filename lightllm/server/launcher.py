@@ -6,7 +6,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from lightllm.server.args import ServerArgs
@@ -62,11 +62,13 @@ class EngineEndpoint:
 @dataclass
 class EngineHandle(EngineEndpoint):
     process: mp.Process
-    # front-end → engine and engine → front-end zmq addresses
+    # front-end → engine and engine → front-end zmq addresses (the latter of the first HTTP process)
     input_addr: str
     output_addr: str
     capacity_report: str
     socket_dir: str
+    # engine → front-end addresses of HTTP processes 1..N-1 (`--http_workers`)
+    worker_output_addrs: list[str] = field(default_factory=list)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process.is_alive():
@@ -90,18 +92,19 @@ def spawn_engine(args: ServerArgs, info: ModelInfo, runner_factory: str) -> tupl
     spawned it (`die_with_parent`)."""
     socket_dir = tempfile.mkdtemp(prefix="lightllm-")
     input_addr = f"ipc://{os.path.join(socket_dir, 'in')}"
-    output_addr = f"ipc://{os.path.join(socket_dir, 'out')}"
+    output_addrs = [f"ipc://{os.path.join(socket_dir, f'out-{i}')}" for i in range(args.http_workers)]
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe(duplex=False)
     process = ctx.Process(
         target=engine_main,
-        args=(args, info, input_addr, output_addr, runner_factory, child_conn),
+        args=(args, info, input_addr, output_addrs, runner_factory, child_conn),
         name="lightllm-engine",
         daemon=True,
     )
     process.start()
     child_conn.close()
-    return EngineHandle(process, input_addr, output_addr, "", socket_dir), parent_conn
+    handle = EngineHandle(process, input_addr, output_addrs[0], "", socket_dir, output_addrs[1:])
+    return handle, parent_conn
 
 
 def finish_start(handle: EngineHandle, conn: Connection, timeout_s: float) -> EngineHandle:

@@ -21,6 +21,7 @@ from lightllm.server.args import ServerArgs
 from lightllm.server.http.chat_api import router as chat_router
 from lightllm.server.http.edge import EdgeMiddleware
 from lightllm.server.http.engine_client import EngineClient
+from lightllm.server.http.metric_rows import MetricRows
 from lightllm.server.http.metrics import Metrics
 from lightllm.server.http.openai_api import error_response
 from lightllm.server.http.openai_api import router as openai_router
@@ -134,12 +135,14 @@ def create_app(
     engine: EngineHandle,
     on_engine_exit: Callable[[], None] | None = None,
     serving_problem: Callable[[], str | None] | None = None,
+    metric_rows: MetricRows | None = None,
 ) -> FastAPI:
     """An app bound to a running engine process; the zmq client lives on the app's event loop.
 
     `on_engine_exit` is called once if the engine process dies (the CLI stops the server with it), unless
     --keep_serving_after_engine_exit. `serving_problem` says why the engine, though alive, cannot serve now
-    (None: it can); /health answers 503 with it."""
+    (None: it can); /health answers 503 with it. `metric_rows`: this process's row of the counters every HTTP
+    process of the server shares (`--http_workers`; a private row by default)."""
     started = int(time.time())
     if args.keep_serving_after_engine_exit:
         on_engine_exit = None
@@ -149,7 +152,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client = engine.connect(args)
-        metrics = Metrics(lambda: client.stats)
+        metrics = Metrics(lambda: client.stats, metric_rows)
         engine.register_metrics(metrics.registry)
         client.observers.append(metrics.on_output)
         client.start()

@@ -16,7 +16,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineClient:
-    def __init__(self, input_addr: str, output_addr: str):
+    def __init__(self, input_addr: str, output_addr: str, frontend: int = 0):
+        # this HTTP process's index (`--http_workers`): the engine sends its requests' outputs to `output_addr`
+        self.frontend = frontend
         self._ctx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.connect(input_addr)
@@ -50,6 +52,8 @@ class EngineClient:
     async def submit(self, req: NewRequest, queue: asyncio.Queue) -> None:
         """Send a request; its TokenChunk/Finished messages go to `queue` until it finishes or is released."""
         self._queues[req.req_id] = queue
+        if self.frontend:
+            req = msgspec.structs.replace(req, frontend=self.frontend)
         await self._push.send(self._encoder.encode(req))
 
     def abort(self, req_id: str) -> None:

@@ -162,7 +162,8 @@ class Frontend:
         limit = self.args.max_running_requests + self.args.max_queue_len
         scope = REQUEST_SCOPE.get()
         held = scope.get(CLAIMED, 0) if scope is not None else 0
-        in_flight = max(self.client.num_in_flight, self.num_claimed)
+        # with several front-end processes the limit is the server's: theirs count too (as they last wrote them)
+        in_flight = max(self.client.num_in_flight, self.num_claimed) + self.metrics.in_flight_elsewhere()
         if in_flight - held + num_seqs > limit:
             raise ApiError(
                 429,

@@ -124,14 +124,14 @@ def serve_node(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_
         logger.info("registered with the pd_master at %s as %s", master_url, body["node_id"])
         threading.Thread(target=_keep_registered, args=(master_url, body, stop, auth), daemon=True).start()
         quiet_garbage_collector()
+        encoder = msgspec.msgpack.Encoder()
         run_engine_loop(
             role,
             inbox,
-            outbox,
             SealedDecoder(auth, inbox_addr, msgspec.msgpack.Decoder(NodeInput)),
             idle_poll_ms=IDLE_POLL_MS,
             keep_running=lambda: True,
-            send=lambda raw: _send_to_master(outbox, auth.seal(outbox_addr, raw)),
+            send=lambda outputs: _send_to_master(outbox, auth.seal(outbox_addr, encoder.encode(outputs))),
             log_name="node's log",
         )
     finally:

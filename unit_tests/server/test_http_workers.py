@@ -1,0 +1,138 @@
+"""More than one HTTP front-end process (`--http_workers`): the engine sends each process its own requests' outputs,
+a real server with two processes answers like the offline engine on every connection, /metrics counts all of them
+whichever process answers, and the server stops when one of its processes dies."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from lightllm import LLM, SamplingParams
+from lightllm.engine.messages import EngineStats, Finished, TokenChunk
+from lightllm.server.args import load_server_args
+from lightllm.server.engine_loop import FrontendRoutes
+from unit_tests.server.live_server import single_threaded_env
+
+
+def test_routes_send_each_request_to_its_process_and_stats_to_all():
+    routes = FrontendRoutes(3)
+    for req_id, frontend in (("a", 0), ("b", 2), ("c", 1), ("d", 7), ("e", "x")):
+        routes.note(req_id, frontend)
+    stats = EngineStats()
+    outputs = [TokenChunk("b", [1]), stats, TokenChunk("c", [2]), Finished("b", "stop"), TokenChunk("a", [3])]
+    outputs += [TokenChunk("d", [4]), TokenChunk("e", [5]), TokenChunk("b", [6])]
+    parts = routes.split(outputs)
+    # an index no process has answers to the first; a route ends with its request's Finished
+    assert parts[0] == [stats, outputs[4], outputs[5], outputs[6], outputs[7]]
+    assert parts[1] == [stats, outputs[2]]
+    assert parts[2] == [outputs[0], stats, outputs[3]]
+
+
+def test_twin_a_request_noted_elsewhere_is_not_routed_there():
+    routes = FrontendRoutes(2)
+    routes.note("a", 1)
+    assert routes.split([TokenChunk("a", [1])])[0] == []
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--http_workers", "0"], ["--http_workers", "2", "--dp", "2"], ["--http_workers", "2", "--run_mode", "pd_master"]],
+)
+def test_refused_combinations(flags):
+    with pytest.raises(ValueError, match="--http_workers"):
+        load_server_args([*flags, "--device", "cpu"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def two_process_server(tmp_path):
+    port, log = _free_port(), tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--device", "cpu", "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--http_workers", "2"], stdout=out, stderr=subprocess.STDOUT, env=single_threaded_env()
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while not re.search(r"HTTP processes share port \d+ \(pids (\d+), (\d+)\)", log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    pids = [int(p) for p in re.search(r"\(pids (\d+), (\d+)\)", log.read_text()).groups()]
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    yield url, proc, pids, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+
+
+def _scrape(url: str) -> dict[str, float]:
+    # a fresh connection each time: the kernel may hand it to either process
+    text = httpx.get(f"{url}/metrics", headers={"connection": "close"}).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(("lightllm_requests_total", "lightllm_http_worker_requests_total")):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_two_processes_serve_like_the_engine_and_count_together(two_process_server):
+    url, proc, pids, log = two_process_server
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    prompts = [f"request {i} asks about the number {i * 7 % 13}" for i in range(24)]
+
+    def complete(i: int) -> str:
+        body = {"model": model, "prompt": prompts[i], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(headers={"connection": "close"}) as c:
+            return c.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(complete, range(24)))
+    llm = LLM(device="cpu")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        expected = [out.outputs[0].text for out in llm.generate(prompts, params)]
+    finally:
+        llm.close()
+    assert texts == expected
+    # the twin: answers matched to other prompts differ
+    assert texts != expected[1:] + expected[:1]
+    for _ in range(6):
+        values = _scrape(url)
+        assert sum(v for k, v in values.items() if k.startswith("lightllm_requests_total")) == 24
+        per_process = [values[f'lightllm_http_worker_requests_total{{worker="{i}"}}'] for i in range(2)]
+        assert sum(per_process) == 24 and min(per_process) > 0, per_process
+    # a process that dies stops the server with its own exit code
+    os.kill(pids[1], signal.SIGKILL)
+    assert proc.wait(60) == 4, log.read_text()[-3000:]
+
+
+def test_sigterm_stops_every_process_cleanly(two_process_server):
+    url, proc, pids, log = two_process_server
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, log.read_text()[-3000:]
+    time.sleep(1)
+    for pid in pids[1:]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
