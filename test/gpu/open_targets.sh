@@ -25,7 +25,7 @@
 #   attn_sweep    launch shapes of the paged-attention kernel on a long prefill chunk (bench_paged_attention.py --sweep)
 #   http          the serving checkpoint (with a tokenizer over all its rows) over HTTP, 512 requests 1024 in / 256
 #                 out at concurrency 256, replay, four client processes: the server's defaults, then without the host
-#                 tier (--host_tier_gb 0)
+#                 tier (--host_tier_gb 0), then with four HTTP processes (--http_workers 4)
 #   closed_loop   the same workload on the engine alone (test/gpu/closed_loop.py)
 #   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
 #                 kernels of a replay step at 256
@@ -91,7 +91,7 @@ for part in $parts; do
                        tail -22 "$OUT_DIR/prefill_syncs.log" ;;
         attn_sweep) run attn_sweep 200 python test/benchmark/bench_paged_attention.py --sweep ;;
         http) model=$(python -c "from lightllm.tools.bench_throughput import serving_text_model_dir as d; print(d())")
-              for flags in "" "--host_tier_gb 0"; do
+              for flags in "" "--host_tier_gb 0" "--http_workers 4"; do
                   python -m lightllm.server.api_server --model_dir "$model" --ssm_state_mode replay --port 8011 $flags \
                       > "$OUT_DIR/http_server${flags// /_}.log" 2>&1 &
                   server=$!
