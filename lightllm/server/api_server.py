@@ -66,7 +66,7 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
         rows, sockets = None, None
         if args.http_workers > 1:
             # bound before the others start, so a port in use fails here
-            sockets = [listen_socket(args.host, args.port)]
+            sockets = [listen_socket(args.host, args.port, first=True)]
             rows_path = MetricRows.create_file(Metrics.WIDTH, args.http_workers)
             rows = MetricRows(Metrics.WIDTH, args.http_workers, 0, rows_path)
         app = create_app(

@@ -136,3 +136,20 @@ def test_sigterm_stops_every_process_cleanly(two_process_server):
     for pid in pids[1:]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_the_first_process_refuses_a_port_another_server_holds():
+    from lightllm.server.http.workers import listen_socket
+
+    port = _free_port()
+    # another server that shares its port on purpose (SO_REUSEPORT) and is listening
+    other = listen_socket("127.0.0.1", port)
+    other.listen()
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            listen_socket("127.0.0.1", port, first=True)
+        # the twin: the server's own later processes do join it
+        listen_socket("127.0.0.1", port).close()
+    finally:
+        other.close()
+    listen_socket("127.0.0.1", port, first=True).close()

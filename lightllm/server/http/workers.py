@@ -32,9 +32,18 @@ logger = logging.getLogger("lightllm.server")
 WORKER_START_TIMEOUT_S = 180
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port) that other processes of this user may bind too (SO_REUSEPORT)."""
+def listen_socket(host: str, port: int, first: bool = False) -> socket.socket:
+    """A socket bound to (host, port) that other processes of this user may bind too (SO_REUSEPORT). `first`: the
+    server's first process, which refuses a port already bound by anyone (another server started with
+    SO_REUSEPORT would otherwise silently take a share of the connections)."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    if first:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
