@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import signal
 import sys
 
 from lightllm.server.args import ServerArgs, load_server_args
@@ -19,6 +18,7 @@ from lightllm.server.dp.replicas import start_engines
 from lightllm.server.launcher import EngineStartError
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
+from lightllm.server.termination import exit_on_sigterm
 
 logger = logging.getLogger("lightllm.server")
 # exit codes when the server stopped because its engine process, or one of its HTTP processes, died
@@ -28,13 +28,11 @@ HTTP_WORKER_EXITED = 4
 
 def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY) -> int:
     """Serve until shut down; returns the process exit code."""
-    import uvicorn
-
     from lightllm.server.collector import freeze_startup_objects
     from lightllm.server.http.app import create_app
     from lightllm.server.http.metric_rows import MetricRows
     from lightllm.server.http.metrics import Metrics
-    from lightllm.server.http.server import uvicorn_config
+    from lightllm.server.http.server import http_server
     from lightllm.server.http.workers import Workers, listen_socket
     from lightllm.server.tokenizer import Tokenizer
 
@@ -77,7 +75,7 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
             lambda: stop_serving(ENGINE_EXITED, "the engine process is gone"),
             metric_rows=rows,
         )
-        server = uvicorn.Server(uvicorn_config(app, args))
+        server = http_server(app, args)
         if args.http_workers > 1:
             workers = Workers(args, info, engine, rows_path)
             workers.watch(on_worker_exit)
@@ -94,14 +92,10 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
     return exit_code
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    # uvicorn re-raises the signal it caught once it has shut down; turning it into SystemExit lets the engine be
-    # stopped in serve()'s finally block and the process exit 0
-    raise SystemExit(0)
-
-
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # uvicorn re-raises the signal it caught once it has shut down: as SystemExit, serve()'s finally block stops the
+    # engine and the process exits 0
+    exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         args, info = load_server_args(argv)

@@ -19,6 +19,7 @@ import zmq
 
 from lightllm.engine.engine import Engine
 from lightllm.engine.messages import Abort, EngineOutput, EngineStats, Finished, NewRequest
+from lightllm.server.termination import sigterm_received
 
 logger = logging.getLogger(__name__)
 # how often stats go out while idle or busy, seconds
@@ -126,11 +127,11 @@ def run_engine_loop(
     send: Callable[[list[EngineOutput]], None],
     log_name: str,
 ) -> None:
-    """Serve until `keep_running()` is False. `send` puts a turn's outputs on the outbox (blocking or not: the
+    """Serve until `keep_running()` is False or SIGTERM came. `send` puts a turn's outputs on the outbox (blocking or not: the
     caller decides what an unread outbox means); `log_name` names the log an engine fault points to."""
     engine = role.engine
     last_stats = 0.0
-    while keep_running():
+    while keep_running() and not sigterm_received():
         outputs: list[EngineOutput] = []
         timeout = 0 if role.has_work() else idle_poll_ms
         while inbox.poll(timeout):

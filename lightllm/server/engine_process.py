@@ -11,7 +11,6 @@ import ctypes
 import logging
 import os
 import signal
-import sys
 import threading
 import traceback
 
@@ -27,6 +26,7 @@ from lightllm.server.engine_loop import ServingRole, run_engine_loop
 from lightllm.server.grammar_vocab import load_grammar_vocabulary, warm_grammars
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import load_factory
+from lightllm.server.termination import exit_on_sigterm
 
 IDLE_POLL_MS = 50
 
@@ -97,8 +97,8 @@ def engine_main(
     """Entry point of the spawned engine process: requests in at `input_addr` from every HTTP front-end process,
     front-end i's outputs out at `output_addrs[i]`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # the parent stops us with SIGTERM: exit through Python so multiprocessing's finalizers release what they hold
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    # the parent stops us with SIGTERM
+    exit_on_sigterm()
     _no_process_shared_locks()
     die_with_parent()
     parent = os.getppid()

@@ -1,5 +1,8 @@
 """The uvicorn server of the HTTP front-end (normal and pd_master), with a deadline on request heads.
 
+`HttpServer` is uvicorn's server that also stops once this process recorded a SIGTERM (`termination.py`): one that
+came before uvicorn took the signal over, and whose exception was dropped in a finalizer, would otherwise be lost.
+
 uvicorn times out idle keep-alive connections (`--http_keep_alive_s`) but waits forever for a request head that
 arrives a byte at a time, or not at all on a fresh connection (slow-loris). `HeadDeadlineProtocol` closes a
 connection whose request head is not complete `--http_header_timeout_s` after its first byte (or after the
@@ -16,6 +19,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lightllm.server.args import ServerArgs
+from lightllm.server.termination import sigterm_received
 
 
 class HeadDeadlineProtocol(H11Protocol):
@@ -74,3 +78,15 @@ def uvicorn_config(app, args: ServerArgs, **overrides) -> uvicorn.Config:
         http=protocol,
     )
     return uvicorn.Config(app, **{**options, **overrides})
+
+
+class HttpServer(uvicorn.Server):
+    async def on_tick(self, counter: int) -> bool:
+        if sigterm_received():
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def http_server(app, args: ServerArgs) -> HttpServer:
+    """The server's uvicorn server for `app`, configured by `uvicorn_config`."""
+    return HttpServer(uvicorn_config(app, args))

@@ -77,17 +77,17 @@ class WorkerEndpoint(EngineEndpoint):
 def worker_main(args: ServerArgs, info: ModelInfo, endpoint: WorkerEndpoint, rows_path: str, conn) -> None:
     """Entry point of HTTP process `endpoint.frontend` (1..N-1): serve until stopped; tells the first process on
     `conn` once it listens."""
-    import uvicorn
-
     from lightllm.server.collector import freeze_startup_objects
     from lightllm.server.engine_process import die_with_parent
     from lightllm.server.http.app import create_app
     from lightllm.server.http.metric_rows import MetricRows
     from lightllm.server.http.metrics import Metrics
-    from lightllm.server.http.server import uvicorn_config
+    from lightllm.server.http.server import http_server
+    from lightllm.server.termination import exit_on_sigterm
     from lightllm.server.tokenizer import Tokenizer
 
     die_with_parent()
+    exit_on_sigterm()
     index = endpoint.frontend
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s http-{index} %(name)s %(levelname)s %(message)s")
     rows = MetricRows(Metrics.WIDTH, args.http_workers, index, rows_path)
@@ -105,7 +105,7 @@ def worker_main(args: ServerArgs, info: ModelInfo, endpoint: WorkerEndpoint, row
         on_engine_exit,
         metric_rows=rows,
     )
-    server = uvicorn.Server(uvicorn_config(app, args))
+    server = http_server(app, args)
     sock = listen_socket(args.host, args.port)
 
     def report_listening() -> None:

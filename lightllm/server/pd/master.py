@@ -99,11 +99,10 @@ def add_pd_routes(app: FastAPI, router: PdRouter) -> None:
 
 def serve_master(args: ServerArgs, info: ModelInfo) -> int:
     """Serve the master until shut down; returns the exit code (3 when the router thread died)."""
-    import uvicorn
 
     from lightllm.server.collector import freeze_startup_objects
     from lightllm.server.http.app import create_app
-    from lightllm.server.http.server import uvicorn_config
+    from lightllm.server.http.server import http_server
     from lightllm.server.tokenizer import Tokenizer
 
     router, socket_dir = start_router(args)
@@ -118,7 +117,7 @@ def serve_master(args: ServerArgs, info: ModelInfo) -> int:
     try:
         app = create_app(args, info, Tokenizer(info), router, on_router_exit, router.serving_problem)
         add_pd_routes(app, router)
-        server = uvicorn.Server(uvicorn_config(app, args))
+        server = http_server(app, args)
         freeze_startup_objects()
         server.run()
     finally:

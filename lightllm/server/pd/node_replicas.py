@@ -22,6 +22,7 @@ from lightllm.server.dp.replicas import replica_args, replica_placement
 from lightllm.server.dp.restart import RestartPolicy, Strikes
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
+from lightllm.server.termination import exit_on_sigterm
 
 logger = logging.getLogger(__name__)
 # seconds between looks at the replicas' processes
@@ -37,7 +38,7 @@ def _replica_main(args: ServerArgs, info: ModelInfo, runner_factory: str, replic
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.run_mode}[{replica}] %(levelname)s %(message)s")
     try:
         sys.exit(serve_node(args, info, runner_factory))
