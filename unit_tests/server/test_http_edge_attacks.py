@@ -1,8 +1,8 @@
 """Attacks on the HTTP edge that once did harm, against the real app and engine process on 127.0.0.1 (the fake
 runner, slowed so requests stay in flight): huge bodies under the size cap no longer stall the event loop
 (/health timed while each is sent), 60 concurrent streams cannot pass a queue of 2, a half-sent head, a silent
-connection and a half-sent body are cut off, degenerate sampling values behave as greedy or are refused, and the
-smaller items: a 405 names the allowed methods, deeply nested JSON says so, best_of is honoured or refused, and
+connection and a half-sent body are cut off, a request head over the bound gets 431, degenerate sampling values
+behave as greedy or are refused, and the smaller items: a 405 names the allowed methods, deeply nested JSON says so, best_of is honoured or refused, and
 the OpenAPI schema states the ranges and forms the server accepts."""
 
 from __future__ import annotations
@@ -186,6 +186,33 @@ def test_an_idle_connection_and_a_half_sent_head_are_closed(server):
     assert time.monotonic() - start < 3 * TIMEOUT_S
     # teeth: a complete request on a fresh connection is served
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_request_head_over_the_bound_gets_431_and_a_head_under_it_is_served(server, whole):
+    """`whole`: the head arrives in one piece (seen parsed); else a header that never ends arrives in pieces within
+    the head deadline (seen as raw bytes)."""
+    from lightllm.server.http.server import MAX_HEAD_BYTES
+
+    def head(header_bytes: int) -> bytes:
+        start = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: "
+        return start + b"a" * (header_bytes - len(start) - 4) + (b"\r\n\r\n" if whole else b"")
+
+    for size, expected in ((MAX_HEAD_BYTES + 1024, b"HTTP/1.1 431"), (MAX_HEAD_BYTES - 1024, b"HTTP/1.1 200")):
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        data = head(size)
+        step = len(data) if whole else -(-len(data) // 8)
+        try:
+            for i in range(0, len(data), step):
+                sock.sendall(data[i : i + step])
+                time.sleep(0 if whole else 0.05)
+            if not whole and expected.endswith(b"200"):
+                sock.sendall(b"\r\n\r\n")
+        except ConnectionError:
+            pass
+        reply = _closed_within(sock, 3 * TIMEOUT_S) if expected.endswith(b"431") else sock.recv(65536)
+        sock.close()
+        assert reply is not None and reply.startswith(expected), (size, reply[:200] if reply else reply)
 
 
 def test_a_half_sent_body_gets_408(server):
