@@ -446,9 +446,19 @@ class Engine:
         index = min(result.num_accepted, len(s.accepted_length_counts)) - 1
         s.accepted_length_counts[index] += 1
 
-    def emit(self, req: Request, token_ids: list[int], logits: torch.Tensor, start: int) -> list[EngineOutput]:
+    def emit(
+        self,
+        req: Request,
+        token_ids: list[int],
+        logits: torch.Tensor,
+        start: int,
+        advance_grammar: bool = True,
+        grammar_error: str | None = None,
+    ) -> list[EngineOutput]:
         """Append tokens until a stop token or the length cap, and report them (`logits[start:]` are the tokens'
-        rows, read only when the request asked for log-probabilities)."""
+        rows, read only when the request asked for log-probabilities). `advance_grammar=False`: the caller already
+        moved the request's matcher over `token_ids` (one token, which is always emitted), with `grammar_error` as
+        the outcome."""
         is_first = not req.output_ids
         sends_prompt_logprobs = req.needs_prompt_logprobs
         emitted: list[int] = []
@@ -462,7 +472,8 @@ class Engine:
             if req.num_remaining_tokens <= 0:
                 reason = "length"
                 break
-        grammar_error = grammar.advance(req, emitted)
+        if advance_grammar:
+            grammar_error = grammar.advance(req, emitted)
         chunk = TokenChunk(req.req_id, emitted)
         if is_first:
             chunk.num_cached_tokens = req.num_cached_tokens

@@ -10,11 +10,8 @@ The vocabulary (llguidance's tokenizer: every token's bytes, and the EOS ids) is
 named in the request by a loader the engine is given (the server's reads Hugging Face and tiktoken folders), once
 per folder and EOS set; `GrammarBackend.preload` builds it at start-up.
 
-Masks are applied without a host sync (pinned host buffers, copies that do not wait for the device), so an
-overlapped step can mask its logits while the device still runs its forward. The host bitmask has one row per
-logits row (a row without a grammar keeps every bit set) and is reused from step to step (`HostBitmasks`); one
-kernel (`apply_token_bitmask`) reads its words and writes the masked logits, with no per-step unpacking or row
-gathering.
+The masks themselves (host bitmasks, llguidance's pool, the kernel applying them, an overlapped step's deferred
+masks) are `grammar_masks.py`'s.
 """
 
 from __future__ import annotations
@@ -25,9 +22,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightllm.engine.grammar_masks import HostBitmasks, MaskJob, fill_parallel, mask_windows
 from lightllm.kernels.token_bitmask import apply_token_bitmask, unpack_bitmask
 
-__all__ = ["GrammarBackend", "HostBitmasks", "RequestGrammar", "attach", "advance", "mask_windows", "unpack_bitmask"]
+__all__ = [
+    "GrammarBackend",
+    "HostBitmasks",
+    "MaskJob",
+    "RequestGrammar",
+    "attach",
+    "advance",
+    "mask_windows",
+    "unpack_bitmask",
+]
 
 if TYPE_CHECKING:
     from lightllm.engine.request import Request
@@ -96,39 +103,6 @@ class RequestGrammar:
         return None
 
 
-class HostBitmasks:
-    """Host bitmasks reused across steps: one int32 [rows, words] buffer per power-of-two row bucket, pinned when
-    the logits are on a GPU. A pinned buffer is rewritten only once the copy that read it has completed (its event,
-    queried, never waited on); while it is still in flight the step takes a fresh buffer instead."""
-
-    def __init__(self):
-        # (bucket rows, words, pinned) -> [buffer, event of its last copy or None]
-        self._buffers: dict[tuple[int, int, bool], list] = {}
-        self._last: list | None = None
-
-    def take(self, rows: int, words: int, pinned: bool) -> torch.Tensor:
-        """A [rows, words] int32 view with every bit set (no constraint)."""
-        key = (1 << max(rows - 1, 0).bit_length(), words, pinned)
-        entry = self._buffers.get(key)
-        if entry is None or (entry[1] is not None and not entry[1].query()):
-            entry = [torch.empty(key[:2], dtype=torch.int32, pin_memory=pinned), None]
-            self._buffers[key] = entry
-        self._last = entry
-        view = entry[0][:rows]
-        view.fill_(-1)
-        return view
-
-    def to_device(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`bitmask` (a view from `take`) on `device`, copied behind the device's queued work."""
-        if device.type != "cuda":
-            return bitmask
-        out = bitmask.to(device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._last[1] = event
-        return out
-
-
 class GrammarBackend:
     """Matchers for requests; vocabularies built per tokenizer folder and EOS set by `load_vocabulary`, on first use
     or at `preload`. Without a loader, requests with a grammar fail (an engine built without one).
@@ -175,16 +149,18 @@ class GrammarBackend:
 
     def preload(self, tokenizer_dir: str, eos_ids: list[int], device: str | None = None) -> None:
         """Build a vocabulary, the mask thread pool, and one matcher and mask over them now (at start-up), and on a
-        GPU `device` compile the masking kernel (fp32 logits), so the first constrained request does not pay for
-        them inside a step."""
+        GPU `device` compile the masking kernel (fp32 logits) and find out whether the device can wait for masks
+        still being computed (`grammar_masks.MaskJob`), so the first constrained request does not pay for them
+        inside a step."""
         grammar = self.matcher(_WARM_GRAMMAR, None, tokenizer_dir, eos_ids)
         bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
-        _fill_parallel(grammar.executor, bitmask, [(grammar.matcher, 0)], [])
+        fill_parallel(grammar.executor, bitmask, [(grammar.matcher, 0)], [])
         if not bitmask.any():
             raise ValueError(f"{tokenizer_dir}: the grammar vocabulary allows no token where JSON starts")
         if device is not None and torch.device(device).type == "cuda":
             logits = torch.zeros((1, self.vocab_size), dtype=torch.float32, device=device)
             apply_token_bitmask(logits, bitmask.to(device))
+            self._host_masks.device_wait_works(torch.device(device))
 
     def matcher(self, grammar: str, start_token: int | None, tokenizer_dir: str, eos_ids: list[int]) -> RequestGrammar:
         """A fresh matcher of `grammar`, compiled now when the grammar is new (raises ValueError naming the problem
@@ -230,38 +206,3 @@ def attach(backend: GrammarBackend, req: Request, msg) -> str | None:
 def advance(req: Request, token_ids: list[int]) -> str | None:
     """Move the request's matcher over the tokens it emits; an error message when the grammar refuses one."""
     return req.grammar.advance(token_ids) if req.grammar is not None else None
-
-
-def mask_windows(windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor) -> torch.Tensor:
-    """`logits` [rows, V] with every constrained position of every window (request, first row, width, drafts)
-    masked to -inf outside its grammar (a new tensor); the same tensor when no window has a grammar. No host sync:
-    the masks go to the device through pinned buffers, behind whatever the device is running."""
-    constrained = [(req.grammar, start, drafts) for req, start, _, drafts in windows if req.grammar is not None]
-    if not constrained:
-        return logits
-    rows, vocab = logits.shape
-    host_masks = constrained[0][0].host_masks
-    # -1 (every bit set): no constraint, the mask of a free row or of a position before the grammar starts
-    bitmask = host_masks.take(rows, (vocab + 31) // 32, logits.is_cuda)
-    plain, drafted = [], []
-    for grammar, start, drafts in constrained:
-        if grammar.starts_inside(drafts):
-            # the grammar starts inside this window (a reasoning block ends): walked here, position by position
-            grammar.fill_window(bitmask, start, drafts)
-        elif grammar.active:
-            (drafted if drafts else plain).append((grammar.matcher, start, *([drafts] if drafts else [])))
-    _fill_parallel(constrained[0][0].executor, bitmask, plain, drafted)
-    return apply_token_bitmask(logits, host_masks.to_device(bitmask, logits.device))
-
-
-def _fill_parallel(executor, bitmask: torch.Tensor, plain: list[tuple], drafted: list[tuple]) -> None:
-    """Masks of many matchers at once on llguidance's thread pool (the GIL released): `plain` (matcher, row)
-    one position each, `drafted` (matcher, first row, drafts) a window each, walked and rolled back in the pool.
-    Rows after a draft the grammar refuses are left as they are: nothing past that draft can be accepted.
-    (llguidance.torch wraps the same calls but imports torch.compile, seconds of start-up in the engine.)"""
-    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
-    row_bytes = bitmask.shape[1] * bitmask.element_size()
-    if plain:
-        executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
-    if drafted:
-        executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), row_bytes, bitmask.shape[0])

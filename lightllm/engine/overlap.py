@@ -15,11 +15,12 @@ goes on without it. Drafts, penalties and prompt log-probabilities (which need t
 step's logits on the host) run synchronously, exactly as with overlap off.
 
 Rows with a grammar overlap too. The mask of step t + 1 depends on step t's token, which only the host's matcher
-can turn into a mask, so a batch with constrained rows defers only its draw: step t + 1's forward is launched
-from the tokens on the device, then step t's tokens are read back and emitted (advancing the matchers), the masks
-of step t + 1 are computed on the host while the device still runs its forward, and the masked draw is queued
-behind it. The draw sees the same masked logits as the synchronous step, so the tokens are the same; the device
-waits only when computing the masks takes longer than a forward. (Computing masks on the device for every
+can turn into a mask, so a batch with constrained rows defers its masks (`grammar_masks.MaskJob`): step t + 1's
+forward is launched from the tokens on the device, then step t's tokens are read back, the matchers advanced, and
+the masks of step t + 1 filled on a background thread while step t's tokens are emitted. On a GPU the masked draw
+of step t + 1 was queued before, behind a device wait for the masks, so the host goes on to launch step t + 2
+while the masks are computed; elsewhere the draw is queued once they are done. Either way the draw sees the same
+masked logits as the synchronous step, so the tokens are the same. (Computing masks on the device for every
 possible in-flight token is not possible: a matcher's state is host data of llguidance.)
 """
 
@@ -61,6 +62,8 @@ class InFlight:
     # [2, windows] host copy of (tokens, non-finite flags), valid once `ready` has completed
     host: torch.Tensor
     ready: torch.cuda.Event | None
+    # the deferred masks of its constrained rows' draw, filled on a background thread
+    masks: grammar.MaskJob | None = None
 
     def read(self) -> tuple[list[int], list[int]]:
         if self.ready is not None:
@@ -183,28 +186,54 @@ class OverlapScheduler:
             for row in plan.rows:
                 row.req.num_computed_tokens += row.num_tokens
             engine.queue_prefill_checkpoints(plan)
+            job = None
             if previous is not None and any(req.grammar is not None for req in windows):
                 # the masks need the tokens in flight: read them while the device runs this step's forward
                 done, previous = previous, None
-                outputs += self.complete(done)
-            tokens, host, ready = self._sample(windows, fwd.logits)
+                job = grammar.MaskJob.of(self._mask_rows(windows), fwd.logits)
+                done_outputs, (tokens, host, ready) = self._complete_with_masks(done, job, windows, fwd.logits)
+                outputs += done_outputs
+            else:
+                tokens, host, ready = self._sample(windows, self._masked(windows, fwd.logits))
         except Exception:
             logger.exception("engine step failed; finishing %d requests with an error", len(plan.rows))
             engine.settle_runner(plan)
             self._failed_outputs += engine.fail_rows(plan)
         else:
-            self._inflight = InFlight(plan, fwd, windows, tokens, host, ready)
+            self._inflight = InFlight(plan, fwd, windows, tokens, host, ready, job)
         if previous is not None:
             outputs += self.complete(previous)
         return outputs
 
+    def _complete_with_masks(self, previous: InFlight, job: grammar.MaskJob, windows: list[Request], logits):
+        """Read `previous` back and emit it, filling `job`'s masks (of this step's `windows`) once its tokens moved
+        the matchers; returns the outputs and this step's draw (`_sample`), queued before the masks exist where the
+        device can wait for them."""
+        drawn = None
+        try:
+            if job.deferred:
+                drawn = self._sample(windows, job.apply(logits))
+            outputs = self.complete(previous, after_advance=job.start)
+        finally:
+            # the masks are computed whatever happened (a step without sampled rows never advanced anything): a
+            # device waiting for them is never left waiting
+            job.start_or_release()
+        if drawn is None:
+            job.wait()
+            drawn = self._sample(windows, job.apply(logits))
+        return outputs, drawn
+
+    @staticmethod
+    def _mask_rows(windows: list[Request]) -> list[tuple[Request, int, int, list[int]]]:
+        return [(req, i, 1, []) for i, req in enumerate(windows)]
+
     def _sample(
         self, windows: list[Request], logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
-        """Each window's token left on the device, and its host copy (with the non-finite flags) on its way."""
+        """Each window's token left on the device (drawn from `logits`, masked already), and its host copy (with the
+        non-finite flags) on its way."""
         if not windows:
             return logits.new_empty(0, dtype=torch.long), logits.new_empty((2, 0), dtype=torch.long, device="cpu"), None
-        logits = self._masked(windows, logits)
         tokens = self._draw_on_device(windows, logits)
         flags = torch.stack([tokens, nonfinite_rows(logits).long()])
         if not flags.is_cuda:
@@ -231,27 +260,43 @@ class OverlapScheduler:
         contexts = [self.engine.row_context(req, [], logits.device) for req in windows]
         return sampler.draw_tokens(sampler.target_probs(logits, contexts), contexts)
 
-    def complete(self, inflight: InFlight | SpecInFlight) -> list[EngineOutput]:
+    def complete(self, inflight: InFlight | SpecInFlight, after_advance=None) -> list[EngineOutput]:
         """Read an overlapped step's tokens back and emit them. Rows whose request finished meanwhile (a stop
-        token of the step before, an abort) drop theirs."""
+        token of the step before, an abort) drop theirs. `after_advance()` runs once the matchers of the rows with
+        a grammar hold the step's tokens, before anything is emitted (the next step's masks start there)."""
         if isinstance(inflight, SpecInFlight):
             return self.spec.complete(inflight)
         engine = self.engine
         if not inflight.windows:
             return []
         try:
+            if inflight.masks is not None:
+                # its masks were filled on the mask thread: done before its matchers move again
+                inflight.masks.wait()
             tokens, has_nan = inflight.read()
         except Exception:
             logger.exception("engine step failed; finishing %d requests with an error", len(inflight.windows))
             return engine.fail_rows(inflight.plan)
+        rows = [(i, req) for i, req in enumerate(inflight.windows) if not req.is_finished]
+        errors: dict[int, str | None] = {}
+        if after_advance is not None:
+            for i, req in rows:
+                if not has_nan[i] and req.grammar is not None:
+                    errors[i] = grammar.advance(req, [tokens[i]])
+            after_advance()
         outputs: list[EngineOutput] = []
-        for i, req in enumerate(inflight.windows):
-            if req.is_finished:
-                continue
+        for i, req in rows:
             if has_nan[i]:
                 outputs += engine.finish(req, "error", error=NONFINITE_LOGITS_ERROR)
             else:
-                outputs += engine.emit(req, [tokens[i]], inflight.fwd.logits, i)
+                outputs += engine.emit(
+                    req,
+                    [tokens[i]],
+                    inflight.fwd.logits,
+                    i,
+                    advance_grammar=after_advance is None,
+                    grammar_error=errors.get(i),
+                )
         return outputs
 
 

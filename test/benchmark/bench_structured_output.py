@@ -16,7 +16,9 @@ string, the costly case) or `digits` (one-digit integers: a cheap mask). Prints 
 tokens/s, the host time spent computing masks per constrained step, and constrained / free (target >= 0.9).
 `--phases` adds, per run, the median host milliseconds per decode step inside each part of the step (scheduling,
 building the batch, the runner's forward launch, the read-back of the step in flight with its wait for the device,
-emitting tokens, advancing the matchers, the masks, the draw), which says what a constrained step adds.
+emitting tokens, advancing the matchers, the masks, the draw; an overlapped step's masks are filled on a
+background thread: `mask_fill` is that thread's time, `mask_wait` the step's own wait for it), which says what a
+constrained step adds.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from lightllm.engine import grammar as grammar_module
+from lightllm.engine.grammar_masks import MaskJob
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
@@ -90,12 +93,24 @@ def _schema(name: str) -> dict:
 
 
 class _MaskTimer:
-    """Host time inside grammar.mask_windows (the engine and the overlap scheduler call it through the module)."""
+    """Host time computing masks: inside grammar.mask_windows (synchronous steps: the engine calls it through the
+    module) and inside an overlapped step's MaskJob fill (on its background thread)."""
 
     def __init__(self):
         self.seconds, self.calls = 0.0, 0
         self._inner = grammar_module.mask_windows
         grammar_module.mask_windows = self
+        fill = MaskJob._fill
+
+        def timed_fill(job, windows):
+            t0 = time.perf_counter()
+            try:
+                return fill(job, windows)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        MaskJob._fill = timed_fill
 
     def __call__(self, windows, logits):
         t0 = time.perf_counter()
@@ -122,6 +137,8 @@ class _PhaseTimer:
             "emit": (engine, "emit"),
             "advance": (grammar_module, "advance"),
             "masks": (grammar_module, "mask_windows"),
+            "mask_fill": (MaskJob, "_fill"),
+            "mask_wait": (MaskJob, "wait"),
             "draw": (overlap, "_draw_on_device"),
         }
         self.seconds = dict.fromkeys(self.parts, 0.0)

@@ -95,12 +95,14 @@ def test_constrained_output_with_overlap_equals_without(mode, spec):
     assert sum(launches) >= (10 if not spec else 0)
 
 
-def test_overlap_without_the_masks_is_caught():
+def test_overlap_without_the_masks_is_caught(monkeypatch):
     """Teeth: the overlapped step's masked draw is what the comparison above checks."""
+    from lightllm.engine.grammar_masks import MaskJob
+
     engine, info, tok = make_engine("qwen3_5", "native", disable_overlap_schedule=True)
     reference = staggered(engine, info, tok, mixed_requests())
     engine, info, tok = make_engine("qwen3_5", "native")
-    engine.overlap._masked = lambda plan, logits: logits
+    monkeypatch.setattr(MaskJob, "apply", lambda job, logits: logits)
     launches = counting_launches(engine)
     broken = staggered(engine, info, tok, mixed_requests())
     # unmasked, an overlapped draw leaves the grammar: the matcher refuses it and the request fails

@@ -109,3 +109,37 @@ def test_reused_pinned_bitmask_across_steps_without_a_host_sync():
         assert torch.equal(got.cpu(), want)
     # twin: the steps' logits differ, so equal results are not one step's masks seen three times
     assert not torch.equal(expected[0], expected[1])
+
+
+def test_the_device_waits_for_the_host_counter_and_a_deferred_job_masks_like_mask_windows():
+    """The device wait `MaskJob` relies on: the stream is held until the host writes the counter (an event behind
+    the wait stays pending), then runs; a deferred job applied before its masks exist gives `mask_windows`'s
+    logits once started."""
+    import threading
+    import time
+
+    from lightllm.engine.grammar_masks import HostBitmasks, MaskJob
+    from lightllm.kernels.host_flag import HostFlag
+
+    flag = HostFlag()
+    target = flag.next_target()
+    flag.wait_on_device(target)
+    after = torch.cuda.Event()
+    after.record()
+    time.sleep(0.05)
+    assert not after.query(), "the stream ran past a counter below its target"
+    flag.set(target)
+    after.synchronize()
+    assert HostBitmasks().device_wait_works(torch.device("cuda"))
+
+    windows = _windows(1024)
+    logits = torch.randn(4 + 3, 1024, device="cuda")
+    expected = mask_windows(windows, logits)
+    job = MaskJob.of(windows, logits)
+    assert job.deferred
+    masked = job.apply(logits)
+    # the masks are filled only now, after the masked logits were queued
+    threading.Timer(0.02, job.start).start()
+    torch.cuda.synchronize()
+    job.wait()
+    assert torch.equal(masked, expected)

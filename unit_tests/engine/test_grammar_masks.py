@@ -1,0 +1,151 @@
+"""An overlapped step's deferred masks (`grammar_masks.MaskJob`): filled on the mask thread once started, they equal
+`mask_windows` over the same matchers; rows of finished requests stay free; a job applied before its masks exist
+is refused where no device waits for them; a job whose start fails releases the wait and fails at `wait`; a CPU
+never defers. The host counter's wait kernel under the Triton interpreter: a counter at its target passes at once,
+one below it gives up after its spins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightllm.engine.grammar import GrammarBackend, mask_windows
+from lightllm.engine.grammar_masks import MaskJob
+from lightllm.engine.request import Request, Status
+from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.grammar_vocab import load_grammar_vocabulary
+from lightllm.server.http.structured import json_schema_grammar
+from lightllm.tools.make_tiny_model import tiny_model_dir
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from transformers import AutoTokenizer
+
+    model_dir = str(tiny_model_dir("qwen3_next"))
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    return GrammarBackend(VOCAB, load_grammar_vocabulary), model_dir, hf
+
+
+def _request(setup, name: str, prefix: list[int] = ()) -> Request:
+    backend, model_dir, hf = setup
+    grammar = json_schema_grammar(SCHEMA)
+    req = Request(name, [1, 2], SamplingParams(grammar=grammar), frozenset(), 64)
+    req.grammar = backend.matcher(grammar, None, model_dir, [hf.eos_token_id])
+    assert req.grammar.advance(list(prefix)) is None
+    return req
+
+
+def _prefix(setup) -> list[int]:
+    """Tokens of a valid start of the schema's JSON."""
+    _, _, hf = setup
+    return hf.encode('{"n": 1', add_special_tokens=False)
+
+
+def _windows(setup):
+    free = Request("free", [3], SamplingParams(), frozenset(), 8)
+    constrained = [_request(setup, "a"), _request(setup, "b", _prefix(setup)), _request(setup, "c", _prefix(setup)[:2])]
+    reqs = [constrained[0], free, constrained[1], constrained[2]]
+    return [(req, i, 1, []) for i, req in enumerate(reqs)]
+
+
+def test_a_started_job_masks_like_mask_windows(setup):
+    windows = _windows(setup)
+    logits = torch.randn(len(windows), VOCAB)
+    expected = mask_windows(windows, logits)
+    job = MaskJob.of(windows, logits)
+    assert not job.deferred
+    job.start()
+    job.wait()
+    masked = job.apply(logits)
+    assert torch.equal(masked, expected)
+    # twin: the rows differ from one another, so a job that filled the wrong rows would not match
+    assert not torch.equal(torch.isfinite(expected[0]), torch.isfinite(expected[2]))
+    assert torch.equal(masked[1], logits[1])
+
+
+def test_rows_of_finished_requests_stay_free(setup):
+    windows = _windows(setup)
+    logits = torch.randn(len(windows), VOCAB)
+    job = MaskJob.of(windows, logits)
+    windows[2][0].status = Status.FINISHED
+    job.wait()
+    masked = job.apply(logits)
+    assert torch.equal(masked[2], logits[2])
+    # twin: the unfinished constrained row is masked
+    assert not torch.equal(masked[0], logits[0])
+
+
+def test_applying_before_the_masks_exist_is_refused_without_a_device_wait(setup):
+    windows = _windows(setup)
+    logits = torch.randn(len(windows), VOCAB)
+    job = MaskJob.of(windows, logits)
+    with pytest.raises(RuntimeError, match="before they were computed"):
+        job.apply(logits)
+    job.wait()
+    job.apply(logits)
+
+
+def test_a_job_that_cannot_start_fails_at_wait(setup, monkeypatch):
+    windows = _windows(setup)
+    logits = torch.randn(len(windows), VOCAB)
+    job = MaskJob.of(windows, logits)
+    monkeypatch.setattr(type(windows[0][0].grammar), "matcher", property(lambda g: 1 / 0))
+    job.start_or_release()
+    with pytest.raises(ZeroDivisionError):
+        job.wait()
+
+
+def test_no_windows_with_a_grammar_need_no_job(setup):
+    free = Request("free", [3], SamplingParams(), frozenset(), 8)
+    assert MaskJob.of([(free, 0, 1, [])], torch.randn(1, VOCAB)) is None
+
+
+def test_a_cpu_never_defers(setup):
+    windows = _windows(setup)
+    host_masks = windows[0][0].grammar.host_masks
+    assert host_masks.device_wait_works(torch.device("cpu")) is False
+
+
+@pytest.mark.parametrize("start,target,spins", [(5, 5, 1 << 30), (7, 5, 1 << 30), (2, 5, 50)])
+def test_the_wait_kernel_passes_a_reached_target_and_gives_up_after_its_spins(start, target, spins):
+    from lightllm.kernels.host_flag import wait_host_flag_kernel
+
+    flag = torch.tensor([start], dtype=torch.int64)
+    # under the interpreter the kernel runs on the host at launch: returning at all is the check (a counter below
+    # the target with unbounded spins would never return)
+    wait_host_flag_kernel[(1,)](flag, target, spins)
+    assert flag.item() == start
+
+
+LOWER = """
+from lightllm.kernels.host_flag import wait_host_flag_kernel
+from unit_tests.helpers.sm90 import lower_sm90
+
+ptx = lower_sm90(wait_host_flag_kernel, {}, 1, types={"flag": "*i64", "target": "i64", "max_spins": "i32"}).asm["ptx"]
+print("volatile loads", ptx.count("ld.volatile.global"))
+print("branches", ptx.count("bra"))
+"""
+
+
+def test_the_wait_kernel_lowers_to_sm90_with_volatile_reads_in_a_loop():
+    import os
+    import subprocess
+    import sys
+
+    from unit_tests.helpers.sm90 import PTXAS
+
+    if not os.path.exists(PTXAS):
+        pytest.skip("Triton's bundled ptxas is not installed")
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    # a subprocess: this session interprets, and the interpreter never lowers a kernel
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", LOWER], cwd=root, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = dict(line.rsplit(" ", 1) for line in run.stdout.splitlines())
+    # the first read and the loop's (a load hoisted out of the loop would spin on a stale value forever)
+    assert int(counts["volatile loads"]) >= 2 and int(counts["branches"]) >= 1, run.stdout
