@@ -37,6 +37,8 @@ class HostBitmasks:
     def __init__(self):
         # (bucket rows, words, pinned) -> [buffer, event of its last copy or None]
         self._buffers: dict[tuple[int, int, bool], list] = {}
+        # the whole buffer of the last `take` (benchmarks and tests look at it)
+        self.last: torch.Tensor | None = None
         self._flag: HostFlag | None = None
         self._worker: ThreadPoolExecutor | None = None
         # whether a device may wait on the counter: None until `device_wait_works` tried it
@@ -49,6 +51,7 @@ class HostBitmasks:
         if entry is None or (entry[1] is not None and not entry[1].query()):
             entry = [torch.empty(key[:2], dtype=torch.int32, pin_memory=pinned), None]
             self._buffers[key] = entry
+        self.last = entry[0]
         view = entry[0][:rows]
         view.fill_(-1)
         return view, entry

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_structured_output import SCHEMAS  # noqa: E402
 
 from lightllm.engine import grammar as grammar_module  # noqa: E402
+from lightllm.engine import grammar_masks  # noqa: E402
 from lightllm.engine.grammar import GrammarBackend, HostBitmasks, RequestGrammar  # noqa: E402
 from lightllm.kernels.token_bitmask import apply_token_bitmask, unpack_bitmask  # noqa: E402
 from lightllm.server.engine_process import quiet_host_threads  # noqa: E402
@@ -92,9 +93,9 @@ def unfused_apply(bitmask_src: torch.Tensor, logits: torch.Tensor, rows: list[in
 
 def fused_apply(buffers: HostBitmasks, bitmask_src: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """The engine's form: a reused host bitmask and one pass over the logits."""
-    bitmask = buffers.take(*bitmask_src.shape, logits.is_cuda)
+    bitmask, entry = buffers.take(*bitmask_src.shape, logits.is_cuda)
     bitmask.copy_(bitmask_src)  # stands in for the executor writing it
-    return apply_token_bitmask(logits, buffers.to_device(bitmask, logits.device))
+    return apply_token_bitmask(logits, buffers.to_device(bitmask, entry, logits.device))
 
 
 class Timer:
@@ -174,7 +175,7 @@ def run_vocab(ranks: dict[bytes, int], opts) -> dict[str, float]:
 
         _trajectory(_matcher_sets(tok, vocab, opts, timer), vocab, opts, fill)
     served_masks, served_pool, reused = HostBitmasks(), LLExecutor(max(opts.threads)), HostBitmasks()
-    inner_fill = grammar_module._fill_parallel
+    inner_fill = grammar_masks.fill_parallel
 
     def timed_fill(*args):
         # no device sync here: inside mask_windows, as the engine runs it
@@ -186,12 +187,12 @@ def run_vocab(ranks: dict[bytes, int], opts) -> dict[str, float]:
     def served(_, matchers):
         windows = [(SimpleNamespace(grammar=RequestGrammar(m, None, served_pool, served_masks)), i, 1, [])
                    for i, m in enumerate(matchers)]  # fmt: skip
-        grammar_module._fill_parallel = timed_fill
+        grammar_masks.fill_parallel = timed_fill
         try:
             timer("mask_windows", lambda: grammar_module.mask_windows(windows, logits))
         finally:
-            grammar_module._fill_parallel = inner_fill
-        filled = served_masks._last[0][: opts.rows]
+            grammar_masks.fill_parallel = inner_fill
+        filled = served_masks.last[: opts.rows]
         timer("unfused torch", lambda: unfused_apply(filled, logits, list(range(opts.rows))))
         timer("fused torch", lambda: fused_apply(reused, filled, logits))
         return filled

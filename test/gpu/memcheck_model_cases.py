@@ -272,6 +272,18 @@ def case_token_bitmask(shape: BitmaskShape) -> Callable[[Ctx], str]:
     return run
 
 
+def case_host_flag(ctx: Ctx) -> str:
+    """The device waiting on a counter in pinned host memory: one read when it is already at the target, a bounded
+    number when it never gets there (the kernel gives up); one int64, read and never written."""
+    from lightllm.kernels.host_flag import wait_host_flag_kernel
+
+    flag = ctx.torch.tensor([5], dtype=ctx.torch.int64, pin_memory=ctx.device.type == "cuda")
+    wait_host_flag_kernel[(1,)](flag, 5, 1 << 20)
+    wait_host_flag_kernel[(1,)](flag, 6, 64)
+    assert flag.item() == 5, "the wait wrote its counter"
+    return "at target, then below it"
+
+
 def case_rms_norm(shape: NormShape, mode: int, gate_kind: int, residual: bool, strided: bool) -> Callable[[Ctx], str]:
     """One fused norm on exact-size inputs (a strided input is a view whose last row ends at its allocation):
     the tail of the row tile and the rows past the last one must read and write nothing."""
@@ -318,6 +330,9 @@ def build_model_cases() -> list[Case]:
         cases.append(
             Case("token_bitmask", b.name, detail, ("apply_token_bitmask_kernel",), b.tiny, case_token_bitmask(b))
         )
+    cases.append(
+        Case("host_flag", "-", "counter at / below its target", ("wait_host_flag_kernel",), True, case_host_flag)
+    )
     for n in NORM_SHAPES:
         # each convention once: Qwen's (strided input, residual add), the GDN output norm (silu gate), the KDA one
         for mode, gate_kind, residual, strided in ((0, 0, True, True), (1, 1, False, False), (2, 2, True, False)):

@@ -96,15 +96,15 @@ def test_reused_pinned_bitmask_across_steps_without_a_host_sync():
         for _ in range(8):
             busy = busy @ busy
         first = mask_windows(windows, on_gpu[0])
-        buffer_first = masks._last[0]
+        buffer_first = masks.last
         second = mask_windows(windows, on_gpu[1])
-        buffer_second = masks._last[0]
+        buffer_second = masks.last
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     third = mask_windows(windows, on_gpu[2])
     assert buffer_second is not buffer_first, "a buffer whose copy is queued must not be rewritten"
-    assert masks._last[0] is buffer_second, "a buffer whose copy completed is reused"
+    assert masks.last is buffer_second, "a buffer whose copy completed is reused"
     for got, want in zip((first, second, third), expected):
         assert torch.equal(got.cpu(), want)
     # twin: the steps' logits differ, so equal results are not one step's masks seen three times

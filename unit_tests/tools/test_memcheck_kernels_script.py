@@ -38,6 +38,7 @@ CPU_CASES = [
     "fp8/tiny-fp8-odd/M=37 N=200 K=136",
     "token_bitmask/tiny-bitmask/R=5 V=1000",
     "rms_norm/tiny-norm/T=37 D=100 mode=1 gate=1",
+    "host_flag",
 ]
 
 
@@ -84,13 +85,22 @@ def test_the_case_list_covers_every_kernel_shape_width_and_mode():
         "fp8_block_gemm_kernel",
         "apply_token_bitmask_kernel",
         "rms_norm_kernel",
+        "wait_host_flag_kernel",
     } <= set(kernels)
     cases = mk.build_cases()
     for name in kernels:
         for shape in ("qwen3-next", "qwen3.5", "kimi-linear", "tiny-gdn", "tiny-kda"):
             # the state kernels run at every served state shape; the others have shapes of their own
             if not name.startswith(
-                ("paged_attention", "mla_attention", "moe_", "fp8_", "apply_token_bitmask", "rms_norm")
+                (
+                    "paged_attention",
+                    "mla_attention",
+                    "moe_",
+                    "fp8_",
+                    "apply_token_bitmask",
+                    "rms_norm",
+                    "wait_host_flag",
+                )
             ):
                 assert any(name in c.kernels and c.shape == shape for c in cases), f"{name} has no {shape} case"
         assert re.search(rf"^  {name} .* [1-9]\d* cases$", run.stdout, re.M), f"{name} not listed with its cases"
