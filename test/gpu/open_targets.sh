@@ -5,6 +5,8 @@
 #
 # Parts (each prints its table as it finishes; full logs and JSON go to $OUT, or /tmp/lightllm_gpu_out):
 #   structured    free vs JSON-schema-constrained decode at batch 64, one engine (bench_structured_output.py)
+#   grammar_gpu   the constrained step's deferred masks on CUDA: the device wait's memcheck, the grammar and host-sync
+#                 GPU tests (overlap == sync through graphs, no host sync), then the structured part
 #   grammar_masks the host side of those masks without a model: llguidance's pool per thread count, the engine's
 #                 mask step on CUDA and the torch work around it (bench_grammar_masks.py)
 #   host_tier     two replicas on one GPU sharing the host tier: TTFT of a request forced to the other replica
@@ -53,6 +55,13 @@ for part in $parts; do
     case $part in
         structured) run structured 150 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 \
                         --phases ;;
+        grammar_gpu) run grammar_memcheck 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+                         --error-exitcode 1 python test/gpu/memcheck_kernels.py --cases host_flag,token_bitmask
+                     tail -5 "$OUT_DIR/grammar_memcheck.log"
+                     run grammar_tests 300 python -m pytest -q test/gpu/test_grammar_gpu.py test/gpu/test_host_syncs_gpu.py
+                     tail -3 "$OUT_DIR/grammar_tests.log"
+                     run structured 150 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 \
+                         --phases ;;
         grammar_masks) run grammar_masks 300 python test/benchmark/bench_grammar_masks.py --device cuda \
                            --threads 1,2,4,8,12
                        tail -40 "$OUT_DIR/grammar_masks.log" ;;
