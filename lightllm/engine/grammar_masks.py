@@ -7,7 +7,10 @@ queued this step's forward. The job takes its buffer when the step is queued, an
 those tokens, on a background thread while the step's thread emits them. On a GPU the masked draw is queued before
 the masks exist, behind a device wait on a counter the job writes when it is done (`kernels/host_flag.py`): the
 host goes on to queue the next step's forward, and the device runs the draw the moment the masks are in. On a CPU
-(or a GPU where the wait is not available) the draw is queued after the job is done.
+(or a GPU where the wait is not available) the draw is queued after the job is done. The job's thread releases the
+device without the step's thread: a host call that waits for the device meanwhile (an allocation that has to grow
+the caching allocator's pool) only waits for the masks, since torch releases the GIL inside its operators; the step
+waits for the job itself (`wait`, which releases the GIL) before it reads the draw back.
 
 The host bitmask has one row per logits row (a row without a grammar, or before its grammar starts, keeps every
 bit set); a pinned buffer is rewritten only once the copy that read it has completed.
