@@ -19,13 +19,18 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 VOCAB = 512
 
 
-@pytest.fixture(scope="module")
-def setup():
+def grammar_setup():
+    """(a grammar backend of VOCAB rows, the tiny checkpoint's folder, its tokenizer)."""
     model_dir = str(tiny_model_dir("qwen3_next"))
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(model_dir)
     return GrammarBackend(VOCAB, load_grammar_vocabulary), model_dir, hf
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return grammar_setup()
 
 
 def _request(backend, model_dir, hf, start_token=None) -> Request:

@@ -9,32 +9,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightllm.engine.grammar import GrammarBackend, mask_windows
+from lightllm.engine.grammar import mask_windows
 from lightllm.engine.grammar_masks import MaskJob
 from lightllm.engine.request import Request, Status
 from lightllm.engine.sampling_params import SamplingParams
-from lightllm.server.grammar_vocab import load_grammar_vocabulary
-from lightllm.server.http.structured import json_schema_grammar
-from lightllm.tools.make_tiny_model import tiny_model_dir
-
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
-VOCAB = 512
+from unit_tests.engine.test_grammar import VOCAB, grammar_setup
+from unit_tests.engine.test_grammar import _request as _fresh_request
 
 
 @pytest.fixture(scope="module")
 def setup():
-    from transformers import AutoTokenizer
-
-    model_dir = str(tiny_model_dir("qwen3_next"))
-    hf = AutoTokenizer.from_pretrained(model_dir)
-    return GrammarBackend(VOCAB, load_grammar_vocabulary), model_dir, hf
+    return grammar_setup()
 
 
 def _request(setup, name: str, prefix: list[int] = ()) -> Request:
-    backend, model_dir, hf = setup
-    grammar = json_schema_grammar(SCHEMA)
-    req = Request(name, [1, 2], SamplingParams(grammar=grammar), frozenset(), 64)
-    req.grammar = backend.matcher(grammar, None, model_dir, [hf.eos_token_id])
+    req = _fresh_request(*setup)
+    req.req_id = name
     assert req.grammar.advance(list(prefix)) is None
     return req
 
