@@ -28,12 +28,15 @@
 #   http          the serving checkpoint (with a tokenizer over all its rows) over HTTP, 512 requests 1024 in / 256
 #                 out at concurrency 256, replay, four client processes: the server's defaults, then without the host
 #                 tier (--host_tier_gb 0), then with four HTTP processes (--http_workers 4)
+#   http_workers  the same, at the defaults and with four HTTP processes only
 #   closed_loop   the same workload on the engine alone (test/gpu/closed_loop.py)
 #   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
 #                 kernels of a replay step at 256
 #   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: the server's memory plan and 64 requests
 #                 over HTTP, then replay and native decode at 1 / 64 / 256
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
+#   tune_cap8     the decode kernels' table at the default replay capacity (8), plain decode, fp32 state, 256 rows, at
+#                 the shipped shapes: the entries a fresh start would otherwise tune (bench_linear_att.py --tune)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source test/gpu/python_env.sh || exit 1
@@ -50,6 +53,20 @@ run() {
     # tables and summary lines, without progress bars
     grep -v -E "it/s\]|s/it\]|shape/s|kernel/s|req/s\]|^\s*$|Warning|warn\(" "$OUT_DIR/$name.log" | grep -E "^\||tok/s|ratio|TTFT|skipped|GB/s|hit" | tail -40
     [ "$rc" = 0 ] || { echo "== $name: exit $rc"; tail -12 "$OUT_DIR/$name.log"; }
+}
+# the serving checkpoint over HTTP with the server flags $1 (the http parts' workload)
+http_run() {
+    local flags=$1 model server
+    model=$(python -c "from lightllm.tools.bench_throughput import serving_text_model_dir as d; print(d())")
+    python -m lightllm.server.api_server --model_dir "$model" --ssm_state_mode replay --port 8011 $flags \
+        > "$OUT_DIR/http_server${flags// /_}.log" 2>&1 &
+    server=$!
+    for _ in $(seq 180); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
+    grep -E "start-up of rank|ready" "$OUT_DIR/http_server${flags// /_}.log" | cut -c1-300 | tail -2
+    run "http${flags// /_}" 120 python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8011 \
+        --num_prompts 512 --input_len 1024 --output_len 256 --max_concurrency 256 --num_workers 4 \
+        --result_file "$OUT_DIR/http${flags// /_}.json"
+    kill $server; wait $server
 }
 for part in $parts; do
     case $part in
@@ -99,17 +116,8 @@ for part in $parts; do
         prefill_syncs) run prefill_syncs 150 python test/gpu/prefill_syncs.py
                        tail -22 "$OUT_DIR/prefill_syncs.log" ;;
         attn_sweep) run attn_sweep 200 python test/benchmark/bench_paged_attention.py --sweep ;;
-        http) model=$(python -c "from lightllm.tools.bench_throughput import serving_text_model_dir as d; print(d())")
-              for flags in "" "--host_tier_gb 0" "--http_workers 4"; do
-                  python -m lightllm.server.api_server --model_dir "$model" --ssm_state_mode replay --port 8011 $flags \
-                      > "$OUT_DIR/http_server${flags// /_}.log" 2>&1 &
-                  server=$!
-                  for _ in $(seq 180); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
-                  run "http${flags// /_}" 120 python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8011 \
-                      --num_prompts 512 --input_len 1024 --output_len 256 --max_concurrency 256 --num_workers 4 \
-                      --result_file "$OUT_DIR/http${flags// /_}.json"
-                  kill $server; wait $server
-              done ;;
+        http) for flags in "" "--host_tier_gb 0" "--http_workers 4"; do http_run "$flags"; done ;;
+        http_workers) for flags in "" "--http_workers 4"; do http_run "$flags"; done ;;
         closed_loop) run closed_loop 150 python test/gpu/closed_loop.py
                      grep -E "^\|" "$OUT_DIR/closed_loop.log" | tail -14 ;;
         moe_full) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
@@ -132,6 +140,10 @@ for part in $parts; do
                      --quantization fp8 --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48 ;;
         fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
                  grep -E "^\|" "$OUT_DIR/fp8_moe.log" | tail -20 ;;
+        tune_cap8) run tune_cap8 200 python test/benchmark/bench_linear_att.py --tune "$OUT_DIR/tuned_cap8.json" \
+                       --shapes qwen3-next-tp1,qwen3.5-tp1,kimi-linear-tp1 --state-dtypes fp32 --ws 1 \
+                       --replay_capacity 8 --budget-s 150
+                   grep -E "family=replay" "$OUT_DIR/tune_cap8.log" | tail -12 ;;
         *) echo "unknown part $part" ;;
     esac
 done
