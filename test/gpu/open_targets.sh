@@ -32,6 +32,9 @@
 #   closed_loop   the same workload on the engine alone (test/gpu/closed_loop.py)
 #   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
 #                 kernels of a replay step at 256
+#   kimi_full     Kimi-Linear-48B-A3B at full size (random weights, bf16: ~96 GB, an H200): replay and native decode at
+#                 1 / 64 / 256, then replay decode of 64 requests at 8k and 32k context with its kernels (the MLA
+#                 latent kernel against its read floor)
 #   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: the server's memory plan and 64 requests
 #                 over HTTP, then replay and native decode at 1 / 64 / 256
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
@@ -127,6 +130,15 @@ for part in $parts; do
                   run moe_kernels 200 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
                       --modes replay --batch_sizes 256 --input_len 128 --output_len 48 --top_kernels 28
                   grep -E "kernel " "$OUT_DIR/moe_kernels.log" | head -28 ;;
+        kimi_full) python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
+                   run kimi_full 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi --load_format dummy \
+                       --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
+                   for ctx in 8192 32768; do
+                       run "kimi_ctx$ctx" 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi \
+                           --load_format dummy --modes replay --batch_sizes 64 --input_len $ctx --output_len 32 \
+                           --top_kernels 16
+                       grep -E "kernel " "$OUT_DIR/kimi_ctx$ctx.log" | head -16
+                   done ;;
         q3n_fp8) python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
                  # the server at its defaults: the memory plan's line (the concurrency it affords), then it serves
                  python -m lightllm.server.api_server --model_dir /tmp/q3n --load_format dummy --quantization fp8 \
