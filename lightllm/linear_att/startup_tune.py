@@ -54,11 +54,14 @@ def serving_case(state, spec) -> tuning.TuneCase:
 
 def needed_keys(state, spec) -> list[autotune.TuneKey]:
     """The keys the state's decode path looks up: native's verify ("serial"), compact's ("compact"), or replay's
-    verify in its projection and its fold."""
-    serial, compact, inline, precompute, fold = tuning.case_keys(serving_case(state, spec), state.device)
+    verify in its projection. Replay's standalone fold is not timed here: it runs only before a prefill chunk and
+    for an export (every decode step folds inside its verify kernel), moving a few rows' states where a step reads
+    them all, so its launch takes the table's nearest entry or the default (which compiles for sm_90 with 72-96
+    registers and no spills at the served heads) instead of costing every fresh start a search."""
+    serial, compact, inline, precompute, _fold = tuning.case_keys(serving_case(state, spec), state.device)
     mode = getattr(state.config.mode, "value", state.config.mode)
     if mode == "replay":
-        return [inline if state.config.projection == "inline" else precompute, fold]
+        return [inline if state.config.projection == "inline" else precompute]
     return [compact] if mode == "compact" else [serial]
 
 

@@ -38,9 +38,9 @@
 #   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: the server's memory plan and 64 requests
 #                 over HTTP, then replay and native decode at 1 / 64 / 256
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
-#   tune_cap8     the replay kernels' table at the default replay capacity (8), fp32 state, 256 rows: plain decode and
-#                 the fold at the shipped shapes, the MTP 2 / 3 windows at the serving checkpoint's; the entries a
-#                 fresh start would otherwise tune (bench_linear_att.py --tune)
+#   tune_cap8     the replay kernels' table at the default replay capacity (8), fp32 state, 256 rows: plain decode at
+#                 the shipped shapes, the MTP 2 / 3 windows at the serving checkpoint's; the entries a fresh start
+#                 would otherwise tune (bench_linear_att.py --tune)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source test/gpu/python_env.sh || exit 1
@@ -155,7 +155,7 @@ for part in $parts; do
                  grep -E "^\|" "$OUT_DIR/fp8_moe.log" | tail -20 ;;
         tune_cap8) run tune_cap8 200 python test/benchmark/bench_linear_att.py --tune "$OUT_DIR/tuned_cap8.json" \
                        --shapes qwen3-next-tp1,kimi-linear-tp1,qwen3.5-tp1 --state-dtypes fp32 --ws 1 \
-                       --replay_capacity 8 --tune_families replay-inline,replay_fold --budget-s 150
+                       --replay_capacity 8 --tune_families replay-inline --budget-s 150
                    run tune_cap8_mtp 150 python test/benchmark/bench_linear_att.py --tune "$OUT_DIR/tuned_cap8_mtp.json" \
                        --shapes qwen3-next-tp1 --state-dtypes fp32 --ws 3,4 --replay_capacity 8 \
                        --tune_families replay-inline --budget-s 100

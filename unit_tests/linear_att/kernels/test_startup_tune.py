@@ -73,15 +73,14 @@ def test_the_gate_lower_bound_is_part_of_the_key(tmp_path, fresh_kda):
     assert len(ConfigTable.load(startup_tune.cache_path(tmp_path, "cpu")).entries) == 2
 
 
-def test_replay_needs_its_projection_and_the_fold():
+def test_replay_needs_its_projection_only():
+    """Replay tunes the verify of its projection; its standalone fold (prefill and export only) is left to the
+    table's lookup."""
     spec = sc.make_spec("gdn", num_layers=1)
     for projection in ("inline", "precompute"):
         state = sc.make_state(spec, "replay", max_width=4, replay_capacity=8, projection=projection, backend="triton")
         keys = startup_tune.needed_keys(state, spec)
-        assert [(k.family, k.projection, k.width, k.replay_capacity) for k in keys] == [
-            ("replay", projection, 4, 8),
-            ("replay_fold", "", 0, 8),
-        ]
+        assert [(k.family, k.projection, k.width, k.replay_capacity) for k in keys] == [("replay", projection, 4, 8)]
 
 
 def test_torch_path_tunes_nothing(tmp_path, fresh_kda):
