@@ -64,11 +64,6 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="N in {1, 64, 128, 256}, W in {1, 4}, fp32 state only")
     p.add_argument("--tune", metavar="PATH", help="run the autotuner for the selected shapes, write JSON, exit")
-    p.add_argument(
-        "--tune_families",
-        default="serial,compact,replay-inline,replay-precompute,replay_fold",
-        help="with --tune: the keys to tune per case (replay-inline and replay_fold are what a replay start-up needs)",
-    )
     p.add_argument("--tables", nargs="*", default=[], help="extra tuned tables to load before benchmarking")
     p.add_argument("--shapes", default="qwen3-next-tp1,qwen3.5-tp1,kimi-linear-tp1")
     p.add_argument("--state-dtypes", default="fp32,bf16")
@@ -421,19 +416,13 @@ def run_tune(args, shapes, state_dtypes, act_dtype, device) -> None:
         for dt in state_dtypes
         for W in [int(w) for w in args.ws.split(",")]
     ]
-    names = ("serial", "compact", "replay-inline", "replay-precompute", "replay_fold")  # `tuning.case_keys` order
-    wanted = args.tune_families.split(",")
-    unknown = set(wanted) - set(names)
-    if unknown:
-        raise SystemExit(f"--tune_families: unknown {sorted(unknown)}; expected some of {names}")
     t0 = time.time()
     table, extra = autotune.ConfigTable(), {}
     for i, case in enumerate(cases):
         if time.time() - t0 > args.budget_s:
             print(f"time budget reached: {len(cases) - i} cases left untuned")
             break
-        only = {key for name, key in zip(names, tuning.case_keys(case, device)) if name in wanted}
-        part, info = tuning.tune([case], num_rows=256 if device.type == "cuda" else 2, device=device, only=only)
+        part, info = tuning.tune([case], num_rows=256 if device.type == "cuda" else 2, device=device)
         table.update(part)
         extra.update(info)
         table.save(args.tune, extra)

@@ -40,7 +40,8 @@
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
 #   tune_cap8     the replay kernels' table at the default replay capacity (8), fp32 state, 256 rows: plain decode at
 #                 the shipped shapes, the MTP 2 / 3 windows at the serving checkpoint's; the entries a fresh start
-#                 would otherwise tune (bench_linear_att.py --tune)
+#                 would otherwise tune, timed as the shipped ones were (sweep_linear_att.py) and merged into copies
+#                 of the shipped tables that come back beside the logs
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source test/gpu/python_env.sh || exit 1
@@ -130,6 +131,40 @@ for part in $parts; do
                   run moe_kernels 200 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
                       --modes replay --batch_sizes 256 --input_len 128 --output_len 48 --top_kernels 28
                   grep -E "kernel " "$OUT_DIR/moe_kernels.log" | head -28 ;;
+        kimi_full) python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
+                   run kimi_full 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi --load_format dummy \
+                       --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
+                   for ctx in 8192 32768; do
+                       run "kimi_ctx$ctx" 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi \
+                           --load_format dummy --modes replay --batch_sizes 64 --input_len $ctx --output_len 32 \
+                           --top_kernels 16
+                       grep -E "kernel " "$OUT_DIR/kimi_ctx$ctx.log" | head -16
+                   done ;;
+        q3n_fp8) python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
+                 # the server at its defaults: the memory plan's line (the concurrency it affords), then it serves
+                 python -m lightllm.server.api_server --model_dir /tmp/q3n --load_format dummy --quantization fp8 \
+                     --ssm_state_mode replay --port 8012 > "$OUT_DIR/q3n_server.log" 2>&1 &
+                 server=$!
+                 for _ in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break; sleep 1; done
+                 grep -E "engine ready|start-up of rank" "$OUT_DIR/q3n_server.log" | cut -c1-400
+                 run q3n_serve 120 python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8012 \
+                     --num_prompts 64 --input_len 1024 --output_len 64 --max_concurrency 64
+                 kill $server; wait $server
+                 run q3n_fp8 330 python -m lightllm.tools.bench_throughput --model_dir /tmp/q3n --load_format dummy \
+                     --quantization fp8 --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48 ;;
+        fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
+                 grep -E "^\|" "$OUT_DIR/fp8_moe.log" | tail -20 ;;
+        tune_cap8) run tune_cap8 240 python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 \
+                       --replay_capacity 8 --shapes qwen3-next-tp1,kimi-linear-tp1,qwen3.5-tp1 --out-dir lightllm/linear_att
+                   run tune_cap8_mtp 200 python test/benchmark/sweep_linear_att.py --families replay \
+                       --cells 3x256,4x256 --projections inline --replay_capacity 8 --shapes qwen3-next-tp1 \
+                       --out-dir lightllm/linear_att
+                   # the merged tables come back beside the logs (merge them into the repository's if the GPU is
+                   # the H200 the tables are for)
+                   cp lightllm/linear_att/gdn/tuned/h200.json "$OUT_DIR/gdn_h200.json"
+                   cp lightllm/linear_att/kda/tuned/h200.json "$OUT_DIR/kda_h200.json"
+                   grep -h -E "^family=replay" "$OUT_DIR"/tune_cap8*.log | grep "replay_capacity=8" \
+                       | sed -E 's/gpu=[^|]*.triton=[^|]*.//' ;;
         kimi_full) python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
                    run kimi_full 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi --load_format dummy \
                        --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
