@@ -3,7 +3,7 @@
 #
 #   bash test/gpu/open_targets.sh [parts, default "structured host_tier dp_multiturn"]
 #
-# Parts (each prints its table as it finishes; full logs and JSON go to $OUT, or /tmp/lightllm_gpu_out):
+# Parts (each prints its table as it finishes; full logs and JSON go to $OUT/logs.tar, or /tmp/lightllm_gpu_out):
 #   structured    free vs JSON-schema-constrained decode at batch 64, one engine (bench_structured_output.py)
 #   grammar_gpu   the constrained step's deferred masks on CUDA: the device wait's memcheck, the grammar and host-sync
 #                 GPU tests (overlap == sync through graphs, no host sync), then the structured part
@@ -45,32 +45,37 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source test/gpu/python_env.sh || exit 1
+# logs and JSON results go to LOG_DIR, packed after every part into $OUT/logs.tar (a device command brings back at most
+# eight files); what must come back as it is (tuned tables) is copied to OUT_DIR
 OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
-mkdir -p "$OUT_DIR"
+LOG_DIR=/tmp/lightllm_gpu_logs
+rm -rf "$LOG_DIR"; mkdir -p "$OUT_DIR" "$LOG_DIR"
+pack() { tar -cf "$OUT_DIR/logs.tar" -C "$LOG_DIR" .; }
 parts=${1:-"structured host_tier dp_multiturn"}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 run() {
     local name=$1 limit=$2
     shift 2
     echo "== $name ($(date +%T)): $*"
-    timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+    timeout "$limit" "$@" > "$LOG_DIR/$name.log" 2>&1
     local rc=$?
     # tables and summary lines, without progress bars
-    grep -v -E "it/s\]|s/it\]|shape/s|kernel/s|req/s\]|^\s*$|Warning|warn\(" "$OUT_DIR/$name.log" | grep -E "^\||tok/s|ratio|TTFT|skipped|GB/s|hit" | tail -40
-    [ "$rc" = 0 ] || { echo "== $name: exit $rc"; tail -12 "$OUT_DIR/$name.log"; }
+    grep -v -E "it/s\]|s/it\]|shape/s|kernel/s|req/s\]|^\s*$|Warning|warn\(" "$LOG_DIR/$name.log" | grep -E "^\||tok/s|ratio|TTFT|skipped|GB/s|hit" | tail -40
+    [ "$rc" = 0 ] || { echo "== $name: exit $rc"; tail -12 "$LOG_DIR/$name.log"; }
+    pack
 }
 # the serving checkpoint over HTTP with the server flags $1 (the http parts' workload)
 http_run() {
     local flags=$1 model server
     model=$(python -c "from lightllm.tools.bench_throughput import serving_text_model_dir as d; print(d())")
     python -m lightllm.server.api_server --model_dir "$model" --ssm_state_mode replay --port 8011 $flags \
-        > "$OUT_DIR/http_server${flags// /_}.log" 2>&1 &
+        > "$LOG_DIR/http_server${flags// /_}.log" 2>&1 &
     server=$!
     for _ in $(seq 180); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
-    grep -E "start-up of rank|ready" "$OUT_DIR/http_server${flags// /_}.log" | cut -c1-300 | tail -2
+    grep -E "start-up of rank|ready" "$LOG_DIR/http_server${flags// /_}.log" | cut -c1-300 | tail -2
     run "http${flags// /_}" 120 python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8011 \
         --num_prompts 512 --input_len 1024 --output_len 256 --max_concurrency 256 --num_workers 4 \
-        --result_file "$OUT_DIR/http${flags// /_}.json"
+        --result_file "$LOG_DIR/http${flags// /_}.json"
     kill $server; wait $server
 }
 for part in $parts; do
@@ -79,27 +84,27 @@ for part in $parts; do
                         --phases ;;
         grammar_gpu) run grammar_memcheck 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
                          --error-exitcode 1 python test/gpu/memcheck_kernels.py --cases host_flag,token_bitmask
-                     tail -5 "$OUT_DIR/grammar_memcheck.log"
+                     tail -5 "$LOG_DIR/grammar_memcheck.log"
                      run grammar_tests 300 python -m pytest -q test/gpu/test_grammar_gpu.py test/gpu/test_host_syncs_gpu.py
-                     tail -3 "$OUT_DIR/grammar_tests.log"
+                     tail -3 "$LOG_DIR/grammar_tests.log"
                      run structured 150 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 \
                          --phases ;;
         grammar_masks) run grammar_masks 300 python test/benchmark/bench_grammar_masks.py --device cuda \
                            --threads 1,2,4,8,12
-                       tail -40 "$OUT_DIR/grammar_masks.log" ;;
+                       tail -40 "$LOG_DIR/grammar_masks.log" ;;
         host_tier) run host_tier 200 python test/gpu/host_tier_ttft.py --parts ttft,bandwidth --modes replay \
-                       --result_file "$OUT_DIR/host_tier.json" ;;
-        dp_multiturn) run dp_multiturn 200 python test/gpu/dp_multiturn_bench.py --result_file "$OUT_DIR/dp_multiturn.json" ;;
+                       --result_file "$LOG_DIR/host_tier.json" ;;
+        dp_multiturn) run dp_multiturn 200 python test/gpu/dp_multiturn_bench.py --result_file "$LOG_DIR/dp_multiturn.json" ;;
         spec) for mtp in 0 2; do
                   run "spec-mtp$mtp" 120 python -m lightllm.tools.bench_throughput --serving_model --input_len 256 \
                       --output_len 128 --modes replay --batch_sizes 1,64,256 --mtp_step $mtp \
-                      --result_file "$OUT_DIR/spec-mtp$mtp.json"
+                      --result_file "$LOG_DIR/spec-mtp$mtp.json"
               done ;;
         checks) run memcheck 400 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
                     --error-exitcode 1 python test/gpu/memcheck_kernels.py --cases fused_moe,fp8,conv_decode
-                tail -5 "$OUT_DIR/memcheck.log"
+                tail -5 "$LOG_DIR/memcheck.log"
                 run gpu_tests 300 python -m pytest -q test/gpu/test_section_writer_gpu.py test/gpu/test_spec_overlap_gpu.py
-                tail -3 "$OUT_DIR/gpu_tests.log" ;;
+                tail -3 "$LOG_DIR/gpu_tests.log" ;;
         spec_graph) run spec_graph_test 300 python -m pytest -q -x test/gpu/test_spec_overlap_gpu.py
                     for flags in "--mtp_step 0" "--mtp_step 3 --simulate_acceptance 0.7" \
                                  "--mtp_step 2 --simulate_acceptance 0"; do
@@ -109,7 +114,7 @@ for part in $parts; do
         spec_kernels) run spec_kernels 150 python -m lightllm.tools.bench_throughput --serving_model --input_len 256 \
                           --output_len 128 --modes replay --batch_sizes 256 --mtp_step 3 --simulate_acceptance 0.7 \
                           --top_kernels 24
-                      grep -E "kernel " "$OUT_DIR/spec_kernels.log" | head -24 ;;
+                      grep -E "kernel " "$LOG_DIR/spec_kernels.log" | head -24 ;;
         spec_host) for b in 1 64; do
                        run "spec_host-b$b" 120 python test/benchmark/profile_engine_host.py --serving_model --device cuda \
                            --mode replay --batch $b --mtp_step 3 --simulate_acceptance 0.7 --top_ops 18 --by_caller 20
@@ -119,18 +124,18 @@ for part in $parts; do
         prefill) run prefill 300 python test/benchmark/bench_prefill_vs_transformers.py --modes replay \
                      --shapes 64x1024,16x4096,256x256,4x16384 ;;
         prefill_syncs) run prefill_syncs 150 python test/gpu/prefill_syncs.py
-                       tail -22 "$OUT_DIR/prefill_syncs.log" ;;
+                       tail -22 "$LOG_DIR/prefill_syncs.log" ;;
         attn_sweep) run attn_sweep 200 python test/benchmark/bench_paged_attention.py --sweep ;;
         http) for flags in "" "--host_tier_gb 0" "--http_workers 4"; do http_run "$flags"; done ;;
         http_workers) for flags in "" "--http_workers 4"; do http_run "$flags"; done ;;
         closed_loop) run closed_loop 150 python test/gpu/closed_loop.py
-                     grep -E "^\|" "$OUT_DIR/closed_loop.log" | tail -14 ;;
+                     grep -E "^\|" "$LOG_DIR/closed_loop.log" | tail -14 ;;
         moe_full) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
                   run moe_full 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
                       --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
                   run moe_kernels 200 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
                       --modes replay --batch_sizes 256 --input_len 128 --output_len 48 --top_kernels 28
-                  grep -E "kernel " "$OUT_DIR/moe_kernels.log" | head -28 ;;
+                  grep -E "kernel " "$LOG_DIR/moe_kernels.log" | head -28 ;;
         kimi_full) python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
                    run kimi_full 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi --load_format dummy \
                        --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
@@ -138,22 +143,22 @@ for part in $parts; do
                        run "kimi_ctx$ctx" 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi \
                            --load_format dummy --modes replay --batch_sizes 64 --input_len $ctx --output_len 32 \
                            --top_kernels 16
-                       grep -E "kernel " "$OUT_DIR/kimi_ctx$ctx.log" | head -16
+                       grep -E "kernel " "$LOG_DIR/kimi_ctx$ctx.log" | head -16
                    done ;;
         q3n_fp8) python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
                  # the server at its defaults: the memory plan's line (the concurrency it affords), then it serves
                  python -m lightllm.server.api_server --model_dir /tmp/q3n --load_format dummy --quantization fp8 \
-                     --ssm_state_mode replay --port 8012 > "$OUT_DIR/q3n_server.log" 2>&1 &
+                     --ssm_state_mode replay --port 8012 > "$LOG_DIR/q3n_server.log" 2>&1 &
                  server=$!
                  for _ in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break; sleep 1; done
-                 grep -E "engine ready|start-up of rank" "$OUT_DIR/q3n_server.log" | cut -c1-400
+                 grep -E "engine ready|start-up of rank" "$LOG_DIR/q3n_server.log" | cut -c1-400
                  run q3n_serve 120 python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8012 \
                      --num_prompts 64 --input_len 1024 --output_len 64 --max_concurrency 64
                  kill $server; wait $server
                  run q3n_fp8 330 python -m lightllm.tools.bench_throughput --model_dir /tmp/q3n --load_format dummy \
                      --quantization fp8 --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48 ;;
         fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
-                 grep -E "^\|" "$OUT_DIR/fp8_moe.log" | tail -20 ;;
+                 grep -E "^\|" "$LOG_DIR/fp8_moe.log" | tail -20 ;;
         tune_cap8) run tune_cap8 240 python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 \
                        --replay_capacity 8 --shapes qwen3-next-tp1,kimi-linear-tp1,qwen3.5-tp1 --out-dir lightllm/linear_att
                    run tune_cap8_mtp 200 python test/benchmark/sweep_linear_att.py --families replay \
@@ -163,39 +168,10 @@ for part in $parts; do
                    # the H200 the tables are for)
                    cp lightllm/linear_att/gdn/tuned/h200.json "$OUT_DIR/gdn_h200.json"
                    cp lightllm/linear_att/kda/tuned/h200.json "$OUT_DIR/kda_h200.json"
-                   grep -h -E "^family=replay" "$OUT_DIR"/tune_cap8*.log | grep "replay_capacity=8" \
+                   grep -h -E "^family=replay" "$LOG_DIR"/tune_cap8*.log | grep "replay_capacity=8" \
                        | sed -E 's/gpu=[^|]*.triton=[^|]*.//' ;;
-        kimi_full) python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
-                   run kimi_full 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi --load_format dummy \
-                       --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
-                   for ctx in 8192 32768; do
-                       run "kimi_ctx$ctx" 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi \
-                           --load_format dummy --modes replay --batch_sizes 64 --input_len $ctx --output_len 32 \
-                           --top_kernels 16
-                       grep -E "kernel " "$OUT_DIR/kimi_ctx$ctx.log" | head -16
-                   done ;;
-        q3n_fp8) python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
-                 # the server at its defaults: the memory plan's line (the concurrency it affords), then it serves
-                 python -m lightllm.server.api_server --model_dir /tmp/q3n --load_format dummy --quantization fp8 \
-                     --ssm_state_mode replay --port 8012 > "$OUT_DIR/q3n_server.log" 2>&1 &
-                 server=$!
-                 for _ in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break; sleep 1; done
-                 grep -E "engine ready|start-up of rank" "$OUT_DIR/q3n_server.log" | cut -c1-400
-                 run q3n_serve 120 python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8012 \
-                     --num_prompts 64 --input_len 1024 --output_len 64 --max_concurrency 64
-                 kill $server; wait $server
-                 run q3n_fp8 330 python -m lightllm.tools.bench_throughput --model_dir /tmp/q3n --load_format dummy \
-                     --quantization fp8 --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48 ;;
-        fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
-                 grep -E "^\|" "$OUT_DIR/fp8_moe.log" | tail -20 ;;
-        tune_cap8) run tune_cap8 200 python test/benchmark/bench_linear_att.py --tune "$OUT_DIR/tuned_cap8.json" \
-                       --shapes qwen3-next-tp1,kimi-linear-tp1,qwen3.5-tp1 --state-dtypes fp32 --ws 1 \
-                       --replay_capacity 8 --tune_families replay-inline --budget-s 150
-                   run tune_cap8_mtp 150 python test/benchmark/bench_linear_att.py --tune "$OUT_DIR/tuned_cap8_mtp.json" \
-                       --shapes qwen3-next-tp1 --state-dtypes fp32 --ws 3,4 --replay_capacity 8 \
-                       --tune_families replay-inline --budget-s 100
-                   grep -h -E "^  family=" "$OUT_DIR"/tune_cap8*.log | sed -E 's/gpu=[^|]*.triton=[^|]*.//' ;;
         *) echo "unknown part $part" ;;
     esac
+    pack
 done
 echo "== done ($(date +%T))"
