@@ -21,7 +21,8 @@ if [ $# -gt "$GPUS" ]; then
     exit 2
 fi
 OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
-bash test/gpu/install_wheels.sh || exit 1  # once, before the stages (concurrent installs would collide)
+# the wheels installed and the Triton cache seeded once, before the stages (concurrent installs would collide)
+source test/gpu/python_env.sh || exit 1
 WORK=/tmp/h200_parallel
 rm -rf "$WORK" && mkdir -p "$WORK" "$OUT_DIR"
 
@@ -52,12 +53,7 @@ for algo in gdn kda; do
         mkdir -p "$OUT_DIR/$algo" && cp "$table" "$OUT_DIR/$algo/"
     fi
 done
-# the cache in 15 MiB parts, up to four (what may come back beside the logs and tables)
+# the cache in up to four parts (what may come back beside the logs and tables)
 find "$WORK" -name 'triton.tgz*' -delete
-tar -czf /tmp/triton.tgz -C .cache/gpu/triton . &&
-    if [ "$(stat -c %s /tmp/triton.tgz)" -le $((60 * 1024 * 1024)) ]; then
-        split -b 15M -d /tmp/triton.tgz "$OUT_DIR/triton.tgz.part-"
-    else
-        echo "Triton cache $(du -h /tmp/triton.tgz | cut -f1) is over 60 MiB: not returned"
-    fi
+save_triton_cache "$OUT_DIR" 4
 tar -czf "$OUT_DIR/logs.tgz" -C "$WORK" .

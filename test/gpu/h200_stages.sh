@@ -43,18 +43,10 @@ DEADLINE=$((SECONDS + ${2:-540}))
 py() { timeout $((DEADLINE - SECONDS > 1 ? DEADLINE - SECONDS : 1)) python "$@"; }
 OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
 mkdir -p "$OUT_DIR"
-# python_env.sh set up the Triton cache in $TRITON_CACHE_DIR (seeded from a carried .cache/gpu/triton.tgz*); it
-# goes back as triton.tgz, or as triton.tgz.part-* when it is over the 16 MiB a returned file may have
+# the Triton cache goes back to $OUT at the end (python_env.sh seeded it from a carried .cache/gpu/triton.tgz*)
 save_cache() {
     [ -n "${SKIP_CACHE_SAVE:-}" ] && return  # h200_parallel.sh saves the shared cache once, after all stages
-    tar -czf /tmp/triton.tgz -C "$TRITON_CACHE_DIR" . || return
-    if [ "$(stat -c %s /tmp/triton.tgz)" -le $((15 * 1024 * 1024)) ]; then
-        cp /tmp/triton.tgz "$OUT_DIR/triton.tgz"
-    elif [ "$(stat -c %s /tmp/triton.tgz)" -le $((45 * 1024 * 1024)) ]; then
-        split -b 15M -d /tmp/triton.tgz "$OUT_DIR/triton.tgz.part-"
-    else
-        echo "Triton cache $(du -h /tmp/triton.tgz | cut -f1) is over 45 MiB: not returned"
-    fi
+    save_triton_cache "$OUT_DIR" 3
 }
 trap save_cache EXIT
 

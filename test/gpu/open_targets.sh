@@ -3,10 +3,11 @@
 #
 #   bash test/gpu/open_targets.sh [parts, default "structured host_tier dp_multiturn"]
 #
-# Parts (each prints its table as it finishes; full logs and JSON go to $OUT/logs.tar, or /tmp/lightllm_gpu_out):
+# Parts (each prints its table as it finishes; full logs and JSON go to $OUT/logs.tar, or /tmp/lightllm_gpu_out, and
+# the Triton cache to $OUT/triton.tgz.part-*):
 #   structured    free vs JSON-schema-constrained decode at batch 64, one engine (bench_structured_output.py)
 #   grammar_gpu   the constrained step's deferred masks on CUDA: the device wait's memcheck, the grammar and host-sync
-#                 GPU tests (overlap == sync through graphs, no host sync), then the structured part
+#                 GPU tests (overlap == sync through graphs, no host sync)
 #   grammar_masks the host side of those masks without a model: llguidance's pool per thread count, the engine's
 #                 mask step on CUDA and the torch work around it (bench_grammar_masks.py)
 #   host_tier     two replicas on one GPU sharing the host tier: TTFT of a request forced to the other replica
@@ -51,6 +52,8 @@ OUT_DIR="${OUT:-/tmp/lightllm_gpu_out}"
 LOG_DIR=/tmp/lightllm_gpu_logs
 rm -rf "$LOG_DIR"; mkdir -p "$OUT_DIR" "$LOG_DIR"
 pack() { tar -cf "$OUT_DIR/logs.tar" -C "$LOG_DIR" .; }
+# the Triton cache comes back too (carry it as .cache/gpu/triton.tgz.part-* to skip the next machine's compiles)
+trap 'save_triton_cache "$OUT_DIR" 4' EXIT
 parts=${1:-"structured host_tier dp_multiturn"}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 run() {
@@ -80,15 +83,13 @@ http_run() {
 }
 for part in $parts; do
     case $part in
-        structured) run structured 150 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 \
+        structured) run structured 280 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 \
                         --phases ;;
         grammar_gpu) run grammar_memcheck 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
                          --error-exitcode 1 python test/gpu/memcheck_kernels.py --cases host_flag,token_bitmask
                      tail -5 "$LOG_DIR/grammar_memcheck.log"
                      run grammar_tests 300 python -m pytest -q test/gpu/test_grammar_gpu.py test/gpu/test_host_syncs_gpu.py
-                     tail -3 "$LOG_DIR/grammar_tests.log"
-                     run structured 150 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 \
-                         --phases ;;
+                     tail -3 "$LOG_DIR/grammar_tests.log" ;;
         grammar_masks) run grammar_masks 300 python test/benchmark/bench_grammar_masks.py --device cuda \
                            --threads 1,2,4,8,12
                        tail -40 "$LOG_DIR/grammar_masks.log" ;;

@@ -15,3 +15,15 @@ if [ ! -d "$TRITON_CACHE_DIR" ] && ls .cache/gpu/triton.tgz* >/dev/null 2>&1; th
     cat $(ls .cache/gpu/triton.tgz* | sort) | tar -xzf - -C "$TRITON_CACHE_DIR"
 fi
 mkdir -p "$TRITON_CACHE_DIR"
+# save_triton_cache DIR PARTS: the cache back into DIR as triton.tgz.part-NN of 15 MiB (the most a returned file may
+# have), when it fits in PARTS parts (a device command returns eight files at most, logs and tables included)
+save_triton_cache() {
+    local dir=$1 parts=$2
+    rm -f "$dir"/triton.tgz*
+    tar -czf /tmp/triton.tgz -C "$TRITON_CACHE_DIR" . || return
+    if [ "$(stat -c %s /tmp/triton.tgz)" -le $((parts * 15 * 1024 * 1024)) ]; then
+        split -b 15M -d /tmp/triton.tgz "$dir/triton.tgz.part-"
+    else
+        echo "Triton cache $(du -h /tmp/triton.tgz | cut -f1) is over $((parts * 15)) MiB: not returned"
+    fi
+}
