@@ -111,9 +111,23 @@ def runner_config(args: ServerArgs, rank: int = 0, size: int = 1) -> RunnerConfi
 
 def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: int = 1):
     """This rank's `ModelRunner`, warmed up (and with its decode and short-prefill graphs captured on CUDA)."""
+    from lightllm.models.registry import load_model_config
+    from lightllm.worker.compile_ahead import WAIT_S, start_compile_ahead
     from lightllm.worker.runner import ModelRunner
 
-    runner = ModelRunner(runner_config(args, rank, size))
+    config = runner_config(args, rank, size)
+    # the shipped compile list's kernels build in other processes while this one loads weights (rank 0's workers
+    # fill the Triton cache every rank reads)
+    ahead = start_compile_ahead(config, load_model_config(config.model_dir)) if rank == 0 else None
+    try:
+        runner = ModelRunner(config)
+    except BaseException:
+        if ahead is not None:
+            ahead.close()
+        raise
+    if ahead is not None:
+        with runner.startup.phase("compiles ahead"):
+            logger.info("%s", ahead.wait(WAIT_S).summary())
     # fla's chunk kernels autotune on their first call per shape: pay it at start-up, not in a request (CPU: no-op)
     # a step's prefill rows run as one varlen call: its token count reaches the step budget
     runner.warmup(args.max_num_batched_tokens, progress=rank == 0)

@@ -39,6 +39,8 @@
 #   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: the server's memory plan and 64 requests
 #                 over HTTP, then replay and native decode at 1 / 64 / 256
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
+#   compile_ahead the serving checkpoint's start-up compiles recorded into this GPU kind's compile list (returned
+#                 beside the logs: commit it), then a fresh start (empty Triton cache) without the list and one with it
 #   tune_cap8     the replay kernels' table at the default replay capacity (8), fp32 state, 256 rows: plain decode at
 #                 the shipped shapes, the MTP 2 / 3 windows at the serving checkpoint's; the entries a fresh start
 #                 would otherwise tune, timed as the shipped ones were (sweep_linear_att.py) and merged into copies
@@ -171,6 +173,23 @@ for part in $parts; do
                    cp lightllm/linear_att/kda/tuned/h200.json "$OUT_DIR/kda_h200.json"
                    grep -h -E "^family=replay" "$LOG_DIR"/tune_cap8*.log | grep "replay_capacity=8" \
                        | sed -E 's/gpu=[^|]*.triton=[^|]*.//' ;;
+        compile_ahead) # the serving checkpoint's start-up compiles recorded into this GPU kind's list (replay and native,
+                       # at 64 and the default requests), then fresh starts (empty Triton caches) without and with it
+                       lists=lightllm/kernels/compile_ahead/lists
+                       for n in 64 256; do
+                           run "record_compiles_$n" 300 python -m lightllm.tools.record_compiles --serving_model \
+                               --modes replay,native --max_running_requests $n
+                       done
+                       grep -h -E "kernel variants|not recordable|has [0-9]+ entries" "$LOG_DIR"/record_compiles_*.log
+                       cp $lists/*.json "$OUT_DIR/"
+                       for list in without with; do
+                           [ $list = without ] && mkdir -p /tmp/lists_aside && mv $lists/*.json /tmp/lists_aside/
+                           run "fresh_start_$list" 300 env TRITON_CACHE_DIR="$(mktemp -d)" python test/gpu/startup_check.py \
+                               --starts 1 --modes replay --big_max_running_requests 0 --log_dir "$LOG_DIR/start_$list"
+                           [ $list = without ] && mv /tmp/lists_aside/*.json $lists/
+                           grep -h -o -E "start-up of rank 0: .*|[0-9]+ of [0-9]+ kernels compiled ahead.*" \
+                               "$LOG_DIR/start_$list"/* | cut -c1-400
+                       done ;;
         *) echo "unknown part $part" ;;
     esac
     pack

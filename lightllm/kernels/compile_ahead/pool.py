@@ -1,0 +1,107 @@
+"""Compile a list's entries in worker processes while the caller goes on (`CompileAhead`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from triton.backends.compiler import GPUTarget
+
+# the folder holding the `lightllm` package, so that workers import this copy of it
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
+
+
+def default_workers(num_entries: int) -> int:
+    """One process per core the caller may use but one (left to the caller), at most 16, at most one per entry."""
+    return max(0, min(num_entries, len(os.sched_getaffinity(0)) - 1, 16))
+
+
+@dataclass
+class AheadReport:
+    entries: int
+    workers: int
+    compiled: int = 0
+    failed: list[str] = field(default_factory=list)
+    unfinished: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        text = f"{self.compiled} of {self.entries} kernels compiled ahead"
+        text += f" on {self.workers} processes in {self.seconds:.1f} s"
+        if self.failed:
+            text += f"; failed: {', '.join(sorted(set(self.failed)))}"
+        if self.unfinished:
+            text += f"; {self.unfinished} not reached"
+        return text
+
+
+class CompileAhead:
+    """Worker processes compiling `entries` (compile-list entries, in the order they are needed) for `target`
+    into the Triton cache this process uses. `wait` waits for them (bounded) and reports; `close` stops any left.
+    With no entries or no spare core it starts nothing."""
+
+    def __init__(self, entries: list[dict], target: GPUTarget, workers: int | None = None) -> None:
+        self.started = time.perf_counter()
+        self.workers = default_workers(len(entries)) if workers is None else min(workers, len(entries))
+        self.report = AheadReport(entries=len(entries), workers=self.workers)
+        self._procs: list[subprocess.Popen] = []
+        self._job = None
+        if self.workers == 0:
+            return
+        fd, self._job = tempfile.mkstemp(prefix="lightllm-compile-ahead-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"target": [target.backend, target.arch, target.warp_size], "entries": entries}, f)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, "-m", "lightllm.kernels.compile_ahead.worker", self._job]
+        for index in range(self.workers):
+            self._procs.append(
+                subprocess.Popen(
+                    [*command, str(index), str(self.workers)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    text=True,
+                )
+            )
+
+    def wait(self, timeout_s: float) -> AheadReport:
+        """Wait up to `timeout_s` for every worker, then stop the rest; the report counts each entry's outcome."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        done = 0
+        for proc in self._procs:
+            for line in proc.stdout.read().splitlines():
+                status, _, kernel = line.split(" ", 2)
+                done += 1
+                if status == "ok":
+                    self.report.compiled += 1
+                else:
+                    self.report.failed.append(kernel.split(" ", 1)[0])
+            proc.stdout.close()
+        self.report.unfinished = self.report.entries - done
+        self.report.seconds = time.perf_counter() - self.started
+        self._procs = []
+        self.close()
+        return self.report
+
+    def close(self) -> None:
+        for proc in self._procs:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+        self._procs = []
+        if self._job is not None:
+            os.unlink(self._job)
+            self._job = None

@@ -1,0 +1,93 @@
+"""Compile lists: kernel variants recorded from real sm_90 compiles on the CPU, compiled again by worker processes
+into an empty Triton cache, after which the same launches compile nothing (every one a cache hit); a list whose
+constexprs no longer match leaves the launches to compile. Lists merge by group; the engine's group key ignores
+depth and vocabulary and follows dtype, TP size and quantization."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightllm.kernels.compile_ahead.lists import merge_entries, read_entries
+from unit_tests.helpers.sm90 import PTXAS
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def _child(mode: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run(
+        [sys.executable, "-m", "unit_tests.helpers.compile_ahead_child", mode],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is not installed")
+def test_workers_fill_the_cache_the_launches_then_hit():
+    result = _child("match")
+    assert result["entries"] == 3 and result["refused"] == {}
+    assert result["compiled"] == 3 and result["failed"] == [] and result["unfinished"] == 0
+    assert result["files_from_workers"] > 0
+    assert result["files_added_by_launches"] == 0
+
+
+@pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is not installed")
+def test_a_stale_list_leaves_the_launches_to_compile():
+    result = _child("stale")
+    assert result["compiled"] == 3
+    assert result["files_added_by_launches"] > 0
+
+
+def _entry(kernel: str, value: int) -> dict:
+    return {
+        "kernel": kernel,
+        "spec": {"signature": {"x": "*fp32"}, "constants": [[[1], value]], "attrs": [], "options": {}},
+    }
+
+
+def test_lists_merge_by_group(tmp_path):
+    path = tmp_path / "NVIDIA_H200.json"
+    assert read_entries(path, "a") == []
+    assert merge_entries(path, "a", [_entry("m:k", 1), _entry("m:k", 2)]) == 2
+    assert merge_entries(path, "b", [_entry("m:k", 2), _entry("m:j", 1)]) == 2
+    assert [e["spec"]["constants"][0][1] for e in read_entries(path, "a")] == [1, 2]
+    assert [(e["kernel"], e["keys"]) for e in read_entries(path, "b")] == [("m:k", ["a", "b"]), ("m:j", ["b"])]
+    # additive unless replaced; a replaced group keeps only what the new recording met
+    assert merge_entries(path, "a", [_entry("m:j", 1)]) == 3
+    assert merge_entries(path, "a", [_entry("m:j", 1)], replace=True) == 1
+    assert [e["kernel"] for e in read_entries(path, "a")] == ["m:j"]
+    (listed,) = json.loads(path.read_text()).values()
+    assert len(listed) == 2  # m:k with 1 had group a only: it went
+    assert len(path.read_text().splitlines()) == 4 + len(listed)  # one line per entry
+
+
+def test_group_key_follows_what_reaches_kernels():
+    from lightllm.models.registry import load_model_config
+    from lightllm.tools.make_tiny_model import tiny_model_dir
+    from lightllm.worker.compile_ahead import group_key
+
+    cfg = load_model_config(tiny_model_dir("qwen3_5"))
+    key = group_key(cfg, torch.bfloat16, 1, None)
+    assert key.startswith("qwen3_5/h") and "/bfloat16/tp1/none-" in key
+    deeper = dataclasses.replace(cfg, layer_types=cfg.layer_types * 2, ffn_types=cfg.ffn_types * 2, vocab_size=7)
+    assert group_key(deeper, torch.bfloat16, 1, None) == key
+    assert group_key(cfg, torch.float16, 1, None) != key
+    assert group_key(cfg, torch.bfloat16, 2, None) != key
+    assert group_key(cfg, torch.bfloat16, 1, "fp8") != key
+    wider = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size * 2)
+    assert group_key(wider, torch.bfloat16, 1, None) != key
+    heads = dataclasses.replace(cfg, linear=dataclasses.replace(cfg.linear, num_v_heads=cfg.linear.num_v_heads * 2))
+    assert group_key(heads, torch.bfloat16, 1, None) != key
