@@ -187,7 +187,7 @@ for part in $parts; do
                            run "fresh_start_$list" 300 env TRITON_CACHE_DIR="$(mktemp -d)" python test/gpu/startup_check.py \
                                --starts 1 --modes replay --big_max_running_requests 0 --log_dir "$LOG_DIR/start_$list"
                            [ $list = without ] && mv /tmp/lists_aside/*.json $lists/
-                           grep -h -o -E "start-up of rank 0: .*|[0-9]+ of [0-9]+ kernels compiled ahead.*" \
+                           grep -h -o -E "start-up of rank 0: .*|[0-9]+ of [0-9]+ kernels compiled ahead.*|engine ready: .*" \
                                "$LOG_DIR/start_$list"/* | cut -c1-400
                        done ;;
         *) echo "unknown part $part" ;;
