@@ -135,6 +135,10 @@ def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: in
         with runner.startup.phase("CUDA graphs"):
             runner.init_decode_graphs()
             runner.init_prefill_graphs()
+    if ahead is not None:
+        logger.info(
+            "compiled at start-up beyond the compile list: %d Triton cache entries", ahead.compiled_since_wait()
+        )
     logger.info("start-up of rank %d: %s", rank, runner.startup.summary())
     return runner
 

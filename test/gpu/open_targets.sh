@@ -41,6 +41,8 @@
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
 #   compile_ahead the serving checkpoint's start-up compiles recorded into this GPU kind's compile list (returned
 #                 beside the logs: commit it), then a fresh start (empty Triton cache) without the list and one with it
+#   record_presets the compile list's groups of Qwen3.5-35B-A3B, Kimi-Linear-48B-A3B and Qwen3-Next-80B-A3B (FP8),
+#                 recorded from 4-layer random-weight copies (the list comes back beside the logs)
 #   tune_cap8     the replay kernels' table at the default replay capacity (8), fp32 state, 256 rows: plain decode at
 #                 the shipped shapes, the MTP 2 / 3 windows at the serving checkpoint's; the entries a fresh start
 #                 would otherwise tune, timed as the shipped ones were (sweep_linear_att.py) and merged into copies
@@ -187,9 +189,18 @@ for part in $parts; do
                            run "fresh_start_$list" 300 env TRITON_CACHE_DIR="$(mktemp -d)" python test/gpu/startup_check.py \
                                --starts 1 --modes replay --big_max_running_requests 0 --log_dir "$LOG_DIR/start_$list"
                            [ $list = without ] && mv /tmp/lists_aside/*.json $lists/
-                           grep -h -o -E "start-up of rank 0: .*|[0-9]+ of [0-9]+ kernels compiled ahead.*|engine ready: .*" \
+                           grep -h -o -E "start-up of rank 0: .*|[0-9]+ of [0-9]+ kernels compiled ahead.*|beyond the compile list.*|engine ready: .*" \
                                "$LOG_DIR/start_$list"/* | cut -c1-400
                        done ;;
+        record_presets) # the released models' groups of the list, from 4-layer random-weight copies (the key ignores depth)
+                        for preset in qwen3.5-35b-a3b kimi-linear-48b-a3b "qwen3-next-80b-a3b --quantization fp8"; do
+                            read -r name flags <<<"$preset"
+                            python -m lightllm.tools.dummy_model_dir --preset "$name" --num_layers 4 --out "/tmp/rec_$name" > /dev/null
+                            run "record_$name" 240 python -m lightllm.tools.record_compiles --model_dir "/tmp/rec_$name" \
+                                --load_format dummy --modes replay $flags
+                            grep -h -E "kernel variants|not recordable|has [0-9]+ entries" "$LOG_DIR/record_$name.log"
+                        done
+                        cp lightllm/kernels/compile_ahead/lists/*.json "$OUT_DIR/" ;;
         *) echo "unknown part $part" ;;
     esac
     pack

@@ -90,7 +90,8 @@ def main(mode: str) -> int:
         for entry in entries:
             entry["spec"]["constants"] = [[p, 8 if v == 4 else v] for p, v in entry["spec"]["constants"]]
     os.environ["TRITON_CACHE_DIR"] = fresh = os.path.join(tmp, "fresh")
-    report = CompileAhead(entries, TARGET, workers=2).wait(300)
+    ahead = CompileAhead(entries, TARGET, workers=2)
+    report = ahead.wait(300)
     before = cache_files(fresh)
     for kernel in kernels:
         kernel.device_caches.clear()
@@ -107,6 +108,7 @@ def main(mode: str) -> int:
                 "workers": report.workers,
                 "files_from_workers": before,
                 "files_added_by_launches": cache_files(fresh) - before,
+                "compiled_since_wait": ahead.compiled_since_wait(),
                 "launch_s": time.perf_counter() - t0,
             }
         )

@@ -13,9 +13,10 @@ import triton
 LIST_DIR = Path(__file__).parent / "lists"
 
 
-def list_path(device_name: str, list_dir: Path = LIST_DIR) -> Path:
-    """The list of a GPU kind, by its file-name-safe device name (`tuned_tables.device_name`)."""
-    return Path(list_dir) / f"{device_name}.json"
+def list_path(device_name: str, list_dir: Path | None = None) -> Path:
+    """The list of a GPU kind, by its file-name-safe device name (`tuned_tables.device_name`), in `list_dir` (default:
+    the shipped lists)."""
+    return Path(LIST_DIR if list_dir is None else list_dir) / f"{device_name}.json"
 
 
 def read_entries(path: str | os.PathLike, key: str) -> list[dict]:

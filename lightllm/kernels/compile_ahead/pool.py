@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 
 # the folder holding the `lightllm` package, so that workers import this copy of it
@@ -52,6 +53,7 @@ class CompileAhead:
         self.report = AheadReport(entries=len(entries), workers=self.workers)
         self._procs: list[subprocess.Popen] = []
         self._job = None
+        self._cached_after_wait: set[str] = set()
         if self.workers == 0:
             return
         fd, self._job = tempfile.mkstemp(prefix="lightllm-compile-ahead-", suffix=".json")
@@ -92,9 +94,15 @@ class CompileAhead:
             proc.stdout.close()
         self.report.unfinished = self.report.entries - done
         self.report.seconds = time.perf_counter() - self.started
+        self._cached_after_wait = _cache_entries()
         self._procs = []
         self.close()
         return self.report
+
+    def compiled_since_wait(self) -> int:
+        """Triton cache entries written since `wait` returned: what this process compiled that the list lacked
+        (kernels and their launcher modules)."""
+        return len(_cache_entries() - self._cached_after_wait)
 
     def close(self) -> None:
         for proc in self._procs:
@@ -105,3 +113,11 @@ class CompileAhead:
         if self._job is not None:
             os.unlink(self._job)
             self._job = None
+
+
+def _cache_entries() -> set[str]:
+    """The entries (one folder per compiled kernel or module) of the Triton cache this process writes."""
+    try:
+        return set(os.listdir(knobs.cache.dir))
+    except FileNotFoundError:
+        return set()
