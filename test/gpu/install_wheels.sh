@@ -6,4 +6,6 @@ cd "$(dirname "$0")/../.."
 [ -e /tmp/site/.lightllm_wheels ] && exit 0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     2>/dev/null || exit 1
+# byte-compiled in parallel here, as a pip install would have done, so that no first start pays for it
+python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1
 touch /tmp/site/.lightllm_wheels
