@@ -91,3 +91,17 @@ def test_group_key_follows_what_reaches_kernels():
     assert group_key(wider, torch.bfloat16, 1, None) != key
     heads = dataclasses.replace(cfg, linear=dataclasses.replace(cfg.linear, num_v_heads=cfg.linear.num_v_heads * 2))
     assert group_key(heads, torch.bfloat16, 1, None) != key
+
+
+def test_an_entry_that_does_not_compile_is_reported_and_the_rest_go_on():
+    from triton.backends.compiler import GPUTarget
+
+    from lightllm.kernels.compile_ahead.pool import CompileAhead
+
+    spec = {"signature": {"x": "*fp32"}, "constants": [], "attrs": [], "options": {}}
+    entries = [{"kernel": "lightllm.kernels.no_such_module:kernel", "spec": spec}]
+    entries.append({"kernel": "lightllm.kernels.host_flag:no_such_kernel", "spec": spec})
+    report = CompileAhead(entries, GPUTarget("cuda", 90, 32), workers=1).wait(120)
+    assert report.compiled == 0 and report.unfinished == 0
+    assert report.failed == [e["kernel"] for e in entries]
+    assert "0 of 2 kernels compiled ahead on 1 processes" in report.summary() and "no_such_kernel" in report.summary()

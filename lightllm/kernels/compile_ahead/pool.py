@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,26 +53,28 @@ class CompileAhead:
         self.workers = default_workers(len(entries)) if workers is None else min(workers, len(entries))
         self.report = AheadReport(entries=len(entries), workers=self.workers)
         self._procs: list[subprocess.Popen] = []
-        self._job = None
+        self._dir = None
         self._cached_after_wait: set[str] = set()
         if self.workers == 0:
             return
-        fd, self._job = tempfile.mkstemp(prefix="lightllm-compile-ahead-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
+        # the job and each worker's lines in files (a pipe nobody reads until `wait` could fill and stall a worker)
+        self._dir = tempfile.mkdtemp(prefix="lightllm-compile-ahead-")
+        job = os.path.join(self._dir, "job.json")
+        with open(job, "w") as f:
             json.dump({"target": [target.backend, target.arch, target.warp_size], "entries": entries}, f)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
-        command = [sys.executable, "-m", "lightllm.kernels.compile_ahead.worker", self._job]
+        command = [sys.executable, "-m", "lightllm.kernels.compile_ahead.worker", job]
         for index in range(self.workers):
-            self._procs.append(
-                subprocess.Popen(
-                    [*command, str(index), str(self.workers)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    text=True,
+            with open(self._output(index), "w") as out:
+                self._procs.append(
+                    subprocess.Popen(
+                        [*command, str(index), str(self.workers)],
+                        stdout=out,
+                        stderr=subprocess.DEVNULL,
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                    )
                 )
-            )
 
     def wait(self, timeout_s: float) -> AheadReport:
         """Wait up to `timeout_s` for every worker, then stop the rest; the report counts each entry's outcome."""
@@ -83,19 +86,21 @@ class CompileAhead:
                 proc.kill()
                 proc.wait()
         done = 0
-        for proc in self._procs:
-            for line in proc.stdout.read().splitlines():
-                status, _, kernel = line.split(" ", 2)
-                done += 1
-                if status == "ok":
-                    self.report.compiled += 1
-                else:
-                    self.report.failed.append(kernel.split(" ", 1)[0])
-            proc.stdout.close()
+        for index in range(len(self._procs)):
+            with open(self._output(index)) as f:
+                for line in f.read().splitlines():
+                    status, _, rest = line.partition(" ")
+                    kernel = rest.split(" ")[1] if rest.count(" ") else ""
+                    if status == "ok":
+                        self.report.compiled += 1
+                    elif status == "failed":
+                        self.report.failed.append(kernel)
+                    else:
+                        continue
+                    done += 1
         self.report.unfinished = self.report.entries - done
         self.report.seconds = time.perf_counter() - self.started
         self._cached_after_wait = _cache_entries()
-        self._procs = []
         self.close()
         return self.report
 
@@ -105,14 +110,17 @@ class CompileAhead:
         return len(_cache_entries() - self._cached_after_wait)
 
     def close(self) -> None:
+        """Stop any worker left and remove the job's files."""
         for proc in self._procs:
             proc.kill()
             proc.wait()
-            proc.stdout.close()
         self._procs = []
-        if self._job is not None:
-            os.unlink(self._job)
-            self._job = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def _output(self, index: int) -> str:
+        return os.path.join(self._dir, f"worker-{index}.txt")
 
 
 def _cache_entries() -> set[str]:

@@ -1,7 +1,8 @@
 """One compile-ahead worker process: `python -m lightllm.kernels.compile_ahead.worker JOB INDEX COUNT` compiles
 entries INDEX, INDEX + COUNT, ... of the job file (`{"target": [backend, arch, warp_size], "entries": [...]}`)
 into the Triton cache, with their launchers where the CUDA driver library is there, and prints one line per entry:
-`ok|failed SECONDS KERNEL [error]`. It never creates a CUDA context (the engine's memory plan counts free memory)."""
+`ok|failed SECONDS KERNEL [error]`. It launches nothing and allocates no device memory (the engine's memory plan
+counts the device's free memory while workers run)."""
 
 from __future__ import annotations
 
