@@ -1,9 +1,10 @@
 """Run in a subprocess without the interpreter (`python -m unit_tests.helpers.compile_ahead_child MODE`): records
 the sm_90 compiles of real launches of two project kernels on the CPU (Triton's JIT under a driver that targets
-sm_90 and has no device), lists them, has compile-ahead workers compile the list into an empty Triton cache, then
-repeats the launches with the JIT's in-memory caches cleared and prints, as JSON, the workers' report and how many
-files the repeated launches added to the cache (none when every one was a cache hit). MODE `stale` changes one
-listed constexpr before the workers run (a list that no longer matches its launch)."""
+sm_90 and has no device), lists them, has compile-ahead workers compile the list into an empty Triton cache, starts
+them a second time (the first start's marker: none runs), then repeats the launches with the JIT's in-memory caches
+cleared and prints, as JSON, the workers' reports and how many files the repeated launches added to the cache (none
+when every one was a cache hit). MODE `stale` changes one listed constexpr before the workers run (a list that no
+longer matches its launch)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ def main(mode: str) -> int:
     os.environ["TRITON_CACHE_DIR"] = fresh = os.path.join(tmp, "fresh")
     ahead = CompileAhead(entries, TARGET, workers=2)
     report = ahead.wait(300)
+    again = CompileAhead(entries, TARGET, workers=2).wait(300)
     before = cache_files(fresh)
     for kernel in kernels:
         kernel.device_caches.clear()
@@ -109,6 +111,7 @@ def main(mode: str) -> int:
                 "files_from_workers": before,
                 "files_added_by_launches": cache_files(fresh) - before,
                 "compiled_since_wait": ahead.compiled_since_wait(),
+                "second_start": [again.workers, again.cached],
                 "launch_s": time.perf_counter() - t0,
             }
         )

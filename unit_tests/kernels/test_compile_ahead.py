@@ -42,6 +42,7 @@ def test_workers_fill_the_cache_the_launches_then_hit():
     assert result["compiled"] == 3 and result["failed"] == [] and result["unfinished"] == 0
     assert result["files_from_workers"] > 0
     assert result["files_added_by_launches"] == 0 and result["compiled_since_wait"] == 0
+    assert result["second_start"] == [0, True]
 
 
 @pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is not installed")

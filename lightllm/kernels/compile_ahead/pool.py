@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 
@@ -32,8 +34,12 @@ class AheadReport:
     failed: list[str] = field(default_factory=list)
     unfinished: int = 0
     seconds: float = 0.0
+    # an earlier start compiled these entries into this Triton cache: no worker ran
+    cached: bool = False
 
     def summary(self) -> str:
+        if self.cached:
+            return f"the {self.entries} kernels of the compile list are in the Triton cache already"
         text = f"{self.compiled} of {self.entries} kernels compiled ahead"
         text += f" on {self.workers} processes in {self.seconds:.1f} s"
         if self.failed:
@@ -46,7 +52,8 @@ class AheadReport:
 class CompileAhead:
     """Worker processes compiling `entries` (compile-list entries, in the order they are needed) for `target`
     into the Triton cache this process uses. `wait` waits for them (bounded) and reports; `close` stops any left.
-    With no entries or no spare core it starts nothing."""
+    With no entries or no spare core it starts nothing, nor when a marker in the Triton cache says an earlier start
+    compiled the same entries into it (a warm machine starts no worker)."""
 
     def __init__(self, entries: list[dict], target: GPUTarget, workers: int | None = None) -> None:
         self.started = time.perf_counter()
@@ -55,6 +62,10 @@ class CompileAhead:
         self._procs: list[subprocess.Popen] = []
         self._dir = None
         self._cached_after_wait: set[str] = set()
+        self._marker = _marker_path(entries, target)
+        if os.path.exists(self._marker):
+            self.workers = self.report.workers = 0
+            self.report.cached = True
         if self.workers == 0:
             return
         # the job and each worker's lines in files (a pipe nobody reads until `wait` could fill and stall a worker)
@@ -78,6 +89,10 @@ class CompileAhead:
 
     def wait(self, timeout_s: float) -> AheadReport:
         """Wait up to `timeout_s` for every worker, then stop the rest; the report counts each entry's outcome."""
+        if not self._procs:
+            self.report.seconds = time.perf_counter() - self.started
+            self._cached_after_wait = _cache_entries()
+            return self.report
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             try:
@@ -100,6 +115,10 @@ class CompileAhead:
                     done += 1
         self.report.unfinished = self.report.entries - done
         self.report.seconds = time.perf_counter() - self.started
+        if done == self.report.entries:
+            # failed entries would fail again: the next start on this cache need not try
+            os.makedirs(os.path.dirname(self._marker), exist_ok=True)
+            open(self._marker, "w").close()
         self._cached_after_wait = _cache_entries()
         self.close()
         return self.report
@@ -121,6 +140,16 @@ class CompileAhead:
 
     def _output(self, index: int) -> str:
         return os.path.join(self._dir, f"worker-{index}.txt")
+
+
+def _marker_path(entries: list[dict], target: GPUTarget) -> str:
+    """Where a finished compile of `entries` for `target` leaves its marker: inside the Triton cache, so that a cache
+    wiped or moved takes it along."""
+    identity = json.dumps(
+        [triton.__version__, [target.backend, target.arch, target.warp_size], entries], sort_keys=True
+    )
+    name = hashlib.sha256(identity.encode()).hexdigest()[:32]
+    return os.path.join(knobs.cache.dir, "lightllm_compile_ahead", name)
 
 
 def _cache_entries() -> set[str]:
