@@ -39,8 +39,9 @@
 #   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: the server's memory plan and 64 requests
 #                 over HTTP, then replay and native decode at 1 / 64 / 256
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
-#   compile_ahead the serving checkpoint's start-up compiles recorded into this GPU kind's compile list (returned
-#                 beside the logs: commit it), then a fresh start (empty Triton cache) without the list and one with it
+#   compile_ahead the serving checkpoint's start-up compiles (replay and native, 64 requests) recorded into this GPU
+#                 kind's compile list (returned beside the logs: commit it), then a fresh start (empty Triton cache)
+#                 without the list and one with it
 #   record_presets the compile list's groups of Qwen3.5-35B-A3B, Kimi-Linear-48B-A3B and Qwen3-Next-80B-A3B (FP8),
 #                 recorded from 4-layer random-weight copies (the list comes back beside the logs)
 #   tune_cap8     the replay kernels' table at the default replay capacity (8), fp32 state, 256 rows: plain decode at
@@ -176,13 +177,11 @@ for part in $parts; do
                    grep -h -E "^family=replay" "$LOG_DIR"/tune_cap8*.log | grep "replay_capacity=8" \
                        | sed -E 's/gpu=[^|]*.triton=[^|]*.//' ;;
         compile_ahead) # the serving checkpoint's start-up compiles recorded into this GPU kind's list (replay and native,
-                       # at 64 and the default requests), then fresh starts (empty Triton caches) without and with it
+                       # 64 requests), then fresh starts (empty Triton caches) without and with it
                        lists=lightllm/kernels/compile_ahead/lists
-                       for n in 64 256; do
-                           run "record_compiles_$n" 300 python -m lightllm.tools.record_compiles --serving_model \
-                               --modes replay,native --max_running_requests $n
-                       done
-                       grep -h -E "kernel variants|not recordable|has [0-9]+ entries" "$LOG_DIR"/record_compiles_*.log
+                       run record_compiles 240 python -m lightllm.tools.record_compiles --serving_model \
+                           --modes replay,native --max_running_requests 64
+                       grep -h -E "kernel variants|not recordable|has [0-9]+ entries" "$LOG_DIR/record_compiles.log"
                        cp $lists/*.json "$OUT_DIR/"
                        for list in without with; do
                            [ $list = without ] && mkdir -p /tmp/lists_aside && mv $lists/*.json /tmp/lists_aside/
