@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> Path:
     from lightllm.models.registry import load_model_config
     from lightllm.server.args import load_server_args
     from lightllm.server.engine_process import build_engine
+    from lightllm.server.llm_lifecycle import ProcessSettings, release_engine
     from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY, runner_config
     from lightllm.worker.compile_ahead import runner_group_key
 
@@ -54,14 +55,15 @@ def main(argv: list[str] | None = None) -> Path:
         args, info = load_server_args(server_flags, ssm_state_mode=mode, **overrides)
         config = runner_config(args)
         keys.add(runner_group_key(config, load_model_config(config.model_dir)))
+        settings = ProcessSettings()
         with CompileRecorder() as recorder:
             engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
         print(f"{mode}: {len(recorder.entries)} kernel variants compiled at start-up", flush=True)
         for kernel, count in sorted(recorder.refused.items()):
             print(f"  not recordable: {kernel} ({count} variants)", flush=True)
         recorded += recorder.entries
-        engine.runner.close()
-        del engine
+        # the next mode's engine sizes its KV cache from the device memory this one leaves
+        release_engine(engine, settings)
     (key,) = keys
     total = merge_entries(path, key, recorded, replace=a.replace)
     print(f"{path}: group {key} has {total} entries", flush=True)
