@@ -6,7 +6,7 @@ machine compiles them in worker processes while the engine loads weights (`light
 
 Builds the engine the server would build from SERVER FLAGS (start-up warm-up, graph capture and the grammar
 warm-up included) once per state mode in `--modes`, with Triton's post-compile hook recording every kernel variant,
-then adds them to the group of the model's key in the list (default `lightllm/kernels/compile_ahead/lists/<device
+and adds each mode's variants to the group of the model's key in the list (default `lightllm/kernels/compile_ahead/lists/<device
 name>.json`; `--replace` drops the group's earlier entries first). A warm Triton cache records the same variants
 as an empty one. The key ignores depth and vocabulary, so a shallow random-weight copy of a model records its
 full-size group (`lightllm.tools.dummy_model_dir`). Run it on the GPU kind the list is for and commit the list.
@@ -50,23 +50,26 @@ def main(argv: list[str] | None = None) -> Path:
 
         overrides["model_dir"] = serving_model_dir()
     path = list_path(device_name(torch.device("cuda")), Path(a.list_dir))
-    recorded, keys = [], set()
+    replace = a.replace
     for mode in a.modes.split(","):
         args, info = load_server_args(server_flags, ssm_state_mode=mode, **overrides)
         config = runner_config(args)
-        keys.add(runner_group_key(config, load_model_config(config.model_dir)))
+        key = runner_group_key(config, load_model_config(config.model_dir))
         settings = ProcessSettings()
         with CompileRecorder() as recorder:
             engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
-        print(f"{mode}: {len(recorder.entries)} kernel variants compiled at start-up", flush=True)
         for kernel, count in sorted(recorder.refused.items()):
             print(f"  not recordable: {kernel} ({count} variants)", flush=True)
-        recorded += recorder.entries
+        # written after every mode, so that a later mode's failure keeps what the earlier ones recorded
+        total = merge_entries(path, key, recorder.entries, replace=replace)
+        replace = False
+        print(
+            f"{mode}: {len(recorder.entries)} kernel variants compiled at start-up; {path.name}: group {key} has "
+            f"{total} entries",
+            flush=True,
+        )
         # the next mode's engine sizes its KV cache from the device memory this one leaves
         release_engine(engine, settings)
-    (key,) = keys
-    total = merge_entries(path, key, recorded, replace=a.replace)
-    print(f"{path}: group {key} has {total} entries", flush=True)
     return path
 
 
