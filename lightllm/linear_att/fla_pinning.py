@@ -8,7 +8,8 @@ the kernel, so the autotuner never benchmarks; the kernel still compiles once pe
 start-up warm-up pays that).
 
 Tables are per GPU kind (`fla_tuned/<device name>.json`, written by `lightllm.tools.tune_fla_configs` on that GPU)
-and name the fla-core and Triton versions they were tuned with: a table from other versions, a kernel the installed
+and name the fla-core and Triton versions they were tuned with and the GPU's compute capability (a GPU kind without
+a table takes one of the same capability): a table from other versions, a kernel the installed
 fla lacks, or a config that kernel does not offer is not pinned (fla autotunes it as before, at the warm-up).
 """
 
@@ -23,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import KernelInterface
@@ -150,15 +152,33 @@ def pin_fla_configs(table: dict | None, autotuners: dict[str, Autotuner] | None 
     return report
 
 
-def pin_for_device(device_name: str) -> PinReport:
-    """Pin from the shipped table of `device_name` (nothing when there is none); logs what it did."""
+def table_for_device(device_name: str, capability: tuple[int, int] | None) -> tuple[Path, dict | None]:
+    """The shipped table of `device_name`, else one tuned on another GPU kind of the same compute capability
+    `capability` (the same SM architecture offers the same configs; a config tuned on a sibling beats minutes of
+    autotuning at start-up), else (its own path, None)."""
     path = table_path(device_name)
-    table = json.loads(path.read_text()) if path.exists() else None
+    if path.exists():
+        return path, json.loads(path.read_text())
+    if capability is not None:
+        for sibling in sorted(TABLE_DIR.glob("*.json")):
+            table = json.loads(sibling.read_text())
+            if table.get("capability") == list(capability):
+                return sibling, table
+    return path, None
+
+
+def pin_for_device(device_name: str, capability: tuple[int, int] | None = None) -> PinReport:
+    """Pin from the shipped table of `device_name` or of a GPU kind of the same compute capability (nothing when
+    there is none); logs what it did."""
+    path, table = table_for_device(device_name, capability)
     report = pin_fla_configs(table)
     if report.skipped:
         logger.info("fla kernels autotune at the warm-up (%s: %s)", path.name, report.skipped)
-    else:
-        logger.info("fla kernels pinned from %s: %d (%d autotune)", path.name, len(report.pinned), len(report.unlisted))
+        return report
+    sibling = "" if path == table_path(device_name) else f", tuned on another GPU of compute capability {capability}"
+    logger.info(
+        "fla kernels pinned from %s%s: %d (%d autotune)", path.name, sibling, len(report.pinned), len(report.unlisted)
+    )
     for name, why in report.refused.items():
         logger.warning("fla kernel %s not pinned: %s", name, why)
     return report
@@ -179,4 +199,7 @@ def record_table(autotuners: dict[str, Autotuner]) -> dict:
             "default": json.loads(counts.most_common(1)[0][0]),
             "by_key": [{"key": _jsonable(key), "config": config_to_json(c)} for key, c in chosen.items()],
         }
-    return {"versions": {"fla": fla.__version__, "triton": triton.__version__}, "kernels": kernels}
+    table = {"versions": {"fla": fla.__version__, "triton": triton.__version__}, "kernels": kernels}
+    if torch.cuda.is_available():
+        table["capability"] = list(torch.cuda.get_device_capability())
+    return table

@@ -24,7 +24,8 @@ from lightllm.linear_att.fla_pinning import fla_autotuners, record_table, table_
 
 
 def merge_tables(old: dict | None, new: dict) -> dict:
-    """`new`'s kernels and keys over `old`'s (same versions only; a table of other versions is replaced)."""
+    """`new`'s kernels and keys over `old`'s, its other fields (versions, capability) over `old`'s (same versions
+    only; a table of other versions is replaced)."""
     if old is None or old.get("versions") != new["versions"]:
         return new
     kernels = dict(old["kernels"])
@@ -35,7 +36,7 @@ def merge_tables(old: dict | None, new: dict) -> dict:
         by_key = {json.dumps(e["key"]): e for e in kernels[name]["by_key"]}
         by_key.update({json.dumps(e["key"]): e for e in spec["by_key"]})
         kernels[name] = {"default": kernels[name]["default"], "by_key": list(by_key.values())}
-    return {"versions": new["versions"], "kernels": kernels}
+    return {**old, **new, "kernels": kernels}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -38,7 +38,7 @@ def warm_up(runner, max_num_tokens: int, progress: bool = True) -> int:
         with phase("fla import and pinning"):
             from lightllm.linear_att.fla_pinning import pin_for_device
 
-            pin_for_device(torch.cuda.get_device_name(runner.device))
+            pin_for_device(torch.cuda.get_device_name(runner.device), torch.cuda.get_device_capability(runner.device))
     with phase("decode tuning"):
         tune_serving_shape(runner.state, runner.linear_spec, progress=progress)
     graph_tokens = runner._prefill_graph_tokens()

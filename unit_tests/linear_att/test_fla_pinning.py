@@ -138,3 +138,31 @@ def test_pin_for_device_reads_the_shipped_table_of_the_gpu_kind(tmp_path, monkey
     report = fla_pinning.pin_for_device("Fake GPU")
     assert report.pinned == [name] and name not in report.unlisted and report.unlisted
     assert tuner.cache[("any", "key")] is tuner.configs[-1]
+
+
+def test_a_gpu_kind_without_a_table_takes_one_of_the_same_compute_capability(tmp_path, monkeypatch):
+    name = "fla.ops.common.chunk_o:chunk_fwd_kernel_o"
+    tuner = fla_autotuners()[name]
+    monkeypatch.setattr(tuner, "cache", {})
+    monkeypatch.setattr(fla_pinning, "TABLE_DIR", tmp_path)
+    sibling = {"default": config_to_json(tuner.configs[-1]), "by_key": []}
+    other = {"default": config_to_json(tuner.configs[0]), "by_key": []}
+    for file, capability, spec in (("Sibling_GPU.json", [9, 0], sibling), ("Older_GPU.json", [8, 0], other)):
+        table = {"versions": VERSIONS, "capability": capability, "kernels": {name: spec}}
+        (tmp_path / file).write_text(json.dumps(table))
+    # another architecture, or no capability given: no table, fla autotunes
+    assert fla_pinning.pin_for_device("Fake GPU", (8, 9)).skipped == "no table for this GPU"
+    assert fla_pinning.pin_for_device("Fake GPU").skipped == "no table for this GPU"
+    assert tuner.cache == {}
+    report = fla_pinning.pin_for_device("Fake GPU", (9, 0))
+    assert report.pinned == [name] and tuner.cache[("any", "key")] is tuner.configs[-1]
+    # a table of its own wins over a sibling's
+    own = {"versions": VERSIONS, "kernels": {name: other}}
+    (tmp_path / "Fake_GPU.json").write_text(json.dumps(own))
+    fla_pinning.pin_for_device("Fake GPU", (9, 0))
+    assert tuner.cache[("any", "key")] is tuner.configs[0]
+
+
+def test_the_shipped_h200_table_names_its_compute_capability():
+    path, table = fla_pinning.table_for_device("NVIDIA H100 80GB HBM3", (9, 0))
+    assert path.name == "NVIDIA_H200.json" and table["capability"] == [9, 0]

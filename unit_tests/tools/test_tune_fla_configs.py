@@ -35,6 +35,9 @@ def test_merge_adds_keys_and_kernels_and_replaces_recorded_keys():
         (8, "bf16"): 16,
     }
     assert merged["kernels"]["m:b"] == new["kernels"]["m:b"]
+    # the recording's capability is kept (a table written before it existed gains it)
+    assert "capability" not in merged
+    assert merge_tables(old, {**new, "capability": [9, 0]})["capability"] == [9, 0]
 
 
 def test_merge_replaces_a_table_of_other_versions():
