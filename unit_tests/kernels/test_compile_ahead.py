@@ -94,7 +94,7 @@ def test_group_key_follows_what_reaches_kernels():
     assert group_key(heads, torch.bfloat16, 1, None) != key
 
 
-def test_an_entry_that_does_not_compile_is_reported_and_the_rest_go_on():
+def test_an_entry_that_does_not_compile_is_reported_and_the_rest_go_on(tmp_path, monkeypatch):
     from triton.backends.compiler import GPUTarget
 
     from lightllm.kernels.compile_ahead.pool import CompileAhead
@@ -102,7 +102,12 @@ def test_an_entry_that_does_not_compile_is_reported_and_the_rest_go_on():
     spec = {"signature": {"x": "*fp32"}, "constants": [], "attrs": [], "options": {}}
     entries = [{"kernel": "lightllm.kernels.no_such_module:kernel", "spec": spec}]
     entries.append({"kernel": "lightllm.kernels.host_flag:no_such_kernel", "spec": spec})
+    # an empty cache of its own: a marker left in a shared one by an earlier run would start no worker
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     report = CompileAhead(entries, GPUTarget("cuda", 90, 32), workers=1).wait(120)
-    assert report.compiled == 0 and report.unfinished == 0
+    assert report.compiled == 0 and report.unfinished == 0 and not report.cached
     assert report.failed == [e["kernel"] for e in entries]
     assert "0 of 2 kernels compiled ahead on 1 processes" in report.summary() and "no_such_kernel" in report.summary()
+    # the failures are final: the same entries on the same cache start no worker again
+    again = CompileAhead(entries, GPUTarget("cuda", 90, 32), workers=1)
+    assert again.workers == 0 and again.wait(120).cached
