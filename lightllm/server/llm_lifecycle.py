@@ -4,23 +4,27 @@ processes and the process group, so that another `LLM` can start in the same pro
 from __future__ import annotations
 
 import gc
+import sys
 
 
 class ProcessSettings:
     """What building an engine tunes for the whole process, as it was before, to put back at close: the
-    collector's thresholds (`quiet_garbage_collector`) and torch's intra-op threads (`quiet_host_threads`)."""
+    collector's thresholds (`quiet_garbage_collector`), torch's intra-op threads and the GIL's switch interval
+    (`quiet_host_threads`)."""
 
     def __init__(self):
         import torch
 
         self.threshold = gc.get_threshold()
         self.torch_threads = torch.get_num_threads()
+        self.switch_interval = sys.getswitchinterval()
 
     def restore(self) -> None:
         import torch
 
         gc.set_threshold(*self.threshold)
         torch.set_num_threads(self.torch_threads)
+        sys.setswitchinterval(self.switch_interval)
 
 
 def release_engine(engine, settings: ProcessSettings) -> None:

@@ -17,8 +17,10 @@ tokens/s, the host time spent computing masks per constrained step, and constrai
 `--phases` adds, per run, the median host milliseconds per decode step inside each part of the step (scheduling,
 building the batch, the runner's forward launch, the read-back of the step in flight with its wait for the device,
 emitting tokens, advancing the matchers, the masks, the draw; an overlapped step's masks are filled on a
-background thread: `mask_fill` is that thread's time, `mask_wait` the step's own wait for it), which says what a
-constrained step adds.
+background thread: `mask_fill` is that thread's time, `mask_compute` the part of it inside llguidance's pool (the
+rest is Python and waits for the GIL), `mask_wait` the step's own wait for it), which says what a constrained step
+adds. `--compare_switch_interval S` adds constrained runs with the GIL switch interval S (seconds) in place of the
+engine's (`engine_process.GIL_SWITCH_S`), in the same alternation.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 
 from lightllm.engine import grammar as grammar_module
+from lightllm.engine import grammar_masks
 from lightllm.engine.grammar_masks import MaskJob
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
@@ -82,6 +85,12 @@ def _parse(argv):
     p.add_argument("--synthetic_vocab", type=int, default=0, help="replace the tokenizer by N generated tokens")
     p.add_argument("--disable_overlap_schedule", action="store_true")
     p.add_argument("--phases", action="store_true", help="host ms per decode step in each part of the step")
+    p.add_argument(
+        "--compare_switch_interval",
+        type=float,
+        default=0.0,
+        help="also run constrained with this GIL switch interval (s) instead of the engine's, e.g. Python's 0.005",
+    )
     return p.parse_args(argv)
 
 
@@ -138,6 +147,7 @@ class _PhaseTimer:
             "advance": (grammar_module, "advance"),
             "masks": (grammar_module, "mask_windows"),
             "mask_fill": (MaskJob, "_fill"),
+            "mask_compute": (grammar_masks, "fill_parallel"),
             "mask_wait": (MaskJob, "wait"),
             "draw": (overlap, "_draw_on_device"),
         }
@@ -231,19 +241,28 @@ def main(argv=None) -> dict:
     # warm-up at the same shapes: the first prefill and decode of a shape compile and autotune kernels
     for g in (None, grammar):
         _run(engine, tok, info.model_dir, short, g, f"warm{g is None}", 1, timer)
-    runs: dict[str, list[dict]] = {"free": [], "constrained": []}
+    kinds = [("free", None, None), ("constrained", grammar, None)]
+    if opts.compare_switch_interval:
+        kinds.append((f"switch {opts.compare_switch_interval * 1e3:g}ms", grammar, opts.compare_switch_interval))
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in kinds}
     for r in range(opts.repeats):
-        for name, g in (("free", None), ("constrained", grammar)):
-            runs[name].append(_run(engine, tok, info.model_dir, opts, g, f"{name}{r}", 2 + r, timer, phases))
+        for name, g, interval in kinds:
+            engine_interval = sys.getswitchinterval()
+            sys.setswitchinterval(interval or engine_interval)
+            try:
+                row = _run(engine, tok, info.model_dir, opts, g, f"{name}{r}", 2 + r, timer, phases)
+            finally:
+                sys.setswitchinterval(engine_interval)
+            runs[name].append(row)
     print(
         f"batch {opts.batch}, mode {opts.mode}, mtp_step {opts.mtp_step}, schema {opts.schema}, {opts.device}, "
         f"overlap {not opts.disable_overlap_schedule}, tokenizer {len(tok.hf)} tokens, model {info.model_dir}"
     )
-    print(f"{'run':<14} {'decode step ms':>15} {'decode tok/s':>13} {'mask ms/step':>13}")
+    print(f"{'run':<16} {'decode step ms':>15} {'decode tok/s':>13} {'mask ms/step':>13}")
     for name, rows in runs.items():
         for r, row in enumerate(rows):
             print(
-                f"{f'{name} {r}':<14} {row['decode_step_ms']:>15.2f} {row['decode_tok_per_s']:>13.1f} {row['mask_ms']:>13.3f}"
+                f"{f'{name} {r}':<16} {row['decode_step_ms']:>15.2f} {row['decode_tok_per_s']:>13.1f} {row['mask_ms']:>13.3f}"
             )
     if phases is not None:
         names = list(phases.parts)
@@ -255,7 +274,9 @@ def main(argv=None) -> dict:
                 print(f"| {name} {r} | " + " | ".join(f"{row['phases_ms'][n]:.3f}" for n in names) + " |")
     tok_s = {name: statistics.median(row["decode_tok_per_s"] for row in rows) for name, rows in runs.items()}
     ratio = tok_s["constrained"] / tok_s["free"]
-    print(f"decode tok/s (median): free {tok_s['free']:.1f}, constrained {tok_s['constrained']:.1f}")
+    print("decode tok/s (median): " + ", ".join(f"{name} {v:.1f}" for name, v in tok_s.items()))
+    for name in list(tok_s)[2:]:
+        print(f"{name} / free = {tok_s[name] / tok_s['free']:.3f}")
     print(f"constrained / free = {ratio:.3f}")
     return {
         "runs": runs,

@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from lightllm import LLM, SamplingParams
+from lightllm.server.engine_process import GIL_SWITCH_S
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from lightllm.worker.runner import ModelRunner
 from lightllm.worker.tp import group as group_module
@@ -79,15 +80,18 @@ def expected() -> list[int]:
 
 
 def test_close_releases_the_runner_and_a_second_llm_matches(expected):
-    threshold = gc.get_threshold()
+    threshold, switch = gc.get_threshold(), sys.getswitchinterval()
     llm = LLM(model(), **FLAGS)
     runner = weakref.ref(llm.engine.runner)
     assert tokens(llm) == expected
     assert gc.get_freeze_count() > 0
+    # the engine's short GIL switch interval (its mask thread), the process's own again once it is closed
+    assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S) and switch > GIL_SWITCH_S
     llm.close()
     assert runner() is None and llm.closed
     # the collector is as it was: nothing left frozen, the thresholds put back
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold
+    assert sys.getswitchinterval() == switch
     llm.close()
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate([PROMPT], PARAMS)
@@ -177,6 +181,7 @@ def _run(script: str, timeout: float = 240) -> subprocess.CompletedProcess:
 CHILD_PIDS = f"""
 import os
 from lightllm import LLM, SamplingParams
+from lightllm.server.engine_process import GIL_SWITCH_S
 
 def followers():
     out = []
