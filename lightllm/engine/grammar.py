@@ -32,6 +32,7 @@ __all__ = [
     "RequestGrammar",
     "attach",
     "advance",
+    "advance_many",
     "mask_windows",
     "unpack_bitmask",
 ]
@@ -99,8 +100,11 @@ class RequestGrammar:
                 self.active = token == self.start_token
                 continue
             if not self.matcher.consume_token(token):
-                return f"token {token} left the grammar: {self.matcher.get_error()}"
+                return self._refused(token)
         return None
+
+    def _refused(self, token: int) -> str:
+        return f"token {token} left the grammar: {self.matcher.get_error()}"
 
 
 class GrammarBackend:
@@ -206,3 +210,23 @@ def attach(backend: GrammarBackend, req: Request, msg) -> str | None:
 def advance(req: Request, token_ids: list[int]) -> str | None:
     """Move the request's matcher over the tokens it emits; an error message when the grammar refuses one."""
     return req.grammar.advance(token_ids) if req.grammar is not None else None
+
+
+def advance_many(steps: list[tuple[RequestGrammar, int]]) -> list[str | None]:
+    """`RequestGrammar.advance` of one token for each (grammar, token), the active matchers moved together in one
+    call on llguidance's pool (which releases the GIL: the step's thread runs meanwhile); each an error message or
+    None."""
+    errors: list[str | None] = [None] * len(steps)
+    active = []
+    for k, (g, token) in enumerate(steps):
+        if g.active:
+            active.append(k)
+        else:
+            g.active = token == g.start_token
+    if active:
+        executor = steps[active[0]][0].executor
+        consumed = executor.consume_token_par([(steps[k][0].matcher, steps[k][1]) for k in active])
+        for k, ok in zip(active, consumed):
+            if not ok:
+                errors[k] = steps[k][0]._refused(steps[k][1])
+    return errors

@@ -2,15 +2,18 @@
 the device without a host sync, applied by one kernel (`apply_token_bitmask`).
 
 `mask_windows` masks at once (the synchronous step and speculative windows). `MaskJob` splits the same work for
-an overlapped step: its masks depend on the tokens of the step before, which the host reads only after it has
-queued this step's forward. The job takes its buffer when the step is queued, and fills it once the matchers hold
-those tokens, on a background thread while the step's thread emits them. On a GPU the masked draw is queued before
-the masks exist, behind a device wait on a counter the job writes when it is done (`kernels/host_flag.py`): the
-host goes on to queue the next step's forward, and the device runs the draw the moment the masks are in. On a CPU
-(or a GPU where the wait is not available) the draw is queued after the job is done. The job's thread releases the
-device without the step's thread: a host call that waits for the device meanwhile (an allocation that has to grow
-the caching allocator's pool) only waits for the masks, since torch releases the GIL inside its operators; the step
-waits for the job itself (`wait`, which releases the GIL) before it reads the draw back.
+an overlapped step: its masks depend on the tokens of the step before, still on the device when the step is
+queued. The job starts before the step's forward is launched, on a background thread that first runs what moves
+the matchers to the step (`before`: read the tokens of the step before as soon as the device has them, advance
+the matchers over them) and then fills the masks, so the chain from one step's draw to the next step's masks
+never waits for the step's thread, which meanwhile launches the forward and emits the tokens. On a GPU the masked
+draw is queued before the masks exist, behind a device wait on a counter the job writes when it is done
+(`kernels/host_flag.py`): the host goes on to queue the next step's forward, and the device runs the draw the
+moment the masks are in. On a CPU (or a GPU where the wait is not available) the draw is queued after the job is
+done. The job's thread releases the device without the step's thread: a host call that waits for the device
+meanwhile (an allocation that has to grow the caching allocator's pool) only waits for the masks, since torch
+releases the GIL inside its operators; the step waits for the job itself (`wait`, which releases the GIL) before
+it reads the draw back.
 
 The host bitmask has one row per logits row (a row without a grammar, or before its grammar starts, keeps every
 bit set); a pinned buffer is rewritten only once the copy that read it has completed.
@@ -19,6 +22,7 @@ bit set); a pinned buffer is rewritten only once the copy that read it has compl
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -166,35 +170,42 @@ def mask_windows(windows: list[Window], logits: torch.Tensor) -> torch.Tensor:
 
 class MaskJob:
     """The masks of an overlapped step's windows, filled once the matchers hold the tokens of the step before (see
-    the module's docstring). Call `apply` (masked logits), `start` (once the matchers are advanced) and `wait`
-    (before the matchers are touched again), in an order `deferred` allows: on a device that waits for the job,
-    `apply` may come first; otherwise it must come after `wait`."""
+    the module's docstring). Call `apply` (masked logits), `start` (with what brings the matchers to this step as
+    `before`, run first on the mask thread, or once they are there) and `wait` (before the matchers are touched
+    again), in an order `deferred` allows: on a device that waits for the job, `apply` may come first; otherwise it
+    must come after `wait`."""
 
-    def __init__(self, host_masks: HostBitmasks, windows: list[Window], logits: torch.Tensor):
+    def __init__(self, host_masks: HostBitmasks, windows: list[Window], rows: int, vocab: int, device: torch.device):
         self.host_masks, self.windows = host_masks, windows
-        self.bitmask, self._entry = host_masks.take(logits.shape[0], (logits.shape[1] + 31) // 32, logits.is_cuda)
-        self.deferred = host_masks.device_wait_works(logits.device)
+        self.bitmask, self._entry = host_masks.take(rows, (vocab + 31) // 32, device.type == "cuda")
+        self.deferred = host_masks.device_wait_works(device)
         self._target = host_masks.flag.next_target() if self.deferred else None
         self._future: Future | None = None
+        # the outcome of `before`, set on the mask thread ahead of the masks
+        self._before: Future | None = None
         self._done = False
 
     @classmethod
-    def of(cls, windows: list[Window], logits: torch.Tensor) -> MaskJob | None:
-        """A job for the windows, or None when none has a grammar."""
+    def of(cls, windows: list[Window], rows: int, vocab: int, device: torch.device) -> MaskJob | None:
+        """A job for the windows of a step's [rows, vocab] logits on `device`, or None when none has a grammar."""
         host_masks = _host_masks_of(windows)
-        return None if host_masks is None else cls(host_masks, windows, logits)
+        return None if host_masks is None else cls(host_masks, windows, rows, vocab, device)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits masked by this job's masks: on a deferred job, queued behind the device's wait for them."""
+        if logits.shape[0] != self.bitmask.shape[0] or (logits.shape[1] + 31) // 32 != self.bitmask.shape[1]:
+            raise ValueError(f"logits {tuple(logits.shape)} do not fit the job's masks {tuple(self.bitmask.shape)}")
         if self.deferred:
             self.host_masks.flag.wait_on_device(self._target)
         elif not self._done:
             raise RuntimeError("the masks are applied before they were computed")
         return apply_token_bitmask(logits, self.host_masks.to_device(self.bitmask, self._entry, logits.device))
 
-    def start(self) -> None:
-        """Fill the masks in the background (a deferred job releases the device's wait when done); the rows of
-        requests that finished by now keep every bit set (their token is dropped). Idempotent."""
+    def start(self, before: Callable[[], object] | None = None) -> None:
+        """Fill the masks in the background, after `before()` on the same thread when given (what moves the matchers
+        to this step: the tokens of the step before, read as soon as the device has them; its result is
+        `before_result()`). A deferred job releases the device's wait when done; the rows of requests finished by
+        now keep every bit set (their token is dropped). Idempotent."""
         if self._future is not None:
             return
         windows = [w for w in self.windows if not w[0].is_finished]
@@ -206,7 +217,9 @@ class MaskJob:
         except BaseException:
             self._release()
             raise
-        self._future = self.host_masks.worker().submit(self._fill, windows)
+        if before is not None:
+            self._before = Future()
+        self._future = self.host_masks.worker().submit(self._fill, windows, before)
 
     def start_or_release(self) -> None:
         """`start` if it never was; when that fails, the device's wait is released and the error logged (the
@@ -220,8 +233,23 @@ class MaskJob:
             self._future = Future()
             self._future.set_exception(exc)
 
-    def _fill(self, windows: list[Window]) -> None:
+    @property
+    def runs_before(self) -> bool:
+        """Whether the job was started with a `before` (whose result `before_result` gives)."""
+        return self._before is not None
+
+    def before_result(self):
+        """What `before` returned, once it has (the masks may still be filling); raises what it raised."""
+        return self._before.result()
+
+    def _fill(self, windows: list[Window], before: Callable[[], object] | None) -> None:
         try:
+            if before is not None:
+                try:
+                    self._before.set_result(before())
+                except BaseException as exc:
+                    self._before.set_exception(exc)
+                    raise
             _fill_windows(windows, self.bitmask)
         finally:
             self._release()

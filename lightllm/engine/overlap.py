@@ -174,7 +174,14 @@ class OverlapScheduler:
         engine.awaiting_accept = False
         outputs: list[EngineOutput] = []
         windows = sampling_rows(plan)
+        job = None
         try:
+            if previous is not None and any(req.grammar is not None for req in windows):
+                # the masks need the tokens in flight: the mask thread reads them as soon as the device has them,
+                # moves the matchers over them and fills the masks, while this thread launches the forward
+                runner = engine.runner
+                job = grammar.MaskJob.of(self._mask_rows(windows), len(windows), runner.vocab_size, runner.device)
+                job.start(before=_advancing(previous))
             batch = engine.build_batch(plan)
             batch.decode_input_ids = None if previous is None else _tokens_of(previous, plan.decode)
             fwd = engine.runner.forward(batch)
@@ -186,11 +193,8 @@ class OverlapScheduler:
             for row in plan.rows:
                 row.req.num_computed_tokens += row.num_tokens
             engine.queue_prefill_checkpoints(plan)
-            job = None
-            if previous is not None and any(req.grammar is not None for req in windows):
-                # the masks need the tokens in flight: read them while the device runs this step's forward
+            if job is not None:
                 done, previous = previous, None
-                job = grammar.MaskJob.of(self._mask_rows(windows), fwd.logits)
                 done_outputs, (tokens, host, ready) = self._complete_with_masks(done, job, windows, fwd.logits)
                 outputs += done_outputs
             else:
@@ -202,21 +206,20 @@ class OverlapScheduler:
         else:
             self._inflight = InFlight(plan, fwd, windows, tokens, host, ready, job)
         if previous is not None:
-            outputs += self.complete(previous)
+            outputs += self.complete(previous, advanced_by=job)
         return outputs
 
     def _complete_with_masks(self, previous: InFlight, job: grammar.MaskJob, windows: list[Request], logits):
-        """Read `previous` back and emit it, filling `job`'s masks (of this step's `windows`) once its tokens moved
-        the matchers; returns the outputs and this step's draw (`_sample`), queued before the masks exist where the
-        device can wait for them."""
+        """Read `previous` back and emit it while `job` (started with `previous`'s tokens) fills the masks of this
+        step's `windows`; returns the outputs and this step's draw (`_sample`), queued before the masks exist where
+        the device can wait for them."""
         drawn = None
         try:
             if job.deferred:
                 drawn = self._sample(windows, job.apply(logits))
-            outputs = self.complete(previous, after_advance=job.start)
+            outputs = self.complete(previous, advanced_by=job)
         finally:
-            # the masks are computed whatever happened (a step without sampled rows never advanced anything): a
-            # device waiting for them is never left waiting
+            # a device waiting for the masks is never left waiting
             job.start_or_release()
         if drawn is None:
             job.wait()
@@ -260,32 +263,33 @@ class OverlapScheduler:
         contexts = [self.engine.row_context(req, [], logits.device) for req in windows]
         return sampler.draw_tokens(sampler.target_probs(logits, contexts), contexts)
 
-    def complete(self, inflight: InFlight | SpecInFlight, after_advance=None) -> list[EngineOutput]:
+    def complete(
+        self, inflight: InFlight | SpecInFlight, advanced_by: grammar.MaskJob | None = None
+    ) -> list[EngineOutput]:
         """Read an overlapped step's tokens back and emit them. Rows whose request finished meanwhile (a stop
-        token of the step before, an abort) drop theirs. `after_advance()` runs once the matchers of the rows with
-        a grammar hold the step's tokens, before anything is emitted (the next step's masks start there)."""
+        token of the step before, an abort) drop theirs. `advanced_by`: the next step's mask job, started with this
+        step's tokens (`_advancing`): the rows' matchers were moved on the mask thread, and their outcomes come
+        from it."""
         if isinstance(inflight, SpecInFlight):
             return self.spec.complete(inflight)
         engine = self.engine
         if not inflight.windows:
             return []
+        errors = None
         try:
             if inflight.masks is not None:
                 # its masks were filled on the mask thread: done before its matchers move again
                 inflight.masks.wait()
             tokens, has_nan = inflight.read()
+            if advanced_by is not None and advanced_by.runs_before:
+                errors = advanced_by.before_result()
         except Exception:
             logger.exception("engine step failed; finishing %d requests with an error", len(inflight.windows))
             return engine.fail_rows(inflight.plan)
-        rows = [(i, req) for i, req in enumerate(inflight.windows) if not req.is_finished]
-        errors: dict[int, str | None] = {}
-        if after_advance is not None:
-            for i, req in rows:
-                if not has_nan[i] and req.grammar is not None:
-                    errors[i] = grammar.advance(req, [tokens[i]])
-            after_advance()
         outputs: list[EngineOutput] = []
-        for i, req in rows:
+        for i, req in enumerate(inflight.windows):
+            if req.is_finished:
+                continue
             if has_nan[i]:
                 outputs += engine.finish(req, "error", error=NONFINITE_LOGITS_ERROR)
             else:
@@ -294,10 +298,28 @@ class OverlapScheduler:
                     [tokens[i]],
                     inflight.fwd.logits,
                     i,
-                    advance_grammar=after_advance is None,
-                    grammar_error=errors.get(i),
+                    advance_grammar=errors is None,
+                    grammar_error=None if errors is None else errors.get(i),
                 )
         return outputs
+
+
+def _advancing(previous: InFlight):
+    """What a mask job runs before its masks: `previous`'s tokens read once the device has them, and the matchers
+    of its rows with a grammar (requests not finished when the job starts; a row whose logits were not finite is
+    left, it fails) moved over them; returns {row: error message or None}."""
+    rows = [
+        (i, req.grammar) for i, req in enumerate(previous.windows) if not req.is_finished and req.grammar is not None
+    ]
+    if not rows:
+        return lambda: {}
+
+    def advance() -> dict[int, str | None]:
+        tokens, has_nan = previous.read()
+        rows_now = [(i, g) for i, g in rows if not has_nan[i]]
+        return dict(zip((i for i, _ in rows_now), grammar.advance_many([(g, tokens[i]) for i, g in rows_now])))
+
+    return advance
 
 
 def _tokens_of(previous: InFlight, rows: list[ScheduledRow]) -> torch.Tensor | None:

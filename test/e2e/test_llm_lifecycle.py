@@ -80,13 +80,15 @@ def expected() -> list[int]:
 
 
 def test_close_releases_the_runner_and_a_second_llm_matches(expected):
-    threshold, switch = gc.get_threshold(), sys.getswitchinterval()
+    # Python's default interval (engines built earlier in this process leave the engine's)
+    threshold, switch = gc.get_threshold(), 0.005
+    sys.setswitchinterval(switch)
     llm = LLM(model(), **FLAGS)
     runner = weakref.ref(llm.engine.runner)
     assert tokens(llm) == expected
     assert gc.get_freeze_count() > 0
     # the engine's short GIL switch interval (its mask thread), the process's own again once it is closed
-    assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S) and switch > GIL_SWITCH_S
+    assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S)
     llm.close()
     assert runner() is None and llm.closed
     # the collector is as it was: nothing left frozen, the thresholds put back

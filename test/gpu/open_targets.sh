@@ -6,7 +6,7 @@
 # Parts (each prints its table as it finishes; full logs and JSON go to $OUT/logs.tar, or /tmp/lightllm_gpu_out, and
 # the Triton cache to $OUT/triton.tgz.part-*):
 #   structured    free vs JSON-schema-constrained decode at batch 64, one engine (bench_structured_output.py), and
-#                 constrained at Python's GIL switch interval against the engine's
+#                 constrained at Python's GIL switch interval against the engine's; then the schema's strings unbounded
 #   grammar_gpu   the constrained step's deferred masks on CUDA: the device wait's memcheck, the grammar and host-sync
 #                 GPU tests (overlap == sync through graphs, no host sync)
 #   grammar_masks the host side of those masks without a model: llguidance's pool per thread count, the engine's
@@ -90,7 +90,9 @@ http_run() {
 for part in $parts; do
     case $part in
         structured) run structured 280 python test/benchmark/bench_structured_output.py --batch 64 --synthetic_vocab 31000 \
-                        --phases --compare_switch_interval 0.005 ;;
+                        --phases --compare_switch_interval 0.005
+                    run structured_unbounded 200 python test/benchmark/bench_structured_output.py --batch 64 \
+                        --synthetic_vocab 31000 --schema records_unbounded --phases ;;
         grammar_gpu) run grammar_memcheck 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
                          --error-exitcode 1 python test/gpu/memcheck_kernels.py --cases host_flag,token_bitmask
                      tail -5 "$LOG_DIR/grammar_memcheck.log"

@@ -135,7 +135,7 @@ def test_the_device_waits_for_the_host_counter_and_a_deferred_job_masks_like_mas
     windows = _windows(1024)
     logits = torch.randn(4 + 3, 1024, device="cuda")
     expected = mask_windows(windows, logits)
-    job = MaskJob.of(windows, logits)
+    job = MaskJob.of(windows, *logits.shape, logits.device)
     assert job.deferred
     masked = job.apply(logits)
     # the masks are filled only now, after the masked logits were queued

@@ -1,7 +1,8 @@
 """An overlapped step's deferred masks (`grammar_masks.MaskJob`): filled on the mask thread once started, they equal
 `mask_windows` over the same matchers; rows of finished requests stay free; a job applied before its masks exist
 is refused where no device waits for them; a job whose start fails releases the wait and fails at `wait`; a CPU
-never defers. The host counter's wait kernel under the Triton interpreter: a counter at its target passes at once,
+never defers. A job started with `before` runs it on the mask thread ahead of the masks (which then see the
+matchers it moved); `advance_many` moves many matchers as `RequestGrammar.advance` moves each. The host counter's wait kernel under the Triton interpreter: a counter at its target passes at once,
 one below it gives up after its spins."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightllm.engine.grammar import mask_windows
+from lightllm.engine.grammar import advance_many, mask_windows
 from lightllm.engine.grammar_masks import MaskJob
 from lightllm.engine.request import Request, Status
 from lightllm.engine.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ def test_a_started_job_masks_like_mask_windows(setup):
     windows = _windows(setup)
     logits = torch.randn(len(windows), VOCAB)
     expected = mask_windows(windows, logits)
-    job = MaskJob.of(windows, logits)
+    job = MaskJob.of(windows, *logits.shape, logits.device)
     assert not job.deferred
     job.start()
     job.wait()
@@ -60,7 +61,7 @@ def test_a_started_job_masks_like_mask_windows(setup):
 def test_rows_of_finished_requests_stay_free(setup):
     windows = _windows(setup)
     logits = torch.randn(len(windows), VOCAB)
-    job = MaskJob.of(windows, logits)
+    job = MaskJob.of(windows, *logits.shape, logits.device)
     windows[2][0].status = Status.FINISHED
     job.wait()
     masked = job.apply(logits)
@@ -72,7 +73,7 @@ def test_rows_of_finished_requests_stay_free(setup):
 def test_applying_before_the_masks_exist_is_refused_without_a_device_wait(setup):
     windows = _windows(setup)
     logits = torch.randn(len(windows), VOCAB)
-    job = MaskJob.of(windows, logits)
+    job = MaskJob.of(windows, *logits.shape, logits.device)
     with pytest.raises(RuntimeError, match="before they were computed"):
         job.apply(logits)
     job.wait()
@@ -82,16 +83,79 @@ def test_applying_before_the_masks_exist_is_refused_without_a_device_wait(setup)
 def test_a_job_that_cannot_start_fails_at_wait(setup, monkeypatch):
     windows = _windows(setup)
     logits = torch.randn(len(windows), VOCAB)
-    job = MaskJob.of(windows, logits)
+    job = MaskJob.of(windows, *logits.shape, logits.device)
     monkeypatch.setattr(type(windows[0][0].grammar), "matcher", property(lambda g: 1 / 0))
     job.start_or_release()
     with pytest.raises(ZeroDivisionError):
         job.wait()
 
 
+def test_before_moves_the_matchers_on_the_mask_thread_ahead_of_the_masks(setup):
+    """The overlapped step's order: the job is started before the step's tokens are advanced, with the advance as
+    its `before`; its masks equal `mask_windows` of matchers advanced first."""
+    import threading
+
+    _, _, hf = setup
+    prefix = _prefix(setup)
+    # each constrained row's next token: a fresh row's first, "}" after the whole prefix, the third after two
+    tokens = {"a": prefix[0], "b": hf.encode("}", add_special_tokens=False)[0], "c": prefix[2]}
+    windows, reference = _windows(setup), _windows(setup)
+    for req, *_ in reference:
+        assert req.grammar is None or req.grammar.advance([tokens[req.req_id]]) is None
+    logits = torch.randn(len(windows), VOCAB)
+    expected = mask_windows(reference, logits)
+    threads = []
+
+    def before():
+        threads.append(threading.current_thread())
+        return advance_many([(req.grammar, tokens[req.req_id]) for req, *_ in windows if req.grammar is not None])
+
+    job = MaskJob.of(windows, *logits.shape, logits.device)
+    job.start(before=before)
+    assert job.runs_before and job.before_result() == [None] * 3
+    job.wait()
+    assert torch.equal(job.apply(logits), expected) and threads[0] is not threading.current_thread()
+    # twin: the masks of matchers that were not advanced differ
+    assert not torch.equal(mask_windows(_windows(setup), logits), expected)
+
+
+def test_a_failing_before_fails_the_job_and_releases_its_wait(setup):
+    windows = _windows(setup)
+    logits = torch.randn(len(windows), VOCAB)
+    job = MaskJob.of(windows, *logits.shape, logits.device)
+    job.start(before=lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        job.before_result()
+    with pytest.raises(ZeroDivisionError):
+        job.wait()
+    assert job._done
+    # twin: without `before` the job has no outcome of one
+    plain = MaskJob.of(windows, *logits.shape, logits.device)
+    plain.start()
+    plain.wait()
+    assert not plain.runs_before
+
+
+def test_advance_many_moves_each_matcher_as_advance_does(setup):
+    _, _, hf = setup
+    prefix = _prefix(setup)
+    one = [_request(setup, "a"), _request(setup, "b", prefix[:2])]
+    each = [_request(setup, "a"), _request(setup, "b", prefix[:2])]
+    tokens = [prefix[0], prefix[2]]
+    assert advance_many([(r.grammar, t) for r, t in zip(one, tokens)]) == [None, None]
+    assert [r.grammar.advance([t]) for r, t in zip(each, tokens)] == [None, None]
+    for a, b in zip(one, each):
+        assert a.grammar.matcher.compute_bitmask() == b.grammar.matcher.compute_bitmask()
+    # a token the grammar refuses: the same message as advance's, the other row unaffected
+    bad = hf.encode("}", add_special_tokens=False)[0]
+    errors = advance_many([(one[0].grammar, bad), (one[1].grammar, prefix[3])])
+    assert errors[0] == each[0].grammar.advance([bad]) and errors[0].startswith(f"token {bad} left the grammar")
+    assert errors[1] is None
+
+
 def test_no_windows_with_a_grammar_need_no_job(setup):
     free = Request("free", [3], SamplingParams(), frozenset(), 8)
-    assert MaskJob.of([(free, 0, 1, [])], torch.randn(1, VOCAB)) is None
+    assert MaskJob.of([(free, 0, 1, [])], 1, VOCAB, torch.device("cpu")) is None
 
 
 def test_a_cpu_never_defers(setup):
