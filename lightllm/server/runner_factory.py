@@ -125,6 +125,8 @@ def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: in
         if ahead is not None:
             ahead.close()
         raise
+    # importing fla takes seconds: done while the compile-ahead workers are still compiling
+    runner.pin_fla()
     if ahead is not None:
         with runner.startup.phase("compiles ahead"):
             logger.info("%s", ahead.wait(WAIT_S).summary())

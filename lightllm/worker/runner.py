@@ -42,7 +42,7 @@ from lightllm.worker.startup_phases import StartupPhases
 from lightllm.worker.transfer.host_tier import RunnerHostTier
 from lightllm.worker.transfer.prefix import RunnerPrefixCache, create_prefix_cache
 from lightllm.worker.transfer.request_state import export_request, host_blobs, import_request
-from lightllm.worker.warmup_steps import warm_attention_kernels, warm_up
+from lightllm.worker.warmup_steps import pin_fla, warm_attention_kernels, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -546,9 +546,14 @@ class ModelRunner(DeviceAcceptance):
             raise RuntimeError("this runner has no MTP head (mtp_step = 0 or no mtp.* weights)")
         return self.drafter.draft(handles, [self._requests[h] for h in handles], next_tokens.tolist(), mtp_step)
 
+    def pin_fla(self) -> None:
+        """fla's launch configurations pinned from the shipped tables (`warmup_steps.pin_fla`), before `warmup`."""
+        pin_fla(self)
+
     def warmup(self, max_num_tokens: int, progress: bool = True) -> int:
-        """Compile and tune every kernel variant serving launches (`warmup_steps.warm_up`), once, before serving and
-        `init_decode_graphs`. `max_num_tokens`: `--max_num_batched_tokens`. Returns the number of warm-up calls."""
+        """Compile and tune every kernel variant serving launches (`warmup_steps.warm_up`), once, after `pin_fla`
+        and before serving and `init_decode_graphs`. `max_num_tokens`: `--max_num_batched_tokens`. Returns the
+        number of warm-up calls."""
         return warm_up(self, max_num_tokens, progress)
 
     def warmup_attention(self) -> int:

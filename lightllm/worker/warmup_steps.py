@@ -24,21 +24,28 @@ from lightllm.models.layers.quantized_linear import Fp8Weight, warmup_fp8_linear
 from lightllm.worker.graphs.prefill import prefill_buckets
 
 
+def pin_fla(runner) -> None:
+    """fla's chunk kernels pinned to the shipped table of this GPU kind (or a sibling's) instead of autotuning at
+    their first call, before `warm_up` runs them (CUDA only; timed as a start-up phase). Importing fla takes
+    seconds, so the server does it while the compile-ahead workers are still compiling."""
+    if runner.device.type != "cuda":
+        return
+    with runner.startup.phase("fla import and pinning"):
+        from lightllm.linear_att.fla_pinning import pin_for_device
+
+        pin_for_device(torch.cuda.get_device_name(runner.device), torch.cuda.get_device_capability(runner.device))
+
+
 def warm_up(runner, max_num_tokens: int, progress: bool = True) -> int:
-    """The runner's start-up warm-up, phase by phase (timed in its start-up log): fla's chunk kernels pinned to the
-    shipped table of this GPU kind instead of autotuning, the decode kernels of a shape the shipped tables lack
-    tuned, the linear-attention prefill kernels compiled at the serving shapes (the padded one-sequence prefills of
-    the prefill graphs included), every attention kernel variant, the fused MoE and FP8 GEMM variants, then one
-    step of each kind serving makes (`warm_serving_steps`). Returns the number of warm-up calls."""
+    """The runner's start-up warm-up, phase by phase (timed in its start-up log), after `pin_fla`: the decode
+    kernels of a shape the shipped tables lack tuned, the linear-attention prefill kernels compiled at the serving
+    shapes (the padded one-sequence prefills of the prefill graphs included), every attention kernel variant, the
+    fused MoE and FP8 GEMM variants, then one step of each kind serving makes (`warm_serving_steps`). Returns the
+    number of warm-up calls."""
     from lightllm.linear_att.startup_tune import tune_serving_shape
     from lightllm.linear_att.warmup import warmup_prefill
 
     phase, cuda = runner.startup.phase, runner.device.type == "cuda"
-    if cuda:
-        with phase("fla import and pinning"):
-            from lightllm.linear_att.fla_pinning import pin_for_device
-
-            pin_for_device(torch.cuda.get_device_name(runner.device), torch.cuda.get_device_capability(runner.device))
     with phase("decode tuning"):
         tune_serving_shape(runner.state, runner.linear_spec, progress=progress)
     graph_tokens = runner._prefill_graph_tokens()

@@ -22,8 +22,9 @@ emitting tokens, advancing the matchers, the masks, the draw). An overlapped ste
 background thread: `mask_job` is that thread's time per step (waiting for the tokens of the step before, then
 `advance_many` moving the matchers over them, then `mask_fill` filling the masks, of which `mask_compute` is inside
 llguidance's pool; the rest is Python and waits for the GIL), `mask_wait` the step's own wait for it. Together they
-say what a constrained step adds. `--compare_switch_interval S` adds constrained runs with the GIL switch interval S (seconds) in place of the
-engine's (`engine_process.GIL_SWITCH_S`), in the same alternation.
+say what a constrained step adds. `--compare_switch_interval S` adds constrained runs with the GIL switch interval S
+(seconds) in place of the engine's (`engine_process.GIL_SWITCH_S`), and `--compare_mask_threads N,...` constrained
+runs with llguidance pools of N threads in place of its default (80% of the host's cores), in the same alternation.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ def _parse(argv):
     p.add_argument("--synthetic_vocab", type=int, default=0, help="replace the tokenizer by N generated tokens")
     p.add_argument("--disable_overlap_schedule", action="store_true")
     p.add_argument("--phases", action="store_true", help="host ms per decode step in each part of the step")
+    p.add_argument(
+        "--compare_mask_threads",
+        default="",
+        help="also run constrained with llguidance pools of these sizes (comma-separated) instead of its default",
+    )
     p.add_argument(
         "--compare_switch_interval",
         type=float,
@@ -243,18 +249,27 @@ def main(argv=None) -> dict:
     # warm-up at the same shapes: the first prefill and decode of a shape compile and autotune kernels
     for g in (None, grammar):
         _run(engine, tok, info.model_dir, short, g, f"warm{g is None}", 1, timer)
-    kinds = [("free", None, None), ("constrained", grammar, None)]
+    # (name, grammar, GIL switch interval, llguidance pool size): None keeps the engine's
+    kinds = [("free", None, None, None), ("constrained", grammar, None, None)]
     if opts.compare_switch_interval:
-        kinds.append((f"switch {opts.compare_switch_interval * 1e3:g}ms", grammar, opts.compare_switch_interval))
+        kinds.append((f"switch {opts.compare_switch_interval * 1e3:g}ms", grammar, opts.compare_switch_interval, None))
+    for n in filter(None, opts.compare_mask_threads.split(",")):
+        kinds.append((f"threads {n}", grammar, None, int(n)))
     runs: dict[str, list[dict]] = {name: [] for name, *_ in kinds}
     for r in range(opts.repeats):
-        for name, g, interval in kinds:
-            engine_interval = sys.getswitchinterval()
+        for name, g, interval, threads in kinds:
+            engine_interval, engine_pool = sys.getswitchinterval(), engine.grammars._executor_pool()
             sys.setswitchinterval(interval or engine_interval)
+            if threads is not None:
+                from llguidance import LLExecutor
+
+                # the pool the run's requests take at admission (the backend's is its default size)
+                engine.grammars._executor = LLExecutor(threads)
             try:
                 row = _run(engine, tok, info.model_dir, opts, g, f"{name}{r}", 2 + r, timer, phases)
             finally:
                 sys.setswitchinterval(engine_interval)
+                engine.grammars._executor = engine_pool
             runs[name].append(row)
     print(
         f"batch {opts.batch}, mode {opts.mode}, mtp_step {opts.mtp_step}, schema {opts.schema}, {opts.device}, "
