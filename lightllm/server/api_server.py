@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from lightllm.server.args import ServerArgs, load_server_args
 from lightllm.server.dp.replicas import start_engines
@@ -36,8 +37,15 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
     from lightllm.server.http.workers import Workers, listen_socket
     from lightllm.server.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(info)
-    engine = start_engines(args, info, runner_factory)
+    # the tokenizer loads (seconds on a fresh machine) while the engine process starts
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as loading:
+        tokenizer_loaded = loading.submit(Tokenizer, info)
+        engine = start_engines(args, info, runner_factory)
+        try:
+            tokenizer = tokenizer_loaded.result()
+        except BaseException:
+            engine.stop()
+            raise
     logger.info("engine ready: %s", engine.capacity_report)
     exit_code = 0
     server = None

@@ -24,7 +24,7 @@ background thread: `mask_job` is that thread's time per step (waiting for the to
 llguidance's pool; the rest is Python and waits for the GIL), `mask_wait` the step's own wait for it. Together they
 say what a constrained step adds. `--compare_switch_interval S` adds constrained runs with the GIL switch interval S
 (seconds) in place of the engine's (`engine_process.GIL_SWITCH_S`), and `--compare_mask_threads N,...` constrained
-runs with llguidance pools of N threads in place of its default (80% of the host's cores), in the same alternation.
+runs with llguidance pools of N threads in place of the engine's (`grammar.mask_threads`), in the same alternation.
 """
 
 from __future__ import annotations

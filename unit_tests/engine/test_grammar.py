@@ -221,3 +221,11 @@ def test_known_grammars_keep_the_most_recently_used(setup, monkeypatch):
     for s in (schemas[0], schemas[1], schemas[0], schemas[2]):
         backend.matcher(s, None, model_dir, [hf.eos_token_id])
     assert [k[0] for k in backend._compiled] == [schemas[0], schemas[2]]
+
+
+@pytest.mark.parametrize("cores,threads", [(1, 1), (2, 1), (16, 6), (64, 8)])
+def test_the_mask_pool_leaves_most_cores_to_the_step(monkeypatch, cores, threads):
+    from lightllm.engine import grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert grammar_module.mask_threads() == threads
