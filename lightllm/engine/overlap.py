@@ -243,7 +243,7 @@ class OverlapScheduler:
             return tokens, flags, None
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)
-        ready = ready_event(windows)
+        ready = torch.cuda.Event()
         ready.record()
         return tokens, host, ready
 
@@ -302,13 +302,6 @@ class OverlapScheduler:
                     grammar_error=None if errors is None else errors.get(i),
                 )
         return outputs
-
-
-def ready_event(windows: list[Request]) -> torch.cuda.Event:
-    """The event a step's host copy is read behind. With constrained rows the next step's mask thread waits on it
-    while this thread launches the next forward: a blocking event puts the waiting thread to sleep, where a default
-    one spins in the driver beside those launches."""
-    return torch.cuda.Event(blocking=any(req.grammar is not None for req in windows))
 
 
 def _advancing(previous: InFlight):

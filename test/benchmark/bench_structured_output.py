@@ -24,9 +24,7 @@ background thread: `mask_job` is that thread's time per step (waiting for the to
 llguidance's pool; the rest is Python and waits for the GIL), `mask_wait` the step's own wait for it. Together they
 say what a constrained step adds. `--compare_switch_interval S` adds constrained runs with the GIL switch interval S
 (seconds) in place of the engine's (`engine_process.GIL_SWITCH_S`), and `--compare_mask_threads N,...` constrained
-runs with llguidance pools of N threads in place of the engine's (`grammar.mask_threads`), `--compare_spinning_wait`
-constrained runs whose mask thread waits for the tokens on a default (spinning) CUDA event instead of a blocking
-one (`overlap.ready_event`), in the same alternation.
+runs with llguidance pools of N threads in place of the engine's (`grammar.mask_threads`), in the same alternation.
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ import torch
 
 from lightllm.engine import grammar as grammar_module
 from lightllm.engine import grammar_masks
-from lightllm.engine import overlap as overlap_module
 from lightllm.engine.grammar_masks import MaskJob
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
@@ -101,11 +98,6 @@ def _parse(argv):
         "--compare_mask_threads",
         default="",
         help="also run constrained with llguidance pools of these sizes (comma-separated) instead of its default",
-    )
-    p.add_argument(
-        "--compare_spinning_wait",
-        action="store_true",
-        help="also run constrained with the mask thread waiting for the tokens on a spinning (default) CUDA event",
     )
     p.add_argument(
         "--compare_switch_interval",
@@ -257,23 +249,16 @@ def main(argv=None) -> dict:
     # warm-up at the same shapes: the first prefill and decode of a shape compile and autotune kernels
     for g in (None, grammar):
         _run(engine, tok, info.model_dir, short, g, f"warm{g is None}", 1, timer)
-    # (name, grammar, GIL switch interval, llguidance pool size, spinning wait): None keeps the engine's
-    kinds = [("free", None, None, None, None), ("constrained", grammar, None, None, None)]
-    if opts.compare_spinning_wait:
-        kinds.append(("spinning wait", grammar, None, None, True))
+    # (name, grammar, GIL switch interval, llguidance pool size): None keeps the engine's
+    kinds = [("free", None, None, None), ("constrained", grammar, None, None)]
     if opts.compare_switch_interval:
-        kinds.append(
-            (f"switch {opts.compare_switch_interval * 1e3:g}ms", grammar, opts.compare_switch_interval, None, None)
-        )
+        kinds.append((f"switch {opts.compare_switch_interval * 1e3:g}ms", grammar, opts.compare_switch_interval, None))
     for n in filter(None, opts.compare_mask_threads.split(",")):
-        kinds.append((f"threads {n}", grammar, None, int(n), None))
+        kinds.append((f"threads {n}", grammar, None, int(n)))
     runs: dict[str, list[dict]] = {name: [] for name, *_ in kinds}
     for r in range(opts.repeats):
-        for name, g, interval, threads, spinning in kinds:
+        for name, g, interval, threads in kinds:
             engine_interval, engine_pool = sys.getswitchinterval(), engine.grammars._executor_pool()
-            engine_event = overlap_module.ready_event
-            if spinning:
-                overlap_module.ready_event = lambda windows: torch.cuda.Event()
             sys.setswitchinterval(interval or engine_interval)
             if threads is not None:
                 from llguidance import LLExecutor
@@ -285,7 +270,6 @@ def main(argv=None) -> dict:
             finally:
                 sys.setswitchinterval(engine_interval)
                 engine.grammars._executor = engine_pool
-                overlap_module.ready_event = engine_event
             runs[name].append(row)
     print(
         f"batch {opts.batch}, mode {opts.mode}, mtp_step {opts.mtp_step}, schema {opts.schema}, {opts.device}, "
