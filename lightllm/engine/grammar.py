@@ -153,6 +153,11 @@ class GrammarBackend:
                 raise ValueError(self._failed[key]) from exc
         return self._tokenizers[key]
 
+    def add_vocabulary(self, tokenizer_dir: str, eos_ids: tuple[int, ...], tokenizer) -> None:
+        """A vocabulary built elsewhere (llguidance.LLTokenizer, `vocab_size` wide) for the folder and EOS set, as
+        the loader would have built it."""
+        self._tokenizers[(tokenizer_dir, tuple(eos_ids))] = tokenizer
+
     def _executor_pool(self):
         if self._executor is None:
             from llguidance import LLExecutor

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import zmq
@@ -24,7 +25,7 @@ from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.server.args import ServerArgs
 from lightllm.server.collector import quiet_garbage_collector
 from lightllm.server.engine_loop import ServingRole, run_engine_loop
-from lightllm.server.grammar_vocab import load_grammar_vocabulary, warm_grammars
+from lightllm.server.grammar_vocab import build_grammar_vocabulary, load_grammar_vocabulary, warm_grammars
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import load_factory
 from lightllm.server.termination import exit_on_sigterm
@@ -55,9 +56,12 @@ def build_engine(
     args: ServerArgs, info: ModelInfo, runner_factory: str, acceptance: SimulatedAcceptance | None = None
 ) -> Engine:
     """The engine `args` describe. `acceptance` (offline benchmarks only, never from a server flag) replaces the
-    model's verification of drafts. The checkpoint's grammar vocabulary is built here, before any request."""
-    engine = engine_for_runner(args, load_factory(runner_factory)(args, info), acceptance)
-    warm_grammars(engine, info, args.device)
+    model's verification of drafts. The checkpoint's grammar vocabulary is built here, before any request, beside
+    the runner's start-up."""
+    with ThreadPoolExecutor(1, thread_name_prefix="grammar-vocabulary") as building:
+        vocabulary = building.submit(build_grammar_vocabulary, info)
+        engine = engine_for_runner(args, load_factory(runner_factory)(args, info), acceptance)
+        warm_grammars(engine, info, args.device, vocabulary)
     quiet_host_threads(args.device)
     return engine
 

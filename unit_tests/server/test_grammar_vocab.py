@@ -178,3 +178,34 @@ def test_kimi_tiktoken_checkpoint_decodes_to_its_grammar(kimi_tiktoken_dir):
     # twin: the random model without the grammar writes no such object
     text, _ = _generate(engine, info, tok, None)
     assert not _valid(text), text
+
+
+def test_warm_grammars_takes_the_vocabulary_built_beside_the_runner():
+    """The engine process builds the vocabulary on a thread while its runner starts: warm_grammars takes that one
+    instead of loading the tokenizer again; one whose build failed is built again (the backend records why)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from lightllm.engine.grammar import GrammarBackend
+    from lightllm.server.grammar_vocab import build_grammar_vocabulary, warm_grammars
+
+    _, info = load_server_args([], model_dir=str(tiny_model_dir("qwen3_5")), device="cpu")
+    loads = []
+
+    def engine():
+        def loader(*a):
+            loads.append(a)
+            return load_grammar_vocabulary(*a)
+
+        return SimpleNamespace(grammars=GrammarBackend(info.vocab_size, loader))
+
+    built, done = build_grammar_vocabulary(info), Future()
+    done.set_result(built)
+    warmed = engine()
+    warm_grammars(warmed, info, "cpu", done)
+    assert loads == [] and warmed.grammars._tokenizers == {(info.model_dir, built[0]): built[1]}
+    # twin: a build that failed is done again where the backend records it
+    failed = Future()
+    failed.set_exception(ValueError("no vocabulary"))
+    warm_grammars(engine(), info, "cpu", failed)
+    assert len(loads) == 1 and loads[0][0] == info.model_dir
