@@ -111,3 +111,30 @@ def test_an_entry_that_does_not_compile_is_reported_and_the_rest_go_on(tmp_path,
     # the failures are final: the same entries on the same cache start no worker again
     again = CompileAhead(entries, GPUTarget("cuda", 90, 32), workers=1)
     assert again.workers == 0 and again.wait(120).cached
+
+
+def _claims(claims_dir: str, count: int, out) -> None:
+    from lightllm.kernels.compile_ahead.worker import claim
+
+    out.put([i for i in range(count) if claim(claims_dir, i)])
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_workers_claim_each_entry_once(tmp_path, shared):
+    """Workers racing over a job's entries: each entry is claimed by exactly one of them. Twin: workers that do not
+    share the claims folder both take every entry."""
+    import multiprocessing as mp
+
+    ctx, count = mp.get_context("fork"), 300
+    out = ctx.Queue()
+    dirs = [tmp_path / "claims"] * 2 if shared else [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+    procs = [ctx.Process(target=_claims, args=(str(d), count, out)) for d in dirs]
+    for p in procs:
+        p.start()
+    taken = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(60)
+    both = set(taken[0]) & set(taken[1])
+    assert sorted(taken[0] + taken[1]) == list(range(count)) if shared else both == set(range(count))

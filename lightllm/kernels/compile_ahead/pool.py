@@ -17,6 +17,8 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 
+from lightllm.kernels.compile_ahead.worker import CLAIMS
+
 # the folder holding the `lightllm` package, so that workers import this copy of it
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 
@@ -71,6 +73,7 @@ class CompileAhead:
         # the job and each worker's lines in files (a pipe nobody reads until `wait` could fill and stall a worker)
         self._dir = tempfile.mkdtemp(prefix="lightllm-compile-ahead-")
         job = os.path.join(self._dir, "job.json")
+        os.mkdir(os.path.join(self._dir, CLAIMS))
         with open(job, "w") as f:
             json.dump({"target": [target.backend, target.arch, target.warp_size], "entries": entries}, f)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
@@ -79,7 +82,7 @@ class CompileAhead:
             with open(self._output(index), "w") as out:
                 self._procs.append(
                     subprocess.Popen(
-                        [*command, str(index), str(self.workers)],
+                        command,
                         stdout=out,
                         stderr=subprocess.DEVNULL,
                         stdin=subprocess.DEVNULL,

@@ -1,8 +1,9 @@
-"""One compile-ahead worker process: `python -m lightllm.kernels.compile_ahead.worker JOB INDEX COUNT` compiles
-entries INDEX, INDEX + COUNT, ... of the job file (`{"target": [backend, arch, warp_size], "entries": [...]}`)
-into the Triton cache, with their launchers where the CUDA driver library is there, and prints one line per entry:
-`ok|failed SECONDS KERNEL [error]`. It launches nothing and allocates no device memory (the engine's memory plan
-counts the device's free memory while workers run)."""
+"""One compile-ahead worker process: `python -m lightllm.kernels.compile_ahead.worker JOB` compiles entries of the job
+file (`{"target": [backend, arch, warp_size], "entries": [...]}`) into the Triton cache, with their launchers where
+the CUDA driver library is there, and prints one line per entry: `ok|failed SECONDS KERNEL [error]`. The job's
+workers take entries in the list's order, each the next one no worker has claimed (a file created exclusively in the
+job's `claims` folder), so a worker that drew a long compile does not hold up entries others could take. It launches
+nothing and allocates no device memory (the engine's memory plan counts the device's free memory while workers run)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import time
 from triton.backends.compiler import GPUTarget
 
 from lightllm.kernels.compile_ahead.spec import compile_spec
+
+# the folder beside the job file where workers claim entries
+CLAIMS = "claims"
 
 
 def build_launcher(kernel) -> None:
@@ -27,12 +31,24 @@ def build_launcher(kernel) -> None:
         pass
 
 
-def main(job_path: str, index: int, count: int) -> int:
+def claim(claims_dir: str, index: int) -> bool:
+    """Whether this process is the first to claim entry `index` (its file created here, exclusively)."""
+    try:
+        os.close(os.open(os.path.join(claims_dir, str(index)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def main(job_path: str) -> int:
     job = json.loads(open(job_path).read())
     target = GPUTarget(*job["target"])
+    claims = os.path.join(os.path.dirname(job_path), CLAIMS)
     # the engine process goes first: it loads weights meanwhile and compiles what it needs before these finish
     os.nice(5)
-    for entry in job["entries"][index::count]:
+    for index, entry in enumerate(job["entries"]):
+        if not claim(claims, index):
+            continue
         t0 = time.perf_counter()
         try:
             build_launcher(compile_spec(entry["kernel"], entry["spec"], target))
@@ -44,4 +60,4 @@ def main(job_path: str, index: int, count: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    sys.exit(main(sys.argv[1]))
