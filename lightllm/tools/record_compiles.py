@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> Path:
         build_engine(args, info, DEFAULT_RUNNER_FACTORY)
     for kernel, count in sorted(recorder.refused.items()):
         print(f"  not recordable: {kernel} ({count} variants)", flush=True)
-    total = merge_entries(path, key, recorder.entries, replace=a.replace)
+    from triton.runtime.driver import driver
+
+    target = driver.active.get_current_target()
+    total = merge_entries(path, key, recorder.entries, a.replace, [target.backend, target.arch, target.warp_size])
     print(
         f"{modes[0]}: {len(recorder.entries)} kernel variants compiled at start-up; {path.name}: group {key} has "
         f"{total} entries",

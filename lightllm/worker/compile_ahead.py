@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lightllm.kernels.compile_ahead.lists import list_path, read_entries
+from lightllm.kernels.compile_ahead.lists import entries_for_device
 from lightllm.kernels.compile_ahead.pool import CompileAhead
 from lightllm.kernels.tuned_tables import device_name
 from lightllm.models.config import ModelConfig
@@ -52,15 +52,21 @@ def start_compile_ahead(config, cfg: ModelConfig) -> CompileAhead | None:
     if device.type != "cuda":
         return None
     import triton
-
-    path = list_path(device_name(device))
-    key = runner_group_key(config, cfg)
-    entries = read_entries(path, key)
-    if not entries:
-        logger.info(
-            "no kernels to compile ahead (%s has no group %s for Triton %s)", path.name, key, triton.__version__
-        )
-        return None
     from triton.runtime.driver import driver
 
-    return CompileAhead(entries, driver.active.get_current_target())
+    target = driver.active.get_current_target()
+    name, key = device_name(device), runner_group_key(config, cfg)
+    path, entries = entries_for_device(name, [target.backend, target.arch, target.warp_size], key)
+    if not entries:
+        logger.info(
+            "no kernels to compile ahead (no list of %s or of its target has group %s for Triton %s)",
+            name,
+            key,
+            triton.__version__,
+        )
+        return None
+    if path.stem != name:
+        logger.info(
+            "compiling ahead from %s (recorded for the same target, %s %s)", path.name, target.backend, target.arch
+        )
+    return CompileAhead(entries, target)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from lightllm.kernels.compile_ahead.lists import merge_entries, read_entries
+from lightllm.kernels.compile_ahead.lists import entries_for_device, merge_entries, read_entries
 from unit_tests.helpers.sm90 import PTXAS
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -73,6 +73,34 @@ def test_lists_merge_by_group(tmp_path):
     (listed,) = json.loads(path.read_text()).values()
     assert len(listed) == 2  # m:k with 1 had group a only: it went
     assert len(path.read_text().splitlines()) == 4 + len(listed)  # one line per entry
+
+
+def test_a_gpu_without_a_list_takes_one_of_its_target(tmp_path):
+    """A list records its Triton target; a GPU kind without a list of its own takes the group from a list of the
+    same target (the same binaries), never from another target's or from a list without the group."""
+    sm90, sm80 = ["cuda", 90, 32], ["cuda", 80, 32]
+    merge_entries(tmp_path / "GPU_A.json", "g", [_entry("m:k", 1)], target=sm90)
+    merge_entries(tmp_path / "GPU_C.json", "g", [_entry("m:k", 3)], target=sm80)
+    merge_entries(tmp_path / "GPU_D.json", "other", [_entry("m:k", 4)], target=sm90)
+    assert json.loads((tmp_path / "GPU_A.json").read_text())["target"] == sm90
+    path, entries = entries_for_device("GPU_B", sm90, "g", tmp_path)
+    assert path.name == "GPU_A.json" and [e["spec"]["constants"][0][1] for e in entries] == [1]
+    # twin: another target finds its own list only
+    path, entries = entries_for_device("GPU_B", sm80, "g", tmp_path)
+    assert path.name == "GPU_C.json" and [e["spec"]["constants"][0][1] for e in entries] == [3]
+    assert entries_for_device("GPU_B", ["cuda", 100, 32], "g", tmp_path)[1] == []
+    # a list of its own comes first; a list keeps its one target
+    merge_entries(tmp_path / "GPU_B.json", "g", [_entry("m:k", 2)], target=sm90)
+    assert entries_for_device("GPU_B", sm90, "g", tmp_path)[0].name == "GPU_B.json"
+    with pytest.raises(ValueError, match="target"):
+        merge_entries(tmp_path / "GPU_B.json", "g", [_entry("m:k", 2)], target=sm80)
+
+
+def test_the_shipped_lists_name_their_target():
+    from lightllm.kernels.compile_ahead.lists import LIST_DIR
+
+    lists = sorted(LIST_DIR.glob("*.json"))
+    assert lists and all(json.loads(p.read_text())["target"][0] == "cuda" for p in lists)
 
 
 def test_group_key_follows_what_reaches_kernels():
