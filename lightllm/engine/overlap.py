@@ -179,8 +179,9 @@ class OverlapScheduler:
             if previous is not None and any(req.grammar is not None for req in windows):
                 # the masks need the tokens in flight: the mask thread reads them as soon as the device has them,
                 # moves the matchers over them and fills the masks, while this thread launches the forward
-                runner = engine.runner
-                job = grammar.MaskJob.of(self._mask_rows(windows), len(windows), runner.vocab_size, runner.device)
+                # the device is the in-flight tokens' (the logits are not there yet)
+                device = previous.tokens.device
+                job = grammar.MaskJob.of(self._mask_rows(windows), len(windows), engine.runner.vocab_size, device)
                 job.start(before=_advancing(previous))
             batch = engine.build_batch(plan)
             batch.decode_input_ids = None if previous is None else _tokens_of(previous, plan.decode)

@@ -58,7 +58,7 @@ LOCAL = frozenset(
     }
 )
 # run by every rank while it builds its runner, never later
-START_UP = frozenset({"warmup", "warmup_attention", "init_decode_graphs", "init_prefill_graphs"})
+START_UP = frozenset({"pin_fla", "warmup", "warmup_attention", "init_decode_graphs", "init_prefill_graphs"})
 # run by every rank when the runner is dropped (this class's own `close` sends it to the followers)
 SHUT_DOWN = frozenset({"close"})
 
