@@ -48,6 +48,7 @@ class Engine:
         short_resume_tokens: int = 0,
         acceptance: SimulatedAcceptance | None = None,
         max_num_batched_tokens: int | None = None,
+        max_mixed_prefill_tokens: int | None = None,
         grammar_vocabulary: grammar.VocabularyLoader | None = None,
     ):
         self.runner = runner
@@ -66,6 +67,7 @@ class Engine:
             prefix_cache_checkpoint_interval,
             short_resume_tokens,
             chunked_prefill_size=chunked_prefill_size,
+            mixed_prefill_tokens=max_mixed_prefill_tokens,
         )
         self.sampler = Sampler(seed)
         # None: requests with a grammar fail (the server passes its loader of tokenizer folders)

@@ -5,7 +5,10 @@ prefill chunks. Decode rows go first (each at least its last token; drafts only 
 running request gets a token every step however long the prompts beside it are; prefill chunks of admitted
 requests then fill what is left of the budget, then new requests from the waiting queue. A prefill chunk is what
 is left of the step's budget, capped at `chunked_prefill_size` tokens per request (by default the whole budget),
-so the step's cost stays bounded by the budget and a long prompt spreads over as many steps as it needs.
+so the step's cost stays bounded by the budget and a long prompt spreads over as many steps as it needs. A step
+with decode rows of requests past their prompt feeds at most `mixed_prefill_tokens` prompt tokens (by default the
+whole budget): such a step sets those requests' gap between two tokens, while a step that only prefills, or whose
+decode rows are prompts' last tokens, keeps the whole budget (time to first token, throughput).
 
 A request is admitted only when a linear-state slot is free (`runner.add_request`) and the KV cache can hold its
 prefill on top of what running requests still need. When KV runs out for decode rows, the most recently admitted
@@ -75,12 +78,17 @@ class Scheduler:
         checkpoint_interval: int = 0,
         short_resume_tokens: int = 0,
         chunked_prefill_size: int | None = None,
+        mixed_prefill_tokens: int | None = None,
     ):
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if chunked_prefill_size is not None and not 1 <= chunked_prefill_size <= token_budget:
             raise ValueError(
                 f"chunked_prefill_size must be in [1, token_budget={token_budget}], got {chunked_prefill_size}"
+            )
+        if mixed_prefill_tokens is not None and not 1 <= mixed_prefill_tokens <= token_budget:
+            raise ValueError(
+                f"mixed_prefill_tokens must be in [1, token_budget={token_budget}], got {mixed_prefill_tokens}"
             )
         self.runner = runner
         # prefill chunks end at multiples of this when they cross one (0 = no alignment)
@@ -94,6 +102,8 @@ class Scheduler:
         self.token_budget = token_budget
         # the longest prefill chunk of one request in one step
         self.chunked_prefill_size = chunked_prefill_size or token_budget
+        # the most prompt tokens of a step that also decodes for requests streaming output
+        self.mixed_prefill_tokens = mixed_prefill_tokens or token_budget
         self.max_width = max_width
         self.max_prompt_logit_rows = MAX_PROMPT_LOGIT_ROWS_PER_STEP
         self._prompt_logit_rows_left = MAX_PROMPT_LOGIT_ROWS_PER_STEP
@@ -203,6 +213,9 @@ class Scheduler:
             free_kv -= num_drafts
             drafts = req.draft_ids[:num_drafts]
             plan.decode.append(ScheduledRow(req, 1 + num_drafts, drafts))
+        if any(not req.is_prefilling for req in decoding):
+            # what the prompts get is capped (the decode rows and their drafts are not)
+            budget = min(budget, self.mixed_prefill_tokens)
         for req in self.running:
             if req.is_prefilling and not self.awaits_last_token(req) and budget > 0 and free_kv > 0:
                 chunk = self.prefill_chunk(req, min(budget, self.chunked_prefill_size, free_kv))

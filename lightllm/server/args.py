@@ -177,6 +177,13 @@ class ServerArgs:
         "--chunked_prefill_size when given, else 8192 on cuda, 512 on cpu)",
         type=int,
     )
+    max_mixed_prefill_tokens: int | None = _flag(
+        None,
+        "most prompt tokens of a step that also decodes for requests streaming output: bounds their gap between "
+        "two tokens while other prompts prefill (auto: a quarter of --max_num_batched_tokens on cuda, all of it on "
+        "cpu)",
+        type=int,
+    )
     max_req_total_len: int | None = _flag(
         None,
         "prompt + output tokens cap per request (auto: min(max_position_embeddings, 32768 cuda / 4096 cpu, KV size))",
@@ -350,6 +357,7 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
     if max_req_total_len is None:
         caps = [32768 if on_cuda else 4096, info.max_position_embeddings, args.max_total_token_num]
         max_req_total_len = min(c for c in caps if c)
+    step_budget = _auto(args.max_num_batched_tokens, _auto(args.chunked_prefill_size, step_tokens))
     api_key = args.api_key if args.api_key is not None else (os.environ.get("LIGHTLLM_API_KEY") or None)
     resolved = dataclasses.replace(
         args,
@@ -361,7 +369,10 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
         max_running_requests=_auto(args.max_running_requests, 256 if on_cuda else 16),
         mem_fraction=args.mem_fraction if args.mem_fraction is not None or args.max_total_token_num else 0.8,
         chunked_prefill_size=_auto(args.chunked_prefill_size, _auto(args.max_num_batched_tokens, step_tokens)),
-        max_num_batched_tokens=_auto(args.max_num_batched_tokens, _auto(args.chunked_prefill_size, step_tokens)),
+        max_num_batched_tokens=step_budget,
+        max_mixed_prefill_tokens=_auto(
+            args.max_mixed_prefill_tokens, max(1, step_budget // 4) if on_cuda else step_budget
+        ),
         max_req_total_len=max_req_total_len,
         api_key=api_key,
         pd_secret=args.pd_secret or os.environ.get("LIGHTLLM_PD_SECRET") or api_key,
@@ -455,6 +466,11 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name} must be positive, got {value}")
+    if not 1 <= args.max_mixed_prefill_tokens <= args.max_num_batched_tokens:
+        raise ValueError(
+            f"--max_mixed_prefill_tokens {args.max_mixed_prefill_tokens} must be in 1..--max_num_batched_tokens "
+            f"{args.max_num_batched_tokens}: the prompt tokens of a step are part of its budget"
+        )
     if args.chunked_prefill_size > args.max_num_batched_tokens:
         raise ValueError(
             f"--chunked_prefill_size {args.chunked_prefill_size} exceeds --max_num_batched_tokens "

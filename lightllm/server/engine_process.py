@@ -93,6 +93,7 @@ def engine_for_runner(args: ServerArgs, runner, acceptance: SimulatedAcceptance 
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
         max_req_total_len=args.max_req_total_len,
         mtp_step=args.mtp_step,
         spec_ngram=args.spec_ngram,

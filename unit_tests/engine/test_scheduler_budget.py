@@ -1,5 +1,5 @@
-"""The step's token budget (`max_num_batched_tokens`) and the per-request chunk cap (`chunked_prefill_size`), with
-exact expected batches on the fake runner: decode rows go first, prefill chunks fill the rest of the budget, and a
+"""The step's token budget (`max_num_batched_tokens`), the per-request chunk cap (`chunked_prefill_size`) and the
+prompt tokens of a step decoding for streaming requests (`max_mixed_prefill_tokens`), with exact expected batches on the fake runner: decode rows go first, prefill chunks fill the rest of the budget, and a
 running request gets a token every step while a long prompt prefills beside it."""
 
 from __future__ import annotations
@@ -147,3 +147,55 @@ def test_drafts_and_a_long_prompt_share_the_budget():
     assert max_gap_in_steps(decode_rows_per_step(runner), 0) == 1
     assert tokens["A"] == FakeRunner().greedy(cycle, 24)
     assert tokens["B"] == FakeRunner().greedy(long_prompt, 2)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_step_decoding_for_streaming_requests_caps_its_prompt_tokens(overlap):
+    # budget 12, mixed cap 4: B's 30-token prompt goes 11 tokens a step while nothing streams, 4 a step beside A's
+    # decode rows once A has output
+    runner = FakeRunner(max_requests=4, kv_tokens=400)
+    engine = _engine(runner, budget=12, chunk=12, overlap_schedule=overlap, max_mixed_prefill_tokens=4)
+    short, long_prompt = [5, 6, 7], [(7 * i + 3) % 61 + 1 for i in range(30)]
+    engine.add_request(NewRequest("A", short, _params(12)))
+    engine.add_request(NewRequest("B", long_prompt, _params(2)))
+    tokens = {"A": [], "B": []}
+    _step_all(engine, tokens)
+    lens = [(b.query_lens, b.num_prefill_rows) for b in runner.batches]
+    # step 1: A's prompt and 9 of B's (the whole budget: nothing streams yet); then A streams and B gets 4 a step
+    assert lens[:4] == [([3, 9], 2), ([4, 1], 1), ([4, 1], 1), ([4, 1], 1)]
+    assert all(sum(q[:p]) <= 4 for q, p in lens[2:] if p)
+    assert max_gap_in_steps(decode_rows_per_step(runner), 0) == 1
+    assert tokens["A"] == FakeRunner().greedy(short, 12)
+    assert tokens["B"] == FakeRunner().greedy(long_prompt, 2)
+
+
+def test_a_prompt_awaiting_its_first_token_does_not_cap_the_step():
+    # with a prefix cache a prompt's last token runs as a decode row: A's, in step 2, has no output before it, so B
+    # keeps the budget (8: its chunk ends at the checkpoint interval); once A streams, B gets 4 a step
+    runner = FakeRunner(max_requests=4, kv_tokens=400)
+    engine = _engine(runner, budget=12, chunk=12, max_mixed_prefill_tokens=4, prefix_cache_checkpoint_interval=8)
+    engine.add_request(NewRequest("A", [5, 6, 7], _params(12)))
+    engine.add_request(NewRequest("B", [(7 * i + 3) % 61 + 1 for i in range(30)], _params(2)))
+    _step_all(engine, {"A": [], "B": []})
+    assert [(b.query_lens, b.num_prefill_rows) for b in runner.batches[:4]] == [
+        ([2, 8], 2),
+        ([8, 1], 1),
+        ([4, 1], 1),
+        ([4, 1], 1),
+    ]
+
+
+def test_without_a_mixed_cap_the_same_prompt_takes_the_budget_left():
+    # the twin: no cap, B takes what A's decode row leaves (11 of 12) in every step
+    runner = FakeRunner(max_requests=4, kv_tokens=400)
+    engine = _engine(runner, budget=12, chunk=12)
+    engine.add_request(NewRequest("A", [5, 6, 7], _params(12)))
+    engine.add_request(NewRequest("B", [(7 * i + 3) % 61 + 1 for i in range(30)], _params(2)))
+    _step_all(engine, {"A": [], "B": []})
+    assert [b.query_lens for b in runner.batches[:3]] == [[3, 9], [11, 1], [10, 1]]
+
+
+@pytest.mark.parametrize("cap", [0, 13])
+def test_a_mixed_cap_outside_the_budget_is_refused(cap):
+    with pytest.raises(ValueError, match="mixed_prefill_tokens"):
+        Scheduler(FakeRunner(), 4, 12, 1, mixed_prefill_tokens=cap)

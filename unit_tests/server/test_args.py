@@ -180,3 +180,32 @@ def test_step_budget_and_chunk_resolve(argv, expected):
 def test_chunk_over_step_budget_is_refused():
     with pytest.raises(ValueError, match="--chunked_prefill_size 600 exceeds --max_num_batched_tokens 300"):
         _resolve("--device", "cpu", "--max_num_batched_tokens", "300", "--chunked_prefill_size", "600")
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (("--device", "cpu"), 512),
+        (("--device", "cuda"), 2048),
+        (("--device", "cuda", "--max_num_batched_tokens", "1000"), 250),
+        (("--device", "cuda", "--max_mixed_prefill_tokens", "700"), 700),
+    ],
+    ids=["cpu-whole-budget", "cuda-quarter", "cuda-quarter-of-given", "given"],
+)
+def test_mixed_prefill_cap_resolves(argv, expected, monkeypatch):
+    import lightllm.server.args as server_args
+
+    # resolved as on a host with one GPU
+    monkeypatch.setattr(server_args, "_cuda_available", lambda: True)
+    monkeypatch.setattr(server_args, "visible_cuda_devices", lambda: 1)
+    assert _resolve(*argv).max_mixed_prefill_tokens == expected
+
+
+@pytest.mark.parametrize("cap", ["0", "513"])
+def test_mixed_prefill_cap_outside_the_budget_is_refused(cap):
+    with pytest.raises(
+        ValueError, match=f"--max_mixed_prefill_tokens {cap} must be in 1..--max_num_batched_tokens 512"
+    ):
+        _resolve("--device", "cpu", "--max_mixed_prefill_tokens", cap)
+    # twin: the budget itself is accepted
+    assert _resolve("--device", "cpu", "--max_mixed_prefill_tokens", "512").max_mixed_prefill_tokens == 512
