@@ -15,7 +15,6 @@ fla lacks, or a config that kernel does not offer is not pinned (fla autotunes i
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import re
@@ -28,6 +27,8 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import KernelInterface
+
+from lightllm.linear_att.fla_import import import_entry_modules
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,8 @@ def table_path(device_name: str) -> Path:
 
 def fla_autotuners(entry_modules: tuple[str, ...] = FLA_ENTRY_MODULES) -> dict[str, Autotuner]:
     """Every autotuned kernel of the loaded `fla` modules as `module:kernel` -> its `Autotuner` (after importing
-    `entry_modules`)."""
-    for name in entry_modules:
-        importlib.import_module(name)
+    `entry_modules`, without the package bodies serving never calls: `fla_import`)."""
+    import_entry_modules(entry_modules)
     found: dict[str, Autotuner] = {}
     for module_name, module in list(sys.modules.items()):
         if module is None or not (module_name == "fla" or module_name.startswith("fla.")):

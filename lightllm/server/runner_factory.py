@@ -114,19 +114,21 @@ def build_rank_runner(args: ServerArgs, info: ModelInfo, rank: int = 0, size: in
     from lightllm.models.registry import load_model_config
     from lightllm.worker.compile_ahead import WAIT_S, start_compile_ahead
     from lightllm.worker.runner import ModelRunner
+    from lightllm.worker.warmup_steps import start_pin_fla
 
     config = runner_config(args, rank, size)
     # the shipped compile list's kernels build in other processes while this one loads weights (rank 0's workers
     # fill the Triton cache every rank reads)
     ahead = start_compile_ahead(config, load_model_config(config.model_dir)) if rank == 0 else None
+    # importing fla takes seconds: done on a thread while this process loads weights and the workers compile
+    fla_pinned = start_pin_fla(config.device)
     try:
         runner = ModelRunner(config)
     except BaseException:
         if ahead is not None:
             ahead.close()
         raise
-    # importing fla takes seconds: done while the compile-ahead workers are still compiling
-    runner.pin_fla()
+    runner.pin_fla(fla_pinned)
     if ahead is not None:
         with runner.startup.phase("compiles ahead"):
             logger.info("%s", ahead.wait(WAIT_S).summary())

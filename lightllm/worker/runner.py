@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -546,9 +547,10 @@ class ModelRunner(DeviceAcceptance):
             raise RuntimeError("this runner has no MTP head (mtp_step = 0 or no mtp.* weights)")
         return self.drafter.draft(handles, [self._requests[h] for h in handles], next_tokens.tolist(), mtp_step)
 
-    def pin_fla(self) -> None:
-        """fla's launch configurations pinned from the shipped tables (`warmup_steps.pin_fla`), before `warmup`."""
-        pin_fla(self)
+    def pin_fla(self, pending: Future | None = None) -> None:
+        """fla's launch configurations pinned from the shipped tables (`warmup_steps.pin_fla`), before `warmup`;
+        `pending`: that work started earlier on a thread (`warmup_steps.start_pin_fla`)."""
+        pin_fla(self, pending)
 
     def warmup(self, max_num_tokens: int, progress: bool = True) -> int:
         """Compile and tune every kernel variant serving launches (`warmup_steps.warm_up`), once, after `pin_fla`

@@ -14,6 +14,9 @@ enough.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import torch
 
 from lightllm.engine.batch import ForwardBatch
@@ -24,16 +27,42 @@ from lightllm.models.layers.quantized_linear import Fp8Weight, warmup_fp8_linear
 from lightllm.worker.graphs.prefill import prefill_buckets
 
 
-def pin_fla(runner) -> None:
+def start_pin_fla(device: str | torch.device) -> Future | None:
+    """fla's import and pinning (`pin_fla`) started on a thread of its own, so that they run while the process loads
+    weights and sizes its caches (and the compile-ahead workers compile); None off CUDA (nothing to pin)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    pending: Future = Future()
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device):
+                pending.set_result(_pin_for(device))
+        except BaseException as exc:
+            pending.set_exception(exc)
+
+    threading.Thread(target=run, name="fla-import", daemon=True).start()
+    return pending
+
+
+def pin_fla(runner, pending: Future | None = None) -> None:
     """fla's chunk kernels pinned to the shipped table of this GPU kind (or a sibling's) instead of autotuning at
     their first call, before `warm_up` runs them (CUDA only; timed as a start-up phase). Importing fla takes
-    seconds, so the server does it while the compile-ahead workers are still compiling."""
+    seconds: `pending` (from `start_pin_fla`) is that work already under way, waited for here."""
     if runner.device.type != "cuda":
         return
     with runner.startup.phase("fla import and pinning"):
-        from lightllm.linear_att.fla_pinning import pin_for_device
+        if pending is not None:
+            pending.result()
+        else:
+            _pin_for(runner.device)
 
-        pin_for_device(torch.cuda.get_device_name(runner.device), torch.cuda.get_device_capability(runner.device))
+
+def _pin_for(device: torch.device):
+    from lightllm.linear_att.fla_pinning import pin_for_device
+
+    return pin_for_device(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
 
 
 def warm_up(runner, max_num_tokens: int, progress: bool = True) -> int:

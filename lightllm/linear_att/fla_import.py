@@ -1,0 +1,69 @@
+"""fla-core's prefill kernels imported without the rest of the package.
+
+`import fla.ops.gated_delta_rule` first runs `fla/ops/__init__.py`, which imports every op family fla-core ships
+(thirty-odd, most of them never served here), and the chunk kernels' `fla.modules.norm.l2norm` runs
+`fla/modules/__init__.py` and `fla/modules/norm/__init__.py`, which import the fused norm and activation layers and
+with them torch's compiler stack. That is seconds of a server's start-up (3.8 s of imports on a 2-core CPU host,
+1.5 s without those three package bodies) spent on code serving never calls.
+
+`import_entry_modules` imports the modules serving needs with those package bodies deferred: each package is
+registered as a module of its own search path whose body runs on first use of a name it defines (a module
+`__getattr__`, PEP 562). Submodules load as usual through the path, so `from fla.ops.kda import chunk_kda` never runs
+the body; `from fla.ops import chunk_gla` (a name the body defines) runs it then, in the same module object, and
+gets what a plain import gives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+
+# the package bodies deferred, parents first
+DEFERRED_PACKAGES = ("fla.ops", "fla.modules", "fla.modules.norm")
+
+
+def import_entry_modules(entry_modules: tuple[str, ...]) -> None:
+    """Import `entry_modules` (fla modules) with `DEFERRED_PACKAGES`' bodies deferred (those already imported are
+    left as they are)."""
+    for name in DEFERRED_PACKAGES:
+        if name not in sys.modules:
+            _register_deferred(name)
+    for name in entry_modules:
+        importlib.import_module(name)
+
+
+def is_deferred(module: types.ModuleType) -> bool:
+    """Whether `module` is a deferred package whose body has not run yet."""
+    return getattr(module, "__lightllm_deferred__", False)
+
+
+def _register_deferred(name: str) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = importlib.import_module(parent_name)
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.submodule_search_locations is None:
+        raise ImportError(f"{name} is not a package of the installed fla")
+    module = types.ModuleType(name)
+    module.__spec__, module.__loader__, module.__file__ = spec, spec.loader, spec.origin
+    module.__path__, module.__package__ = list(spec.submodule_search_locations), name
+    module.__lightllm_deferred__ = True
+
+    def __getattr__(attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        # a submodule loads by itself (`from fla.ops import kda` asks for the attribute first)
+        if importlib.util.find_spec(f"{name}.{attr}") is not None:
+            return importlib.import_module(f"{name}.{attr}")
+        if module.__dict__.get("__lightllm_deferred__"):
+            module.__lightllm_deferred__ = False
+            spec.loader.exec_module(module)
+        try:
+            return module.__dict__[attr]
+        except KeyError:
+            raise AttributeError(f"module {name!r} has no attribute {attr!r}") from None
+
+    module.__getattr__ = __getattr__
+    sys.modules[name] = module
+    setattr(parent, child, module)
