@@ -32,8 +32,7 @@
 #                 tier (--host_tier_gb 0), then with four HTTP processes (--http_workers 4)
 #   http_workers  the same, at the defaults and with four HTTP processes only
 #   http_mixed    the same at the defaults (a step decoding for streaming requests takes at most a quarter of the
-#                 budget in prompt tokens), with the whole budget (--max_mixed_prefill_tokens 8192, the cap off), and
-#                 at the defaults with four HTTP processes
+#                 budget in prompt tokens), then with the whole budget (--max_mixed_prefill_tokens 8192, the cap off)
 #   closed_loop   the same workload on the engine alone (test/gpu/closed_loop.py)
 #   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
 #                 kernels of a replay step at 256
@@ -140,7 +139,7 @@ for part in $parts; do
         attn_sweep) run attn_sweep 200 python test/benchmark/bench_paged_attention.py --sweep ;;
         http) for flags in "" "--host_tier_gb 0" "--http_workers 4"; do http_run "$flags"; done ;;
         http_workers) for flags in "" "--http_workers 4"; do http_run "$flags"; done ;;
-        http_mixed) for flags in "" "--max_mixed_prefill_tokens 8192" "--http_workers 4"; do http_run "$flags"; done ;;
+        http_mixed) for flags in "" "--max_mixed_prefill_tokens 8192"; do http_run "$flags"; done ;;
         closed_loop) run closed_loop 150 python test/gpu/closed_loop.py
                      grep -E "^\|" "$LOG_DIR/closed_loop.log" | tail -14 ;;
         moe_full) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
