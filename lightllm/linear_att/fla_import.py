@@ -3,8 +3,8 @@
 `import fla.ops.gated_delta_rule` first runs `fla/ops/__init__.py`, which imports every op family fla-core ships
 (thirty-odd, most of them never served here), and the chunk kernels' `fla.modules.norm.l2norm` runs
 `fla/modules/__init__.py` and `fla/modules/norm/__init__.py`, which import the fused norm and activation layers and
-with them torch's compiler stack. That is seconds of a server's start-up (3.8 s of imports on a 2-core CPU host,
-1.5 s without those three package bodies) spent on code serving never calls.
+with them torch's compiler stack: most of the import's seconds at a server's start-up go to code serving never
+calls.
 
 `import_entry_modules` imports the modules serving needs with those package bodies deferred: each package is
 registered as a module of its own search path whose body runs on first use of a name it defines (a module
