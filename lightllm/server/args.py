@@ -180,8 +180,8 @@ class ServerArgs:
     max_mixed_prefill_tokens: int | None = _flag(
         None,
         "most prompt tokens of a step that also decodes for requests streaming output: bounds their gap between "
-        "two tokens while other prompts prefill (auto: a quarter of --max_num_batched_tokens on cuda, all of it on "
-        "cpu)",
+        "two tokens while other prompts prefill, at a cost in first-token latency and throughput under load "
+        "(auto: --max_num_batched_tokens, no cap)",
         type=int,
     )
     max_req_total_len: int | None = _flag(
@@ -370,9 +370,7 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
         mem_fraction=args.mem_fraction if args.mem_fraction is not None or args.max_total_token_num else 0.8,
         chunked_prefill_size=_auto(args.chunked_prefill_size, _auto(args.max_num_batched_tokens, step_tokens)),
         max_num_batched_tokens=step_budget,
-        max_mixed_prefill_tokens=_auto(
-            args.max_mixed_prefill_tokens, max(1, step_budget // 4) if on_cuda else step_budget
-        ),
+        max_mixed_prefill_tokens=_auto(args.max_mixed_prefill_tokens, step_budget),
         max_req_total_len=max_req_total_len,
         api_key=api_key,
         pd_secret=args.pd_secret or os.environ.get("LIGHTLLM_PD_SECRET") or api_key,

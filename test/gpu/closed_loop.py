@@ -2,9 +2,11 @@
 (each finished request is replaced at once by a new one, as `bench_serving --max_concurrency` does), the serving
 checkpoint, replay. Prints a timeline per half second (steps, their mean wall time, prefill tokens and decode rows
 scheduled, first tokens, finishes) and, with `--syncs`, every call that made the host wait for the GPU, by its
-calling line. Separates what the engine does from what the front-end adds.
+calling line; `--profile FIRST,COUNT` profiles steps FIRST..FIRST+COUNT-1 (their wall times, the GPU kernels and the
+host operators per step). Separates what the engine does from what the front-end adds.
 
     python test/gpu/closed_loop.py [--requests 512 --concurrency 256 --input_len 1024 --output_len 256] [--syncs]
+    python test/gpu/closed_loop.py --profile 200,10 [--max_mixed_prefill_tokens 8192] [--disable_prefix_cache]
 """
 
 from __future__ import annotations
@@ -44,6 +46,17 @@ def counting_syncs(sites: collections.Counter):
             torch.cuda.set_sync_debug_mode("default")
 
 
+def report_profile(profiler, profiled: list) -> None:
+    """The profiled steps' wall times, then the GPU kernels and host operators per step."""
+    print("profiled steps (wall ms, running, tokens out):", profiled)
+    n = len(profiled)
+    events = profiler.key_averages()
+    for label, key in (("GPU", "device_time_total"), ("host self", "self_cpu_time_total")):
+        print(f"top by {label} time, ms per step:")
+        for e in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:25]:
+            print(f"  {getattr(e, key) / 1e3 / n:8.3f}  {e.count / n:7.1f} calls  {e.key[:110]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=512)
@@ -53,14 +66,18 @@ def main() -> None:
     p.add_argument("--mode", default="replay")
     p.add_argument("--syncs", action="store_true")
     p.add_argument("--disable_prefix_cache", action="store_true")
+    p.add_argument("--max_mixed_prefill_tokens", type=int, default=None, help="the server flag (default: its auto)")
+    p.add_argument("--profile", default=None, metavar="FIRST,COUNT", help="profile these steps")
     p.add_argument("--device", default="cuda", help="cpu: a quick check of the script at tiny sizes")
     a = p.parse_args()
+    profile_first, profile_count = map(int, a.profile.split(",")) if a.profile else (-1, 0)
     llm = LLM(
         serving_model_dir(),
         device=a.device,
         ssm_state_mode=a.mode,
         max_running_requests=a.concurrency,
         disable_prefix_cache=a.disable_prefix_cache,
+        max_mixed_prefill_tokens=a.max_mixed_prefill_tokens,
     )
     engine, vocab = llm.engine, llm.engine.runner.vocab_size
     rng = np.random.default_rng(0)
@@ -83,16 +100,35 @@ def main() -> None:
         sent += 1
 
     seen_first: set[str] = set()
+    profiler, profiled = None, []
     with counting_syncs(sites) if a.syncs and a.device == "cuda" else contextlib.nullcontext():
         for _ in range(min(a.concurrency, a.requests)):
             submit()
         while done < a.requests:
             bucket = int((time.perf_counter() - t0) * 2)
             rows[bucket]["running"] = max(rows[bucket]["running"], len(sched.running))
+            steps = sum(len(ms) for ms in step_ms.values())
+            if steps == profile_first:
+                profiler = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU]
+                    + ([torch.profiler.ProfilerActivity.CUDA] if a.device == "cuda" else [])
+                )
+                profiler.__enter__()
             s = time.perf_counter()
             outputs = engine.step()
             now = time.perf_counter()
             step_ms[bucket].append((now - s) * 1e3)
+            if profiler is not None and len(profiled) < profile_count:
+                profiled.append(
+                    (
+                        round((now - s) * 1e3, 2),
+                        len(sched.running),
+                        sum(len(o.token_ids) for o in outputs if isinstance(o, TokenChunk)),
+                    )
+                )
+                if len(profiled) == profile_count:
+                    profiler.__exit__(None, None, None)
+                    report_profile(profiler, profiled)
             for out in outputs:
                 if isinstance(out, TokenChunk) and out.req_id not in seen_first:
                     seen_first.add(out.req_id)
