@@ -8,9 +8,11 @@ A closed loop like `bench_serving --max_concurrency C`: C requests of `--input_l
 each finished one is replaced at its finish time, until `--num_prompts` have run; every request generates
 `--output_len` tokens (the fake runner's model, EOS ignored). The engine runs synchronous steps on a `FakeRunner`
 with the server's defaults for a GPU (budget 8192, prefix cache checkpoints every 2048 tokens); a step with D decode
-rows and P prompt tokens costs `--step_ms + D * --decode_row_ms + P * --prefill_token_ms` (defaults fitted to the
-serving checkpoint on an H200: a decode step of 256 rows 2.5 ms, 8192 prompt tokens 29 ms). No HTTP, no overlap:
-a model of the engine's schedule only, not a measurement.
+rows and P prompt tokens costs `--step_ms + D * --decode_row_ms + P * --prefill_token_ms`, plus `--mixed_step_ms`
+when it has both (defaults fitted to the serving checkpoint on an H200: a decode step of 256 rows 2.5 ms, 8192
+prompt tokens 29 ms, and a step with prompt tokens beside decode rows ~30 ms more whatever its prompt tokens, as
+`test/gpu/closed_loop.py` measured it; with `--mixed_step_ms 0` the model favours a cap the GPU does not). No
+HTTP, no overlap: a model of the engine's schedule only, not a measurement.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ def simulate(cap: int, opts) -> dict[str, float]:
         for batch in runner.batches[seen:]:
             decode_rows = batch.num_rows - batch.num_prefill_rows
             prompt_tokens = sum(batch.query_lens[: batch.num_prefill_rows])
-            now += (opts.step_ms + decode_rows * opts.decode_row_ms + prompt_tokens * opts.prefill_token_ms) / 1000
+            mixed = opts.mixed_step_ms if decode_rows and prompt_tokens else 0.0
+            cost = opts.step_ms + decode_rows * opts.decode_row_ms + prompt_tokens * opts.prefill_token_ms + mixed
+            now += cost / 1000
         for out in outputs:
             if isinstance(out, TokenChunk) and out.token_ids:
                 rid = out.req_id
@@ -107,6 +111,7 @@ def main(argv=None) -> None:
     p.add_argument("--step_ms", type=float, default=1.0)
     p.add_argument("--decode_row_ms", type=float, default=0.006)
     p.add_argument("--prefill_token_ms", type=float, default=0.00345)
+    p.add_argument("--mixed_step_ms", type=float, default=30.0, help="fixed cost of a step with prompt and decode rows")
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
     keys = None
