@@ -57,11 +57,21 @@ def build_engine(
 ) -> Engine:
     """The engine `args` describe. `acceptance` (offline benchmarks only, never from a server flag) replaces the
     model's verification of drafts. The checkpoint's grammar vocabulary is built here, before any request, beside
-    the runner's start-up."""
-    with ThreadPoolExecutor(1, thread_name_prefix="grammar-vocabulary") as building:
-        vocabulary = building.submit(build_grammar_vocabulary, info)
-        engine = engine_for_runner(args, load_factory(runner_factory)(args, info), acceptance)
-        warm_grammars(engine, info, args.device, vocabulary)
+    the runner's start-up.
+
+    The GIL's switch interval is short from the start (`GIL_SWITCH_S`): the start-up's background threads (the
+    grammar vocabulary, fla's import) run Python for seconds, and at Python's default each of the main thread's
+    waits for the GIL while it loads weights and allocates caches lasts up to 5 ms."""
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_S)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="grammar-vocabulary") as building:
+            vocabulary = building.submit(build_grammar_vocabulary, info)
+            engine = engine_for_runner(args, load_factory(runner_factory)(args, info), acceptance)
+            warm_grammars(engine, info, args.device, vocabulary)
+    except BaseException:
+        sys.setswitchinterval(switch_interval)
+        raise
     quiet_host_threads(args.device)
     return engine
 
@@ -76,11 +86,11 @@ def quiet_host_threads(device: str) -> None:
     spin after each such op on cores that llguidance's mask pool and the HTTP side need: on a 16-core host, 64 grammar
     masks took as long on 12 pool threads as on one beside them.
 
-    A short GIL switch interval, on every device: an overlapped step's grammar masks are filled on a background
-    thread while the step's thread runs Python (emitting tokens, launching the next forward), and the masked draw
-    waits for them. With Python's default, that thread waits 5 ms for the GIL to start the job and again when
-    llguidance returns, each a step's length; at 0.1 ms the two cost a few tenths of a millisecond."""
-    sys.setswitchinterval(GIL_SWITCH_S)
+    The GIL's switch interval stays short (`build_engine` set it), on every device: an overlapped step's grammar
+    masks are filled on a background thread while the step's thread runs Python (emitting tokens, launching the next
+    forward), and the masked draw waits for them. With Python's default, that thread waits 5 ms for the GIL to start
+    the job and again when llguidance returns, each a step's length; at 0.1 ms the two cost a few tenths of a
+    millisecond."""
     if device == "cuda":
         import torch
 

@@ -38,7 +38,7 @@ from lightllm.engine import grammar as grammar_module  # noqa: E402
 from lightllm.engine import grammar_masks  # noqa: E402
 from lightllm.engine.grammar import GrammarBackend, HostBitmasks, RequestGrammar  # noqa: E402
 from lightllm.kernels.token_bitmask import apply_token_bitmask, unpack_bitmask  # noqa: E402
-from lightllm.server.engine_process import quiet_host_threads  # noqa: E402
+from lightllm.server.engine_process import GIL_SWITCH_S, quiet_host_threads  # noqa: E402
 from lightllm.server.http.structured import json_schema_grammar  # noqa: E402
 from lightllm.server.tiktoken_tokenizer import KIMI_PATTERN  # noqa: E402
 from lightllm.tools.synthetic_vocab import synthetic_ranks  # noqa: E402
@@ -239,8 +239,9 @@ def main(argv=None) -> dict:
     if opts.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: skipped (the default --device cpu times the host parts alone)")
         return {}
-    # the engine's torch threads on this device
+    # the engine's torch threads on this device and its GIL switch interval
     quiet_host_threads(opts.device)
+    sys.setswitchinterval(GIL_SWITCH_S)
     builders = {"generated": synthetic_ranks, "trained": trained_ranks}
     results = {}
     for name in opts.vocabs.split(","):
