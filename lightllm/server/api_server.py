@@ -1,6 +1,7 @@
 """Entry point: `python -m lightllm.server.api_server --model_dir DIR [flags]`.
 
-Parse → resolve (refusing bad flag combinations with what to change) → start the engine process → serve HTTP.
+Start the engine process (it imports its modules meanwhile: `prestart`) → parse → resolve (refusing bad flag
+combinations with what to change) → hand the engine process its flags → serve HTTP.
 uvicorn handles SIGINT/SIGTERM with a graceful shutdown, after which the engine process is stopped; the engine
 also dies on its own if this process is killed. If the engine process dies, the server stops and exits with
 ENGINE_EXITED (non-zero, so a supervisor restarts it) unless --keep_serving_after_engine_exit.
@@ -13,13 +14,14 @@ import multiprocessing as mp
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-from lightllm.server.args import ServerArgs, load_server_args
-from lightllm.server.dp.replicas import start_engines
-from lightllm.server.launcher import EngineStartError
-from lightllm.server.model_info import ModelInfo
-from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
+from lightllm.server.prestart import PrestartedEngine
 from lightllm.server.termination import exit_on_sigterm
+
+if TYPE_CHECKING:
+    from lightllm.server.args import ServerArgs
+    from lightllm.server.model_info import ModelInfo
 
 logger = logging.getLogger("lightllm.server")
 # exit codes when the server stopped because its engine process, or one of its HTTP processes, died
@@ -27,20 +29,28 @@ ENGINE_EXITED = 3
 HTTP_WORKER_EXITED = 4
 
 
-def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY) -> int:
-    """Serve until shut down; returns the process exit code."""
+def serve(
+    args: ServerArgs,
+    info: ModelInfo,
+    runner_factory: str | None = None,
+    prestarted: PrestartedEngine | None = None,
+) -> int:
+    """Serve until shut down; returns the process exit code. `runner_factory`: the real runner's when None;
+    `prestarted` becomes the (first) engine process."""
     from lightllm.server.collector import freeze_startup_objects
+    from lightllm.server.dp.replicas import start_engines
     from lightllm.server.http.app import create_app
     from lightllm.server.http.metric_rows import MetricRows
     from lightllm.server.http.metrics import Metrics
     from lightllm.server.http.server import http_server
     from lightllm.server.http.workers import Workers, listen_socket
+    from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
     from lightllm.server.tokenizer import Tokenizer
 
     # the tokenizer loads (seconds on a fresh machine) while the engine process starts
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as loading:
         tokenizer_loaded = loading.submit(Tokenizer, info)
-        engine = start_engines(args, info, runner_factory)
+        engine = start_engines(args, info, runner_factory or DEFAULT_RUNNER_FACTORY, prestarted)
         try:
             tokenizer = tokenizer_loaded.result()
         except BaseException:
@@ -101,6 +111,18 @@ def serve(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNE
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the engine process imports its modules while this one imports its own and resolves the flags
+    prestarted = PrestartedEngine()
+    try:
+        return _main(argv, prestarted)
+    finally:
+        prestarted.discard()
+
+
+def _main(argv: list[str] | None, prestarted: PrestartedEngine) -> int:
+    from lightllm.server.args import load_server_args
+    from lightllm.server.launcher import EngineStartError
+
     # uvicorn re-raises the signal it caught once it has shut down: as SystemExit, serve()'s finally block stops the
     # engine and the process exits 0
     exit_on_sigterm()
@@ -115,17 +137,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_mode == "pd_master":
             from lightllm.server.pd.master import serve_master
 
+            prestarted.discard()
             return serve_master(args, info)
         if args.run_mode in ("prefill", "decode"):
             from lightllm.server.pd.node import RegistrationRefused, serve_node
             from lightllm.server.pd.node_replicas import serve_node_replicas
 
+            prestarted.discard()
             try:
                 return serve_node(args, info) if args.dp == 1 else serve_node_replicas(args, info)
             except RegistrationRefused as exc:
                 print(f"lightllm: refusing to start: {exc}", file=sys.stderr)
                 return 2
-        return serve(args, info)
+        return serve(args, info, prestarted=prestarted)
     except EngineStartError as exc:
         print(f"lightllm: the engine failed to start: {exc}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ from lightllm.server.args import ServerArgs
 from lightllm.server.engine_process import engine_main
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.model_info import ModelInfo
+from lightllm.server.prestart import PrestartedEngine
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 
 STARTUP_TIMEOUT_S = 900
@@ -80,29 +81,37 @@ class EngineHandle(EngineEndpoint):
         shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
-def start_engine(args: ServerArgs, info: ModelInfo, runner_factory: str = DEFAULT_RUNNER_FACTORY) -> EngineHandle:
-    """Spawn the engine process and wait until its model is loaded; raises EngineStartError with the cause."""
-    handle, conn = spawn_engine(args, info, runner_factory)
+def start_engine(
+    args: ServerArgs,
+    info: ModelInfo,
+    runner_factory: str = DEFAULT_RUNNER_FACTORY,
+    prestarted: PrestartedEngine | None = None,
+) -> EngineHandle:
+    """Spawn the engine process (or take `prestarted`) and wait until its model is loaded; raises
+    EngineStartError with the cause."""
+    handle, conn = spawn_engine(args, info, runner_factory, prestarted)
     return finish_start(handle, conn, STARTUP_TIMEOUT_S)
 
 
-def spawn_engine(args: ServerArgs, info: ModelInfo, runner_factory: str) -> tuple[EngineHandle, Connection]:
-    """Spawn the engine process without waiting for it; `finish_start` waits for its start-up report on the
-    returned pipe. Call it from a thread that lives as long as the engine: the engine dies with the thread that
+def spawn_engine(
+    args: ServerArgs, info: ModelInfo, runner_factory: str, prestarted: PrestartedEngine | None = None
+) -> tuple[EngineHandle, Connection]:
+    """Start the engine process without waiting for it: `prestarted` when it is still waiting for an engine (its
+    imports are done or under way), else a freshly spawned one; `finish_start` waits for its start-up report on
+    the returned pipe. Call it from a thread that lives as long as the engine: the engine dies with the thread that
     spawned it (`die_with_parent`)."""
     socket_dir = tempfile.mkdtemp(prefix="lightllm-")
     input_addr = f"ipc://{os.path.join(socket_dir, 'in')}"
     output_addrs = [f"ipc://{os.path.join(socket_dir, f'out-{i}')}" for i in range(args.http_workers)]
-    ctx = mp.get_context("spawn")
-    parent_conn, child_conn = ctx.Pipe(duplex=False)
-    process = ctx.Process(
-        target=engine_main,
-        args=(args, info, input_addr, output_addrs, runner_factory, child_conn),
-        name="lightllm-engine",
-        daemon=True,
-    )
-    process.start()
-    child_conn.close()
+    engine_args = (args, info, input_addr, output_addrs, runner_factory)
+    if prestarted is not None and prestarted.usable():
+        process, parent_conn = prestarted.take(engine_args)
+    else:
+        ctx = mp.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=engine_main, args=(*engine_args, child_conn), name="lightllm-engine", daemon=True)
+        process.start()
+        child_conn.close()
     handle = EngineHandle(process, input_addr, output_addrs[0], "", socket_dir, output_addrs[1:])
     return handle, parent_conn
 

@@ -26,6 +26,7 @@ from lightllm.server.host_tier import start_with_host_tier
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.launcher import EngineHandle, spawn_engine, start_engine
 from lightllm.server.model_info import ModelInfo
+from lightllm.server.prestart import PrestartedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +65,20 @@ def replica_args(args: ServerArgs, replica: int, placement: Placement | None) ->
     return dataclasses.replace(args, base_device=placement.base_device(replica), mem_fraction=mem_fraction)
 
 
-def start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> EngineHandle | ReplicaSet:
+def start_engines(
+    args: ServerArgs, info: ModelInfo, runner_factory: str, prestarted: PrestartedEngine | None = None
+) -> EngineHandle | ReplicaSet:
     """The engine the API server talks to, with the host tier its engines share when it is on
-    (`server.host_tier`)."""
-    return start_with_host_tier(args, lambda args: _start_engines(args, info, runner_factory))
+    (`server.host_tier`); `prestarted` becomes the (first) engine process."""
+    return start_with_host_tier(args, lambda args: _start_engines(args, info, runner_factory, prestarted))
 
 
-def _start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> EngineHandle | ReplicaSet:
+def _start_engines(
+    args: ServerArgs, info: ModelInfo, runner_factory: str, prestarted: PrestartedEngine | None
+) -> EngineHandle | ReplicaSet:
     """One engine process, or with `--dp N` a set of N replicas."""
     if args.dp == 1:
-        return start_engine(args, info, runner_factory)
+        return start_engine(args, info, runner_factory, prestarted)
     placement = replica_placement(args)
     policy = RestartPolicy(args.dp_restart_attempts, args.dp_restart_backoff_s)
 
@@ -81,17 +86,23 @@ def _start_engines(args: ServerArgs, info: ModelInfo, runner_factory: str) -> En
         return spawn_engine(replica_args(args, replica, placement), info, runner_factory)
 
     restarter = ReplicaRestarter(args.dp, policy, spawn)
-    return ReplicaSet(start_replicas(args, info, runner_factory, placement), restarter)
+    return ReplicaSet(start_replicas(args, info, runner_factory, placement, prestarted), restarter)
 
 
 def start_replicas(
-    args: ServerArgs, info: ModelInfo, runner_factory: str, placement: Placement | None
+    args: ServerArgs,
+    info: ModelInfo,
+    runner_factory: str,
+    placement: Placement | None,
+    prestarted: PrestartedEngine | None = None,
 ) -> list[EngineHandle]:
-    """Start `args.dp` engine processes one after another (a start-up failure stops those already started)."""
+    """Start `args.dp` engine processes one after another, replica 0 in `prestarted` when given (a start-up
+    failure stops those already started)."""
     handles: list[EngineHandle] = []
     try:
         for replica in range(args.dp):
-            handles.append(start_engine(replica_args(args, replica, placement), info, runner_factory))
+            ready = prestarted if replica == 0 else None
+            handles.append(start_engine(replica_args(args, replica, placement), info, runner_factory, ready))
     except BaseException:
         for handle in handles:
             handle.stop()
