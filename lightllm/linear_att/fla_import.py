@@ -11,27 +11,52 @@ registered as a module of its own search path whose body runs on first use of a 
 `__getattr__`, PEP 562). Submodules load as usual through the path, so `from fla.ops.kda import chunk_kda` never runs
 the body; `from fla.ops import chunk_gla` (a name the body defines) runs it then, in the same module object, and
 gets what a plain import gives.
+
+The import takes seconds, so a process that will need it starts it early on a thread of its own
+(`import_in_background`); calls are serialized, and a later one returns once the earlier one's modules are in.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
+import threading
 import types
+
+logger = logging.getLogger(__name__)
 
 # the package bodies deferred, parents first
 DEFERRED_PACKAGES = ("fla.ops", "fla.modules", "fla.modules.norm")
+# one import at a time: two threads registering the deferred packages at once would each register their own
+_IMPORTING = threading.Lock()
 
 
 def import_entry_modules(entry_modules: tuple[str, ...]) -> None:
     """Import `entry_modules` (fla modules) with `DEFERRED_PACKAGES`' bodies deferred (those already imported are
     left as they are)."""
-    for name in DEFERRED_PACKAGES:
-        if name not in sys.modules:
-            _register_deferred(name)
-    for name in entry_modules:
-        importlib.import_module(name)
+    with _IMPORTING:
+        for name in DEFERRED_PACKAGES:
+            if name not in sys.modules:
+                _register_deferred(name)
+        for name in entry_modules:
+            importlib.import_module(name)
+
+
+def import_in_background(entry_modules: tuple[str, ...]) -> threading.Thread:
+    """`import_entry_modules` on a daemon thread, started; a failure is logged and left for the next import of
+    these modules to raise where it is needed."""
+
+    def run() -> None:
+        try:
+            import_entry_modules(entry_modules)
+        except Exception as exc:
+            logger.debug("background import of %s failed: %s", entry_modules, exc)
+
+    thread = threading.Thread(target=run, name="fla-import", daemon=True)
+    thread.start()
+    return thread
 
 
 def is_deferred(module: types.ModuleType) -> bool:

@@ -3,7 +3,8 @@
 A server's start-up is two Python processes each importing torch, Triton and the model code (seconds each on a
 GPU host), one after the other: the API server imports them to resolve its flags, and only then spawns the engine
 process, which imports them again. `PrestartedEngine` spawns the engine process first thing, before those imports:
-it imports the engine's modules while the API server resolves its flags, then waits for its engine's arguments
+it imports the engine's modules while the API server resolves its flags (on a GPU host fla-core's kernels too, on a
+thread that goes on while the engine loads its weights), then waits for its engine's arguments
 (`take`) and runs `engine_main` with them, or is stopped when the server needs no engine of it (`discard`: a PD
 master or node, a refusal to start). With `--dp N` it becomes replica 0.
 """
@@ -23,11 +24,11 @@ ENGINE_MODULES = ("lightllm.server.engine_process", "lightllm.server.runner_fact
 class PrestartedEngine:
     """A spawned process that becomes an engine process once it is given one engine's arguments."""
 
-    def __init__(self, modules: tuple[str, ...] = ENGINE_MODULES):
+    def __init__(self, modules: tuple[str, ...] = ENGINE_MODULES, import_fla: bool = True):
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
-            target=wait_for_engine, args=(child_conn, modules), name="lightllm-engine", daemon=True
+            target=wait_for_engine, args=(child_conn, modules, import_fla), name="lightllm-engine", daemon=True
         )
         self.process.start()
         child_conn.close()
@@ -57,9 +58,9 @@ class PrestartedEngine:
         self.conn.close()
 
 
-def wait_for_engine(conn: Connection, modules: tuple[str, ...]) -> None:
-    """The prestarted process: import `modules`, then run the engine it is given (or exit on None or when the
-    server is gone)."""
+def wait_for_engine(conn: Connection, modules: tuple[str, ...], import_fla: bool) -> None:
+    """The prestarted process: import `modules` (and start fla's import when `import_fla` and a GPU is visible),
+    then run the engine it is given (or exit on None or when the server is gone)."""
     import importlib
     import signal
 
@@ -70,6 +71,14 @@ def wait_for_engine(conn: Connection, modules: tuple[str, ...]) -> None:
     die_with_parent()
     for name in modules:
         importlib.import_module(name)
+    if import_fla:
+        import torch
+
+        from lightllm.linear_att.fla_import import import_in_background
+        from lightllm.linear_att.fla_pinning import FLA_ENTRY_MODULES
+
+        if torch.cuda.is_available():
+            import_in_background(FLA_ENTRY_MODULES)
     try:
         engine_args = conn.recv()
     except EOFError:

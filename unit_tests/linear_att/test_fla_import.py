@@ -72,6 +72,43 @@ print(json.dumps({"listed": sorted(listed), "missing": sorted(listed - found)}))
     assert result["listed"] and result["missing"] == []
 
 
+# a background import racing the start-up's own: one set of deferred packages, every entry module loaded once
+RACE = f"""
+import json, sys, threading
+from lightllm.linear_att import fla_import
+registered = []
+original = fla_import._register_deferred
+fla_import._register_deferred = lambda name: (registered.append(name), original(name))[1]
+background = fla_import.import_in_background({ENTRY})
+fla_import.import_entry_modules({ENTRY})
+background.join()
+ops = sys.modules["fla.ops"]
+print(json.dumps({{"registered": registered, "deferred": fla_import.is_deferred(ops),
+                   "entry": all(n in sys.modules for n in {ENTRY}), "thread": background.name}}))
+"""
+BROKEN = """
+import json, sys
+from lightllm.linear_att import fla_import
+thread = fla_import.import_in_background(("fla.ops.no_such_op",))
+thread.join()
+print(json.dumps({"alive": thread.is_alive(), "loaded": "fla.ops.no_such_op" in sys.modules}))
+"""
+
+
+def test_a_background_import_and_the_start_ups_register_the_packages_once():
+    result = _run(RACE)
+    assert result == {
+        "registered": ["fla.ops", "fla.modules", "fla.modules.norm"],
+        "deferred": True,
+        "entry": True,
+        "thread": "fla-import",
+    }
+
+
+def test_a_failed_background_import_is_left_for_the_next_import_to_raise():
+    assert _run(BROKEN) == {"alive": False, "loaded": False}
+
+
 def _cuda_runner():
     return SimpleNamespace(device=torch.device("cuda"), startup=StartupPhases())
 

@@ -19,7 +19,7 @@ def args_info(tmp_path_factory):
 
 
 def test_the_prestarted_process_becomes_the_engine(args_info):
-    prestarted = PrestartedEngine(modules=())
+    prestarted = PrestartedEngine(modules=(), import_fla=False)
     handle = start_engine(*args_info, FAKE_RUNNER, prestarted)
     try:
         assert handle.process is prestarted.process and handle.process.is_alive()
@@ -34,7 +34,7 @@ def test_the_prestarted_process_becomes_the_engine(args_info):
 
 
 def test_twin_a_discarded_process_is_stopped_and_a_fresh_engine_spawned(args_info):
-    prestarted = PrestartedEngine(modules=())
+    prestarted = PrestartedEngine(modules=(), import_fla=False)
     prestarted.discard()
     assert not prestarted.process.is_alive() and not prestarted.usable()
     with pytest.raises(RuntimeError, match="taken, discarded or has exited"):
@@ -47,7 +47,7 @@ def test_twin_a_discarded_process_is_stopped_and_a_fresh_engine_spawned(args_inf
 
 
 def test_a_prestarted_process_that_died_leaves_a_fresh_spawn(args_info):
-    prestarted = PrestartedEngine(modules=("lightllm.no_such_module",))
+    prestarted = PrestartedEngine(modules=("lightllm.no_such_module",), import_fla=False)
     prestarted.process.join(60)
     assert prestarted.process.exitcode not in (None, 0)
     handle = start_engine(*args_info, FAKE_RUNNER, prestarted)
@@ -62,7 +62,7 @@ def test_a_refused_start_stops_the_prestarted_process(monkeypatch):
 
     class Recorded(PrestartedEngine):
         def __init__(self):
-            super().__init__(modules=())
+            super().__init__(modules=(), import_fla=False)
             started.append(self)
 
     monkeypatch.setattr(api_server, "PrestartedEngine", Recorded)
