@@ -34,6 +34,13 @@
 #   http_mixed    the same at the defaults (a step decoding for streaming requests takes at most a quarter of the
 #                 budget in prompt tokens), then with the whole budget (--max_mixed_prefill_tokens 8192, the cap off)
 #   closed_loop   the same workload on the engine alone (test/gpu/closed_loop.py)
+#   mixed_profile the engine alone, profiled over ten steps that prefill beside decode rows: with two 1024-token
+#                 prompts a step (--max_mixed_prefill_tokens 2048, steady state) and with eight (the default, the
+#                 first wave): what a mixed step spends its ~30 ms beyond its tokens on (GPU kernels, host operators)
+#   http_spy      the http parts' workload at the defaults with py-spy on the server's processes for 7 s (250 Hz;
+#                 py-spy carried as a wheel in .whl): each process's and thread's busy share and where it goes
+#   imports       the start-up's imports, each timed in a fresh interpreter (torch, CUDA, Triton's driver, fla's
+#                 prefill modules, the API server's and the engine's trees; test/gpu/import_times.py)
 #   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
 #                 kernels of a replay step at 256
 #   kimi_full     Kimi-Linear-48B-A3B at full size (random weights, bf16: ~96 GB, an H200): replay and native decode at
@@ -142,6 +149,31 @@ for part in $parts; do
         http_mixed) for flags in "" "--max_mixed_prefill_tokens 8192"; do http_run "$flags"; done ;;
         closed_loop) run closed_loop 150 python test/gpu/closed_loop.py
                      grep -E "^\|" "$LOG_DIR/closed_loop.log" | tail -14 ;;
+        mixed_profile) for v in "cap2048 --max_mixed_prefill_tokens 2048 --profile 280,10" "default --profile 5,10"; do
+                           run "mixed_profile_${v%% *}" 150 python test/gpu/closed_loop.py ${v#* }
+                           grep -E "requests in|TTFT|profiled" "$LOG_DIR/mixed_profile_${v%% *}.log" | cut -c1-300
+                           grep -A10 "top by" "$LOG_DIR/mixed_profile_${v%% *}.log" | cut -c1-130
+                       done ;;
+        http_spy) model=$(python -c "from lightllm.tools.bench_throughput import serving_text_model_dir as d; print(d())")
+                  python -m lightllm.server.api_server --model_dir "$model" --ssm_state_mode replay --port 8011 \
+                      > "$LOG_DIR/http_spy_server.log" 2>&1 &
+                  server=$!
+                  for _ in $(seq 180); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
+                  grep -E "start-up of rank" "$LOG_DIR/http_spy_server.log" | cut -c1-300
+                  python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8011 --num_prompts 512 \
+                      --input_len 1024 --output_len 256 --max_concurrency 256 --num_workers 4 \
+                      --result_file "$LOG_DIR/http_spy.json" > "$LOG_DIR/http_spy.log" 2>&1 &
+                  bench=$!
+                  sleep 1.5
+                  /tmp/site/bin/py-spy record -r 250 -d 7 --subprocesses --threads --nonblocking -f raw \
+                      -o "$LOG_DIR/http_spy.txt" -p $server > "$LOG_DIR/http_spy_record.log" 2>&1
+                  wait $bench
+                  grep -E "throughput|TTFT|TPOT|ITL" "$LOG_DIR/http_spy.log" | cut -c1-160
+                  kill $server; wait $server
+                  python test/gpu/spy_summary.py "$LOG_DIR/http_spy.txt" --rate 250 --seconds 7
+                  pack ;;
+        imports) run imports 200 python test/gpu/import_times.py --log_dir "$LOG_DIR/imports"
+                 grep -E "^\|" "$LOG_DIR/imports.log" ;;
         moe_full) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
                   run moe_full 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
                       --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
