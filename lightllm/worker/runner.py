@@ -114,6 +114,7 @@ class ModelRunner(DeviceAcceptance):
                 backend=config.state_backend,
             ),
         )
+        self.startup.mark("linear state")
         shapes = self._kv_token_shapes(tp.size)
         # every rank allocates the same KV slots (free memory differs a little between devices)
         self.kv_tokens = tp.min_over_ranks(runner_kv_tokens(self, shapes, memory_probe), self.device)
@@ -138,6 +139,7 @@ class ModelRunner(DeviceAcceptance):
                 self.device,
             )
             self.drafter = MtpDrafter(self.model, mtp_kv, self.max_width)
+        self.startup.mark("KV cache")
         self.prefix_cache: RunnerPrefixCache | None = None
         if not config.disable_prefix_cache:
             self.prefix_cache = create_prefix_cache(
@@ -164,7 +166,7 @@ class ModelRunner(DeviceAcceptance):
         # overlapped MTP steps over the decode and draft buffers (device_accept.py)
         self.spec_step_graphs: SpecStepGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        self.startup.mark("state, KV and prefix cache")
+        self.startup.mark("prefix cache and host tier")
 
     def init_decode_graphs(self, use_graphs: bool = True) -> bool:
         """Run decode-only steps through fixed buffers, captured as CUDA graphs when `use_graphs` and on CUDA
