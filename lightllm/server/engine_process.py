@@ -7,7 +7,6 @@ decides when to stop) and exits when the parent dies.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -28,19 +27,9 @@ from lightllm.server.engine_loop import ServingRole, run_engine_loop
 from lightllm.server.grammar_vocab import build_grammar_vocabulary, load_grammar_vocabulary, warm_grammars
 from lightllm.server.model_info import ModelInfo
 from lightllm.server.runner_factory import load_factory
-from lightllm.server.termination import exit_on_sigterm
+from lightllm.server.termination import die_with_parent, exit_on_sigterm
 
 IDLE_POLL_MS = 50
-
-
-def die_with_parent() -> None:
-    """Have the kernel kill this process when its parent dies (Linux), so no orphan keeps a device busy."""
-    try:
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        # not Linux: the caller's own liveness checks (a parent-pid poll, a failed broadcast) end it
-        pass
 
 
 def _no_process_shared_locks() -> None:

@@ -64,11 +64,14 @@ def wait_for_engine(conn: Connection, modules: tuple[str, ...], import_fla: bool
     import importlib
     import signal
 
-    # Ctrl-C reaches the whole process group: the server stops this process (`discard`, or as an engine)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from lightllm.server.engine_process import die_with_parent, engine_main
+    from lightllm.server.termination import die_with_parent
 
+    # Ctrl-C reaches the whole process group: the server stops this process (`discard`, or as an engine); and no
+    # orphan outlives a server killed while this one imports
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
+    from lightllm.server.engine_process import engine_main
+
     for name in modules:
         importlib.import_module(name)
     if import_fla:

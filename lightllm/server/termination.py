@@ -1,4 +1,5 @@
-"""SIGTERM in the server's processes: exit through Python, and never lose the signal.
+"""SIGTERM in the server's processes: exit through Python, and never lose the signal; child processes that die
+with their parent.
 
 Exiting through Python (SystemExit) runs the `finally` blocks that stop child processes and multiprocessing's
 finalizers that release what they hold. Python runs a signal handler in the main thread between two bytecodes,
@@ -10,6 +11,7 @@ stop once it is recorded.
 
 from __future__ import annotations
 
+import ctypes
 import signal
 
 # per process, as signal dispositions are
@@ -29,3 +31,13 @@ def _on_sigterm(signum, frame) -> None:
     global _received
     _received = True
     raise SystemExit(0)
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process when its parent dies (Linux), so no orphan keeps a device busy."""
+    try:
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        # not Linux: the caller's own liveness checks (a parent-pid poll, a failed broadcast) end it
+        pass

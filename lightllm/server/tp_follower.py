@@ -13,7 +13,7 @@ import signal
 import sys
 import traceback
 
-from lightllm.server.engine_process import die_with_parent
+from lightllm.server.termination import die_with_parent
 
 
 def main() -> int:

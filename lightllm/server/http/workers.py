@@ -78,12 +78,11 @@ def worker_main(args: ServerArgs, info: ModelInfo, endpoint: WorkerEndpoint, row
     """Entry point of HTTP process `endpoint.frontend` (1..N-1): serve until stopped; tells the first process on
     `conn` once it listens."""
     from lightllm.server.collector import freeze_startup_objects
-    from lightllm.server.engine_process import die_with_parent
     from lightllm.server.http.app import create_app
     from lightllm.server.http.metric_rows import MetricRows
     from lightllm.server.http.metrics import Metrics
     from lightllm.server.http.server import http_server
-    from lightllm.server.termination import exit_on_sigterm
+    from lightllm.server.termination import die_with_parent, exit_on_sigterm
     from lightllm.server.tokenizer import Tokenizer
 
     die_with_parent()

@@ -33,8 +33,8 @@ REFUSED_EXIT_CODE = 2
 
 def _replica_main(args: ServerArgs, info: ModelInfo, runner_factory: str, replica: int) -> None:
     """Entry point of one replica's process: an ordinary node that dies with its supervisor."""
-    from lightllm.server.engine_process import die_with_parent
     from lightllm.server.pd.node import RegistrationRefused, serve_node
+    from lightllm.server.termination import die_with_parent
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
