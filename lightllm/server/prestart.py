@@ -3,8 +3,8 @@
 A server's start-up is two Python processes each importing torch, Triton and the model code (seconds each on a
 GPU host), one after the other: the API server imports them to resolve its flags, and only then spawns the engine
 process, which imports them again. `PrestartedEngine` spawns the engine process first thing, before those imports:
-it imports the engine's modules while the API server resolves its flags (on a GPU host fla-core's kernels too, on a
-thread that goes on while the engine loads its weights), then waits for its engine's arguments
+it imports the engine's modules while the API server resolves its flags (with one GPU visible, fla-core's kernels
+too, on a thread that goes on while the engine loads its weights), then waits for its engine's arguments
 (`take`) and runs `engine_main` with them, or is stopped when the server needs no engine of it (`discard`: a PD
 master or node, a refusal to start). With `--dp N` it becomes replica 0.
 """
@@ -59,7 +59,7 @@ class PrestartedEngine:
 
 
 def wait_for_engine(conn: Connection, modules: tuple[str, ...], import_fla: bool) -> None:
-    """The prestarted process: import `modules` (and start fla's import when `import_fla` and a GPU is visible),
+    """The prestarted process: import `modules` (and start fla's import when `import_fla` and one GPU is visible),
     then run the engine it is given (or exit on None or when the server is gone)."""
     import importlib
     import signal
@@ -80,7 +80,8 @@ def wait_for_engine(conn: Connection, modules: tuple[str, ...], import_fla: bool
         from lightllm.linear_att.fla_import import import_in_background
         from lightllm.linear_att.fla_pinning import FLA_ENTRY_MODULES
 
-        if torch.cuda.is_available():
+        # fla's import asks device 0 about itself: only where device 0 is the one device the engine can have
+        if torch.cuda.device_count() == 1:
             import_in_background(FLA_ENTRY_MODULES)
     try:
         engine_args = conn.recv()
