@@ -426,25 +426,28 @@ class ModelRunner(DeviceAcceptance):
         state_slots: list[int],
         first_tokens: torch.Tensor | None,
     ) -> tuple[torch.Tensor, DecodeRows | None] | None:
-        """The step through the graphs' fixed buffers when its shape has them: decode rows only (a decode graph),
-        one short prefill row (a prefill graph), or one short prefill row beside decode rows (both graphs, one after
-        the other: the rows share no state, KV or attention, so two forwards compute what one would, without the
-        launches of an eager mixed step). Returns the step's hidden states in its token layout and the decode
-        rows (or None), or None when the step runs eagerly."""
+        """The step through the graphs' fixed buffers where its shape has them: decode rows replay a decode graph
+        and one short prefill row a prefill graph. Prefill rows beside graphed decode rows run as an eager
+        prefill-only forward before the decode graph: the two parts share no state, KV or attention, so two
+        forwards compute what one would, and the decode rows cost one replay instead of an eager mixed step's
+        launches for them in every layer. Returns the step's hidden states in its token layout and the decode
+        rows (or None), or None when the whole step runs eagerly."""
         np_ = batch.num_prefill_rows
         num_decode = len(q_lens) - np_
         decode, prefill = self.decode_graphs, self.prefill_graphs
-        if len(q_lens) == 0 or np_ > 1:
-            return None
-        if num_decode and (decode is None or decode.bucket(num_decode) is None):
-            return None
-        if np_ == 1 and (prefill is None or prefill.bucket(int(q_lens[0])) is None):
+        graph_prefill = np_ == 1 and prefill is not None and prefill.bucket(int(q_lens[0])) is not None
+        if num_decode:
+            if decode is None or decode.bucket(num_decode) is None:
+                return None
+        elif not graph_prefill:
             return None
         parts, decode_rows = [], None
         num_prefill_tokens = int(q_lens[:np_].sum())
-        if np_:
+        if graph_prefill:
             hidden = prefill.run(ids[:num_prefill_tokens], batch.num_cached_tokens[0], int(handles[0]), state_slots[0])
             parts.append(hidden[:num_prefill_tokens])
+        elif np_:
+            parts.append(self._eager_prefill(batch, ids[:num_prefill_tokens], state_slots[:np_]))
         if num_decode:
             cached = np.asarray(batch.num_cached_tokens[np_:])
             hidden, decode_rows = decode.run(
@@ -458,6 +461,23 @@ class ModelRunner(DeviceAcceptance):
             )
             parts.append(hidden)
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), decode_rows
+
+    def _eager_prefill(self, batch: ForwardBatch, ids: np.ndarray, state_slots: list[int]) -> torch.Tensor:
+        """The step's prefill rows alone as an eager forward (their tokens `ids`); returns their hidden states."""
+        np_ = batch.num_prefill_rows
+        ctx = build_context(
+            batch.query_lens[:np_],
+            batch.num_cached_tokens[:np_],
+            np_,
+            batch.req_handles[:np_],
+            self.kv,
+            self.state,
+            state_slots,
+            decode_width=self.max_width,
+        )
+        hidden = self.model(to_device(ids, self.device), ctx)
+        self.state.finish_prefill(ctx.prefill_rows.slots)
+        return hidden
 
     def _logit_rows(self, batch: ForwardBatch) -> torch.Tensor:
         """Real-token indices (flat row order) that get logits: every decode token, the last prompt token."""

@@ -120,3 +120,84 @@ def test_batch_buckets():
     assert batch_buckets(4) == [1, 2, 4]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert batch_buckets(256) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192, 224, 256]
+
+
+def _staggered_run(engine) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Two requests first; after two steps the other four arrive together, so a step prefills several rows
+    beside the first two's decode rows. Returns the tokens and, per step, (prefill rows, decode rows)."""
+    from lightllm.worker.runner import ModelRunner
+
+    shapes: list[tuple[int, int]] = []
+    forward = ModelRunner.forward
+
+    def counted(self, batch):
+        shapes.append((batch.num_prefill_rows, batch.num_decode_rows))
+        return forward(self, batch)
+
+    out = {f"r{i}": [] for i in range(len(PROMPTS))}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ModelRunner, "forward", counted)
+        for i, p in enumerate(PROMPTS):
+            params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+            assert engine.add_request(NewRequest(f"r{i}", p, params)) == []
+            if i == 1:
+                for _ in range(2):
+                    for o in engine.step():
+                        if isinstance(o, TokenChunk):
+                            out[o.req_id] += o.token_ids
+        while engine.has_work():
+            for o in engine.step():
+                if isinstance(o, TokenChunk):
+                    out[o.req_id] += o.token_ids
+    return [out[f"r{i}"] for i in range(len(PROMPTS))], shapes
+
+
+@pytest.mark.parametrize("mode", ["native", "replay"])
+def test_prefill_rows_beside_decode_graph_match_transformers(expected, mode, monkeypatch):
+    """A step that prefills several rows beside decode rows runs them as an eager prefill-only forward and the
+    decode rows through the decode graph's buffers: transformers' greedy text, every slot and KV token freed."""
+    from lightllm.worker.runner import ModelRunner
+
+    model_dir, greedy = expected
+    engine = _engine(model_dir, mode, 0)
+    eager_prefills: list[int] = []
+    eager = ModelRunner._eager_prefill
+
+    def counted(self, batch, ids, slots):
+        eager_prefills.append(batch.num_decode_rows)
+        return eager(self, batch, ids, slots)
+
+    monkeypatch.setattr(ModelRunner, "_eager_prefill", counted)
+    tokens, shapes = _staggered_run(engine)
+    assert tokens == greedy
+    assert any(p >= 2 and d >= 1 for p, d in shapes), shapes
+    assert any(d >= 1 for d in eager_prefills), "no prefill ran beside graphed decode rows"
+    assert engine.runner.num_free_requests() == 6 and engine.runner.num_free_kv_tokens() == 512
+
+
+def test_prefill_rows_beside_decode_graph_with_shifted_positions_break_the_text(expected, monkeypatch):
+    """Teeth: the same run with the positions of the eager prefill part (only) off by one must not give the
+    reference text of the requests it prefilled, and leaves the others' text alone."""
+    import lightllm.worker.runner as runner_module
+
+    model_dir, greedy = expected
+    engine = _engine(model_dir, "replay", 0)
+    build, eager = runner_module.build_context, runner_module.ModelRunner._eager_prefill
+    inside: list[bool] = []
+
+    def flagged(self, *args):
+        inside.append(True)
+        try:
+            return eager(self, *args)
+        finally:
+            inside.pop()
+
+    def shifted(*args, **kwargs):
+        return build(*args, **({**kwargs, "position_offset": 1} if inside else kwargs))
+
+    monkeypatch.setattr(runner_module.ModelRunner, "_eager_prefill", flagged)
+    monkeypatch.setattr(runner_module, "build_context", shifted)
+    tokens, shapes = _staggered_run(engine)
+    assert any(p >= 2 and d >= 1 for p, d in shapes), shapes
+    assert tokens[:2] == greedy[:2]
+    assert tokens[2:] != greedy[2:]
