@@ -47,6 +47,10 @@ from lightllm.worker.warmup_steps import pin_fla, warm_attention_kernels, warm_u
 
 logger = logging.getLogger(__name__)
 
+# prefill rows of one step that replay the prefill graph one after another; more run as one eager forward: each
+# replay reads every weight again, while an eager forward's host launches cost about the GPU time of a few replays
+GRAPHED_PREFILL_ROWS = 4
+
 
 @dataclass
 class _CounterCopy:
@@ -189,8 +193,8 @@ class ModelRunner(DeviceAcceptance):
         return True
 
     def init_prefill_graphs(self, use_graphs: bool = True) -> bool:
-        """Run a step's one prefill row of at most `config.prefill_graph_max_tokens` new tokens (alone, or beside
-        decode rows that fit a decode bucket) through fixed buffers (`PrefillGraphs`), captured per token bucket
+        """Run a step's prefill rows of at most `config.prefill_graph_max_tokens` new tokens each (up to
+        `GRAPHED_PREFILL_ROWS` of them, alone or beside decode rows that fit a decode bucket) through fixed buffers (`PrefillGraphs`), captured per token bucket
         when `use_graphs` and on CUDA (call after `warmup`). Returns whether the fixed-buffer path is on."""
         if self._prefill_graph_tokens() == 0:
             return False
@@ -426,16 +430,20 @@ class ModelRunner(DeviceAcceptance):
         state_slots: list[int],
         first_tokens: torch.Tensor | None,
     ) -> tuple[torch.Tensor, DecodeRows | None] | None:
-        """The step through the graphs' fixed buffers where its shape has them: decode rows replay a decode graph
-        and one short prefill row a prefill graph. Prefill rows beside graphed decode rows run as an eager
-        prefill-only forward before the decode graph: the two parts share no state, KV or attention, so two
-        forwards compute what one would, and the decode rows cost one replay instead of an eager mixed step's
-        launches for them in every layer. Returns the step's hidden states in its token layout and the decode
-        rows (or None), or None when the whole step runs eagerly."""
+        """The step through the graphs' fixed buffers where its shape has them: decode rows replay a decode graph,
+        and up to `GRAPHED_PREFILL_ROWS` prefill rows that each fit a prefill graph replay it one after another.
+        Other prefill rows beside graphed decode rows run as an eager prefill-only forward before the decode
+        graph. The parts share no state, KV or attention, so separate forwards compute what one would, without
+        an eager mixed step's launches. Returns the step's hidden states in its token layout and the decode rows
+        (or None), or None when the whole step runs eagerly."""
         np_ = batch.num_prefill_rows
         num_decode = len(q_lens) - np_
         decode, prefill = self.decode_graphs, self.prefill_graphs
-        graph_prefill = np_ == 1 and prefill is not None and prefill.bucket(int(q_lens[0])) is not None
+        graph_prefill = (
+            0 < np_ <= GRAPHED_PREFILL_ROWS
+            and prefill is not None
+            and all(prefill.bucket(int(q)) is not None for q in q_lens[:np_])
+        )
         if num_decode:
             if decode is None or decode.bucket(num_decode) is None:
                 return None
@@ -444,8 +452,15 @@ class ModelRunner(DeviceAcceptance):
         parts, decode_rows = [], None
         num_prefill_tokens = int(q_lens[:np_].sum())
         if graph_prefill:
-            hidden = prefill.run(ids[:num_prefill_tokens], batch.num_cached_tokens[0], int(handles[0]), state_slots[0])
-            parts.append(hidden[:num_prefill_tokens])
+            start = 0
+            for i in range(np_):
+                n = int(q_lens[i])
+                hidden = prefill.run(
+                    ids[start : start + n], batch.num_cached_tokens[i], int(handles[i]), state_slots[i]
+                )
+                # every bucket's output lives in one memory pool: the next replay overwrites this one
+                parts.append(hidden[:n] if i == np_ - 1 else hidden[:n].clone())
+                start += n
         elif np_:
             parts.append(self._eager_prefill(batch, ids[:num_prefill_tokens], state_slots[:np_]))
         if num_decode:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
@@ -188,3 +189,56 @@ def test_a_mixed_step_with_misplaced_prefill_rows_breaks_the_text(monkeypatch):
     hot = _with_fixed_buffers(make_engine("qwen3_5", "native", {}))
     with pytest.raises(AssertionError):
         assert_same(run_staggered(hot, prompts), expected)
+
+
+def _pooled_prefill_outputs(monkeypatch) -> None:
+    """Every prefill run's hidden states returned as a view of one shared buffer, as the graphs' outputs live in
+    one memory pool on CUDA (the next replay overwrites them)."""
+    run, pool = PrefillGraphs.run, {}
+
+    def pooled(self, *args):
+        out = run(self, *args)
+        buf = pool.setdefault("buf", torch.full((self.max_tokens, out.shape[1]), float("nan"), dtype=out.dtype))
+        buf[: out.shape[0]] = out
+        return buf[: out.shape[0]]
+
+    monkeypatch.setattr(PrefillGraphs, "run", pooled)
+
+
+@pytest.mark.parametrize("combo", COMBOS[:3], ids=lambda c: "-".join([c[0], *(f"{k}{v}" for k, v in c[1].items())]))
+def test_several_prefill_rows_replay_the_prefill_graph_one_after_another(combo, monkeypatch):
+    """Prompts arriving together (four at once, then two at a time while others decode): a step's prefill rows
+    replay the prefill graph one row after another (beside the decode graph where rows decode), their outputs
+    in one shared pool; tokens and logprobs equal an eager engine's, every pool back at its start."""
+    mode, spec = combo
+    _pooled_prefill_outputs(monkeypatch)
+    prompts = staggered_prompts(random.Random(43))
+    cold = make_engine("qwen3_5", mode, spec, cache=False)
+    hot = _with_fixed_buffers(make_engine("qwen3_5", mode, spec))
+    shapes = []
+    run = hot.runner._forward_fixed_buffers
+
+    def recorded(batch, *rest):
+        out = run(batch, *rest)
+        shapes.append((batch.num_prefill_rows, len(batch.query_lens) - batch.num_prefill_rows, out is not None))
+        return out
+
+    hot.runner._forward_fixed_buffers = recorded
+    for group, gap in ((4, 0), (2, 3)):
+        expected, got = (run_staggered(e, prompts, gap=gap, group=group) for e in (cold, hot))
+        assert_same(got, expected)
+    assert any(np_ >= 2 and nd == 0 and fixed for np_, nd, fixed in shapes), shapes
+    assert any(np_ >= 2 and nd > 0 and fixed for np_, nd, fixed in shapes), shapes
+    assert hot.runner.num_free_kv_tokens() == 512 and hot.runner.num_free_requests() == 4
+
+
+def test_several_prefill_rows_with_swapped_outputs_break_the_text(monkeypatch):
+    """Teeth: the same arrivals with each replay's hidden states one token off must not give the eager text."""
+    _pooled_prefill_outputs(monkeypatch)
+    run = PrefillGraphs.run
+    monkeypatch.setattr(PrefillGraphs, "run", lambda self, *args: run(self, *args).roll(1, 0))
+    prompts = staggered_prompts(random.Random(43))
+    expected = run_staggered(make_engine("qwen3_5", "native", {}, cache=False), prompts, gap=0, group=4)
+    hot = _with_fixed_buffers(make_engine("qwen3_5", "native", {}))
+    with pytest.raises(AssertionError):
+        assert_same(run_staggered(hot, prompts, gap=0, group=4), expected)

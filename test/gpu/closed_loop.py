@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--syncs", action="store_true")
     p.add_argument("--disable_prefix_cache", action="store_true")
     p.add_argument("--max_mixed_prefill_tokens", type=int, default=None, help="the server flag (default: its auto)")
+    p.add_argument("--prefill_graph_max_tokens", type=int, default=None, help="the server flag (default: its default)")
     p.add_argument("--profile", default=None, metavar="FIRST,COUNT", help="profile these steps")
     p.add_argument("--device", default="cuda", help="cpu: a quick check of the script at tiny sizes")
     a = p.parse_args()
@@ -78,6 +79,7 @@ def main() -> None:
         max_running_requests=a.concurrency,
         disable_prefix_cache=a.disable_prefix_cache,
         max_mixed_prefill_tokens=a.max_mixed_prefill_tokens,
+        **({} if a.prefill_graph_max_tokens is None else {"prefill_graph_max_tokens": a.prefill_graph_max_tokens}),
     )
     engine, vocab = llm.engine, llm.engine.runner.vocab_size
     rng = np.random.default_rng(0)

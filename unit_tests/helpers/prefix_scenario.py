@@ -167,13 +167,13 @@ def staggered_prompts(rng: random.Random) -> list[list[int]]:
     return [system + fresh(rng, rng.randrange(3, 12)) for _ in range(6)]
 
 
-def run_staggered(engine, prompts: list[list[int]], gap: int = 3, max_tokens: int = 8) -> list[Result]:
-    """Prompt i arrives after `i * gap` engine steps, while the earlier ones decode: steps mix one request's
-    prefill (a cache hit's suffix, once the system prompt is cached) with the others' decode rows."""
+def run_staggered(engine, prompts: list[list[int]], gap: int = 3, max_tokens: int = 8, group: int = 1) -> list[Result]:
+    """Prompts arrive `group` at a time every `gap` engine steps, while the earlier ones decode: steps mix
+    prefills (a cache hit's suffix, once the system prompt is cached) with the others' decode rows."""
     results = [Result() for _ in prompts]
     step = submitted = 0
     while submitted < len(prompts) or engine.has_work():
-        while submitted < len(prompts) and step >= submitted * gap:
+        while submitted < len(prompts) and step >= submitted // group * gap:
             submit(engine, f"s{submitted}", prompts[submitted], max_tokens)
             submitted += 1
         for out in engine.step():

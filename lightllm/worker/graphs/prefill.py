@@ -8,7 +8,8 @@ per bucket at start-up. Padding tokens sit after the real ones, so causal attent
 real token see them; they write their KV to the HOLD slot and change no linear state (`PrefillRows.padded_valid`:
 decay 1, no update). The row's real token count, cached length, request-table row and state slot are device
 values, so one graph serves every request and every length up to its bucket. A step with such a row beside decode
-rows replays this graph and then the decode graph (`ModelRunner._forward_fixed_buffers`).
+rows replays this graph and then the decode graph; a step of a few such rows replays it once per row
+(`ModelRunner._forward_fixed_buffers`).
 
 Without CUDA (or with graphs disabled) the same buffers run the forward eagerly: the CPU tests drive this path and
 compare it with cold runs and transformers, so padding and bucketing are checked where no GPU exists.
