@@ -61,13 +61,15 @@ def test_cuda_graph_prefill_equals_eager(combo, chunk):
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join([c[0], *(f"{k}{v}" for k, v in c[1].items())]))
-def test_mixed_steps_replay_both_graphs_like_eager(combo):
-    """Requests arriving while others decode: steps of one short prefill row beside decode rows replay the prefill
-    graph, then the decode graph; the text is the eager engine's."""
+@pytest.mark.parametrize("group, gap", [(1, 3), (2, 3), (4, 0)], ids=["one", "pairs", "four-at-once"])
+def test_mixed_steps_replay_both_graphs_like_eager(combo, group, gap):
+    """Requests arriving while others decode, one, two or four at a time: a step's short prefill rows replay the
+    prefill graph one after another (their outputs in one memory pool), then the decode graph; the text is the
+    eager engine's."""
     mode, spec = combo
     prompts = staggered_prompts(random.Random(41))
     eager, graph = _engine(mode, spec, False, 64), _engine(mode, spec, True, 64)
-    expected, got = run_staggered(eager, prompts), run_staggered(graph, prompts)
+    expected, got = (run_staggered(e, prompts, gap=gap, group=group) for e in (eager, graph))
     for i, (e, g) in enumerate(zip(expected, got)):
         assert g.tokens == e.tokens, f"request {i}"
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-3), f"request {i}"
