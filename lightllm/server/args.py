@@ -67,11 +67,11 @@ class ServerArgs:
     dp_restart_backoff_s: float = _flag(
         1.0, "data-parallel replicas: seconds before restarting a dead replica, doubled per failed start", type=float
     )
-    http_workers: int = _flag(
-        1,
+    http_workers: int | None = _flag(
+        None,
         "HTTP front-end processes sharing --port (the kernel spreads connections over them): each parses requests, "
         "detokenizes and streams its share; /metrics and the admission limit count all of them (more than one "
-        "only with --run_mode normal and --dp 1)",
+        "only with --run_mode normal and --dp 1; auto: there, on a GPU, one per 4 usable CPU cores up to 4, else 1)",
         type=int,
     )
     run_mode: str = _flag(
@@ -293,9 +293,9 @@ class ServerArgs:
         256, "decode steps of up to this many requests replay CUDA graphs (one per batch bucket)", type=int
     )
     prefill_graph_max_tokens: int = _flag(
-        512,
-        "a step that only prefills one request's at most this many new tokens (a prefix-cache hit's suffix, a short "
-        "prompt) replays a CUDA graph (one per token bucket 16, 32, ...); 0 runs every prefill eagerly",
+        1024,
+        "a prefill of at most this many new tokens (a prefix-cache hit's suffix, a short prompt), one of at most four "
+        "in its step, replays a CUDA graph (one per token bucket 16, 32, ...); 0 runs every prefill eagerly",
         type=int,
     )
 
@@ -327,6 +327,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     return ServerArgs(**vars(build_parser().parse_args(argv)))
+
+
+# front-end processes a GPU server starts by default: one event loop parsing, detokenizing and streaming for a
+# few hundred concurrent requests falls behind the engine's steps (its stalls delay every stream at once)
+MAX_AUTO_HTTP_WORKERS = 4
+
+
+def _auto_http_workers(args: ServerArgs, on_cuda: bool) -> int:
+    if not on_cuda or args.run_mode != "normal" or args.dp > 1:
+        return 1
+    return max(1, min(MAX_AUTO_HTTP_WORKERS, len(os.sched_getaffinity(0)) // 4))
 
 
 def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
@@ -371,6 +382,7 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
         chunked_prefill_size=_auto(args.chunked_prefill_size, _auto(args.max_num_batched_tokens, step_tokens)),
         max_num_batched_tokens=step_budget,
         max_mixed_prefill_tokens=_auto(args.max_mixed_prefill_tokens, step_budget),
+        http_workers=_auto(args.http_workers, _auto_http_workers(args, on_cuda)),
         max_req_total_len=max_req_total_len,
         api_key=api_key,
         pd_secret=args.pd_secret or os.environ.get("LIGHTLLM_PD_SECRET") or api_key,

@@ -1,7 +1,7 @@
 """Tune fla-core's autotuned prefill kernels once on this GPU kind and write the table the server pins them from.
 
     python -m lightllm.tools.tune_fla_configs --serving_model            # or --model_dir DIR [--tp 2]
-        [--max_num_batched_tokens 2048] [--prefill_graph_max_tokens 512] [--out PATH]
+        [--max_num_batched_tokens 2048] [--prefill_graph_max_tokens 1024] [--out PATH]
 
 Runs the start-up prefill warm-up's calls (`lightllm.linear_att.warmup`: every token count that reaches a tuning
 key of a step of up to `--max_num_batched_tokens` prefill tokens, the one-sequence prefills of the graph buckets)
@@ -45,7 +45,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--serving_model", action="store_true", help="the serving benchmark's random-weight checkpoint")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size served (heads per rank)")
     p.add_argument("--max_num_batched_tokens", type=int, default=2048)
-    p.add_argument("--prefill_graph_max_tokens", type=int, default=512)
+    p.add_argument("--prefill_graph_max_tokens", type=int, default=1024)
     p.add_argument("--out", default=None, help="table to write (default: the shipped table of this GPU kind)")
     return p.parse_args(argv)
 

@@ -45,7 +45,7 @@ class RunnerConfig:
     # decode-only steps of up to this many rows replay CUDA graphs (captured per batch bucket at start-up)
     graph_max_batch_size: int = 256
     # a step whose only row prefills at most this many tokens replays a CUDA graph (buckets 16, 32, ...); 0: never
-    prefill_graph_max_tokens: int = 512
+    prefill_graph_max_tokens: int = 1024
     disable_cudagraph: bool = False
     # prefix cache: shared KV of committed prefixes + a pool of linear-state checkpoints, sized by bytes or as a
     # fraction of the KV cache's bytes (None and None: 0.1)

@@ -7,13 +7,16 @@ host operators per step). Separates what the engine does from what the front-end
 
     python test/gpu/closed_loop.py [--requests 512 --concurrency 256 --input_len 1024 --output_len 256] [--syncs]
     python test/gpu/closed_loop.py --profile 200,10 [--max_mixed_prefill_tokens 8192] [--disable_prefix_cache]
+    python test/gpu/closed_loop.py --host_tier_gb 16 --syncs   # with the server's host tier (its spills)
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import contextlib
+import os
 import time
 import traceback
 import warnings
@@ -22,8 +25,10 @@ import numpy as np
 import torch
 
 from lightllm import LLM
+from lightllm.cache.host_tier import HostArena
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
+from lightllm.server.host_tier import BLOCK_BYTES
 from lightllm.tools.bench_throughput import serving_model_dir
 
 
@@ -68,10 +73,15 @@ def main() -> None:
     p.add_argument("--disable_prefix_cache", action="store_true")
     p.add_argument("--max_mixed_prefill_tokens", type=int, default=None, help="the server flag (default: its auto)")
     p.add_argument("--prefill_graph_max_tokens", type=int, default=None, help="the server flag (default: its default)")
+    p.add_argument("--host_tier_gb", type=float, default=0, help="a host tier of this size beside the engine (0: none)")
     p.add_argument("--profile", default=None, metavar="FIRST,COUNT", help="profile these steps")
     p.add_argument("--device", default="cuda", help="cpu: a quick check of the script at tiny sizes")
     a = p.parse_args()
     profile_first, profile_count = map(int, a.profile.split(",")) if a.profile else (-1, 0)
+    arena = None
+    if a.host_tier_gb:
+        arena = HostArena.create(f"lightllm-closed-loop-{os.getpid()}", int(a.host_tier_gb * 2**30), BLOCK_BYTES)
+        atexit.register(arena.unlink)
     llm = LLM(
         serving_model_dir(),
         device=a.device,
@@ -80,6 +90,7 @@ def main() -> None:
         disable_prefix_cache=a.disable_prefix_cache,
         max_mixed_prefill_tokens=a.max_mixed_prefill_tokens,
         **({} if a.prefill_graph_max_tokens is None else {"prefill_graph_max_tokens": a.prefill_graph_max_tokens}),
+        **({} if arena is None else {"host_tier_name": arena.name}),
     )
     engine, vocab = llm.engine, llm.engine.runner.vocab_size
     rng = np.random.default_rng(0)
@@ -166,6 +177,9 @@ def main() -> None:
         print("host waits by calling line:")
         for site, n in sites.most_common(15):
             print(f"  {n:6d}  {site}")
+    if arena is not None:
+        host = getattr(llm.engine.runner.prefix_cache, "host", None)
+        print("host tier:", host.stats() if host is not None else "not attached (no prefix cache)")
     llm.close()
 
 

@@ -39,6 +39,7 @@
 #                 first wave): what a mixed step spends its ~30 ms beyond its tokens on (GPU kernels, host operators)
 #   http_spy      the http parts' workload at the defaults with py-spy on the server's processes for 7 s (250 Hz;
 #                 py-spy carried as a wheel in .whl): each process's and thread's busy share and where it goes
+#   http_spy_idle the same with the threads' waits sampled too (py-spy --idle): where each thread waits
 #   imports       the start-up's imports, each timed in a fresh interpreter (torch, CUDA, Triton's driver, fla's
 #                 prefill modules, the API server's and the engine's trees; test/gpu/import_times.py)
 #   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
@@ -95,6 +96,29 @@ http_run() {
         --num_prompts 512 --input_len 1024 --output_len 256 --max_concurrency 256 --num_workers 4 \
         --result_file "$LOG_DIR/http${flags// /_}.json"
     kill $server; wait $server
+}
+# the http parts' workload at the defaults with py-spy on the server's processes for 7 s; $1: "--idle" to sample
+# the threads' waits too
+http_spy() {
+    local idle=$1 model server bench
+    model=$(python -c "from lightllm.tools.bench_throughput import serving_text_model_dir as d; print(d())")
+    python -m lightllm.server.api_server --model_dir "$model" --ssm_state_mode replay --port 8011 \
+        > "$LOG_DIR/http_spy_server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 180); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
+    grep -E "start-up of rank" "$LOG_DIR/http_spy_server.log" | cut -c1-300
+    python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8011 --num_prompts 512 \
+        --input_len 1024 --output_len 256 --max_concurrency 256 --num_workers 4 \
+        --result_file "$LOG_DIR/http_spy.json" > "$LOG_DIR/http_spy.log" 2>&1 &
+    bench=$!
+    sleep 1.5
+    /tmp/site/bin/py-spy record -r 250 -d 7 --subprocesses --threads --nonblocking $idle -f raw \
+        -o "$LOG_DIR/http_spy.txt" -p $server > "$LOG_DIR/http_spy_record.log" 2>&1
+    wait $bench
+    grep -E "throughput|TTFT|TPOT|ITL" "$LOG_DIR/http_spy.log" | cut -c1-160
+    kill $server; wait $server
+    python test/gpu/spy_summary.py "$LOG_DIR/http_spy.txt" --rate 250 --seconds 7 $idle
+    pack
 }
 for part in $parts; do
     case $part in
@@ -154,24 +178,7 @@ for part in $parts; do
                            grep -E "requests in|TTFT|profiled" "$LOG_DIR/mixed_profile_${v%% *}.log" | cut -c1-300
                            grep -A10 "top by" "$LOG_DIR/mixed_profile_${v%% *}.log" | cut -c1-130
                        done ;;
-        http_spy) model=$(python -c "from lightllm.tools.bench_throughput import serving_text_model_dir as d; print(d())")
-                  python -m lightllm.server.api_server --model_dir "$model" --ssm_state_mode replay --port 8011 \
-                      > "$LOG_DIR/http_spy_server.log" 2>&1 &
-                  server=$!
-                  for _ in $(seq 180); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
-                  grep -E "start-up of rank" "$LOG_DIR/http_spy_server.log" | cut -c1-300
-                  python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8011 --num_prompts 512 \
-                      --input_len 1024 --output_len 256 --max_concurrency 256 --num_workers 4 \
-                      --result_file "$LOG_DIR/http_spy.json" > "$LOG_DIR/http_spy.log" 2>&1 &
-                  bench=$!
-                  sleep 1.5
-                  /tmp/site/bin/py-spy record -r 250 -d 7 --subprocesses --threads --nonblocking -f raw \
-                      -o "$LOG_DIR/http_spy.txt" -p $server > "$LOG_DIR/http_spy_record.log" 2>&1
-                  wait $bench
-                  grep -E "throughput|TTFT|TPOT|ITL" "$LOG_DIR/http_spy.log" | cut -c1-160
-                  kill $server; wait $server
-                  python test/gpu/spy_summary.py "$LOG_DIR/http_spy.txt" --rate 250 --seconds 7
-                  pack ;;
+        http_spy|http_spy_idle) http_spy "$([ "$part" = http_spy_idle ] && echo --idle)" ;;
         imports) run imports 200 python test/gpu/import_times.py --log_dir "$LOG_DIR/imports"
                  grep -E "^\|" "$LOG_DIR/imports.log" ;;
         moe_full) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null

@@ -1,7 +1,10 @@
 """A py-spy recording (`py-spy record --subprocesses --threads -f raw`) as a short table per process and thread:
 how busy it was, the functions it spent its own time in, and the project's functions with the time under them.
 
-    python test/gpu/spy_summary.py SPY.txt --rate 250 --seconds 7 [--top 8]
+    python test/gpu/spy_summary.py SPY.txt --rate 250 --seconds 7 [--top 8] [--idle]
+
+`--idle` for a recording taken with py-spy's `--idle`: its samples include the threads' waits, so the share is of
+the wall time sampled, not busy time, and the own-time frames show where a thread waits.
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, required=True, help="the recording's duration")
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--roots", type=int, default=5, help="the busiest process/thread roots printed")
+    p.add_argument("--idle", action="store_true", help="the recording has idle samples (py-spy --idle)")
     a = p.parse_args(argv)
     with open(a.path) as f:
         rows = summarize(f, a.top)
     for root, n, own, under in rows[: a.roots]:
-        print(f"-- {root}: {n} samples, {n / a.rate / a.seconds:.0%} busy; own time:")
+        share = "of the wall time, waits included" if a.idle else "busy"
+        print(f"-- {root}: {n} samples, {n / a.rate / a.seconds:.0%} {share}; own time:")
         for frame, k in own:
             print(f"  {100 * k / n:5.1f}%  {frame}")
         print("  under the project's functions:")

@@ -209,3 +209,27 @@ def test_mixed_prefill_cap_outside_the_budget_is_refused(cap):
         _resolve("--device", "cpu", "--max_mixed_prefill_tokens", cap)
     # twin: the budget itself is accepted
     assert _resolve("--device", "cpu", "--max_mixed_prefill_tokens", "512").max_mixed_prefill_tokens == 512
+
+
+@pytest.mark.parametrize(
+    "argv, cores, expected",
+    [
+        (("--device", "cpu"), 64, 1),
+        (("--device", "cuda"), 16, 4),
+        (("--device", "cuda"), 64, 4),
+        (("--device", "cuda"), 9, 2),
+        (("--device", "cuda"), 2, 1),
+        (("--device", "cuda", "--dp", "2"), 64, 1),
+        (("--device", "cuda", "--run_mode", "prefill"), 64, 1),
+        (("--device", "cuda", "--http_workers", "3"), 2, 3),
+    ],
+    ids=["cpu", "gpu-16-cores", "gpu-64-cores", "gpu-9-cores", "gpu-2-cores", "dp", "pd-node", "given"],
+)
+def test_http_workers_resolve(argv, cores, expected, monkeypatch):
+    import lightllm.server.args as server_args
+
+    # resolved as on a host with two GPUs and `cores` usable CPU cores
+    monkeypatch.setattr(server_args, "_cuda_available", lambda: True)
+    monkeypatch.setattr(server_args, "visible_cuda_devices", lambda: 2)
+    monkeypatch.setattr(server_args.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert _resolve(*argv).http_workers == expected
