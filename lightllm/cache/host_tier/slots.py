@@ -54,17 +54,33 @@ def _free_run(arena: HostArena, num_blocks: int) -> int | None:
     """The first block of the first free run of `num_blocks` blocks (first fit), or None."""
     used = arena.entries[arena.entries["state"] != FREE]
     order = np.argsort(used["first_block"], kind="stable")
-    start = 0
-    for first, count in zip(used["first_block"][order], used["num_blocks"][order]):
-        if int(first) - start >= num_blocks:
-            return start
-        start = max(start, int(first + count))
-    return start if arena.num_blocks - start >= num_blocks else None
+    firsts = used["first_block"][order].astype(np.int64)
+    ends = firsts + used["num_blocks"][order].astype(np.int64)
+    # gap i starts after the furthest run before run i (the last gap runs to the end of the region)
+    starts = np.maximum.accumulate(np.concatenate([[0], ends]))
+    gaps = np.append(firsts, arena.num_blocks) - starts
+    fits = np.flatnonzero(gaps >= num_blocks)
+    return int(starts[fits[0]]) if fits.size else None
 
 
 def _free_record(arena: HostArena) -> int | None:
     free = np.flatnonzero(arena.entries["state"] == FREE)
     return int(free[0]) if free.size else None
+
+
+def _least_recent_evictable(arena: HostArena, now: float) -> int | None:
+    """The evictable entry of the oldest `last_access` (the lowest index among equals), or None. The table is
+    scanned as arrays: it holds thousands of records, and this runs under the lock for every write once full."""
+    entries = arena.entries
+    state = entries["state"]
+    evictable = (state == READY) & (entries["lease_until"] <= now)
+    # writers are few at a time; each needs its processes looked up
+    for i in np.flatnonzero(state == WRITING):
+        evictable[i] = is_evictable(entries[i], now)
+    candidates = np.flatnonzero(evictable)
+    if not candidates.size:
+        return None
+    return int(candidates[np.argmin(entries["last_access"][candidates])])
 
 
 def allocate(arena: HostArena, num_blocks: int, now: float, on_evict=None) -> tuple[int, int] | None:
@@ -77,10 +93,9 @@ def allocate(arena: HostArena, num_blocks: int, now: float, on_evict=None) -> tu
         record, first = _free_record(arena), _free_run(arena, num_blocks)
         if record is not None and first is not None:
             return record, first
-        victims = [i for i in np.flatnonzero(arena.entries["state"] != FREE) if is_evictable(arena.entries[i], now)]
-        if not victims:
+        victim = _least_recent_evictable(arena, now)
+        if victim is None:
             return None
-        victim = min(victims, key=lambda i: int(arena.entries[i]["last_access"]))
         if on_evict is not None and int(arena.entries[victim]["state"]) == READY:
             on_evict()
         free_record(arena, int(victim))
