@@ -8,11 +8,13 @@ A closed loop like `bench_serving --max_concurrency C`: C requests of `--input_l
 each finished one is replaced at its finish time, until `--num_prompts` have run; every request generates
 `--output_len` tokens (the fake runner's model, EOS ignored). The engine runs synchronous steps on a `FakeRunner`
 with the server's defaults for a GPU (budget 8192, prefix cache checkpoints every 2048 tokens); a step with D decode
-rows and P prompt tokens costs `--step_ms + D * --decode_row_ms + P * --prefill_token_ms`, plus `--mixed_step_ms`
-when it has both (defaults fitted to the serving checkpoint on an H200: a decode step of 256 rows 2.5 ms, 8192
-prompt tokens 29 ms, and a step with prompt tokens beside decode rows ~30 ms more whatever its prompt tokens, as
-`test/gpu/closed_loop.py` measured it; with `--mixed_step_ms 0` the model favours a cap the GPU does not). No
-HTTP, no overlap: a model of the engine's schedule only, not a measurement.
+rows and P prompt tokens costs `--step_ms + D * --decode_row_ms + P * --prefill_token_ms` of GPU time, and a step
+whose prompts run eagerly (more than the runner's `GRAPHED_PREFILL_ROWS`, or one longer than
+`--prefill_graph_max_tokens`) at least `--eager_step_ms`, its launches on the host (defaults fitted to the
+serving checkpoint: a decode step of 256 rows 2.5 ms, 8192 prompt tokens 29 ms, an eager step of two or eight
+1024-token prompts beside ~243 decode rows 37-46 ms, the same two prompts through the prefill graph 13.8 ms, as
+`test/gpu/closed_loop.py` measured them on an H200 and an H100). No HTTP, no overlap: a model of the engine's
+schedule only, not a measurement.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightllm.engine.engine import Engine  # noqa: E402
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk  # noqa: E402
 from lightllm.engine.sampling_params import SamplingParams  # noqa: E402
+from lightllm.worker.runner import GRAPHED_PREFILL_ROWS  # noqa: E402
 from unit_tests.engine.fake_runner import FakeRunner  # noqa: E402
 
 
@@ -72,9 +75,11 @@ def simulate(cap: int, opts) -> dict[str, float]:
         outputs = engine.step()
         for batch in runner.batches[seen:]:
             decode_rows = batch.num_rows - batch.num_prefill_rows
-            prompt_tokens = sum(batch.query_lens[: batch.num_prefill_rows])
-            mixed = opts.mixed_step_ms if decode_rows and prompt_tokens else 0.0
-            cost = opts.step_ms + decode_rows * opts.decode_row_ms + prompt_tokens * opts.prefill_token_ms + mixed
+            prompts = batch.query_lens[: batch.num_prefill_rows]
+            cost = opts.step_ms + decode_rows * opts.decode_row_ms + sum(prompts) * opts.prefill_token_ms
+            eager = len(prompts) > GRAPHED_PREFILL_ROWS or any(q > opts.prefill_graph_max_tokens for q in prompts)
+            if eager:
+                cost = max(cost, opts.eager_step_ms)
             now += cost / 1000
         for out in outputs:
             if isinstance(out, TokenChunk) and out.token_ids:
@@ -111,7 +116,8 @@ def main(argv=None) -> None:
     p.add_argument("--step_ms", type=float, default=1.0)
     p.add_argument("--decode_row_ms", type=float, default=0.006)
     p.add_argument("--prefill_token_ms", type=float, default=0.00345)
-    p.add_argument("--mixed_step_ms", type=float, default=30.0, help="fixed cost of a step with prompt and decode rows")
+    p.add_argument("--prefill_graph_max_tokens", type=int, default=1024, help="the server flag")
+    p.add_argument("--eager_step_ms", type=float, default=40.0, help="least time of a step whose prompts run eagerly")
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
     keys = None
