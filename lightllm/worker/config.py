@@ -44,7 +44,8 @@ class RunnerConfig:
     show_progress: bool = False
     # decode-only steps of up to this many rows replay CUDA graphs (captured per batch bucket at start-up)
     graph_max_batch_size: int = 256
-    # a step whose only row prefills at most this many tokens replays a CUDA graph (buckets 16, 32, ...); 0: never
+    # a prefill row of at most this many tokens (of a few in its step) replays a CUDA graph (buckets 16, 32, ...);
+    # 0: never
     prefill_graph_max_tokens: int = 1024
     disable_cudagraph: bool = False
     # prefix cache: shared KV of committed prefixes + a pool of linear-state checkpoints, sized by bytes or as a

@@ -194,8 +194,9 @@ class ModelRunner(DeviceAcceptance):
 
     def init_prefill_graphs(self, use_graphs: bool = True) -> bool:
         """Run a step's prefill rows of at most `config.prefill_graph_max_tokens` new tokens each (up to
-        `GRAPHED_PREFILL_ROWS` of them, alone or beside decode rows that fit a decode bucket) through fixed buffers (`PrefillGraphs`), captured per token bucket
-        when `use_graphs` and on CUDA (call after `warmup`). Returns whether the fixed-buffer path is on."""
+        `GRAPHED_PREFILL_ROWS` of them, alone or beside decode rows that fit a decode bucket) through fixed buffers
+        (`PrefillGraphs`), captured per token bucket when `use_graphs` and on CUDA (call after `warmup`). Returns
+        whether the fixed-buffer path is on."""
         if self._prefill_graph_tokens() == 0:
             return False
         self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.state, self._prefill_graph_tokens(), use_graphs)
