@@ -432,11 +432,11 @@ class ModelRunner(DeviceAcceptance):
         first_tokens: torch.Tensor | None,
     ) -> tuple[torch.Tensor, DecodeRows | None] | None:
         """The step through the graphs' fixed buffers where its shape has them: decode rows replay a decode graph,
-        and up to `GRAPHED_PREFILL_ROWS` prefill rows that each fit a prefill graph replay it one after another.
-        Other prefill rows beside graphed decode rows run as an eager prefill-only forward before the decode
-        graph. The parts share no state, KV or attention, so separate forwards compute what one would, without
-        an eager mixed step's launches. Returns the step's hidden states in its token layout and the decode rows
-        (or None), or None when the whole step runs eagerly."""
+        and up to `GRAPHED_PREFILL_ROWS` prefill rows that each fit a prefill graph replay it one after another
+        (before the decode graph). The parts share no state, KV or attention, so separate forwards compute what
+        one would, without an eager step's launches. Returns the step's hidden states in its token layout and the
+        decode rows (or None), or None when the step runs eagerly (its prompts' eager launches, not its decode
+        rows', are what a mixed step costs on the host, so graphing only its decode rows gains nothing)."""
         np_ = batch.num_prefill_rows
         num_decode = len(q_lens) - np_
         decode, prefill = self.decode_graphs, self.prefill_graphs
@@ -445,25 +445,18 @@ class ModelRunner(DeviceAcceptance):
             and prefill is not None
             and all(prefill.bucket(int(q)) is not None for q in q_lens[:np_])
         )
-        if num_decode:
-            if decode is None or decode.bucket(num_decode) is None:
-                return None
-        elif not graph_prefill:
+        if len(q_lens) == 0 or (np_ and not graph_prefill):
             return None
-        parts, decode_rows = [], None
-        num_prefill_tokens = int(q_lens[:np_].sum())
-        if graph_prefill:
-            start = 0
-            for i in range(np_):
-                n = int(q_lens[i])
-                hidden = prefill.run(
-                    ids[start : start + n], batch.num_cached_tokens[i], int(handles[i]), state_slots[i]
-                )
-                # every bucket's output lives in one memory pool: the next replay overwrites this one
-                parts.append(hidden[:n] if i == np_ - 1 else hidden[:n].clone())
-                start += n
-        elif np_:
-            parts.append(self._eager_prefill(batch, ids[:num_prefill_tokens], state_slots[:np_]))
+        if num_decode and (decode is None or decode.bucket(num_decode) is None):
+            return None
+        parts, decode_rows, start = [], None, 0
+        for i in range(np_):
+            n = int(q_lens[i])
+            hidden = prefill.run(ids[start : start + n], batch.num_cached_tokens[i], int(handles[i]), state_slots[i])
+            # every bucket's output lives in one memory pool: the next replay overwrites this one
+            parts.append(hidden[:n] if i == np_ - 1 else hidden[:n].clone())
+            start += n
+        num_prefill_tokens = start
         if num_decode:
             cached = np.asarray(batch.num_cached_tokens[np_:])
             hidden, decode_rows = decode.run(
@@ -477,23 +470,6 @@ class ModelRunner(DeviceAcceptance):
             )
             parts.append(hidden)
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), decode_rows
-
-    def _eager_prefill(self, batch: ForwardBatch, ids: np.ndarray, state_slots: list[int]) -> torch.Tensor:
-        """The step's prefill rows alone as an eager forward (their tokens `ids`); returns their hidden states."""
-        np_ = batch.num_prefill_rows
-        ctx = build_context(
-            batch.query_lens[:np_],
-            batch.num_cached_tokens[:np_],
-            np_,
-            batch.req_handles[:np_],
-            self.kv,
-            self.state,
-            state_slots,
-            decode_width=self.max_width,
-        )
-        hidden = self.model(to_device(ids, self.device), ctx)
-        self.state.finish_prefill(ctx.prefill_rows.slots)
-        return hidden
 
     def _logit_rows(self, batch: ForwardBatch) -> torch.Tensor:
         """Real-token indices (flat row order) that get logits: every decode token, the last prompt token."""

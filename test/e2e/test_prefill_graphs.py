@@ -149,6 +149,20 @@ def test_preempted_and_aborted_requests_through_the_buffers_equal_the_cold_run()
     assert runner.num_free_requests() == 4 and runner.num_free_kv_tokens() == 128
 
 
+def _recorded_step_shapes(engine) -> list[tuple[int, int, bool]]:
+    """A list the engine's runner fills with each step's (prefill rows, decode rows, ran through fixed buffers)."""
+    shapes = []
+    run = engine.runner._forward_fixed_buffers
+
+    def recorded(batch, *rest):
+        out = run(batch, *rest)
+        shapes.append((batch.num_prefill_rows, len(batch.query_lens) - batch.num_prefill_rows, out is not None))
+        return out
+
+    engine.runner._forward_fixed_buffers = recorded
+    return shapes
+
+
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join([c[0], *(f"{k}{v}" for k, v in c[1].items())]))
 def test_a_short_prefill_beside_decode_rows_replays_both_graphs(combo):
     """Requests arriving while others decode: a step with one short prefill row (a cache hit's suffix, a new
@@ -158,15 +172,7 @@ def test_a_short_prefill_beside_decode_rows_replays_both_graphs(combo):
     prompts = staggered_prompts(random.Random(41))
     cold = make_engine("qwen3_5", mode, spec, cache=False)
     hot = _with_fixed_buffers(make_engine("qwen3_5", mode, spec))
-    shapes = []
-    run = hot.runner._forward_fixed_buffers
-
-    def recorded(batch, *rest):
-        out = run(batch, *rest)
-        shapes.append((batch.num_prefill_rows, len(batch.query_lens) - batch.num_prefill_rows, out is not None))
-        return out
-
-    hot.runner._forward_fixed_buffers = recorded
+    shapes = _recorded_step_shapes(hot)
     expected, got = (run_staggered(e, prompts) for e in (cold, hot))
     assert_same(got, expected)
     assert sum(r.cached for r in got) > 0
@@ -215,15 +221,7 @@ def test_several_prefill_rows_replay_the_prefill_graph_one_after_another(combo, 
     prompts = staggered_prompts(random.Random(43))
     cold = make_engine("qwen3_5", mode, spec, cache=False)
     hot = _with_fixed_buffers(make_engine("qwen3_5", mode, spec))
-    shapes = []
-    run = hot.runner._forward_fixed_buffers
-
-    def recorded(batch, *rest):
-        out = run(batch, *rest)
-        shapes.append((batch.num_prefill_rows, len(batch.query_lens) - batch.num_prefill_rows, out is not None))
-        return out
-
-    hot.runner._forward_fixed_buffers = recorded
+    shapes = _recorded_step_shapes(hot)
     for group, gap in ((4, 0), (2, 3)):
         expected, got = (run_staggered(e, prompts, gap=gap, group=group) for e in (cold, hot))
         assert_same(got, expected)
