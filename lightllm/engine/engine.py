@@ -271,6 +271,8 @@ class Engine:
             s.prefix_cache_queried_tokens = prefix["num_queried_tokens"]
             s.prefix_cache_hit_tokens = prefix["num_hit_tokens"]
             s.prefix_cache_host_hit_tokens = prefix.get("host_hit_tokens", 0)
+            s.prefix_cache_host_entries_written = prefix.get("host_entries_written", 0)
+            s.prefix_cache_host_entries_skipped = prefix.get("host_entries_skipped", 0)
             s.prefix_cache_checkpoints_stored = prefix["num_checkpoints_stored"]
             s.prefix_cache_checkpoints_evicted = prefix["num_checkpoints_evicted"]
             s.prefix_cache_checkpoint_bytes = prefix["checkpoint_bytes"]

@@ -85,6 +85,9 @@ class EngineStats(msgspec.Struct, tag=True):
     prefix_cache_hit_tokens: int = 0
     # prompt tokens resumed from the host tier (shared host memory) instead of the device's prefix cache
     prefix_cache_host_hit_tokens: int = 0
+    # entries copied into the host tier, and entries dropped instead because its copies were behind
+    prefix_cache_host_entries_written: int = 0
+    prefix_cache_host_entries_skipped: int = 0
     prefix_cache_checkpoints_stored: int = 0
     prefix_cache_checkpoints_evicted: int = 0
     prefix_cache_checkpoint_bytes: int = 0

@@ -6,6 +6,8 @@ to the host tier and come back on a hit."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 from lightllm.cache.host_tier import HostArena
 from lightllm.cache.host_tier.arena import READY
+from lightllm.worker.transfer import section_writer
 from lightllm.worker.transfer.section_writer import SectionWriter
 from unit_tests.helpers.prefix_scenario import Result, drain, fresh, make_engine, submit
 
@@ -166,6 +169,38 @@ def test_device_evictions_spill_and_come_back(single_arena, background):
     _run(bare, "x1", first)
     bare.runner.evict_prefix_cache()
     assert _run(bare, "x2", second).cached == 0
+
+
+@pytest.mark.parametrize("staging_bytes", [1, section_writer.STAGING_BYTES], ids=["behind", "keeping-up"])
+def test_spills_behind_the_writer_are_dropped_not_waited_for(single_arena, monkeypatch, staging_bytes):
+    """A burst of evictions while the writer's first copy is held up: with room for one pending copy the first
+    spill is queued and the others are dropped at once, counted, without waiting for it; the queued entry lands
+    once its copy runs. Twin: with room for all, every spill is queued and lands."""
+    gate = threading.Event()
+    arena_view = section_writer._arena_view
+
+    def held_up(region):
+        gate.wait(60)
+        return arena_view(region)
+
+    monkeypatch.setattr(section_writer, "_arena_view", held_up)
+    engine = make_engine("qwen3_5", "replay", {}, host_tier_name=single_arena.name)
+    prefix = engine.runner.prefix_cache
+    prefix.host.writer = SectionWriter(prefix.host.tier, background=True, staging_bytes=staging_bytes)
+    _run(engine, "e1", _conversation(7)[0])
+    engine.runner._flush_checkpoints()
+    stored = prefix.cache.num_checkpoints()
+    assert stored >= 3
+    t0 = time.perf_counter()
+    prefix.cache.evict()
+    evict_s = time.perf_counter() - t0
+    gate.set()
+    prefix.host.flush()
+    written = 1 if staging_bytes == 1 else stored
+    assert evict_s < 30, f"the evictions waited {evict_s:.1f} s for the held-up copy"
+    assert engine.runner.prefix_cache_stats()["host_entries_skipped"] == stored - written
+    assert (single_arena.entries["state"] == READY).sum() == written
+    engine.runner.close()
 
 
 def test_a_checkpoint_dropped_before_it_is_written_is_not_spilled(single_arena, monkeypatch):

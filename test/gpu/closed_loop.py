@@ -51,6 +51,23 @@ def counting_syncs(sites: collections.Counter):
             torch.cuda.set_sync_debug_mode("default")
 
 
+def time_calls(obj, name: str, totals: dict) -> None:
+    """Wrap `obj.name` so each call adds its wall time to `totals[name]` ([calls, total ms, max ms])."""
+    inner = getattr(obj, name)
+    totals[name] = [0, 0.0, 0.0]
+
+    def timed(*args, **kwargs):
+        s = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            ms = (time.perf_counter() - s) * 1e3
+            t = totals[name]
+            t[0], t[1], t[2] = t[0] + 1, t[1] + ms, max(t[2], ms)
+
+    setattr(obj, name, timed)
+
+
 def report_profile(profiler, profiled: list) -> None:
     """The profiled steps' wall times, then the GPU kernels and host operators per step."""
     print("profiled steps (wall ms, running, tokens out):", profiled)
@@ -93,6 +110,15 @@ def main() -> None:
         **({} if arena is None else {"host_tier_name": arena.name}),
     )
     engine, vocab = llm.engine, llm.engine.runner.vocab_size
+    # the host tier's work on the engine thread: a spill's `save` (gathers, snapshot, lock), its wait for staging,
+    # and each new request's lookup
+    host = getattr(engine.runner.prefix_cache, "host", None) if arena is not None else None
+    host_calls: dict = {}
+    if host is not None:
+        time_calls(host, "save", host_calls)
+        time_calls(host, "match_len", host_calls)
+        time_calls(host.writer, "_take", host_calls)
+        time_calls(host.tier, "begin_write", host_calls)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
     sched = engine.scheduler
@@ -178,8 +204,9 @@ def main() -> None:
         for site, n in sites.most_common(15):
             print(f"  {n:6d}  {site}")
     if arena is not None:
-        host = getattr(llm.engine.runner.prefix_cache, "host", None)
         print("host tier:", host.stats() if host is not None else "not attached (no prefix cache)")
+        for name, (n, total, worst) in host_calls.items():
+            print(f"  engine thread in {name}: {n} calls, {total:.1f} ms in all, {total / max(n, 1):.2f} ms mean, {worst:.1f} max")
     llm.close()
 
 

@@ -61,6 +61,14 @@ class _EngineCollector:
                 "tokens resumed from the host tier (shared host memory) instead of recomputed",
                 s.prefix_cache_host_hit_tokens,
             ),
+            "prefix_cache_host_entries_written": (
+                "prefix states copied into the host tier",
+                s.prefix_cache_host_entries_written,
+            ),
+            "prefix_cache_host_entries_skipped": (
+                "prefix states not copied into the host tier because its copies were behind the evictions",
+                s.prefix_cache_host_entries_skipped,
+            ),
             "prefix_cache_checkpoints_stored": (
                 "state checkpoints stored in the prefix cache",
                 s.prefix_cache_checkpoints_stored,

@@ -108,6 +108,8 @@ class RunnerHostTier:
         self.num_hit_tokens = 0
         # entries found but not imported (a descriptor that does not fit this runner)
         self.num_refused = 0
+        # entries not written because the writer's copies were behind
+        self.num_skipped = 0
         self._warned_size = False
         # where a hit's entry is copied before it is checked and imported (pinned on CUDA, kept between hits:
         # pinning memory costs more than the copy)
@@ -117,14 +119,18 @@ class RunnerHostTier:
     @torch.inference_mode()
     def save(self, node: TreeNode) -> bool:
         """Copy the node's prefix state into the tier unless it holds it already; False when it did not (there,
-        or no room). A node without a checkpoint has nothing to resume from. In the background mode the copy may
-        still be running on return (`flush` waits for it)."""
+        or no room, or the writer's copies were behind). A node without a checkpoint has nothing to resume from.
+        In the background mode the copy may still be running on return (`flush` waits for it)."""
         cache = self.runner.prefix_cache.cache
         tokens = cache.tree.path_tokens(node)
         if node.checkpoint is None or len(tokens) == 0 or self.tier.contains(tokens):
             return False
         tensors, state = self._node_state(node)
         desc, offsets, nbytes = section_layout(tensors, state)
+        if not self.writer.has_room(nbytes, sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)):
+            # the copies out are behind (a burst of evictions): the step loop must not wait for them
+            self.num_skipped += 1
+            return False
         ticket = self.tier.begin_write(tokens, nbytes)
         if ticket is None:
             self._warn_if_never_fits(len(tokens), nbytes)
@@ -250,4 +256,5 @@ class RunnerHostTier:
             "host_entries_evicted": s.num_evicted,
             "host_bytes_written": s.num_written_bytes,
             "host_entries_refused": self.num_refused,
+            "host_entries_skipped": self.num_skipped,
         }

@@ -8,7 +8,9 @@ overwrites them: a reused checkpoint slot, freed KV; microseconds at device band
 into a pinned staging buffer on the writer's own stream, so the slow copy to the host runs beside the steps
 instead of between them; it returns at once. One of a few worker threads waits for that copy, moves the bytes
 into the arena and commits the entry; until then the entry is WRITING, which readers never see. Staging and the
-device snapshots in flight are bounded: a write that finds either full waits for the oldest.
+device snapshots in flight are bounded: a write that finds either full waits for the oldest, so callers on the
+step loop ask `has_room` first and drop the entry instead (the tier is a cache: losing an entry costs a recompute
+later, waiting costs every running request now).
 """
 
 from __future__ import annotations
@@ -54,6 +56,21 @@ class SectionWriter:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self.num_failed = 0
+
+    def has_room(self, num_bytes: int, snapshot_bytes: int) -> bool:
+        """Whether a write of `num_bytes` with device snapshots of `snapshot_bytes` would start without waiting
+        for the pending ones (always in the foreground mode, and when nothing is pending: a large write goes
+        alone)."""
+        if not self.background:
+            return True
+        size = _staging_size(num_bytes)
+        with self._done:
+            return self._fits(size, snapshot_bytes)
+
+    def _fits(self, size: int, snapshot_bytes: int) -> bool:
+        return self._pending == 0 or (
+            self._held + size <= self.staging_bytes and self._snapshots + snapshot_bytes <= SNAPSHOT_BYTES
+        )
 
     def write(self, ticket: Ticket, head: bytes, data: np.ndarray, tensors: Sequence[torch.Tensor], offsets) -> bool:
         """`head` at the start of the section, each tensor at its offset in `data` (the section past its head),
@@ -113,14 +130,9 @@ class SectionWriter:
     def _take(self, num_bytes: int, snapshot_bytes: int) -> torch.Tensor:
         """A staging buffer of at least `num_bytes`, once the pending writes hold room for it and for a device
         snapshot of `snapshot_bytes`."""
-        size = max(MIN_BUFFER_BYTES, 1 << max(num_bytes - 1, 1).bit_length())
+        size = _staging_size(num_bytes)
         with self._done:
-            self._done.wait_for(
-                lambda: (
-                    self._pending == 0
-                    or (self._held + size <= self.staging_bytes and self._snapshots + snapshot_bytes <= SNAPSHOT_BYTES)
-                )
-            )
+            self._done.wait_for(lambda: self._fits(size, snapshot_bytes))
             fits = [b for b in self._free if b.numel() >= num_bytes]
             if fits:
                 buffer = min(fits, key=torch.Tensor.numel)
@@ -174,6 +186,12 @@ def _close_at_exit(ref: weakref.ref) -> None:
 def _arena_view(region: np.ndarray) -> torch.Tensor:
     """A tensor over shared memory (its copies run without the GIL)."""
     return torch.from_numpy(region)
+
+
+def _staging_size(num_bytes: int) -> int:
+    """The staging buffer a write of `num_bytes` takes: a power of two (so buffers are reused), at least
+    `MIN_BUFFER_BYTES`."""
+    return max(MIN_BUFFER_BYTES, 1 << max(num_bytes - 1, 1).bit_length())
 
 
 def _nbytes(t: torch.Tensor) -> int:
