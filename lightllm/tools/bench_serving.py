@@ -261,6 +261,35 @@ def _stats(values: list[float]) -> dict:
     return {"mean_ms": float(arr.mean()), "median_ms": float(np.median(arr)), "p99_ms": float(np.percentile(arr, 99))}
 
 
+# a gap between streamed events longer than this many median TPOTs counts as a stall (the serving target's bound)
+STALL_TPOTS = 4
+# the run is cut into this many equal windows to say when the stalls happened
+STALL_WINDOWS = 10
+
+
+def itl_stalls(results: list[RequestResult], elapsed_s: float, tpot_median_s: float) -> dict:
+    """The gaps between streamed events longer than `STALL_TPOTS` median TPOTs: how many, their share of all gaps,
+    and how many ended in each tenth of the run (a tail made by the first wave of prefills sits in the first
+    windows; one spread over the run is the steady state's)."""
+    bound = STALL_TPOTS * tpot_median_s
+    windows = [0] * STALL_WINDOWS
+    num_gaps = num_stalls = 0
+    for r in results:
+        at = r.start_s + r.ttft_s
+        for gap in r.itl_s:
+            at += gap
+            num_gaps += 1
+            if gap > bound:
+                num_stalls += 1
+                windows[min(int(at / max(elapsed_s, 1e-9) * STALL_WINDOWS), STALL_WINDOWS - 1)] += 1
+    return {
+        "bound_ms": bound * 1000,
+        "num_stalls": num_stalls,
+        "share": num_stalls / num_gaps if num_gaps else 0.0,
+        "by_window": windows,
+    }
+
+
 def summarize(results: list[RequestResult], elapsed_s: float, spec_before, spec_after) -> dict:
     ok = [r for r in results if r.ok]
     tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -278,6 +307,7 @@ def summarize(results: list[RequestResult], elapsed_s: float, spec_before, spec_
         "ttft": _stats([r.ttft_s for r in ok]),
         "tpot": _stats(tpot),
         "itl": _stats([g for r in ok for g in r.itl_s]),
+        "itl_stalls": itl_stalls(ok, elapsed_s, float(np.median(tpot)) if tpot else 0.0),
         # ITL is the gap between streamed events; a token whose text is empty (or held back) streams none
         "tokens_per_event": sum(r.output_tokens for r in ok) / max(sum(len(r.itl_s) + 1 for r in ok), 1),
         "mean_accepted_len": 1.0 + accepted / windows if windows else None,
@@ -322,6 +352,11 @@ def _print(s: dict) -> None:
         cells = ["-" if v[k] is None else f"{v[k]:.2f}" for k in ("mean_ms", "median_ms", "p99_ms")]
         print(f"| {name.upper()} | {' | '.join(cells)} |")
     print(f"output tokens per streamed event: {s['tokens_per_event']:.2f}")
+    st = s["itl_stalls"]
+    print(
+        f"ITL gaps over {STALL_TPOTS}x TPOT median ({st['bound_ms']:.1f} ms): {st['num_stalls']} "
+        f"({100 * st['share']:.2f}%), by tenth of the run: {' '.join(map(str, st['by_window']))}"
+    )
     accepted = s["mean_accepted_len"]
     print(f"mean accepted length: {'-' if accepted is None else f'{accepted:.3f}'}")
     for e in s["errors"]:

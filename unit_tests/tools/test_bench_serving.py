@@ -162,3 +162,19 @@ def test_twin_a_line_reader_that_splits_like_str_splitlines_breaks_events():
         payloads, body = _events_and_body(rng)
     lines = body.decode().splitlines()
     assert [line[6:].encode() for line in lines if line.startswith("data: ")] != payloads
+
+
+def test_itl_stalls_are_counted_in_the_window_they_end():
+    # a 10 s run, median TPOT 10 ms: stalls are gaps over 40 ms
+    r = bench_serving.RequestResult
+    results = [
+        # first token at 1.0 s, then gaps ending at 1.05 (stall), 1.06, 5.56 (stall)
+        r(start_s=0.5, ok=True, ttft_s=0.5, itl_s=[0.05, 0.01, 4.5]),
+        # gaps of exactly the bound are not stalls; one ending at 9.99 s is in the last window
+        r(start_s=9.0, ok=True, ttft_s=0.1, itl_s=[0.04, 0.85]),
+    ]
+    s = bench_serving.itl_stalls(results, 10.0, 0.01)
+    assert s["num_stalls"] == 3 and s["share"] == pytest.approx(3 / 5)
+    assert s["by_window"] == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
+    # twin: a slower median TPOT makes none of them stalls
+    assert bench_serving.itl_stalls(results, 10.0, 2.0)["num_stalls"] == 0
