@@ -35,6 +35,8 @@
 #                 budget in prompt tokens), then with the whole budget (--max_mixed_prefill_tokens 8192, the cap off)
 #   http_caps     the same at the defaults, without the host tier, and with a step decoding for streaming requests
 #                 taking at most 1024 prompt tokens (--max_mixed_prefill_tokens 1024: one graphed prompt a step)
+#   http_caps2    the same at the defaults and with at most 2048 and 1024 prompt tokens in a step that decodes for
+#                 streaming requests
 #   closed_loop   the same workload on the engine alone (test/gpu/closed_loop.py)
 #   mixed_profile the engine alone, profiled over ten steps that prefill beside decode rows: with two 1024-token
 #                 prompts a step (--max_mixed_prefill_tokens 2048, steady state) and with eight (the default, the
@@ -81,7 +83,7 @@ run() {
     timeout "$limit" "$@" > "$LOG_DIR/$name.log" 2>&1
     local rc=$?
     # tables and summary lines, without progress bars
-    grep -v -E "it/s\]|s/it\]|shape/s|kernel/s|req/s\]|^\s*$|Warning|warn\(" "$LOG_DIR/$name.log" | grep -E "^\||tok/s|ratio|TTFT|skipped|GB/s|hit" | tail -40
+    grep -v -E "it/s\]|s/it\]|shape/s|kernel/s|req/s\]|^\s*$|Warning|warn\(" "$LOG_DIR/$name.log" | grep -E "^\||tok/s|ratio|TTFT|ITL gaps|skipped|GB/s|hit" | tail -40
     [ "$rc" = 0 ] || { echo "== $name: exit $rc"; tail -12 "$LOG_DIR/$name.log"; }
     pack
 }
@@ -173,6 +175,9 @@ for part in $parts; do
         http) for flags in "" "--host_tier_gb 0" "--http_workers 4"; do http_run "$flags"; done ;;
         http_workers) for flags in "" "--http_workers 4"; do http_run "$flags"; done ;;
         http_caps) for flags in "" "--host_tier_gb 0" "--max_mixed_prefill_tokens 1024"; do http_run "$flags"; done ;;
+        http_caps2) for flags in "" "--max_mixed_prefill_tokens 2048" "--max_mixed_prefill_tokens 1024"; do
+                        http_run "$flags"
+                    done ;;
         http_mixed) for flags in "" "--max_mixed_prefill_tokens 8192"; do http_run "$flags"; done ;;
         closed_loop) run closed_loop 150 python test/gpu/closed_loop.py
                      grep -E "^\|" "$LOG_DIR/closed_loop.log" | tail -14 ;;

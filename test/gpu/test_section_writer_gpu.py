@@ -11,10 +11,23 @@ import pytest
 import torch
 
 from lightllm.cache.host_tier import HostArena, HostTier
-from lightllm.cache.host_tier.arena import READY
 from lightllm.worker.transfer.section_writer import SectionWriter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _write(tier: HostTier, writer: SectionWriter, tokens: list[int], src: torch.Tensor) -> None:
+    """`src` as the section's data past a 64-byte head, the entry claimed by the writer."""
+    nbytes = 64 + src.numel() * src.element_size()
+    writer.write(lambda: tier.begin_write(tokens, nbytes), b"x", 64, [src], [0])
+
+
+def _section(tier: HostTier, tokens: list[int], src: torch.Tensor) -> torch.Tensor:
+    """The READY entry of `tokens`, read back as `src`'s dtype."""
+    ticket = tier.lookup(tokens + [-1], len(tokens) - 1)
+    assert ticket is not None and ticket.num_tokens == len(tokens)
+    raw = tier.section(ticket)[64 : 64 + src.numel() * src.element_size()].copy()
+    return torch.from_numpy(raw).view(src.dtype)
 
 
 def test_write_does_not_wait_and_keeps_the_values_of_its_time():
@@ -25,8 +38,7 @@ def test_write_does_not_wait_and_keeps_the_values_of_its_time():
         src = torch.randn(4 << 20, device="cuda")
         expected = src.cpu()
         # warm the writer (its first staging buffer is pinned on first use)
-        ticket = tier.begin_write([0], 64 + src.numel() * 4)
-        writer.write(ticket, b"x", tier.section(ticket)[64:], [src], [0])
+        _write(tier, writer, [0], src)
         writer.flush()
 
         # a busy device: a spinning kernel of a measured ~0.3 s queued ahead of the copy
@@ -35,18 +47,15 @@ def test_write_does_not_wait_and_keeps_the_values_of_its_time():
         torch.cuda.synchronize()
         cycles = int(1e8 * 0.3 / (time.perf_counter() - t0))
         torch.cuda._sleep(cycles)
-        ticket = tier.begin_write([1, 2], 64 + src.numel() * 4)
         t0 = time.perf_counter()
-        writer.write(ticket, b"x", tier.section(ticket)[64:], [src], [0])
+        _write(tier, writer, [1, 2], src)
         returned_s = time.perf_counter() - t0
         src.fill_(7.0)
         writer.flush()
         waited_s = time.perf_counter() - t0
         assert waited_s > 0.2, f"the spin lasted {waited_s * 1e3:.0f} ms: the test proves nothing"
         assert returned_s < 0.05, f"write took {returned_s * 1e3:.1f} ms: it waited for the device"
-        assert int(arena.entries[ticket.index]["state"]) == READY
-        section = tier.section(ticket)[64 : 64 + src.numel() * 4]
-        stored = torch.from_numpy(section.copy()).view(torch.float32)
+        stored = _section(tier, [1, 2], src)
         assert torch.equal(stored, expected)
         assert not torch.equal(stored, src.cpu())
         writer.close()
@@ -68,10 +77,9 @@ def test_work_queued_after_a_write_does_not_wait_for_its_copy():
         torch.cuda.synchronize()
         d2h_s = time.perf_counter() - t0
         for tokens in ([0], [1, 2]):
-            ticket = tier.begin_write(tokens, 64 + src.numel() * 4)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            writer.write(ticket, b"x", tier.section(ticket)[64:], [src], [0])
+            _write(tier, writer, tokens, src)
             # a small kernel queued after the write: with the copy on the same stream it would wait for all of it
             after = src[:1] + 1
             done = torch.cuda.Event()
@@ -81,7 +89,7 @@ def test_work_queued_after_a_write_does_not_wait_for_its_copy():
             writer.flush()
         assert d2h_s > 0.004, f"the copy took {d2h_s * 1e3:.1f} ms: the test proves nothing"
         assert after_s < d2h_s / 2, f"work after the write waited {after_s * 1e3:.1f} ms (the copy: {d2h_s * 1e3:.1f})"
-        stored = torch.from_numpy(tier.section(ticket)[64 : 64 + src.numel() * 4].copy()).view(torch.float32)
+        stored = _section(tier, [1, 2], src)
         assert torch.equal(stored, src.cpu()) and after.item() == src[0].item() + 1
         writer.close()
     finally:

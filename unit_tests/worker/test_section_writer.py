@@ -1,11 +1,13 @@
 """Host-tier writes in the background (`SectionWriter`) on CPU tensors: an entry stays invisible until its copy has
 landed and been committed, then holds exactly the bytes the tensors had when `write` was called (not later ones);
+the entry is claimed by the worker, not by the caller, and one the tier holds already is not copied again;
 staging is bounded (a write waits for room); a failed commit is counted and the writer goes on; the foreground
 mode writes and commits at once."""
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
@@ -42,11 +44,30 @@ def _tensors(seed: int) -> tuple[list[torch.Tensor], list[int]]:
     return tensors, offsets
 
 
-def _start(tier: HostTier, writer: SectionWriter, tokens: list[int], tensors, offsets) -> int:
+def _start(tier: HostTier, writer: SectionWriter, tokens: list[int], tensors, offsets, claims=None) -> bool:
+    """`claims`: the thread names that claimed the entry, appended to."""
     nbytes = DATA_START + offsets[-1] + tensors[-1].numel() * tensors[-1].element_size()
-    ticket = tier.begin_write(tokens, nbytes)
-    writer.write(ticket, HEAD, tier.section(ticket)[DATA_START:], tensors, offsets)
-    return ticket.index
+
+    def begin():
+        if claims is not None:
+            claims.append(threading.current_thread().name)
+        return tier.begin_write(tokens, nbytes)
+
+    return writer.write(begin, HEAD, DATA_START, tensors, offsets)
+
+
+def _index(tier: HostTier, tokens: list[int], state: int = READY) -> int:
+    """The record of the entry of exactly `tokens` in `state`, once there is one (a worker claims it)."""
+    for _ in range(500):
+        rows = [
+            i
+            for i in range(tier.arena.max_entries)
+            if int(tier.arena.entries[i]["num_tokens"]) == len(tokens) and int(tier.arena.entries[i]["state"]) == state
+        ]
+        if rows:
+            return rows[0]
+        time.sleep(0.01)
+    raise AssertionError(f"no entry of {len(tokens)} tokens in state {state}")
 
 
 def _stored(tier: HostTier, index: int, like: list[torch.Tensor], offsets) -> list[torch.Tensor]:
@@ -85,12 +106,15 @@ def test_entry_holds_the_tensors_as_they_were_at_write(tier, background):
     writer = SectionWriter(tier, background)
     tensors, offsets = _tensors(0)
     expected = [t.clone() for t in tensors]
-    index = _start(tier, writer, [1, 2, 3], tensors, offsets)
+    claims = []
+    assert _start(tier, writer, [1, 2, 3], tensors, offsets, claims)
     for t in tensors:
         # the caller may reuse its tensors (on a GPU: later kernels overwrite the source) right after write
         t.fill_(-1)
     writer.flush()
-    assert int(tier.arena.entries[index]["state"]) == READY
+    index = _index(tier, [1, 2, 3])
+    # in the background the worker claims the entry: the caller never takes the arena's lock
+    assert (claims[0] != threading.current_thread().name) == background
     for got, want in zip(_stored(tier, index, expected, offsets), expected):
         assert torch.equal(got, want)
     # twin: what the tensors hold now is not what was stored
@@ -102,8 +126,8 @@ def test_invisible_until_committed(tier, monkeypatch):
     gate = _Gate(monkeypatch)
     writer = SectionWriter(tier, background=True)
     tensors, offsets = _tensors(1)
-    index = _start(tier, writer, [4, 5, 6, 7], tensors, offsets)
-    assert int(tier.arena.entries[index]["state"]) == WRITING
+    _start(tier, writer, [4, 5, 6, 7], tensors, offsets)
+    _index(tier, [4, 5, 6, 7], WRITING)
     assert tier.lookup([4, 5, 6, 7, 8]) is None
     gate.open.set()
     writer.flush()
@@ -134,15 +158,36 @@ def test_a_lost_entry_is_counted_and_the_writer_goes_on(tier, monkeypatch):
     gate = _Gate(monkeypatch)
     writer = SectionWriter(tier, background=True)
     tensors, offsets = _tensors(2)
-    index = _start(tier, writer, [9, 9], tensors, offsets)
+    _start(tier, writer, [9, 9], tensors, offsets)
+    index = _index(tier, [9, 9], WRITING)
     # the record is reclaimed while the copy is pending (as a stale WRITING entry would be)
     tier.arena.entries[index]["generation"] += 1
     gate.open.set()
     writer.flush()
     assert writer.num_failed == 1 and int(tier.arena.entries[index]["state"]) == WRITING
-    index = _start(tier, writer, [8, 8], tensors, offsets)
+    _start(tier, writer, [8, 8], tensors, offsets)
     writer.flush()
-    assert writer.num_failed == 1 and int(tier.arena.entries[index]["state"]) == READY
+    assert writer.num_failed == 1 and int(tier.arena.entries[_index(tier, [8, 8])]["state"]) == READY
+    writer.close()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_entry_the_tier_holds_is_not_copied_again(tier, monkeypatch, background):
+    writer = SectionWriter(tier, background)
+    tensors, offsets = _tensors(4)
+    assert _start(tier, writer, [6, 1], tensors, offsets)
+    writer.flush()
+    copies = []
+    arena_view = section_writer._arena_view
+    monkeypatch.setattr(section_writer, "_arena_view", lambda region: copies.append(1) or arena_view(region))
+    # foreground: not written; background: queued, then found there by the worker
+    assert _start(tier, writer, [6, 1], tensors, offsets) == background
+    writer.flush()
+    assert copies == [] and writer.num_failed == 0
+    # twin: a new prefix is copied
+    assert _start(tier, writer, [6, 2], tensors, offsets)
+    writer.flush()
+    assert copies == [1]
     writer.close()
 
 

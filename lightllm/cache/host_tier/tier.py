@@ -79,13 +79,6 @@ class HostTier:
         self._pid = os.getpid()
 
     # writing ---------------------------------------------------------------------------------------------
-    def contains(self, token_ids) -> bool:
-        """Whether a READY entry of this layout holds exactly `token_ids`."""
-        key = host_key(token_ids)
-        with self.arena.locked():
-            index = self._find(key)
-            return index is not None and int(self.arena.entries[index]["state"]) == READY
-
     def begin_write(self, token_ids, shard_bytes: int) -> Ticket | None:
         """This shard's ticket to write its `shard_bytes`-byte section of the entry of `token_ids`; None when the
         entry is READY already, this shard wrote (or is writing) it, or the tier cannot make room."""

@@ -123,20 +123,25 @@ class RunnerHostTier:
         In the background mode the copy may still be running on return (`flush` waits for it)."""
         cache = self.runner.prefix_cache.cache
         tokens = cache.tree.path_tokens(node)
-        if node.checkpoint is None or len(tokens) == 0 or self.tier.contains(tokens):
+        if node.checkpoint is None or len(tokens) == 0:
             return False
         tensors, state = self._node_state(node)
         desc, offsets, nbytes = section_layout(tensors, state)
+        if self._never_fits(len(tokens), nbytes):
+            return False
         if not self.writer.has_room(nbytes, sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)):
             # the copies out are behind (a burst of evictions): the step loop must not wait for them
             self.num_skipped += 1
             return False
-        ticket = self.tier.begin_write(tokens, nbytes)
-        if ticket is None:
-            self._warn_if_never_fits(len(tokens), nbytes)
-            return False
-        data = self.tier.section(ticket)[_data_start(len(desc)) :]
-        return self.writer.write(ticket, _DESC_LEN.pack(len(desc)) + desc, data, tensors, offsets)
+        # claimed by the writer (on its worker in the background mode): nothing is copied when the tier holds the
+        # entry already, another writer is at it, or no room can be made
+        return self.writer.write(
+            lambda: self.tier.begin_write(tokens, nbytes),
+            _DESC_LEN.pack(len(desc)) + desc,
+            _data_start(len(desc)),
+            tensors,
+            offsets,
+        )
 
     def flush(self) -> None:
         """Wait until every entry `save` started is in the tier (committed, or lost if its record was taken)."""
@@ -206,11 +211,13 @@ class RunnerHostTier:
         self.num_hit_tokens += state.num_tokens
         return True
 
-    def _warn_if_never_fits(self, num_tokens: int, shard_bytes: int) -> None:
-        """Say once that entries this large can never be stored (the tier is smaller than one)."""
+    def _never_fits(self, num_tokens: int, shard_bytes: int) -> bool:
+        """Whether an entry this large can never be stored (the tier is smaller than one); said once."""
         arena = self.tier.arena
-        if self._warned_size or self.tier.num_shards * shard_bytes <= arena.capacity_bytes:
-            return
+        if self.tier.num_shards * shard_bytes <= arena.capacity_bytes:
+            return False
+        if self._warned_size:
+            return True
         self._warned_size = True
         logger.warning(
             "the host tier (%.1f MiB) cannot hold the state of a %d-token prefix (%.1f MiB): raise --host_tier_gb "
@@ -219,6 +226,7 @@ class RunnerHostTier:
             num_tokens,
             self.tier.num_shards * shard_bytes / 2**20,
         )
+        return True
 
     def _refuse(self, ticket: Ticket, problem: str) -> bool:
         """Nothing was imported: the request resumes from the device cache instead."""

@@ -1,16 +1,18 @@
-"""Host-tier sections written from device tensors without making the step loop wait for the GPU.
+"""Host-tier sections written from device tensors without making the step loop wait for the GPU or the arena.
 
 Copying a spilled prefix (its KV and a linear-state checkpoint: ~16 MiB at the serving width) straight into the
-shared-memory arena is a copy into pageable memory: the host waits for every step queued before it, then for
-the copy at pageable speed, once per eviction. In the background mode a write instead takes a device copy of its
-tensors on the current stream (ordered after the work that produced them and before anything queued later that
-overwrites them: a reused checkpoint slot, freed KV; microseconds at device bandwidth) and copies that snapshot
-into a pinned staging buffer on the writer's own stream, so the slow copy to the host runs beside the steps
-instead of between them; it returns at once. One of a few worker threads waits for that copy, moves the bytes
-into the arena and commits the entry; until then the entry is WRITING, which readers never see. Staging and the
-device snapshots in flight are bounded: a write that finds either full waits for the oldest, so callers on the
-step loop ask `has_room` first and drop the entry instead (the tier is a cache: losing an entry costs a recompute
-later, waiting costs every running request now).
+shared-memory arena from the step loop would make the host wait for every step queued before it, then for the copy
+at pageable speed, once per eviction; claiming the entry (a hash of its tokens and a search of the arena's table
+under its lock) costs the loop a fraction of a millisecond more, hundreds of times a second under eviction
+pressure. In the background mode the step loop only takes a device copy of the tensors on the current stream
+(ordered after the work that produced them and before anything queued later that overwrites them: a reused
+checkpoint slot, freed KV; microseconds at device bandwidth), records an event after it and queues the write; it
+returns at once. One of a few worker threads then claims the entry (`begin`: nothing more is done when the arena
+holds it already or has no room), copies the snapshot into pinned staging on a stream of its own (after the event:
+beside the steps, not between them), moves the bytes into the arena and commits; until then the entry is WRITING,
+which readers never see. Staging and the device snapshots of pending writes are bounded: a write that finds either
+full waits for the oldest, so callers on the step loop ask `has_room` first and drop the entry instead (the tier is
+a cache: losing an entry costs a recompute later, waiting costs every running request now).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,22 +42,43 @@ MIN_BUFFER_BYTES = 1 << 20
 # evictions (a wave of new prompts filling the device cache) spills faster than one thread copies
 NUM_WORKERS = 4
 
+# claims an entry's section for this shard: its ticket, or None when it is not to be written
+Begin = Callable[[], Ticket | None]
+
+
+@dataclass
+class _Pending:
+    """A queued write: the snapshot of its tensors and what the worker needs to land it."""
+
+    begin: Begin
+    head: bytes
+    data_start: int
+    snapshots: list[torch.Tensor]
+    offsets: list[int]
+    extent: int
+    # the snapshot's event on the compute stream (None: CPU tensors)
+    ready: torch.cuda.Event | None
+    staging_size: int
+    snapshot_bytes: int
+
 
 class SectionWriter:
-    """Writes `tensors` into a ticket's section and commits it: at once (`background=False`), or through pinned
-    staging and a worker thread (`background=True`; `flush` waits for every pending write)."""
+    """Writes `tensors` into the section of an entry it claims with `begin` and commits it: at once
+    (`background=False`), or through pinned staging and a worker thread (`background=True`; `flush` waits for every
+    pending write)."""
 
     def __init__(self, tier: HostTier, background: bool, staging_bytes: int = STAGING_BYTES):
         self.tier, self.background, self.staging_bytes = tier, background, staging_bytes
         self._free: list[torch.Tensor] = []
+        # staging bytes reserved by pending writes, and device bytes of their snapshots
         self._held = 0
-        # device bytes of the pending writes' snapshots, and the stream their copies to the host run on
         self._snapshots = 0
         self._stream: torch.cuda.Stream | None = None
         self._pending = 0
         self._done = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        # writes whose claimed entry could not be committed (reclaimed meanwhile) or whose copy failed
         self.num_failed = 0
 
     def has_room(self, num_bytes: int, snapshot_bytes: int) -> bool:
@@ -63,56 +87,46 @@ class SectionWriter:
         alone)."""
         if not self.background:
             return True
-        size = _staging_size(num_bytes)
         with self._done:
-            return self._fits(size, snapshot_bytes)
+            return self._fits(_staging_size(num_bytes), snapshot_bytes)
 
     def _fits(self, size: int, snapshot_bytes: int) -> bool:
         return self._pending == 0 or (
             self._held + size <= self.staging_bytes and self._snapshots + snapshot_bytes <= SNAPSHOT_BYTES
         )
 
-    def write(self, ticket: Ticket, head: bytes, data: np.ndarray, tensors: Sequence[torch.Tensor], offsets) -> bool:
-        """`head` at the start of the section, each tensor at its offset in `data` (the section past its head),
-        then commit. Returns False when the entry could not be committed (only known now in the foreground)."""
-        section = self.tier.section(ticket)
-        section[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    def write(self, begin: Begin, head: bytes, data_start: int, tensors: Sequence[torch.Tensor], offsets) -> bool:
+        """Claim the entry (`begin()`), then `head` at the start of its section, each tensor at `data_start` plus
+        its offset, and commit. Foreground: returns whether the entry was committed. Background: the tensors are
+        snapshot now (the caller may overwrite them at once) and True is returned; the claim and the copies run
+        on a worker."""
+        offsets = list(offsets)
         extent = max((o + _nbytes(t) for t, o in zip(tensors, offsets)), default=0)
         if not self.background:
-            _copy_into(_arena_view(data[:extent]), tensors, offsets, non_blocking=False)
+            ticket = begin()
+            if ticket is None:
+                return False
+            section = self.tier.section(ticket)
+            section[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+            _copy_into(_arena_view(section[data_start : data_start + extent]), tensors, offsets, non_blocking=False)
             return self.tier.commit(ticket)
-        on_device = [t for t in tensors if t.is_cuda]
-        snapshot_bytes = sum(_nbytes(t) for t in on_device)
-        staging = self._take(extent, snapshot_bytes)
+        snapshot_bytes = sum(_nbytes(t) for t in tensors if t.is_cuda)
+        size = _staging_size(extent)
+        self._reserve(size, snapshot_bytes)
+        snapshots = [t.clone() for t in tensors]
         ready = None
+        on_device = [t for t in snapshots if t.is_cuda]
         if on_device:
-            ready = self._copy_beside_steps(staging[:extent], tensors, offsets)
-        else:
-            _copy_into(staging[:extent], tensors, offsets, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(on_device[0].device)
         self._start()
-        self._queue.put((ticket, ready, staging, data, extent, snapshot_bytes))
+        self._queue.put(_Pending(begin, head, data_start, snapshots, offsets, extent, ready, size, snapshot_bytes))
         return True
 
-    def _copy_beside_steps(self, region: torch.Tensor, tensors: Sequence[torch.Tensor], offsets) -> torch.cuda.Event:
-        """Snapshots of `tensors` on the current stream, copied into `region` on the writer's stream; the event of
-        that copy. The snapshots' memory goes back to the allocator once the copy has run."""
-        device = next(t.device for t in tensors if t.is_cuda)
-        current = torch.cuda.current_stream(device)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        snapshots = [t.clone() if t.is_cuda else t for t in tensors]
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            _copy_into(region, snapshots, offsets, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self._stream)
-        for t in snapshots:
-            if t.is_cuda:
-                t.record_stream(self._stream)
-        return ready
-
     def flush(self) -> None:
-        """Wait until every pending write is in the arena and committed."""
+        """Wait until every pending write is in the arena and committed (or given up)."""
         with self._done:
             self._done.wait_for(lambda: self._pending == 0)
 
@@ -126,27 +140,30 @@ class SectionWriter:
         self._threads = []
         self._free.clear()
 
-    # staging ---------------------------------------------------------------------------------------------
-    def _take(self, num_bytes: int, snapshot_bytes: int) -> torch.Tensor:
-        """A staging buffer of at least `num_bytes`, once the pending writes hold room for it and for a device
-        snapshot of `snapshot_bytes`."""
-        size = _staging_size(num_bytes)
+    # room ------------------------------------------------------------------------------------------------
+    def _reserve(self, size: int, snapshot_bytes: int) -> None:
+        """Count a new pending write of `size` staging bytes and `snapshot_bytes` device bytes, once the pending
+        ones leave room for it."""
         with self._done:
             self._done.wait_for(lambda: self._fits(size, snapshot_bytes))
-            fits = [b for b in self._free if b.numel() >= num_bytes]
+            self._held += size
+            self._snapshots += snapshot_bytes
+            self._pending += 1
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        """A staging buffer of `size` bytes (reserved already): a kept one when one fits, else a new one (the
+        idle ones that would keep the total over the bound are dropped first)."""
+        with self._done:
+            fits = [b for b in self._free if b.numel() >= size]
             if fits:
                 buffer = min(fits, key=torch.Tensor.numel)
                 self._free.remove(buffer)
-            else:
-                # drop idle buffers that would keep the new one over the bound
-                while self._free and self._held + sum(b.numel() for b in self._free) + size > self.staging_bytes:
-                    self._free.remove(min(self._free, key=torch.Tensor.numel))
-                buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            self._held += buffer.numel()
-            self._snapshots += snapshot_bytes
-            self._pending += 1
-        return buffer
+                return buffer
+            while self._free and self._held + sum(b.numel() for b in self._free) > self.staging_bytes:
+                self._free.remove(min(self._free, key=torch.Tensor.numel))
+        return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
+    # the workers -----------------------------------------------------------------------------------------
     def _start(self) -> None:
         if not self._threads:
             # the workers must not be inside a CUDA call when the interpreter tears CUDA down
@@ -158,23 +175,45 @@ class SectionWriter:
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
-            ticket, ready, staging, data, extent, snapshot_bytes = item
-            committed = False
+            staging, failed = None, False
             try:
-                if ready is not None:
-                    ready.synchronize()
-                _arena_view(data[:extent]).copy_(staging[:extent])
-                committed = self.tier.commit(ticket)
+                ticket = item.begin()
+                if ticket is not None:
+                    staging = self._buffer(item.staging_size)
+                    self._to_staging(item, staging[: item.extent])
+                    # the device memory goes back to the allocator: its copy has landed
+                    item.snapshots = []
+                    section = self.tier.section(ticket)
+                    section[: len(item.head)] = np.frombuffer(item.head, dtype=np.uint8)
+                    start = item.data_start
+                    _arena_view(section[start : start + item.extent]).copy_(staging[: item.extent])
+                    failed = not self.tier.commit(ticket)
             except Exception:
                 # a lost entry is a cache miss later; the writer must keep serving the others
-                logger.exception("host tier write of %d tokens failed", ticket.num_tokens)
+                logger.exception("host tier write failed")
+                failed = True
+            item.snapshots = []
             with self._done:
-                self.num_failed += not committed
-                self._free.append(staging)
-                self._held -= staging.numel()
-                self._snapshots -= snapshot_bytes
+                self.num_failed += failed
+                if staging is not None:
+                    self._free.append(staging)
+                self._held -= item.staging_size
+                self._snapshots -= item.snapshot_bytes
                 self._pending -= 1
                 self._done.notify_all()
+
+    def _to_staging(self, item: _Pending, region: torch.Tensor) -> None:
+        """The snapshot into pinned `region`: on the writer's stream after the snapshot's event (the steps queued
+        since run beside it), waited for here."""
+        if item.ready is None:
+            _copy_into(region, item.snapshots, item.offsets, non_blocking=False)
+            return
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(item.ready)
+            _copy_into(region, item.snapshots, item.offsets, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
