@@ -52,8 +52,11 @@ def counting_syncs(sites: collections.Counter):
 
 
 def time_calls(obj, name: str, totals: dict) -> None:
-    """Wrap `obj.name` so each call adds its wall time to `totals[name]` ([calls, total ms, max ms])."""
-    inner = getattr(obj, name)
+    """Wrap `obj.name` so each call adds its wall time to `totals[name]` ([calls, total ms, max ms]); nothing
+    when `obj` has no such method (another tree's)."""
+    inner = getattr(obj, name, None)
+    if inner is None:
+        return
     totals[name] = [0, 0.0, 0.0]
 
     def timed(*args, **kwargs):
@@ -110,14 +113,14 @@ def main() -> None:
         **({} if arena is None else {"host_tier_name": arena.name}),
     )
     engine, vocab = llm.engine, llm.engine.runner.vocab_size
-    # the host tier's work on the engine thread: a spill's `save` (gathers, snapshot, lock), its wait for staging,
-    # and each new request's lookup
+    # the host tier's work: a spill's `save` and each new request's lookup on the engine thread, the claim of an
+    # entry (`begin_write`, on the writer's threads) and the wait for staging room
     host = getattr(engine.runner.prefix_cache, "host", None) if arena is not None else None
     host_calls: dict = {}
     if host is not None:
         time_calls(host, "save", host_calls)
         time_calls(host, "match_len", host_calls)
-        time_calls(host.writer, "_take", host_calls)
+        time_calls(host.writer, "_reserve", host_calls)
         time_calls(host.tier, "begin_write", host_calls)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
@@ -206,7 +209,7 @@ def main() -> None:
     if arena is not None:
         print("host tier:", host.stats() if host is not None else "not attached (no prefix cache)")
         for name, (n, total, worst) in host_calls.items():
-            print(f"  engine thread in {name}: {n} calls, {total:.1f} ms in all, {total / max(n, 1):.2f} ms mean, {worst:.1f} max")
+            print(f"  in {name}: {n} calls, {total:.1f} ms in all, {total / max(n, 1):.2f} ms mean, {worst:.1f} max")
     llm.close()
 
 
