@@ -186,11 +186,12 @@ def test_chunk_over_step_budget_is_refused():
     "argv, expected",
     [
         (("--device", "cpu"), 512),
-        (("--device", "cuda"), 8192),
-        (("--device", "cuda", "--max_num_batched_tokens", "1000"), 1000),
+        (("--device", "cuda"), 2048),
+        (("--device", "cuda", "--max_num_batched_tokens", "1000"), 250),
+        (("--device", "cuda", "--max_num_batched_tokens", "3"), 1),
         (("--device", "cuda", "--max_mixed_prefill_tokens", "700"), 700),
     ],
-    ids=["cpu-whole-budget", "cuda-whole-budget", "cuda-whole-given-budget", "given"],
+    ids=["cpu-whole-budget", "cuda-quarter", "cuda-quarter-of-given-budget", "cuda-at-least-one", "given"],
 )
 def test_mixed_prefill_cap_resolves(argv, expected, monkeypatch):
     import lightllm.server.args as server_args
