@@ -94,7 +94,11 @@ def main() -> None:
     p.add_argument("--max_mixed_prefill_tokens", type=int, default=None, help="the server flag (default: its auto)")
     p.add_argument("--prefill_graph_max_tokens", type=int, default=None, help="the server flag (default: its default)")
     p.add_argument("--host_tier_gb", type=float, default=0, help="a host tier of this size beside the engine (0: none)")
+    p.add_argument(
+        "--prefault", action="store_true", help="touch every page of the host tier first (no first-write page faults)"
+    )
     p.add_argument("--profile", default=None, metavar="FIRST,COUNT", help="profile these steps")
+    p.add_argument("--trace", default=None, help="with --profile: a Chrome trace of the profiled steps to this file")
     p.add_argument("--device", default="cuda", help="cpu: a quick check of the script at tiny sizes")
     a = p.parse_args()
     profile_first, profile_count = map(int, a.profile.split(",")) if a.profile else (-1, 0)
@@ -102,6 +106,10 @@ def main() -> None:
     if a.host_tier_gb:
         arena = HostArena.create(f"lightllm-closed-loop-{os.getpid()}", int(a.host_tier_gb * 2**30), BLOCK_BYTES)
         atexit.register(arena.unlink)
+        if a.prefault:
+            s = time.perf_counter()
+            arena.data[:] = 0
+            print(f"host tier prefaulted in {time.perf_counter() - s:.1f} s")
     llm = LLM(
         serving_model_dir(),
         device=a.device,
@@ -171,6 +179,8 @@ def main() -> None:
                 if len(profiled) == profile_count:
                     profiler.__exit__(None, None, None)
                     report_profile(profiler, profiled)
+                    if a.trace:
+                        profiler.export_chrome_trace(a.trace)
             for out in outputs:
                 if isinstance(out, TokenChunk) and out.req_id not in seen_first:
                     seen_first.add(out.req_id)

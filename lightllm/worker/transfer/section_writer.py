@@ -7,7 +7,7 @@ under its lock) costs the loop a fraction of a millisecond more, hundreds of tim
 pressure. In the background mode the step loop only takes a device copy of the tensors on the current stream
 (ordered after the work that produced them and before anything queued later that overwrites them: a reused
 checkpoint slot, freed KV; microseconds at device bandwidth), records an event after it and queues the write; it
-returns at once. One of a few worker threads then claims the entry (`begin`: nothing more is done when the arena
+returns at once. A worker thread then claims the entry (`begin`: nothing more is done when the arena
 holds it already or has no room), copies the snapshot into pinned staging on a stream of its own (after the event:
 beside the steps, not between them), moves the bytes into the arena and commits; until then the entry is WRITING,
 which readers never see. Staging and the device snapshots of pending writes are bounded: a write that finds either
@@ -38,9 +38,11 @@ STAGING_BYTES = 512 << 20
 SNAPSHOT_BYTES = 128 << 20
 # smallest staging buffer allocated (pinning costs more than copying, so buffers are kept and reused)
 MIN_BUFFER_BYTES = 1 << 20
-# worker threads: a copy into fresh shared memory is bound by page faults (~a few GB/s per thread), and a burst of
-# evictions (a wave of new prompts filling the device cache) spills faster than one thread copies
-NUM_WORKERS = 4
+# worker threads. Each write holds the GIL for about a millisecond of Python (claiming the entry, issuing the copies,
+# committing), and every millisecond of it is taken from the step loop, which hands the GIL over at each kernel
+# launch: on a GPU every written entry cost the loop ~2 ms, so more threads write more entries in a burst of
+# evictions (the rest are dropped, see `has_room`) at the price of the running requests' pace
+NUM_WORKERS = 1
 
 # claims an entry's section for this shard: its ticket, or None when it is not to be written
 Begin = Callable[[], Ticket | None]
