@@ -32,11 +32,7 @@
 #                 tier (--host_tier_gb 0), then with four HTTP processes (--http_workers 4)
 #   http_workers  the same, at the defaults and with four HTTP processes only
 #   http_mixed    the same at the defaults (a step decoding for streaming requests takes at most a quarter of the
-#                 budget in prompt tokens), then with the whole budget (--max_mixed_prefill_tokens 8192, the cap off)
-#   http_caps     the same at the defaults, without the host tier, and with a step decoding for streaming requests
-#                 taking at most 1024 prompt tokens (--max_mixed_prefill_tokens 1024: one graphed prompt a step)
-#   http_caps2    the same at the defaults and with at most 2048 and 1024 prompt tokens in a step that decodes for
-#                 streaming requests
+#                 budget in prompt tokens), with the cap off (--max_mixed_prefill_tokens 8192) and at 1024
 #   closed_loop   the same workload on the engine alone (test/gpu/closed_loop.py)
 #   mixed_profile the engine alone, profiled over ten steps that prefill beside decode rows: with two 1024-token
 #                 prompts a step (--max_mixed_prefill_tokens 2048, steady state) and with eight (the default, the
@@ -174,11 +170,9 @@ for part in $parts; do
         attn_sweep) run attn_sweep 200 python test/benchmark/bench_paged_attention.py --sweep ;;
         http) for flags in "" "--host_tier_gb 0" "--http_workers 4"; do http_run "$flags"; done ;;
         http_workers) for flags in "" "--http_workers 4"; do http_run "$flags"; done ;;
-        http_caps) for flags in "" "--host_tier_gb 0" "--max_mixed_prefill_tokens 1024"; do http_run "$flags"; done ;;
-        http_caps2) for flags in "" "--max_mixed_prefill_tokens 2048" "--max_mixed_prefill_tokens 1024"; do
+        http_mixed) for flags in "" "--max_mixed_prefill_tokens 8192" "--max_mixed_prefill_tokens 1024"; do
                         http_run "$flags"
                     done ;;
-        http_mixed) for flags in "" "--max_mixed_prefill_tokens 8192"; do http_run "$flags"; done ;;
         closed_loop) run closed_loop 150 python test/gpu/closed_loop.py
                      grep -E "^\|" "$LOG_DIR/closed_loop.log" | tail -14 ;;
         mixed_profile) for v in "cap2048 --max_mixed_prefill_tokens 2048 --profile 280,10" "default --profile 5,10"; do
