@@ -49,6 +49,7 @@ class Engine:
         acceptance: SimulatedAcceptance | None = None,
         max_num_batched_tokens: int | None = None,
         max_mixed_prefill_tokens: int | None = None,
+        mixed_prefill_chunk: int | None = None,
         grammar_vocabulary: grammar.VocabularyLoader | None = None,
     ):
         self.runner = runner
@@ -68,6 +69,7 @@ class Engine:
             short_resume_tokens,
             chunked_prefill_size=chunked_prefill_size,
             mixed_prefill_tokens=max_mixed_prefill_tokens,
+            mixed_prefill_chunk=mixed_prefill_chunk,
         )
         self.sampler = Sampler(seed)
         # None: requests with a grammar fail (the server passes its loader of tokenizer folders)

@@ -8,7 +8,9 @@ is left of the step's budget, capped at `chunked_prefill_size` tokens per reques
 so the step's cost stays bounded by the budget and a long prompt spreads over as many steps as it needs. A step
 with decode rows of requests past their prompt feeds at most `mixed_prefill_tokens` prompt tokens (by default the
 whole budget): such a step sets those requests' gap between two tokens, while a step that only prefills, or whose
-decode rows are prompts' last tokens, keeps the whole budget (time to first token, throughput).
+decode rows are prompts' last tokens, keeps the whole budget (time to first token, throughput). In such a step a
+prompt's chunk is also at most `mixed_prefill_chunk` tokens (on a GPU the largest prefill graph: a step of a few
+such chunks replays their graphs beside the decode graph, where one longer chunk would run the step eagerly).
 
 A request is admitted only when a linear-state slot is free (`runner.add_request`) and the KV cache can hold its
 prefill on top of what running requests still need. When KV runs out for decode rows, the most recently admitted
@@ -79,6 +81,7 @@ class Scheduler:
         short_resume_tokens: int = 0,
         chunked_prefill_size: int | None = None,
         mixed_prefill_tokens: int | None = None,
+        mixed_prefill_chunk: int | None = None,
     ):
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
@@ -102,8 +105,10 @@ class Scheduler:
         self.token_budget = token_budget
         # the longest prefill chunk of one request in one step
         self.chunked_prefill_size = chunked_prefill_size or token_budget
-        # the most prompt tokens of a step that also decodes for requests streaming output
+        # the most prompt tokens of a step that also decodes for requests streaming output, and the longest chunk of
+        # one prompt in such a step
         self.mixed_prefill_tokens = mixed_prefill_tokens or token_budget
+        self.mixed_prefill_chunk = mixed_prefill_chunk or token_budget
         self.max_width = max_width
         self.max_prompt_logit_rows = MAX_PROMPT_LOGIT_ROWS_PER_STEP
         self._prompt_logit_rows_left = MAX_PROMPT_LOGIT_ROWS_PER_STEP
@@ -213,24 +218,26 @@ class Scheduler:
             free_kv -= num_drafts
             drafts = req.draft_ids[:num_drafts]
             plan.decode.append(ScheduledRow(req, 1 + num_drafts, drafts))
+        chunk_limit = self.chunked_prefill_size
         if any(not req.is_prefilling for req in decoding):
             # what the prompts get is capped (the decode rows and their drafts are not)
             budget = min(budget, self.mixed_prefill_tokens)
+            chunk_limit = min(chunk_limit, self.mixed_prefill_chunk)
         for req in self.running:
             if req.is_prefilling and not self.awaits_last_token(req) and budget > 0 and free_kv > 0:
-                chunk = self.prefill_chunk(req, min(budget, self.chunked_prefill_size, free_kv))
+                chunk = self.prefill_chunk(req, min(budget, chunk_limit, free_kv))
                 if chunk == 0:
                     continue
                 plan.prefill.append(ScheduledRow(req, chunk))
                 budget -= chunk
                 free_kv -= chunk
-        self._admit(plan, budget, free_kv)
+        self._admit(plan, budget, free_kv, chunk_limit)
         if plan.is_empty and self.running and may_preempt:
             # nothing could progress (prefills starved of KV): free the latest admission so the rest can move
             self._preempt(max(self.running, key=lambda r: r.admit_seq), plan)
         return plan
 
-    def _admit(self, plan: SchedulePlan, budget: int, free_kv: int) -> None:
+    def _admit(self, plan: SchedulePlan, budget: int, free_kv: int, chunk_limit: int) -> None:
         # KV the running prefills will still claim after this step, plus a window of headroom per running request
         committed = sum(r.num_prefill_tokens - r.num_computed_tokens for r in self.running if r.is_prefilling)
         committed -= sum(row.num_tokens for row in plan.prefill)
@@ -271,7 +278,7 @@ class Scheduler:
                 chunk = 1
                 plan.decode.append(ScheduledRow(req, chunk))
             else:
-                chunk = self.prefill_chunk(req, min(budget, self.chunked_prefill_size, free_kv))
+                chunk = self.prefill_chunk(req, min(budget, chunk_limit, free_kv))
                 if chunk > 0:
                     plan.prefill.append(ScheduledRow(req, chunk))
             budget -= chunk

@@ -93,6 +93,10 @@ def engine_for_runner(args: ServerArgs, runner, acceptance: SimulatedAcceptance 
         chunked_prefill_size=args.chunked_prefill_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
+        # a capped step's prompt chunks fit the largest prefill graph, so the step replays graphs (CUDA only)
+        mixed_prefill_chunk=args.prefill_graph_max_tokens
+        if args.device == "cuda" and not args.disable_cudagraph
+        else None,
         max_req_total_len=args.max_req_total_len,
         mtp_step=args.mtp_step,
         spec_ngram=args.spec_ngram,

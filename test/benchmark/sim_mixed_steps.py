@@ -7,7 +7,8 @@ inter-token gaps and throughput, before a GPU measures it.
 A closed loop like `bench_serving --max_concurrency C`: C requests of `--input_len` random tokens arrive at time 0,
 each finished one is replaced at its finish time, until `--num_prompts` have run; every request generates
 `--output_len` tokens (the fake runner's model, EOS ignored). The engine runs synchronous steps on a `FakeRunner`
-with the server's defaults for a GPU (budget 8192, prefix cache checkpoints every 2048 tokens); a step with D decode
+with the server's defaults for a GPU (budget 8192, prefix cache checkpoints every 2048 tokens, a capped step's prompt
+chunks at most 1024 tokens); a step with D decode
 rows and P prompt tokens costs `--step_ms + D * --decode_row_ms + P * --prefill_token_ms` of GPU time, and a step
 whose prompts run eagerly (more than the runner's `GRAPHED_PREFILL_ROWS`, or one longer than
 `--prefill_graph_max_tokens`) at least `--eager_step_ms`, its launches on the host (defaults fitted to the
@@ -52,6 +53,7 @@ def simulate(cap: int, opts) -> dict[str, float]:
         chunked_prefill_size=opts.budget,
         max_num_batched_tokens=opts.budget,
         max_mixed_prefill_tokens=cap,
+        mixed_prefill_chunk=opts.mixed_prefill_chunk,
         max_req_total_len=opts.input_len + opts.output_len + 8,
         prefix_cache_checkpoint_interval=2048,
     )
@@ -117,6 +119,12 @@ def main(argv=None) -> None:
     p.add_argument("--decode_row_ms", type=float, default=0.006)
     p.add_argument("--prefill_token_ms", type=float, default=0.00345)
     p.add_argument("--prefill_graph_max_tokens", type=int, default=1024, help="the server flag")
+    p.add_argument(
+        "--mixed_prefill_chunk",
+        type=int,
+        default=1024,
+        help="longest prompt chunk of a capped step (the server's: --prefill_graph_max_tokens on CUDA; 0: none)",
+    )
     p.add_argument("--eager_step_ms", type=float, default=40.0, help="least time of a step whose prompts run eagerly")
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)

@@ -185,6 +185,28 @@ def test_a_prompt_awaiting_its_first_token_does_not_cap_the_step():
     ]
 
 
+@pytest.mark.parametrize(("chunk", "expected"), [(3, [3, 3, 1]), (None, [8, 1])], ids=["chunked", "twin-unchunked"])
+def test_a_capped_step_cuts_each_prompt_to_the_mixed_chunk(chunk, expected):
+    # budget 12, mixed cap 8, mixed chunk 3: once A streams, B and C prefill 3 tokens each a step (two chunks that
+    # fit a prefill graph) instead of B taking the whole cap in one chunk; before that, nothing streams and B takes
+    # the budget left
+    runner = FakeRunner(max_requests=4, kv_tokens=400)
+    engine = _engine(runner, budget=12, chunk=12, max_mixed_prefill_tokens=8, mixed_prefill_chunk=chunk)
+    prompts = {
+        "A": [5, 6, 7],
+        "B": [(7 * i + 3) % 61 + 1 for i in range(30)],
+        "C": [(5 * i + 2) % 59 + 1 for i in range(30)],
+    }
+    for req_id, prompt in prompts.items():
+        engine.add_request(NewRequest(req_id, prompt, _params(4)))
+    tokens = {req_id: [] for req_id in prompts}
+    _step_all(engine, tokens)
+    assert runner.batches[0].query_lens == [3, 9]
+    assert runner.batches[2].query_lens == expected
+    for req_id, prompt in prompts.items():
+        assert tokens[req_id] == FakeRunner().greedy(prompt, 4)
+
+
 def test_without_a_mixed_cap_the_same_prompt_takes_the_budget_left():
     # the twin: no cap, B takes what A's decode row leaves (11 of 12) in every step
     runner = FakeRunner(max_requests=4, kv_tokens=400)
