@@ -26,8 +26,13 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return np.asarray(token_ids, dtype="<i8").tobytes()
 
 
+def digest_of(raw: bytes) -> bytes:
+    """The digest of token ids already in `token_bytes` form."""
+    return hashlib.blake2b(raw, digest_size=DIGEST_BYTES).digest()
+
+
 def host_key(token_ids: Sequence[int] | np.ndarray) -> HostKey:
-    return HostKey(len(token_ids), hashlib.blake2b(token_bytes(token_ids), digest_size=DIGEST_BYTES).digest())
+    return HostKey(len(token_ids), digest_of(token_bytes(token_ids)))
 
 
 def prefix_keys(token_ids: Sequence[int] | np.ndarray, lengths: Iterable[int]) -> list[HostKey]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightllm.cache.host_tier.arena import LAYOUT_BYTES, MAX_SHARDS, READY, WRITING, HostArena
-from lightllm.cache.host_tier.key import HostKey, host_key, prefix_keys, token_bytes
+from lightllm.cache.host_tier.key import HostKey, digest_of, prefix_keys, token_bytes
 from lightllm.cache.host_tier.slots import allocate, blocks_for, free_record, is_evictable
 
 # seconds a looked-up entry stays safe from eviction (a reader copies it well within this)
@@ -82,7 +82,9 @@ class HostTier:
     def begin_write(self, token_ids, shard_bytes: int) -> Ticket | None:
         """This shard's ticket to write its `shard_bytes`-byte section of the entry of `token_ids`; None when the
         entry is READY already, this shard wrote (or is writing) it, or the tier cannot make room."""
-        key, arena = host_key(token_ids), self.arena
+        # the ids as the entry stores them, converted once (the key hashes the same bytes)
+        raw = token_bytes(token_ids)
+        key, arena = HostKey(len(token_ids), digest_of(raw)), self.arena
         shard_bytes = aligned(shard_bytes)
         with arena.locked():
             index = self._find(key)
@@ -113,7 +115,6 @@ class HostTier:
             record["last_access"] = arena.tick()
             record["state"] = WRITING
             ticket = self._ticket(index, creator=True)
-        raw = token_bytes(token_ids)
         arena.region(first_block, len(raw))[:] = np.frombuffer(raw, dtype=np.uint8)
         return ticket
 
