@@ -3,11 +3,15 @@
 checkpoint, replay. Prints a timeline per half second (steps, their mean wall time, prefill tokens and decode rows
 scheduled, first tokens, finishes) and, with `--syncs`, every call that made the host wait for the GPU, by its
 calling line; `--profile FIRST,COUNT` profiles steps FIRST..FIRST+COUNT-1 (their wall times, the GPU kernels and the
-host operators per step). Separates what the engine does from what the front-end adds.
+host operators per step; `--trace FILE` adds their Chrome trace: GPU idle gaps and what the host did in them).
+With a host tier (`--host_tier_gb`), the time spent in its calls: a spill's `save` on the step loop, the lookup
+of each new request, the claims of entries on the writer's thread and its waits for room. Separates what the
+engine does from what the front-end adds.
 
     python test/gpu/closed_loop.py [--requests 512 --concurrency 256 --input_len 1024 --output_len 256] [--syncs]
     python test/gpu/closed_loop.py --profile 200,10 [--max_mixed_prefill_tokens 8192] [--disable_prefix_cache]
-    python test/gpu/closed_loop.py --host_tier_gb 16 --syncs   # with the server's host tier (its spills)
+    python test/gpu/closed_loop.py --host_tier_gb 16 [--prefault]   # with the server's host tier (its spills)
+    python test/gpu/closed_loop.py --host_tier_gb 16 --profile 3,3 --trace /tmp/t16.json
 """
 
 from __future__ import annotations
