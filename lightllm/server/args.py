@@ -181,7 +181,7 @@ class ServerArgs:
         None,
         "most prompt tokens of a step that also decodes for requests streaming output: bounds their gap between "
         "two tokens while other prompts prefill, at a cost in throughput under load (auto: a quarter of "
-        "--max_num_batched_tokens on cuda, whose steps replay a prompt's graph per 1024 tokens; the whole budget on cpu)",
+        "--max_num_batched_tokens where prefill graphs run, cuda by default; else the whole budget)",
         type=int,
     )
     max_req_total_len: int | None = _flag(
@@ -381,7 +381,7 @@ def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:
         mem_fraction=args.mem_fraction if args.mem_fraction is not None or args.max_total_token_num else 0.8,
         chunked_prefill_size=_auto(args.chunked_prefill_size, _auto(args.max_num_batched_tokens, step_tokens)),
         max_num_batched_tokens=step_budget,
-        max_mixed_prefill_tokens=_auto(args.max_mixed_prefill_tokens, _auto_mixed_cap(step_budget, on_cuda)),
+        max_mixed_prefill_tokens=_auto(args.max_mixed_prefill_tokens, _auto_mixed_cap(args, step_budget, on_cuda)),
         http_workers=_auto(args.http_workers, _auto_http_workers(args, on_cuda)),
         max_req_total_len=max_req_total_len,
         api_key=api_key,
@@ -534,8 +534,11 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
 MIXED_CAP_SHARE = 4
 
 
-def _auto_mixed_cap(step_budget: int, on_cuda: bool) -> int:
-    return max(1, step_budget // MIXED_CAP_SHARE) if on_cuda else step_budget
+def _auto_mixed_cap(args: ServerArgs, step_budget: int, on_cuda: bool) -> int:
+    """A quarter of the budget where capped steps replay prefill graphs; the whole budget (no cap) where they run
+    eagerly (CPU, graphs off): there a cap multiplies the eager steps without shortening them."""
+    graphs = on_cuda and not args.disable_cudagraph and args.prefill_graph_max_tokens > 0
+    return max(1, step_budget // MIXED_CAP_SHARE) if graphs else step_budget
 
 
 def _auto(value, default):

@@ -189,9 +189,19 @@ def test_chunk_over_step_budget_is_refused():
         (("--device", "cuda"), 2048),
         (("--device", "cuda", "--max_num_batched_tokens", "1000"), 250),
         (("--device", "cuda", "--max_num_batched_tokens", "3"), 1),
+        (("--device", "cuda", "--disable_cudagraph"), 8192),
+        (("--device", "cuda", "--prefill_graph_max_tokens", "0"), 8192),
         (("--device", "cuda", "--max_mixed_prefill_tokens", "700"), 700),
     ],
-    ids=["cpu-whole-budget", "cuda-quarter", "cuda-quarter-of-given-budget", "cuda-at-least-one", "given"],
+    ids=[
+        "cpu-whole-budget",
+        "cuda-quarter",
+        "cuda-quarter-of-given-budget",
+        "cuda-at-least-one",
+        "cuda-graphs-off-whole-budget",
+        "cuda-prefill-graphs-off-whole-budget",
+        "given",
+    ],
 )
 def test_mixed_prefill_cap_resolves(argv, expected, monkeypatch):
     import lightllm.server.args as server_args
