@@ -14,8 +14,8 @@ LAYER = {"tools": 6, "server": 5, "worker": 4, "engine": 3, "models": 3, "cache"
 # (importing module, imported module), lazy on purpose: the demo checkpoint the server serves or builds; the offline
 # API (`from lightllm import LLM, SamplingParams`)
 ALLOWED_UPWARD = {
-    ("lightllm.server.args", "lightllm.tools.make_tiny_model"),
-    ("lightllm.server.args", "lightllm.tools.demo_model"),
+    ("lightllm.server.demo_checkpoint", "lightllm.tools.make_tiny_model"),
+    ("lightllm.server.demo_checkpoint", "lightllm.tools.demo_model"),
     ("lightllm", "lightllm.server.llm"),
     ("lightllm", "lightllm.engine.sampling_params"),
 }

@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass, field
 
 from lightllm.cache.host_tier.arena import MAX_SHARDS
 from lightllm.linear_att import REPLAY_CAPACITIES
 from lightllm.models.quant_config import QUANTIZATION_CHOICES
+from lightllm.server.demo_checkpoint import demo_model
 from lightllm.server.dp.balancer import BALANCERS
 from lightllm.server.dp.placement import place_replicas, visible_cuda_devices
 from lightllm.server.model_info import LOAD_FORMATS, ModelInfo, read_model_info
-
-logger = logging.getLogger(__name__)
-
-# the demo checkpoint served without --model_dir: it has an MTP head, so every speculation mode works
-DEMO_ARCH = "qwen3_5"
 
 
 def _flag(default, help: str, choices: tuple | None = None, type=None, shown_default: str | None = None, repr=True):
@@ -576,34 +571,6 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def random_demo_model_dir() -> str:
-    """The cached tiny random checkpoint of the demo architecture (built on first use)."""
-    from lightllm.tools.make_tiny_model import tiny_model_dir
-
-    return str(tiny_model_dir(DEMO_ARCH))
-
-
-def demo_model() -> tuple[str, str]:
-    """(folder, served name) of the checkpoint served when no --model_dir is given: the trained demo model shipped
-    in the package, or the tiny random one while the package lacks its weights."""
-    from lightllm.tools.demo_model import SERVED_NAME, WEIGHTS_DIR, trained_model_dir
-
-    trained = trained_model_dir()
-    if trained is not None:
-        return str(trained), SERVED_NAME
-    logger.warning(
-        "the trained demo model's weights are not in %s: serving a tiny random checkpoint instead (its output is "
-        "gibberish; train one with `python -m lightllm.tools.train_demo_model`)",
-        WEIGHTS_DIR,
-    )
-    return random_demo_model_dir(), SERVED_NAME
-
-
-def demo_model_dir() -> str:
-    """The folder of `demo_model()`."""
-    return demo_model()[0]
 
 
 def load_server_args(argv: list[str] | None = None, **overrides) -> tuple[ServerArgs, ModelInfo]:

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     model_dir = args.model_dir
     if model_dir is None:
-        from lightllm.server.args import demo_model_dir
+        from lightllm.server.demo_checkpoint import demo_model_dir
 
         model_dir = demo_model_dir()
     data_type = args.data_type or default_data_type(args.device)

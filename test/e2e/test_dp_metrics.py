@@ -10,7 +10,7 @@ import threading
 
 import httpx
 
-from lightllm.server.args import demo_model_dir
+from lightllm.server.demo_checkpoint import demo_model_dir
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.server.conftest import scrape, wait_for
 from unit_tests.server.live_server import LiveServer, fake_checkpoint

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import uvicorn
 
-from lightllm.server.args import load_server_args, random_demo_model_dir
+from lightllm.server.args import load_server_args
+from lightllm.server.demo_checkpoint import random_demo_model_dir
 from lightllm.server.dp.replicas import start_engines
 from lightllm.server.http.app import create_app
 from lightllm.server.http.server import uvicorn_config
