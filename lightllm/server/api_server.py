@@ -47,19 +47,9 @@ def serve(
     from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
     from lightllm.server.tokenizer import Tokenizer
 
-    # the tokenizer loads (seconds on a fresh machine) while the engine process starts
-    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as loading:
-        tokenizer_loaded = loading.submit(Tokenizer, info)
-        engine = start_engines(args, info, runner_factory or DEFAULT_RUNNER_FACTORY, prestarted)
-        try:
-            tokenizer = tokenizer_loaded.result()
-        except BaseException:
-            engine.stop()
-            raise
-    logger.info("engine ready: %s", engine.capacity_report)
     exit_code = 0
-    server = None
-    workers, rows_path = None, None
+    server, engine = None, None
+    workers, rows_path, rows, sockets = None, None, None, None
 
     def stop_serving(code: int, why: str) -> None:
         nonlocal exit_code
@@ -79,12 +69,19 @@ def serve(
             stop_serving(HTTP_WORKER_EXITED, f"{process.name} exited with code {process.exitcode}")
 
     try:
-        rows, sockets = None, None
         if args.http_workers > 1:
-            # bound before the others start, so a port in use fails here
+            # bound before anything starts, so a port in use fails at once
             sockets = [listen_socket(args.host, args.port, first=True)]
             rows_path = MetricRows.create_file(Metrics.WIDTH, args.http_workers)
             rows = MetricRows(Metrics.WIDTH, args.http_workers, 0, rows_path)
+            # the other HTTP processes import and load the tokenizer while the engine starts (seconds each)
+            workers = Workers(args, info, rows_path)
+        # the tokenizer loads (seconds on a fresh machine) while the engine process starts
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as loading:
+            tokenizer_loaded = loading.submit(Tokenizer, info)
+            engine = start_engines(args, info, runner_factory or DEFAULT_RUNNER_FACTORY, prestarted)
+            tokenizer = tokenizer_loaded.result()
+        logger.info("engine ready: %s", engine.capacity_report)
         app = create_app(
             args,
             info,
@@ -94,8 +91,8 @@ def serve(
             metric_rows=rows,
         )
         server = http_server(app, args)
-        if args.http_workers > 1:
-            workers = Workers(args, info, engine, rows_path)
+        if workers is not None:
+            workers.connect(engine)
             workers.watch(on_worker_exit)
             pids = ", ".join(str(p.pid) for p in [mp.current_process(), *workers.processes])
             logger.info("%d HTTP processes share port %d (pids %s)", args.http_workers, args.port, pids)
@@ -104,7 +101,8 @@ def serve(
     finally:
         if workers is not None:
             workers.stop()
-        engine.stop()
+        if engine is not None:
+            engine.stop()
         if rows_path is not None:
             os.remove(rows_path)
     return exit_code

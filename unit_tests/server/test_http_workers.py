@@ -5,6 +5,7 @@ whichever process answers, and the server stops when one of its processes dies."
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing as mp
 import os
 import re
 import signal
@@ -18,8 +19,13 @@ import pytest
 
 from lightllm import LLM, SamplingParams
 from lightllm.engine.messages import EngineStats, Finished, TokenChunk
+from lightllm.server.api_server import serve
 from lightllm.server.args import load_server_args
 from lightllm.server.engine_loop import FrontendRoutes
+from lightllm.server.http.metric_rows import MetricRows
+from lightllm.server.http.metrics import Metrics
+from lightllm.server.http.workers import Workers
+from lightllm.server.launcher import EngineStartError
 from unit_tests.server.live_server import single_threaded_env
 
 
@@ -153,3 +159,32 @@ def test_the_first_process_refuses_a_port_another_server_holds():
     finally:
         other.close()
     listen_socket("127.0.0.1", port, first=True).close()
+
+
+def test_processes_started_before_the_engine_wait_for_it_and_stop_without_it(tmp_path):
+    """The other HTTP processes start beside the engine and block until they are handed its addresses; a server
+    whose engine does not come up stops them while they wait."""
+    args, info = load_server_args(["--device", "cpu", "--http_workers", "3"])
+    rows_path = MetricRows.create_file(Metrics.WIDTH, args.http_workers)
+    try:
+        workers = Workers(args, info, rows_path)
+        time.sleep(1.0)
+        assert [p.is_alive() for p in workers.processes] == [True, True]
+        started = time.monotonic()
+        workers.stop()
+        assert time.monotonic() - started < 15
+        assert all(p.exitcode is not None for p in workers.processes)
+    finally:
+        os.remove(rows_path)
+
+
+def _failing_runner(args, info):
+    raise RuntimeError("this runner cannot start")
+
+
+def test_an_engine_that_fails_to_start_stops_the_waiting_processes():
+    args, info = load_server_args(["--device", "cpu", "--http_workers", "2", "--port", str(_free_port())])
+    with pytest.raises(EngineStartError, match="this runner cannot start"):
+        serve(args, info, runner_factory=f"{__name__}:_failing_runner")
+    # the HTTP process started beside the engine is stopped and joined, not left waiting
+    assert mp.active_children() == []

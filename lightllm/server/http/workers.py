@@ -4,8 +4,9 @@ One event loop parses requests, detokenizes and streams for every connection, an
 its streams at once: at a few hundred streams it saturates in bursts, and every stream waits behind the burst.
 With N processes each binds the port with SO_REUSEPORT (the kernel spreads new connections over them), submits to
 the engine's one input socket with its index in each request, and receives its own requests' outputs on its own
-socket (the engine routes them). The first process (the CLI's) owns the engine and the others: it starts them once
-the engine is up, waits until each listens, and stops the server if one dies. The counters of /metrics and the
+socket (the engine routes them). The first process (the CLI's) owns the engine and the others: it starts them beside
+the engine (their imports and tokenizer load while the engine loads its weights and warms up), hands each the
+engine's addresses once it is up, waits until each listens, and stops the server if one dies. The counters of /metrics and the
 admission limit are the server's, summed over the processes' rows (`metric_rows.py`).
 """
 
@@ -74,9 +75,10 @@ class WorkerEndpoint(EngineEndpoint):
         return f"process {self.engine_pid} is gone"
 
 
-def worker_main(args: ServerArgs, info: ModelInfo, endpoint: WorkerEndpoint, rows_path: str, conn) -> None:
-    """Entry point of HTTP process `endpoint.frontend` (1..N-1): serve until stopped; tells the first process on
-    `conn` once it listens."""
+def worker_main(args: ServerArgs, info: ModelInfo, index: int, rows_path: str, conn) -> None:
+    """Entry point of HTTP process `index` (1..N-1): loads what it can before the engine is up, receives the
+    engine's `WorkerEndpoint` on `conn` (None: the server is not starting after all), serves until stopped and
+    tells the first process on `conn` once it listens."""
     from lightllm.server.collector import freeze_startup_objects
     from lightllm.server.http.app import create_app
     from lightllm.server.http.metric_rows import MetricRows
@@ -87,9 +89,15 @@ def worker_main(args: ServerArgs, info: ModelInfo, endpoint: WorkerEndpoint, row
 
     die_with_parent()
     exit_on_sigterm()
-    index = endpoint.frontend
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s http-{index} %(name)s %(levelname)s %(message)s")
     rows = MetricRows(Metrics.WIDTH, args.http_workers, index, rows_path)
+    tokenizer = Tokenizer(info)
+    try:
+        endpoint = conn.recv()
+    except EOFError:
+        return
+    if endpoint is None:
+        return
     server = None
 
     def on_engine_exit() -> None:
@@ -99,7 +107,7 @@ def worker_main(args: ServerArgs, info: ModelInfo, endpoint: WorkerEndpoint, row
     app = create_app(
         dataclasses.replace(args, log_stats_interval=0),
         info,
-        Tokenizer(info),
+        tokenizer,
         endpoint,
         on_engine_exit,
         metric_rows=rows,
@@ -121,30 +129,40 @@ def worker_main(args: ServerArgs, info: ModelInfo, endpoint: WorkerEndpoint, row
 class Workers:
     """HTTP processes 1..N-1 of a server, started and supervised by the first."""
 
-    def __init__(self, args: ServerArgs, info: ModelInfo, engine: EngineHandle, rows_path: str):
+    def __init__(self, args: ServerArgs, info: ModelInfo, rows_path: str):
+        """Starts the processes; each imports and loads the tokenizer, then waits for `connect`."""
         ctx = mp.get_context("spawn")
         self.processes: list[mp.Process] = []
+        self._pipes = []
         self._stopping = False
-        pipes = []
         for index in range(1, args.http_workers):
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(
+                target=worker_main, args=(args, info, index, rows_path, theirs), name=f"lightllm-http-{index}"
+            )
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self._pipes.append(ours)
+
+    def connect(self, engine: EngineHandle) -> None:
+        """Hands each process the engine's addresses and waits until all of them listen; RuntimeError (the
+        processes stopped) when one does not within WORKER_START_TIMEOUT_S."""
+        for index, pipe in enumerate(self._pipes, start=1):
             endpoint = WorkerEndpoint(
                 engine.input_addr, engine.worker_output_addrs[index - 1], index, engine.process.pid
             )
-            recv, send = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=worker_main, args=(args, info, endpoint, rows_path, send), name=f"lightllm-http-{index}"
-            )
-            process.start()
-            send.close()
-            self.processes.append(process)
-            pipes.append(recv)
+            try:
+                pipe.send(endpoint)
+            except (BrokenPipeError, EOFError, OSError):
+                pass  # the process is gone: reported below with its exit code
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        for index, (process, recv) in enumerate(zip(self.processes, pipes), start=1):
-            listening = recv.poll(max(0.0, deadline - time.monotonic())) and _received(recv)
-            recv.close()
+        for index, (process, pipe) in enumerate(zip(self.processes, self._pipes), start=1):
+            listening = pipe.poll(max(0.0, deadline - time.monotonic())) and _received(pipe)
             if not listening:
                 self.stop()
                 raise RuntimeError(f"HTTP process {index} did not start (exit code {process.exitcode})")
+        self._close_pipes()
 
     def watch(self, on_exit: Callable[[mp.Process], None]) -> None:
         """Call `on_exit(process)` from a thread once any of the processes has exited (not when `stop` ended
@@ -164,6 +182,7 @@ class Workers:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
+        self._close_pipes()
         for process in self.processes:
             if process.is_alive():
                 process.terminate()
@@ -172,6 +191,11 @@ class Workers:
             if process.is_alive():
                 process.kill()
                 process.join(timeout_s)
+
+    def _close_pipes(self) -> None:
+        for pipe in self._pipes:
+            pipe.close()
+        self._pipes = []
 
 
 def _received(recv) -> bool:
