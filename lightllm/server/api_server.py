@@ -16,7 +16,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from lightllm.server.prestart import PrestartedEngine
+from lightllm.server.prestart import PrestartedEngine, PrestartedHttpProcesses
 from lightllm.server.termination import exit_on_sigterm
 
 if TYPE_CHECKING:
@@ -34,9 +34,11 @@ def serve(
     info: ModelInfo,
     runner_factory: str | None = None,
     prestarted: PrestartedEngine | None = None,
+    prestarted_http: PrestartedHttpProcesses | None = None,
 ) -> int:
     """Serve until shut down; returns the process exit code. `runner_factory`: the real runner's when None;
-    `prestarted` becomes the (first) engine process."""
+    `prestarted` becomes the (first) engine process, `prestarted_http` the other HTTP processes (those not needed
+    are stopped)."""
     from lightllm.server.collector import freeze_startup_objects
     from lightllm.server.dp.replicas import start_engines
     from lightllm.server.http.app import create_app
@@ -75,7 +77,9 @@ def serve(
             rows_path = MetricRows.create_file(Metrics.WIDTH, args.http_workers)
             rows = MetricRows(Metrics.WIDTH, args.http_workers, 0, rows_path)
             # the other HTTP processes import and load the tokenizer while the engine starts (seconds each)
-            workers = Workers(args, info, rows_path)
+            workers = Workers(args, info, rows_path, prestarted_http)
+        if prestarted_http is not None:
+            prestarted_http.discard()
         # the tokenizer loads (seconds on a fresh machine) while the engine process starts
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as loading:
             tokenizer_loaded = loading.submit(Tokenizer, info)
@@ -109,15 +113,18 @@ def serve(
 
 
 def main(argv: list[str] | None = None) -> int:
-    # the engine process imports its modules while this one imports its own and resolves the flags
+    # the engine process (and on a GPU host the other HTTP processes) import their modules while this one imports
+    # its own and resolves the flags
     prestarted = PrestartedEngine()
+    prestarted_http = PrestartedHttpProcesses.for_host()
     try:
-        return _main(argv, prestarted)
+        return _main(argv, prestarted, prestarted_http)
     finally:
+        prestarted_http.discard()
         prestarted.discard()
 
 
-def _main(argv: list[str] | None, prestarted: PrestartedEngine) -> int:
+def _main(argv: list[str] | None, prestarted: PrestartedEngine, prestarted_http: PrestartedHttpProcesses) -> int:
     from lightllm.server.args import load_server_args
     from lightllm.server.launcher import EngineStartError
 
@@ -136,18 +143,20 @@ def _main(argv: list[str] | None, prestarted: PrestartedEngine) -> int:
             from lightllm.server.pd.master import serve_master
 
             prestarted.discard()
+            prestarted_http.discard()
             return serve_master(args, info)
         if args.run_mode in ("prefill", "decode"):
             from lightllm.server.pd.node import RegistrationRefused, serve_node
             from lightllm.server.pd.node_replicas import serve_node_replicas
 
             prestarted.discard()
+            prestarted_http.discard()
             try:
                 return serve_node(args, info) if args.dp == 1 else serve_node_replicas(args, info)
             except RegistrationRefused as exc:
                 print(f"lightllm: refusing to start: {exc}", file=sys.stderr)
                 return 2
-        return serve(args, info, prestarted=prestarted)
+        return serve(args, info, prestarted=prestarted, prestarted_http=prestarted_http)
     except EngineStartError as exc:
         print(f"lightllm: the engine failed to start: {exc}", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ from lightllm.server.demo_checkpoint import demo_model
 from lightllm.server.dp.balancer import BALANCERS
 from lightllm.server.dp.placement import place_replicas, visible_cuda_devices
 from lightllm.server.model_info import LOAD_FORMATS, ModelInfo, read_model_info
+from lightllm.server.prestart import http_processes_for_host
 
 
 def _flag(default, help: str, choices: tuple | None = None, type=None, shown_default: str | None = None, repr=True):
@@ -324,15 +325,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     return ServerArgs(**vars(build_parser().parse_args(argv)))
 
 
-# front-end processes a GPU server starts by default: one event loop parsing, detokenizing and streaming for a
-# few hundred concurrent requests falls behind the engine's steps (its stalls delay every stream at once)
-MAX_AUTO_HTTP_WORKERS = 4
-
-
 def _auto_http_workers(args: ServerArgs, on_cuda: bool) -> int:
     if not on_cuda or args.run_mode != "normal" or args.dp > 1:
         return 1
-    return max(1, min(MAX_AUTO_HTTP_WORKERS, len(os.sched_getaffinity(0)) // 4))
+    return http_processes_for_host()
 
 
 def resolve(args: ServerArgs, info: ModelInfo) -> ServerArgs:

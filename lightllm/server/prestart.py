@@ -1,4 +1,4 @@
-"""The engine process started before the API server has resolved its flags.
+"""The engine process, and the other HTTP processes, started before the API server has resolved its flags.
 
 A server's start-up is two Python processes each importing torch, Triton and the model code (seconds each on a
 GPU host), one after the other: the API server imports them to resolve its flags, and only then spawns the engine
@@ -7,18 +7,34 @@ it imports the engine's modules while the API server resolves its flags (with on
 too, on a thread that goes on while the engine loads its weights), then waits for its engine's arguments
 (`take`) and runs `engine_main` with them, or is stopped when the server needs no engine of it (`discard`: a PD
 master or node, a refusal to start). With `--dp N` it becomes replica 0.
+
+`PrestartedHttpProcesses` does the same for the HTTP front-end processes beyond the first (`--http_workers`): on
+a host where the default would start them, they import the front-end (torch and transformers among it) from the
+first moment; each then becomes HTTP process `index` once given its flags (`http/workers.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 from multiprocessing.connection import Connection
 
 logger = logging.getLogger(__name__)
 
 # what the engine process imports before it knows its flags: the engine and the real runner's model code
 ENGINE_MODULES = ("lightllm.server.engine_process", "lightllm.server.runner_factory", "lightllm.worker.runner")
+# what an HTTP process imports before it knows its flags: the front-end and its tokenizer library
+HTTP_MODULES = ("lightllm.server.http.workers", "lightllm.server.http.app", "lightllm.server.tokenizer")
+# front-end processes a GPU server starts by default: one event loop parsing, detokenizing and streaming for a
+# few hundred concurrent requests falls behind the engine's steps (its stalls delay every stream at once)
+MAX_AUTO_HTTP_WORKERS = 4
+
+
+def http_processes_for_host() -> int:
+    """The HTTP processes a GPU server (`--run_mode normal`, `--dp 1`) starts by default on this host: one per four
+    usable CPU cores, up to MAX_AUTO_HTTP_WORKERS."""
+    return max(1, min(MAX_AUTO_HTTP_WORKERS, len(os.sched_getaffinity(0)) // 4))
 
 
 class PrestartedEngine:
@@ -90,3 +106,73 @@ def wait_for_engine(conn: Connection, modules: tuple[str, ...], import_fla: bool
     if engine_args is None:
         return
     engine_main(*engine_args, conn)
+
+
+class PrestartedHttpProcesses:
+    """Spawned processes that each become an HTTP process (1..N-1) once given its flags; the ones not taken are
+    stopped by `discard`."""
+
+    def __init__(self, count: int):
+        ctx = mp.get_context("spawn")
+        self._waiting: list[tuple[mp.Process, Connection]] = []
+        for _ in range(count):
+            conn, child_conn = ctx.Pipe()
+            process = ctx.Process(target=wait_for_http, args=(child_conn, HTTP_MODULES), daemon=False)
+            process.start()
+            child_conn.close()
+            self._waiting.append((process, conn))
+
+    @classmethod
+    def for_host(cls) -> PrestartedHttpProcesses:
+        """As many as the default would start beside the first on this host, where it has a GPU (a guess before
+        the flags are known: a process not needed is only stopped)."""
+        on_gpu_host = os.path.exists("/dev/nvidiactl")
+        return cls(http_processes_for_host() - 1 if on_gpu_host else 0)
+
+    def take(self, job: tuple) -> tuple[mp.Process, Connection] | None:
+        """A waiting process, given `worker_main`'s arguments but its pipe (`job`), with the parent's end of that
+        pipe; None when none is left."""
+        while self._waiting:
+            process, conn = self._waiting.pop(0)
+            try:
+                conn.send(job)
+            except (BrokenPipeError, OSError):
+                conn.close()
+                process.join(1)
+                continue
+            process.name = f"lightllm-http-{job[2]}"
+            return process, conn
+        return None
+
+    def discard(self) -> None:
+        """Stop the processes not taken (idempotent); they hold nothing but their imports."""
+        for process, conn in self._waiting:
+            process.kill()
+            process.join()
+            conn.close()
+        self._waiting = []
+
+
+def wait_for_http(conn: Connection, modules: tuple[str, ...]) -> None:
+    """A prestarted HTTP process: import `modules` and the tokenizer library, then run `worker_main` with the
+    arguments it is given (or exit on None or when the server is gone)."""
+    import importlib
+    import signal
+
+    from lightllm.server.termination import die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    for name in modules:
+        importlib.import_module(name)
+    from lightllm.server.http.workers import worker_main
+    from lightllm.server.tokenizer import import_tokenizer_library
+
+    import_tokenizer_library()
+    try:
+        job = conn.recv()
+    except EOFError:
+        return
+    if job is None:
+        return
+    worker_main(*job, conn)

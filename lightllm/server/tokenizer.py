@@ -25,6 +25,12 @@ def _byte_level_decoder() -> dict[str, int]:
     return chars
 
 
+def import_tokenizer_library() -> None:
+    """Import what `checkpoint_tokenizer` loads Hugging Face tokenizers with (seconds: transformers imports torch),
+    ahead of knowing the checkpoint."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+
 def checkpoint_tokenizer(model_dir: str):
     """The folder's Hugging Face tokenizer, or the project's `TiktokenTokenizer` for Kimi's format."""
     if is_tiktoken_folder(model_dir):

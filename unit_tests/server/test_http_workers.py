@@ -26,6 +26,7 @@ from lightllm.server.http.metric_rows import MetricRows
 from lightllm.server.http.metrics import Metrics
 from lightllm.server.http.workers import Workers
 from lightllm.server.launcher import EngineStartError
+from lightllm.server.prestart import PrestartedHttpProcesses
 from unit_tests.server.live_server import single_threaded_env
 
 
@@ -64,10 +65,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def two_process_server(tmp_path):
+# the CLI with one HTTP process prestarted, as on a GPU host (its pid printed, to check it is the one that serves)
+PRESTARTED_CLI = """
+import sys
+from lightllm.server import api_server, prestart
+P = prestart.PrestartedHttpProcesses
+spawn = P.__init__
+def prestart_one(self, count):
+    spawn(self, count)
+    print("prestarted pids", [p.pid for p, _ in self._waiting], flush=True)
+P.__init__ = prestart_one
+P.for_host = classmethod(lambda cls: cls(1))
+sys.exit(api_server.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(params=["spawned", "prestarted"])
+def two_process_server(tmp_path, request):
     port, log = _free_port(), tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--device", "cpu", "--port", str(port)]
+    entry = ["-m", "lightllm.server.api_server"] if request.param == "spawned" else ["-c", PRESTARTED_CLI]
+    cmd = [sys.executable, *entry, "--device", "cpu", "--port", str(port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [*cmd, "--http_workers", "2"], stdout=out, stderr=subprocess.STDOUT, env=single_threaded_env()
@@ -78,6 +95,9 @@ def two_process_server(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)
     pids = [int(p) for p in re.search(r"\(pids (\d+), (\d+)\)", log.read_text()).groups()]
+    prestarted = re.search(r"prestarted pids \[(\d+)\]", log.read_text())
+    # the prestarted process became HTTP process 1; without one, nothing was prestarted
+    assert (int(prestarted.group(1)) if prestarted else None) == (pids[1] if request.param == "prestarted" else None)
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
@@ -188,3 +208,25 @@ def test_an_engine_that_fails_to_start_stops_the_waiting_processes():
         serve(args, info, runner_factory=f"{__name__}:_failing_runner")
     # the HTTP process started beside the engine is stopped and joined, not left waiting
     assert mp.active_children() == []
+
+
+def test_prestarted_processes_are_taken_first_and_the_rest_spawned():
+    args, info = load_server_args(["--device", "cpu", "--http_workers", "3"])
+    rows_path = MetricRows.create_file(Metrics.WIDTH, args.http_workers)
+    prestarted = PrestartedHttpProcesses(2)
+    waiting = [p.pid for p, _ in prestarted._waiting]
+    try:
+        workers = Workers(args, info, rows_path, prestarted)
+        assert [p.pid for p in workers.processes] == waiting
+        assert [p.name for p in workers.processes] == ["lightllm-http-1", "lightllm-http-2"]
+        workers.stop()
+        # twin: with one prestarted, the second process is a fresh one
+        prestarted = PrestartedHttpProcesses(1)
+        waiting = [p.pid for p, _ in prestarted._waiting]
+        workers = Workers(args, info, rows_path, prestarted)
+        assert workers.processes[0].pid == waiting[0] and workers.processes[1].pid not in waiting
+        workers.stop()
+        assert all(p.exitcode is not None for p in workers.processes)
+    finally:
+        prestarted.discard()
+        os.remove(rows_path)

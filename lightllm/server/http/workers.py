@@ -27,6 +27,7 @@ from lightllm.server.args import ServerArgs
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.launcher import EngineEndpoint, EngineHandle
 from lightllm.server.model_info import ModelInfo
+from lightllm.server.prestart import PrestartedHttpProcesses
 
 logger = logging.getLogger("lightllm.server")
 # how long a worker may take to listen (imports, the tokenizer)
@@ -91,7 +92,9 @@ def worker_main(args: ServerArgs, info: ModelInfo, index: int, rows_path: str, c
     exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s http-{index} %(name)s %(levelname)s %(message)s")
     rows = MetricRows(Metrics.WIDTH, args.http_workers, index, rows_path)
+    started = time.monotonic()
     tokenizer = Tokenizer(info)
+    logger.info("tokenizer loaded in %.1f s; waiting for the engine", time.monotonic() - started)
     try:
         endpoint = conn.recv()
     except EOFError:
@@ -129,21 +132,27 @@ def worker_main(args: ServerArgs, info: ModelInfo, index: int, rows_path: str, c
 class Workers:
     """HTTP processes 1..N-1 of a server, started and supervised by the first."""
 
-    def __init__(self, args: ServerArgs, info: ModelInfo, rows_path: str):
-        """Starts the processes; each imports and loads the tokenizer, then waits for `connect`."""
+    def __init__(
+        self, args: ServerArgs, info: ModelInfo, rows_path: str, prestarted: PrestartedHttpProcesses | None = None
+    ):
+        """Starts the processes (taking `prestarted` ones first); each loads the tokenizer, then waits for
+        `connect`."""
         ctx = mp.get_context("spawn")
         self.processes: list[mp.Process] = []
         self._pipes = []
         self._stopping = False
         for index in range(1, args.http_workers):
-            ours, theirs = ctx.Pipe()
-            process = ctx.Process(
-                target=worker_main, args=(args, info, index, rows_path, theirs), name=f"lightllm-http-{index}"
-            )
-            process.start()
-            theirs.close()
-            self.processes.append(process)
-            self._pipes.append(ours)
+            job = (args, info, index, rows_path)
+            taken = prestarted.take(job) if prestarted is not None else None
+            if taken is None:
+                ours, theirs = ctx.Pipe()
+                process = ctx.Process(target=worker_main, args=(*job, theirs), name=f"lightllm-http-{index}")
+                process.start()
+                theirs.close()
+                taken = process, ours
+            self.processes.append(taken[0])
+            self._pipes.append(taken[1])
+        logger.info("started %d more HTTP processes beside the engine", len(self.processes))
 
     def connect(self, engine: EngineHandle) -> None:
         """Hands each process the engine's addresses and waits until all of them listen; RuntimeError (the
