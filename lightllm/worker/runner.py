@@ -156,6 +156,7 @@ class ModelRunner(DeviceAcceptance):
                 config.prefix_cache_state_fraction,
                 config.prefix_cache_state_bytes,
             )
+        self.startup.mark("prefix cache")
         if self.prefix_cache is not None and config.host_tier_name:
             # the server's host tier: checkpoints are copied there and requests resume from it (any replica)
             self.prefix_cache.attach_host(RunnerHostTier(self, config.host_tier_name))
@@ -170,7 +171,7 @@ class ModelRunner(DeviceAcceptance):
         # overlapped MTP steps over the decode and draft buffers (device_accept.py)
         self.spec_step_graphs: SpecStepGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        self.startup.mark("prefix cache and host tier")
+        self.startup.mark("host tier")
 
     def init_decode_graphs(self, use_graphs: bool = True) -> bool:
         """Run decode-only steps through fixed buffers, captured as CUDA graphs when `use_graphs` and on CUDA
