@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 from multiprocessing.connection import Connection
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ def wait_for_engine(conn: Connection, modules: tuple[str, ...], import_fla: bool
         # fla's import asks device 0 about itself: only where device 0 is the one device the engine can have
         if torch.cuda.device_count() == 1:
             import_in_background(FLA_ENTRY_MODULES)
+        # every Triton kernel's cache key includes a hash of Triton itself, its ~400 MB library read and hashed at
+        # a process's first launch (seconds on a cold disk): hashed here instead, while the flags are resolved
+        threading.Thread(target=_hash_triton, name="lightllm-triton-key", daemon=True).start()
     try:
         engine_args = conn.recv()
     except EOFError:
@@ -106,6 +110,14 @@ def wait_for_engine(conn: Connection, modules: tuple[str, ...], import_fla: bool
     if engine_args is None:
         return
     engine_main(*engine_args, conn)
+
+
+def _hash_triton() -> None:
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return  # another Triton layout: hashed at the first launch instead
+    triton_key()
 
 
 class PrestartedHttpProcesses:
