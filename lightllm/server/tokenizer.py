@@ -40,11 +40,12 @@ def checkpoint_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def eos_token_ids(info: ModelInfo, hf) -> tuple[int, ...]:
-    """The ids that end a sequence: the checkpoint configs' and the tokenizer's, in that order."""
+def eos_token_ids(info: ModelInfo, tokenizer_eos_id: int | None) -> tuple[int, ...]:
+    """The ids that end a sequence: the checkpoint configs' and the tokenizer's own (None: it has none), in that
+    order."""
     eos = list(info.eos_token_ids)
-    if hf.eos_token_id is not None:
-        eos.append(hf.eos_token_id)
+    if tokenizer_eos_id is not None:
+        eos.append(tokenizer_eos_id)
     return tuple(dict.fromkeys(eos))
 
 
@@ -66,7 +67,7 @@ class Tokenizer:
 
     def __init__(self, info: ModelInfo):
         self.hf = checkpoint_tokenizer(info.model_dir)
-        self.eos_token_ids = eos_token_ids(info, self.hf)
+        self.eos_token_ids = eos_token_ids(info, self.hf.eos_token_id)
         self.vocab_size = len(self.hf)
         if isinstance(self.hf, TiktokenTokenizer):
             self._bytes = self.hf.token_bytes()

@@ -156,7 +156,7 @@ def make_runner(model_dir: str, device: str, data_type: str, mtp_step: int, max_
 def stop_ids(model_dir: str) -> set[int]:
     """The ids that end a sequence, by the server's rule (configs, generation config and tokenizer), so the
     windows counted here are the ones a served request would run."""
-    return set(eos_token_ids(read_model_info(model_dir), checkpoint_tokenizer(model_dir)))
+    return set(eos_token_ids(read_model_info(model_dir), checkpoint_tokenizer(model_dir).eos_token_id))
 
 
 def measure_acceptance(

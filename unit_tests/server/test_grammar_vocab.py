@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -209,3 +211,73 @@ def test_warm_grammars_takes_the_vocabulary_built_beside_the_runner():
     failed.set_exception(ValueError("no vocabulary"))
     warm_grammars(engine(), info, "cpu", failed)
     assert len(loads) == 1 and loads[0][0] == info.model_dir
+
+
+def _transformers_vocabulary(folder: str, n_vocab: int, eos: tuple[int, ...]):
+    """The reference: llguidance's own construction from the transformers tokenizer of the folder."""
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(folder), n_vocab=n_vocab, eos_token=list(eos))
+
+
+def _token_table(vocabulary, n_vocab: int) -> list[tuple[bytes, bool]]:
+    """What a grammar sees of each id: its bytes and whether it is special."""
+    return [(vocabulary.decode_bytes([i]), vocabulary.is_special_token(i)) for i in range(n_vocab)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "demo"])
+def test_the_vocabulary_read_without_transformers_is_transformers(arch):
+    from lightllm.server.demo_checkpoint import demo_model_dir
+    from lightllm.server.grammar_vocab import tokenizer_eos_id
+    from lightllm.server.model_info import read_model_info
+    from lightllm.server.tokenizer import eos_token_ids
+
+    folder = demo_model_dir() if arch == "demo" else str(tiny_model_dir(arch))
+    info = read_model_info(folder)
+    eos = eos_token_ids(info, tokenizer_eos_id(folder))
+    assert eos == Tokenizer(info).eos_token_ids and len(eos) >= 1
+    ours = load_grammar_vocabulary(folder, info.vocab_size, eos)
+    reference = _transformers_vocabulary(folder, info.vocab_size, eos)
+    assert _token_table(ours, info.vocab_size) == _token_table(reference, info.vocab_size)
+    assert ours.tokenize_str(TEXT) == reference.tokenize_str(TEXT)
+
+
+def test_added_tokens_only_the_config_lists_are_added_at_their_ids(tmp_path):
+    """A tokenizer.json without the last added token (tokenizer_config.json still lists it): transformers adds it,
+    and so does the vocabulary read without it; a read that skipped the config would not know the token."""
+    from lightllm.server.model_info import read_model_info
+
+    folder = tmp_path / "qwen3_5"
+    shutil.copytree(tiny_model_dir("qwen3_5"), folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    dropped = spec["added_tokens"].pop()
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["added_tokens_decoder"][str(dropped["id"])]["content"] == dropped["content"]
+    info = read_model_info(str(folder))
+    ours = load_grammar_vocabulary(str(folder), info.vocab_size, (dropped["id"],))
+    reference = _transformers_vocabulary(str(folder), info.vocab_size, (dropped["id"],))
+    assert _token_table(ours, info.vocab_size) == _token_table(reference, info.vocab_size)
+    assert ours.is_special_token(dropped["id"]) == dropped["special"]
+    assert ours.decode_bytes([dropped["id"]]) == dropped["content"].encode()
+
+
+def test_the_engine_builds_the_vocabulary_without_importing_transformers():
+    """transformers' import is seconds of Python: in the engine process it would hold the GIL beside the runner's
+    start-up. The twin: the front-end's tokenizer does import it (the check can fail)."""
+    code = (
+        "import sys\n"
+        "from lightllm.server.grammar_vocab import build_grammar_vocabulary\n"
+        "from lightllm.server.model_info import read_model_info\n"
+        "info = read_model_info(sys.argv[1])\n"
+        "build_grammar_vocabulary(info)\n"
+        "print('transformers' in sys.modules)\n"
+        "from lightllm.server.tokenizer import Tokenizer\n"
+        "Tokenizer(info)\n"
+        "print('transformers' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_model_dir("qwen3_5"))], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]
