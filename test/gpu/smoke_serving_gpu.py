@@ -102,10 +102,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, device: str, flags: list[str], log_path: str) -> tuple[subprocess.Popen, int]:
+def start_server(
+    model_dir: str, device: str, flags: list[str], log_path: str, tree: str | None = None
+) -> tuple[subprocess.Popen, int]:
     """`python -m lightllm.server.api_server` on a free port with `flags`, its output in `log_path` (a file, so a
     chatty server never blocks on a full pipe). It stays in this process group: a deadline that stops the caller
-    (`timeout` in h200_stages.sh) stops the server too. Returns (process, port)."""
+    (`timeout` in h200_stages.sh) stops the server too. `tree`: the server of another copy of the repository (run
+    from that folder, ahead on the path). Returns (process, port)."""
     port = _free_port()
     cmd = [
         sys.executable,
@@ -119,8 +122,12 @@ def start_server(model_dir: str, device: str, flags: list[str], log_path: str) -
         device,
         *flags,
     ]
+    env = None
+    if tree is not None:
+        tree = os.path.abspath(tree)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=tree, env=env)
     return proc, port
 
 

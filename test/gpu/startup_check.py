@@ -3,6 +3,7 @@
     python test/gpu/startup_check.py                                   # 5 starts per mode + one at 256 requests
     python test/gpu/startup_check.py --starts 2 --modes replay,compact+mtp --model_dir /path/to/built/checkpoint
     python test/gpu/startup_check.py --tiny --device cpu --starts 1   # a dry run of this script without a GPU
+    python test/gpu/startup_check.py --starts 3 --modes replay --trees .,/tmp/base   # A/B: this tree and a copy
 
 Each start runs `python -m lightllm.server.api_server` (every flag at its default but the state mode, speculation
 and `--max_running_requests`) on a random-weight Qwen3.5 checkpoint of real width (hidden 2048; attention 16 heads,
@@ -15,7 +16,10 @@ mode, optionally with `+mtp` (`--mtp_step 2`, a verify width of 3): the default 
 The server start-up is where the conv-prefill overread crashed the H200 (the prefill warm-up at the serving
 shapes, then the slot allocation at the largest batch): a crash, a hang past `--start_timeout` or a failed request
 fails the start. The first start on a machine also pays fla-core's autotuning of its chunk kernels (minutes; kept
-in the Triton cache afterwards). Server logs go to `--log_dir`, one file per start. Prints one line per start and a
+in the Triton cache afterwards). `--trees` compares copies of the repository (`.` is this one; another, e.g. a
+`git archive` of an older commit, is run from its folder): their starts alternate, so a machine's drift reaches
+each alike, and the first start of every tree is left out of the summary (a copy's first start compiles its Python
+and whatever its caches lack). Server logs go to `--log_dir`, one file per start. Prints one line per start and a
 table; exits 1 on any failed start.
 """
 
@@ -59,12 +63,13 @@ def checkpoint(args) -> str:
     return serving_model_dir(args.cache_dir)
 
 
-def one_start(model_dir: str, args, mode: str, max_running: int, log_path: str) -> dict:
-    """Start, wait for /health, one chat request, stop. Returns the row of the table."""
+def one_start(model_dir: str, args, mode: str, max_running: int, log_path: str, tree: str = ".") -> dict:
+    """Start (the server of `tree`), wait for /health, one chat request, stop. Returns the row of the table."""
     flags = mode_flags(mode) + ["--max_running_requests", str(max_running)]
     row = {"mode": mode, "max_running_requests": max_running, "start_s": None, "stop_s": None, "result": "ok"}
+    row["tree"] = tree
     t0 = time.perf_counter()
-    proc, port = start_server(model_dir, args.device, flags, log_path)
+    proc, port = start_server(model_dir, args.device, flags, log_path, None if tree == "." else tree)
     try:
         wait_healthy(proc, port, args.start_timeout)
         row["start_s"] = time.perf_counter() - t0
@@ -110,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop_timeout", type=float, default=60, help="seconds the server gets to exit after SIGTERM")
     p.add_argument("--max_tokens", type=int, default=8)
     p.add_argument("--log_dir", default="/tmp/lightllm_startup_logs")
+    p.add_argument("--trees", default=".", help="comma-separated repository copies whose servers start in turn")
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     for mode in modes:
@@ -122,31 +128,35 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     model_dir = checkpoint(args)
     print(f"checkpoint {model_dir} ({time.perf_counter() - t:.0f} s to build or find)", flush=True)
-    plan = [(m, 64) for m in modes for _ in range(args.starts)]
+    trees = [t for t in args.trees.split(",") if t]
+    plan = [(m, 64, t) for m in modes for _ in range(args.starts) for t in trees]
     if args.big_max_running_requests:
-        plan += [(m, args.big_max_running_requests) for m in modes]
-    plan.sort(key=lambda mr: modes.index(mr[0]))  # every start of a mode in a row, the big one last
+        plan += [(m, args.big_max_running_requests, t) for m in modes for t in trees]
+    plan.sort(key=lambda mrt: modes.index(mrt[0]))  # every start of a mode in a row, the big ones last
     rows = []
-    print("| # | mode | max_running_requests | start s | usage | stop s | result |", flush=True)
-    for i, (mode, max_running) in enumerate(plan):
+    print("| # | tree | mode | max_running_requests | start s | usage | stop s | result |", flush=True)
+    for i, (mode, max_running, tree) in enumerate(plan):
         log_path = os.path.join(args.log_dir, f"start{i:02d}-{mode.replace('+', '-')}-{max_running}.log")
-        row = one_start(model_dir, args, mode, max_running, log_path)
+        row = one_start(model_dir, args, mode, max_running, log_path, tree)
         rows.append(row)
         print(
-            f"| {i} | {mode} | {max_running} | {_fmt(row['start_s'])} | {row.get('usage', '-')} | "
+            f"| {i} | {tree} | {mode} | {max_running} | {_fmt(row['start_s'])} | {row.get('usage', '-')} | "
             f"{_fmt(row['stop_s'])} | {row['result']} |",
             flush=True,
         )
         if "log_tail" in row:
             print(f"server log tail ({log_path}):\n{row['log_tail']}", flush=True)
 
-    print("\n| mode | starts | ok | start s min / median / max |")
-    print("|---|---|---|---|")
-    for mode in modes:
-        mine = [r for r in rows if r["mode"] == mode]
-        times = [r["start_s"] for r in mine if r["start_s"] is not None]
-        spread = " / ".join(f"{f(times):.1f}" for f in (min, statistics.median, max)) if times else "-"
-        print(f"| {mode} | {len(mine)} | {sum(r['result'] == 'ok' for r in mine)} | {spread} |")
+    print("\n| tree | mode | starts | ok | start s min / median / max |")
+    print("|---|---|---|---|---|")
+    for tree in trees:
+        for mode in modes:
+            mine = [r for r in rows if r["mode"] == mode and r["tree"] == tree]
+            # with more than one tree each tree's first start is its copy's cold one
+            cold = 1 if len(trees) > 1 else 0
+            times = [r["start_s"] for r in mine[cold:] if r["start_s"] is not None]
+            spread = " / ".join(f"{f(times):.1f}" for f in (min, statistics.median, max)) if times else "-"
+            print(f"| {tree} | {mode} | {len(mine)} | {sum(r['result'] == 'ok' for r in mine)} | {spread} |")
     failures = sum(r["result"] != "ok" for r in rows)
     print(f"\n{len(rows)} starts; failures: {failures}")
     return 1 if failures else 0
