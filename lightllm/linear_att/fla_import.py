@@ -12,18 +12,24 @@ registered as a module of its own search path whose body runs on first use of a 
 the body; `from fla.ops import chunk_gla` (a name the body defines) runs it then, in the same module object, and
 gets what a plain import gives.
 
+fla also marks its entry points with `torch.compiler.disable`, whose first use imports torch's compiler stack
+(`torch._dynamo`: over a second of Python in the engine process, beside its start-up). Nothing here runs under
+`torch.compile`, so while the entry modules import, that decorator leaves functions as they are (restored after).
+
 The import takes seconds, so a process that will need it starts it early on a thread of its own
 (`import_in_background`); calls are serialized, and a later one returns once the earlier one's modules are in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
 import sys
 import threading
 import types
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +42,30 @@ _IMPORTING = threading.Lock()
 def import_entry_modules(entry_modules: tuple[str, ...]) -> None:
     """Import `entry_modules` (fla modules) with `DEFERRED_PACKAGES`' bodies deferred (those already imported are
     left as they are)."""
-    with _IMPORTING:
+    with _IMPORTING, _compiler_disable_leaves_functions():
         for name in DEFERRED_PACKAGES:
             if name not in sys.modules:
                 _register_deferred(name)
         for name in entry_modules:
             importlib.import_module(name)
+
+
+@contextlib.contextmanager
+def _compiler_disable_leaves_functions() -> Iterator[None]:
+    import torch.compiler
+
+    disable = torch.compiler.disable
+    torch.compiler.disable = _leave_as_is
+    try:
+        yield
+    finally:
+        torch.compiler.disable = disable
+
+
+def _leave_as_is(fn=None, recursive=True, *, reason=None):
+    """`torch.compiler.disable`'s signature, without the compiler: the function itself (or, as `@disable(...)`, a
+    decorator giving it)."""
+    return (lambda f: f) if fn is None else fn
 
 
 def import_in_background(entry_modules: tuple[str, ...]) -> threading.Thread:

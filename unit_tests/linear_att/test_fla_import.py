@@ -130,3 +130,20 @@ def test_nothing_is_started_off_cuda():
     runner = SimpleNamespace(device=torch.device("cpu"), startup=StartupPhases())
     pin_fla(runner)
     assert "fla" not in runner.startup.summary()
+
+
+def test_the_lean_import_leaves_torch_compiler_stack_out():
+    """fla's `torch.compiler.disable` marks import torch._dynamo (over a second of Python); the lean import leaves
+    them as plain functions and puts the decorator back. Twin: the plain import loads the compiler stack."""
+    check = (
+        "import sys, torch.compiler\n"
+        "disable = torch.compiler.disable\n"
+        "{import_}\n"
+        "from fla.ops.gated_delta_rule import chunk_gated_delta_rule\n"
+        "import json\n"
+        "print(json.dumps({{'dynamo': 'torch._dynamo' in sys.modules, 'restored': torch.compiler.disable is disable,"
+        " 'callable': callable(chunk_gated_delta_rule)}}))\n"
+    )
+    lean, plain = _run(check.format(import_=LEAN)), _run(check.format(import_=PLAIN))
+    assert lean == {"dynamo": False, "restored": True, "callable": True}
+    assert plain == {"dynamo": True, "restored": True, "callable": True}
