@@ -12,6 +12,7 @@ engine does from what the front-end adds.
     python test/gpu/closed_loop.py --profile 200,10 [--max_mixed_prefill_tokens 8192] [--disable_prefix_cache]
     python test/gpu/closed_loop.py --host_tier_gb 16 [--prefault]   # with the server's host tier (its spills)
     python test/gpu/closed_loop.py --host_tier_gb 16 --profile 3,3 --trace /tmp/t16.json
+    python test/gpu/closed_loop.py --interfere python:2@300    # the writer's kinds of work alone (loop_interference.py)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import warnings
 
 import numpy as np
 import torch
+from loop_interference import Interference
 
 from lightllm import LLM
 from lightllm.cache.host_tier import HostArena
@@ -104,7 +106,14 @@ def main() -> None:
     p.add_argument("--profile", default=None, metavar="FIRST,COUNT", help="profile these steps")
     p.add_argument("--trace", default=None, help="with --profile: a Chrome trace of the profiled steps to this file")
     p.add_argument("--device", default="cuda", help="cpu: a quick check of the script at tiny sizes")
+    p.add_argument(
+        "--interfere",
+        default=None,
+        metavar="SPEC",
+        help="a background thread's work during the loop (loop_interference.py)",
+    )
     a = p.parse_args()
+    interference = Interference(a.interfere, a.device) if a.interfere else None
     profile_first, profile_count = map(int, a.profile.split(",")) if a.profile else (-1, 0)
     arena = None
     if a.host_tier_gb:
@@ -155,6 +164,8 @@ def main() -> None:
 
     seen_first: set[str] = set()
     profiler, profiled = None, []
+    if interference is not None:
+        interference.start()
     with counting_syncs(sites) if a.syncs and a.device == "cuda" else contextlib.nullcontext():
         for _ in range(min(a.concurrency, a.requests)):
             submit()
@@ -200,6 +211,8 @@ def main() -> None:
                         submit()
     elapsed = time.perf_counter() - t0
     print(f"{a.requests} requests in {elapsed:.2f} s: {a.requests * a.output_len / elapsed:.0f} output tok/s")
+    if interference is not None:
+        print(f"interference ({a.interfere}): {interference.stop()}")
     # as bench_serving reports them over HTTP, here at the engine's own step boundaries
     ttft = np.array([first_at[r] - submitted[r] for r in first_at]) * 1e3
     tpot = np.array([(finished_at[r] - first_at[r]) / max(a.output_len - 1, 1) for r in finished_at]) * 1e3
