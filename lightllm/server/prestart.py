@@ -103,13 +103,7 @@ def wait_for_engine(conn: Connection, modules: tuple[str, ...], import_fla: bool
         # every Triton kernel's cache key includes a hash of Triton itself, its ~400 MB library read and hashed at
         # a process's first launch (seconds on a cold disk): hashed here instead, while the flags are resolved
         threading.Thread(target=_hash_triton, name="lightllm-triton-key", daemon=True).start()
-    try:
-        engine_args = conn.recv()
-    except EOFError:
-        return
-    if engine_args is None:
-        return
-    engine_main(*engine_args, conn)
+    _run_when_given(conn, engine_main)
 
 
 def _hash_triton() -> None:
@@ -181,10 +175,15 @@ def wait_for_http(conn: Connection, modules: tuple[str, ...]) -> None:
     from lightllm.server.tokenizer import import_tokenizer_library
 
     import_tokenizer_library()
+    _run_when_given(conn, worker_main)
+
+
+def _run_when_given(conn: Connection, main) -> None:
+    """`main(*arguments, conn)` with the arguments the server sends on `conn`; nothing when it sends None or is
+    gone."""
     try:
-        job = conn.recv()
+        arguments = conn.recv()
     except EOFError:
         return
-    if job is None:
-        return
-    worker_main(*job, conn)
+    if arguments is not None:
+        main(*arguments, conn)
