@@ -44,6 +44,7 @@ ALIGN_TYPES = {
     "chunk_counts": "*i32",
     "chunk_offsets": "*i32",
     "pad_start": "*i32",
+    "expert_count": "*i32",
     "sorted_pairs": "*i32",
     "block_expert": "*i32",
     "num_pairs": "i32",
@@ -75,13 +76,14 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
                 out.append((f"{s.name} sigmoid_topk groups={groups}", moe_sigmoid_topk_kernel, c, ROUTING_TYPES, 4, 1))
         else:
             out.append((f"{s.name} softmax_topk", moe_softmax_topk_kernel, route, ROUTING_TYPES, 4, 1))
-        tiles = tile_sizes(s.num_experts)
-        chunks = dict(BP=tiles["BP"], BE=be)
-        out.append((f"{s.name} align_count", moe_align_count_kernel, chunks, ALIGN_TYPES, 8, 1))
-        out.append((f"{s.name} align_scatter", moe_align_scatter_kernel, chunks, ALIGN_TYPES, 8, 1))
-        for bm in (16, 64):
-            c = dict(BM=bm, BE=be, BB=tiles["BB"], BR=1024, BCH=tiles["BCH"])
+        tiles = tile_sizes(s.num_experts, 16)
+        out.append((f"{s.name} align_count", moe_align_count_kernel, dict(BP=tiles["BP"], BE=be), ALIGN_TYPES, 8, 1))
+        for bm in (16, 64, 128):
+            tiles = tile_sizes(s.num_experts, bm)
+            c = dict(BM=bm, BE=be, BCH=tiles["BCH"])
             out.append((f"{s.name} align_plan BM={bm}", moe_align_plan_kernel, c, ALIGN_TYPES, 8, 1))
+            c = dict(BM=bm, BP=tiles["BP"], BE=be, BB=tiles["BB"])
+            out.append((f"{s.name} align_scatter BM={bm}", moe_align_scatter_kernel, c, ALIGN_TYPES, 8, 1))
         for tokens in (1, 64, 256, 2048):
             config = heuristic_config(tokens, s.num_experts, s.inter, s.hidden, s.top_k, torch.bfloat16)
             for name, kernel in (("gate_up", moe_gate_up_kernel), ("down", moe_down_kernel)):

@@ -8,9 +8,12 @@ padded length never exceeds `num_pairs + min(E, num_pairs) * (block_m - 1)`: eve
 
 Three launches, no atomics (the same layout every run): `moe_align_count_kernel` counts each chunk of `BP` pairs
 per expert; `moe_align_plan_kernel` (one program) turns the counts into each chunk's first slot per expert (a tile
-of chunks per load), the padded expert starts and each block's expert, and fills the layout with the sentinel;
-`moe_align_scatter_kernel` writes every pair at its expert's start + its chunk's offset + its rank among the
-chunk's pairs of that expert.
+of chunks per load) and stores each expert's pair count and padded start; `moe_align_scatter_kernel` runs one
+program per chunk and one per tile of `BB` blocks. A chunk's program writes every pair of the chunk at its expert's
+start + its chunk's offset + its rank among the chunk's pairs of that expert. A tile's program names each of its
+blocks' expert (from the padded ends) and writes the sentinel into the rows no pair takes: rows of an expert's run
+from its pair count on, and every row of the blocks past the real end. No row is written twice, so the programs
+need no order among them.
 `align_pairs_reference` is the same layout in torch ops (a stable sort), the reference of the tests.
 """
 
@@ -24,6 +27,8 @@ import triton.language as tl
 
 # one-hot blocks of [BP, BE] pairs x experts stay within this many elements per program
 ONE_HOT_ELEMENTS = 16384
+# rows a scatter program fills with the sentinel at most (one [BB, block_m] tile of int32)
+TILE_ROWS = 4096
 MAX_INT32 = tl.constexpr(2147483647)
 
 
@@ -73,20 +78,15 @@ def moe_align_count_kernel(
     tl.store(chunk_counts + i_c.to(tl.int64) * E + o_e, tl.sum(b_hot, axis=0), mask=o_e < E)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "num_pairs", "num_blocks"])
+@triton.jit(do_not_specialize=["num_chunks"])
 def moe_align_plan_kernel(
     chunk_counts,  # [num_chunks, E] int32: in counts, out each chunk's first rank per expert (exclusive prefix)
     pad_start,  # [E] int32 out: first padded row of each expert
-    sorted_pairs,  # [num_blocks * BM] int32 out: filled with the sentinel num_pairs
-    block_expert,  # [num_blocks] int32 out
+    expert_count,  # [E] int32 out: pairs of each expert
     num_chunks,
-    num_pairs,
-    num_blocks,
     E,
     BM: tl.constexpr,
     BE: tl.constexpr,
-    BB: tl.constexpr,
-    BR: tl.constexpr,
     BCH: tl.constexpr,
 ):
     o_e = tl.arange(0, BE)
@@ -101,31 +101,13 @@ def moe_align_plan_kernel(
         tl.store(p_c, b_run[None, :] + tl.cumsum(b_n, axis=0) - b_n, mask=m_ce)
         b_run += tl.sum(b_n, axis=0)
     b_pad = (b_run + BM - 1) // BM * BM
-    b_end = tl.cumsum(b_pad, axis=0)
-    tl.store(pad_start + o_e, b_end - b_pad, mask=m_e)
-    # a block belongs to the first expert whose padded run ends after the block's first row
-    b_end = tl.where(m_e, b_end, MAX_INT32)
-    for b0 in range(0, num_blocks, BB):
-        o_b = b0 + tl.arange(0, BB)
-        b_owner = tl.sum((b_end[None, :] <= (o_b * BM)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert + o_b, b_owner, mask=o_b < num_blocks)
-    for r0 in range(0, num_blocks * BM, BR):
-        o_r = r0 + tl.arange(0, BR)
-        tl.store(sorted_pairs + o_r, tl.full([BR], 0, tl.int32) + num_pairs, mask=o_r < num_blocks * BM)
+    tl.store(pad_start + o_e, tl.cumsum(b_pad, axis=0) - b_pad, mask=m_e)
+    tl.store(expert_count + o_e, b_run, mask=m_e)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def moe_align_scatter_kernel(
-    ids,
-    chunk_offsets,  # [num_chunks, E] int32: each chunk's first rank per expert
-    pad_start,  # [E] int32
-    sorted_pairs,  # [num_blocks * BM] int32
-    num_pairs,
-    E,
-    BP: tl.constexpr,
-    BE: tl.constexpr,
-):
-    i_c = tl.program_id(0)
+@triton.jit
+def _scatter_chunk(ids, chunk_offsets, pad_start, sorted_pairs, i_c, num_pairs, E, BP: tl.constexpr, BE: tl.constexpr):
+    """Every pair of chunk `i_c` to its row of the layout."""
     o_p, m_p, b_e, b_hot = _chunk_one_hot(ids, i_c, num_pairs, E, BP, BE)
     # rank of each pair among the chunk's earlier pairs of its expert: the inclusive count at its own column - 1
     b_rank = tl.sum(tl.where(b_hot != 0, tl.cumsum(b_hot, axis=0) - 1, 0), axis=1)
@@ -135,13 +117,79 @@ def moe_align_scatter_kernel(
     tl.store(sorted_pairs + b_start + b_chunk + b_rank, o_p.to(tl.int32), mask=m_e)
 
 
-def tile_sizes(num_experts: int) -> dict[str, int]:
-    """The compile-time tiles of the three kernels for `num_experts` (fixed per expert count, not per batch: one
-    compiled variant per model): BE experts (a power of two), BP pairs per chunk, BB blocks and BCH chunks per step of
-    the plan, each one-hot or count tile within `ONE_HOT_ELEMENTS`."""
+@triton.jit
+def _own_blocks(
+    pad_start,
+    expert_count,
+    sorted_pairs,
+    block_expert,
+    i_t,
+    num_pairs,
+    num_blocks,
+    E,
+    BM: tl.constexpr,
+    BE: tl.constexpr,
+    BB: tl.constexpr,
+):
+    """The expert of blocks `i_t * BB ..` and the sentinel on their rows that no pair takes."""
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    b_start = tl.load(pad_start + o_e, mask=m_e, other=0)
+    b_count = tl.load(expert_count + o_e, mask=m_e, other=0)
+    # a block belongs to the first expert whose padded run ends after the block's first row; columns past E end
+    # at MAX_INT32 and are never counted, so a block past the real end counts the E experts and names expert E
+    b_end = tl.where(m_e, b_start + (b_count + BM - 1) // BM * BM, MAX_INT32)
+    o_b = i_t * BB + tl.arange(0, BB)
+    m_b = o_b < num_blocks
+    b_owner = tl.sum((b_end[None, :] <= (o_b * BM)[:, None]).to(tl.int32), axis=1)
+    tl.store(block_expert + o_b, b_owner, mask=m_b)
+    # the owner's pairs fill its run from its start: the rows from its pair count on are padding (every row of
+    # a block past the end is: it reads start 0 and count 0)
+    m_own = m_b & (b_owner < E)
+    b_first = tl.load(pad_start + b_owner, mask=m_own, other=0)
+    b_used = tl.load(expert_count + b_owner, mask=m_own, other=0)
+    o_r = o_b[:, None] * BM + tl.arange(0, BM)[None, :]
+    m_pad = m_b[:, None] & (o_r - b_first[:, None] >= b_used[:, None])
+    tl.store(sorted_pairs + o_r, tl.full([BB, BM], 0, tl.int32) + num_pairs, mask=m_pad)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "num_blocks"])
+def moe_align_scatter_kernel(
+    ids,
+    chunk_offsets,  # [num_chunks, E] int32: each chunk's first rank per expert
+    pad_start,  # [E] int32
+    expert_count,  # [E] int32
+    sorted_pairs,  # [num_blocks * BM] int32 out
+    block_expert,  # [num_blocks] int32 out
+    num_pairs,
+    num_chunks,
+    num_blocks,
+    E,
+    BM: tl.constexpr,
+    BP: tl.constexpr,
+    BE: tl.constexpr,
+    BB: tl.constexpr,
+):
+    # programs 0 .. num_chunks - 1 take a chunk each, the rest a tile of blocks each (a branch uniform over the
+    # program): no program does both parts in a row, the two kinds run side by side
+    pid = tl.program_id(0)
+    if pid < num_chunks:
+        _scatter_chunk(ids, chunk_offsets, pad_start, sorted_pairs, pid, num_pairs, E, BP, BE)
+    else:
+        _own_blocks(
+            pad_start, expert_count, sorted_pairs, block_expert, pid - num_chunks, num_pairs, num_blocks, E, BM, BE, BB
+        )
+
+
+def tile_sizes(num_experts: int, block_m: int) -> dict[str, int]:
+    """The compile-time tiles of the three kernels for `num_experts` and `block_m` (fixed per model and BLOCK_M, not
+    per batch: no compiled variant beyond those of BLOCK_M): BE experts (a power of two), BP pairs per chunk, BCH
+    chunks per step of the plan, each one-hot or count tile within `ONE_HOT_ELEMENTS`; BB blocks per tile of the
+    scatter, its `[BB, BE]` owner compare within `ONE_HOT_ELEMENTS` and its `BB * block_m` rows within
+    `TILE_ROWS`."""
     be = triton.next_power_of_2(num_experts)
     per_tile = max(16, ONE_HOT_ELEMENTS // be)
-    return dict(BE=be, BP=per_tile, BB=per_tile, BCH=per_tile)
+    return dict(BE=be, BP=per_tile, BCH=per_tile, BB=max(1, min(per_tile, TILE_ROWS // block_m)))
 
 
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
@@ -153,31 +201,41 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBloc
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
     if num_pairs == 0:
         return ExpertBlocks(sorted_pairs, block_expert, block_m, 0)
-    tiles = tile_sizes(num_experts)
-    be, bp = tiles["BE"], tiles["BP"]
+    tiles = tile_sizes(num_experts, block_m)
+    be, bp, bb = tiles["BE"], tiles["BP"], tiles["BB"]
     num_chunks = triton.cdiv(num_pairs, bp)
     chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=ids.device)
     pad_start = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    expert_count = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     warps = 8 if bp * be >= 8192 else 4
     moe_align_count_kernel[(num_chunks,)](flat, chunk_counts, num_pairs, num_experts, BP=bp, BE=be, num_warps=warps)
     moe_align_plan_kernel[(1,)](
         chunk_counts,
         pad_start,
-        sorted_pairs,
-        block_expert,
+        expert_count,
         num_chunks,
-        num_pairs,
-        num_blocks,
         num_experts,
         BM=block_m,
         BE=be,
-        BB=tiles["BB"],
-        BR=1024,
         BCH=tiles["BCH"],
         num_warps=8,
     )
-    moe_align_scatter_kernel[(num_chunks,)](
-        flat, chunk_counts, pad_start, sorted_pairs, num_pairs, num_experts, BP=bp, BE=be, num_warps=warps
+    moe_align_scatter_kernel[(num_chunks + triton.cdiv(num_blocks, bb),)](
+        flat,
+        chunk_counts,
+        pad_start,
+        expert_count,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        num_chunks,
+        num_blocks,
+        num_experts,
+        BM=block_m,
+        BP=bp,
+        BE=be,
+        BB=bb,
+        num_warps=warps,
     )
     return ExpertBlocks(sorted_pairs, block_expert, block_m, num_pairs)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lightllm.kernels.fused_moe import fused_experts, heuristic_config, softmax_topk
 from lightllm.kernels.fused_moe import fused_moe as fused_moe_module
-from lightllm.kernels.fused_moe.align import align_pairs, align_pairs_reference, max_blocks
+from lightllm.kernels.fused_moe.align import align_pairs, align_pairs_reference, max_blocks, tile_sizes
 from lightllm.models.layers.moe import run_experts
 from unit_tests.helpers.asserts import assert_rel_close, relative_error
 
@@ -149,22 +149,77 @@ def test_align_pairs_layout():
     assert blocks.block_expert.tolist() == [0, 1, 2, 2, 4]
 
 
-ALIGN_CASES = [(1, 8, 2, 16), (37, 12, 3, 16), (9, 5, 5, 16), (200, 256, 8, 16), (50, 512, 10, 64)]
+POISON = -(2**30)
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", ALIGN_CASES, ids=lambda v: str(v))
-def test_align_pairs_matches_the_sort_reference(num_tokens, num_experts, top_k, block_m):
-    """The three-launch Triton layout equals the stable-sort one, including layouts of many pair chunks (256 and
-    512 experts: chunks of 64 and 32 pairs)."""
-    gen = torch.Generator().manual_seed(num_tokens)
+def align_ids(num_tokens: int, num_experts: int, top_k: int, pattern: str) -> torch.Tensor:
+    """Seeded random expert ids [T, top_k]: `spread` top_k distinct experts per token; `hot` the same but over two
+    hot experts for 9 in 10 choices (the others mostly idle); `one` every choice on one expert."""
+    gen = torch.Generator().manual_seed(num_tokens * 1009 + num_experts * 31 + top_k)
+    if pattern == "one":
+        return torch.full((num_tokens, top_k), int(torch.randint(num_experts, (1,), generator=gen)))
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
-    got, ref = align_pairs(ids, num_experts, block_m), align_pairs_reference(ids, num_experts, block_m)
-    assert torch.equal(got.sorted_pairs, ref.sorted_pairs) and torch.equal(got.block_expert, ref.block_expert)
-    # twin: two tokens trading their first choices move their pairs
-    if num_tokens > 1 and ids[0, 0] != ids[1, 0]:
-        swapped = ids.clone()
-        swapped[[0, 1], 0] = ids[[1, 0], 0]
-        assert not torch.equal(align_pairs(swapped, num_experts, block_m).sorted_pairs, got.sorted_pairs)
+    if pattern == "hot":
+        hot = torch.randperm(num_experts, generator=gen)[:2]
+        ids = torch.where(
+            torch.rand(ids.shape, generator=gen) < 0.9, hot[torch.randint(2, ids.shape, generator=gen)], ids
+        )
+    return ids
+
+
+# (tokens, experts, top_k, block_m, pattern): idle experts (1 token of 8 experts, 3 of 256), top_k = experts,
+# experts not a power of two, every pair on one expert, two hot experts, 1 to 300 tokens, 256 and 512 experts at
+# small counts and over many chunks (chunks of 64 and 32 pairs), several block tiles with a partial last one
+# (200 x 8 of 256 at BLOCK_M 16: 340 blocks in tiles of 64; 50 x 10 of 512: 500 blocks in tiles of 32)
+ALIGN_CASES = [
+    (1, 8, 2, 16, "spread"),
+    (37, 12, 3, 16, "spread"),
+    (9, 5, 5, 16, "spread"),
+    (300, 6, 1, 32, "one"),
+    (3, 5, 2, 64, "one"),
+    (129, 7, 2, 16, "hot"),
+    (300, 24, 4, 16, "hot"),
+    (2, 256, 8, 16, "spread"),
+    (3, 256, 8, 128, "spread"),
+    (200, 256, 8, 16, "spread"),
+    (64, 256, 8, 32, "hot"),
+    (1, 512, 10, 16, "spread"),
+    (5, 512, 10, 32, "spread"),
+    (50, 512, 10, 64, "spread"),
+    (17, 384, 6, 16, "spread"),
+]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m,pattern", ALIGN_CASES, ids=lambda v: str(v))
+def test_align_pairs_matches_the_sort_reference(monkeypatch, num_tokens, num_experts, top_k, block_m, pattern):
+    """The three-launch Triton layout equals the stable-sort one into buffers poisoned beforehand (every
+    `torch.empty` of the call comes back filled with POISON), so each padding row and block past the end must be
+    written."""
+    ids = align_ids(num_tokens, num_experts, top_k, pattern)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(POISON))
+    got = align_pairs(ids, num_experts, block_m)
+    monkeypatch.undo()
+    ref = align_pairs_reference(ids, num_experts, block_m)
+    assert torch.equal(got.sorted_pairs, ref.sorted_pairs), (got.sorted_pairs, ref.sorted_pairs)
+    assert torch.equal(got.block_expert, ref.block_expert), (got.block_expert, ref.block_expert)
+    # twin: the reference of ids with a used expert's label traded for another's differs (its pairs or its
+    # blocks move), so the comparison above sees a misplaced expert
+    a = int(ids[0, 0])
+    b = (a + 1) % num_experts
+    swapped = torch.where(ids == a, b, torch.where(ids == b, a, ids))
+    twin = align_pairs_reference(swapped, num_experts, block_m)
+    assert not (torch.equal(got.sorted_pairs, twin.sorted_pairs) and torch.equal(got.block_expert, twin.block_expert))
+
+
+def test_align_cases_cover_partial_block_tiles():
+    """Some cases above span several scatter tiles of blocks with a partial last one."""
+    partial = [
+        (t, e, k, m)
+        for t, e, k, m, _ in ALIGN_CASES
+        if (n := max_blocks(t * k, e, m)) > (bb := tile_sizes(e, m)["BB"]) and n % bb
+    ]
+    assert len(partial) >= 2, partial
 
 
 def test_fused_experts_validates_shapes():
