@@ -48,8 +48,12 @@
 #                 1 / 64 / 256, then replay decode of 64 requests at 8k and 32k context with its kernels (the MLA
 #                 latent kernel against its read floor)
 #   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: the server's memory plan and 64 requests
-#                 over HTTP, then replay and native decode at 1 / 64 / 256
+#                 over HTTP (q3n_serve alone), then replay and native decode at 1 / 64 / 256
+#   structured_q35 free vs constrained decode at batch 64 on Qwen3.5-35B-A3B at full size (random weights) with a
+#                 generated vocabulary of the released size (248k): the structured target on a served model's step
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
+#   warm_start    three starts of the server on the serving checkpoint with this machine's Triton cache (the first,
+#                 compiling what the cache lacks, left out of the summary): time to ready and the start-up's phases
 #   compile_ahead the serving checkpoint's start-up compiles (replay and native, 64 requests) recorded into this GPU
 #                 kind's compile list (returned beside the logs: commit it), then a fresh start (empty Triton cache)
 #                 without the list and one with it
@@ -198,18 +202,23 @@ for part in $parts; do
                            --top_kernels 16
                        grep -E "kernel " "$LOG_DIR/kimi_ctx$ctx.log" | head -16
                    done ;;
-        q3n_fp8) python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
+        q3n_serve|q3n_fp8)
+                 python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
                  # the server at its defaults: the memory plan's line (the concurrency it affords), then it serves
                  python -m lightllm.server.api_server --model_dir /tmp/q3n --load_format dummy --quantization fp8 \
                      --ssm_state_mode replay --port 8012 > "$LOG_DIR/q3n_server.log" 2>&1 &
                  server=$!
                  for _ in $(seq 300); do curl -sf http://127.0.0.1:8012/health > /dev/null && break; sleep 1; done
-                 grep -E "engine ready|start-up of rank" "$LOG_DIR/q3n_server.log" | cut -c1-400
+                 grep -E "memory plan|engine ready|start-up of rank" "$LOG_DIR/q3n_server.log" | cut -c1-400
                  run q3n_serve 120 python -m lightllm.tools.bench_serving --base_url http://127.0.0.1:8012 \
                      --num_prompts 64 --input_len 1024 --output_len 64 --max_concurrency 64
                  kill $server; wait $server
-                 run q3n_fp8 330 python -m lightllm.tools.bench_throughput --model_dir /tmp/q3n --load_format dummy \
-                     --quantization fp8 --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48 ;;
+                 [ "$part" = q3n_fp8 ] && run q3n_fp8 330 python -m lightllm.tools.bench_throughput --model_dir /tmp/q3n \
+                     --load_format dummy --quantization fp8 --modes replay,native --batch_sizes 1,64,256 --input_len 128 \
+                     --output_len 48 ;;
+        structured_q35) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
+                        run structured_q35 400 python test/benchmark/bench_structured_output.py --batch 64 \
+                            --model_dir /tmp/q35 --load_format dummy --synthetic_vocab 248000 --phases ;;
         fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
                  grep -E "^\|" "$LOG_DIR/fp8_moe.log" | tail -20 ;;
         tune_cap8) run tune_cap8 240 python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 \
@@ -223,6 +232,9 @@ for part in $parts; do
                    cp lightllm/linear_att/kda/tuned/h200.json "$OUT_DIR/kda_h200.json"
                    grep -h -E "^family=replay" "$LOG_DIR"/tune_cap8*.log | grep "replay_capacity=8" \
                        | sed -E 's/gpu=[^|]*.triton=[^|]*.//' ;;
+        warm_start) run warm_start 400 python test/gpu/startup_check.py --starts 3 --modes replay \
+                        --big_max_running_requests 0 --log_dir "$LOG_DIR/warm_start"
+                    grep -h -o -E "start-up of rank 0: .*|engine ready: .*" "$LOG_DIR/warm_start"/* | cut -c1-400 ;;
         compile_ahead) # the serving checkpoint's start-up compiles recorded into this GPU kind's list (replay and native,
                        # 64 requests), then fresh starts (empty Triton caches) without and with it
                        lists=lightllm/kernels/compile_ahead/lists
