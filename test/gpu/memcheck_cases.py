@@ -1,8 +1,8 @@
 """The cases of `memcheck_kernels.py`: the served and tiny linear-attention head shapes, and one builder per state
 kernel family (conv prefill / decode, native, compact, replay, the cursor kernels) plus the state classes' own call
 sequence, each returning the function a case runs on its `Ctx` (device, seeded generator, exact-size allocations).
-`build_cases` lists them, and the shared model kernels' cases (`memcheck_model_cases.py`), with the kernels each
-must launch."""
+`build_cases` lists them, the shared model kernels' cases (`memcheck_model_cases.py`) and the layers' glue kernels'
+(`memcheck_elementwise_cases.py`), with the kernels each must launch."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from unittest import mock
 
 from memcheck_common import Case, Ctx
+from memcheck_elementwise_cases import build_elementwise_cases
 from memcheck_model_cases import build_model_cases
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -471,4 +472,5 @@ def build_cases() -> list[Case]:
         )
     )
     cases += build_model_cases()
+    cases += build_elementwise_cases()
     return cases

@@ -38,6 +38,8 @@ CPU_CASES = [
     "fp8/tiny-fp8-odd/M=37 N=200 K=136",
     "token_bitmask/tiny-bitmask/R=5 V=1000",
     "rms_norm/tiny-norm/T=37 D=100 mode=1 gate=1",
+    "silu_mul/tiny-silu-mul/T=37 I=100 strided",
+    "split_columns/tiny-split/T=37 sizes=72-48-3-3 strided",
     "host_flag",
 ]
 
@@ -85,6 +87,8 @@ def test_the_case_list_covers_every_kernel_shape_width_and_mode():
         "fp8_block_gemm_kernel",
         "apply_token_bitmask_kernel",
         "rms_norm_kernel",
+        "silu_mul_kernel",
+        "split_columns_kernel",
         "wait_host_flag_kernel",
     } <= set(kernels)
     cases = mk.build_cases()
@@ -99,6 +103,8 @@ def test_the_case_list_covers_every_kernel_shape_width_and_mode():
                     "fp8_",
                     "apply_token_bitmask",
                     "rms_norm",
+                    "silu_mul",
+                    "split_columns",
                     "wait_host_flag",
                 )
             ):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightllm.kernels.split_columns import split_columns
 from lightllm.linear_att import LinearAttSpec
 from lightllm.linear_att.base import LayerParams
 from lightllm.models.context import StepContext
@@ -99,10 +100,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, hv, dv = x.shape[0], self.num_v_heads, self.spec.head_v_dim
         if self.ba_proj is None:
-            mixed_qkv, z, b, a = (p.contiguous() for p in linear(x, self.in_proj).split(self.split_sizes, dim=-1))
+            mixed_qkv, z, b, a = split_columns(linear(x, self.in_proj), self.split_sizes)
         else:
-            mixed_qkv, z = (p.contiguous() for p in linear(x, self.in_proj).split(self.split_sizes[:2], dim=-1))
-            b, a = (p.contiguous() for p in linear(x, self.ba_proj).split(self.split_sizes[2:], dim=-1))
+            mixed_qkv, z = split_columns(linear(x, self.in_proj), self.split_sizes[:2])
+            b, a = split_columns(linear(x, self.ba_proj), self.split_sizes[2:])
         o = run_linear_state(ctx, self.linear_layer, mixed_qkv, a[:, :, None], b, self.params, hv, dv)
         y = gated_rms_norm_silu(o, z.reshape(t, hv, dv), self.norm, self.eps)
         return linear(y.reshape(t, hv * dv), self.out_proj)

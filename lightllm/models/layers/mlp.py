@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from lightllm.kernels.silu_mul import silu_mul
 from lightllm.models.layers.quantized_linear import linear, set_weight
 from lightllm.models.loader import Shapes, WeightLoader
 
@@ -36,5 +36,4 @@ class SwiGLU(nn.Module):
         set_weight(self, "down", w.linear(w.get_linear(down, 1), down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down)
+        return linear(silu_mul(linear(x, self.gate_up)), self.down)
