@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
-from triton.runtime.interpreter import InterpretedFunction
+
+from lightllm.kernels.torch_exp import libdevice_exp, torch_exp
 
 # columns of one program's tile: a program handles one row, so a decode-sized launch spreads over many programs and
 # each thread runs the exact exponential and division on few elements (its latency is the launch's)
@@ -48,12 +48,7 @@ def silu_mul_kernel(
     p_g = x + i_t * stride_x + o_c
     b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
     b_u = tl.load(p_g + INTER, mask=m, other=0.0)
-    # libdevice's expf is the exponential torch's CUDA silu calls (tl.exp lowers to a faster, less exact one); the
-    # interpreter has no libdevice
-    if LIBDEVICE_EXP:
-        b_e = libdevice.exp(-b_g)
-    else:
-        b_e = tl.exp(-b_g)
+    b_e = torch_exp(-b_g, LIBDEVICE_EXP)
     # torch's silu rounds to the activation dtype before the product
     b_s = tl.math.div_rn(b_g, 1.0 + b_e).to(b_u.dtype).to(tl.float32)
     tl.store(out + i_t * INTER + o_c, (b_s * b_u.to(tl.float32)).to(b_u.dtype), mask=m)
@@ -76,7 +71,7 @@ def silu_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
             out,
             x.stride(0),
             INTER=inter,
-            LIBDEVICE_EXP=not isinstance(silu_mul_kernel, InterpretedFunction),
+            LIBDEVICE_EXP=libdevice_exp(silu_mul_kernel),
             BLOCK_C=block_c,
             num_warps=4,
         )

@@ -12,7 +12,7 @@ A group addresses keys through the KV cache's request table (`table[table_rows[i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -74,10 +74,18 @@ class StepContext:
     state: LinearAttState | None = None
     prefill_rows: PrefillRows | None = None
     decode_rows: DecodeRows | None = None
+    # what every layer of the step derives alike from it (RoPE's cos and sin), by key: see `shared`
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return self.positions.numel()
+
+    def shared(self, key, make):
+        """`make()`, computed by the first layer of the step that asks for `key` and reused by the others."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
 
 def _group(

@@ -303,6 +303,33 @@ def case_rms_norm(shape: NormShape, mode: int, gate_kind: int, residual: bool, s
     return run
 
 
+def case_attention_io(shape: AttentionShape, tokens: int) -> Callable[[Ctx], str]:
+    """Gated attention's q/k norm + RoPE (a quarter of each head rotated, the query a view of the wider projection
+    row) and its output gate (the gate a view too) on exact-size inputs: the head tile's tail, the rotation
+    partners and the last token must read and write nothing past their tensors."""
+
+    def run(ctx: Ctx) -> str:
+        from lightllm.kernels.qk_norm_rope import qk_norm_rope_triton, rope_cos_sin
+        from lightllm.kernels.sigmoid_gate import sigmoid_gate_triton
+
+        torch, d, rd = ctx.torch, shape.dk, 2 * (shape.dk // 8)
+        q = ctx.randn(tokens, shape.heads, 2 * d, dtype=shape.dtype)[..., :d]
+        k = ctx.randn(tokens, shape.kv_heads, d, dtype=shape.dtype)
+        positions = torch.randint(0, 1 << 16, (tokens,), generator=ctx.gen, device=ctx.device)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rd, 2, dtype=torch.float32, device=ctx.device) / rd))
+        cos, sin = rope_cos_sin(positions, inv_freq, 1.0, q.dtype)
+        q_out, k_out = qk_norm_rope_triton(q, k, ctx.randn(d, dtype=shape.dtype), ctx.randn(d, dtype=shape.dtype),
+                                           1e-6, cos, sin)  # fmt: skip
+        o = ctx.randn(tokens, shape.heads, shape.dv, dtype=shape.dtype)
+        gate = ctx.randn(tokens, shape.heads, 2 * shape.dv, dtype=shape.dtype)[..., shape.dv :]
+        out = sigmoid_gate_triton(o, gate)
+        for t in (q_out, k_out, out):
+            assert bool(torch.isfinite(t).all()), "non-finite outputs"
+        return f"rotary {rd} of {d}"
+
+    return run
+
+
 def build_model_cases() -> list[Case]:
     cases = []
     for a in ATTENTION_SHAPES:
@@ -315,6 +342,12 @@ def build_model_cases() -> list[Case]:
                 cases.append(
                     Case("paged_attention", a.name, detail, kernels, a.tiny, case_paged_attention(a, rows, splits))
                 )
+    for a in ATTENTION_SHAPES:
+        if a.name.endswith("mla"):
+            continue  # MLA has no q/k norm, RoPE or output gate of this form
+        for tokens in (1, 37):
+            kernels = ("qk_norm_rope_kernel", "sigmoid_gate_kernel")
+            cases.append(Case("attention_io", a.name, f"T={tokens}", kernels, a.tiny, case_attention_io(a, tokens)))
     for m in MOE_SHAPES:
         router = "moe_sigmoid_topk_kernel" if m.scoring == "sigmoid" else "moe_softmax_topk_kernel"
         align = ("moe_align_count_kernel", "moe_align_plan_kernel", "moe_align_scatter_kernel")

@@ -40,6 +40,7 @@ CPU_CASES = [
     "rms_norm/tiny-norm/T=37 D=100 mode=1 gate=1",
     "silu_mul/tiny-silu-mul/T=37 I=100 strided",
     "split_columns/tiny-split/T=37 sizes=72-48-3-3 strided",
+    "attention_io/tiny-attention/T=37",
     "host_flag",
 ]
 
@@ -89,6 +90,8 @@ def test_the_case_list_covers_every_kernel_shape_width_and_mode():
         "rms_norm_kernel",
         "silu_mul_kernel",
         "split_columns_kernel",
+        "qk_norm_rope_kernel",
+        "sigmoid_gate_kernel",
         "wait_host_flag_kernel",
     } <= set(kernels)
     cases = mk.build_cases()
@@ -105,6 +108,8 @@ def test_the_case_list_covers_every_kernel_shape_width_and_mode():
                     "rms_norm",
                     "silu_mul",
                     "split_columns",
+                    "qk_norm_rope",
+                    "sigmoid_gate",
                     "wait_host_flag",
                 )
             ):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightllm.kernels.qk_norm_rope import qk_norm_rope
+from lightllm.kernels.sigmoid_gate import sigmoid_gate
 from lightllm.models.config import AttentionConfig
 from lightllm.models.context import StepContext
-from lightllm.models.layers.norms import rms_norm
 from lightllm.models.layers.paged_attention import attend
 from lightllm.models.layers.quantized_linear import linear, set_weight
 from lightllm.models.layers.rotary import Rotary
@@ -69,10 +70,8 @@ class GatedAttention(nn.Module):
         q, gate = linear(x, self.q_proj, self.q_bias).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
         k = linear(x, self.k_proj, self.k_bias).view(t, self.num_kv_heads, d)
         v = linear(x, self.v_proj, self.v_bias).view(t, self.num_kv_heads, d)
-        q = rms_norm(q, self.q_norm, self.eps, zero_centered=True)
-        k = rms_norm(k, self.k_norm, self.eps, zero_centered=True)
-        cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        cos, sin = ctx.shared(("rope", x.dtype), lambda: self.rotary.cos_sin(ctx.positions, x.dtype))
+        q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, self.eps, cos, sin)
         ctx.kv.write(self.kv_layer, ctx.write_slots, k, v)
 
         def load_kv(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,5 +80,4 @@ class GatedAttention(nn.Module):
 
         pool = (ctx.kv.buffers[0][self.kv_layer], ctx.kv.buffers[1][self.kv_layer])
         o = attend(q, ctx.groups, load_kv, d**-0.5, kv_pool=pool, backend=self.attention_backend)
-        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return linear(o, self.o_proj, self.o_bias)
+        return linear(sigmoid_gate(o.reshape(t, self.num_heads, d), gate), self.o_proj, self.o_bias)

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from lightllm.kernels.qk_norm_rope import rope_cos_sin, rope_rotate
 from lightllm.models.config import RopeScaling
 
 
@@ -50,19 +51,8 @@ class Rotary:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`positions [T]` int -> `cos, sin [T, rotary_dim]` in `dtype` (angles computed in fp32), each scaled by
         the attention factor (YaRN's temperature; 1 otherwise)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        if self.attention_factor == 1.0:
-            return emb.cos().to(dtype), emb.sin().to(dtype)
-        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+        return rope_cos_sin(positions, self.inv_freq, self.attention_factor, dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`x [T, heads, head_dim]` -> rotated copy; dims past `rotary_dim` pass through."""
-        if self.rotary_dim == 0:
-            return x
-        rd = self.rotary_dim
-        rot, rest = x[..., :rd], x[..., rd:]
-        half = rd // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+        return rope_rotate(x, cos, sin)
