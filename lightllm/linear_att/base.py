@@ -11,7 +11,7 @@ Call order within one model step:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
@@ -41,6 +41,8 @@ class DecodeRows:
     widths: torch.Tensor
     # the padded width of the token tensors, >= widths.max()
     max_width: int
+    # what every layer of the step derives alike from the rows (the live widths), by key
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -76,9 +76,13 @@ class StateCommon:
 
     # helpers ---------------------------------------------------------------------------------------------
     def _live_widths(self, rows: DecodeRows) -> torch.Tensor:
-        """Row widths with the HOLD slot forced to 0 (it must never be written)."""
-        widths = rows.widths.to(torch.int32)
-        return torch.where(rows.slots == self.hold_slot, torch.zeros_like(widths), widths)
+        """Row widths with the HOLD slot forced to 0 (it must never be written); computed by the first layer of the
+        step and reused by the others (the same rows every layer)."""
+        key = ("live_widths", self.hold_slot)
+        if key not in rows.derived:
+            widths = rows.widths.to(torch.int32)
+            rows.derived[key] = torch.where(rows.slots == self.hold_slot, torch.zeros_like(widths), widths)
+        return rows.derived[key]
 
     def _set_live_slots(self, target: torch.Tensor, rows: DecodeRows, live: torch.Tensor, value: torch.Tensor) -> None:
         """`target[slots[i]] = value[i]` for rows with `live[i]`, without a host sync (CUDA-graph safe).
