@@ -1,6 +1,6 @@
 """Gated attention's fused q/k norm + RoPE and output gate compiled on a CUDA device at the served head shapes: the
-output gate bit for bit the eager torch expression it replaces, the norm + RoPE rounding where eager torch rounds
-(the norm's fp32 sum order aside), over decode and prefill token counts, and the same inside a CUDA graph replayed
+output gate bit for bit the eager torch expression it replaces, the norm equal to eager torch's (its fp32 sum order
+aside) and the rotated values within one unit of the dtype of eager torch's, over decode and prefill token counts, and the same inside a CUDA graph replayed
 on new inputs."""
 
 from __future__ import annotations
@@ -41,10 +41,14 @@ def test_the_kernels_give_the_eager_numbers(heads, tokens, dtype):
     o = q.contiguous() * 0.5
     assert torch.equal(sigmoid_gate(o, gate), sigmoid_gate_torch(o, gate))
     got, want = qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin), qk_norm_rope_torch(q, k, qw, kw, 1e-6, cos, sin)
+    rd = cos.shape[-1]
     for g, w in zip(got, want):
         assert g.is_contiguous() and g.shape == w.shape
-        same = (g == w).float().mean().item()
-        assert same > 0.99, f"{1 - same:.2%} of values differ"
+        # the unrotated dims: the norm, equal but for its fp32 sum order
+        assert (g[..., rd:] == w[..., rd:]).float().mean().item() > 0.999
+        # the rotated dims: within one unit of the dtype of eager torch's value (module docstring)
+        ulp = torch.finfo(dtype).eps * torch.maximum(g.float().abs(), w.float().abs())
+        assert bool(((g.float() - w.float()).abs() <= ulp).all())
         assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 4e-3
 
 
