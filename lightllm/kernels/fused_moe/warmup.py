@@ -39,6 +39,7 @@ def warmup_fused_moe(
     topk_groups: int = 1,
     shared: bool = False,
     shared_gate: bool = False,
+    gate_beside_logits: bool = False,
     act_dtype: torch.dtype | None = None,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
@@ -46,7 +47,9 @@ def warmup_fused_moe(
 ) -> int:
     """Route and run the experts `gate_up [E, 2I, H]`, `down [E, H, I]` (a layer's own weights: only read, so
     the warm-up allocates no expert-sized scratch) once per distinct configuration of 1 .. `max_tokens` tokens on
-    scratch activations; `shared` / `shared_gate` as the layer combines. Block-FP8 experts come with their scales
+    scratch activations; `shared` / `shared_gate` as the layer combines, `gate_beside_logits` when the layer's one
+    GEMM gives the router's logits and the gate logit as columns of one tensor (their strides are part of the
+    kernels' compile keys). Block-FP8 experts come with their scales
     and `block` (as `fused_experts` takes them) and `act_dtype`, the activations' dtype. Returns the launch
     sequences run."""
     num_experts, hidden, inter = down.shape
@@ -56,12 +59,18 @@ def warmup_fused_moe(
     bias = torch.zeros(num_experts, device=device)
     for n in counts:
         x = torch.randn(n, hidden, device=device).to(dtype)
-        logits = torch.randn(n, num_experts, device=device)
+        # the router's logits and the gate logit: columns of one tensor where the layer's one GEMM gives both
+        both = torch.randn(n, num_experts + 1, device=device)
+        if scoring == "softmax":
+            both = both.to(dtype)
+        logits, gate = both[:, :-1], both[:, -1:]
+        if not gate_beside_logits:
+            logits, gate = logits.contiguous(), gate.contiguous()
         if scoring == "sigmoid":
             weights, ids = sigmoid_topk(logits, bias, top_k, True, 1.0, num_groups, topk_groups)
         else:
-            weights, ids = softmax_topk(logits.to(dtype), top_k, True)
+            weights, ids = softmax_topk(logits, top_k, True)
         shared_out = torch.randn(n, hidden, device=device).to(dtype) if shared else None
-        gate = torch.randn(n, 1, device=device).to(dtype) if shared_gate else None
+        gate = gate.to(dtype) if shared_gate else None
         fused_experts(x, gate_up, down, weights, ids, shared_out, gate, **fp8)
     return len(counts)

@@ -84,6 +84,8 @@ class MoE(nn.Module):
         self.expert_names = ("w1", "w3", "w2") if kimi_names else ("gate_proj", "up_proj", "down_proj")
         self.shared_prefix = "shared_experts." if kimi_names else "shared_expert."
         self.shared = SwiGLU(cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None
+        # [E + 1, H]: the router's rows and the shared expert's gate row, when one GEMM can give both (see load)
+        self.register_buffer("router_and_gate", None)
 
     def _fused(self, prefix: str, available: set[str] | None) -> bool:
         return available is not None and f"{prefix}experts.gate_up_proj" in available
@@ -117,6 +119,11 @@ class MoE(nn.Module):
             self.shared.load(w, prefix + self.shared_prefix)
         if self.cfg.shared_expert_gate:
             self.register_buffer("shared_gate", w.get(f"{prefix}shared_expert_gate.weight"))
+            if self.router.dtype == self.shared_gate.dtype:
+                # one GEMM gives the router's logits and the shared expert's gate logit: a decode step would
+                # otherwise spend a launch per layer on a one-row GEMM; router and gate stay views of it
+                self.router_and_gate = torch.cat([self.router, self.shared_gate])
+                self.router, self.shared_gate = self.router_and_gate[:-1], self.router_and_gate[-1:]
 
     def _load_experts(self, w: WeightLoader, prefix: str) -> tuple[LinearWeight, LinearWeight]:
         """Stacked `gate_up [E, 2I_local, H]` and `down [E, H, I_local]`: both FP8 or both in the model dtype (one
@@ -162,10 +169,16 @@ class MoE(nn.Module):
             weights, ids = sigmoid_topk(
                 logits, self.score_bias, c.top_k, c.norm_topk_prob, c.routed_scaling_factor, c.num_groups, c.topk_groups
             )
+            gate = F.linear(x, self.shared_gate) if c.shared_expert_gate else None
         else:
-            weights, ids = softmax_topk(F.linear(x, self.router), c.top_k, c.norm_topk_prob)
+            if self.router_and_gate is not None:
+                both = F.linear(x, self.router_and_gate)
+                logits, gate = both[:, :-1], both[:, -1:]
+            else:
+                logits = F.linear(x, self.router)
+                gate = F.linear(x, self.shared_gate) if c.shared_expert_gate else None
+            weights, ids = softmax_topk(logits, c.top_k, c.norm_topk_prob)
         shared = self.shared(x) if self.shared is not None else None
-        gate = F.linear(x, self.shared_gate) if c.shared_expert_gate else None
         if isinstance(self.gate_up, Fp8Weight):
             scales = {"gate_up_scale": self.gate_up.weight_scale_inv, "down_scale": self.down.weight_scale_inv}
             return fused_experts(
@@ -179,7 +192,11 @@ class MoE(nn.Module):
         shape is enough); returns the launch sequences run. FP8 experts need `act_dtype`, the model's activation
         dtype (0 launches without it)."""
         c = self.cfg
-        common = dict(shared=self.shared is not None, shared_gate=c.shared_expert_gate)
+        common = dict(
+            shared=self.shared is not None,
+            shared_gate=c.shared_expert_gate,
+            gate_beside_logits=self.router_and_gate is not None,
+        )
         if not isinstance(self.gate_up, Fp8Weight):
             return warmup_fused_moe(
                 self.gate_up, self.down, c.top_k, max_tokens, c.scoring, c.num_groups, c.topk_groups, **common

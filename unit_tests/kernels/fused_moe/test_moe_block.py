@@ -64,3 +64,19 @@ def test_swapped_experts_fail():
     moe.gate_up.copy_(moe.gate_up[perm].clone())
     moe.down.copy_(moe.down[perm].clone())
     assert relative_error(moe.forward_fused(x), expected) > 1e-2
+
+
+def test_the_router_and_the_shared_gate_share_one_gemm():
+    """Qwen's router rows and shared-expert gate row are one weight (views of it), read by one GEMM in the fused
+    path; twin: a fused weight whose gate row differs from the layer's gate changes the fused block's output."""
+    moe = build(QWEN, seed=7)
+    both = moe.router_and_gate
+    assert both is not None and both.shape == (QWEN.num_experts + 1, HIDDEN)
+    assert moe.router.data_ptr() == both.data_ptr() and moe.shared_gate.data_ptr() == both[-1:].data_ptr()
+    x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(8))
+    expected = moe(x)
+    moe.router_and_gate = both.clone()
+    moe.router_and_gate[-1] = -both[-1]
+    assert relative_error(moe.forward_fused(x), expected) > 1e-2
+    # Kimi has no shared-expert gate: nothing to fuse
+    assert build(KIMI, seed=9).router_and_gate is None
