@@ -194,6 +194,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replay_capacity", type=int, default=None)
     p.add_argument("--linear_att_ssm_data_type", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mem_fraction", type=float, default=None, help="the server's --mem_fraction (default: its own)")
     p.add_argument("--result_file", default=None, help="write every row as JSON here")
     p.add_argument("--top_kernels", type=int, default=0, help="on CUDA, print the N kernels taking most GPU time")
     return p.parse_args(argv)
@@ -242,6 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             disable_cudagraph=a.disable_cudagraph,
             disable_overlap_schedule=a.disable_overlap_schedule,
         )
+        if a.mem_fraction is not None:
+            flags["mem_fraction"] = a.mem_fraction
         if mode == "replay" and a.replay_capacity:
             flags["replay_capacity"] = a.replay_capacity
         args, info = load_server_args([], **flags)

@@ -17,6 +17,8 @@
 #   spec          the serving checkpoint's decode step in replay, plain and MTP 2 (every draft rejected)
 #   checks        compute-sanitizer memcheck of the fused MoE, FP8 and conv decode kernels; the GPU tests of the
 #                 host tier's writer and of overlapped MTP steps in graphs
+#   glue_tests    the GPU tests of the decode step's fused glue kernels (q/k norm + RoPE, output gate, SwiGLU, GDN's
+#                 in_proj split), of the MoE routers against torch, and of the fused MoE
 #   spec_graph    overlapped MTP steps as one graph each: graph == synchronous tokens (test_spec_overlap_gpu.py), then
 #                 replay and native decode at 1 / 64 / 256 plain, MTP 3 at simulated acceptance 0.7 and MTP 2 with
 #                 every draft rejected, one command
@@ -45,8 +47,11 @@
 #   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
 #                 kernels of a replay step at 256
 #   kimi_full     Kimi-Linear-48B-A3B at full size (random weights, bf16: ~96 GB, an H200): replay and native decode at
-#                 1 / 64 / 256, then replay decode of 64 requests at 8k and 32k context with its kernels (the MLA
-#                 latent kernel against its read floor)
+#                 1 / 64 / 256
+#   kimi_ctx      the same model: replay decode of 64 requests at 8k and 32k context with its kernels (the MLA latent
+#                 kernel against its read floor)
+#   kimi_fp8, kimi_ctx_fp8  the two above with the weights quantized to FP8 at load (~47 GiB; fits an H100 at
+#                 --mem_fraction 0.92, 32k contexts at 16 requests)
 #   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: the server's memory plan and 64 requests
 #                 over HTTP (q3n_serve alone), then replay and native decode at 1 / 64 / 256
 #   structured_q35 free vs constrained decode at batch 64 on Qwen3.5-35B-A3B at full size (random weights) with a
@@ -151,6 +156,10 @@ for part in $parts; do
                 tail -5 "$LOG_DIR/memcheck.log"
                 run gpu_tests 300 python -m pytest -q test/gpu/test_section_writer_gpu.py test/gpu/test_spec_overlap_gpu.py
                 tail -3 "$LOG_DIR/gpu_tests.log" ;;
+        glue_tests) run glue_tests 240 python -m pytest -q test/gpu/test_attention_io_gpu.py test/gpu/test_glue_kernels_gpu.py \
+                        test/gpu/test_moe_routing_gpu.py \
+                        test/gpu/test_fused_moe_gpu.py
+                    tail -3 "$LOG_DIR/glue_tests.log" ;;
         spec_graph) run spec_graph_test 300 python -m pytest -q -x test/gpu/test_spec_overlap_gpu.py
                     for flags in "--mtp_step 0" "--mtp_step 3 --simulate_acceptance 0.7" \
                                  "--mtp_step 2 --simulate_acceptance 0"; do
@@ -193,15 +202,23 @@ for part in $parts; do
                   run moe_kernels 200 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
                       --modes replay --batch_sizes 256 --input_len 128 --output_len 48 --top_kernels 28
                   grep -E "kernel " "$LOG_DIR/moe_kernels.log" | head -28 ;;
-        kimi_full) python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
-                   run kimi_full 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi --load_format dummy \
-                       --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
-                   for ctx in 8192 32768; do
-                       run "kimi_ctx$ctx" 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi \
-                           --load_format dummy --modes replay --batch_sizes 64 --input_len $ctx --output_len 32 \
-                           --top_kernels 16
-                       grep -E "kernel " "$LOG_DIR/kimi_ctx$ctx.log" | head -16
-                   done ;;
+        kimi_full|kimi_fp8|kimi_ctx|kimi_ctx_fp8)
+                   python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
+                   # FP8 (an H100): weights ~47 GiB, the state of 256 requests ~20 GiB; 32k contexts at 16 requests
+                   quant="" ctx_batches="8192:64 32768:64"
+                   [ "${part%_fp8}" != "$part" ] && quant="--quantization fp8 --mem_fraction 0.92" \
+                       ctx_batches="8192:64 32768:16"
+                   if [ "${part#kimi_ctx}" = "$part" ]; then
+                       run "$part" 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi --load_format dummy \
+                           $quant --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
+                   else
+                       for cb in $ctx_batches; do
+                           run "${part}_${cb%:*}" 270 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi \
+                               --load_format dummy $quant --modes replay --batch_sizes "${cb#*:}" --input_len "${cb%:*}" \
+                               --output_len 32 --top_kernels 16
+                           grep -E "kernel " "$LOG_DIR/${part}_${cb%:*}.log" | head -16
+                       done
+                   fi ;;
         q3n_serve|q3n_fp8)
                  python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
                  # the server at its defaults: the memory plan's line (the concurrency it affords), then it serves
