@@ -2,7 +2,8 @@
 side by side in one engine, in alternating runs (free, constrained, free, constrained, ...).
 
     python test/benchmark/bench_structured_output.py [--batch 64] [--schema records|records_unbounded|digits|FILE.json] \
-        [--mode native|compact|replay] [--mtp_step N] [--model_dir DIR --load_format dummy] [--synthetic_vocab N]
+        [--mode native|compact|replay] [--mtp_step N] [--model_dir DIR --load_format dummy] [--quantization fp8] \
+        [--synthetic_vocab N]
 
 On CUDA it defaults to the serving benchmark's checkpoint (bench_throughput.serving_model_dir: Qwen3.5 layout,
 32k-row vocabulary with a small tokenizer); without CUDA it exits unless `--device cpu` is given (then the tiny demo
@@ -46,6 +47,7 @@ from lightllm.engine import grammar_masks
 from lightllm.engine.grammar_masks import MaskJob
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
+from lightllm.models.quant_config import QUANTIZATION_CHOICES
 from lightllm.server.args import load_server_args
 from lightllm.server.collector import quiet_garbage_collector
 from lightllm.server.engine_process import build_engine
@@ -91,6 +93,7 @@ def _parse(argv):
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--model_dir", default=None)
     p.add_argument("--load_format", default="auto")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES)
     p.add_argument("--synthetic_vocab", type=int, default=0, help="replace the tokenizer by N generated tokens")
     p.add_argument("--disable_overlap_schedule", action="store_true")
     p.add_argument("--phases", action="store_true", help="host ms per decode step in each part of the step")
@@ -231,6 +234,7 @@ def main(argv=None) -> dict:
 
         model_dir = serving_model_dir()
     flags = dict(device=opts.device, ssm_state_mode=opts.mode, mtp_step=opts.mtp_step, load_format=opts.load_format)
+    flags.update(quantization=opts.quantization)
     flags.update(max_running_requests=opts.batch, max_req_total_len=opts.input_len + opts.output_len + 8)
     flags.update(disable_overlap_schedule=opts.disable_overlap_schedule)
     args, info = load_server_args([], model_dir=model_dir, **flags)

@@ -56,6 +56,7 @@
 #                 over HTTP (q3n_serve alone), then replay and native decode at 1 / 64 / 256
 #   structured_q35 free vs constrained decode at batch 64 on Qwen3.5-35B-A3B at full size (random weights) with a
 #                 generated vocabulary of the released size (248k): the structured target on a served model's step
+#   structured_q35_fp8  the same with the weights quantized to FP8 at load (fits an H100)
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
 #   warm_start    three starts of the server on the serving checkpoint with this machine's Triton cache (the first,
 #                 compiling what the cache lacks, left out of the summary): time to ready and the start-up's phases
@@ -233,9 +234,11 @@ for part in $parts; do
                  [ "$part" = q3n_fp8 ] && run q3n_fp8 330 python -m lightllm.tools.bench_throughput --model_dir /tmp/q3n \
                      --load_format dummy --quantization fp8 --modes replay,native --batch_sizes 1,64,256 --input_len 128 \
                      --output_len 48 ;;
-        structured_q35) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
-                        run structured_q35 400 python test/benchmark/bench_structured_output.py --batch 64 \
-                            --model_dir /tmp/q35 --load_format dummy --synthetic_vocab 248000 --phases ;;
+        structured_q35|structured_q35_fp8)
+                        python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
+                        run "$part" 400 python test/benchmark/bench_structured_output.py --batch 64 \
+                            --model_dir /tmp/q35 --load_format dummy --synthetic_vocab 248000 --phases \
+                            $([ "$part" = structured_q35_fp8 ] && echo "--quantization fp8") ;;
         fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
                  grep -E "^\|" "$LOG_DIR/fp8_moe.log" | tail -20 ;;
         tune_cap8) run tune_cap8 240 python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 \
