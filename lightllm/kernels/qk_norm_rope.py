@@ -7,11 +7,9 @@ Contract, per head row `x [D]` of dtype `dt` (the torch path below, which is the
   `out_i = round_dt(round_dt(y_i · cos_i) + round_dt(rot(y)_i · sin_i))`, with `cos, sin [T, rd]` already in `dt`
   (`rope_cos_sin`: angles `position · inv_freq` in fp32, scaled by YaRN's attention factor, then rounded);
 - dims `>= rd` are `y` unchanged.
-Each product and the sum round to `dt` as eager torch does. On an H100 the normalised bf16 / fp16 values equal
-eager torch's but for the norm's fp32 sum order (4e-6 of them differ), while about a fifth of the rotated values
-land one unit of `dt` away from eager torch's (and from a single rounding of the exact sum alike; not explained);
-in fp32 the hardware's approximate rsqrt and fused multiply-adds move the last bits. The GPU test holds the kernel
-to the bound eager torch meets: within `dt`'s rounding error of a float64 computation. Eager torch spends two norm kernels, a dozen elementwise kernels and their intermediates
+Each product and the sum round to `dt` as eager torch does (the launch turns fp fusion off for it), so on a GPU
+the results equal eager torch's but for the norm's fp32 sum order and, in fp32, the hardware's approximate rsqrt.
+Eager torch spends two norm kernels, a dozen elementwise kernels and their intermediates
 per attention layer on this; the kernel reads each head once (its rotation partner again, from L1) and writes it
 once. `cos, sin` depend only on the step's positions: computed once per step and shared by every layer.
 """
@@ -26,6 +24,10 @@ from lightllm.kernels.rms_norm import ZERO_CENTERED, rms_norm_torch
 
 # elements of one program's tile (heads x padded head dim)
 TILE_ELEMENTS = 2048
+# the launch's compile options: without fp fusion, because LLVM otherwise narrows each rounded product to a 16-bit
+# multiply and contracts it with the sum into one 16-bit fused multiply-add (`fma.rn.bf16x2`), skipping the product's
+# rounding that eager torch does
+LAUNCH_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
 
 
 def rope_cos_sin(
@@ -207,7 +209,7 @@ def qk_norm_rope_triton(
         RD=rd,
         BH=block_h,
         BD=block_d,
-        num_warps=4,
+        **LAUNCH_OPTIONS,
     )
     return q_out, k_out
 

@@ -1,7 +1,7 @@
 """Gated attention's fused q/k norm + RoPE and output gate compiled on a CUDA device at the served head shapes: the
 output gate bit for bit the eager torch expression it replaces; the q/k norm and rotation within the rounding error
 of their dtype from a float64 computation of the same inputs, as eager torch is (and eager torch with cos and sin
-swapped is not); in bf16 / fp16 the normalised values equal eager torch's but for its fp32 sum order; over decode
+swapped is not); in bf16 / fp16 equal to eager torch's but where the norm's fp32 sum order moves a bit; over decode
 and prefill token counts, and the same inside a CUDA graph replayed on new inputs."""
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ def test_the_kernels_give_the_eager_numbers(heads, tokens, dtype):
     got = qk_norm_rope(q, k, qw, kw, EPS, cos, sin)
     want = qk_norm_rope_torch(q, k, qw, kw, EPS, cos, sin)
     swapped = qk_norm_rope_torch(q, k, qw, kw, EPS, sin, cos)
-    rd = cos.shape[-1]
     for x, w_norm, g, w, bad in zip((q, k), (qw, kw), got, want, swapped):
         assert g.is_contiguous() and g.shape == w.shape
         exact, scale = _exact(x, w_norm, cos, sin)
@@ -74,8 +73,8 @@ def test_the_kernels_give_the_eager_numbers(heads, tokens, dtype):
         assert _within_rounding(g, exact, scale, dtype)
         assert not _within_rounding(bad, exact, scale, dtype)
         if dtype != torch.float32:
-            # the unrotated dims: the norm, equal to eager torch's but for its fp32 sum order
-            assert (g[..., rd:] == w[..., rd:]).float().mean().item() > 0.999
+            # each product rounded where eager torch rounds it: equal but where the norm's fp32 sum order moved a bit
+            assert (g == w).float().mean().item() > 0.999
 
 
 def test_the_kernels_replay_in_a_cuda_graph():

@@ -56,12 +56,19 @@ class Allocation:
         return f"{self.registers} | {self.spill_store_bytes}"
 
 
-def lower_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1, types: dict | None = None):
+def lower_sm90(
+    jit_fn,
+    constexprs: dict,
+    num_warps: int,
+    num_stages: int = 1,
+    types: dict | None = None,
+    options: dict | None = None,
+):
     """Triton's compiled kernel (`.asm["ttgir"]`, `.asm["ptx"]`) of `jit_fn` (a `@triton.jit` function,
     heuristics wrappers included) with `constexprs`; every other argument typed by `types` (name -> Triton type,
     e.g. "*bf16", "i32") or else from its name: the tuples of `TUPLES` / `KERNEL_TUPLES`, `stride_*` int64, the
     names in `SCALARS` fp32, int32 pointers for per-slot scalars, bf16 pointers for activations, fp32 pointers
-    otherwise."""
+    otherwise; `options`: further compile options of the launch (e.g. `enable_fp_fusion`)."""
     while not hasattr(jit_fn, "params"):  # `@triton.heuristics` wraps the JIT function
         jit_fn = jit_fn.fn
     names = jit_fn.arg_names
@@ -94,7 +101,7 @@ def lower_sm90(jit_fn, constexprs: dict, num_warps: int, num_stages: int = 1, ty
     return triton.compile(
         ASTSource(fn=jit_fn, signature=sig, constexprs=consts, attrs=attrs),
         target=TARGET,
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options={"num_warps": num_warps, "num_stages": num_stages, **(options or {})},
     )
 
 
