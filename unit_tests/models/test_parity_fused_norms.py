@@ -11,8 +11,8 @@ import pytest
 import lightllm.kernels.rms_norm as kernel
 import lightllm.models.layers.norms as norms
 from unit_tests.models.conftest import ARCH_CASES
-from unit_tests.models.drive import decode, make_runner, prefill
-from unit_tests.models.test_parity import MAX_REL, assert_logits, max_rel, prompt
+from unit_tests.models.kernel_parity import assert_prefill_and_decode_match, prefill_mismatch
+from unit_tests.models.test_parity import MAX_REL, prompt
 
 
 def _triton_rows(x, weight, eps, mode, gate=None, gate_kind=kernel.NO_GATE, residual=None):
@@ -32,14 +32,7 @@ def fused_norms(monkeypatch):
 
 @pytest.mark.parametrize("case", ARCH_CASES)
 def test_prefill_and_decode_through_the_kernel_match_transformers(tiny, case, fused_norms):
-    model_dir, oracle = tiny(case)
-    ids = prompt(5, 21)
-    runner = make_runner(model_dir)
-    handle = runner.add_request()
-    logits = prefill(runner, handle, ids[:-1])
-    assert_logits(f"{case} prefill", logits, oracle.prefill_logits(ids[:-1])[0, -1])
-    step = decode(runner, handle, ids[-1])
-    assert_logits(f"{case} decode", step, oracle.prefill_logits(ids)[0, -1])
+    assert_prefill_and_decode_match(case, *tiny(case), prompt(5, 21))
     # each convention of the architecture went through the kernel
     expected = {kernel.CAST_THEN_WEIGHT, kernel.FP32_WEIGHT} if case == "kimi_linear" else {
         kernel.ZERO_CENTERED, kernel.CAST_THEN_WEIGHT}  # fmt: skip
@@ -54,7 +47,4 @@ def test_a_wrong_convention_breaks_the_match(tiny, monkeypatch):
         return kernel.rms_norm_triton(x, weight, eps, mode, gate, gate_kind, residual)
 
     monkeypatch.setattr(norms, "rms_norm_rows", swapped)
-    ids = prompt(6, 15)
-    runner = make_runner(model_dir)
-    logits = prefill(runner, runner.add_request(), ids)
-    assert max_rel(logits, oracle.prefill_logits(ids)[0, -1]) > 10 * MAX_REL
+    assert prefill_mismatch(model_dir, oracle, 6, 15) > 10 * MAX_REL

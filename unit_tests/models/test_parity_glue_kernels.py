@@ -18,24 +18,16 @@ from lightllm.kernels.split_columns import split_columns_triton
 from unit_tests.helpers.launch_keys import launch_keys
 from unit_tests.models.conftest import ARCH_CASES
 from unit_tests.models.drive import decode, make_runner, prefill
-from unit_tests.models.test_parity import MAX_REL, assert_logits, max_rel, prompt
+from unit_tests.models.kernel_parity import prefill_mismatch, route_through
+from unit_tests.models.test_parity import MAX_REL, assert_logits, prompt
 
 
 @pytest.fixture
 def glue_kernels(monkeypatch) -> Counter:
     """Both layers call the kernels; the counter says how often each ran."""
     calls = Counter()
-
-    def silu_mul(x):
-        calls["silu_mul"] += 1
-        return silu_mul_triton(x)
-
-    def split_columns(x, sizes):
-        calls["split_columns"] += 1
-        return split_columns_triton(x, sizes)
-
-    monkeypatch.setattr(mlp, "silu_mul", silu_mul)
-    monkeypatch.setattr(gdn, "split_columns", split_columns)
+    route_through(monkeypatch, calls, mlp, "silu_mul", silu_mul_triton)
+    route_through(monkeypatch, calls, gdn, "split_columns", split_columns_triton)
     return calls
 
 
@@ -58,17 +50,10 @@ def test_prefill_and_decode_through_the_kernels_match_transformers(tiny, case, g
     assert not glue & set(keys.varying()), keys.varying()
 
 
-def _mismatch(model_dir, oracle) -> float:
-    ids = prompt(8, 15)
-    runner = make_runner(model_dir)
-    logits = prefill(runner, runner.add_request(), ids)
-    return max_rel(logits, oracle.prefill_logits(ids)[0, -1])
-
-
 def test_twin_gate_and_up_swapped_breaks_the_match(tiny, monkeypatch):
     model_dir, oracle = tiny("qwen3_5-hv2")
     monkeypatch.setattr(mlp, "silu_mul", lambda x: silu_mul_triton(torch.cat(x.chunk(2, dim=-1)[::-1], dim=-1)))
-    assert _mismatch(model_dir, oracle) > 10 * MAX_REL
+    assert prefill_mismatch(model_dir, oracle, 8, 15) > 10 * MAX_REL
 
 
 def test_twin_b_and_a_swapped_breaks_the_match(tiny, monkeypatch):
@@ -79,4 +64,4 @@ def test_twin_b_and_a_swapped_breaks_the_match(tiny, monkeypatch):
         return parts[:2] + parts[2:][::-1] if len(parts) == 4 else parts
 
     monkeypatch.setattr(gdn, "split_columns", swapped)
-    assert _mismatch(model_dir, oracle) > 10 * MAX_REL
+    assert prefill_mismatch(model_dir, oracle, 8, 15) > 10 * MAX_REL
