@@ -86,18 +86,19 @@ def _is_decode_only(engine) -> bool:
     return not sched.waiting and bool(sched.running) and not any(r.is_prefilling for r in sched.running)
 
 
-def _gpu_ms_per_step(engine, num_steps: int, top_kernels: int = 0) -> float | None:
-    """CUDA kernel time per engine step over `num_steps` decode steps (None on CPU); prints the `top_kernels`
-    kernels that take most of it."""
-    if not torch.cuda.is_available():
-        return None
+def profiled_steps(engine, num_steps: int, top_kernels: int = 0, leave_out: tuple[str, ...] = ()) -> tuple[float, list]:
+    """Run `num_steps` engine steps under the CUDA profiler: (kernel ms per step, the steps' outputs, concatenated);
+    prints the `top_kernels` kernels that take most of the time; kernels whose name starts with one of `leave_out`
+    are not counted. Needs CUDA."""
     from torch.profiler import ProfilerActivity, profile
 
+    outputs = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
-            engine.step()
+            outputs += engine.step()
         torch.cuda.synchronize()
     events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    events = [e for e in events if not e.key.startswith(leave_out)]
     total_us = sum(e.self_device_time_total for e in events)
     for e in events[:top_kernels]:
         share = e.self_device_time_total / max(total_us, 1e-9)
@@ -106,7 +107,7 @@ def _gpu_ms_per_step(engine, num_steps: int, top_kernels: int = 0) -> float | No
             f"({share:.0%}, {e.count / num_steps:.0f} calls)",
             flush=True,
         )
-    return total_us / 1000 / num_steps
+    return total_us / 1000 / num_steps, outputs
 
 
 def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, seed: int, top_kernels: int = 0) -> dict:
@@ -129,7 +130,7 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
             if steps_left > PROFILED_STEPS:
                 # the profiled steps run under the profiler's overhead: neither their time nor their tokens count
                 t0 = time.perf_counter()
-                gpu_ms = _gpu_ms_per_step(engine, PROFILED_STEPS, top_kernels)
+                gpu_ms, _ = profiled_steps(engine, PROFILED_STEPS, top_kernels)
                 profiled_s += time.perf_counter() - t0
                 continue
         t0 = time.perf_counter()

@@ -16,7 +16,10 @@ number of tokens: `records` (objects with length-bounded strings, an enum, integ
 inside a string near its bound, the costly case: llguidance's slicer skips the vocabulary's plain-text tokens only
 where at least 10 more characters fit), `records_unbounded` (the same objects, strings of any length) or `digits`
 (one-digit integers: a cheap mask). Prints each run's median decode step and
-tokens/s, the host time spent computing masks per constrained step, and constrained / free (target >= 0.9).
+tokens/s, the host time spent computing masks per constrained step, its GPU time (kernels, the masks' included, but
+not the kernel holding the device until the host has written the masks; over 8 profiled steps on CUDA) and constrained / free (target >= 0.9). The runs decode different tokens, and on a MoE
+model with random weights the constrained run's few JSON tokens route to fewer experts, so its GPU work is smaller
+too: `constrained / free at equal GPU work` compares the share of each step that is GPU time instead.
 `--phases` adds, per run, the median host milliseconds per decode step inside each part of the step (scheduling,
 building the batch, the runner's forward launch, the read-back of the step in flight with its wait for the device,
 emitting tokens, advancing the matchers, the masks, the draw). An overlapped step's matchers and masks move on a
@@ -54,6 +57,7 @@ from lightllm.server.engine_process import build_engine
 from lightllm.server.http.structured import json_schema_grammar
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.server.tokenizer import Tokenizer
+from lightllm.tools.bench_throughput import PROFILED_STEPS, profiled_steps
 from lightllm.tools.synthetic_vocab import synthetic_vocab_dir
 
 MIN_ITEMS = 100000
@@ -194,7 +198,7 @@ def _run(
         msg = NewRequest(f"{tag}-{i}", prompt, params, list(tok.eos_token_ids), tokenizer_dir=model_dir)
         refused = engine.add_request(msg)
         assert refused == [], refused
-    step_ms, num_tokens = [], 0
+    step_ms, num_tokens, gpu_ms = [], 0, None
     per_part: list[dict[str, float]] = []
     timer.seconds, timer.calls = 0.0, 0
     while engine.has_work():
@@ -202,7 +206,13 @@ def _run(
         if phases is not None:
             phases.take()
         t0 = time.perf_counter()
-        outputs = engine.step()
+        if decode_only and gpu_ms is None and len(step_ms) == 8 and opts.device == "cuda":
+            # the GPU's work in a step (its kernels, the masks' included), over steps timed apart from the others;
+            # the kernel that holds the device until the host has written the masks is waiting, not work
+            gpu_ms, outputs = profiled_steps(engine, PROFILED_STEPS, leave_out=("wait_host_flag_kernel",))
+            decode_only = False
+        else:
+            outputs = engine.step()
         if decode_only:
             step_ms.append((time.perf_counter() - t0) * 1000)
             if phases is not None:
@@ -216,7 +226,7 @@ def _run(
         raise RuntimeError(f"{tag}: {num_tokens} tokens, expected {opts.batch * opts.output_len}")
     step = statistics.median(step_ms[4:] or step_ms)
     mask_ms = timer.seconds * 1000 / timer.calls if timer.calls else 0.0
-    row = {"decode_step_ms": step, "decode_tok_per_s": opts.batch * 1000 / step, "mask_ms": mask_ms}
+    row = {"decode_step_ms": step, "decode_tok_per_s": opts.batch * 1000 / step, "mask_ms": mask_ms, "gpu_ms": gpu_ms}
     if per_part:
         steady = per_part[4:] or per_part
         row["phases_ms"] = {name: statistics.median(p[name] for p in steady) for name in steady[0]}
@@ -279,11 +289,13 @@ def main(argv=None) -> dict:
         f"batch {opts.batch}, mode {opts.mode}, mtp_step {opts.mtp_step}, schema {opts.schema}, {opts.device}, "
         f"overlap {not opts.disable_overlap_schedule}, tokenizer {len(tok.hf)} tokens, model {info.model_dir}"
     )
-    print(f"{'run':<16} {'decode step ms':>15} {'decode tok/s':>13} {'mask ms/step':>13}")
+    print(f"{'run':<16} {'decode step ms':>15} {'decode tok/s':>13} {'mask ms/step':>13} {'GPU ms/step':>12}")
     for name, rows in runs.items():
         for r, row in enumerate(rows):
+            gpu = "-" if row["gpu_ms"] is None else f"{row['gpu_ms']:.2f}"
             print(
-                f"{f'{name} {r}':<16} {row['decode_step_ms']:>15.2f} {row['decode_tok_per_s']:>13.1f} {row['mask_ms']:>13.3f}"
+                f"{f'{name} {r}':<16} {row['decode_step_ms']:>15.2f} {row['decode_tok_per_s']:>13.1f} "
+                f"{row['mask_ms']:>13.3f} {gpu:>12}"
             )
     if phases is not None:
         names = list(phases.parts)
@@ -298,12 +310,25 @@ def main(argv=None) -> dict:
     print("decode tok/s (median): " + ", ".join(f"{name} {v:.1f}" for name, v in tok_s.items()))
     for name in list(tok_s)[2:]:
         print(f"{name} / free = {tok_s[name] / tok_s['free']:.3f}")
+    if all(row["gpu_ms"] is not None for rows in runs.values() for row in rows):
+        # the runs decode other tokens: on a MoE model with random weights the constrained tokens (JSON's few) route
+        # to fewer experts, so the steps' GPU work differs too; the share of each step that is GPU time compares the
+        # host's cost of the masks apart from that
+        busy = {
+            name: statistics.median(row["gpu_ms"] / row["decode_step_ms"] for row in rows)
+            for name, rows in runs.items()
+        }
+        print("GPU time / step (median): " + ", ".join(f"{name} {v:.3f}" for name, v in busy.items()))
+        print(f"constrained / free at equal GPU work = {busy['constrained'] / busy['free']:.3f}")
+    else:
+        busy = {}
     print(f"constrained / free = {ratio:.3f}")
     return {
         "runs": runs,
         "free_tok_per_s": tok_s["free"],
         "constrained_tok_per_s": tok_s["constrained"],
         "ratio": ratio,
+        "gpu_share": busy,
     }
 
 
