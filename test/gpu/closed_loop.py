@@ -6,13 +6,15 @@ calling line; `--profile FIRST,COUNT` profiles steps FIRST..FIRST+COUNT-1 (their
 host operators per step; `--trace FILE` adds their Chrome trace: GPU idle gaps and what the host did in them).
 With a host tier (`--host_tier_gb`), the time spent in its calls: a spill's `save` on the step loop, the lookup
 of each new request, the claims of entries on the writer's thread and its waits for room. Separates what the
-engine does from what the front-end adds.
+engine does from what the front-end adds. `--model_dir` (with `--load_format dummy`, `--quantization fp8`,
+`--mem_fraction`) runs another checkpoint, e.g. a full-size model's weightless folder.
 
     python test/gpu/closed_loop.py [--requests 512 --concurrency 256 --input_len 1024 --output_len 256] [--syncs]
     python test/gpu/closed_loop.py --profile 200,10 [--max_mixed_prefill_tokens 8192] [--disable_prefix_cache]
     python test/gpu/closed_loop.py --host_tier_gb 16 [--prefault]   # with the server's host tier (its spills)
     python test/gpu/closed_loop.py --host_tier_gb 16 --profile 3,3 --trace /tmp/t16.json
     python test/gpu/closed_loop.py --interfere python:2@300    # the writer's kinds of work alone (loop_interference.py)
+    python test/gpu/closed_loop.py --model_dir /tmp/kimi --load_format dummy --quantization fp8 --profile 20,5
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ def main() -> None:
     p.add_argument("--profile", default=None, metavar="FIRST,COUNT", help="profile these steps")
     p.add_argument("--trace", default=None, help="with --profile: a Chrome trace of the profiled steps to this file")
     p.add_argument("--device", default="cuda", help="cpu: a quick check of the script at tiny sizes")
+    p.add_argument("--model_dir", default=None, help="checkpoint (default: the serving benchmark's)")
+    p.add_argument("--load_format", default="auto", help="dummy: random weights from config.json")
+    p.add_argument("--quantization", default=None, help="fp8: quantize the weights at load")
+    p.add_argument("--mem_fraction", type=float, default=None, help="the server flag (default: its own)")
     p.add_argument(
         "--interfere",
         default=None,
@@ -123,9 +129,12 @@ def main() -> None:
             s = time.perf_counter()
             arena.data[:] = 0
             print(f"host tier prefaulted in {time.perf_counter() - s:.1f} s")
+    optional = dict(mem_fraction=a.mem_fraction, quantization=a.quantization)
     llm = LLM(
-        serving_model_dir(),
+        a.model_dir or serving_model_dir(),
         device=a.device,
+        load_format=a.load_format,
+        **{k: v for k, v in optional.items() if v is not None},
         ssm_state_mode=a.mode,
         max_running_requests=a.concurrency,
         disable_prefix_cache=a.disable_prefix_cache,

@@ -52,6 +52,9 @@
 #                 kernel against its read floor)
 #   kimi_fp8, kimi_ctx_fp8  the two above with the weights quantized to FP8 at load (~47 GiB; fits an H100 at
 #                 --mem_fraction 0.92, 32k contexts at 16 requests)
+#   kimi_mixed_fp8 Kimi-Linear-48B-A3B in FP8, 64 requests of 8k tokens on the engine alone (closed_loop.py): five of
+#                 the steps that prefill a 2048-token chunk beside the decoding rows profiled (GPU kernels, host
+#                 operators): what such a step spends its ~150 ms on
 #   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: the server's memory plan and 64 requests
 #                 over HTTP (q3n_serve alone), then replay and native decode at 1 / 64 / 256
 #   structured_q35 free vs constrained decode at batch 64 on Qwen3.5-35B-A3B at full size (random weights) with a
@@ -220,6 +223,12 @@ for part in $parts; do
                            grep -E "kernel " "$LOG_DIR/${part}_${cb%:*}.log" | head -16
                        done
                    fi ;;
+        kimi_mixed_fp8) python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
+                        run kimi_mixed_fp8 280 python test/gpu/closed_loop.py --model_dir /tmp/kimi --load_format dummy \
+                            --quantization fp8 --mem_fraction 0.92 --requests 64 --concurrency 64 --input_len 8192 \
+                            --output_len 32 --profile 20,5
+                        grep -E "requests in|TTFT|profiled" "$LOG_DIR/kimi_mixed_fp8.log" | cut -c1-300
+                        grep -A25 "top by" "$LOG_DIR/kimi_mixed_fp8.log" | cut -c1-150 ;;
         q3n_serve|q3n_fp8)
                  python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
                  # the server at its defaults: the memory plan's line (the concurrency it affords), then it serves
