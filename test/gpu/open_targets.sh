@@ -60,6 +60,9 @@
 #   structured_q35 free vs constrained decode at batch 64 on Qwen3.5-35B-A3B at full size (random weights) with a
 #                 generated vocabulary of the released size (248k): the structured target on a served model's step
 #   structured_q35_fp8  the same with the weights quantized to FP8 at load (fits an H100)
+#   moe_prefill   one layer's fused MoE at prefill token counts (1024 / 4096 / 16384) at the three served expert shapes:
+#                 the configuration used (the heuristic above the tuned buckets) against the tuned table's largest
+#                 bucket's (bench_fused_moe.py --largest_tuned), TFLOP/s
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
 #   warm_start    three starts of the server on the serving checkpoint with this machine's Triton cache (the first,
 #                 compiling what the cache lacks, left out of the summary): time to ready and the start-up's phases
@@ -248,6 +251,9 @@ for part in $parts; do
                         run "$part" 400 python test/benchmark/bench_structured_output.py --batch 64 \
                             --model_dir /tmp/q35 --load_format dummy --synthetic_vocab 248000 --phases \
                             $([ "$part" = structured_q35_fp8 ] && echo "--quantization fp8") ;;
+        moe_prefill) run moe_prefill 240 python test/benchmark/bench_fused_moe.py --batches 1024,4096,16384 --largest_tuned \
+                         --iters 20
+                     grep -E "^\|" "$LOG_DIR/moe_prefill.log" ;;
         fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
                  grep -E "^\|" "$LOG_DIR/fp8_moe.log" | tail -20 ;;
         tune_cap8) run tune_cap8 240 python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 \

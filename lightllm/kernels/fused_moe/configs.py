@@ -5,8 +5,8 @@ A configuration is `{"BLOCK_M": m, "gate_up": tile, "down": tile}`, a tile being
 Tables are one file per device name, `configs/<device>.json`:
 `{triton_version: {"E=..,N=..,K=..,top_k=..,dtype=..": {batch_bucket: config}}}` with N the per-rank expert
 intermediate size and K the hidden size; `lightllm/tools/tune_fused_moe.py` writes them. A lookup takes the
-entry of the token count's power-of-two bucket, else the nearest tuned bucket of the same key, else the
-heuristic. The choice depends on host shapes only, so a CUDA graph captured per batch bucket keeps it.
+entry of the token count's power-of-two bucket, else the nearest tuned bucket of the same key up to one power of
+two above the largest, else the heuristic. The choice depends on host shapes only, so a CUDA graph captured per batch bucket keeps it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,15 @@ import triton
 
 from lightllm.kernels.tuned_tables import batch_bucket, device_name, nearest_entry, read_table
 
-__all__ = ["batch_bucket", "config_path", "device_name", "get_config", "heuristic_config", "shape_key"]
+__all__ = [
+    "batch_bucket",
+    "config_path",
+    "device_name",
+    "get_config",
+    "heuristic_config",
+    "shape_key",
+    "tuned_entries",
+]
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -73,14 +81,22 @@ def heuristic_config(num_tokens: int, num_experts: int, inter: int, hidden: int,
     return {"BLOCK_M": block_m, "gate_up": tile(inter, hidden), "down": tile(hidden, inter)}
 
 
+def tuned_entries(num_experts: int, inter: int, hidden: int, top_k: int, dtype, device) -> dict:
+    """`{batch_bucket: config}` tuned for this shape on this device (empty when none)."""
+    return _table(device_name(device)).get(shape_key(num_experts, inter, hidden, top_k, dtype)) or {}
+
+
 # every MoE layer of every step asks: the answer is cached so an eager step pays one dict lookup per layer
 @functools.lru_cache(maxsize=4096)
 def get_config(
     num_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device
 ) -> dict:
-    """The tuned configuration of this shape and batch bucket on this device, else the heuristic one."""
-    entries = _table(device_name(device)).get(shape_key(num_experts, inter, hidden, top_k, dtype))
-    if entries:
+    """The tuned configuration of this shape and batch bucket on this device, else the heuristic one. A token
+    count more than one power of two above the largest tuned bucket takes the heuristic: tables tuned over decode
+    buckets hold small row blocks (BLOCK_M 16 rereads an expert's weights for every 16 of its rows), which a
+    prefill's hundreds of rows per expert would pay many times over."""
+    entries = tuned_entries(num_experts, inter, hidden, top_k, dtype, device)
+    if entries and batch_bucket(num_tokens) <= 2 * max(int(b) for b in entries):
         return check_config(nearest_entry(entries, num_tokens))
     # by bucket, like the tables: the configurations of 1 .. N tokens are those of the powers of two up to N
     return heuristic_config(batch_bucket(num_tokens), num_experts, inter, hidden, top_k, dtype)

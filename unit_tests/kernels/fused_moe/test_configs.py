@@ -54,6 +54,17 @@ def test_table_entry_wins_by_nearest_bucket(table_dir):
     assert get_config(9, 8, 24, 32, 2, torch.float16, cpu) == heuristic_config(16, 8, 24, 32, 2, torch.float16)
 
 
+def test_counts_far_above_the_tuned_buckets_take_the_heuristic(table_dir):
+    """A table tuned up to 256 tokens serves 512 from its largest entry; a prefill of 4096 tokens (512 rows per
+    expert here) takes the heuristic's row blocks instead of the decode entry's."""
+    key = shape_key(8, 24, 32, 2, torch.float32)
+    write_table(table_dir, triton.__version__, key, {"16": TUNED, "256": TUNED})
+    cpu = torch.device("cpu")
+    assert get_config(300, 8, 24, 32, 2, torch.float32, cpu) == TUNED
+    prefill = get_config(4096, 8, 24, 32, 2, torch.float32, cpu)
+    assert prefill == heuristic_config(4096, 8, 24, 32, 2, torch.float32) and prefill["BLOCK_M"] == 64
+
+
 def test_other_triton_versions_are_ignored(table_dir):
     key = shape_key(8, 24, 32, 2, torch.float32)
     write_table(table_dir, "0.0.0", key, {"16": TUNED})
