@@ -177,11 +177,12 @@ def paged_attention_kernel(
 
 
 def _max_tile_tokens(group: int, bk: int, itemsize: int) -> int:
-    """Query tokens of the largest (prefill) tile: ~128 (token, head) rows for 16-bit GQA heads of 256 dims (on the
-    H200 a 128-row tile with 64-key blocks ran a long causal chunk at Qwen3.5's heads at 2.6x the 64-row tile's
-    rate; fp32 operands of that tile do not fit in shared memory, and one query head per key head, MLA's expanded
-    form, was not measured with it), ~64 otherwise."""
-    return max(1, (128 if bk > 128 and itemsize <= 2 and group > 1 else 64) // group)
+    """Query tokens of the largest (prefill) tile: ~128 (token, head) rows for 16-bit heads of more than 128 dims
+    (on the H200 a 128-row tile with 64-key blocks ran a long causal chunk at Qwen3.5's GQA heads at 2.6x the
+    64-row tile's rate; MLA's expanded heads, one query head per key head at 192 / 128 dims, lower for sm_90 to the
+    same tile in 230 registers and 160 KB of shared memory without spills, not timed yet; fp32 operands of that
+    tile do not fit in shared memory), ~64 otherwise."""
+    return max(1, (128 if bk > 128 and itemsize <= 2 else 64) // group)
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ def _tile(max_query_len: int, group: int, bk: int, itemsize: int) -> Tile:
     bm = max(16, triton.next_power_of_2(bt * group))
     if bk <= 128:
         return Tile(bt, bm, 64, num_warps=4, num_stages=2)
-    if bt == largest and bm >= 128 and itemsize <= 2 and group > 1:
+    if bt == largest and bm >= 128 and itemsize <= 2:
         # prefill chunks of large heads: 64-key blocks fit beside the 128-row tile in two stages
         return Tile(bt, bm, 64, num_warps=8, num_stages=2)
     # decode windows of large heads keep the [BK, BN] key block and [BM, BV] accumulator within registers

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -103,6 +104,19 @@ def lower_sm90(
         target=TARGET,
         options={"num_warps": num_warps, "num_stages": num_stages, **(options or {})},
     )
+
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def run_lowering_module(module: str) -> str:
+    """Run `python -m module` (a lowering script of `unit_tests.helpers`) in a clean subprocess, since a test
+    session runs Triton as the interpreter; returns its stdout, or raises AssertionError with its output."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
+    return run.stdout
 
 
 def _ptxas(ptx: str, *flags: str, cubin: str = os.devnull) -> str:

@@ -5,27 +5,14 @@ its bundled ptxas (the interpreter tests never lower a kernel); a subprocess, be
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from unit_tests.helpers.sm90 import PTXAS
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from unit_tests.helpers.sm90 import PTXAS, run_lowering_module
 
 
 @pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is not installed")
 def test_mla_kernels_lower_to_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run(
-        [sys.executable, "-m", "unit_tests.helpers.mla_sm90_lowering"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
+    out = run_lowering_module("unit_tests.helpers.mla_sm90_lowering")
     # TP1: one tile variant x (split, unsplit) + combine; TP2: two tile variants x 2 + combine
-    assert run.stdout.count("\n| kimi") == 8, run.stdout
+    assert out.count("\n| kimi") == 8, out

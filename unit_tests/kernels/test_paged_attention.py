@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from lightllm.models.layers.attention import GatedAttention
 from lightllm.models.layers.mla import LatentAttention
 from lightllm.models.layers.paged_attention import attend
 from unit_tests.helpers.asserts import assert_rel_close, poison_
+from unit_tests.helpers.sm90 import PTXAS, run_lowering_module
 from unit_tests.models.drive import make_runner, prefill, verify
 
 MAX_REL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -114,6 +116,33 @@ def test_large_head_prefill_tile_matches_masked_softmax(rows):
     out = run_kernel(q, k_pool, v_pool, slots, cached, q_lens, 1 / 16)
     expected = expected_rows(q, k_pool, v_pool, slots, cached, q_lens, 1 / 16)
     assert_rel_close("paged_attention 256-dim heads", out, expected, MAX_REL[torch.float16])
+
+
+def test_mla_expanded_heads_take_the_128_row_prefill_tile():
+    """MLA's expanded heads (one query head per key head, keys of 192 dims, values of 128) take the same 128-row
+    prefill tile: a chunk longer than one tile after a prefix longer than one key block, beside a short row."""
+    from lightllm.kernels.paged_attention import _tile
+
+    cached, q_lens = [70, 5], [150, 3]
+    h, dk, dv = 2, 192, 128
+    assert _tile(max(q_lens), 1, 256, torch.float16.itemsize).bm == 128
+    k_pool, v_pool, slots = scattered_pool(cached, q_lens, h, dk, dv, torch.float16, seed=11)
+    q = torch.randn(sum(q_lens), h, dk, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    out = run_kernel(q, k_pool, v_pool, slots, cached, q_lens, dk**-0.5)
+    expected = expected_rows(q, k_pool, v_pool, slots, cached, q_lens, dk**-0.5)
+    assert_rel_close("paged_attention MLA expanded heads", out, expected, MAX_REL[torch.float16])
+
+
+@pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is not installed")
+def test_prefill_tiles_lower_for_sm90_within_shared_memory():
+    """The largest tile of each served head shape lowers for sm_90 within the 227 KB of shared memory a block may
+    take; MLA's expanded heads without a register spill (Qwen3.5's GQA tile, timed fastest, spills ~200 bytes)."""
+    out = run_lowering_module("unit_tests.helpers.attention_sm90_lowering")
+    # name -> (BT, BM, BN, registers, spill bytes, shared bytes)
+    rows = {line.rsplit(" ", 6)[0]: list(map(int, line.rsplit(" ", 6)[1:])) for line in out.splitlines()}
+    assert set(rows) == {"qwen3.5 gqa", "kimi mla expanded"}, out
+    assert all(r[1] == 128 and r[5] <= 227 * 1024 for r in rows.values()), out
+    assert rows["kimi mla expanded"][4] == 0, out
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
@@ -244,7 +273,7 @@ def test_a_few_tile_variants_serve_every_query_length(group, bk, itemsize):
     variants = {_tile(n, group, bk, itemsize) for n in range(1, 2001)}
     warmed = {_tile(n, group, bk, itemsize) for n in tile_query_lengths(group, bk, itemsize)}
     assert variants == warmed
-    assert len(variants) <= ((128 if bk > 128 and itemsize == 2 and group > 1 else 64) // group).bit_length() + 1
+    assert len(variants) <= ((128 if bk > 128 and itemsize == 2 else 64) // group).bit_length() + 1
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])

@@ -8,8 +8,6 @@ multiply-add (each product rounds before the sum, as in eager torch)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,10 +15,9 @@ import torch
 from lightllm.kernels.qk_norm_rope import qk_norm_rope_torch, qk_norm_rope_triton, rope_cos_sin
 from lightllm.kernels.sigmoid_gate import sigmoid_gate_torch, sigmoid_gate_triton
 from unit_tests.helpers.asserts import assert_rel_close
-from unit_tests.helpers.sm90 import PTXAS
+from unit_tests.helpers.sm90 import PTXAS, run_lowering_module
 
 EPS = 1e-6
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _heads(t, h, d, dtype, gen, wide=False):
@@ -148,14 +145,9 @@ def test_the_kernel_lowers_for_sm90_without_fused_multiply_adds():
     fused multiply-add in any dtype; twin: with fp fusion on (Triton's default) LLVM contracts the rotation's product
     and sum into one (`fma.rn.bf16x2` in bf16), so the count is not zero. Run in a subprocess: this session runs
     Triton as the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run(
-        [sys.executable, "-m", "unit_tests.helpers.rope_sm90_fma"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    counts = {tuple(line.split()[:2]): int(line.split()[2]) for line in run.stdout.splitlines()}
-    assert set(counts) == {(d, o) for d in ("bf16", "fp16", "fp32") for o in ("launch", "fused")}, run.stdout
+    out = run_lowering_module("unit_tests.helpers.rope_sm90_fma")
+    counts = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.splitlines()}
+    assert set(counts) == {(d, o) for d in ("bf16", "fp16", "fp32") for o in ("launch", "fused")}, out
     for dtype in ("bf16", "fp16", "fp32"):
-        assert counts[dtype, "launch"] == 0, run.stdout
-        assert counts[dtype, "fused"] > 0, run.stdout
+        assert counts[dtype, "launch"] == 0, out
+        assert counts[dtype, "fused"] > 0, out

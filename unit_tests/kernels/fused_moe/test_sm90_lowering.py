@@ -6,29 +6,16 @@ because this test session runs Triton as the interpreter."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from unit_tests.helpers.sm90 import PTXAS
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+from unit_tests.helpers.sm90 import PTXAS, run_lowering_module
 
 
 @pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is not installed")
 def test_every_fused_moe_kernel_lowers_to_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run(
-        [sys.executable, "-m", "unit_tests.helpers.moe_sm90_lowering"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
-    rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "FAILED" not in line]
+    out = run_lowering_module("unit_tests.helpers.moe_sm90_lowering")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "FAILED" not in line]
     for kernel in (
         "softmax_topk",
         "sigmoid_topk",
@@ -41,4 +28,4 @@ def test_every_fused_moe_kernel_lowers_to_sm90_without_spills():
         "fp8 gate_up",
         "fp8 down",
     ):
-        assert any(f" {kernel}" in row for row in rows), f"{kernel} not compiled:\n{run.stdout}"
+        assert any(f" {kernel}" in row for row in rows), f"{kernel} not compiled:\n{out}"

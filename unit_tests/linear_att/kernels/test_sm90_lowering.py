@@ -16,20 +16,14 @@ import sys
 
 import pytest
 
-from unit_tests.helpers.sm90 import PTXAS
+from unit_tests.helpers.sm90 import PTXAS, run_lowering_module
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 @pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton's bundled ptxas is not installed")
 def test_every_state_kernel_lowers_to_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run(
-        [sys.executable, "-m", "unit_tests.helpers.sm90_lowering"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    table = run.stdout
-    assert run.returncode == 0, f"{table}\n{run.stderr[-3000:]}"
+    table = run_lowering_module("unit_tests.helpers.sm90_lowering")
     assert table.count("\n| ") >= 4 * 16, f"too few kernels compiled:\n{table}"
 
 
