@@ -120,6 +120,8 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
         assert engine.add_request(NewRequest(f"b{batch}-{i}", prompt, params)) == []
     num_tokens, step_ms, gpu_ms, num_overlapped, profiled_s = 0, [], None, 0, 0.0
     other_ms: list[float] = []
+    # requests running in each decode-only step: fewer than the batch where some finished while others prefilled
+    step_rows: list[int] = []
     stats = engine.stats
     windows_before, accepted_before = stats.num_spec_windows, stats.num_accepted_draft_tokens
     start = time.perf_counter()
@@ -134,9 +136,11 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
                 profiled_s += time.perf_counter() - t0
                 continue
         t0 = time.perf_counter()
+        rows = len(engine.scheduler.running)
         outputs = engine.step()
         if decode_only:
             step_ms.append((time.perf_counter() - t0) * 1000)
+            step_rows.append(rows)
             # the step left one in flight: its successor was launched before its tokens were read
             num_overlapped += engine.overlap.has_work()
         else:
@@ -148,6 +152,7 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
                 raise RuntimeError(f"request {out.req_id} ended with {out.reason}: {out.error}")
     elapsed = time.perf_counter() - start - profiled_s
     step = statistics.median(step_ms) if step_ms else float("nan")
+    decode_rows = statistics.median(step_rows) if step_rows else float("nan")
     windows = stats.num_spec_windows - windows_before
     accepted = 1 + (stats.num_accepted_draft_tokens - accepted_before) / windows if windows else None
     return {
@@ -155,8 +160,10 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, s
         "output_tokens": num_tokens,
         "seconds": elapsed,
         "output_tok_per_s": num_tokens / elapsed,
-        # decode-only throughput: each request emits its mean accepted length per decode step (1 without drafts)
-        "decode_tok_per_s": batch * (accepted or 1.0) * 1000 / step,
+        # decode-only throughput: each running request emits its mean accepted length per decode step (1 without
+        # drafts)
+        "decode_tok_per_s": decode_rows * (accepted or 1.0) * 1000 / step,
+        "decode_rows": decode_rows,
         "decode_step_ms": step,
         "gpu_ms_per_step": gpu_ms,
         "host_ms_per_step": None if gpu_ms is None else max(step - gpu_ms, 0.0),
@@ -267,9 +274,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             )
             rows.append(row)
             _print_row(row)
+            fewer = row["decode_rows"] < batch
             print(
                 f"  batch {batch}: {row['seconds']:.3f} s = {row['decode_steps']} decode-only steps "
-                f"{row['decode_s']:.3f} s + {row['other_steps']} other steps {row['other_s']:.3f} s",
+                f"{row['decode_s']:.3f} s + {row['other_steps']} other steps {row['other_s']:.3f} s; decode-only steps "
+                f"of {row['decode_rows']:g} rows (median)"
+                + (": fewer than the batch, the others finished while later prompts prefilled" if fewer else ""),
                 flush=True,
             )
             if a.result_file:

@@ -219,10 +219,12 @@ for part in $parts; do
                        run "$part" 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi --load_format dummy \
                            $quant --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
                    else
+                       # a step prefills 2048 prompt tokens beside the decoding rows: 256 such steps for 64 x 8k
+                       # (16 x 32k), so 300 tokens each keep every request decoding once the last prompt is in
                        for cb in $ctx_batches; do
                            run "${part}_${cb%:*}" 270 python -m lightllm.tools.bench_throughput --model_dir /tmp/kimi \
                                --load_format dummy $quant --modes replay --batch_sizes "${cb#*:}" --input_len "${cb%:*}" \
-                               --output_len 32 --top_kernels 16
+                               --output_len 300 --top_kernels 16
                            grep -E "kernel " "$LOG_DIR/${part}_${cb%:*}.log" | head -16
                        done
                    fi ;;

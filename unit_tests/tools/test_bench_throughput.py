@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from lightllm.server.args import ServerArgs, build_parser
+from lightllm.server.args import ServerArgs, build_parser, load_server_args
+from lightllm.server.engine_process import build_engine
+from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.tools import bench_throughput
 
 
@@ -45,8 +47,10 @@ def test_bench_throughput_runs_every_mode_and_batch(tmp_path, capsys):
     assert json.loads(out.read_text()) == rows
     table = capsys.readouterr().out
     assert table.count("| replay | 0 | 0 |") == 2
-    assert table.count(" decode-only steps ") == 4
-    assert all(r["decode_tok_per_s"] > 0 for r in rows)
+    assert table.count(" decode-only steps of ") == 4
+    # every request prefills in the first step here, so every decode-only step runs the whole batch
+    assert all(r["decode_rows"] == r["batch"] for r in rows) and "fewer than the batch" not in table
+    assert all(r["decode_tok_per_s"] == pytest.approx(r["batch"] * 1000 / r["decode_step_ms"]) for r in rows)
 
 
 def test_bench_throughput_with_drafts_reports_acceptance(capsys):
@@ -122,3 +126,16 @@ def test_simulate_acceptance_is_a_benchmark_option_only():
     assert bench.simulate_acceptance == 0.7
     with pytest.raises(SystemExit, match="needs drafts"):
         bench_throughput.main(["--simulate_acceptance", "0.5", "--device", "cpu"])
+
+
+def test_decode_rows_count_the_requests_left_when_prompts_prefill_in_turn():
+    """Twin of the whole-batch case: with a 16-token step budget the three 40-token prompts prefill one after
+    another, the first request's three tokens come out meanwhile, and the decode-only steps run fewer rows than the
+    batch; decode tok/s counts those rows, not the batch."""
+    flags = dict(device="cpu", ssm_state_mode="replay", max_running_requests=3, max_req_total_len=48)
+    args, info = load_server_args([], max_num_batched_tokens=16, **flags)
+    engine = build_engine(args, info, DEFAULT_RUNNER_FACTORY)
+    row = bench_throughput.run_batch(engine, 3, 40, 3, info.vocab_size, seed=0)
+    assert row["output_tokens"] == 9
+    assert 1 <= row["decode_rows"] < 3
+    assert row["decode_tok_per_s"] == pytest.approx(row["decode_rows"] * 1000 / row["decode_step_ms"])
