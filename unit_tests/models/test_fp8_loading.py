@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from lightllm.engine.batch import ForwardBatch
 from lightllm.kernels.fp8 import FP8_DTYPE, quantize_weight_blocks
 from lightllm.models.hybrid import HybridModel
-from lightllm.models.layers.quantized_linear import Fp8Weight
+from lightllm.models.layers.quantized_linear import Fp8Weight, stack_experts
 from lightllm.models.loader import load_weights
 from lightllm.models.registry import load_model_config
 from lightllm.models.tp import TPInfo
@@ -221,3 +221,26 @@ def test_fp8_logits_follow_the_dequantized_weight_model(bf16_dir, tmp_path, bloc
     assert confident.float().mean() >= MIN_CONFIDENT_SHARE and agree[confident].all(), summary
     # the reference differs from the FP8 model by the activation rounding only: not by a hair, not by a lot
     assert rel > 1e-3, summary
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "plain"])
+def test_stack_experts_equals_a_stack_of_the_parts(fp8):
+    """Experts copied into the stack one by one equal `torch.stack` of the parts (values and scales); a count that
+    does not match the parts, or FP8 and plain parts mixed, is refused."""
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(40, 72, generator=gen) for _ in range(5)]
+    parts = [Fp8Weight.quantize(t, BLOCK) if fp8 else t for t in weights]
+    stacked = stack_experts(iter(parts), len(parts))
+    if fp8:
+        assert torch.equal(stacked.weight.view(torch.uint8), torch.stack([p.weight for p in parts]).view(torch.uint8))
+        assert torch.equal(stacked.weight_scale_inv, torch.stack([p.weight_scale_inv for p in parts]))
+        assert stacked.block == BLOCK
+    else:
+        assert torch.equal(stacked, torch.stack(parts))
+    with pytest.raises(ValueError, match="expected 6"):
+        stack_experts(iter(parts), 6)
+    with pytest.raises(ValueError, match="more than 4"):
+        stack_experts(iter(parts), 4)
+    mixed = [parts[0], Fp8Weight.quantize(weights[1], BLOCK) if not fp8 else weights[1]]
+    with pytest.raises(ValueError, match="mix FP8 and plain"):
+        stack_experts(iter(mixed), 2)

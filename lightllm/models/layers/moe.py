@@ -135,16 +135,17 @@ class MoE(nn.Module):
             down = w.get_linear(names[1], 2)
             quantize = w.quantizes(*names)
             return tuple(
-                stack_experts([w.linear(t[e], quantize=quantize) for e in range(t.shape[0])]) for t in (gate_up, down)
+                stack_experts((w.linear(t[e], quantize=quantize) for e in range(t.shape[0])), t.shape[0])
+                for t in (gate_up, down)
             )
         experts = range(self.cfg.num_experts)
         g, u, d = ([f"{prefix}experts.{e}.{n}.weight" for e in experts] for n in self.expert_names)
         quantize = w.quantizes(*g, *u, *d)
-        gate_up = [
+        gate_up = (
             w.linear(torch.cat([w.get_linear(g[e], 0), w.get_linear(u[e], 0)]), quantize=quantize) for e in experts
-        ]
-        down = [w.linear(w.get_linear(d[e], 1), quantize=quantize) for e in experts]
-        return stack_experts(gate_up), stack_experts(down)
+        )
+        down = (w.linear(w.get_linear(d[e], 1), quantize=quantize) for e in experts)
+        return stack_experts(gate_up, len(experts)), stack_experts(down, len(experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:

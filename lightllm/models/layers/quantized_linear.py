@@ -7,6 +7,9 @@ GEMM. Which form a weight takes is decided at load (`WeightLoader.linear`), neve
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,13 +31,6 @@ class Fp8Weight(nn.Module):
     @classmethod
     def quantize(cls, w: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
         return cls(*quantize_weight_blocks(w, block), block)
-
-    @classmethod
-    def stack(cls, parts: list[Fp8Weight]) -> Fp8Weight:
-        """Per-expert weights of one shape -> one `[E, N, K]` weight (the fused MoE's layout)."""
-        return cls(
-            torch.stack([p.weight for p in parts]), torch.stack([p.weight_scale_inv for p in parts]), parts[0].block
-        )
 
     @property
     def shape(self) -> torch.Size:
@@ -70,12 +66,27 @@ def set_weight(module: nn.Module, name: str, weight: LinearWeight | None) -> Non
         module.register_buffer(name, weight)
 
 
-def stack_experts(parts: list[LinearWeight]) -> LinearWeight:
-    """One weight per expert -> the stacked `[E, N, K]` form (all FP8 or all plain, as the loader made them)."""
-    if all(isinstance(p, Fp8Weight) for p in parts):
-        return Fp8Weight.stack(parts)
-    assert not any(isinstance(p, Fp8Weight) for p in parts), "experts of one projection mix FP8 and plain weights"
-    return torch.stack(parts)
+def stack_experts(parts: Iterable[LinearWeight], count: int) -> LinearWeight:
+    """`count` weights, one per expert, as the loader makes them (all FP8 or all plain) -> the stacked `[E, N, K]`
+    form. Each part is copied into the stack as it comes and then dropped: the device never holds every expert
+    twice, and a part's load-time temporaries are freed before the next part's, of the same sizes, reuse them (live
+    parts interleaved with freed temporaries would leave the allocator segments it cannot return)."""
+    parts = iter(parts)
+    first = next(parts)
+    fp8 = isinstance(first, Fp8Weight)
+    tensors = (first.weight, first.weight_scale_inv) if fp8 else (first,)
+    stacked = [t.new_empty((count, *t.shape)) for t in tensors]
+    for e, part in enumerate(itertools.chain([first], parts)):
+        if isinstance(part, Fp8Weight) != fp8:
+            raise ValueError("experts of one projection mix FP8 and plain weights")
+        if e == count:
+            raise ValueError(f"more than {count} expert weights")
+        for out, t in zip(stacked, (part.weight, part.weight_scale_inv) if fp8 else (part,)):
+            out[e].copy_(t)
+        del part
+    if e + 1 != count:
+        raise ValueError(f"{e + 1} expert weights, expected {count}")
+    return Fp8Weight(*stacked, first.block) if fp8 else stacked[0]
 
 
 def warmup_fp8_linears(model: nn.Module, act_dtype: torch.dtype, backend: str | None = None) -> int:
