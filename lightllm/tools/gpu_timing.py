@@ -34,3 +34,15 @@ def graph_us(
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / launches)
     return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device | str = "cuda") -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted), the benchmarks' floor bandwidth;
+    NaN off CUDA."""
+    if torch.device(device).type != "cuda":
+        return float("nan")
+    n = 1 << 31
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = graph_us(lambda: dst.copy_(src), iters=7, launches=2, device=device)
+    return 2 * n / (us * 1e-6)

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from lightllm.linear_att.bundles import CompactBuffers, NativeBuffers, ReplayBuffers, TokenInputs  # noqa: E402
+from lightllm.tools.gpu_timing import copy_bandwidth  # noqa: E402
 
 L2_BYTES = 60 << 20
 
@@ -123,25 +124,6 @@ class Timer:
         us = start.elapsed_time(end) * 1e3 / (self.reps * len(steps))
         del graph
         return us
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted), median of a few 1 GiB copies."""
-    if device.type != "cuda":
-        return float("nan")
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * n / sorted(times)[len(times) // 2]
 
 
 # ----------------------------------------------------------------------------------------------------------- inputs

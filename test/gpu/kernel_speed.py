@@ -49,7 +49,7 @@ from lightllm.kernels.mla_attention import (
 )
 from lightllm.kernels.tuned_tables import device_name, write_entries  # noqa: E402
 from lightllm.tools import tune_fp8_gemm, tune_fused_moe  # noqa: E402
-from lightllm.tools.gpu_timing import graph_us  # noqa: E402
+from lightllm.tools.gpu_timing import copy_bandwidth, graph_us  # noqa: E402
 
 FP8_MODELS = ["qwen3-next-80b-a3b", "qwen3.5-35b-a3b"]
 FP8_M = [4096, 8192]
@@ -136,16 +136,6 @@ def part_fp8(args, device: torch.device, out: Path, echo: Report) -> None:
             f"{math.exp(statistics.fmean(math.log(r) for r in ratios)):.2f}x (target >= 1.6x)"
         )
     echo(f"table: {staged} -> {fp8_configs.config_path(device_name(device))}\n")
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a large device-to-device copy (read + write), the floor's bandwidth."""
-    if device.type != "cuda":
-        return math.nan
-    src = torch.empty(1 << 31, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    us = tune_fp8_gemm.time_us(lambda: dst.copy_(src))
-    return 2 * (1 << 31) / (us * 1e-6)
 
 
 def mla_problem(rows: int, cached: int, shape: tuple[int, int, int], dtype, device):

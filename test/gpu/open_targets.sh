@@ -63,6 +63,9 @@
 #   moe_prefill   one layer's fused MoE at prefill token counts (1024 / 4096 / 16384) at the three served expert shapes:
 #                 the configuration used (the heuristic above the tuned buckets) against the tuned table's largest
 #                 bucket's (bench_fused_moe.py --largest_tuned), TFLOP/s
+#   conv          the causal conv's decode / verify kernel against its bytes floor (bench_conv_decode.py) at 64 / 256
+#                 rows and windows 1-4, then the same for the tree in /tmp/base when there is one (another revision,
+#                 e.g. `git archive HEAD~1 lightllm | tar -x -C /tmp/base`), then its memcheck cases
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
 #   warm_start    three starts of the server on the serving checkpoint with this machine's Triton cache (the first,
 #                 compiling what the cache lacks, left out of the summary): time to ready and the start-up's phases
@@ -256,6 +259,12 @@ for part in $parts; do
         moe_prefill) run moe_prefill 240 python test/benchmark/bench_fused_moe.py --batches 1024,4096,16384 --largest_tuned \
                          --iters 20
                      grep -E "^\|" "$LOG_DIR/moe_prefill.log" ;;
+        conv) run conv_decode 150 python test/benchmark/bench_conv_decode.py
+              [ -d /tmp/base/lightllm ] && run conv_decode_base 150 env PYTHONPATH="/tmp/base:$PYTHONPATH" \
+                  python test/benchmark/bench_conv_decode.py
+              run conv_memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+                  --error-exitcode 1 python test/gpu/memcheck_kernels.py --cases conv_decode
+              tail -3 "$LOG_DIR/conv_memcheck.log" ;;
         fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
                  grep -E "^\|" "$LOG_DIR/fp8_moe.log" | tail -20 ;;
         tune_cap8) run tune_cap8 240 python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 \
