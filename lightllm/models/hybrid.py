@@ -13,6 +13,7 @@ from torch import nn
 from lightllm.models.config import ModelConfig
 from lightllm.models.context import StepContext
 from lightllm.models.layers.decoder import build_layer
+from lightllm.models.layers.mla import LatentAttention
 from lightllm.models.layers.norms import add_rms_norm
 from lightllm.models.layers.rotary import Rotary
 from lightllm.models.loader import Shapes, WeightLoader
@@ -81,6 +82,15 @@ class HybridModel(nn.Module):
         mine = (local >= 0) & (local < num_local)
         h = F.embedding(local.clamp(0, num_local - 1), self.embed) * mine[:, None].to(self.embed.dtype)
         return self.tp.all_reduce(h)
+
+    def fixed_buffer_prefill_tokens(self) -> int | None:
+        """The longest prefill chunk a row may run through fixed buffers (a graph) without a slower form of some
+        layer, or None for no bound. There every MLA layer attends in latent space (the context bound is the
+        cache's whole row), which costs ~3.4x the expanded form's flops per query and key and recomputes each
+        query token's whole context in its own program: past `latent_max_query_len` tokens an eager step, whose
+        long chunks decompress their actual contexts once, is the faster one."""
+        limits = [m.latent_max_query_len for m in self.modules() if isinstance(m, LatentAttention)]
+        return min(limits) if limits else None
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """`input_ids [T]` -> final-normed hidden `[T, hidden]` (the lm_head input and the MTP head's input)."""

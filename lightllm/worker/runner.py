@@ -205,8 +205,11 @@ class ModelRunner(DeviceAcceptance):
         return True
 
     def _prefill_graph_tokens(self) -> int:
-        """The largest prefill bucket: the flag, capped at the longest request."""
-        return min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
+        """The largest prefill bucket: the flag, capped at the longest request and at what the model's layers
+        run as fast through fixed buffers as eagerly (`fixed_buffer_prefill_tokens`)."""
+        tokens = min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
+        model_bound = self.model.fixed_buffer_prefill_tokens()
+        return tokens if model_bound is None else min(tokens, model_bound)
 
     def _kv_token_shapes(self, tp_size: int) -> tuple[tuple[int, ...], ...]:
         a = self.model_config.attention

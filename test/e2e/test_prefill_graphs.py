@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from lightllm.models.layers.mla import LATENT_MAX_QUERY_LEN
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from lightllm.worker.graphs.prefill import PrefillGraphs, prefill_buckets
 from unit_tests.helpers.prefix_scenario import (
@@ -118,6 +119,28 @@ def test_moe_and_mla_models_prefill_through_the_buffers_as_the_eager_engine(arch
     hot = _with_fixed_buffers(make_engine(arch, "native", {}, chunked_prefill_size=8), calls)
     assert_same(run_scenario(hot, seed=29), run_scenario(cold, seed=29))
     assert calls and all(bucket is not None for _, bucket in calls)
+
+
+def test_mla_models_run_long_chunks_eagerly():
+    """Through fixed buffers MLA attends in latent space, where a long chunk costs several times its expanded form:
+    Kimi-Linear's prefill buckets stop at `latent_max_query_len`, a longer chunk runs an eager step (expanded
+    attention), a short one the buffers, both with the eager engine's tokens. Twin: a model without MLA keeps the
+    flag's buckets, and its long chunk goes through the buffers."""
+    rng = random.Random(41)
+    prompts = [fresh(rng, LATENT_MAX_QUERY_LEN + 37), fresh(rng, 20)]
+    calls: list[tuple[int, int]] = []
+    cold = make_engine("kimi_linear", "replay", {}, cache=False, chunked_prefill_size=128)
+    hot = _with_fixed_buffers(make_engine("kimi_linear", "replay", {}, cache=False, chunked_prefill_size=128), calls)
+    assert hot.runner.prefill_graphs.buckets[-1] == LATENT_MAX_QUERY_LEN
+    assert_same(run_one_by_one(hot, prompts, MAX_TOKENS), run_one_by_one(cold, prompts, MAX_TOKENS))
+    assert [n for n, _ in calls] == [20]
+    dense_calls: list[tuple[int, int]] = []
+    dense = _with_fixed_buffers(
+        make_engine("qwen3_next", "replay", {}, cache=False, chunked_prefill_size=128), dense_calls
+    )
+    assert dense.runner.prefill_graphs.buckets[-1] > LATENT_MAX_QUERY_LEN
+    run_one_by_one(dense, prompts, MAX_TOKENS)
+    assert [n for n, _ in dense_calls] == [LATENT_MAX_QUERY_LEN + 37, 20]
 
 
 def test_prefill_buckets():
