@@ -20,6 +20,7 @@ from unit_tests.server.test_output_parsers import FORMATS, outputs
 # format -> (checkpoint family, whether the route skips special tokens: Kimi's markers are special tokens)
 FAMILIES = {
     "qwen3_json": ("qwen3_next", True),
+    "qwen3_json_string": ("qwen3_next", True),
     "qwen3_xml": ("qwen3_5", True),
     "kimi": ("kimi_linear", False),
     "kimi_singular": ("kimi_linear", False),
@@ -34,14 +35,13 @@ def _tokenizer(arch: str) -> Tokenizer:
 
 
 def _streamed(parser: OutputParser, detok: IncrementalDetokenizer, ids: list[int], sizes: list[int]) -> ParsedOutput:
+    """Deltas of `sizes` tokens, then of 8 (a window never delivers more) until the ids are spent."""
     deltas, i = [], 0
-    for size in sizes:
-        deltas.append(parser.feed(detok.push(ids[i : i + size])))
-        i += size
+    for size in sizes + [8] * ((len(ids) + 7) // 8):
         if i >= len(ids):
             break
-    if i < len(ids):
-        deltas.append(parser.feed(detok.push(ids[i:])))
+        deltas.append(parser.feed(detok.push(ids[i : i + size])))
+        i += size
     deltas += [parser.feed(detok.flush()), parser.finish()]
     return ParsedOutput.merge(deltas)
 

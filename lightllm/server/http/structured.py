@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from lightllm.server.http.parsers.qwen3_xml import schema_types
 from lightllm.server.http.protocol import ChatCompletionRequest, NamedToolChoice, RequestError, ToolDef
 
 _OBJECT = {"type": "object"}
@@ -67,24 +68,40 @@ def _json_call(i: int, tool: ToolDef, m: _Markers) -> list[str]:
     ]
 
 
+# a string parameter's value: any text up to the first line that closes it (`suffix` makes the terminal lazy, so it
+# ends there). The parser ends a value at the first `</parameter>`, `<parameter=`, `</function>` or `</tool_call>`,
+# so a value holding one of them is refused here rather than read back cut short.
+_XML_TEXT = [
+    'xml_text[suffix="\\n</parameter>\\n"]: XML_TEXT',
+    "XML_TEXT: /(?s:.*)/ & ~/(?s:.*)(<\\/parameter>|<parameter=|<\\/function>|<\\/tool_call>)(?s:.*)/",
+]
+
+
 def _xml_call(i: int, tool: ToolDef, m: _Markers) -> list[str]:
     schema = _arguments_schema(tool)
     props = schema.get("properties") or {}
     required = set(schema.get("required") or [])
+    # a parameter's schema embedded alone still resolves `$ref`s into the definitions beside it
+    defs = {key: schema[key] for key in ("$defs", "definitions") if key in schema}
+    close = _lark_str("\n</parameter>\n")
     parts, rules = [], []
     for k, (name, prop) in enumerate(props.items()):
         prop = prop if isinstance(prop, dict) else {}
-        # a string parameter is written as bare text on one line
-        value = "TEXT" if prop.get("type", "string") == "string" and "enum" not in prop else f"value_{i}_{k}"
-        if value != "TEXT":
-            if prop.get("type") == "string":
-                # an enum of strings is written bare too: its values as literals
-                rules.append(f"value_{i}_{k}: " + " | ".join(_lark_str(str(v)) for v in prop["enum"]))
-            else:
-                rules.append(f"value_{i}_{k}: {_lark_json(prop)}")
-        rules.append(
-            f"param_{i}_{k}: {_lark_str(f'<parameter={name}>' + chr(10))} {value} {_lark_str(chr(10) + '</parameter>' + chr(10))}"
-        )
+        head = _lark_str(f"<parameter={name}>\n")
+        literals = prop.get("enum") if isinstance(prop.get("enum"), list) else None
+        if "const" in prop:
+            literals = [prop["const"]]
+        types = schema_types(prop, schema)
+        if literals:
+            # values are written as the template writes them: strings bare, others as JSON
+            values = (v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in literals)
+            rules.append(f"param_{i}_{k}: {head} ({' | '.join(_lark_str(v) for v in values)}) {close}")
+        elif not types or "string" in types:
+            # text, which the parser reads as one of the schema's other types where it is one
+            rules.append(f"param_{i}_{k}: {head} xml_text")
+        else:
+            rules.append(f"value_{i}_{k}: {_lark_json({**defs, **prop})}")
+            rules.append(f"param_{i}_{k}: {head} value_{i}_{k} {close}")
         parts.append(f"param_{i}_{k}" + ("" if name in required else "?"))
     head = m("", "<tool_call>", f"\n<function={tool.function.name}>\n")
     tail = m("</function>\n", "</tool_call>")
@@ -120,7 +137,8 @@ def tool_call_lark(
         start = f"start: {m('', '<|tool_calls_section_begin|>')} {body} {m('', '<|tool_calls_section_end|>')}"
     else:
         start = 'start: call ("\\n" call)*' if many else "start: call"
-    return "\n".join([start, f"call: {alternatives}", *rules, "INDEX: /[0-9]{1,3}/", "TEXT: /[^<\\n]*/"]) + "\n"
+    terminals = _XML_TEXT if parser == "qwen3_xml" else ["INDEX: /[0-9]{1,3}/"]
+    return "\n".join([start, f"call: {alternatives}", *rules, *terminals]) + "\n"
 
 
 def request_grammar(

@@ -1,8 +1,10 @@
 """Qwen3-Next (Hermes style): `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`, one block per call.
 
 The call is committed once `{"name": "...", "arguments":` has arrived; the arguments then stream as written,
-holding back the last `}` seen (it may close the outer object). A `<tool_call>` not followed by `{` is prose, and
-so is one whose header does not appear within `WINDOW` characters (unless a complete block parses as JSON).
+holding back the last `}` seen (it may close the outer object). Some models write the arguments as a JSON string
+(`"arguments": "{\"a\": 1}"`): its decoded text is the arguments, sent once the block closes. A `<tool_call>` not
+followed by `{` is prose, and so is one whose header does not appear within `WINDOW` characters (unless a complete
+block parses as JSON).
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ def _outer_stripped(body: str) -> str:
     return body[:-1].rstrip() if body.endswith("}") else body
 
 
+def _string_arguments(body: str) -> str:
+    """Arguments written as a JSON string: its decoded text when the body is that string and the outer object's
+    closing brace; otherwise (a block cut short, text after the string) the body as written."""
+    try:
+        value, end = json.JSONDecoder().raw_decode(body)
+    except ValueError:
+        return _outer_stripped(body)
+    if not isinstance(value, str) or body[end:].strip() not in ("}", ""):
+        return _outer_stripped(body)
+    return value
+
+
 class Qwen3JsonToolParser(TaggedToolParser):
     starts = (START,)
 
@@ -36,11 +50,15 @@ class Qwen3JsonToolParser(TaggedToolParser):
             return self._header(out, final)
         close = self.buf.find(END)
         if close >= 0 or final:
-            raw = self.buf[:close] if close >= 0 else self.buf
-            self.add_arguments(out, _outer_stripped(raw.lstrip())[self.num_sent :])
+            raw = (self.buf[:close] if close >= 0 else self.buf).lstrip()
+            text = _string_arguments(raw) if raw.startswith('"') else _outer_stripped(raw)[self.num_sent :]
+            self.add_arguments(out, text)
             self.buf = self.buf[close + len(END) :] if close >= 0 else ""
             return Region.DONE
         ready = self.buf[: len(self.buf) - held_suffix(self.buf, (END,))].lstrip()
+        if ready.startswith('"'):
+            # a string's decoded text cannot be sent before its end is known
+            return Region.WAIT
         brace = ready.rfind("}")
         safe = ready[:brace].rstrip() if brace >= 0 else ""
         if len(safe) > self.num_sent:

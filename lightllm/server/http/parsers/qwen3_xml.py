@@ -10,13 +10,15 @@
 
 The call is committed once `<function=NAME>` has arrived (a `<tool_call>` followed by anything else is prose).
 Each parameter is sent as one argument fragment when its `</parameter>` arrives (`{"city": "Paris"`, then
-`, "days": 3`, then `}`), its value typed by the tool's JSON schema: strings stay text, other types are read as
-JSON when they parse.
+`, "days": 3`, then `}`), its value typed by the tool's JSON schema: the text read as JSON is kept when it is one
+of the types the schema admits (a `type` or a list of them, `anyOf` / `oneOf` members, a local `$ref` into
+`$defs`, `enum` values); text that is none of them stays a string.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 from lightllm.server.http.parsers.base import IdFactory, ParsedDelta, new_call_id
 from lightllm.server.http.parsers.tagged import Region, TaggedToolParser
@@ -26,27 +28,109 @@ FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 # a function or parameter name longer than this is not one
 MAX_NAME = 128
-_JSON_TYPES = {"integer", "number", "boolean", "object", "array", "null"}
+# Qwen3.5's released template writes a scalar argument through Jinja's `string` filter, which spells these the
+# Python way
+_PYTHON_LITERALS = {"True": True, "False": False, "None": None}
+# schemas visited to resolve one parameter's types, and their nesting (`$ref`s followed, `anyOf` in `anyOf`), at
+# most: past either (a `$ref` cycle, a client's schema built to branch without end) the parameter reads as
+# unrestricted
+MAX_SCHEMA_NODES, MAX_SCHEMA_DEPTH = 1000, 32
 
 
-def _param_types(tools: list[dict] | None) -> dict[str, dict[str, object]]:
-    """function name -> parameter name -> its schema's `type` (from OpenAI `tools`)."""
-    types: dict[str, dict[str, object]] = {}
+def _json_type(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if value is None:
+        return "null"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "")
+
+
+def _resolve_ref(ref: str, root: dict):
+    """A local reference (`#/$defs/Name`, `#/definitions/Name`, any JSON pointer into the parameters' schema)."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def schema_types(schema, root: dict) -> list[str]:
+    """The JSON types `schema` admits, in the order it names them (`root`: the parameters' schema, which local
+    references point into); empty when it does not restrict them."""
+    budget = [MAX_SCHEMA_NODES]
+
+    def types_of(node, depth: int = 0) -> list[str]:
+        budget[0] -= 1
+        if not isinstance(node, dict) or budget[0] < 0 or depth > MAX_SCHEMA_DEPTH:
+            return []
+        kind = node.get("type")
+        if isinstance(kind, str):
+            return [kind]
+        if isinstance(kind, list):
+            return list(dict.fromkeys(k for k in kind if isinstance(k, str)))
+        if "const" in node:
+            return [_json_type(node["const"])]
+        if isinstance(node.get("enum"), list) and node["enum"]:
+            return list(dict.fromkeys(_json_type(v) for v in node["enum"]))
+        if isinstance(node.get("$ref"), str):
+            return types_of(_resolve_ref(node["$ref"], root), depth + 1)
+        members = [m for key in ("anyOf", "oneOf") if isinstance(node.get(key), list) for m in node[key]]
+        types: list[str] = []
+        for member in members:
+            member_types = types_of(member, depth + 1)
+            if not member_types:
+                # a member that admits any type: so does the union
+                return []
+            types += member_types
+        if not members and isinstance(node.get("allOf"), list):
+            # every member of `allOf` holds: the first that names types bounds them
+            for member in node["allOf"]:
+                if member_types := types_of(member, depth + 1):
+                    return member_types
+        return list(dict.fromkeys(types))
+
+    return types_of(schema)
+
+
+def _param_types(tools: list[dict] | None) -> dict[str, dict[str, list[str]]]:
+    """function name -> parameter name -> the types its schema admits (from OpenAI `tools`)."""
+    types: dict[str, dict[str, list[str]]] = {}
     for tool in tools or []:
         fn = tool.get("function") or {}
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        types[fn.get("name", "")] = {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
+        root = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+        props = root.get("properties") if isinstance(root.get("properties"), dict) else {}
+        types[fn.get("name", "")] = {k: schema_types(v, root) for k, v in props.items() if isinstance(v, dict)}
     return types
 
 
-def typed_value(text: str, schema_type) -> str:
-    """The JSON text of a parameter value: a string unless its schema says otherwise and it parses."""
-    kinds = set(schema_type) if isinstance(schema_type, list) else {schema_type}
-    if kinds & _JSON_TYPES:
+def _is_type(value, kind: str) -> bool:
+    if kind == "integer":
+        return _json_type(value) == "integer" or (isinstance(value, float) and value.is_integer())
+    if kind == "number":
+        # NaN and Infinity read as JSON in Python but are not JSON numbers
+        return _json_type(value) == "integer" or (_json_type(value) == "number" and math.isfinite(value))
+    return _json_type(value) == kind
+
+
+def typed_value(text: str, types: list[str] | None) -> str:
+    """The JSON text of a parameter value: the value `text` reads as when that is one of `types`, else `text` as a
+    string."""
+    kinds = [k for k in types or [] if k != "string"]
+    if kinds:
         try:
-            return json.dumps(json.loads(text), ensure_ascii=False)
+            value = json.loads(text)
         except ValueError:
-            pass
+            value = _PYTHON_LITERALS.get(text.strip(), text)
+        if any(_is_type(value, k) for k in kinds):
+            return json.dumps(value, ensure_ascii=False)
     return json.dumps(text, ensure_ascii=False)
 
 
