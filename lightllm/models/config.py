@@ -144,17 +144,46 @@ def eos_ids(raw: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+# where a config may spell its rope fields: the transformers 5 dict, the older dict (and Qwen's docs for adding
+# YaRN), and flat keys beside them
+ROPE_DICTS = ("rope_parameters", "rope_scaling")
+FLAT_ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
+
+
 def rope_parameters(raw: dict) -> dict:
-    """The config's rope dict: `rope_parameters` (transformers 5) or `rope_scaling` (older configs, Qwen's docs),
-    whichever names a scaling type; both naming different ones is refused."""
-    found = [d for d in (raw.get("rope_parameters"), raw.get("rope_scaling")) if isinstance(d, dict)]
-    scaled = [d for d in found if _rope_type(d) != "default"]
-    if len(scaled) == 2 and scaled[0] != scaled[1]:
-        raise ValueError(
-            f"rope_parameters ({_rope_type(scaled[0])}) and rope_scaling ({_rope_type(scaled[1])}) disagree: "
-            "keep one of them"
-        )
-    return (scaled or found or [{}])[0]
+    """The config's rope fields merged from `rope_parameters`, `rope_scaling` and the flat `rope_theta` /
+    `partial_rotary_factor`, so that a scaling added in one spelling keeps the theta and rotated share written in
+    another. A field the spellings give different values is refused by name, as are two different scaling types."""
+    spellings = [(f"{name}.", _rope_fields(raw[name])) for name in ROPE_DICTS if isinstance(raw.get(name), dict)]
+    spellings.append(("", {k: raw[k] for k in FLAT_ROPE_KEYS if raw.get(k) is not None}))
+    merged: dict = {}
+    where: dict[str, str] = {}
+    for prefix, fields in spellings:
+        for key, value in fields.items():
+            if key in merged and not _same_rope_value(key, merged[key], value):
+                raise ValueError(
+                    f"rope settings disagree: {where[key]} is {merged[key]!r}, {prefix}{key} is {value!r}; "
+                    "keep one of them"
+                )
+            if key not in merged or (key == "rope_type" and merged[key] == "default"):
+                merged[key], where[key] = value, prefix + key
+    return merged
+
+
+def _rope_fields(rope: dict) -> dict:
+    """A rope dict's set fields, its type under `rope_type` whichever key spells it."""
+    fields = {k: v for k, v in rope.items() if v is not None and k not in ("type", "rope_type")}
+    fields["rope_type"] = _rope_type(rope)
+    return fields
+
+
+def _same_rope_value(key: str, a, b) -> bool:
+    if key == "rope_type":
+        # a plain dict beside a scaled one only carries the other fields
+        return a == b or "default" in (a, b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return a == b
 
 
 def _rope_type(rope: dict) -> str:
@@ -184,8 +213,9 @@ def rope_scaling(raw: dict) -> RopeScaling | None:
     )
     if not isinstance(original, int) or original <= 0:
         raise ValueError(f"rope_scaling yarn: expected original_max_position_embeddings, found {original!r}")
-    if factor is None and raw.get("max_position_embeddings"):
-        factor = raw["max_position_embeddings"] / original
+    # transformers requires it too: guessing it from the context lengths gives 1 (no scaling) when they are equal
+    if factor is None:
+        raise ValueError("rope_scaling yarn: expected a factor (the context extension), found none")
     if not isinstance(factor, (int, float)) or factor <= 0:
         raise ValueError(f"rope_scaling yarn: expected a positive factor, found {factor!r}")
     attention_factor = rope.get("attention_factor")

@@ -220,6 +220,7 @@ class WeightLoader:
         if self._progress is not None:
             self._progress()
         if not self.is_scaled(name):
+            check_not_fp8(name, t.dtype, self.quant)
             return t
         scale = self.reader.get(scale_name(name))
         self.consumed.add(scale_name(name))
@@ -232,6 +233,21 @@ class WeightLoader:
     def place(self, t: torch.Tensor, fp32: bool = False) -> torch.Tensor:
         """Move a (possibly transformed) tensor to the model's device and dtype."""
         return t.to(device=self.device, dtype=torch.float32 if fp32 else self.dtype).contiguous()
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether `dtype` is one of torch's 1-byte floats (float8_e4m3fn, float8_e5m2, their fnuz and e8m0 kin)."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def check_not_fp8(name: str, dtype: torch.dtype, quant: Fp8Config | None) -> None:
+    """Refuse an FP8 tensor read without a scale grid: its raw values are not the weights (each block is scaled
+    by its `weight_scale_inv`), so loading them as they are gives a model that runs but says nothing sensible."""
+    if not is_fp8(dtype):
+        return
+    if quant is None or not quant.in_checkpoint:
+        raise ValueError(f"{name}: stored as {dtype} but config.json has no fp8 quantization_config to scale it")
+    raise ValueError(f"{name}: stored as {dtype} without the {scale_name(name)} that scales it")
 
 
 def tensor_mismatch(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,9 +18,11 @@ from lightllm.models.quant_config import Fp8Config, UnsupportedQuantization, par
 
 if TYPE_CHECKING:
     from lightllm.models.config import ModelConfig
-    from lightllm.models.loader import TensorHeader
+    from lightllm.models.loader import Shapes, TensorHeader
 
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtypes of 1-byte floats (F8_E4M3, F8_E5M2, F8_E8M0): values that mean nothing without their scales
+FP8_PREFIX = "F8_"
 # JSON side files that transformers parses when the tokenizer and generation defaults are loaded
 SIDE_FILES = ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
 # without tokenizer.json a slow tokenizer needs one of these; with none of them transformers still builds a
@@ -145,15 +148,8 @@ def check_weight_shapes(
         return raw_name[name] + (f" ({tensors[raw_name[name]].file.name})" if len(files) > 1 else "")
 
     expected = with_block_scales(model.checkpoint_shapes(set(found)), set(found), quant)
-    lines = tensor_mismatch(expected, found, label, MAX_LISTED)
-    not_fp8 = [
-        n for n in expected if scale_name(n) in expected and n in raw_name and tensors[raw_name[n]].dtype != "F8_E4M3"
-    ]
-    if not_fp8:
-        lines.append(
-            f"not float8_e4m3fn despite a {scale_name('')} ({len(not_fp8)}): "
-            + ", ".join(f"{label(n)} ({tensors[raw_name[n]].dtype})" for n in not_fp8[:MAX_LISTED])
-        )
+    dtypes = {n: tensors[raw_name[n]].dtype for n in expected if n in raw_name}
+    lines = tensor_mismatch(expected, found, label, MAX_LISTED) + dtype_mismatch(expected, dtypes, quant, label)
     if lines:
         where = (
             os.path.join(model_dir, files[0]) if len(files) == 1 else f"{model_dir} ({len(files)} safetensors files)"
@@ -162,6 +158,29 @@ def check_weight_shapes(
             f"{where}: the weights do not match config.json ({_describe(cfg)}); expected vs found:\n"
             + "\n".join(f"  {line}" for line in lines)
         )
+
+
+def dtype_mismatch(
+    expected: Shapes, dtypes: dict[str, str], quant: Fp8Config | None, label: Callable[[str], str]
+) -> list[str]:
+    """Lines naming the weights stored with a scale grid but not in float8_e4m3fn, and the float8 weights stored
+    without one (their raw values are not the weights: every block is scaled by its `weight_scale_inv`)."""
+    lines = []
+    not_fp8 = [n for n in dtypes if scale_name(n) in expected and dtypes[n] != "F8_E4M3"]
+    if not_fp8:
+        lines.append(f"not float8_e4m3fn despite a {scale_name('')} " + _listed(not_fp8, dtypes, label))
+    unscaled = [n for n in dtypes if scale_name(n) not in expected and dtypes[n].startswith(FP8_PREFIX)]
+    if unscaled and (quant is None or not quant.in_checkpoint):
+        lines.append("float8 but config.json has no fp8 quantization_config " + _listed(unscaled, dtypes, label))
+    elif unscaled:
+        lines.append(f"float8 without a {scale_name('')} beside it " + _listed(unscaled, dtypes, label))
+    return lines
+
+
+def _listed(names: list[str], dtypes: dict[str, str], label: Callable[[str], str]) -> str:
+    shown = ", ".join(f"{label(n)} ({dtypes[n]})" for n in names[:MAX_LISTED])
+    more = f" (+{len(names) - MAX_LISTED} more)" if len(names) > MAX_LISTED else ""
+    return f"({len(names)}): {shown}{more}"
 
 
 def _describe(cfg: ModelConfig) -> str:

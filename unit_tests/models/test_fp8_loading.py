@@ -1,7 +1,8 @@
 """Block-FP8 checkpoints (Qwen's format), written by the test from a bf16 tiny checkpoint with
 `lightllm.tools.quantize_fp8`: weights and scales land per block (partial edge blocks included), modules left
 unquantized keep their dtype, transposed scales are caught, TP shards keep whole blocks, `quantization="fp8"`
-quantizes at load with the same kernels, and the FP8 model's logits follow the dequantized-weight model's."""
+quantizes at load with the same kernels, float8 weights without their scales are refused, and the FP8 model's
+logits follow the dequantized-weight model's."""
 
 from __future__ import annotations
 
@@ -145,6 +146,55 @@ def test_scaled_weight_stored_in_another_dtype_is_refused(fp8_dir, tmp_path):
         check_checkpoint(str(twin))
     with pytest.raises(ValueError, match=rf"{GDN_OUT}: has a {GDN_OUT}_scale_inv so it must be float8_e4m3fn"):
         load(twin)
+
+
+def test_fp8_weight_without_its_scale_is_refused(fp8_dir, tmp_path):
+    """Its raw float8 values are not the weights (each block is scaled): refused before loading and by the loader,
+    naming the tensor. The intact copy is the twin."""
+    assert check_checkpoint(str(fp8_dir)).tensors[ATTN_O + "_scale_inv"].dtype == "F32"
+    assert isinstance(module_weight(load(fp8_dir), ATTN_O), Fp8Weight)
+    twin = shutil.copytree(fp8_dir, tmp_path / "twin")
+    tensors = load_file(twin / "model.safetensors")
+    del tensors[ATTN_O + "_scale_inv"]
+    save_file(tensors, twin / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"float8 without a _scale_inv beside it \(1\): {ATTN_O} \(F8_E4M3\)"):
+        check_checkpoint(str(twin))
+    with pytest.raises(ValueError, match=rf"{ATTN_O}: stored as torch.float8_e4m3fn without the {ATTN_O}_scale_inv"):
+        load(twin)
+
+
+@pytest.mark.parametrize(
+    "dtype,header", [(torch.float8_e4m3fn, "F8_E4M3"), (torch.float8_e5m2, "F8_E5M2")], ids=["e4m3", "e5m2"]
+)
+def test_fp8_weight_without_a_quantization_config_is_refused(bf16_dir, tmp_path, dtype, header):
+    """A float8 tensor in a checkpoint whose config.json declares no fp8 quantization has no scale to apply,
+    whether the checkpoint loads as it is or is quantized at load. The unbroken checkpoint is the twin."""
+    assert check_checkpoint(str(bf16_dir)).tensors[ATTN_O].dtype == "BF16"
+    assert isinstance(module_weight(load(bf16_dir), ATTN_O), torch.Tensor)
+    twin = shutil.copytree(bf16_dir, tmp_path / "twin")
+    tensors = load_file(twin / "model.safetensors")
+    tensors[ATTN_O] = tensors[ATTN_O].to(dtype)
+    save_file(tensors, twin / "model.safetensors")
+    expected = rf"float8 but config.json has no fp8 quantization_config \(1\): {ATTN_O} \({header}\)"
+    with pytest.raises(ValueError, match=expected):
+        check_checkpoint(str(twin))
+    expected = rf"{ATTN_O}: stored as {dtype} but config.json has no fp8 quantization_config"
+    for quantization in (None, "fp8"):
+        with pytest.raises(ValueError, match=expected):
+            load(twin, quantization=quantization)
+
+
+def test_fp8_checkpoint_without_its_quantization_config_lists_the_float8_weights(fp8_dir, tmp_path):
+    twin = shutil.copytree(fp8_dir, tmp_path / "twin")
+    config = json.loads((twin / "config.json").read_text())
+    del config["quantization_config"]
+    (twin / "config.json").write_text(json.dumps(config))
+    scaled = [n for n in load_file(twin / "model.safetensors") if n.endswith("_scale_inv")]
+    with pytest.raises(ValueError) as err:
+        check_checkpoint(str(twin))
+    # the scales are unexpected without the config, and every float8 weight is named as such
+    assert f"float8 but config.json has no fp8 quantization_config ({len(scaled)}): " in str(err.value)
+    assert f"(+{len(scaled) - 5} more)" in str(err.value) and f"unexpected ({len(scaled)})" in str(err.value)
 
 
 def test_unquantized_modules_keep_their_dtype(bf16_dir, tmp_path):

@@ -23,6 +23,7 @@ from lightllm.models.loader import load_weights
 from lightllm.models.registry import load_model_config
 from lightllm.server.checkpoint_check import check_checkpoint
 from lightllm.tools.make_tiny_model import tiny_model_dir
+from lightllm.tools.quantize_fp8 import quantize_checkpoint
 from lightllm.tools.tiny_model.sizes import ARCHS
 from unit_tests.server.live_server import single_threaded_env
 
@@ -60,6 +61,24 @@ def _truncate_header(d: Path) -> None:
 
 def _truncate_data(d: Path) -> None:
     _truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size // 2)
+
+
+# a full-attention projection of the tiny qwen3_next
+O_PROJ = "model.layers.3.self_attn.o_proj.weight"
+
+
+def _fp8_without_a_scale(d: Path) -> None:
+    fp8 = quantize_checkpoint(d, d.parent / "fp8", (32, 32))
+    tensors = load_file(fp8 / "model.safetensors")
+    del tensors[O_PROJ + "_scale_inv"]
+    save_file(tensors, d / "model.safetensors")
+    shutil.copy(fp8 / "config.json", d / "config.json")
+
+
+def _fp8_without_a_quantization_config(d: Path) -> None:
+    tensors = load_file(d / "model.safetensors")
+    tensors[O_PROJ] = tensors[O_PROJ].to(torch.float8_e4m3fn)
+    save_file(tensors, d / "model.safetensors")
 
 
 CASES = {
@@ -118,6 +137,19 @@ CASES = {
         lambda d: _edit_config(d, lambda c: c.update(quantization_config={"load_in_4bit": True})),
         [],
         ["config.json: quantization_config.quant_method 'bitsandbytes' is not supported", "weight_block_size"],
+    ),
+    "fp8-weight-without-scale": (
+        _fp8_without_a_scale,
+        [],
+        [
+            "model.safetensors: the weights do not match config.json",
+            f"float8 without a _scale_inv beside it (1): {O_PROJ} (F8_E4M3)",
+        ],
+    ),
+    "fp8-weight-without-quantization-config": (
+        _fp8_without_a_quantization_config,
+        [],
+        [f"float8 but config.json has no fp8 quantization_config (1): {O_PROJ} (F8_E4M3)"],
     ),
     "fp8-per-tensor": (
         lambda d: _edit_config(d, lambda c: c.update(quantization_config={"quant_method": "fp8"})),

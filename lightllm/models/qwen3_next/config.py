@@ -29,9 +29,10 @@ def qwen_layer_types(raw: dict) -> tuple[str, ...]:
 
 def qwen_attention(raw: dict) -> AttentionConfig:
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    # merged over every spelling: YaRN added as `rope_scaling` keeps the theta and share `rope_parameters` gives
     rope = rope_parameters(raw)
-    theta = first_present(rope, "rope_theta", default=raw.get("rope_theta", 10000.0))
-    partial = first_present(rope, "partial_rotary_factor", default=raw.get("partial_rotary_factor", 1.0))
+    theta = rope.get("rope_theta", 10000.0)
+    partial = rope.get("partial_rotary_factor", 1.0)
     return AttentionConfig(
         kind="gated",
         num_heads=raw["num_attention_heads"],
