@@ -1,13 +1,14 @@
 """Tune the fused MoE's launch configurations on this GPU and write them to the package's table for this device.
 
     python -m lightllm.tools.tune_fused_moe --shapes qwen3.5-35b-a3b,kimi-linear-48b-a3b [--tp 1] \
-        [--dtype bfloat16] [--batches 1,2,4,8,16,32,64,128,256,512] [--output FILE] [--quick]
+        [--dtype bfloat16] [--batches 1,2,4,8,16,32,64,128,256,512] [--output FILE] [--grid full|quick|prefill]
 
 For each shape and batch bucket it routes random tokens (softmax top-k over random logits), then, for every
 BLOCK_M, times each grouped GEMM alone over its tile candidates (BLOCK_N, BLOCK_K, warps, stages) and keeps the
 BLOCK_M whose best pair is fastest. The winner is checked against the per-expert torch loop before it is written
 (`lightllm/kernels/fused_moe/configs/<device>.json`, under this Triton version; other entries are kept).
-Candidates that do not compile or do not fit in shared memory are skipped. `--quick` tries a reduced grid.
+Candidates that do not compile or do not fit in shared memory are skipped. `--grid quick` tries a reduced grid,
+`--grid prefill` tall blocks and wide tiles for prefill token counts.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ FULL_GRID = {
     "num_stages": (2, 3, 4),
 }
 QUICK_GRID = {"BLOCK_M": (16, 64), "BLOCK_N": (64, 128), "BLOCK_K": (64, 128), "num_warps": (4,), "num_stages": (3,)}
+# prefill token counts (hundreds of rows per expert): tall blocks and wide tiles, where the GEMMs are compute-bound
+PREFILL_GRID = {
+    "BLOCK_M": (64, 128),
+    "BLOCK_N": (64, 128, 256),
+    "BLOCK_K": (64, 128),
+    "num_warps": (4, 8),
+    "num_stages": (3, 4),
+}
+GRIDS = {"full": FULL_GRID, "quick": QUICK_GRID, "prefill": PREFILL_GRID}
 
 
 def tiles(grid: dict) -> list[dict]:
@@ -128,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128,256,512")
     p.add_argument("--output", default=None, help="table file (default: the package's table of this device)")
-    p.add_argument("--quick", action="store_true", help="a reduced candidate grid")
+    p.add_argument(
+        "--grid", default="full", choices=tuple(GRIDS), help="candidates: all, a reduced grid, prefill-sized tiles"
+    )
     args = p.parse_args(argv)
     unknown = sorted(set(args.shapes.split(",")) - set(SERVED_SHAPES))
     if unknown:
@@ -138,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[args.data_type]
     device = torch.device("cuda")
     path = args.output or str(config_path(device_name(device)))
-    grid = QUICK_GRID if args.quick else FULL_GRID
+    grid = GRIDS[args.grid]
     for name in args.shapes.split(","):
         shape = SERVED_SHAPES[name].sharded(args.tp)
         key = shape_key(shape.num_experts, shape.inter, shape.hidden, shape.top_k, dtype)

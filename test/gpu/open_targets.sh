@@ -55,6 +55,11 @@
 #   kimi_mixed_fp8 Kimi-Linear-48B-A3B in FP8, 64 requests of 8k tokens on the engine alone (closed_loop.py): five of
 #                 the steps that prefill a 2048-token chunk beside the decoding rows profiled (GPU kernels, host
 #                 operators): what such a step spends its ~150 ms on
+#   moe_mixed     Qwen3.5-35B-A3B in FP8 on the engine alone (closed_loop.py, 256 requests of 1024 tokens out 128 at
+#                 concurrency 128): mixed steps with prefill graphs (each prompt chunk a whole-model replay of its own,
+#                 beside the decode graph: every replay reads the experts again) against eager packed steps
+#                 (--prefill_graph_max_tokens 0: one forward a step)
+#   kimi_mixed_base  kimi_mixed_fp8 for the tree in /tmp/base (another revision), after this tree's
 #   q3n_fp8       Qwen3-Next-80B-A3B at full size quantized to FP8 at load: the server's memory plan and 64 requests
 #                 over HTTP (q3n_serve alone), then replay and native decode at 1 / 64 / 256
 #   structured_q35 free vs constrained decode at batch 64 on Qwen3.5-35B-A3B at full size (random weights) with a
@@ -66,6 +71,9 @@
 #   conv          the causal conv's decode / verify kernel against its bytes floor (bench_conv_decode.py) at 64 / 256
 #                 rows and windows 1-4, then the same for the tree in /tmp/base when there is one (another revision,
 #                 e.g. `git archive HEAD~1 lightllm | tar -x -C /tmp/base`), then its memcheck cases
+#   moe_prefill_tune  the fused MoE tuned at prefill token counts (1024 / 4096 / 16384) over tall blocks and wide
+#                 tiles (tune_fused_moe.py --grid prefill) for Qwen3.5-35B-A3B and Kimi-Linear-48B-A3B; the entries
+#                 come back as moe_prefill_tuned.json beside the logs (not merged into the package's tables)
 #   fp8_moe       the fused MoE step with FP8 against bf16 experts (bench_fp8_moe.py)
 #   warm_start    three starts of the server on the serving checkpoint with this machine's Triton cache (the first,
 #                 compiling what the cache lacks, left out of the summary): time to ready and the start-up's phases
@@ -231,12 +239,22 @@ for part in $parts; do
                            grep -E "kernel " "$LOG_DIR/${part}_${cb%:*}.log" | head -16
                        done
                    fi ;;
-        kimi_mixed_fp8) python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
-                        run kimi_mixed_fp8 280 python test/gpu/closed_loop.py --model_dir /tmp/kimi --load_format dummy \
-                            --quantization fp8 --mem_fraction 0.92 --requests 64 --concurrency 64 --input_len 8192 \
-                            --output_len 32 --profile 20,5
-                        grep -E "requests in|TTFT|profiled" "$LOG_DIR/kimi_mixed_fp8.log" | cut -c1-300
-                        grep -A25 "top by" "$LOG_DIR/kimi_mixed_fp8.log" | cut -c1-150 ;;
+        kimi_mixed_fp8|kimi_mixed_base)
+                        python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
+                        tree=.
+                        [ $part = kimi_mixed_base ] && tree=/tmp/base
+                        run $part 280 env PYTHONPATH="$tree:$PYTHONPATH" python $tree/test/gpu/closed_loop.py \
+                            --model_dir /tmp/kimi --load_format dummy --quantization fp8 --mem_fraction 0.92 \
+                            --requests 64 --concurrency 64 --input_len 8192 --output_len 32 --profile 20,5
+                        grep -E "requests in|TTFT|profiled" "$LOG_DIR/$part.log" | cut -c1-300
+                        grep -A25 "top by" "$LOG_DIR/$part.log" | cut -c1-150 ;;
+        moe_mixed) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
+                   for graphs in 1024 0; do
+                       run "moe_mixed_graphs$graphs" 250 python test/gpu/closed_loop.py --model_dir /tmp/q35 \
+                           --load_format dummy --quantization fp8 --requests 256 --concurrency 128 --input_len 1024 \
+                           --output_len 128 --prefill_graph_max_tokens $graphs
+                       grep -E "requests in|TTFT" "$LOG_DIR/moe_mixed_graphs$graphs.log" | cut -c1-300
+                   done ;;
         q3n_serve|q3n_fp8)
                  python -m lightllm.tools.dummy_model_dir --preset qwen3-next-80b-a3b --out /tmp/q3n > /dev/null
                  # the server at its defaults: the memory plan's line (the concurrency it affords), then it serves
@@ -265,6 +283,10 @@ for part in $parts; do
               run conv_memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
                   --error-exitcode 1 python test/gpu/memcheck_kernels.py --cases conv_decode
               tail -3 "$LOG_DIR/conv_memcheck.log" ;;
+        moe_prefill_tune) run moe_prefill_tune 280 python -m lightllm.tools.tune_fused_moe --grid prefill \
+                              --shapes qwen3.5-35b-a3b,kimi-linear-48b-a3b --batches 4096,16384,1024 \
+                              --output "$OUT_DIR/moe_prefill_tuned.json"
+                          grep -E "tokens" "$LOG_DIR/moe_prefill_tune.log" ;;
         fp8_moe) run fp8_moe 200 python test/benchmark/bench_fp8_moe.py
                  grep -E "^\|" "$LOG_DIR/fp8_moe.log" | tail -20 ;;
         tune_cap8) run tune_cap8 240 python test/benchmark/sweep_linear_att.py --families replay --cells 1x256 \

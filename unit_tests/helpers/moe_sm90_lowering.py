@@ -84,7 +84,7 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
             out.append((f"{s.name} align_plan BM={bm}", moe_align_plan_kernel, c, ALIGN_TYPES, 8, 1))
             c = dict(BM=bm, BP=tiles["BP"], BE=be, BB=tiles["BB"])
             out.append((f"{s.name} align_scatter BM={bm}", moe_align_scatter_kernel, c, ALIGN_TYPES, 8, 1))
-        for tokens in (1, 64, 256, 2048):
+        for tokens in (1, 64, 256, 2048, 16384):
             config = heuristic_config(tokens, s.num_experts, s.inter, s.hidden, s.top_k, torch.bfloat16)
             for name, kernel in (("gate_up", moe_gate_up_kernel), ("down", moe_down_kernel)):
                 t = config[name]
@@ -106,8 +106,8 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
     # block-FP8 experts (128 x 128 scale blocks) at Qwen3-Next's shape, decode and prefill tiles
     s = SERVED_SHAPES["qwen3-next-80b-a3b"]
     fp8_types = _types({**GEMM_TYPES, "x_s": "*fp32", "w_s": "*fp32", "act_s": "*fp32"}, "*fp8e4nv")
-    for tokens in (1, 2048):
-        config = heuristic_config(tokens, s.num_experts, s.inter, s.hidden, s.top_k, torch.bfloat16)
+    for tokens in (1, 2048, 16384):
+        config = heuristic_config(tokens, s.num_experts, s.inter, s.hidden, s.top_k, torch.bfloat16, fp8=True)
         for name, kernel in (("gate_up", moe_gate_up_kernel), ("down", moe_down_kernel)):
             t = config[name]
             c = dict(

@@ -57,11 +57,27 @@ def check_config(config: dict) -> dict:
     return config
 
 
-def heuristic_config(num_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype) -> dict:
+# rows per expert above which a batch is a prefill's: tall blocks and wide tiles, the GEMMs compute-bound
+PREFILL_ROWS_PER_EXPERT = 96
+# the prefill class's tiles (tuned on sm_90 at 4096 and 16384 tokens of the served expert shapes); FP8 experts
+# take narrower ones: their scaled K steps hold a second accumulator-sized tile, and the wide ones spill
+PREFILL_TILES = {
+    False: ({"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, {"BLOCK_N": 256, "num_warps": 8, "num_stages": 4}),
+    True: ({"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4}),
+}
+
+
+def heuristic_config(
+    num_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype, fp8: bool = False
+) -> dict:
     """Blocks sized to the expected rows per expert (decode batches give few rows: BLOCK_M 16 wastes least
     padding), column tiles narrowed when few blocks are busy, all clamped to the matrix dims; fp32 halves BLOCK_K
-    to keep the same shared-memory bytes."""
+    to keep the same shared-memory bytes. Prefill batches (more than `PREFILL_ROWS_PER_EXPERT` rows per expert)
+    take 128-row blocks and the wide `PREFILL_TILES` (`fp8`: block-FP8 experts, whose K step is their scale
+    block whatever BLOCK_K says)."""
     rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert > PREFILL_ROWS_PER_EXPERT:
+        return _prefill_config(inter, hidden, dtype, fp8)
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64
     block_k = 64 if dtype == torch.float32 else 128
 
@@ -81,6 +97,17 @@ def heuristic_config(num_tokens: int, num_experts: int, inter: int, hidden: int,
     return {"BLOCK_M": block_m, "gate_up": tile(inter, hidden), "down": tile(hidden, inter)}
 
 
+def _prefill_config(inter: int, hidden: int, dtype, fp8: bool) -> dict:
+    block_k = 32 if dtype == torch.float32 else 64
+    gate_up, down = PREFILL_TILES[fp8]
+
+    def clamped(tile: dict, n: int, k: int) -> dict:
+        bn = min(tile["BLOCK_N"], max(16, triton.next_power_of_2(n)))
+        return {**tile, "BLOCK_N": bn, "BLOCK_K": min(block_k, max(16, triton.next_power_of_2(k)))}
+
+    return {"BLOCK_M": 128, "gate_up": clamped(gate_up, inter, hidden), "down": clamped(down, hidden, inter)}
+
+
 def tuned_entries(num_experts: int, inter: int, hidden: int, top_k: int, dtype, device) -> dict:
     """`{batch_bucket: config}` tuned for this shape on this device (empty when none)."""
     return _table(device_name(device)).get(shape_key(num_experts, inter, hidden, top_k, dtype)) or {}
@@ -89,14 +116,21 @@ def tuned_entries(num_experts: int, inter: int, hidden: int, top_k: int, dtype, 
 # every MoE layer of every step asks: the answer is cached so an eager step pays one dict lookup per layer
 @functools.lru_cache(maxsize=4096)
 def get_config(
-    num_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device
+    num_tokens: int,
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    top_k: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp8: bool = False,
 ) -> dict:
-    """The tuned configuration of this shape and batch bucket on this device, else the heuristic one. A token
-    count more than one power of two above the largest tuned bucket takes the heuristic: tables tuned over decode
-    buckets hold small row blocks (BLOCK_M 16 rereads an expert's weights for every 16 of its rows), which a
-    prefill's hundreds of rows per expert would pay many times over."""
+    """The tuned configuration of this shape and batch bucket on this device, else the heuristic one (`fp8`:
+    block-FP8 experts). A token count more than one power of two above the largest tuned bucket takes the
+    heuristic: tables tuned over decode buckets hold small row blocks (BLOCK_M 16 rereads an expert's weights for
+    every 16 of its rows), which a prefill's hundreds of rows per expert would pay many times over."""
     entries = tuned_entries(num_experts, inter, hidden, top_k, dtype, device)
     if entries and batch_bucket(num_tokens) <= 2 * max(int(b) for b in entries):
         return check_config(nearest_entry(entries, num_tokens))
     # by bucket, like the tables: the configurations of 1 .. N tokens are those of the powers of two up to N
-    return heuristic_config(batch_bucket(num_tokens), num_experts, inter, hidden, top_k, dtype)
+    return heuristic_config(batch_bucket(num_tokens), num_experts, inter, hidden, top_k, dtype, fp8)

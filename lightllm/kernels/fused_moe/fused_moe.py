@@ -88,7 +88,7 @@ def _experts_chunk(x, gate_up, down, weights, ids, shared, shared_gate_logit, co
     num_experts, two_i, _ = gate_up.shape
     top_k = ids.shape[1]
     if config is None:
-        config = get_config(num_tokens, num_experts, two_i // 2, hidden, top_k, x.dtype, x.device)
+        config = get_config(num_tokens, num_experts, two_i // 2, hidden, top_k, x.dtype, x.device, fp8 is not None)
     blocks = align_pairs(ids, num_experts, config["BLOCK_M"])
     num_pairs = num_tokens * top_k
     act = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)

@@ -15,12 +15,15 @@ from lightllm.kernels.fused_moe.fused_moe import MAX_CHUNK_TOKENS, fused_experts
 from lightllm.kernels.fused_moe.routing import sigmoid_topk, softmax_topk
 
 
-def warmup_token_counts(max_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype, device) -> list:
-    """One token count per distinct launch configuration of 1 .. `max_tokens` (capped at the chunk size)."""
+def warmup_token_counts(
+    max_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int, dtype, device, fp8: bool = False
+) -> list:
+    """One token count per distinct launch configuration of 1 .. `max_tokens` (capped at the chunk size; `fp8`:
+    block-FP8 experts)."""
     seen, counts = [], []
     n = 1
     while True:
-        config = get_config(n, num_experts, inter, hidden, top_k, dtype, torch.device(device))
+        config = get_config(n, num_experts, inter, hidden, top_k, dtype, torch.device(device), fp8)
         if config not in seen:
             seen.append(config)
             counts.append(n)
@@ -55,7 +58,9 @@ def warmup_fused_moe(
     num_experts, hidden, inter = down.shape
     dtype, device = act_dtype or gate_up.dtype, gate_up.device
     fp8 = {} if gate_up_scale is None else {"gate_up_scale": gate_up_scale, "down_scale": down_scale, "block": block}
-    counts = warmup_token_counts(max_tokens, num_experts, inter, hidden, top_k, dtype, device)
+    counts = warmup_token_counts(
+        max_tokens, num_experts, inter, hidden, top_k, dtype, device, gate_up_scale is not None
+    )
     bias = torch.zeros(num_experts, device=device)
     for n in counts:
         x = torch.randn(n, hidden, device=device).to(dtype)

@@ -38,9 +38,30 @@ def test_batch_bucket():
 
 @pytest.mark.parametrize("num_tokens", [1, 37, 256, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_heuristic_configs_are_valid(num_tokens, dtype):
-    config = check_config(heuristic_config(num_tokens, 256, 512, 2048, 8, dtype))
-    assert config["gate_up"]["BLOCK_N"] <= 64 and config["down"]["BLOCK_K"] <= 512
+@pytest.mark.parametrize("fp8", [False, True])
+def test_heuristic_configs_are_valid(num_tokens, dtype, fp8):
+    config = check_config(heuristic_config(num_tokens, 256, 512, 2048, 8, dtype, fp8))
+    assert config["gate_up"]["BLOCK_N"] <= 128 and config["down"]["BLOCK_K"] <= 512
+
+
+def test_prefill_batches_take_tall_blocks_and_fp8_the_narrower_tiles():
+    """Past `PREFILL_ROWS_PER_EXPERT` rows per expert the heuristic takes 128-row blocks; block-FP8 experts get
+    narrower column tiles than bf16 ones (the wide ones spill with FP8's scaled steps); below it nothing depends
+    on FP8. Tiles stay within tiny matrices."""
+    rows = configs.PREFILL_ROWS_PER_EXPERT
+    tokens = (rows + 1) * 256 // 8 + 32  # just past the bound at 256 experts, top-8
+    bf16 = heuristic_config(tokens, 256, 512, 2048, 8, torch.bfloat16)
+    fp8 = heuristic_config(tokens, 256, 512, 2048, 8, torch.bfloat16, fp8=True)
+    assert bf16["BLOCK_M"] == fp8["BLOCK_M"] == 128
+    assert (bf16["gate_up"]["BLOCK_N"], bf16["down"]["BLOCK_N"]) == (128, 256)
+    assert (fp8["gate_up"]["BLOCK_N"], fp8["down"]["BLOCK_N"]) == (64, 128)
+    below = rows * 256 // 8
+    assert heuristic_config(below, 256, 512, 2048, 8, torch.bfloat16)["BLOCK_M"] == 64
+    assert heuristic_config(below, 256, 512, 2048, 8, torch.bfloat16, fp8=True) == heuristic_config(
+        below, 256, 512, 2048, 8, torch.bfloat16
+    )
+    tiny = check_config(heuristic_config(4096, 8, 24, 32, 2, torch.float32))
+    assert tiny["gate_up"]["BLOCK_N"] == 32 and tiny["down"]["BLOCK_N"] == 32 and tiny["gate_up"]["BLOCK_K"] == 32
 
 
 def test_table_entry_wins_by_nearest_bucket(table_dir):
@@ -62,7 +83,10 @@ def test_counts_far_above_the_tuned_buckets_take_the_heuristic(table_dir):
     cpu = torch.device("cpu")
     assert get_config(300, 8, 24, 32, 2, torch.float32, cpu) == TUNED
     prefill = get_config(4096, 8, 24, 32, 2, torch.float32, cpu)
-    assert prefill == heuristic_config(4096, 8, 24, 32, 2, torch.float32) and prefill["BLOCK_M"] == 64
+    assert prefill == heuristic_config(4096, 8, 24, 32, 2, torch.float32) and prefill["BLOCK_M"] == 128
+    assert get_config(4096, 8, 24, 32, 2, torch.float32, cpu, True) == heuristic_config(
+        4096, 8, 24, 32, 2, torch.float32, fp8=True
+    )
 
 
 def test_other_triton_versions_are_ignored(table_dir):
