@@ -2,6 +2,7 @@
 Qwen3-Next-80B-A3B's expert shapes (512 experts, top-10, intermediate 512, hidden 2048; TP1).
 
     python test/benchmark/bench_fp8_moe.py                # CUDA (H200): the table below
+    python test/benchmark/bench_fp8_moe.py --batches 4096,16384   # prefill token counts
     python test/benchmark/bench_fp8_moe.py --device cpu   # interpreter smoke run, tiny shapes
 
 Per batch (tokens): bf16 us and fp8 us of `fused_experts` (routing ids and weights given; the FP8 step includes
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--batches", default=None, help="comma-separated token counts (default: 1,64,256,4096 on CUDA)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_fp8_moe: no CUDA device; skipped (use --device cpu for an interpreter smoke run)")
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
     print(f"E={num_experts} top_k={top_k} I={inter} H={hidden} block={list(block)}")
     print(f"{'tokens':>7s} {'bf16 us':>9s} {'fp8 us':>9s} {'fp8/bf16':>9s} {'rel err':>8s}")
-    for num_tokens in BATCHES[device]:
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else BATCHES[device]
+    for num_tokens in batches:
         x = torch.randn(num_tokens, hidden, generator=gen, device=device, dtype=dtype)
         logits = torch.randn(num_tokens, num_experts, generator=gen, device=device, dtype=torch.float32)
         weights, ids = softmax_topk(logits, top_k, True)

@@ -71,6 +71,8 @@
 #   conv          the causal conv's decode / verify kernel against its bytes floor (bench_conv_decode.py) at 64 / 256
 #                 rows and windows 1-4, then the same for the tree in /tmp/base when there is one (another revision,
 #                 e.g. `git archive HEAD~1 lightllm | tar -x -C /tmp/base`), then its memcheck cases
+#   moe_prefill_trees  the fused MoE (bf16, bench_fused_moe.py) and FP8 against bf16 experts (bench_fp8_moe.py) at
+#                 prefill token counts, this tree then the one in /tmp/base (another revision), in one command
 #   moe_prefill_tune  the fused MoE tuned at prefill token counts (1024 / 4096 / 16384) over tall blocks and wide
 #                 tiles (tune_fused_moe.py --grid prefill) for Qwen3.5-35B-A3B and Kimi-Linear-48B-A3B; the entries
 #                 come back as moe_prefill_tuned.json beside the logs (not merged into the package's tables)
@@ -283,6 +285,17 @@ for part in $parts; do
               run conv_memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
                   --error-exitcode 1 python test/gpu/memcheck_kernels.py --cases conv_decode
               tail -3 "$LOG_DIR/conv_memcheck.log" ;;
+        moe_prefill_trees)
+                  for tree in . /tmp/base; do
+                      [ -d $tree/lightllm ] || continue
+                      tag=${tree//\//_}
+                      run "moe_prefill$tag" 150 env PYTHONPATH="$tree:$PYTHONPATH" python test/benchmark/bench_fused_moe.py \
+                          --batches 1024,4096,16384 --iters 20
+                      grep -E "^\|" "$LOG_DIR/moe_prefill$tag.log" | head -12
+                      run "fp8_moe$tag" 120 env PYTHONPATH="$tree:$PYTHONPATH" python test/benchmark/bench_fp8_moe.py \
+                          --batches 1024,4096,16384 --iters 20
+                      tail -4 "$LOG_DIR/fp8_moe$tag.log"
+                  done ;;
         moe_prefill_tune) run moe_prefill_tune 280 python -m lightllm.tools.tune_fused_moe --grid prefill \
                               --shapes qwen3.5-35b-a3b,kimi-linear-48b-a3b --batches 4096,16384,1024 \
                               --output "$OUT_DIR/moe_prefill_tuned.json"

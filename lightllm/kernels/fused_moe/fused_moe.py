@@ -15,9 +15,10 @@ from lightllm.kernels.fused_moe.combine import combine
 from lightllm.kernels.fused_moe.configs import check_config, get_config
 from lightllm.kernels.fused_moe.grouped_gemm import down_weighted, gate_up_swiglu
 
-# tokens per launch sequence: 2048 tokens fill every expert's blocks (~64 rows each at top-8 of 256) while the
-# fp32 per-pair outputs stay ~150 MB at the served widths
-MAX_CHUNK_TOKENS = 2048
+# tokens per launch sequence: a prefill chunk of the default size (8192) in one launch, whose ~256 rows per expert
+# (top-8 of 256) take the tall prefill blocks and read each expert's weights once, while the fp32 per-pair outputs
+# stay ~0.5-0.6 GB at the served widths
+MAX_CHUNK_TOKENS = 8192
 
 
 def fused_experts(
