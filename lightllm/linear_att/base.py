@@ -60,6 +60,8 @@ class PrefillRows:
     padded_valid: torch.Tensor | None = None
     # [chunks, 2] int64 `fla_prefill.chunk_index(cu_seqlens)`, built on the host (None: the kernels derive it)
     chunk_indices: torch.Tensor | None = None
+    # [N + 1] int64 `cu_seqlens` on the host, for fla's entry points that take it instead of the index (KDA's)
+    cu_seqlens_cpu: torch.Tensor | None = None
 
     @cached_property
     def chunk_cu_seqlens(self) -> torch.Tensor:

@@ -23,14 +23,17 @@ def chunk_index(cu_seqlens: np.ndarray, chunk_size: int = FLA_CHUNK_SIZE) -> np.
 
 
 @functools.cache
-def _takes_chunk_index(fn) -> bool:
-    return "chunk_indices" in inspect.signature(fn).parameters
+def _takes(fn, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
 
 
-def chunk_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, *, algorithm, scale=None, chunk_indices=None):
+def chunk_delta_rule(
+    q, k, v, g, beta, initial_state, cu_seqlens, *, algorithm, scale=None, chunk_indices=None, cu_seqlens_cpu=None
+):
     """See `lightllm.linear_att.ops.chunk_delta_rule`; `algorithm` picks fla's kernel. fla takes `[1, T, ...]` with
     `cu_seqlens` for varlen, or without them as one sequence; `chunk_indices` (`chunk_index` of the offsets, on
-    the device) spares it a read-back where its entry point takes them."""
+    the device) and `cu_seqlens_cpu` (the offsets on the host) spare it read-backs where its entry point takes
+    them (KDA's takes only the second)."""
     init = None if initial_state is None else initial_state.float().contiguous()
     fn = algorithm.fla_chunk_fn()
     common = dict(
@@ -40,8 +43,10 @@ def chunk_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, *, algorithm, 
         use_qk_l2norm_in_kernel=True,
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
     )
-    if cu_seqlens is not None and chunk_indices is not None and _takes_chunk_index(fn):
-        common["chunk_indices"] = chunk_indices
+    if cu_seqlens is not None:
+        for name, value in (("chunk_indices", chunk_indices), ("cu_seqlens_cpu", cu_seqlens_cpu)):
+            if value is not None and _takes(fn, name):
+                common[name] = value
     q, k, v = (t.contiguous()[None] for t in (q, k, v))
     beta = beta.float().contiguous()[None]
     # g and beta by keyword: fla's positional order differs between its entry points

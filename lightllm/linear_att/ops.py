@@ -294,6 +294,7 @@ def chunk_delta_rule(
     algorithm=None,
     backend: str | None = None,
     chunk_indices: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked prefill over packed varlen rows of one `Algorithm` (required on CUDA: it picks fla's kernel).
 
@@ -301,12 +302,22 @@ def chunk_delta_rule(
     beta `[T, HV]` fp32 activated, initial_state `[N, HV, K, V]` or None (zeros), cu_seqlens `[N + 1]`, or None for
     one row of all T tokens (no offsets to read: fla's varlen path reads them on the host, which a CUDA graph
     cannot).
-    `chunk_indices`: `fla_prefill.chunk_index(cu_seqlens)` on the device, if the caller has it (fla then reads no
-    offsets back). Returns `(o [T, HV, V] dtype of v, final_state [N, HV, K, V] fp32)`. Pure: writes no state.
+    `chunk_indices`: `fla_prefill.chunk_index(cu_seqlens)` on the device, `cu_seqlens_cpu`: the offsets as an
+    int64 host tensor, if the caller has them (fla then reads no offsets back). Returns `(o [T, HV, V] dtype of v, final_state [N, HV, K, V] fp32)`. Pure: writes no state.
     CUDA runs fla-core's `chunk_gated_delta_rule` / `chunk_kda`; CPU the torch chunked form.
     """
     if _use_triton(backend, q):
         return fla_prefill.chunk_delta_rule(
-            q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, algorithm=algorithm, chunk_indices=chunk_indices
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            cu_seqlens,
+            scale=scale,
+            algorithm=algorithm,
+            chunk_indices=chunk_indices,
+            cu_seqlens_cpu=cu_seqlens_cpu,
         )
     return prefill_twin.chunk_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)

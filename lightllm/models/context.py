@@ -199,14 +199,14 @@ def build_context(
     if state is not None:
         slots = to_device(np.asarray(state_slots, dtype=np.int32), device)
         if np_:
+            # fla's kernels run on CUDA only
+            fla = torch.device(device).type == "cuda"
             ctx.prefill_rows = PrefillRows(
                 slots=slots[:np_],
                 cu_seqlens=to_device(starts[: np_ + 1].astype(np.int32), device),
                 has_initial_state=to_device(cached[:np_] > 0, device),
-                # fla's kernels run on CUDA only
-                chunk_indices=to_device(chunk_index(starts[: np_ + 1]), device)
-                if torch.device(device).type == "cuda"
-                else None,
+                chunk_indices=to_device(chunk_index(starts[: np_ + 1]), device) if fla else None,
+                cu_seqlens_cpu=torch.from_numpy(starts[: np_ + 1].astype(np.int64)) if fla else None,
             )
         if num_decode:
             ctx.decode_rows = DecodeRows(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightllm.linear_att.fla_prefill import FLA_CHUNK_SIZE, _takes_chunk_index, chunk_index
+from lightllm.linear_att.fla_prefill import FLA_CHUNK_SIZE, _takes, chunk_index
 
 fla_index = pytest.importorskip("fla.ops.utils.index")
 
@@ -28,5 +28,6 @@ def test_chunk_index_equals_fla_for_random_rows(seed):
 
 def test_fla_entry_points_that_take_the_index():
     gdn = pytest.importorskip("fla.ops.gated_delta_rule")
-    assert _takes_chunk_index(gdn.chunk_gated_delta_rule)
-    assert not _takes_chunk_index(lambda q, k, v, cu_seqlens=None: None)
+    kda = pytest.importorskip("fla.ops.kda")
+    assert _takes(gdn.chunk_gated_delta_rule, "chunk_indices") and _takes(kda.chunk_kda, "cu_seqlens_cpu")
+    assert not _takes(lambda q, k, v, cu_seqlens=None: None, "chunk_indices")

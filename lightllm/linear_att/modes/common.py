@@ -162,7 +162,16 @@ class StateCommon:
         # a padded row runs as one sequence of all its tokens, without offsets a CUDA graph could not read
         cu_seqlens = None if valid is not None else rows.chunk_cu_seqlens
         o, final = ops.chunk_delta_rule(
-            q, k, v, g, beta, init, cu_seqlens, algorithm=self.spec.algorithm, chunk_indices=rows.chunk_indices
+            q,
+            k,
+            v,
+            g,
+            beta,
+            init,
+            cu_seqlens,
+            algorithm=self.spec.algorithm,
+            chunk_indices=rows.chunk_indices,
+            cu_seqlens_cpu=rows.cu_seqlens_cpu,
         )
         if valid is not None:
             # one row with at least one real token: no data-dependent selection (a host sync) needed
