@@ -30,6 +30,9 @@ from lightllm.engine.speculative.verify import WindowResult, verify_greedy_windo
 
 logger = logging.getLogger(__name__)
 
+# the longest an idle step waits for a grammar compile before it returns to the loop (which calls it again)
+COMPILE_WAIT_S = 0.005
+
 
 class Engine:
     def __init__(
@@ -84,6 +87,8 @@ class Engine:
         # a step's prefix-cache publishes, run by the next step() call (see publish_queue.py)
         self._publishes = PublishQueue(self.scheduler, runner)
         self._in_step = False
+        # requests whose grammar is still compiling: queued once it has compiled
+        self._compiling = grammar.CompilingRequests()
         if max_req_total_len > self.scheduler.kv_capacity:
             raise ValueError(
                 f"max_req_total_len={max_req_total_len} exceeds the KV cache ({self.scheduler.kv_capacity} tokens): "
@@ -117,6 +122,9 @@ class Engine:
         )
 
     def has_work(self) -> bool:
+        return self._has_steps() or bool(self._compiling)
+
+    def _has_steps(self) -> bool:
         return self.overlap.has_work() or bool(self._publishes) or self.scheduler.has_work()
 
     def add_request(self, msg: NewRequest) -> list[EngineOutput]:
@@ -135,7 +143,10 @@ class Engine:
             return [Finished(msg.req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=error)]
         req.checkpoint_hints = sorted({h for h in msg.checkpoint_hints if 0 < h < len(req.prompt_ids)})
         self.requests[req.req_id] = req
-        self.scheduler.add(req)
+        if req.grammar is not None and not req.grammar.ready:
+            self._compiling.add(req)
+        else:
+            self.scheduler.add(req)
         return []
 
     def abort(self, req_id: str) -> list[EngineOutput]:
@@ -152,7 +163,7 @@ class Engine:
             self._in_step = False
 
     def _step(self) -> list[EngineOutput]:
-        outputs = self.overlap.take_failed()
+        outputs = self.overlap.take_failed() + self._queue_compiled()
         due = self._publishes.take()
         inflight = self.overlap.take_inflight()
         plan = None
@@ -199,6 +210,21 @@ class Engine:
                 if not row.req.is_finished:
                     # clients see a message; the exception and its traceback are in the engine log
                     outputs += self.finish(row.req, "error", error="the model step failed (see the engine log)")
+        return outputs
+
+    def _queue_compiled(self) -> list[EngineOutput]:
+        """Queue the requests whose grammar has compiled and fail those whose grammar did not compile; with no
+        other work, wait a little for a compile instead of returning at once (the loop would spin)."""
+        if not self._compiling:
+            return []
+        if not self._has_steps():
+            self._compiling.wait(COMPILE_WAIT_S)
+        outputs: list[EngineOutput] = []
+        for req, error in self._compiling.take_done():
+            if error is None:
+                self.scheduler.add(req)
+            else:
+                outputs += self.finish(req, "error", error=error)
         return outputs
 
     def _finish_unfittable(self, plan: SchedulePlan) -> list[EngineOutput]:
@@ -259,7 +285,9 @@ class Engine:
 
     def snapshot(self) -> EngineStats:
         s = self.stats
-        s.num_waiting, s.num_running = len(self.scheduler.waiting), len(self.scheduler.running)
+        # a request whose grammar is still compiling waits too
+        s.num_waiting = len(self.scheduler.waiting) + len(self._compiling)
+        s.num_running = len(self.scheduler.running)
         s.num_free_kv_tokens = self.runner.num_free_kv_tokens()
         s.num_free_state_slots = self.runner.num_free_requests()
         s.num_preemptions = self.scheduler.num_preemptions
@@ -507,6 +535,7 @@ class Engine:
         publish = reason != "error"
         # a finish inside a step publishes after the step's outputs are out (the next step); its resources wait
         later = publish and self._in_step and req.handle is not None
+        self._compiling.discard(req)
         self.scheduler.remove(req, publish=publish, keep_resources=later)
         if later:
             self._publishes.leaving(req)

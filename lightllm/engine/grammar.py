@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +27,7 @@ from lightllm.engine.grammar_masks import HostBitmasks, MaskJob, fill_parallel, 
 from lightllm.kernels.token_bitmask import apply_token_bitmask, unpack_bitmask
 
 __all__ = [
+    "CompilingRequests",
     "GrammarBackend",
     "HostBitmasks",
     "MaskJob",
@@ -43,9 +44,8 @@ if TYPE_CHECKING:
 
 # (tokenizer folder, logits width, EOS ids) -> llguidance.LLTokenizer
 VocabularyLoader = Callable[[str, int, tuple[int, ...]], object]
-# grammars remembered as compiling (a later request of one compiles in the background)
-MAX_COMPILED = 256
-# background compiles of requests' matchers (each releases the GIL; one takes about a millisecond)
+# background compiles of requests' matchers (each releases the GIL; one takes about a millisecond, a large schema
+# much longer)
 COMPILE_THREADS = 2
 # compiled at preload: the first matcher and mask of a vocabulary build llguidance's lazy structures
 _WARM_GRAMMAR = '{"grammars": [{"json_schema": {"type": "object"}}]}'
@@ -77,6 +77,20 @@ class RequestGrammar:
         if isinstance(self._matcher, Future):
             self._matcher = self._matcher.result()
         return self._matcher
+
+    @property
+    def ready(self) -> bool:
+        """Whether the matcher's compile has ended (compiled or failed)."""
+        return not isinstance(self._matcher, Future) or self._matcher.done()
+
+    def compile_error(self) -> str | None:
+        """Why the grammar did not compile, once `ready`; None when it compiled."""
+        if isinstance(self._matcher, Future):
+            error = self._matcher.exception()
+            if error is not None:
+                return str(error)
+            self._matcher = self._matcher.result()
+        return None
 
     def starts_inside(self, drafts: list[int]) -> bool:
         """Whether the grammar is off at the window's start and a draft may switch it on."""
@@ -122,9 +136,10 @@ class GrammarBackend:
 
     Every request compiles its own matcher. llguidance's copies of one compiled matcher share its lexer behind one
     lock, so the masks of copies computed on the pool run one at a time (on a 16-core host, 64 copies took as long
-    on 12 threads as on one, while 64 separate compiles ran 3.8x faster). The first request of a grammar compiles
-    it in the step (a grammar that does not compile fails that request at once); later requests of a grammar seen
-    before compile on a background thread (llguidance releases the GIL) while their prompts prefill."""
+    on 12 threads as on one, while 64 separate compiles ran 3.8x faster). Every compile runs on a background thread
+    (llguidance releases the GIL), so a new or large schema never stalls the steps of the other requests; the
+    engine holds a request whose compile is running out of the queue (`CompilingRequests`) and fails it if the
+    grammar does not compile."""
 
     def __init__(self, vocab_size: int, load_vocabulary: VocabularyLoader | None = None):
         self.vocab_size = vocab_size
@@ -132,8 +147,6 @@ class GrammarBackend:
         self._executor = None
         self._compiler: ThreadPoolExecutor | None = None
         self._host_masks = HostBitmasks()
-        # grammars known to compile, (grammar, tokenizer folder, EOS ids), least recently used first
-        self._compiled: dict[tuple[str, str, tuple[int, ...]], None] = {}
         self._tokenizers: dict[tuple[str, tuple[int, ...]], object] = {}
         # a vocabulary that could not be built, and why: later requests fail at once instead of stalling a step
         self._failed: dict[tuple[str, tuple[int, ...]], str] = {}
@@ -181,22 +194,14 @@ class GrammarBackend:
             self._host_masks.device_wait_works(torch.device(device))
 
     def matcher(self, grammar: str, start_token: int | None, tokenizer_dir: str, eos_ids: list[int]) -> RequestGrammar:
-        """A fresh matcher of `grammar`, compiled now when the grammar is new (raises ValueError naming the problem
-        when it does not compile), else in the background."""
+        """A fresh matcher of `grammar`, compiling in the background (`RequestGrammar.ready`, `compile_error`);
+        raises ValueError naming the problem when the vocabulary cannot be built."""
         if not tokenizer_dir:
             raise ValueError("a request with a grammar must name its tokenizer folder")
-        key = (grammar, tokenizer_dir, tuple(eos_ids))
         tokenizer = self._tokenizer(tokenizer_dir, tuple(eos_ids))
-        if self._compiled.pop(key, False) is None:
-            if self._compiler is None:
-                self._compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
-            matcher = self._compiler.submit(_compile, tokenizer, grammar)
-        else:
-            matcher = _compile(tokenizer, grammar)
-            if len(self._compiled) >= MAX_COMPILED:
-                del self._compiled[next(iter(self._compiled))]
-        # most recently used last
-        self._compiled[key] = None
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        matcher = self._compiler.submit(_compile, tokenizer, grammar)
         return RequestGrammar(matcher, start_token, self._executor_pool(), self._host_masks)
 
 
@@ -207,6 +212,36 @@ def _compile(tokenizer, grammar: str):
     if matcher.is_error():
         raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
     return matcher
+
+
+class CompilingRequests:
+    """Requests whose grammar is still compiling, in arrival order: the engine queues each once its compile has
+    ended, or fails it when the grammar did not compile."""
+
+    def __init__(self):
+        self._reqs: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def add(self, req: Request) -> None:
+        self._reqs.append(req)
+
+    def discard(self, req: Request) -> None:
+        if req in self._reqs:
+            self._reqs.remove(req)
+
+    def wait(self, timeout: float) -> None:
+        """Until one compile ends or `timeout` seconds pass (the engine has nothing else to run)."""
+        futures = [r.grammar._matcher for r in self._reqs if isinstance(r.grammar._matcher, Future)]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def take_done(self) -> list[tuple[Request, str | None]]:
+        """The requests whose compile has ended, in arrival order, each with the compile's error or None."""
+        done = [r for r in self._reqs if r.grammar.ready]
+        self._reqs = [r for r in self._reqs if r not in done]
+        return [(r, r.grammar.compile_error()) for r in done]
 
 
 def attach(backend: GrammarBackend, req: Request, msg) -> str | None:

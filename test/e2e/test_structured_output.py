@@ -203,3 +203,65 @@ def test_offline_llm_generates_to_the_grammar():
     (result,) = llm.generate([[5, 6, 7]], params)
     assert [o.finish_reason for o in result.outputs] == ["stop", "stop"]
     assert all(valid(o.text) for o in result.outputs)
+
+
+def test_a_slow_grammar_compile_holds_only_its_own_request(monkeypatch):
+    """Grammars compile in the background: while one request's compile is held, a free request beside it keeps
+    decoding; once released, the constrained request gives the tokens it gives with an immediate compile. A grammar
+    that does not compile fails its own request only, and an abort during a compile finishes that request."""
+    import threading
+
+    from lightllm.engine import grammar as grammar_module
+    from lightllm.engine.messages import Finished, NewRequest, TokenChunk
+
+    engine, info, tok = make_engine("qwen3_5", "replay")
+    reference = staggered(engine, info, tok, [(0, "json", list(PROMPTS[0]), _greedy_constrained())])
+    release = threading.Event()
+    compile_now = grammar_module._compile
+
+    def held(tokenizer, text):
+        release.wait(timeout=60)
+        return compile_now(tokenizer, text)
+
+    engine, info, tok = make_engine("qwen3_5", "replay")
+    monkeypatch.setattr(grammar_module, "_compile", held)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    bad = SamplingParams(max_tokens=8, grammar='{"grammars": [{"json_schema": {"type": "objectx"}}]}')
+    for rid, ids, params in (
+        ("json", PROMPTS[0], _greedy_constrained()),
+        ("free", [7, 7, 7], free),
+        ("bad", [3, 4], bad),
+        ("gone", [9, 9], _greedy_constrained()),
+    ):
+        msg = NewRequest(rid, list(ids), params, list(tok.eos_token_ids), tokenizer_dir=info.model_dir)
+        assert engine.add_request(msg) == []
+    tokens: dict[str, list[int]] = {"json": [], "free": []}
+    finished: dict[str, Finished] = {}
+
+    def drive(outputs):
+        for out in outputs:
+            if isinstance(out, TokenChunk):
+                tokens[out.req_id] += out.token_ids
+            elif isinstance(out, Finished):
+                finished[out.req_id] = out
+
+    drive(engine.abort("gone"))
+    while "free" not in finished:
+        drive(engine.step())
+    # the free request ran to its end while every compile was held
+    assert len(tokens["free"]) == 12 and tokens["json"] == [] and finished["gone"].reason == "abort"
+    assert engine.snapshot().num_waiting == 2
+    release.set()
+    while engine.has_work():
+        drive(engine.step())
+    assert finished["bad"].reason == "error" and "grammar" in finished["bad"].error
+    assert (tokens["json"], finished["json"].reason) == reference["json"]
+    # twin: the constrained request's tokens are not the free model's
+    assert (
+        tokens["json"]
+        != staggered(engine, info, tok, [(0, "x", list(PROMPTS[0]), free)])["x"][0][: len(tokens["json"])]
+    )
+
+
+def _greedy_constrained() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, grammar=GRAMMAR)
