@@ -84,7 +84,7 @@ class RequestGrammar:
         return not isinstance(self._matcher, Future) or self._matcher.done()
 
     def compile_error(self) -> str | None:
-        """Why the grammar did not compile, once `ready`; None when it compiled."""
+        """Why the grammar did not compile, None when it compiled (waits for a compile still running)."""
         if isinstance(self._matcher, Future):
             error = self._matcher.exception()
             if error is not None:
@@ -254,6 +254,12 @@ def attach(backend: GrammarBackend, req: Request, msg) -> str | None:
     except Exception as exc:
         return str(exc)
     return None
+
+
+def compile_error(req: Request) -> str | None:
+    """Why the request's grammar did not compile, waiting for the compile (for a request that enters the running
+    batch at once, as an imported one does); None without a grammar or when it compiled."""
+    return req.grammar.compile_error() if req.grammar is not None else None
 
 
 def advance(req: Request, token_ids: list[int]) -> str | None:

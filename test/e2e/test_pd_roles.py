@@ -371,3 +371,12 @@ def test_a_constrained_request_keeps_its_grammar_across_the_hand_off(monkeypatch
     pair.wire.corrupt = drop_grammar
     free, _ = pair.run(PROMPTS, params, prefix="g")
     assert any(text(free[f"g{k}"]) != text(expected[f"r{k}"]) for k in range(len(PROMPTS)))
+
+    # a grammar the decode node cannot compile fails those requests there, with the reason; the nodes go on
+    def break_grammar(transfer: PdTransfer) -> None:
+        transfer.request.params.grammar = '{"grammars": [{"json_schema": {"type": "objectx"}}]}'
+
+    pair.wire.corrupt = break_grammar
+    _, failed = pair.run(PROMPTS, params, prefix="b")
+    assert all(f.reason == "error" and "grammar" in f.error for f in failed.values()) and len(failed) == len(PROMPTS)
+    pair.assert_pools_empty()

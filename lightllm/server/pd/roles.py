@@ -336,7 +336,11 @@ class DecodeRole:
         req = Request(req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new)
         req.output_ids = list(transfer.first_chunk.token_ids)
         # a grammar resumes where the prefill node's first token left it
-        problem = grammar.attach(engine.grammars, req, msg) or grammar.advance(req, req.output_ids)
+        problem = (
+            grammar.attach(engine.grammars, req, msg)
+            or grammar.compile_error(req)
+            or grammar.advance(req, req.output_ids)
+        )
         if problem is not None:
             engine.runner.free_request(handle)
             return [Finished(req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=problem)]
