@@ -125,6 +125,16 @@ def test_heuristic_config_and_deterministic_bits():
     assert torch.equal(first, fused_experts(x, gate_up, down, weights, ids))
 
 
+def test_prefill_heuristic_tiles_match():
+    """A prefill-sized batch (over 96 rows per expert) takes the heuristic's 128-row blocks and wide tiles,
+    clamped to tiny matrices: still the reference, with partial blocks (expert row counts no multiple of 128)."""
+    x = torch.randn(203, 40, generator=torch.Generator().manual_seed(25))
+    gate_up, down = experts(4, 40, 24, seed=26, dtype=torch.float32)
+    weights, ids = routed(203, 4, 2, seed=27)
+    assert heuristic_config(203, 4, 24, 40, 2, torch.float32)["BLOCK_M"] == 128
+    check(x, gate_up, down, weights, ids, config=None)
+
+
 def test_swapped_experts_fail():
     """Twin: the kernel run on weights with two used experts swapped must not match the reference."""
     x = torch.randn(33, 40, generator=torch.Generator().manual_seed(16))
