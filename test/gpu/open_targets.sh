@@ -71,6 +71,9 @@
 #   conv          the causal conv's decode / verify kernel against its bytes floor (bench_conv_decode.py) at 64 / 256
 #                 rows and windows 1-4, then the same for the tree in /tmp/base when there is one (another revision,
 #                 e.g. `git archive HEAD~1 lightllm | tar -x -C /tmp/base`), then its memcheck cases
+#   fla_tune_kimi fla's autotuned KDA prefill kernels tuned at Kimi-Linear-48B-A3B's shapes and merged into this GPU
+#                 kind's pinning table (tune_fla_configs.py; the table comes back beside the logs: commit it when the
+#                 GPU is the kind it names), so a fresh Kimi start no longer autotunes them for minutes
 #   moe_prefill_trees  the fused MoE (bf16, bench_fused_moe.py) and FP8 against bf16 experts (bench_fp8_moe.py) at
 #                 prefill token counts, this tree then the one in /tmp/base (another revision), in one command
 #   moe_prefill_tune  the fused MoE tuned at prefill token counts (1024 / 4096 / 16384) over tall blocks and wide
@@ -296,6 +299,10 @@ for part in $parts; do
                           --batches 1024,4096,16384 --iters 20
                       tail -4 "$LOG_DIR/fp8_moe$tag.log"
                   done ;;
+        fla_tune_kimi) python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
+                       run fla_tune_kimi 500 python -m lightllm.tools.tune_fla_configs --model_dir /tmp/kimi
+                       tail -5 "$LOG_DIR/fla_tune_kimi.log"
+                       cp lightllm/linear_att/fla_tuned/*.json "$OUT_DIR/" ;;
         moe_prefill_tune) run moe_prefill_tune 280 python -m lightllm.tools.tune_fused_moe --grid prefill \
                               --shapes qwen3.5-35b-a3b,kimi-linear-48b-a3b --batches 4096,16384,1024 \
                               --output "$OUT_DIR/moe_prefill_tuned.json"
