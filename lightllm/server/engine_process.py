@@ -56,8 +56,16 @@ def build_engine(
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="grammar-vocabulary") as building:
             vocabulary = building.submit(build_grammar_vocabulary, info)
-            engine = engine_for_runner(args, load_factory(runner_factory)(args, info), acceptance)
-            warm_grammars(engine, info, args.device, vocabulary)
+            runner = load_factory(runner_factory)(args, info)
+            try:
+                engine = engine_for_runner(args, runner, acceptance)
+                warm_grammars(engine, info, args.device, vocabulary)
+            except BaseException:
+                # a tensor-parallel runner's followers and process group outlive a failed start otherwise
+                close = getattr(runner, "close", None)
+                if close is not None:
+                    close()
+                raise
     except BaseException:
         sys.setswitchinterval(switch_interval)
         raise

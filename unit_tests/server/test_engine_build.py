@@ -1,5 +1,6 @@
 """`build_engine`'s GIL switch interval: short while the runner starts (its background threads run Python for
-seconds beside the weights' load), kept for serving, and the process's own again when the build fails."""
+seconds beside the weights' load), kept for serving, and the process's own again when the build fails; a runner
+whose engine cannot be built is closed."""
 
 from __future__ import annotations
 
@@ -54,3 +55,32 @@ def test_a_failed_build_puts_the_process_interval_back(args_info):
     # twin of the test above: the factory ran under the short interval, which did not outlive the failure
     assert SEEN == [pytest.approx(GIL_SWITCH_S)]
     assert sys.getswitchinterval() == pytest.approx(PROCESS_INTERVAL)
+
+
+CLOSED: list[object] = []
+
+
+def closing_factory(args, info):
+    """A runner whose engine cannot be built (a tensor-parallel runner has followers and a process group to stop)."""
+    runner = create_fake_runner(args, info)
+    runner.close = lambda: CLOSED.append(runner)
+    return runner
+
+
+def test_a_build_failing_after_the_runner_closes_it(args_info, monkeypatch):
+    from lightllm.server import engine_process
+
+    CLOSED.clear()
+
+    def broken_engine(args, runner, acceptance=None):
+        raise RuntimeError("the engine could not be built")
+
+    monkeypatch.setattr(engine_process, "engine_for_runner", broken_engine)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        build_engine(*args_info, f"{__name__}:closing_factory")
+    assert len(CLOSED) == 1
+    # twin: a build that succeeds leaves its runner open
+    monkeypatch.undo()
+    CLOSED.clear()
+    engine = build_engine(*args_info, f"{__name__}:recording_factory")
+    assert engine.runner is not None and CLOSED == []
