@@ -1,6 +1,6 @@
 """Kimi-Linear decode steps through the fixed buffers of `DecodeGraphs` (the path CUDA graphs replay; eager on the
 CPU), with MLA attending in latent space over a context bound of the cache's whole row and HOLD rows padding the
-buckets: transformers' greedy text, plain and with scripted n-gram drafts accepted as scripted.
+buckets: transformers' greedy text in every state mode, plain and with scripted n-gram drafts accepted as scripted.
 MLA's forward needs no host value mid-step (the MoE routing of these tiny layers syncs on the CPU, which is
 harmless there; on CUDA it is the fused MoE)."""
 
@@ -32,13 +32,13 @@ def expected(hf_oracle):
     return model_dir, [oracle.greedy(p, NUM_TOKENS) for p in PROMPTS]
 
 
-def _engine(model_dir: str, num_drafts: int, monkeypatch):
+def _engine(model_dir: str, num_drafts: int, mode: str = "native"):
     flags = {"spec_ngram": num_drafts} if num_drafts else {}
     args, info = load_server_args(
         [],
         model_dir=model_dir,
         device="cpu",
-        ssm_state_mode="native",
+        ssm_state_mode=mode,
         max_running_requests=6,
         chunked_prefill_size=64,
         max_total_token_num=512,
@@ -62,10 +62,15 @@ def _run(engine) -> list[list[int]]:
     return [out[f"r{i}"] for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("num_drafts", [0, 2], ids=["plain", "ngram2"])
-def test_kimi_fixed_buffer_decode_matches_transformers(expected, num_drafts, monkeypatch):
+# compact differs from native only under speculation (the server refuses it without)
+@pytest.mark.parametrize(
+    "mode, num_drafts",
+    [("native", 0), ("replay", 0), ("native", 2), ("compact", 2), ("replay", 2)],
+    ids=lambda v: v if isinstance(v, str) else f"ngram{v}",
+)
+def test_kimi_fixed_buffer_decode_matches_transformers(expected, num_drafts, mode, monkeypatch):
     model_dir, greedy = expected
-    engine = _engine(model_dir, num_drafts, monkeypatch)
+    engine = _engine(model_dir, num_drafts, mode)
     latent_groups: list[int] = []
     attend_latent = LatentAttention._attend_latent
 
@@ -102,7 +107,7 @@ def test_latent_attention_over_the_wrong_rows_breaks_the_text(expected, monkeypa
     import torch
 
     model_dir, greedy = expected
-    engine = _engine(model_dir, 0, monkeypatch)
+    engine = _engine(model_dir, 0)
     attend_latent = LatentAttention._attend_latent
 
     def rotated(self, q, g, ctx, o):

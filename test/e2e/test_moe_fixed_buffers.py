@@ -1,6 +1,7 @@
 """A MoE model (tiny Qwen3.5-MoE) through the fixed-buffer decode path that CUDA graphs replay (eager on the CPU):
 MoE routing needs no host value mid-step (on CUDA it runs in `lightllm.kernels.fused_moe` with fixed shapes).
-Batches padded to buckets with HOLD rows, whose tokens are routed to experts too, give transformers' greedy text;
+Batches padded to buckets with HOLD rows, whose tokens are routed to experts too, give transformers' greedy text in
+every state mode, plain and with scripted drafts;
 overlapped MTP steps (the verify, acceptance, accept and drafts of one step as one graph function) give the
 synchronous steps' tokens (twin: other acceptance coins give other tokens)."""
 
@@ -15,6 +16,7 @@ from lightllm.server.args import load_server_args
 from lightllm.server.engine_process import build_engine
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from lightllm.worker.graphs.decode import DecodeGraphs
+from unit_tests.helpers.scripted_drafts import ScriptedDrafts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,10 +61,19 @@ def _generate(engine, max_tokens: list[int]) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["native", "replay"])
-def test_moe_decode_through_fixed_buffers_matches_transformers(expected, mode, monkeypatch):
+# compact differs from native only under speculation (the server refuses it without)
+@pytest.mark.parametrize(
+    "mode, num_drafts",
+    [("native", 0), ("replay", 0), ("native", 3), ("compact", 3), ("replay", 3)],
+    ids=lambda v: v if isinstance(v, str) else f"ngram{v}",
+)
+def test_moe_decode_through_fixed_buffers_matches_transformers(expected, mode, num_drafts, monkeypatch):
     model_dir, greedy = expected
-    engine = _engine(model_dir, mode, 5)
+    engine = _engine(model_dir, mode, 5, **({"spec_ngram": num_drafts} if num_drafts else {}))
+    if num_drafts:
+        # drafts from transformers' text with one corrupted in every other window: windows keep 0 .. 3 of them
+        scripts = {tuple(p): g for p, g in zip(PROMPTS, greedy)}
+        engine.speculator = ScriptedDrafts(scripts, num_drafts, engine.runner.vocab_size)
     calls: list[tuple[int, int]] = []
     run = DecodeGraphs.run
 
@@ -99,3 +110,19 @@ def test_moe_overlapped_mtp_steps_equal_synchronous(expected, mode):
     assert [len(t) for t in on.values()] == [n + 8 for n in MAX_TOKENS]
     twin, _ = _mtp_run(model_dir, mode, True, seed=6)
     assert twin != on
+
+
+def test_moe_decode_with_misrouted_tokens_breaks_the_text(expected, monkeypatch):
+    """Teeth: the same plain run with every token sent to the next expert must not give transformers' text."""
+    from lightllm.models.layers import moe as moe_module
+
+    model_dir, greedy = expected
+    route = moe_module.route_softmax
+
+    def misrouted(logits, cfg):
+        weights, ids = route(logits, cfg)
+        return weights, (ids + 1) % logits.shape[-1]
+
+    monkeypatch.setattr(moe_module, "route_softmax", misrouted)
+    out = _generate(_engine(model_dir, "native", 5), MAX_TOKENS)
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] != [g[:n] for g, n in zip(greedy, MAX_TOKENS)]
