@@ -1,5 +1,6 @@
 """fused_experts (Triton grouped GEMMs + combine, interpreted on CPU) vs `run_experts` (the per-expert torch loop)
-evaluated in fp64, at odd sizes: idle experts, every token on one expert, top_k = experts, 1 to 300 tokens."""
+evaluated in fp64, at odd sizes: idle experts, every token on one expert, top_k = experts, 1 to 300 tokens, with
+Qwen's softmax router and Kimi's grouped sigmoid router."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightllm.kernels.fused_moe import fused_experts, heuristic_config, softmax_topk
+from lightllm.kernels.fused_moe import fused_experts, heuristic_config, sigmoid_topk, softmax_topk
 from lightllm.kernels.fused_moe import fused_moe as fused_moe_module
 from lightllm.kernels.fused_moe.align import align_pairs, align_pairs_reference, max_blocks, tile_sizes
 from lightllm.models.layers.moe import run_experts
@@ -29,9 +30,16 @@ def experts(num_experts: int, hidden: int, inter: int, seed: int, dtype):
     return gate_up.to(dtype), down.to(dtype)
 
 
-def routed(num_tokens: int, num_experts: int, top_k: int, seed: int):
+def routed(num_tokens: int, num_experts: int, top_k: int, seed: int, router: str = "softmax"):
+    """Qwen's softmax top-k, or Kimi's sigmoid router (correction bias, scaled weights, group-limited where the
+    experts split into groups: two of four groups, or one of two)."""
     gen = torch.Generator().manual_seed(seed)
-    return softmax_topk(torch.randn(num_tokens, num_experts, generator=gen), top_k, True)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if router == "softmax":
+        return softmax_topk(logits, top_k, True)
+    bias = torch.randn(num_experts, generator=gen) * 0.1
+    groups, top_groups = (4, 2) if num_experts % 4 == 0 else (2, 1)
+    return sigmoid_topk(logits, bias, top_k, True, 2.5, groups, top_groups)
 
 
 def reference(x, gate_up, down, weights, ids, shared=None, shared_gate_logit=None):
@@ -58,13 +66,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k", CASES, ids=["T1", "T5-idle", "T33", "T300"])
-def test_fused_experts_matches_loop(num_tokens, hidden, inter, num_experts, top_k, dtype):
+def test_fused_experts_matches_loop(num_tokens, hidden, inter, num_experts, top_k, dtype, router):
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     gate_up, down = experts(num_experts, hidden, inter, seed=1, dtype=dtype)
-    weights, ids = routed(num_tokens, num_experts, top_k, seed=2)
+    weights, ids = routed(num_tokens, num_experts, top_k, seed=2, router=router)
     check(x, gate_up, down, weights, ids)
 
 
@@ -135,11 +144,12 @@ def test_prefill_heuristic_tiles_match():
     check(x, gate_up, down, weights, ids, config=None)
 
 
-def test_swapped_experts_fail():
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_swapped_experts_fail(router):
     """Twin: the kernel run on weights with two used experts swapped must not match the reference."""
     x = torch.randn(33, 40, generator=torch.Generator().manual_seed(16))
     gate_up, down = experts(6, 40, 24, seed=17, dtype=torch.float32)
-    weights, ids = routed(33, 6, 2, seed=18)
+    weights, ids = routed(33, 6, 2, seed=18, router=router)
     used = ids.flatten().unique()
     a, b = used[0].item(), used[1].item()
     perm = torch.arange(6)
