@@ -81,6 +81,49 @@ def test_full_width_qwen35_moe_serves_finite_logits(tmp_path, monkeypatch):
     assert torch.isfinite(logits).all() and logits.std() > 0.1
 
 
+# Kimi-Linear-48B-A3B's widths (MLA: 32 heads, latent rank 512, rope 64; KDA: 32 heads of 128; experts of 1024),
+# two layers (KDA with the dense MLP, MLA with the MoE); a quarter of the experts and a cut vocabulary keep the
+# draws to a few seconds
+KIMI_WIDTH = TinySizes(
+    hidden_size=2304,
+    num_layers=2,
+    vocab_size=4096,
+    num_attention_heads=32,
+    linear_num_key_heads=32,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    intermediate_size=9216,
+    moe_intermediate_size=1024,
+    shared_expert_intermediate_size=1024,
+    num_experts=64,
+    num_experts_per_tok=8,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    first_k_dense_replace=1,
+    full_attention_interval=4,
+    num_mtp_layers=0,
+)
+
+
+@pytest.mark.slow
+def test_full_width_kimi_serves_finite_logits(tmp_path, monkeypatch, caplog):
+    """Kimi-Linear-48B-A3B's MLA and KDA widths at two layers, bf16, from config.json alone; the start-up says the
+    weights are random. Twin: another seed gives other logits."""
+    import logging
+
+    model_dir = write_config(tmp_path, "kimi_linear", KIMI_WIDTH, "bfloat16")
+    assert not list(tmp_path.glob("*.safetensors"))
+    with caplog.at_level(logging.WARNING):
+        logits = serve_logits(model_dir, monkeypatch, 0, [5, 17, 301, 42, 7], "bfloat16")
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+    assert "weights are RANDOM" in caplog.text
+    other = serve_logits(model_dir, monkeypatch, 1, [5, 17, 301, 42, 7], "bfloat16")
+    assert not torch.allclose(logits, other, atol=1e-2)
+
+
 ARCHS = ["qwen3_next", "qwen3_5_moe", "kimi_linear"]
 
 
