@@ -1,8 +1,8 @@
-"""Overlap scheduling changes no output: the engine with the real runner on a tiny checkpoint gives the same tokens
-and finish reasons with overlap on and off, through staggered arrivals (prefill chunks launched beside decode rows
-whose tokens are still on the device), stop tokens, length limits, an abort, a seeded sampled request (drawn on the
-device under overlap) and a penalized one that forces synchronous steps in between; and every pool is whole again
-afterwards."""
+"""Overlap scheduling changes no output: the engine with the real runner on a tiny checkpoint (dense, MoE,
+Kimi-Linear) gives the same tokens and finish reasons with overlap on and off, through staggered arrivals (prefill
+chunks launched beside decode rows whose tokens are still on the device), stop tokens, length limits, an abort, a
+seeded sampled request (drawn on the device under overlap) and a penalized one that forces synchronous steps in
+between; and every pool is whole again afterwards."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from lightllm.tools.make_tiny_model import tiny_model_dir
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _engine(mode: str, overlap: bool) -> Engine:
+def _engine(mode: str, overlap: bool, arch: str = "qwen3_5") -> Engine:
     args, info = load_server_args(
         [],
-        model_dir=str(tiny_model_dir("qwen3_5")),
+        model_dir=str(tiny_model_dir(arch)),
         device="cpu",
         ssm_state_mode=mode,
         max_running_requests=4,
@@ -77,8 +77,8 @@ def _drive(engine: Engine, requests, abort_at: dict[int, str]) -> dict[str, tupl
     return {rid: (tokens.get(rid, []), reasons[rid]) for rid in reasons}
 
 
-def _run(mode: str, overlap: bool, stop_token: int | None, corrupt: bool = False):
-    engine = _engine(mode, overlap)
+def _run(mode: str, overlap: bool, stop_token: int | None, corrupt: bool = False, arch: str = "qwen3_5"):
+    engine = _engine(mode, overlap, arch)
     runner = engine.runner
     free_start = (runner.num_free_requests(), runner.num_free_kv_tokens())
     launches = []
@@ -98,14 +98,18 @@ def _run(mode: str, overlap: bool, stop_token: int | None, corrupt: bool = False
     return result, launches
 
 
-@pytest.mark.parametrize("mode", ["native", "replay"])
-def test_overlap_gives_the_same_tokens_as_stepping_one_at_a_time(mode):
-    cold, launches = _run(mode, overlap=False, stop_token=None)
+# the dense layout in both modes; a MoE model and Kimi-Linear (MLA, KDA) in replay
+@pytest.mark.parametrize(
+    "arch, mode",
+    [("qwen3_5", "native"), ("qwen3_5", "replay"), ("qwen3_5_moe", "replay"), ("kimi_linear", "replay")],
+)
+def test_overlap_gives_the_same_tokens_as_stepping_one_at_a_time(arch, mode):
+    cold, launches = _run(mode, overlap=False, stop_token=None, arch=arch)
     assert launches == []
     # r2 stops on the 4th token of its cold continuation: a stop the overlapped step learns one step late
     stop_token = cold["r2"][0][3]
-    reference, _ = _run(mode, overlap=False, stop_token=stop_token)
-    overlapped, launches = _run(mode, overlap=True, stop_token=stop_token)
+    reference, _ = _run(mode, overlap=False, stop_token=stop_token, arch=arch)
+    overlapped, launches = _run(mode, overlap=True, stop_token=stop_token, arch=arch)
     assert reference["r2"][1] == "stop" and reference["r3"][1] == "abort"
     # an abort lands between engine calls, and with overlap the call's tokens are the previous step's: the aborted
     # request may have one token fewer, of the same continuation
