@@ -102,3 +102,30 @@ def test_a_broken_entry_is_refused(table_dir):
     write_table(table_dir, triton.__version__, key, {"16": {"BLOCK_M": 16}})
     with pytest.raises(ValueError, match="gate_up/down tiles"):
         get_config(9, 8, 24, 32, 2, torch.float32, torch.device("cpu"))
+
+
+def test_the_shipped_tables_hold_valid_entries_for_served_shapes():
+    """Every shipped table: entries keyed by Triton version, then a shape key of a served expert shape (per rank),
+    then power-of-two batch buckets, each a valid configuration (the lookup would refuse it at serving time)."""
+    import re
+
+    from lightllm.kernels.fused_moe.shapes import SERVED_SHAPES
+
+    served = {
+        shape_key(s.num_experts, s.inter, s.hidden, s.top_k, torch.bfloat16)
+        for base in SERVED_SHAPES.values()
+        for s in (base.sharded(tp) for tp in (1, 2, 4, 8) if base.inter % tp == 0)
+    }
+    tables = sorted(configs.CONFIG_DIR.glob("*.json"))
+    assert tables
+    for path in tables:
+        for version, shapes in json.loads(path.read_text()).items():
+            assert re.fullmatch(r"\d+\.\d+\.\d+", version), (path.name, version)
+            for key, buckets in shapes.items():
+                assert key in served, (path.name, key)
+                for bucket, config in buckets.items():
+                    assert int(bucket) & (int(bucket) - 1) == 0, (path.name, key, bucket)
+                    check_config(config)
+    # twin: a broken entry is refused by the same check
+    with pytest.raises(ValueError):
+        check_config({"BLOCK_M": 24, "gate_up": TUNED["gate_up"], "down": TUNED["down"]})
