@@ -39,7 +39,8 @@ def reference(x, gate_up, down, weights, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("num_tokens", [1, 7, 64, 256, 300])
+# 4096 tokens: the prefill class of the heuristic (128-row blocks, wide tiles) in one launch
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 256, 300, 4096])
 @pytest.mark.parametrize("name", SHAPES)
 def test_fused_experts_on_gpu_matches_loop(name, num_tokens, dtype):
     x, gate_up, down, weights, ids = layer(name, num_tokens, dtype)
