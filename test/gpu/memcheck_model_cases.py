@@ -352,8 +352,9 @@ def build_model_cases() -> list[Case]:
         router = "moe_sigmoid_topk_kernel" if m.scoring == "sigmoid" else "moe_softmax_topk_kernel"
         align = ("moe_align_count_kernel", "moe_align_plan_kernel", "moe_align_scatter_kernel")
         kernels = (router, *align, "moe_gate_up_kernel", "moe_down_kernel", "moe_combine_kernel")
-        # one token (decode), a batch that leaves experts idle, one that fills several blocks of some experts
-        for num_tokens in (1, 37) if m.tiny else (1, 70, 256):
+        # one token (decode), a batch that leaves experts idle, one that fills several blocks of some experts, and a
+        # prefill's count (the heuristic's 128-row blocks and wide tiles; partial blocks at every expert)
+        for num_tokens in (1, 37, 320) if m.tiny else (1, 70, 256, 4096):
             cases.append(Case("fused_moe", m.name, f"T={num_tokens}", kernels, m.tiny, case_fused_moe(m, num_tokens)))
     for f in FP8_SHAPES:
         kernels = ("fp8_group_quant_kernel", "fp8_block_gemm_kernel")
