@@ -4,6 +4,7 @@ deterministic per seed, served through the ModelRunner on CPU at full width and 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import math
@@ -15,6 +16,7 @@ from lightllm.engine.batch import ForwardBatch
 from lightllm.models.dummy_weights import DT_MAX, DT_MIN, DummyCheckpoint, load_dummy_weights
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.registry import model_config_from_dict
+from lightllm.tools.dummy_model_dir import PRESETS
 from lightllm.tools.tiny_model.configs import model_config
 from lightllm.tools.tiny_model.sizes import TinySizes
 from lightllm.worker import runner as runner_module
@@ -81,31 +83,9 @@ def test_full_width_qwen35_moe_serves_finite_logits(tmp_path, monkeypatch):
     assert torch.isfinite(logits).all() and logits.std() > 0.1
 
 
-# Kimi-Linear-48B-A3B's widths (MLA: 32 heads, latent rank 512, rope 64; KDA: 32 heads of 128; experts of 1024),
-# two layers (KDA with the dense MLP, MLA with the MoE); a quarter of the experts and a cut vocabulary keep the
-# draws to a few seconds
-KIMI_WIDTH = TinySizes(
-    hidden_size=2304,
-    num_layers=2,
-    vocab_size=4096,
-    num_attention_heads=32,
-    linear_num_key_heads=32,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    intermediate_size=9216,
-    moe_intermediate_size=1024,
-    shared_expert_intermediate_size=1024,
-    num_experts=64,
-    num_experts_per_tok=8,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    first_k_dense_replace=1,
-    full_attention_interval=4,
-    num_mtp_layers=0,
-)
+# Kimi-Linear-48B-A3B's widths (the preset's MLA, KDA and expert widths), two layers (KDA with the dense MLP, MLA
+# with the MoE); a quarter of the experts and a cut vocabulary keep the draws to a few seconds
+KIMI_WIDTH = dataclasses.replace(PRESETS["kimi-linear-48b-a3b"][1], num_layers=2, vocab_size=4096, num_experts=64)
 
 
 @pytest.mark.slow
