@@ -110,13 +110,14 @@ def test_padding_that_updates_the_state_breaks_the_text(monkeypatch):
         assert_same(run_scenario(hot, seed=23), run_scenario(cold, seed=23))
 
 
+@pytest.mark.parametrize("mode, spec", [("native", {}), ("replay", {}), ("compact", {"spec_ngram": 2})])
 @pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])
-def test_moe_and_mla_models_prefill_through_the_buffers_as_the_eager_engine(arch):
+def test_moe_and_mla_models_prefill_through_the_buffers_as_the_eager_engine(arch, mode, spec):
     """MoE routing and MLA's latent attention take no host value mid-step: their short prefills run through the
-    fixed buffers too, with the eager engine's tokens."""
+    fixed buffers too, with the eager engine's tokens, in every state mode."""
     calls: list[tuple[int, int]] = []
-    cold = make_engine(arch, "native", {}, cache=False, chunked_prefill_size=8)
-    hot = _with_fixed_buffers(make_engine(arch, "native", {}, chunked_prefill_size=8), calls)
+    cold = make_engine(arch, mode, spec, cache=False, chunked_prefill_size=8)
+    hot = _with_fixed_buffers(make_engine(arch, mode, spec, chunked_prefill_size=8), calls)
     assert_same(run_scenario(hot, seed=29), run_scenario(cold, seed=29))
     assert calls and all(bucket is not None for _, bucket in calls)
 
