@@ -79,9 +79,14 @@ class RequestGrammar:
         return self._matcher
 
     @property
+    def compiling(self) -> Future | None:
+        """The matcher's compile while it has not been taken (None once the matcher is at hand)."""
+        return self._matcher if isinstance(self._matcher, Future) else None
+
+    @property
     def ready(self) -> bool:
         """Whether the matcher's compile has ended (compiled or failed)."""
-        return not isinstance(self._matcher, Future) or self._matcher.done()
+        return self.compiling is None or self.compiling.done()
 
     def compile_error(self) -> str | None:
         """Why the grammar did not compile, None when it compiled (waits for a compile still running)."""
@@ -233,7 +238,7 @@ class CompilingRequests:
 
     def wait(self, timeout: float) -> None:
         """Until one compile ends or `timeout` seconds pass (the engine has nothing else to run)."""
-        futures = [r.grammar._matcher for r in self._reqs if isinstance(r.grammar._matcher, Future)]
+        futures = [r.grammar.compiling for r in self._reqs if r.grammar.compiling is not None]
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
