@@ -73,6 +73,17 @@ def read_ranks(path: str) -> dict[bytes, int]:
             seen_ranks.add(rank)
     if not ranks:
         raise ValueError(f"{path}: expected BPE ranks, found an empty file")
+    # byte-level BPE starts every piece from its single bytes: tiktoken panics on a text holding a byte without a
+    # rank, so a file lacking one would pass here and fail on the first request that contains it
+    missing = [bytes([b]) for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        shown = " ".join(repr(b) for b in missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        raise ValueError(f"{path}: expected a rank for each of the 256 single bytes, found none for {shown}")
+    # the special tokens take the ids after the ranks (as the released tokenizer numbers them): a gap would
+    # give a special token the id of a rank
+    if max(seen_ranks) != len(ranks) - 1:
+        gap = min(set(range(len(ranks))) - seen_ranks)
+        raise ValueError(f"{path}: expected ranks 0..{len(ranks) - 1} without gaps, found no token of rank {gap}")
     return ranks
 
 
@@ -200,6 +211,9 @@ class TiktokenTokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; ids past the vocabulary (a model's padded rows) decode to nothing, as a Hugging Face
+        tokenizer decodes ids it does not have (tiktoken raises on them)."""
+        ids = [i for i in ids if 0 <= i < self.encoding.n_vocab]
         if skip_special_tokens:
             ids = [i for i in ids if i not in self.special.skipped]
         return self.encoding.decode(ids, errors="replace")

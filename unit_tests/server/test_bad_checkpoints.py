@@ -7,6 +7,7 @@ unbroken copy passes the same check (`check_checkpoint`, called directly to stay
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import subprocess
@@ -81,6 +82,12 @@ def _fp8_without_a_quantization_config(d: Path) -> None:
     save_file(tensors, d / "model.safetensors")
 
 
+def _tiktoken_without_a_byte(d: Path) -> None:
+    """Kimi's tokenizer format in place of tokenizer.json, its ranks lacking the byte 0xff."""
+    (d / "tokenizer.json").unlink()
+    (d / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(255)))
+
+
 CASES = {
     "corrupt-config": (_corrupt_config, [], ["config.json: expected valid JSON", "line 3 column", "control character"]),
     "truncated-header": (
@@ -117,6 +124,11 @@ CASES = {
         lambda d: (d / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 7}}'),
         [],
         ["tokenizer.json: expected a readable tokenizer.json, found an unreadable one"],
+    ),
+    "tiktoken-without-a-byte": (
+        _tiktoken_without_a_byte,
+        [],
+        ["tiktoken.model: expected a rank for each of the 256 single bytes, found none for b'\\xff'"],
     ),
     "config-vs-weights-shape": (
         lambda d: _edit_config(d, lambda c: c.update(hidden_size=2 * HIDDEN)),

@@ -222,6 +222,42 @@ def test_bad_files_are_refused(tmp_path, ranks):
         check_tokenizer(str(folder))
 
 
+def test_ranks_missing_a_byte_or_with_a_gap_are_refused(tmp_path, ranks):
+    """tiktoken panics (not an exception a server catches) on a text holding a byte without a rank, and reserved
+    special ids would land on ranks past a gap: both refused when the folder is checked. The twin, the full ranks,
+    encodes the byte as the reference does."""
+    full = write_folder(tmp_path / "full", ranks, special_ids(len(ranks)), None, False)
+    specials = {t: i for i, t in special_ids(len(ranks)).items()}
+    assert TiktokenTokenizer(str(full)).encode("xyz{") == reference_encode("xyz{", ranks, specials)
+    # the byte "{" renumbered past the last rank: every byte but one, no gap
+    without = {t: r for t, r in ranks.items() if t != b"{"}
+    without = {t: i for i, t in enumerate(sorted(without, key=without.get))}
+    folder = write_folder(tmp_path / "no-brace", without, special_ids(len(without)), None, False)
+    with pytest.raises(
+        ValueError, match=r"tiktoken\.model: expected a rank for each of the 256 single bytes, found none for b'\{'$"
+    ):
+        check_tokenizer(str(folder))
+    gapped = {t: r + (r >= 300) for t, r in ranks.items()}
+    folder = write_folder(tmp_path / "gap", gapped, special_ids(len(ranks) + 1), None, False)
+    with pytest.raises(
+        ValueError, match=rf"expected ranks 0\.\.{len(ranks) - 1} without gaps, found no token of rank 300"
+    ):
+        check_tokenizer(str(folder))
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing(folder):
+    """A checkpoint may pad its vocabulary past the tokenizer's (a padded row can be sampled): those ids decode to
+    nothing, as a Hugging Face tokenizer decodes ids it does not have, instead of failing the request."""
+    tok = TiktokenTokenizer(str(folder))
+    words = tok.encode("Hello world, 我们")
+    padded = [len(tok), *words[:2], len(tok) + 63, *words[2:], 10**6]
+    assert tok.decode(padded) == tok.decode(words) == "Hello world, 我们"
+    assert tok.decode(padded, skip_special_tokens=True) == "Hello world, 我们"
+    # the twin: the last id of the vocabulary (a reserved special token) is the tokenizer's own and decodes
+    last = len(tok) - 1
+    assert tok.decode([*words, last]) == f"Hello world, 我们<|reserved_token_{last}|>"
+
+
 def test_tiny_kimi_served_with_tiktoken_tokenizer(tmp_path, ranks):
     """A tiny Kimi-Linear checkpoint whose tokenizer.json is replaced by tiktoken.model: the same greedy tokens as
     with the original tokenizer on the same prompt ids, and text, prompts and chat as the reference encoder says.
