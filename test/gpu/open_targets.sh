@@ -44,7 +44,7 @@
 #   http_spy_idle the same with the threads' waits sampled too (py-spy --idle): where each thread waits
 #   imports       the start-up's imports, each timed in a fresh interpreter (torch, CUDA, Triton's driver, fla's
 #                 prefill modules, the API server's and the engine's trees; test/gpu/import_times.py)
-#   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, then the
+#   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, with the
 #                 kernels of a replay step at 256
 #   kimi_full     Kimi-Linear-48B-A3B at full size (random weights, bf16: ~96 GB, an H200): replay and native decode at
 #                 1 / 64 / 256
@@ -220,11 +220,11 @@ for part in $parts; do
         imports) run imports 200 python test/gpu/import_times.py --log_dir "$LOG_DIR/imports"
                  grep -E "^\|" "$LOG_DIR/imports.log" ;;
         moe_full) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
-                  run moe_full 300 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
-                      --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48
-                  run moe_kernels 200 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
-                      --modes replay --batch_sizes 256 --input_len 128 --output_len 48 --top_kernels 28
-                  grep -E "kernel " "$LOG_DIR/moe_kernels.log" | head -28 ;;
+                  # one model load: every cell's kernels are logged, the replay step's at 256 printed
+                  run moe_full 420 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
+                      --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48 --top_kernels 28
+                  awk '/ kernel /{buf = buf $0 "\n"} /^\| (replay|native) /{if ($0 ~ /^\| replay .*\| 256 \|/) printf "%s", buf; buf = ""}' \
+                      "$LOG_DIR/moe_full.log" ;;
         kimi_full|kimi_fp8|kimi_ctx|kimi_ctx_fp8)
                    python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
                    # FP8 (an H100): weights ~47 GiB, the state of 256 requests ~20 GiB; 32k contexts at 16 requests
