@@ -1,7 +1,8 @@
 """Constrained decoding through the engine with the real runner on tiny random checkpoints: the grammar, not the
 model, makes every output valid, in every state mode, with and without speculation and overlap; overlap scheduling
-changes no constrained token; under MTP with replay, constrained greedy decoding equals constrained greedy decoding
-without speculation, and scripted drafts the grammar refuses are rejected."""
+changes no constrained token, also where constrained rows join MTP verify steps chained in flight; with MTP or
+n-gram drafts in every state mode, constrained greedy decoding equals constrained greedy decoding without
+speculation, and scripted drafts the grammar refuses are rejected."""
 
 from __future__ import annotations
 
@@ -133,15 +134,82 @@ def test_grammar_after_a_start_token_with_overlap_equals_without(mode):
     assert valid(text_of(tok, [ids[len(head) :]], set(tok.eos_token_ids)))
 
 
-class _BadDrafts:
-    """MTP drafting after every step, verify windows drafted from the known continuation with one draft of every
-    other window replaced by a token the grammar never allows."""
+def _chained_verify_run(mode: str, overlap: bool):
+    """Two greedy free rows decoding with MTP through the fixed step buffers (eager on the CPU), so that with
+    overlap on their verify steps chain in flight; constrained greedy requests arrive mid-chain. Each request's
+    tokens and finish reason, and per overlapped verify launch whether it chained from one in flight."""
+    flags = {} if overlap else {"disable_overlap_schedule": True}
+    engine, info, tok = make_engine("qwen3_5", mode, mtp_step=2, **flags)
+    assert engine.runner.init_decode_graphs(use_graphs=False)
+    chained: list[bool] = []
+    launch = engine.overlap.spec.launch
 
-    def __init__(self, mtp, scripted: ScriptedDrafts, bad_token: int):
-        self.num_drafts, self.mtp, self.scripted, self.bad_token = mtp.num_drafts, mtp, scripted, bad_token
+    def counted(plan, previous):
+        chained.append(previous is not None)
+        return launch(plan, previous)
+
+    engine.overlap.spec.launch = counted
+    free = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    requests = [
+        (0, "a", PROMPTS[0], free),
+        (0, "b", [7, 7, 7], free),
+        (4, "json", PROMPTS[1], _greedy_constrained()),
+        (9, "late", PROMPTS[2], _greedy_constrained()),
+    ]
+    return staggered(engine, info, tok, requests), chained, tok
+
+
+@pytest.mark.parametrize("mode", ["native", "compact", "replay"])
+def test_constrained_rows_joining_overlapped_mtp_chains_equal_overlap_off(mode):
+    """MTP with overlap on: unconstrained greedy rows chain their verify steps on the device; a constrained row
+    (which the device's verify cannot mask) makes the steps it shares synchronous, masked at every position, and
+    the chain resumes once it has finished. Every token and finish equals overlap off."""
+    reference, chained, tok = _chained_verify_run(mode, overlap=False)
+    assert chained == []
+    overlapped, chained, _ = _chained_verify_run(mode, overlap=True)
+    assert overlapped == reference
+    eos = set(tok.eos_token_ids)
+    for rid in ("json", "late"):
+        ids, reason = overlapped[rid]
+        assert reason == "stop" and valid(text_of(tok, [ids], eos)), (rid, reason)
+    # chains before the constrained rows arrived and after they finished
+    assert chained[:3] == [False, True, True] and chained.count(False) >= 2 and sum(chained) >= 20
+
+
+def test_a_constrained_row_let_into_an_overlapped_verify_is_caught(monkeypatch):
+    """Twin: a chained verify that takes the constrained rows too (the device's acceptance has no masks) draws
+    tokens outside the grammar: those requests fail."""
+    from lightllm.engine.spec_overlap import SpecOverlap
+
+    reference, _, _ = _chained_verify_run("replay", overlap=False)
+    rows_fit = SpecOverlap._rows_fit
+
+    def ignoring_grammars(self, reqs):
+        grammars = [req.grammar for req in reqs]
+        for req in reqs:
+            req.grammar = None
+        try:
+            return rows_fit(self, reqs)
+        finally:
+            for req, g in zip(reqs, grammars):
+                req.grammar = g
+
+    monkeypatch.setattr(SpecOverlap, "_rows_fit", ignoring_grammars)
+    broken, _, _ = _chained_verify_run("replay", overlap=True)
+    assert broken != reference
+    assert {broken[rid][1] for rid in ("json", "late")} == {"error"}
+
+
+class _BadDrafts:
+    """The engine's own drafting after every step (the MTP head's bookkeeping runs), verify windows drafted from the
+    known continuation with one draft of every other window replaced by a token the grammar never allows."""
+
+    def __init__(self, speculator, scripted: ScriptedDrafts, bad_token: int):
+        self.num_drafts, self.speculator = speculator.num_drafts, speculator
+        self.scripted, self.bad_token = scripted, bad_token
 
     def propose(self, reqs):
-        self.mtp.flush()
+        self.speculator.flush()
         self.scripted.propose(reqs)
         for req in reqs:
             wrong = rotating_script(self.scripted._windows[req.req_id], len(req.draft_ids))
@@ -149,27 +217,53 @@ class _BadDrafts:
                 req.draft_ids[wrong] = self.bad_token
 
     def after_step(self, runner, rows, hidden):
-        self.mtp.after_step(runner, rows, hidden)
+        self.speculator.after_step(runner, rows, hidden)
 
     def flush(self, reqs=None):
-        self.mtp.flush(reqs)
+        self.speculator.flush(reqs)
 
 
-def test_constrained_greedy_with_mtp_and_replay_equals_no_speculation():
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, grammar=GRAMMAR)
-    prompts = {f"r{i}": p for i, p in enumerate(PROMPTS)}
+# every state mode with each kind of drafts (compact exists only with drafts)
+SPEC_COMBOS = [
+    ("replay", {"mtp_step": 2}),
+    ("native", {"mtp_step": 2}),
+    ("compact", {"mtp_step": 3}),
+    ("native", {"spec_ngram": 2}),
+    ("compact", {"spec_ngram": 3}),
+    ("replay", {"spec_ngram": 2}),
+]
+
+
+def _spec_id(value) -> str:
+    return value if isinstance(value, str) else "-".join(f"{k}{x}" for k, x in value.items())
+
+
+def _greedy_reference(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Constrained greedy tokens without speculation."""
     engine, info, tok = make_engine("qwen3_5", "native")
-    reference, _ = run_all(engine, info, tok, dict.fromkeys(prompts, greedy), prompts)
-    expected = {rid: [t for c in reference[rid] for t in c] for rid in prompts}
+    chunks, _ = run_all(engine, info, tok, dict.fromkeys(prompts, _greedy_constrained()), prompts)
     eos = set(tok.eos_token_ids)
-    assert all(valid(text_of(tok, reference[rid], eos)) for rid in prompts)
+    assert all(valid(text_of(tok, chunks[rid], eos)) for rid in prompts)
+    return {rid: [t for c in chunks[rid] for t in c] for rid in prompts}
 
-    engine, info, tok = make_engine("qwen3_5", "replay", mtp_step=2)
+
+def _with_bad_drafts(mode: str, spec: dict, prompts: dict[str, list[int]], expected: dict[str, list[int]]):
+    """Constrained greedy decoding whose drafts are the expected tokens, one of every other window replaced by a
+    token the grammar refuses; the chunks, finishes, script and engine."""
+    engine, info, tok = make_engine("qwen3_5", mode, **spec)
     (bad_token,) = tok.encode_rendered("@")
     continuations = {tuple(prompts[rid]): expected[rid] + [0] * 4 for rid in prompts}
-    scripted = ScriptedDrafts(continuations, 2, engine.runner.vocab_size)
+    scripted = ScriptedDrafts(continuations, engine.speculator.num_drafts, engine.runner.vocab_size)
     engine.speculator = _BadDrafts(engine.speculator, scripted, bad_token)
-    chunks, finished = run_all(engine, info, tok, dict.fromkeys(prompts, greedy), prompts)
+    chunks, finished = run_all(engine, info, tok, dict.fromkeys(prompts, _greedy_constrained()), prompts)
+    return chunks, finished, scripted, engine
+
+
+@pytest.mark.parametrize("mode, spec", SPEC_COMBOS, ids=_spec_id)
+def test_constrained_greedy_with_drafts_equals_no_speculation(mode, spec):
+    prompts = {f"r{i}": p for i, p in enumerate(PROMPTS)}
+    expected = _greedy_reference(prompts)
+    chunks, _, scripted, engine = _with_bad_drafts(mode, spec, prompts, expected)
     for rid in prompts:
         assert [t for c in chunks[rid] for t in c] == expected[rid]
         # each window emitted exactly the drafts before the refused one, plus one token
@@ -183,6 +277,25 @@ def test_constrained_greedy_with_mtp_and_replay_equals_no_speculation():
         engine, info, tok, dict.fromkeys(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)), prompts
     )
     assert all([t for c in free[rid] for t in c] != expected[rid] for rid in prompts)
+
+
+@pytest.mark.parametrize("mode, spec", [("replay", {"mtp_step": 2}), ("native", {"spec_ngram": 2})], ids=_spec_id)
+def test_drafts_verified_without_their_masks_are_caught(mode, spec, monkeypatch):
+    """Twin of the test above: a step that masks only each window's first position lets a draft position take a
+    token outside the grammar, which the matcher refuses (the request fails) instead of giving the expected tokens."""
+    from lightllm.engine import grammar
+
+    prompts = {f"r{i}": p for i, p in enumerate(PROMPTS)}
+    expected = _greedy_reference(prompts)
+    mask_windows = grammar.mask_windows
+
+    def first_positions_only(windows, logits):
+        return mask_windows([(req, start, 1, []) for req, start, _, _ in windows], logits)
+
+    monkeypatch.setattr(grammar, "mask_windows", first_positions_only)
+    chunks, finished, _, _ = _with_bad_drafts(mode, spec, prompts, expected)
+    assert all([t for c in chunks[rid] for t in c] != expected[rid] for rid in prompts)
+    assert {finished[rid].reason for rid in prompts} == {"error"}
 
 
 def _left(chunks: list[list[int]]) -> list[int]:
