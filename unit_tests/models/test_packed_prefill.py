@@ -13,6 +13,7 @@ from lightllm.engine.batch import ForwardBatch
 from lightllm.models.context import prefill_group_spans
 from lightllm.models.layers.attention import GatedAttention
 from lightllm.models.layers.mla import LatentAttention
+from unit_tests.models.conftest import ARCH_CASES
 from unit_tests.models.drive import make_runner
 from unit_tests.models.test_parity import assert_logits, max_rel, prompt
 
@@ -60,7 +61,7 @@ def _run_steps(runner, prompts: list[list[int]], steps) -> tuple[list[list[torch
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("case", ["qwen3_5-hv2", "kimi_linear"])
+@pytest.mark.parametrize("case", ARCH_CASES)
 def test_packed_chunks_equal_row_by_row_and_transformers(tiny, case, backend):
     model_dir, oracle = tiny(case)
     prompts = [prompt(40 + i, n) for i, n in enumerate(LENGTHS)]
