@@ -1,9 +1,10 @@
 """Overlapped MTP verify steps (`engine.spec_overlap`) with the real runner on a tiny Qwen3.5, through the decode
 and draft buffers (eager on the CPU): in every state mode and verify width 2 .. 4 the engine emits the same tokens,
-log-probabilities and finish reasons with overlap on as with it off, with scripted drafts that keep 0 .. W - 1 of
-their tokens (chosen on the device for the windows launched before the host read their predecessor), staggered
-arrivals, an abort, a stop token found a step late, length limits, slot reuse and prefix-cache publishes. Twins:
-a chained step fed tokens moved by one, or positions not shifted by the counts still in flight, change the text."""
+log-probabilities, finish reasons and windows with overlap on as with it off, with scripted drafts that keep
+0 .. W - 1 of their tokens (scripted by position, chosen on the device for the windows launched before the host
+read their predecessor), staggered arrivals, an abort, a stop token found a step late, length limits, slot reuse
+and prefix-cache publishes. Twins: a chained step fed tokens moved by one, or positions not shifted by the counts
+still in flight, change the text."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from lightllm.engine.speculative import MtpSpeculator
 from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.engine.speculative.device_drafts import DraftBatch
-from unit_tests.helpers.scripted_drafts import ScriptedDrafts
+from unit_tests.helpers.scripted_drafts import ScriptedDrafts, seeded_script
 from unit_tests.models.test_device_drafts_engine import _engine, drive, greedy_continuations
 
 # (request id, prompt, max_tokens, arrival step): long enough for chains of width-4 windows; four requests through
@@ -75,8 +76,7 @@ def script_on_device(engine, truth: dict[tuple[int, ...], list[int]], kept_log: 
             continuation = torch.tensor(truth[tuple(req.prompt_ids)] + [0] * 16, dtype=torch.long)
             start = len(req.output_ids) + extra[j] + num_accepted[j].cpu()
             row = continuation[start : start + k].clone()
-            window = scripted._windows[req.req_id] = scripted._windows.get(req.req_id, -1) + 1
-            wrong = scripted.script(window, k)
+            wrong = scripted.script(scripted.next_window(req.req_id, int(start)), k)
             if wrong is not None:
                 row[wrong] = (row[wrong] + 1) % runner.vocab_size
             kept_log.append(k if wrong is None else wrong)
@@ -110,7 +110,7 @@ def spec_run(
         max_req_total_len=max(len(prompt) + max_tokens for _, prompt, max_tokens, _ in requests),
     )
     assert engine.runner.prefix_cache is not None
-    scripted = ScriptedDrafts(truth, mtp_step, engine.runner.vocab_size)
+    scripted = ScriptedDrafts(truth, mtp_step, engine.runner.vocab_size, seeded_script, by_position=True)
     engine.speculator = ScriptedMtp(mtp_step, scripted, engine.runner.device)
     engine.overlap_schedule = overlap
     launches, kept, dropped = [], [], []
@@ -170,15 +170,14 @@ def test_overlapped_verify_equals_synchronous(mode, mtp_step, continuations):
     truth, stop_ids = continuations
     (on, launches, kept, stored, dropped, chains) = spec_run(mode, mtp_step, True, truth, stop_ids)
     (off, off_launches, _, off_stored, _, _) = spec_run(mode, mtp_step, False, truth, stop_ids)
-    tokens, logprobs, finished, _ = on
-    # the aborted request stops where the host has seen enough of its tokens: its own count, the model's text
-    aborted = tokens.pop("c"), off[0].pop("c")
-    for text, reasons in zip(aborted, (finished, off[2])):
-        assert len(text) >= ABORT_AFTER and text == truth[tuple(REQUESTS[2][1])][: len(text)]
-        assert reasons.pop("c")[0] == "abort"
+    tokens, logprobs, finished, chunks = on
+    # every window kept what the synchronous one did (the script is keyed by position), the aborted request's too
+    assert chunks == off[3]
     assert tokens == off[0] and finished == off[2]
     for rid in tokens:
         assert torch.allclose(torch.tensor(logprobs[rid]), torch.tensor(off[1][rid]), atol=1e-5), rid
+    # the aborted request stops where the host has seen enough of its tokens (as a stop string found in the text)
+    assert len(tokens["c"]) >= ABORT_AFTER and finished["c"][0] == "abort"
     # the overlapped path ran, chained steps launched before their predecessor was read, the synchronous run none
     assert sum(launches) >= 4 and not off_launches
     # the stop token was read while a later step of its request was in flight: that step rode along, dropped
@@ -191,7 +190,7 @@ def test_overlapped_verify_equals_synchronous(mode, mtp_step, continuations):
     assert stored > 0 and off_stored > 0
     assert finished["d"] == ("stop", STOP_AT + 1) and finished["a"] == ("length", 24)
     # the greedy text is the model's
-    for rid, prompt, _, _ in REQUESTS[:2] + REQUESTS[3:]:
+    for rid, prompt, _, _ in REQUESTS:
         assert tokens[rid] == truth[tuple(prompt)][: len(tokens[rid])], rid
 
 
