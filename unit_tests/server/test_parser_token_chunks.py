@@ -1,8 +1,9 @@
 """The streaming parsers fed the way serving feeds them: each family's output, tokenized by its tiny checkpoint's
 tokenizer (markers such as `<tool_call>`, `</think>` and Kimi's section tokens are single tokens there), cut into
-engine deltas of 1 to 8 tokens (speculation's windows), detokenized incrementally; the parse of the deltas equals
-the parse of the whole text, with literal markers in prose, reasoning ending mid-delta, calls split across deltas
-and streams ending anywhere (EOS inside a call)."""
+engine deltas of 1 to 8 tokens (speculation's windows), rendered by the route's `SequenceOutput`; the parse of the
+deltas equals the parse of the whole text, with literal markers in prose, reasoning ending mid-delta (or the prompt
+opening it), calls split across deltas and streams ending anywhere (an EOS token inside a call, in the last
+window's tokens, or the length limit)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightllm.server.detokenizer import IncrementalDetokenizer
+from lightllm.engine.messages import Finished, TokenChunk
+from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.http.parsers import OutputParser, ParsedOutput, ReasoningParser
 from lightllm.server.model_info import read_model_info
+from lightllm.server.output import SequenceOutput
 from lightllm.server.tokenizer import Tokenizer
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.server.test_output_parsers import FORMATS, outputs
@@ -34,15 +37,28 @@ def _tokenizer(arch: str) -> Tokenizer:
     return _TOKENIZERS[arch]
 
 
-def _streamed(parser: OutputParser, detok: IncrementalDetokenizer, ids: list[int], sizes: list[int]) -> ParsedOutput:
-    """Deltas of `sizes` tokens, then of 8 (a window never delivers more) until the ids are spent."""
+def _streamed(
+    parser: OutputParser,
+    tok: Tokenizer,
+    skip: bool,
+    ids: list[int],
+    sizes: list[int],
+    eos: bool = False,
+    hides_eos: bool = True,
+) -> ParsedOutput:
+    """Deltas of `sizes` tokens, then of 8 (a window never delivers more) until the ids are spent, rendered as the
+    route renders a sequence; `eos`: the last delta ends with the model's EOS token (the request stops on it).
+    `hides_eos=False`: a sequence output that renders the EOS token (the twin's)."""
+    out = SequenceOutput(tok, SamplingParams(skip_special_tokens=skip), tok.eos_token_ids if hides_eos else ())
+    ids = ids + [tok.eos_token_ids[0]] * eos
     deltas, i = [], 0
     for size in sizes + [8] * ((len(ids) + 7) // 8):
         if i >= len(ids):
             break
-        deltas.append(parser.feed(detok.push(ids[i : i + size])))
+        deltas.append(parser.feed(out.on_tokens(TokenChunk("r", ids[i : i + size])).text))
         i += size
-    deltas += [parser.feed(detok.flush()), parser.finish()]
+    finish = Finished("r", "stop" if eos else "length", stop_token_id=tok.eos_token_ids[0] if eos else None)
+    deltas += [parser.feed(out.on_finished(finish).text), parser.finish()]
     return ParsedOutput.merge(deltas)
 
 
@@ -57,10 +73,11 @@ def test_token_deltas_parse_like_the_whole_text(fmt, data):
     whole_text = tok.decode(ids, skip_special_tokens=skip)
     assert whole_text == text
     sizes = data.draw(st.lists(st.integers(1, 8), min_size=1, max_size=len(ids) + 1))
+    # the prompt may have opened the reasoning block (Qwen3.5's template with thinking on)
+    thinking, eos = data.draw(st.booleans()), data.draw(st.booleans())
     make, _ = FORMATS[fmt]
-    whole = OutputParser(ReasoningParser(False), make()).parse(whole_text)
-    streamed = _streamed(OutputParser(ReasoningParser(False), make()), IncrementalDetokenizer(tok.hf, skip), ids, sizes)
-    assert streamed == whole
+    whole = OutputParser(ReasoningParser(thinking), make()).parse(whole_text)
+    assert _streamed(OutputParser(ReasoningParser(thinking), make()), tok, skip, ids, sizes, eos) == whole
 
 
 def test_markers_are_single_tokens():
@@ -81,5 +98,18 @@ def test_a_lost_delta_changes_the_parse(fmt):
     whole = OutputParser(ReasoningParser(False), make()).parse(text)
     assert len(whole.tool_calls) == 1
     kept = ids[: len(ids) // 2] + ids[len(ids) // 2 + 1 :]
-    lossy = _streamed(OutputParser(ReasoningParser(False), make()), IncrementalDetokenizer(tok.hf, skip), kept, [2])
+    lossy = _streamed(OutputParser(ReasoningParser(False), make()), tok, skip, kept, [2])
     assert lossy != whole
+
+
+def test_an_eos_rendered_as_text_changes_the_parse():
+    """Twin of the EOS case: Kimi's route keeps special tokens (its tool-call markers are special), so an EOS token
+    the output did not hide would reach the parser as text (`<|im_end|>` after the call)."""
+    tok = _tokenizer("kimi_linear")
+    make, render = FORMATS["kimi"]
+    text = "Sure. " + render([("get_weather", {"city": "Paris", "days": 3})])
+    ids = tok.encode_rendered(text)
+    whole = OutputParser(ReasoningParser(False), make()).parse(text)
+    assert _streamed(OutputParser(ReasoningParser(False), make()), tok, False, ids, [3], eos=True) == whole
+    unhidden = _streamed(OutputParser(ReasoningParser(False), make()), tok, False, ids, [3], eos=True, hides_eos=False)
+    assert unhidden != whole
