@@ -105,6 +105,55 @@ def test_call_result_answer_flow(server, client):
     assert final.usage.prompt_tokens > _prompt_len(server, messages[:1]) + 8
 
 
+@pytest.fixture
+def prompts_sent(monkeypatch) -> list[list[int]]:
+    """The prompt token ids the HTTP front end hands the engine, one list per request."""
+    from lightllm.server.http.serving import Frontend
+
+    sent: list[list[int]] = []
+    generate = Frontend.generate
+
+    def recording(self, prompts, *args, **kwargs):
+        sent.extend(list(p) for p in prompts)
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(Frontend, "generate", recording)
+    return sent
+
+
+def test_history_with_a_call_is_the_prompt_the_engine_gets(server, client, prompts_sent):
+    """The ids, not only their count: the engine's prompt is the template's rendering of the call (its arguments, a
+    JSON string on the wire, as an object) and of the tool's result."""
+    args = {"city": "Oslo", "days": 2}
+
+    def conversation(result: str, arguments) -> list[dict]:
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": result},
+        ]
+
+    def send(result: str) -> list[int]:
+        prompts_sent.clear()
+        client.chat.completions.create(
+            model=server.model,
+            messages=conversation(result, json.dumps(args)),
+            tools=TOOLS,
+            max_tokens=2,
+            extra_body=NO_THINKING,
+        )
+        (prompt,) = prompts_sent
+        return prompt
+
+    tok = server.tokenizer
+    reference = tok.render_chat(conversation("rain, 9 C", args), tools=TOOLS, enable_thinking=False)
+    assert "rain, 9 C" in reference and "Oslo" in reference.split("Weather in Oslo?")[1]
+    assert send("rain, 9 C") == tok.encode_rendered(reference)
+    # twin: another tool result is another prompt
+    assert send("snow, -3 C") != tok.encode_rendered(reference)
+
+
 def test_required_streams_calls_in_openai_shape(server, client):
     stream = client.chat.completions.create(
         model=server.model,
