@@ -1,9 +1,11 @@
 """The full server (HTTP process + engine process + real ModelRunner) on tiny checkpoints, through the official
-openai client on 127.0.0.1: greedy text equals transformers' greedy; streaming and concurrency change nothing."""
+openai client on 127.0.0.1: greedy text equals transformers' greedy; streaming and concurrency change nothing; a
+forced tool call, its result and the answer to it (transformers' greedy over the rendered history)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -13,6 +15,7 @@ import torch
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from unit_tests.server.conftest import scrape, wait_for
 from unit_tests.server.live_server import LiveServer
+from unit_tests.server.test_http_tools import NO_THINKING, TOOLS
 
 REAL_RUNNER = "lightllm.server.runner_factory:create_runner"
 CONFIGS = [
@@ -117,3 +120,44 @@ def test_echo_logprobs_score_the_prompt_like_transformers(served):
     assert error(0) < 1e-4
     # twin: scored against the logits one position later
     assert error(1) > 1e-2
+
+
+def test_tool_call_flow_with_the_real_model(served):
+    """The agent flow through the real runner: a forced call (its grammar masks the model's own logits, drafts
+    included), the tool's result sent back, and a greedy answer equal to transformers' greedy continuation of the
+    chat template's rendering of the whole history."""
+    server, oracle = served
+    client, tok = _client(server), server.tokenizer
+    messages = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    first = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=96,
+        temperature=0,
+        extra_body=NO_THINKING,
+    )
+    assert first.choices[0].finish_reason == "tool_calls"
+    (call,) = first.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 7
+
+    result = {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]}, result]
+    final = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        extra_body={**NO_THINKING, "ignore_eos": True},
+    )
+    rendered_call = {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    history = [messages[0], {"role": "assistant", "content": "", "tool_calls": [rendered_call]}, result]
+    ids = tok.encode_rendered(tok.render_chat(history, enable_thinking=False))
+    expected = oracle.greedy(ids, 12)
+    assert final.usage.prompt_tokens == len(ids)
+    assert final.choices[0].message.content == tok.decode(expected)
+    # twin: the model's answer to the question alone (no call, no result) is another text
+    alone = tok.encode_rendered(tok.render_chat(messages[:1], enable_thinking=False))
+    assert tok.decode(oracle.greedy(alone, 12)) != final.choices[0].message.content
