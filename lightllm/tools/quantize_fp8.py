@@ -24,8 +24,9 @@ from safetensors.torch import save_file
 from lightllm.kernels.fp8 import DEFAULT_BLOCK, dequantize_weight_blocks, quantize_weight_blocks
 from lightllm.models.quant_config import scale_name
 
-# modules Qwen's FP8 releases keep unquantized (matched against the end of a module's name)
-NOT_CONVERTED = ("embed_tokens", "lm_head", "mlp.gate", "shared_expert_gate")
+# modules Qwen's FP8 releases keep unquantized (matched against the end of a module's name); Kimi-Linear's router
+# is `block_sparse_moe.gate`
+NOT_CONVERTED = ("embed_tokens", "lm_head", "mlp.gate", "block_sparse_moe.gate", "shared_expert_gate")
 WEIGHT_SUFFIX = ".weight"
 
 
