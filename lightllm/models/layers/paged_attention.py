@@ -47,6 +47,11 @@ def _attend_sdpa(q: torch.Tensor, groups: list[AttentionGroup], load_kv: KVLoade
     out = None
     for g in groups:
         k, v = load_kv(g.slot_table)
+        # keys no query of the row sees take no part even when not finite (a masked key's weight is 0, but
+        # 0 * NaN is not): a verify launched before its predecessor's counts were read holds KV slots past its
+        # context for the worst case, which keep whatever their last owner left there
+        unseen = ~g.mask.any(dim=2).squeeze(1)[:, :, None, None]  # [n, L, 1, 1]
+        k, v = k.masked_fill(unseen, 0), v.masked_fill(unseen, 0)
         if k.shape[2] != q.shape[1]:
             # explicit head expansion: every SDPA backend accepts it (enable_gqa is not honoured by all with masks)
             group = q.shape[1] // k.shape[2]
