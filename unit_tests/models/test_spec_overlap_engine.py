@@ -86,6 +86,20 @@ def script_on_device(engine, truth: dict[tuple[int, ...], list[int]], kept_log: 
     runner.verify_on_device = scripted_verify
 
 
+def script_drafts(engine, mtp_step: int, truth, kept_log: list[int]) -> None:
+    """Scripted MTP drafts keyed by position (the same windows whichever path drafts them): on the host before a
+    synchronous step, on the device for an overlapped step's successor (`script_on_device`, logging the kept
+    counts it chose)."""
+    scripted = ScriptedDrafts(truth, mtp_step, engine.runner.vocab_size, seeded_script, by_position=True)
+    engine.speculator = ScriptedMtp(mtp_step, scripted, engine.runner.device)
+    script_on_device(engine, truth, kept_log)
+
+
+def shift_chained_tokens(previous, vocab_size: int) -> None:
+    """The twins' broken input: the next tokens a chained step takes from its predecessor, moved by one."""
+    previous.figures[:, 0] = (previous.figures[:, 0] + 1) % vocab_size
+
+
 def spec_run(
     mode: str,
     mtp_step: int,
@@ -110,12 +124,10 @@ def spec_run(
         max_req_total_len=max(len(prompt) + max_tokens for _, prompt, max_tokens, _ in requests),
     )
     assert engine.runner.prefix_cache is not None
-    scripted = ScriptedDrafts(truth, mtp_step, engine.runner.vocab_size, seeded_script, by_position=True)
-    engine.speculator = ScriptedMtp(mtp_step, scripted, engine.runner.device)
     engine.overlap_schedule = overlap
     launches, kept, dropped = [], [], []
     chains = {"without a finished row": 0, "near a limit": 0, "synchronous after the first": 0}
-    script_on_device(engine, truth, kept)
+    script_drafts(engine, mtp_step, truth, kept)
     spec = engine.overlap.spec
     launch, forward = spec.launch, engine.runner.forward
     in_launch = []
@@ -139,7 +151,7 @@ def spec_run(
             chains["without a finished row"] += len(plan.decode) < len(previous.plan.decode)
             chains["near a limit"] += any(r.req.num_remaining_tokens < 2 * (mtp_step + 1) for r in plan.decode)
         if corrupt == "tokens" and previous is not None:
-            previous.figures[:, 0] = (previous.figures[:, 0] + 1) % engine.runner.vocab_size
+            shift_chained_tokens(previous, engine.runner.vocab_size)
         return launch(plan, previous)
 
     spec.launch = counted
