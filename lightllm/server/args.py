@@ -155,7 +155,12 @@ class ServerArgs:
     max_running_requests: int | None = _flag(
         None, "most requests running at once = linear-state slots (auto: 256 on cuda, 16 on cpu)", type=int
     )
-    max_total_token_num: int | None = _flag(None, "KV cache size in tokens (auto: sized from --mem_fraction)", type=int)
+    max_total_token_num: int | None = _flag(
+        None,
+        "KV cache size in tokens (auto: sized from --mem_fraction on cuda; on cpu --max_running_requests x "
+        "--max_req_total_len, at most 65536)",
+        type=int,
+    )
     mem_fraction: float | None = _flag(
         None,
         "fraction of device memory for weights, state and KV (auto: 0.8; exclusive with --max_total_token_num)",
@@ -218,7 +223,8 @@ class ServerArgs:
     )
     api_key: str | None = _flag(
         None,
-        "clients must send 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (none: no check)",
+        "clients must send 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, the OpenAPI pages, /pd/nodes "
+        "and /dp/replicas (none: no check)",
         type=str,
         shown_default="$LIGHTLLM_API_KEY",
         repr=False,
