@@ -325,7 +325,8 @@ class Engine:
             msg.params.validate()
         except ValueError as exc:
             return str(exc)
-        return None
+        problem = msg.params.vocab_problem(self.runner.vocab_size)
+        return problem[0] if problem is not None else None
 
     def build_batch(self, plan: SchedulePlan) -> ForwardBatch:
         ids: list[int] = []
@@ -430,7 +431,7 @@ class Engine:
             return []
         if self.acceptance is not None:
             return self.acceptance.verify(windows, logits, self.sampler, self.row_context)
-        if all(req.params.greedy and not req.params.has_penalties for req, *_ in windows):
+        if all(req.params.takes_raw_argmax for req, *_ in windows):
             return self._verify_greedy(windows, logits)
         # sampled verification walks the drafts on the host
         windows = [(req, start, width, list(drafts)) for req, start, width, drafts in windows]

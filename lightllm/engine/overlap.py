@@ -258,7 +258,7 @@ class OverlapScheduler:
     def _draw_on_device(self, windows: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Each row's token, left on the device: the argmax, or a draw from the same distribution and the same
         random stream as the synchronous step's."""
-        if all(req.params.greedy for req in windows):
+        if all(req.params.takes_raw_argmax for req in windows):
             return logits.argmax(dim=-1)
         sampler = self.engine.sampler
         contexts = [self.engine.row_context(req, [], logits.device) for req in windows]

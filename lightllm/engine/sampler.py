@@ -1,8 +1,9 @@
 """Turn logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded draws, log-probabilities.
 
-Order of operations for a sampled row: penalties on the logits → divide by temperature → softmax → keep the
+Order of operations for a sampled row: logit bias and penalties on the logits → divide by temperature → softmax → keep the
 top_k most likely → keep the smallest prefix whose mass reaches top_p → drop tokens below min_p · max prob →
-renormalise. A greedy row (temperature 0) takes the argmax of the penalised logits and draws no random number.
+renormalise. A greedy row (temperature 0) takes the argmax of the biased, penalised logits and draws no random
+number.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ class RowContext:
     output_ids: list[int]
     # the request's own generator when it has a seed, else None (the sampler's shared generator is used)
     generator: torch.Generator | None = None
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+    """In place on `logits` [N, V]: each row's `logit_bias` added at its token ids, all rows in one indexed add."""
+    entries = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias.items()]
+    if entries:
+        rows_i, tokens, values = zip(*entries)
+        index = (list_to_device(rows_i, torch.long, logits.device), list_to_device(tokens, torch.long, logits.device))
+        logits.index_put_(index, list_to_device(values, logits.dtype, logits.device), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
@@ -102,7 +113,7 @@ class Sampler:
 
         Batched over rows; only rows that use penalties or top-k/top-p/min-p take a per-row path.
         """
-        logits = apply_penalties(logits.float().clone(), rows)
+        logits = apply_penalties(apply_logit_bias(logits.float().clone(), rows), rows)
         device = logits.device
         temps = list_to_device([p.params.temperature or 1.0 for p in rows], torch.float32, device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)

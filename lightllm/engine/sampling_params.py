@@ -19,6 +19,10 @@ GREEDY_TOP_P = 1e-5
 # overflows (a penalty of 1e-300 turns every seen token's logit into inf)
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
+# OpenAI's range for a logit bias: -100 bans a token and +100 forces it in practice
+MAX_LOGIT_BIAS = 100.0
+# biased tokens per request (each one an entry added to its row's logits every step)
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -48,7 +52,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     log-probability plus the k most likely alternatives (k may be 0). `prompt_logprobs=k` returns, once, each prompt
     token's log-probability given the tokens before it (None for the first) with k alternatives at each position.
     Log-probabilities are those of the model's raw distribution, before penalties, temperature and filters (and
-    before a grammar's mask). `grammar` constrains every sampled token, drafts included (see engine/grammar.py).
+    before a grammar's mask and `logit_bias`). `logit_bias` maps token ids to values added to their logits before
+    penalties and temperature, for greedy rows too. `grammar` constrains every sampled token, drafts included (see
+    engine/grammar.py).
     """
 
     n: int = 1
@@ -67,6 +73,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     # an llguidance grammar (its JSON or Lark text) the output must follow; EOS is allowed once it is complete
     grammar: str | None = None
     # the grammar applies after this token has been generated (a reasoning block's end); None: from the start
@@ -82,6 +89,20 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def takes_raw_argmax(self) -> bool:
+        """Each token is the argmax of the model's raw logits: greedy, with nothing added to or scaled in them (the
+        device-side fast paths count on it)."""
+        return self.greedy and not self.has_penalties and not self.logit_bias
+
+    def vocab_problem(self, vocab_size: int) -> tuple[str, str] | None:
+        """(message, field) when a token id these params name lies outside a vocabulary of `vocab_size`, else None."""
+        if any(t >= vocab_size for t in self.stop_token_ids):
+            return f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids"
+        if any(t >= vocab_size for t in self.logit_bias):
+            return f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias"
+        return None
 
     def validate(self) -> None:
         """Raise SamplingParamsError naming the offending field and the accepted range. The engine calls this too:
@@ -127,6 +148,17 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             ),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a boolean"),
+            (
+                "logit_bias",
+                isinstance(self.logit_bias, dict)
+                and len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS
+                and all(
+                    _is_int(t, 0, MAX_INT) and _is_float(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+                    for t, b in self.logit_bias.items()
+                ),
+                f"must map at most {MAX_LOGIT_BIAS_TOKENS} token ids in [0, {MAX_INT}] to numbers in "
+                f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
             ("grammar", self.grammar is None or (isinstance(self.grammar, str) and self.grammar), "must be text"),
             (
                 "grammar_start_token",

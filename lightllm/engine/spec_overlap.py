@@ -89,7 +89,7 @@ class SpecOverlap:
 
     def _rows_fit(self, reqs) -> bool:
         e = self.engine
-        if not all(r.params.greedy and not r.params.has_penalties and not r.grammar for r in reqs):
+        if not all(r.params.takes_raw_argmax and not r.grammar for r in reqs):
             return False
         can = getattr(e.runner, "can_verify_on_device", None)
         return can is not None and can([r.handle for r in reqs], e.speculator.num_drafts + 1)

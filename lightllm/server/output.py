@@ -25,9 +25,7 @@ def prompt_problem(
             f"({max_req_total_len})",
             "max_tokens",
         )
-    if any(t < 0 or t >= vocab_size for t in params.stop_token_ids):
-        return f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids"
-    return None
+    return params.vocab_problem(vocab_size)
 
 
 # per prompt token: (logprob, [(alt_id, logprob), ...]) given the tokens before it; None for the first token

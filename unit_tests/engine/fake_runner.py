@@ -61,11 +61,15 @@ class FakeRunner:
         h = self.emb_last[history[-1]] + 0.5 * self.emb_prev[prev] + self.emb_sum[sum(history) % NUM_SUM_BUCKETS]
         return h @ self.out
 
-    def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
-        """Reference greedy continuation, one token at a time with no batching."""
+    def greedy(self, prompt: list[int], num_tokens: int, logit_bias: dict[int, float] | None = None) -> list[int]:
+        """Reference greedy continuation, one token at a time with no batching; `logit_bias` is added to every
+        position's logits first."""
+        bias = torch.zeros(self.vocab_size)
+        for token, value in (logit_bias or {}).items():
+            bias[token] = value
         ids = list(prompt)
         for _ in range(num_tokens):
-            ids.append(int(torch.argmax(self.next_logits(ids))))
+            ids.append(int(torch.argmax(self.next_logits(ids) + bias)))
         return ids[len(prompt) :]
 
     # -- ModelRunnerProtocol ---------------------------------------------------------------------------------------

@@ -75,6 +75,31 @@ def test_completion_token_id_prompt(server, client):
     assert r.choices[0].text == expected_text
 
 
+def test_logit_bias_changes_greedy_text_as_the_biased_reference(server, client):
+    """The openai client's `logit_bias` (string ids) on completions and streamed chat: the greedy text is the
+    fake model's greedy over the biased logits (n-gram drafts verified against them), not the unbiased one."""
+    runner = FakeRunner(server.info.vocab_size)
+    ids = [5, 6, 7, 8]
+    plain = runner.greedy(ids, 12)
+    bias = {plain[0]: -100.0, plain[1]: -100.0, (plain[2] + 1) % server.info.vocab_size: 1.5}
+    expected = runner.greedy(ids, 12, bias)
+    assert expected != plain
+    wire = {str(t): v for t, v in bias.items()}
+    kwargs = dict(model=server.model, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=ids, logit_bias=wire, **kwargs)
+    assert r.choices[0].text == server.tokenizer.decode(expected)
+    unbiased = client.completions.create(prompt=ids, **kwargs)
+    assert unbiased.choices[0].text == server.tokenizer.decode(plain)
+    messages = [{"role": "user", "content": "bias me"}]
+    chat_ids = server.tokenizer.encode_chat(messages)
+    chat_bias = {str(runner.greedy(chat_ids, 1)[0]): -100}
+    expected_chat = runner.greedy(chat_ids, 12, {int(t): v for t, v in chat_bias.items()})
+    chunks = client.chat.completions.create(messages=messages, logit_bias=chat_bias, stream=True, **kwargs)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == server.tokenizer.decode(
+        expected_chat
+    )
+
+
 def test_chat_greedy_matches_reference_and_stream(server, client):
     messages = [{"role": "user", "content": "Tell me about 你好 and 😀"}]
     prompt_ids = server.tokenizer.encode_chat(messages)

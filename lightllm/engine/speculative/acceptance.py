@@ -90,7 +90,7 @@ class SimulatedAcceptance:
         kept = self.num_kept_drafts([req.req_id for req, *_ in windows], [len(drafts) for *_, drafts in windows])
         positions = list_to_device([start + n for (_, start, _, _), n in zip(windows, kept)], torch.long, device)
         rows = logits[positions]
-        if all(req.params.greedy and not req.params.has_penalties for req, *_ in windows):
+        if all(req.params.takes_raw_argmax for req, *_ in windows):
             next_tokens = rows.argmax(dim=-1)
         else:
             # only penalties look at the kept drafts (which a row with penalties reads on the host)

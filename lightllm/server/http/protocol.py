@@ -14,6 +14,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from lightllm.engine.sampling_params import (
     MAX_INT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_N,
     MAX_REPETITION_PENALTY,
     MAX_SEED,
@@ -190,8 +192,21 @@ class _SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # accepted only when empty: refusing beats silently ignoring what the client asked for
-    logit_bias: dict | None = None
+    # OpenAI's form: token ids as JSON object keys (strings of digits), each mapped to a number
+    logit_bias: Any = Field(
+        None,
+        json_schema_extra={
+            "anyOf": [
+                {
+                    "type": "object",
+                    "propertyNames": {"pattern": "^[0-9]+$"},
+                    "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+                    "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+                },
+                {"type": "null"},
+            ]
+        },
+    )
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -207,12 +222,32 @@ class _SamplingFields(StrictModel):
             raise ValueError("stop strings must not be empty")
         return [check_text(s) for s in stops]
 
+    @field_validator("logit_bias", mode="plain")
+    @classmethod
+    def _logit_bias(cls, value):
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("must be an object mapping token ids to numbers")
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(value)}")
+        bias = {}
+        for key, v in value.items():
+            # a key of digits alone: int() would also take " 5", "+5" or "5_0"
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= len(str(MAX_INT))):
+                raise ValueError(f"keys must be token ids written in digits, got {str(key)[:40]!r}")
+            bad = isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+            if bad:
+                raise ValueError(f"values must be numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
+            bias[int(key)] = float(v)
+        if any(t > MAX_INT for t in bias):
+            raise ValueError(f"token ids must be in [0, {MAX_INT}]")
+        return bias
+
     def check_supported(self) -> None:
         """Refuse options that parse but that this server would otherwise ignore."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options: only allowed with stream: true")
-        if self.logit_bias:
-            raise RequestError("logit_bias", "logit_bias: not supported by this server")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises RequestError for combinations the field checks cannot see (seed + n, ...)."""
@@ -240,6 +275,7 @@ class _SamplingFields(StrictModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias=dict(self.logit_bias or {}),
                 **knobs,
             )
         except SamplingParamsError as exc:
