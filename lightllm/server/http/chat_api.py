@@ -35,7 +35,7 @@ from lightllm.server.http.parsers import (
 )
 from lightllm.server.http.protocol import ChatCompletionRequest, RequestError
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
-from lightllm.server.http.structured import request_grammar
+from lightllm.server.http.structured import constrained, request_grammar
 
 router = APIRouter()
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -98,19 +98,18 @@ async def _constrain(fe: Frontend, body: ChatCompletionRequest, out: ChatOutput,
     until `</think>`."""
     try:
         grammar = await fe.offload(request_grammar, body, out.tool_parser, lambda text: _single_token(fe, text))
+        if grammar is None:
+            return params
+        start = None
+        if out.starts_in_reasoning:
+            start = _single_token(fe, THINK_CLOSE)
+            if start is None:
+                raise RequestError(
+                    "messages", "this model's reasoning end is not one token: send enable_thinking: false"
+                )
+        return constrained(params, grammar, start)
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.field) from None
-    if grammar is None:
-        return params
-    if params.ignore_eos:
-        # a complete grammar allows only EOS: ignoring it would pad the output with EOS tokens to max_tokens
-        raise ApiError(400, "ignore_eos: cannot be combined with constrained output (it ends with EOS)", "ignore_eos")
-    start = None
-    if out.starts_in_reasoning:
-        start = _single_token(fe, THINK_CLOSE)
-        if start is None:
-            raise ApiError(400, "this model's reasoning end is not one token: send enable_thinking: false", "messages")
-    return msgspec.structs.replace(params, grammar=grammar, grammar_start_token=start)
 
 
 def _tool_call_json(calls: list) -> list[dict]:

@@ -21,6 +21,7 @@ from lightllm.server.http.logprobs import (
 )
 from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend, Sequence
+from lightllm.server.http.structured import constrained, structured_outputs_grammar
 from lightllm.server.output import Delta, PromptLogprobs
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,11 @@ async def completions(body: CompletionRequest, request: Request):
     fe.check_engine()
     fe.check_model(body.model)
     params = _params(body)
+    if body.structured_outputs is not None:
+        try:
+            params = constrained(params, await fe.offload(structured_outputs_grammar, body.structured_outputs))
+        except RequestError as exc:
+            raise ApiError(400, str(exc), exc.field) from None
     raw = body.prompt
     if not raw:
         raise ApiError(400, "the prompt is empty", "prompt")

@@ -28,6 +28,7 @@ from lightllm.engine.sampling_params import (
 MAX_STOPS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOOLS = 128
+MAX_CHOICES = 256
 
 
 class RequestError(ValueError):
@@ -157,6 +158,29 @@ class ResponseFormat(StrictModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` (both routes): exactly one constraint on the generated text."""
+
+    json_: dict[str, Any] | None = Field(None, alias="json", description="a JSON schema the output must follow")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+    regex: Text | None = Field(None, min_length=1, description="a regular expression the whole output must match")
+    choice: list[Text] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES, description="the output is exactly one of these strings"
+    )
+    grammar: Text | None = Field(None, min_length=1, description="a Lark grammar (llguidance's dialect)")
+
+    def kinds(self) -> list[str]:
+        """The constraints given (their wire names)."""
+        given = {
+            "json": self.json_ is not None,
+            "json_object": bool(self.json_object),
+            "regex": self.regex is not None,
+            "choice": self.choice is not None,
+            "grammar": self.grammar is not None,
+        }
+        return [k for k, v in given.items() if v]
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
@@ -192,6 +216,9 @@ class _SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: one of json (a schema), json_object, regex, choice or grammar constrains the output"
+    )
     # OpenAI's form: token ids as JSON object keys (strings of digits), each mapped to a number
     logit_bias: Any = Field(
         None,
@@ -248,6 +275,16 @@ class _SamplingFields(StrictModel):
         """Refuse options that parse but that this server would otherwise ignore."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options: only allowed with stream: true")
+        if self.structured_outputs is not None:
+            kinds = self.structured_outputs.kinds()
+            if len(kinds) != 1:
+                raise RequestError(
+                    "structured_outputs",
+                    "structured_outputs: give exactly one of json, json_object, regex, choice, grammar"
+                    + (f" (got {', '.join(kinds)})" if kinds else ""),
+                )
+            if any(not c for c in self.structured_outputs.choice or []):
+                raise RequestError("structured_outputs.choice", "structured_outputs.choice: strings must not be empty")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises RequestError for combinations the field checks cannot see (seed + n, ...)."""
@@ -352,6 +389,13 @@ class ChatCompletionRequest(_SamplingFields):
         if fmt is not None and fmt.type != "text" and self.forced_tool_choice:
             raise RequestError(
                 "response_format", "response_format: cannot be combined with tool_choice required or a named function"
+            )
+        if self.structured_outputs is not None and (
+            (fmt is not None and fmt.type != "text") or self.forced_tool_choice
+        ):
+            raise RequestError(
+                "structured_outputs",
+                "structured_outputs: cannot be combined with response_format or tool_choice required / a named function",
             )
         for i, message in enumerate(self.messages):
             if message.role == "tool" and message.tool_call_id is None:

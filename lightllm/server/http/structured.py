@@ -1,5 +1,6 @@
-"""Grammars for constrained decoding (llguidance): `response_format` (json_object, json_schema) and a tool call
-forced by `tool_choice` (required, or a named function), written in the model family's tool-call format.
+"""Grammars for constrained decoding (llguidance): `response_format` (json_object, json_schema), a tool call
+forced by `tool_choice` (required, or a named function), written in the model family's tool-call format, and
+vLLM's `structured_outputs` (json, json_object, regex, choice, grammar) on both routes.
 
 Building and validating a grammar is CPU work on a client's schema: the route runs it in the front-end's pool.
 A schema the compiler refuses is a 400 naming the problem.
@@ -10,8 +11,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+import msgspec
+
+from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.http.parsers.qwen3_xml import schema_types
-from lightllm.server.http.protocol import ChatCompletionRequest, NamedToolChoice, RequestError, ToolDef
+from lightllm.server.http.protocol import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    RequestError,
+    StructuredOutputs,
+    ToolDef,
+)
 
 _OBJECT = {"type": "object"}
 # JSON as models (and json.dumps) write it: one space after ':' and ',', no other whitespace; flexible whitespace
@@ -141,13 +151,47 @@ def tool_call_lark(
     return "\n".join([start, f"call: {alternatives}", *rules, *terminals]) + "\n"
 
 
+def _validated(grammar: str, field: str) -> str:
+    from llguidance import LLMatcher
+
+    problem = LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise RequestError(field, f"{field}: cannot be enforced: {problem}")
+    return grammar
+
+
+def structured_outputs_grammar(so: StructuredOutputs) -> str:
+    """The llguidance grammar of a `structured_outputs` constraint (the request checked it names exactly one);
+    raises RequestError naming the constraint when it cannot be compiled."""
+    from llguidance import LLMatcher
+
+    (kind,) = so.kinds()
+    field = f"structured_outputs.{kind}"
+    try:
+        if kind == "json":
+            grammar = json_schema_grammar(so.json_)
+        elif kind == "json_object":
+            grammar = json_schema_grammar(_OBJECT)
+        elif kind == "regex":
+            grammar = LLMatcher.grammar_from_regex(so.regex)
+        elif kind == "choice":
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_str(c) for c in so.choice))
+        else:
+            grammar = LLMatcher.grammar_from_lark(so.grammar)
+    except ValueError as exc:
+        raise RequestError(field, f"{field}: {exc}") from None
+    return _validated(grammar, field)
+
+
 def request_grammar(
     body: ChatCompletionRequest, tool_parser: str | None, token_of: Callable[[str], int | None]
 ) -> str | None:
-    """The llguidance grammar the request's output must follow, or None (`token_of`: a marker's token id when it
-    is one token). Raises RequestError naming the field whose schema or combination cannot be compiled."""
+    """The llguidance grammar the chat request's output must follow, or None (`token_of`: a marker's token id when
+    it is one token). Raises RequestError naming the field whose schema or combination cannot be compiled."""
     from llguidance import LLMatcher
 
+    if body.structured_outputs is not None:
+        return structured_outputs_grammar(body.structured_outputs)
     fmt = body.response_format
     if fmt is not None and fmt.type != "text":
         field = "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
@@ -167,7 +211,12 @@ def request_grammar(
         )
     else:
         return None
-    problem = LLMatcher.validate_grammar(grammar)
-    if problem:
-        raise RequestError(field, f"{field}: the schema cannot be enforced: {problem}")
-    return grammar
+    return _validated(grammar, field)
+
+
+def constrained(params: SamplingParams, grammar: str, start_token: int | None = None) -> SamplingParams:
+    """`params` with `grammar` attached (from `start_token` on, when given)."""
+    if params.ignore_eos:
+        # a complete grammar allows only EOS: ignoring it would pad the output with EOS tokens to max_tokens
+        raise RequestError("ignore_eos", "ignore_eos: cannot be combined with constrained output (it ends with EOS)")
+    return msgspec.structs.replace(params, grammar=grammar, grammar_start_token=start_token)

@@ -1,0 +1,145 @@
+"""vLLM's `structured_outputs` over HTTP on a tiny random Qwen3.5 (n-gram drafts on): json, json_object, regex,
+choice and a Lark grammar, on /v1/completions and /v1/chat/completions, sampled at temperature 1 with several
+sequences. The grammar, not the model, makes every output valid; the twin is the same request unconstrained, whose
+random text does not match. Bad constraints are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from unit_tests.server.live_server import LiveServer
+
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["alpha", "beta", "gamma delta"]
+LARK = 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/'
+LARK_TEXT = re.compile(r"\([0-9]{1,3}(,[0-9]{1,3})*\)")
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    from lightllm.tools.make_tiny_model import tiny_model_dir
+
+    s = LiveServer(
+        model_dir=str(tiny_model_dir("qwen3_5")),
+        reasoning_parser="none",
+        device="cpu",
+        spec_ngram=3,
+        max_running_requests=4,
+        max_total_token_num=2048,
+        chunked_prefill_size=64,
+    )
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def _completions(server, client, constraint: dict | None, max_tokens: int = 40) -> list[tuple[str, str]]:
+    extra = {"structured_outputs": constraint} if constraint is not None else {}
+    out = client.completions.create(
+        model=server.model, prompt="Answer:", max_tokens=max_tokens, n=3, temperature=1.0, seed=7, extra_body=extra
+    )
+    return [(c.text, c.finish_reason) for c in out.choices]
+
+
+def _chat(server, client, constraint: dict | None, max_tokens: int = 40) -> list[tuple[str, str]]:
+    extra = {**NO_THINKING, **({"structured_outputs": constraint} if constraint is not None else {})}
+    out = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "answer"}],
+        max_tokens=max_tokens,
+        n=3,
+        temperature=1.0,
+        seed=11,
+        extra_body=extra,
+    )
+    return [(c.message.content, c.finish_reason) for c in out.choices]
+
+
+def _finished(outputs: list[tuple[str, str]]) -> list[str]:
+    """The texts, each of which must have ended by the grammar (EOS once complete), not at the length limit."""
+    assert all(finish == "stop" for _, finish in outputs), outputs
+    return [text for text, _ in outputs]
+
+
+ROUTES = {"completions": _completions, "chat": _chat}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_regex_outputs_match_and_the_free_twin_does_not(server, client, route):
+    assert all(re.fullmatch(REGEX, t) for t in _finished(ROUTES[route](server, client, {"regex": REGEX})))
+    assert not all(re.fullmatch(REGEX, t) for t, _ in ROUTES[route](server, client, None, max_tokens=8))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_choice_outputs_are_one_of_the_choices(server, client, route):
+    assert all(t in CHOICES for t in _finished(ROUTES[route](server, client, {"choice": CHOICES})))
+    assert not all(t in CHOICES for t, _ in ROUTES[route](server, client, None, max_tokens=4))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_lark_grammar_outputs_are_in_its_language(server, client, route):
+    outputs = ROUTES[route](server, client, {"grammar": LARK}, max_tokens=64)
+    assert all(LARK_TEXT.fullmatch(t) for t in _finished(outputs))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_json_schema_and_json_object_outputs_parse(server, client, route):
+    for text in _finished(ROUTES[route](server, client, {"json": SCHEMA}, max_tokens=64)):
+        value = json.loads(text)
+        assert set(value) == {"name", "n"} and 0 <= value["n"] <= 999 and len(value["name"]) <= 8
+    # any object is unbounded: a random model may still be inside one at the length limit, where the text so far
+    # is a JSON object's beginning
+    for text, finish in ROUTES[route](server, client, {"json_object": True}, max_tokens=96):
+        assert text.startswith("{")
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/{path}", json={"model": server.model, **body}, timeout=30)
+
+
+CMPL = {"prompt": "x", "max_tokens": 4}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BAD = [
+    ("completions", CMPL, {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("completions", CMPL, {"structured_outputs": {}}, "structured_outputs"),
+    ("completions", CMPL, {"structured_outputs": {"json_object": False}}, "structured_outputs"),
+    ("completions", CMPL, {"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
+    ("completions", CMPL, {"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs.grammar"),
+    ("completions", CMPL, {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ("completions", CMPL, {"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice"),
+    ("completions", CMPL, {"structured_outputs": {"json": {"type": "objectx"}}}, "structured_outputs.json"),
+    ("completions", CMPL, {"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos"),
+    (
+        "chat/completions",
+        CHAT,
+        {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+        "structured_outputs",
+    ),
+]
+
+
+@pytest.mark.parametrize("path, base, bad, param", BAD, ids=[f"{b[0][:4]}-{json.dumps(b[2])[:48]}" for b in BAD])
+def test_bad_constraints_are_400_naming_the_field(server, path, base, bad, param):
+    r = _post(server, path, {**base, **bad})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    # the twin: the same body with a valid constraint is served
+    assert _post(server, path, {**base, "structured_outputs": {"regex": "[ab]{1,3}"}}).status_code == 200
