@@ -182,8 +182,10 @@ class MLATile:
     twice, the second time from L2) with two 32-latent blocks in flight while a third computes; for sm_90 at rank
     512 it lowers to 176 registers and 112 KB of shared memory without spills (a 64-row tile spills), so one
     program holds an SM. 16-head, 16-key tiles of 4 warps lower to 168 registers and 56-93 KB: two or three
-    programs per SM, one computing while the others wait on memory, at twice the L2 reads. A tuned table per
-    device (`get_tile`) picks among them."""
+    programs per SM, one computing while the others wait on memory, at twice the L2 reads. `min_tile_rows` pads a
+    tile with rows that compute nothing: at 64 rows both dots of a 32-head decode tile lower to sm_90's
+    asynchronous warpgroup MMA instead of `mma.sync` (twice the dot work, issued without stalling the loads; a
+    64-row verify tile of two tokens needs no padding). A tuned table per device (`get_tile`) picks among them."""
 
     block_heads: int = 32
     max_tile_rows: int = 32
@@ -191,6 +193,7 @@ class MLATile:
     num_warps: int = 8
     num_stages: int = 3
     waves: int = 2
+    min_tile_rows: int = 16
 
 
 # tuned tiles: `mla_configs/<device>.json`, `{triton_version: {tile_key: {rows_bucket: MLATile fields}}}` (written
@@ -232,11 +235,12 @@ def shape_tiles(num_heads: int, rank: int, rope: int, dtype: torch.dtype, device
 
 def _tile(num_heads: int, max_query_len: int, tile: MLATile) -> tuple[int, int, int]:
     """(BH heads, BT tokens, BM tile rows) of a launch: BT is a power of two (or the largest), so a handful of
-    compiled variants serve every query length; a tile has at least 16 rows (tensor-core dots)."""
+    compiled variants serve every query length; a tile has at least 16 rows (tensor-core dots), and at least the
+    tile's `min_tile_rows`."""
     bh = min(triton.next_power_of_2(num_heads), tile.block_heads)
     max_bt = max(1, tile.max_tile_rows // bh)
     bt = min(triton.next_power_of_2(max(1, max_query_len)), max_bt)
-    return bh, bt, max(16, bh * bt)
+    return bh, bt, max(16, tile.min_tile_rows, bh * bt)
 
 
 def tile_query_lengths(num_heads: int, tile: MLATile = MLATile()) -> list[int]:

@@ -72,6 +72,7 @@ SWEEP = {
     "block_keys": (16, 32, 64),
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3),
+    "min_tile_rows": (16, 64),
 }
 
 

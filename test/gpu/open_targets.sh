@@ -68,6 +68,9 @@
 #   moe_prefill   one layer's fused MoE at prefill token counts (1024 / 4096 / 16384) at the three served expert shapes:
 #                 the configuration used (the heuristic above the tuned buckets) against the tuned table's largest
 #                 bucket's (bench_fused_moe.py --largest_tuned), TFLOP/s
+#   mla_tiles     the MLA latent kernel's launch tiles at Kimi-Linear's TP1 shape (decode, 64 rows at 8k and 32k),
+#                 the 64-row padded tiles (warpgroup MMA) beside the 32-row ones (kernel_speed.py --parts mla; the
+#                 table comes back in the logs, not written into the package)
 #   conv          the causal conv's decode / verify kernel against its bytes floor (bench_conv_decode.py) at 64 / 256
 #                 rows and windows 1-4, then the same for the tree in /tmp/base when there is one (another revision,
 #                 e.g. `git archive HEAD~1 lightllm | tar -x -C /tmp/base`), then its memcheck cases
@@ -282,6 +285,9 @@ for part in $parts; do
         moe_prefill) run moe_prefill 240 python test/benchmark/bench_fused_moe.py --batches 1024,4096,16384 --largest_tuned \
                          --iters 20
                      grep -E "^\|" "$LOG_DIR/moe_prefill.log" ;;
+        mla_tiles) run mla_tiles 280 python test/gpu/kernel_speed.py --parts mla --mla_budget_s 240 --no_repo_tables \
+                       --out "$LOG_DIR/kernel_speed"
+                   grep -E "best tile|64 \||min rows" "$LOG_DIR/mla_tiles.log" | head -40 ;;
         conv) run conv_decode 150 python test/benchmark/bench_conv_decode.py
               [ -d /tmp/base/lightllm ] && run conv_decode_base 150 env PYTHONPATH="/tmp/base:$PYTHONPATH" \
                   python test/benchmark/bench_conv_decode.py

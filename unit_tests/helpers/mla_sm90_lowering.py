@@ -1,6 +1,7 @@
 """Compile the MLA latent kernel and the split combine kernel for sm_90 at Kimi-Linear's shapes with the launch
-shapes the wrapper picks on CUDA; print one row per variant, exit 1 on a failure, a register spill or latent
-gathers left single-buffered (every iteration waiting for its own loads).
+shapes the wrapper picks on CUDA (and a 64-row padded tile at TP1); print one row per variant, exit 1 on a failure,
+a register spill, latent gathers left single-buffered (every iteration waiting for its own loads), or a 64-row
+tile whose dots do not lower to the warpgroup MMA (`wgmma`).
 
     python -m unit_tests.helpers.mla_sm90_lowering
 
@@ -22,6 +23,10 @@ from unit_tests.helpers.sm90 import allocation, lower_sm90
 
 # heads per rank (Kimi-Linear TP1, TP2), latent rank, rope dims
 SHAPES = {"kimi-linear-tp1": (32, 512, 64), "kimi-linear-tp2": (16, 512, 64)}
+# (shape, tile) pairs lowered: the default tile at both shapes, and a 64-row tile (a 32-head decode tile padded, a
+# two-token verify tile as it is) at TP1
+PADDED = MLATile(max_tile_rows=64, block_keys=32, min_tile_rows=64)
+VARIANTS = [("kimi-linear-tp1", MLATile()), ("kimi-linear-tp2", MLATile()), ("kimi-linear-tp1", PADDED)]
 TYPES = {
     "q": "*bf16",
     "latent": "*bf16",
@@ -76,15 +81,25 @@ def buffered(kernel, compiled, stages: int) -> bool:
 
 def main() -> int:
     failures = 0
-    print("| shape | kernel | warps | registers | spill store bytes | gathers buffered |\n|---|---|---|---|---|---|")
-    for name, shape in SHAPES.items():
-        for label, kernel, constexprs, warps, stages in cases(*shape):
+    print(
+        "| shape | kernel | warps | registers | spill store bytes | gathers buffered | dots |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    for name, tile in VARIANTS:
+        for label, kernel, constexprs, warps, stages in cases(*SHAPES[name], tile):
             try:
                 compiled = lower_sm90(kernel, constexprs, warps, stages, TYPES)
-                alloc = allocation(compiled.asm["ptx"])
+                ptx = compiled.asm["ptx"]
+                alloc = allocation(ptx)
                 ok = buffered(kernel, compiled, stages)
-                print(f"| {name} | {label} | {warps} | {alloc} | {'yes' if ok else 'NO'} |", flush=True)
-                failures += alloc.spill_store_bytes != 0 or not ok
+                dots = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "-"
+                wide = kernel is mla_attention_kernel and constexprs["BM"] >= 64
+                print(
+                    f"| {name} | {label} BM={constexprs.get('BM', '-')} | {warps} | {alloc} | "
+                    f"{'yes' if ok else 'NO'} | {dots} |",
+                    flush=True,
+                )
+                failures += alloc.spill_store_bytes != 0 or not ok or (wide and dots != "wgmma")
             except Exception:
                 failures += 1
                 print(f"| {name} | {label} | {warps} | FAILED | |\n{traceback.format_exc()}", flush=True)

@@ -112,6 +112,29 @@ def test_split_context_matches_latent_softmax(rows, num_splits):
     assert_rel_close(f"split x{num_splits}", out, expected, 1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("rows", [ROW_SETS["decode"], ROW_SETS["verify-w1to4"]], ids=["decode", "verify-w1to4"])
+def test_a_tile_padded_with_idle_rows_matches_latent_softmax(rows, num_splits):
+    """`min_tile_rows` above the tile's real rows (4 heads x 1..2 tokens in 32 rows): the padding rows read no
+    query and store nothing, the real rows equal the reference, split or not; a changed latent shows (twin)."""
+    from lightllm.kernels.mla_attention import mla_attention_triton
+
+    cached, q_lens = rows
+    latent, table, table_rows, slots, q = scattered(cached, q_lens, 4, 32, 8, torch.float32, 31 + num_splits)
+    tile = MLATile(block_heads=4, max_tile_rows=8, block_keys=16, num_warps=4, num_stages=1, min_tile_rows=32)
+    starts = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(torch.int32)
+    out = poison_(q.new_empty(q.shape[0], q.shape[1], 32))
+    lens, prefix = torch.tensor(q_lens, dtype=torch.int32), torch.tensor(cached, dtype=torch.int32)
+    args = (q, latent, table, starts, lens, prefix, 0.2, max(q_lens), out)
+    mla_attention_triton(*args, table_rows=table_rows, num_splits=num_splits, tile=tile)
+    expected = expected_rows(q, latent, slots, cached, q_lens, 0.2, 32)
+    assert_rel_close(f"padded tile split x{num_splits}", out, expected, 1e-5)
+    # twin: a latent of row 0 changed after the reference was taken shows in row 0
+    latent[slots[0][0]] += 3.0
+    mla_attention_triton(*args, table_rows=table_rows, num_splits=num_splits, tile=tile)
+    assert (out[: q_lens[0]] - expected[: q_lens[0]]).abs().amax() > 0.1
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_corrupted_latent_changes_its_row_only(backend):
     """Twin: one latent of row 1's context (latent part and rope part) changed after the reference was taken must
