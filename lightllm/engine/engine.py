@@ -468,7 +468,10 @@ class Engine:
         if req.params.seed is not None and req.generator is None:
             req.generator = torch.Generator(device=device).manual_seed(req.params.seed)
         output = req.output_ids + drafts if req.params.has_penalties else []
-        return RowContext(req.params, req.prompt_ids, output, req.generator)
+        # the position's output count: the kept drafts before it are output by then
+        early = len(req.output_ids) + len(drafts) < req.params.min_tokens
+        banned = tuple(sorted(req.stop_ids)) if early else ()
+        return RowContext(req.params, req.prompt_ids, output, req.generator, banned)
 
     def _record_window(self, num_drafts: int, result: WindowResult) -> None:
         s = self.stats

@@ -114,8 +114,9 @@ class OverlapScheduler:
         return inflight
 
     def can_launch(self, plan: SchedulePlan) -> bool:
-        """A step that may stay in flight: decode rows of one token and prefill chunks, none with penalties (they
-        need every token of the output, the one in flight included, to shape the next distribution) and no chunk
+        """A step that may stay in flight: decode rows of one token and prefill chunks, none whose distribution
+        depends on the output so far (penalties, min_tokens: they need every token of the output, the one in flight
+        included) and no chunk
         gathering prompt log-probabilities (read from the step's logits on the host). With drafts (MTP):
         `SpecOverlap.can_launch`."""
         engine = self.engine
@@ -123,9 +124,9 @@ class OverlapScheduler:
             return self.spec.can_launch(plan)
         return (
             engine.overlap_schedule
-            and all(row.num_tokens == 1 and not row.req.params.has_penalties for row in plan.decode)
+            and all(row.num_tokens == 1 and not row.req.params.needs_output_history for row in plan.decode)
             and not any(
-                row.req.params.has_penalties or engine.asks_prompt_logits(row.req, row.num_tokens)
+                row.req.params.needs_output_history or engine.asks_prompt_logits(row.req, row.num_tokens)
                 for row in plan.prefill
             )
         )

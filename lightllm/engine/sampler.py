@@ -1,6 +1,7 @@
 """Turn logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded draws, log-probabilities.
 
-Order of operations for a sampled row: logit bias and penalties on the logits → divide by temperature → softmax → keep the
+Order of operations for a sampled row: logit bias, penalties and bans (stop tokens before min_tokens) on the
+logits → divide by temperature → softmax → keep the
 top_k most likely → keep the smallest prefix whose mass reaches top_p → drop tokens below min_p · max prob →
 renormalise. A greedy row (temperature 0) takes the argmax of the biased, penalised logits and draws no random
 number.
@@ -27,6 +28,8 @@ class RowContext:
     output_ids: list[int]
     # the request's own generator when it has a seed, else None (the sampler's shared generator is used)
     generator: torch.Generator | None = None
+    # token ids this position may not take (stop tokens before the request's min_tokens)
+    banned_ids: tuple[int, ...] = ()
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
@@ -36,6 +39,16 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tens
         rows_i, tokens, values = zip(*entries)
         index = (list_to_device(rows_i, torch.long, logits.device), list_to_device(tokens, torch.long, logits.device))
         logits.index_put_(index, list_to_device(values, logits.dtype, logits.device), accumulate=True)
+    return logits
+
+
+def apply_bans(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+    """In place on `logits` [N, V]: -inf at each row's banned ids, all rows in one indexed write."""
+    entries = [(i, t) for i, row in enumerate(rows) for t in row.banned_ids]
+    if entries:
+        rows_i, tokens = zip(*entries)
+        index = (list_to_device(rows_i, torch.long, logits.device), list_to_device(tokens, torch.long, logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
     return logits
 
 
@@ -113,7 +126,7 @@ class Sampler:
 
         Batched over rows; only rows that use penalties or top-k/top-p/min-p take a per-row path.
         """
-        logits = apply_penalties(apply_logit_bias(logits.float().clone(), rows), rows)
+        logits = apply_bans(apply_penalties(apply_logit_bias(logits.float().clone(), rows), rows), rows)
         device = logits.device
         temps = list_to_device([p.params.temperature or 1.0 for p in rows], torch.float32, device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)

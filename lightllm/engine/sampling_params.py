@@ -53,7 +53,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     token's log-probability given the tokens before it (None for the first) with k alternatives at each position.
     Log-probabilities are those of the model's raw distribution, before penalties, temperature and filters (and
     before a grammar's mask and `logit_bias`). `logit_bias` maps token ids to values added to their logits before
-    penalties and temperature, for greedy rows too. `grammar` constrains every sampled token, drafts included (see
+    penalties and temperature, for greedy rows too. `min_tokens` keeps stop tokens (EOS, `stop_token_ids`) from
+    being sampled, and stop strings from matching, until that many tokens are out. `grammar` constrains every sampled token, drafts included (see
     engine/grammar.py).
     """
 
@@ -67,6 +68,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
+    # no stop token (EOS, stop_token_ids) is sampled and no stop string matches before this many output tokens
+    min_tokens: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
@@ -91,10 +94,16 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def needs_output_history(self) -> bool:
+        """A token's distribution depends on the output before it (penalties count it, min_tokens its length): a
+        step cannot be launched before its predecessor's tokens are on the host."""
+        return self.has_penalties or self.min_tokens > 0
+
+    @property
     def takes_raw_argmax(self) -> bool:
-        """Each token is the argmax of the model's raw logits: greedy, with nothing added to or scaled in them (the
-        device-side fast paths count on it)."""
-        return self.greedy and not self.has_penalties and not self.logit_bias
+        """Each token is the argmax of the model's raw logits: greedy, with nothing added to, scaled in or banned
+        from them (the device-side fast paths count on it)."""
+        return self.greedy and not self.needs_output_history and not self.logit_bias
 
     def vocab_problem(self, vocab_size: int) -> tuple[str, str] | None:
         """(message, field) when a token id these params name lies outside a vocabulary of `vocab_size`, else None."""
@@ -130,6 +139,16 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 self.max_tokens is None or _is_int(self.max_tokens, 1, MAX_INT),
                 f"must be an integer in [1, {MAX_INT}]",
             ),
+            (
+                "min_tokens",
+                _is_int(self.min_tokens, 0, MAX_INT)
+                and (
+                    self.max_tokens is None
+                    or not _is_int(self.max_tokens, 1, MAX_INT)
+                    or self.min_tokens <= self.max_tokens
+                ),
+                f"must be an integer in [0, {MAX_INT}], at most max_tokens",
+            ),
             ("logprobs", self.logprobs is None or _is_int(self.logprobs, 0, 20), "must be an integer in [0, 20]"),
             (
                 "prompt_logprobs",
@@ -160,6 +179,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
             ),
             ("grammar", self.grammar is None or (isinstance(self.grammar, str) and self.grammar), "must be text"),
+            (
+                "min_tokens",
+                not self.min_tokens or self.grammar is None,
+                "cannot be combined with constrained output (a complete grammar allows only EOS)",
+            ),
             (
                 "grammar_start_token",
                 self.grammar_start_token is None or _is_int(self.grammar_start_token, 0, MAX_INT),

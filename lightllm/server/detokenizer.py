@@ -63,14 +63,16 @@ class StopMatcher:
         self.pending = ""
         self.matched: str | None = None
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, match: bool = True) -> str:
+        """`match=False`: the text may not end in a stop string yet (min_tokens); its tail that could begin one is
+        still held back, so a stop string completed by later text matches."""
         if self.matched is not None:
             return ""
         self.pending += text
         if not self.stops:
             out, self.pending = self.pending, ""
             return out
-        hits = [(self.pending.find(s), s) for s in self.stops]
+        hits = [(self.pending.find(s), s) for s in self.stops] if match else []
         hits = [(i, s) for i, s in hits if i >= 0]
         if hits:
             index, self.matched = min(hits)

@@ -1,12 +1,12 @@
-"""`logit_bias`: what the sampler adds to each row's logits, the order against penalties and temperature, the
-fast paths it must leave, and the parameter's checks."""
+"""`logit_bias` and `min_tokens`' bans: what the sampler adds to (or bans from) each row's logits, the order
+against penalties and temperature, the fast paths such rows must leave, and the parameters' checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightllm.engine.sampler import RowContext, Sampler, apply_logit_bias
+from lightllm.engine.sampler import RowContext, Sampler, apply_bans, apply_logit_bias
 from lightllm.engine.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams, SamplingParamsError
 
 VOCAB = 13
@@ -119,3 +119,40 @@ def test_vocab_problem_names_ids_past_the_vocabulary():
     message, field = SamplingParams(logit_bias={VOCAB: 1.0}).vocab_problem(VOCAB)
     assert field == "logit_bias" and f"[0, {VOCAB})" in message
     assert SamplingParams(stop_token_ids=[VOCAB]).vocab_problem(VOCAB)[1] == "stop_token_ids"
+
+
+def test_banned_ids_get_no_mass_and_other_rows_keep_theirs():
+    x = _logits(3, 9)
+    rows = [
+        RowContext(SamplingParams(temperature=0.7), [1], [], banned_ids=(2, 5)),
+        RowContext(SamplingParams(temperature=0.7), [1], []),
+        RowContext(SamplingParams(temperature=0), [1], [], banned_ids=(int(x[2].argmax()),)),
+    ]
+    out = apply_bans(x.clone(), rows)
+    expected = x.clone()
+    expected[0, [2, 5]] = float("-inf")
+    expected[2, int(x[2].argmax())] = float("-inf")
+    assert torch.equal(out, expected)
+    probs = Sampler().target_probs(x.clone(), rows)
+    assert probs[0, [2, 5]].sum() == 0 and torch.allclose(probs[1], torch.softmax(x[1] / 0.7, -1))
+    # the banned argmax gives way to the runner-up
+    assert int(probs[2].argmax()) == int(x[2].topk(2).indices[1])
+
+
+def test_min_tokens_rows_leave_the_fast_and_overlapped_paths():
+    assert SamplingParams(temperature=0, min_tokens=3).needs_output_history
+    assert not SamplingParams(temperature=0, min_tokens=3).takes_raw_argmax
+    assert not SamplingParams(temperature=0).needs_output_history
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"min_tokens": -1}, {"min_tokens": 5, "max_tokens": 4}, {"min_tokens": 1.5}, {"min_tokens": 2, "grammar": "x"}],
+    ids=["negative", "over-max", "float", "grammar"],
+)
+def test_bad_min_tokens_are_refused_naming_the_field(kw):
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(**kw)
+    assert err.value.field == "min_tokens"
+    SamplingParams(min_tokens=4, max_tokens=4)
+    SamplingParams(min_tokens=4, max_tokens=None)

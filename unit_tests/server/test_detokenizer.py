@@ -85,6 +85,31 @@ def test_sequence_output_stop_string_truncates_tokens_and_text(tokenizer):
     assert out.on_finished(Finished("r", "abort")).text == "" and out.finish_reason == "stop"
 
 
+def test_stop_matcher_without_matching_still_holds_a_possible_start():
+    m = StopMatcher(["STOP"])
+    # a whole stop string while matching is off passes; the tail that could begin one is held
+    assert m.feed("a STOP b ST", match=False) == "a STOP b "
+    assert m.matched is None
+    # completed once matching is on
+    assert m.feed("OP c") == "" and m.matched == "STOP"
+
+
+@pytest.mark.parametrize("min_tokens", [0, 3, 6, 7])
+def test_sequence_output_matches_stop_strings_from_min_tokens_on(tokenizer, min_tokens):
+    """A stop string completed by an output token before the min_tokens-th does not stop the sequence; one
+    completed at or after it does (min_tokens 0 is the twin: the first occurrence stops)."""
+    ids = [tokenizer.encode(w)[0] for w in ["x", " a", " b", " a", " b", " c", " a", " b", " d"]]
+    pieces = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    out = SequenceOutput(tokenizer, SamplingParams(stop=["a b"], min_tokens=min_tokens), eos_token_ids=())
+    out.on_tokens(TokenChunk("r", ids))
+    # "a b" is completed by tokens 3, 5 and 8 (1-based); the first at or after min_tokens stops
+    ends = [i + 1 for i, text in enumerate(pieces) if text.endswith("a b")]
+    assert ends == [3, 5, 8]
+    end = next(e for e in ends if e >= min_tokens)
+    assert len(out.token_ids) == end and out.stop_string_hit
+    assert out.text == pieces[end - 1][: pieces[end - 1].rfind("a b")]
+
+
 def test_sequence_output_hides_eos_but_reports_it(tokenizer):
     ids = tokenizer.encode("hi there")
     eos = tokenizer.eos_token_ids[0]

@@ -100,6 +100,29 @@ def test_logit_bias_changes_greedy_text_as_the_biased_reference(server, client):
     )
 
 
+def test_min_tokens_holds_stop_tokens_back_as_the_reference(server, client):
+    """min_tokens with stop_token_ids: the fake model's greedy with the stop tokens banned from the first
+    min_tokens positions, ending on the first one after (twin: without min_tokens it ends at the first)."""
+    runner = FakeRunner(server.info.vocab_size)
+    ids = [7, 3, 9]
+    free = runner.greedy(ids, 20)
+    stops = [free[1], free[4]]
+    out = list(ids)
+    while len(out) - len(ids) < 20 and (len(out) - len(ids) < 6 or out[-1] not in stops):
+        logits = runner.next_logits(out)
+        if len(out) - len(ids) < 6:
+            logits[stops] = float("-inf")
+        out.append(int(logits.argmax()))
+    expected = out[len(ids) :]
+    kwargs = dict(model=server.model, prompt=ids, max_tokens=20, temperature=0)
+    extra = {"ignore_eos": True, "stop_token_ids": stops}
+    r = client.completions.create(**kwargs, extra_body={**extra, "min_tokens": 6}, logprobs=0)
+    assert len(r.choices[0].logprobs.token_logprobs) == len(expected) > 6
+    assert r.choices[0].text == server.tokenizer.decode([t for t in expected if t not in stops])
+    early = client.completions.create(**kwargs, extra_body=extra)
+    assert early.usage.completion_tokens == 2 and early.choices[0].finish_reason == "stop"
+
+
 def test_chat_greedy_matches_reference_and_stream(server, client):
     messages = [{"role": "user", "content": "Tell me about 你好 and 😀"}]
     prompt_ids = server.tokenizer.encode_chat(messages)

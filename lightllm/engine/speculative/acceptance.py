@@ -93,9 +93,9 @@ class SimulatedAcceptance:
         if all(req.params.takes_raw_argmax for req, *_ in windows):
             next_tokens = rows.argmax(dim=-1)
         else:
-            # only penalties look at the kept drafts (which a row with penalties reads on the host)
+            # only penalties and min_tokens look at the kept drafts (which such a row reads on the host)
             contexts = [
-                row_context(req, list(drafts[:n]) if req.params.has_penalties else [], device)
+                row_context(req, list(drafts[:n]) if req.params.needs_output_history else [], device)
                 for (req, _, _, drafts), n in zip(windows, kept)
             ]
             next_tokens = sampler.draw_tokens(sampler.target_probs(rows, contexts), contexts)

@@ -213,6 +213,7 @@ class _SamplingFields(StrictModel):
     )
     stop_token_ids: list[Int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=MAX_INT, description="no stop token or stop string before this many tokens")
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -310,6 +311,7 @@ class _SamplingFields(StrictModel):
                 stop=list(self.stop or []),
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=dict(self.logit_bias or {}),

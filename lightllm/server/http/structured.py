@@ -219,4 +219,7 @@ def constrained(params: SamplingParams, grammar: str, start_token: int | None = 
     if params.ignore_eos:
         # a complete grammar allows only EOS: ignoring it would pad the output with EOS tokens to max_tokens
         raise RequestError("ignore_eos", "ignore_eos: cannot be combined with constrained output (it ends with EOS)")
+    if params.min_tokens:
+        # nor can EOS be banned once the grammar allows nothing else
+        raise RequestError("min_tokens", "min_tokens: cannot be combined with constrained output (it ends with EOS)")
     return msgspec.structs.replace(params, grammar=grammar, grammar_start_token=start_token)
