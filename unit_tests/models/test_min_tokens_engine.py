@@ -48,8 +48,11 @@ def reference():
     raise AssertionError(f"no second stop token ends {held}")
 
 
-def run(mode: str, mtp_step: int, stops: list[int], min_tokens: int):
-    engine = _engine(mode, mtp_step, fixed_buffers=True)
+def run(mode: str, mtp_step: int, stops: list[int], min_tokens: int, device: str = "cpu", graphs: bool = True):
+    """The two requests' tokens and finish reasons; `graphs`: decode steps through the fixed buffers (CUDA graphs
+    on CUDA) with overlap scheduling, else eager synchronous steps."""
+    engine = _engine(mode, mtp_step, fixed_buffers=graphs, device=device)
+    engine.overlap_schedule = graphs
     held = SamplingParams(
         temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop_token_ids=stops, min_tokens=min_tokens
     )
