@@ -71,6 +71,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # no stop token (EOS, stop_token_ids) is sampled and no stop string matches before this many output tokens
     min_tokens: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
+    # the stop string that ended the output is part of its text
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -166,6 +168,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 f"must be token ids in [0, {MAX_INT}]",
             ),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
+            ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "must be a boolean"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a boolean"),
             (
                 "logit_bias",

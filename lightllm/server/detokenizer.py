@@ -58,8 +58,10 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Finds the first stop string in the text stream; `feed` returns only text that is safe to emit."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]
+        # the matched stop string ends the emitted text (else the text ends before it)
+        self.include_stop = include_stop
         self.pending = ""
         self.matched: str | None = None
 
@@ -76,7 +78,8 @@ class StopMatcher:
         hits = [(i, s) for i, s in hits if i >= 0]
         if hits:
             index, self.matched = min(hits)
-            out, self.pending = self.pending[:index], ""
+            end = index + len(self.matched) if self.include_stop else index
+            out, self.pending = self.pending[:end], ""
             return out
         cut = len(self.pending) - self._partial_len()
         out, self.pending = self.pending[:cut], self.pending[cut:]

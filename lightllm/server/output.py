@@ -49,7 +49,7 @@ class SequenceOutput:
         # ids that end the sequence are reported in token_ids but never rendered as text
         self.hidden_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self.stops = StopMatcher(params.stop)
+        self.stops = StopMatcher(params.stop, params.include_stop_str_in_output)
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []

@@ -69,6 +69,13 @@ def test_stop_matcher_releases_non_matching_prefix_on_flush():
     assert m.flush() == "ST"
 
 
+def test_stop_matcher_can_end_the_text_with_the_stop_string():
+    m = StopMatcher(["STOP"], include_stop=True)
+    assert m.feed("hello ST") == "hello "
+    assert m.feed("OP and more") == "STOP" and m.matched == "STOP"
+    assert m.flush() == ""
+
+
 def test_stop_matcher_first_occurrence_wins():
     m = StopMatcher(["b", "cd"])
     assert m.feed("acdb") == "a"

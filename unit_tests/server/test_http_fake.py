@@ -168,6 +168,12 @@ def test_stop_string(server, client):
     assert r.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
     assert streamed == full[: full.index(stop)]
+    # include_stop_str_in_output: the text ends with the stop string (the twin above ends before it)
+    kwargs["extra_body"] = {"ignore_eos": True, "include_stop_str_in_output": True}
+    with_stop = full[: full.index(stop) + len(stop)]
+    assert client.completions.create(**kwargs).choices[0].text == with_stop
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    assert streamed == with_stop
 
 
 def test_n_choices_seeded_reproducible(server, client):

@@ -213,6 +213,7 @@ class _SamplingFields(StrictModel):
     )
     stop_token_ids: list[Int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(False, description="the stop string that ended the output ends its text")
     min_tokens: int = Field(0, ge=0, le=MAX_INT, description="no stop token or stop string before this many tokens")
     skip_special_tokens: bool = True
     stream: bool = False
@@ -311,6 +312,7 @@ class _SamplingFields(StrictModel):
                 stop=list(self.stop or []),
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
