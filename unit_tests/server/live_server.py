@@ -39,6 +39,22 @@ def single_threaded_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def tiny_checkpoint_server(arch: str, reasoning_parser: str) -> LiveServer:
+    """The fake runner behind a tiny `arch` checkpoint's tokenizer and chat template, n-gram drafts on: the server
+    the HTTP tool-calling and structured-output tests talk to."""
+    from lightllm.tools.make_tiny_model import tiny_model_dir
+
+    return LiveServer(
+        model_dir=str(tiny_model_dir(arch)),
+        reasoning_parser=reasoning_parser,
+        device="cpu",
+        spec_ngram=3,
+        max_running_requests=4,
+        max_total_token_num=2048,
+        chunked_prefill_size=64,
+    )
+
+
 class LiveServer:
     def __init__(self, runner_factory: str = FAKE_RUNNER, **flags):
         # the spawned engine process inherits this process's environment at start

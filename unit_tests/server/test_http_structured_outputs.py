@@ -1,7 +1,7 @@
-"""vLLM's `structured_outputs` over HTTP on a tiny random Qwen3.5 (n-gram drafts on): json, json_object, regex,
-choice and a Lark grammar, on /v1/completions and /v1/chat/completions, sampled at temperature 1 with several
-sequences. The grammar, not the model, makes every output valid; the twin is the same request unconstrained, whose
-random text does not match. Bad constraints are 400s naming the field."""
+"""vLLM's `structured_outputs` over HTTP (the fake runner behind the tiny Qwen3.5 checkpoint's tokenizer, n-gram
+drafts on): json, json_object, regex, choice and a Lark grammar, on /v1/completions and /v1/chat/completions,
+sampled at temperature 1 with several sequences. The grammar, not the model, makes every output valid; the twin is
+the same request unconstrained, whose text does not match. Bad constraints are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from unit_tests.server.live_server import LiveServer
+from unit_tests.server.live_server import tiny_checkpoint_server
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
@@ -29,17 +29,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def server():
-    from lightllm.tools.make_tiny_model import tiny_model_dir
-
-    s = LiveServer(
-        model_dir=str(tiny_model_dir("qwen3_5")),
-        reasoning_parser="none",
-        device="cpu",
-        spec_ngram=3,
-        max_running_requests=4,
-        max_total_token_num=2048,
-        chunked_prefill_size=64,
-    )
+    s = tiny_checkpoint_server("qwen3_5", "none")
     yield s
     s.close()
 

@@ -13,7 +13,7 @@ import json
 import openai
 import pytest
 
-from unit_tests.server.live_server import LiveServer
+from unit_tests.server.live_server import tiny_checkpoint_server
 
 CITY = {"type": "string", "enum": ["Paris", "Oslo"]}
 TOOLS = [
@@ -36,18 +36,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module", params=[("qwen3_5", "think"), ("qwen3_next", "none"), ("kimi_linear", "none")])
 def server(request):
-    from lightllm.tools.make_tiny_model import tiny_model_dir
-
-    arch, reasoning = request.param
-    s = LiveServer(
-        model_dir=str(tiny_model_dir(arch)),
-        reasoning_parser=reasoning,
-        device="cpu",
-        spec_ngram=3,
-        max_running_requests=4,
-        max_total_token_num=2048,
-        chunked_prefill_size=64,
-    )
+    s = tiny_checkpoint_server(*request.param)
     yield s
     s.close()
 
