@@ -43,8 +43,10 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tens
 
 
 def apply_bans(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
-    """In place on `logits` [N, V]: -inf at each row's banned ids, all rows in one indexed write."""
-    entries = [(i, t) for i, row in enumerate(rows) for t in row.banned_ids]
+    """In place on `logits` [N, V]: -inf at each row's banned ids, all rows in one indexed write (an EOS id past
+    the logits' width, which the model can never sample, is left out rather than indexed)."""
+    vocab = logits.shape[1]
+    entries = [(i, t) for i, row in enumerate(rows) for t in row.banned_ids if t < vocab]
     if entries:
         rows_i, tokens = zip(*entries)
         index = (list_to_device(rows_i, torch.long, logits.device), list_to_device(tokens, torch.long, logits.device))

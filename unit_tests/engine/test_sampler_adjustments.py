@@ -139,6 +139,14 @@ def test_banned_ids_get_no_mass_and_other_rows_keep_theirs():
     assert int(probs[2].argmax()) == int(x[2].topk(2).indices[1])
 
 
+def test_a_banned_id_past_the_vocabulary_is_left_out():
+    x = _logits(1, 4)
+    out = apply_bans(x.clone(), [RowContext(SamplingParams(), [1], [], banned_ids=(3, VOCAB, VOCAB + 7))])
+    expected = x.clone()
+    expected[0, 3] = float("-inf")
+    assert torch.equal(out, expected)
+
+
 def test_min_tokens_rows_leave_the_fast_and_overlapped_paths():
     assert SamplingParams(temperature=0, min_tokens=3).needs_output_history
     assert not SamplingParams(temperature=0, min_tokens=3).takes_raw_argmax
