@@ -63,18 +63,23 @@ class StopMatcher:
         # the matched stop string ends the emitted text (else the text ends before it)
         self.include_stop = include_stop
         self.pending = ""
+        # the pending text's first `early` characters came with match=False: no stop string may end inside them
+        # (one held back there as the start of a longer stop string would otherwise match once matching is on)
+        self.early = 0
         self.matched: str | None = None
 
     def feed(self, text: str, match: bool = True) -> str:
-        """`match=False`: the text may not end in a stop string yet (min_tokens); its tail that could begin one is
-        still held back, so a stop string completed by later text matches."""
+        """`match=False`: no stop string may end in this text (min_tokens); its tail that could begin one is still
+        held back, so a stop string it begins and later text completes matches."""
         if self.matched is not None:
             return ""
         self.pending += text
         if not self.stops:
             out, self.pending = self.pending, ""
             return out
-        hits = [(self.pending.find(s), s) for s in self.stops] if match else []
+        if not match:
+            self.early = len(self.pending)
+        hits = [(self.pending.find(s, max(0, self.early - len(s) + 1)), s) for s in self.stops] if match else []
         hits = [(i, s) for i, s in hits if i >= 0]
         if hits:
             index, self.matched = min(hits)
@@ -83,6 +88,7 @@ class StopMatcher:
             return out
         cut = len(self.pending) - self._partial_len()
         out, self.pending = self.pending[:cut], self.pending[cut:]
+        self.early = max(0, self.early - cut)
         return out
 
     def _partial_len(self) -> int:

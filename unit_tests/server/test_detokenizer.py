@@ -117,6 +117,25 @@ def test_sequence_output_matches_stop_strings_from_min_tokens_on(tokenizer, min_
     assert out.text == pieces[end - 1][: pieces[end - 1].rfind("a b")]
 
 
+@pytest.mark.parametrize("min_tokens", [0, 4])
+@pytest.mark.parametrize("then", ["token", "finish"])
+def test_a_stop_string_completed_before_min_tokens_never_matches(tokenizer, min_tokens, then):
+    """The stop string "a b" completed by the third token, before min_tokens 4, and held back as the start of
+    "a b c": neither a fourth token nor the finish matches it later, and the text is whole. min_tokens 0 is the
+    twin: the third token stops the sequence, its text cut before "a b"."""
+    ids = [tokenizer.encode(w)[0] for w in ["x", " a", " b", " z"]]
+    out = SequenceOutput(tokenizer, SamplingParams(stop=["a b", "a b c"], min_tokens=min_tokens), eos_token_ids=())
+    out.on_tokens(TokenChunk("r", ids[:3]))
+    if then == "token":
+        out.on_tokens(TokenChunk("r", ids[3:]))
+    out.on_finished(Finished("r", "length"))
+    if min_tokens:
+        sent = ids if then == "token" else ids[:3]
+        assert (out.text, out.token_ids, out.finish_reason) == (tokenizer.decode(sent), sent, "length")
+    else:
+        assert (out.text, out.token_ids, out.finish_reason) == ("x ", ids[:3], "stop")
+
+
 def test_sequence_output_hides_eos_but_reports_it(tokenizer):
     ids = tokenizer.encode("hi there")
     eos = tokenizer.eos_token_ids[0]
