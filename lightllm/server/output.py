@@ -86,8 +86,9 @@ class SequenceOutput:
             if chunk.logprobs is not None:
                 delta.logprobs.append((chunk.logprobs[i], chunk.top_logprobs[i] if chunk.top_logprobs else []))
             if token not in self.hidden_ids:
-                # stop strings match from the min_tokens-th output token on
-                early = len(self.token_ids) + len(delta.token_ids) < self.params.min_tokens
+                # like a stop token (banned at the first min_tokens positions), a stop string ends the output only
+                # when a token after the min_tokens-th completes it (vLLM's rule)
+                early = len(self.token_ids) + len(delta.token_ids) <= self.params.min_tokens
                 delta.text += self.stops.feed(self.detok.push([token]), match=not early)
             if self.stop_string_hit:
                 delta.finish_reason = "stop"

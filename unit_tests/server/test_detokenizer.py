@@ -101,26 +101,27 @@ def test_stop_matcher_without_matching_still_holds_a_possible_start():
     assert m.feed("OP c") == "" and m.matched == "STOP"
 
 
-@pytest.mark.parametrize("min_tokens", [0, 3, 6, 7])
-def test_sequence_output_matches_stop_strings_from_min_tokens_on(tokenizer, min_tokens):
-    """A stop string completed by an output token before the min_tokens-th does not stop the sequence; one
-    completed at or after it does (min_tokens 0 is the twin: the first occurrence stops)."""
+@pytest.mark.parametrize("min_tokens", [0, 2, 3, 6, 7])
+def test_sequence_output_matches_stop_strings_after_min_tokens(tokenizer, min_tokens):
+    """A stop string completed by one of the first min_tokens output tokens does not stop the sequence; one
+    completed by a later token does, as a stop token could first be sampled there (min_tokens 0 is the twin: the
+    first occurrence stops)."""
     ids = [tokenizer.encode(w)[0] for w in ["x", " a", " b", " a", " b", " c", " a", " b", " d"]]
     pieces = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
     out = SequenceOutput(tokenizer, SamplingParams(stop=["a b"], min_tokens=min_tokens), eos_token_ids=())
     out.on_tokens(TokenChunk("r", ids))
-    # "a b" is completed by tokens 3, 5 and 8 (1-based); the first at or after min_tokens stops
+    # "a b" is completed by tokens 3, 5 and 8 (1-based); the first after min_tokens stops
     ends = [i + 1 for i, text in enumerate(pieces) if text.endswith("a b")]
     assert ends == [3, 5, 8]
-    end = next(e for e in ends if e >= min_tokens)
+    end = next(e for e in ends if e > min_tokens)
     assert len(out.token_ids) == end and out.stop_string_hit
     assert out.text == pieces[end - 1][: pieces[end - 1].rfind("a b")]
 
 
-@pytest.mark.parametrize("min_tokens", [0, 4])
+@pytest.mark.parametrize("min_tokens", [0, 3])
 @pytest.mark.parametrize("then", ["token", "finish"])
 def test_a_stop_string_completed_before_min_tokens_never_matches(tokenizer, min_tokens, then):
-    """The stop string "a b" completed by the third token, before min_tokens 4, and held back as the start of
+    """The stop string "a b" completed by the third token, within min_tokens 3, and held back as the start of
     "a b c": neither a fourth token nor the finish matches it later, and the text is whole. min_tokens 0 is the
     twin: the third token stops the sequence, its text cut before "a b"."""
     ids = [tokenizer.encode(w)[0] for w in ["x", " a", " b", " z"]]

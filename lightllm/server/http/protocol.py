@@ -214,7 +214,9 @@ class _SamplingFields(StrictModel):
     stop_token_ids: list[Int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = Field(False, description="the stop string that ended the output ends its text")
-    min_tokens: int = Field(0, ge=0, le=MAX_INT, description="no stop token or stop string before this many tokens")
+    min_tokens: int = Field(
+        0, ge=0, le=MAX_INT, description="no stop token or stop string ends the first this many tokens"
+    )
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
