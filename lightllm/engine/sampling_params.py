@@ -71,7 +71,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # no stop token (EOS, stop_token_ids) is sampled and no stop string matches before this many output tokens
     min_tokens: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
-    # the stop string that ended the output is part of its text
+    # the stop string (or the stop token's text) that ended the output is part of its text
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False

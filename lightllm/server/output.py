@@ -46,8 +46,10 @@ class SequenceOutput:
 
     def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: tuple[int, ...]):
         self.params = params
-        # ids that end the sequence are reported in token_ids but never rendered as text
-        self.hidden_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        # ids that end the sequence are reported in token_ids but not rendered as text, unless the client asked for
+        # what stopped the output in its text (vLLM renders the stop token then, as it keeps a stop string)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.hidden_ids = set() if params.include_stop_str_in_output else stop_ids
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.stops = StopMatcher(params.stop, params.include_stop_str_in_output)
         self.text = ""

@@ -146,6 +146,18 @@ def test_sequence_output_hides_eos_but_reports_it(tokenizer):
     assert out.text == "hi there" and out.token_ids[-1] == eos and out.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_is_in_the_output_only_when_asked_for(tokenizer, include):
+    """include_stop_str_in_output renders the stop token that ended the sequence, as a stop string is kept (twin:
+    the default hides it); either way the token is reported."""
+    ids = [tokenizer.encode(w)[0] for w in ["x", " a", " b"]]
+    params = SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=include)
+    out = SequenceOutput(tokenizer, params, eos_token_ids=())
+    out.on_tokens(TokenChunk("r", ids))
+    out.on_finished(Finished("r", "stop", stop_token_id=ids[-1]))
+    assert (out.text, out.token_ids, out.finish_reason) == ("x a b" if include else "x a", ids, "stop")
+
+
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_decode_equals_transformers_decode(tokenizer, skip_special_tokens):
     """`Tokenizer.decode` (the Rust tokenizer called directly) gives transformers' text for random id runs, special
