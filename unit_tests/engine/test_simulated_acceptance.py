@@ -215,3 +215,39 @@ def test_engine_simulated_acceptance_zero_and_one():
     assert engine.stats.num_accepted_draft_tokens == 0 and engine.stats.num_draft_tokens > 0
     _, engine, *_ = _run_engine(1.0, params)
     assert engine.stats.num_accepted_draft_tokens == engine.stats.num_draft_tokens > 0
+
+
+class StopDrafts(RandomDrafts):
+    """Every draft is `stop`, the request's stop token."""
+
+    def __init__(self, num_drafts: int, stop: int):
+        self.num_drafts, self.stop = num_drafts, stop
+
+    def propose(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            req.draft_ids = [self.stop] * max(0, min(self.num_drafts, req.num_remaining_tokens - 1))
+
+
+@pytest.mark.parametrize("min_tokens", [6, 0])
+def test_simulated_acceptance_keeps_no_stop_draft_before_min_tokens(min_tokens):
+    """Drafts that are all the stop token, every draft kept: before min_tokens no window keeps one (each gives the
+    model's greedy token with the stop token banned), the first window after keeps them and the request stops
+    there. min_tokens 0 is the twin: the first window keeps a stop draft and ends the request at two tokens."""
+    runner = FakeRunner(64, max_width=4, kv_tokens=4096)
+    engine = Engine(
+        runner,
+        max_running_requests=8,
+        chunked_prefill_size=64,
+        max_req_total_len=256,
+        spec_ngram=3,
+        acceptance=SimulatedAcceptance(1.0),
+    )
+    prompt = [3, 1, 4, 1, 5]
+    # the free greedy's second token: the ban changes what the model itself picks there
+    first, stop = runner.greedy(prompt, 2)
+    assert first != stop
+    engine.speculator = StopDrafts(3, stop)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop], min_tokens=min_tokens)
+    tokens, finished = run(engine, {"r": prompt}, params)
+    held = runner.greedy(prompt, max(min_tokens, 1), {stop: float("-inf")} if min_tokens else None)
+    assert tokens["r"] == [*held, stop] and finished["r"].reason == "stop"

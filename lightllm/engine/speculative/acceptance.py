@@ -6,7 +6,8 @@ A window `[last, d_1, ..., d_k]` keeps its first n drafts, n being the number of
 independent coins of probability p (so n = j with probability p^j (1 - p) for j < k, and n = k with p^k), then
 one token drawn from the model's distribution at window position n (the first rejected position, or the bonus
 position after the last draft). The emitted tokens are therefore always what the state holds: an accepted
-position emits its draft, the following token is the model's own choice given those drafts.
+position emits its draft, the following token is the model's own choice given those drafts. A draft that is a stop
+token where min_tokens bans stop tokens is never kept (the run ends before it): the request must not end there.
 
 A window's coins depend only on the seed, its request and the window's index among that request's windows, never
 on which other rows share its step, so a step that chains windows before the host has read its predecessor (overlap)
@@ -44,6 +45,15 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+def _short_of_banned(req: Request, drafts, n: int) -> int:
+    """`n` kept drafts cut before the first stop token at a position min_tokens still bans it from: kept, it would
+    end the request early, where the model's own verification never keeps it (its target gives it no mass)."""
+    early = min(n, req.params.min_tokens - len(req.output_ids))
+    if early <= 0:
+        return n
+    return next((i for i, token in enumerate(drafts[:early]) if token in req.stop_ids), n)
 
 
 class SimulatedAcceptance:
@@ -88,6 +98,7 @@ class SimulatedAcceptance:
             return []
         device = logits.device
         kept = self.num_kept_drafts([req.req_id for req, *_ in windows], [len(drafts) for *_, drafts in windows])
+        kept = [_short_of_banned(req, drafts, n) for (req, _, _, drafts), n in zip(windows, kept)]
         positions = list_to_device([start + n for (_, start, _, _), n in zip(windows, kept)], torch.long, device)
         rows = logits[positions]
         if all(req.params.takes_raw_argmax for req, *_ in windows):
