@@ -10,10 +10,12 @@ number.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
-from lightllm.cache.device_copy import list_to_device
+from lightllm.cache.device_copy import list_to_device, to_device
 from lightllm.engine.sampling_params import SamplingParams
 
 
@@ -33,12 +35,19 @@ class RowContext:
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
-    """In place on `logits` [N, V]: each row's `logit_bias` added at its token ids, all rows in one indexed add."""
-    entries = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias.items()]
-    if entries:
-        rows_i, tokens, values = zip(*entries)
-        index = (list_to_device(rows_i, torch.long, logits.device), list_to_device(tokens, torch.long, logits.device))
-        logits.index_put_(index, list_to_device(values, logits.dtype, logits.device), accumulate=True)
+    """In place on `logits` [N, V]: each row's `logit_bias` added at its token ids, all rows in one indexed add. The
+    index is read from the dicts' keys and values by numpy: a Python object per entry would make every step of the
+    batch pay for rows × entries (up to 1024 entries a request) in the interpreter."""
+    biased = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    if biased:
+        sizes = [len(bias) for _, bias in biased]
+        total = sum(sizes)
+        rows_i = np.repeat(np.asarray([i for i, _ in biased], dtype=np.int64), sizes)
+        tokens = np.fromiter(chain.from_iterable(bias.keys() for _, bias in biased), np.int64, total)
+        values = np.fromiter(chain.from_iterable(bias.values() for _, bias in biased), np.float64, total)
+        device = logits.device
+        index = (to_device(rows_i, device), to_device(tokens, device))
+        logits.index_put_(index, to_device(values, device).to(logits.dtype), accumulate=True)
     return logits
 
 

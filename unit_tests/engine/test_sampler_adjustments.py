@@ -49,6 +49,24 @@ def test_teeth_bias_on_the_wrong_row_is_seen():
     assert not torch.equal(out, x + torch.stack([_dense(b) for b in biases]))
 
 
+def test_rows_at_the_entry_limit_get_their_own_biases():
+    """Rows of up to MAX_LOGIT_BIAS_TOKENS biases each, unbiased rows between them, over a wider vocabulary: each
+    row is its logits plus its own biases (twin: the same biases one row down are not)."""
+    vocab, g = 4 * MAX_LOGIT_BIAS_TOKENS, torch.Generator().manual_seed(3)
+    counts = [MAX_LOGIT_BIAS_TOKENS, 0, 7, MAX_LOGIT_BIAS_TOKENS, 0, 1]
+    dense = torch.zeros(len(counts), vocab)
+    biases = []
+    for i, count in enumerate(counts):
+        tokens = torch.randperm(vocab, generator=g)[:count]
+        values = torch.rand(count, generator=g) * 200 - 100
+        dense[i, tokens] = values
+        biases.append(dict(zip(tokens.tolist(), values.tolist())))
+    x = torch.randn(len(counts), vocab, generator=g)
+    out = apply_logit_bias(x.clone(), [_row(logit_bias=b) for b in biases])
+    torch.testing.assert_close(out, x + dense, rtol=0, atol=0)
+    assert not torch.equal(out, x + dense.roll(1, 0))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_sampled_rows_draw_from_the_biased_distribution(seed):
     """Bias first, then penalties (a repetition penalty scales the biased logit), then temperature: the
