@@ -89,8 +89,11 @@ def test_lark_grammar_outputs_are_in_its_language(server, client, route):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_json_schema_and_json_object_outputs_parse(server, client, route):
-    for text in _finished(ROUTES[route](server, client, {"json": SCHEMA}, max_tokens=64)):
+@pytest.mark.parametrize("form", ["object", "text"])
+def test_json_schema_and_json_object_outputs_parse(server, client, route, form):
+    """The schema as an object or as its JSON text (vLLM takes both)."""
+    schema = SCHEMA if form == "object" else json.dumps(SCHEMA)
+    for text in _finished(ROUTES[route](server, client, {"json": schema}, max_tokens=64)):
         value = json.loads(text)
         assert set(value) == {"name", "n"} and 0 <= value["n"] <= 999 and len(value["name"]) <= 8
     # any object is unbounded: a random model may still be inside one at the length limit, where the text so far
@@ -116,6 +119,14 @@ BAD = [
     ("completions", CMPL, {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ("completions", CMPL, {"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice"),
     ("completions", CMPL, {"structured_outputs": {"json": {"type": "objectx"}}}, "structured_outputs.json"),
+    ("completions", CMPL, {"structured_outputs": {"json": json.dumps(SCHEMA)[:-1]}}, "structured_outputs.json"),
+    # a key of vLLM's this server does not apply is refused, not ignored
+    (
+        "completions",
+        CMPL,
+        {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+        "structured_outputs.whitespace_pattern",
+    ),
     ("completions", CMPL, {"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos"),
     (
         "chat/completions",

@@ -159,9 +159,15 @@ class ResponseFormat(StrictModel):
 
 
 class StructuredOutputs(StrictModel):
-    """vLLM's `structured_outputs` (both routes): exactly one constraint on the generated text."""
+    """vLLM's `structured_outputs` (both routes): exactly one constraint on the generated text. Keys it does not
+    know (vLLM's `whitespace_pattern`, `disable_additional_properties`, ...) are refused: ignoring part of a
+    constraint would serve output the client did not ask for."""
 
-    json_: dict[str, Any] | None = Field(None, alias="json", description="a JSON schema the output must follow")
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | Text | None = Field(
+        None, alias="json", description="a JSON schema the output must follow (an object, or its JSON text)"
+    )
     json_object: bool | None = Field(None, description="true: any JSON object")
     regex: Text | None = Field(None, min_length=1, description="a regular expression the whole output must match")
     choice: list[Text] | None = Field(

@@ -29,8 +29,9 @@ _OBJECT = {"type": "object"}
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def json_schema_grammar(schema: dict) -> str:
-    """llguidance grammar of the JSON values `schema` admits (raises ValueError when it is not an object)."""
+def json_schema_grammar(schema: dict | str) -> str:
+    """llguidance grammar of the JSON values `schema` (an object, or its JSON text) admits (raises ValueError when
+    it is not an object)."""
     from llguidance import LLMatcher
 
     return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
