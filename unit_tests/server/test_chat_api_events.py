@@ -156,3 +156,28 @@ def test_constrained_output_on_a_tiktoken_checkpoint_gets_its_grammar(tmp_path):
     with pytest.raises(ApiError) as err:
         asyncio.run(_constrain(fe, body, out, SamplingParams(ignore_eos=True)))
     assert err.value.status == 400 and err.value.param == "ignore_eos"
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_structured_outputs_start_after_a_reasoning_block_the_prompt_opened(opened):
+    """structured_outputs, like response_format, constrains the answer: with the prompt inside `<think>` its
+    grammar applies from `</think>` (the tokenizer's one token for it) on; the twin, a prompt without the block,
+    constrains from the first token."""
+    from lightllm.engine.sampling_params import SamplingParams
+    from lightllm.server.http.chat_api import _constrain
+    from lightllm.server.http.structured import structured_outputs_grammar
+
+    async def offload(fn, *args):
+        return fn(*args)
+
+    think_close = 77
+    fe, out = _setup()
+    fe.offload = offload
+    fe.tokenizer = SimpleNamespace(encode_rendered=lambda text: [think_close] if text == "</think>" else [1, 2])
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "[0-9]{2}"}}
+    )
+    out.starts_in_reasoning = opened
+    params = asyncio.run(_constrain(fe, body, out, SamplingParams()))
+    assert params.grammar == structured_outputs_grammar(body.structured_outputs)
+    assert params.grammar_start_token == (think_close if opened else None)
