@@ -104,6 +104,28 @@ def test_json_schema_and_json_object_outputs_parse(server, client, route, form):
             assert isinstance(json.loads(text), dict)
 
 
+def test_completions_echo_logprobs_and_stream_beside_a_constraint(server, client):
+    """Echo, logprobs and streaming beside structured_outputs: each choice is the prompt, then text the regex
+    matches whole, with a log-probability for every prompt and output token; the stream carries the same texts as
+    the seeded plain response. Twin: unconstrained, the text after the prompt does not match."""
+    kwargs = dict(model=server.model, prompt="Answer:", max_tokens=40, n=2, temperature=1.0, seed=7, echo=True)
+
+    def texts(extra: dict) -> list[str]:
+        r = client.completions.create(**kwargs, logprobs=1, extra_body=extra)
+        for c in r.choices:
+            assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) > r.usage.prompt_tokens
+        streamed = {}
+        for chunk in client.completions.create(**kwargs, stream=True, extra_body=extra):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + c.text
+        assert [streamed[i] for i in range(2)] == [c.text for c in r.choices]
+        assert all(c.text.startswith("Answer:") for c in r.choices)
+        return [c.text[len("Answer:") :] for c in r.choices]
+
+    assert all(re.fullmatch(REGEX, t) for t in texts({"structured_outputs": {"regex": REGEX}}))
+    assert not all(re.fullmatch(REGEX, t) for t in texts({}))
+
+
 def _post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{server.base_url}/v1/{path}", json={"model": server.model, **body}, timeout=30)
 
