@@ -285,3 +285,39 @@ def test_mtp_draft_failure_finishes_its_requests_and_the_engine_goes_on():
     runner.draft = real
     tokens, finished = run(engine, {"b": [1, 2]}, GREEDY)
     assert tokens["b"] == FakeRunner().greedy([1, 2], 24) and runner.num_free_requests() == 8
+
+
+def _held_greedy(prompt: list[int], stop: int, min_tokens: int, max_tokens: int) -> list[int]:
+    """The fake model's greedy continuation with `stop` banned at its first `min_tokens` positions, ending on it."""
+    ref, ids = FakeRunner(), list(prompt)
+    while len(ids) - len(prompt) < max_tokens and (len(ids) == len(prompt) or ids[-1] != stop):
+        logits = ref.next_logits(ids)
+        if len(ids) - len(prompt) < min_tokens:
+            logits[stop] = float("-inf")
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("min_tokens", [30, 0])
+def test_min_tokens_counts_the_output_across_preemption(min_tokens, monkeypatch):
+    """A request preempted before its min_tokens-th token resumes with its output count: the stop token stays
+    banned until min_tokens tokens in all, then ends it, as the unbatched reference does (twin: the reference
+    without the ban, where every request stops at its first stop token, differs; min_tokens 0 gives that one)."""
+    prompts = _prompts(6, seed=3)
+    free = {rid: FakeRunner().greedy(ids, 40) for rid, ids in prompts.items()}
+    # the token most of the free continuations reach early: banning it changes them
+    stop = max(range(64), key=lambda t: sum(t in f[:12] for f in free.values()))
+    expected = {rid: _held_greedy(ids, stop, min_tokens, 40) for rid, ids in prompts.items()}
+    runner = FakeRunner(max_requests=6, kv_tokens=200, max_width=3)
+    engine = make_engine(runner, max_req_total_len=100, spec_ngram=2)
+    preempted, preempt = [], engine.scheduler._preempt
+    monkeypatch.setattr(
+        engine.scheduler, "_preempt", lambda req, plan: preempted.append(len(req.output_ids)) or preempt(req, plan)
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop], min_tokens=min_tokens)
+    tokens, finished = run(engine, prompts, params)
+    assert tokens == expected and all(f.reason == "stop" for f in finished.values())
+    assert all(len(t) > min_tokens for t in tokens.values())
+    if min_tokens:
+        assert any(0 < n < min_tokens for n in preempted), preempted
+        assert tokens != {rid: _held_greedy(ids, stop, 0, 40) for rid, ids in prompts.items()}
