@@ -100,6 +100,8 @@ class LLM:
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one")
         params = sampling_params or SamplingParams()
+        # params may have been changed since they were built: checked again before anything reads them
+        params.validate()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         results: list[RequestOutput] = []

@@ -139,7 +139,7 @@ BAD = [
     ("completions", CMPL, {"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
     ("completions", CMPL, {"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs.grammar"),
     ("completions", CMPL, {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
-    ("completions", CMPL, {"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice"),
+    ("completions", CMPL, {"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice.1"),
     ("completions", CMPL, {"structured_outputs": {"json": {"type": "objectx"}}}, "structured_outputs.json"),
     ("completions", CMPL, {"structured_outputs": {"json": json.dumps(SCHEMA)[:-1]}}, "structured_outputs.json"),
     # a key of vLLM's this server does not apply is refused, not ignored

@@ -58,6 +58,15 @@ def test_generate_refuses_bad_prompt(llm):
         SamplingParams(top_p=2.0)
 
 
+def test_params_changed_after_construction_are_checked_again(llm):
+    params = SamplingParams(max_tokens=2, logit_bias={3: 1.0})
+    params.logit_bias = {"3": 1.0}
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate("x", params)
+    params.logit_bias = {3: 1.0}
+    assert len(llm.generate("x", params)[0].outputs[0].token_ids) == 2
+
+
 def test_chat(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 5

@@ -114,14 +114,15 @@ async def completions(body: CompletionRequest, request: Request):
     fe.check_engine()
     fe.check_model(body.model)
     params = _params(body)
+    raw = body.prompt
+    if not raw:
+        raise ApiError(400, "the prompt is empty", "prompt")
     if body.structured_outputs is not None:
+        # compiled after the checks that need no compile; the prompt's own checks read no grammar
         try:
             params = constrained(params, await fe.offload(structured_outputs_grammar, body.structured_outputs))
         except RequestError as exc:
             raise ApiError(400, str(exc), exc.field) from None
-    raw = body.prompt
-    if not raw:
-        raise ApiError(400, "the prompt is empty", "prompt")
     texts: list[str] | None = None
     if isinstance(raw, str) or isinstance(raw[0], str):
         texts = [raw] if isinstance(raw, str) else list(raw)

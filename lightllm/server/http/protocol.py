@@ -170,7 +170,7 @@ class StructuredOutputs(StrictModel):
     )
     json_object: bool | None = Field(None, description="true: any JSON object")
     regex: Text | None = Field(None, min_length=1, description="a regular expression the whole output must match")
-    choice: list[Text] | None = Field(
+    choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(
         None, min_length=1, max_length=MAX_CHOICES, description="the output is exactly one of these strings"
     )
     grammar: Text | None = Field(None, min_length=1, description="a Lark grammar (llguidance's dialect)")
@@ -232,6 +232,7 @@ class _SamplingFields(StrictModel):
     # OpenAI's form: token ids as JSON object keys (strings of digits), each mapped to a number
     logit_bias: Any = Field(
         None,
+        description="token ids (digit strings) to values in [-100, 100] added to their logits every step",
         json_schema_extra={
             "anyOf": [
                 {
@@ -293,8 +294,6 @@ class _SamplingFields(StrictModel):
                     "structured_outputs: give exactly one of json, json_object, regex, choice, grammar"
                     + (f" (got {', '.join(kinds)})" if kinds else ""),
                 )
-            if any(not c for c in self.structured_outputs.choice or []):
-                raise RequestError("structured_outputs.choice", "structured_outputs.choice: strings must not be empty")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises RequestError for combinations the field checks cannot see (seed + n, ...)."""
