@@ -138,7 +138,8 @@ class RandomDrafts:
         pass
 
 
-def _run_engine(p: float, params: SamplingParams, max_tokens_per_req: int = 60):
+def _simulated_engine(acceptance: SimulatedAcceptance) -> tuple[FakeRunner, Engine]:
+    """An n-gram engine on the fake runner whose windows keep drafts at `acceptance`'s rate."""
     runner = FakeRunner(64, max_width=4, kv_tokens=4096)
     engine = Engine(
         runner,
@@ -146,8 +147,13 @@ def _run_engine(p: float, params: SamplingParams, max_tokens_per_req: int = 60):
         chunked_prefill_size=64,
         max_req_total_len=256,
         spec_ngram=3,
-        acceptance=SimulatedAcceptance(p, seed=1),
+        acceptance=acceptance,
     )
+    return runner, engine
+
+
+def _run_engine(p: float, params: SamplingParams, max_tokens_per_req: int = 60):
+    runner, engine = _simulated_engine(SimulatedAcceptance(p, seed=1))
     drafts = RandomDrafts(3, runner.vocab_size, seed=2)
     engine.speculator = drafts
     chunks: dict[str, list[list[int]]] = {}
@@ -233,15 +239,7 @@ def test_simulated_acceptance_keeps_no_stop_draft_before_min_tokens(min_tokens):
     """Drafts that are all the stop token, every draft kept: before min_tokens no window keeps one (each gives the
     model's greedy token with the stop token banned), the first window after keeps them and the request stops
     there. min_tokens 0 is the twin: the first window keeps a stop draft and ends the request at two tokens."""
-    runner = FakeRunner(64, max_width=4, kv_tokens=4096)
-    engine = Engine(
-        runner,
-        max_running_requests=8,
-        chunked_prefill_size=64,
-        max_req_total_len=256,
-        spec_ngram=3,
-        acceptance=SimulatedAcceptance(1.0),
-    )
+    runner, engine = _simulated_engine(SimulatedAcceptance(1.0))
     prompt = [3, 1, 4, 1, 5]
     # the free greedy's second token: the ban changes what the model itself picks there
     first, stop = runner.greedy(prompt, 2)
