@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from lightllm.kernels.fp8 import FP8_DTYPE, block_scale_shape, check_block_scales, dequantize_weight_blocks
 from lightllm.models.layers.quantized_linear import Fp8Weight, LinearWeight
-from lightllm.models.quant_config import Fp8Config, parse_quantization, scale_name
+from lightllm.models.quant_config import Fp8Config, kept_unquantized, parse_quantization, scale_name
 from lightllm.models.tp import TPInfo
 
 # checkpoint tensor name -> the full (unsharded) shape stored on disk
@@ -202,10 +202,12 @@ class WeightLoader:
     def quantizes(self, *names: str) -> bool:
         """Whether the projection fused from checkpoint tensors `names` is held in FP8: with an FP8 checkpoint
         when every part has a scale (a part the checkpoint left unquantized keeps the fused weight in the model
-        dtype), with `--quantization fp8` always."""
+        dtype); with `--quantization fp8` unless a part is one of the modules FP8 releases keep unquantized."""
         if self.quant is None:
             return False
-        return all(self.is_scaled(n) for n in names) if self.quant.in_checkpoint else True
+        if self.quant.in_checkpoint:
+            return all(self.is_scaled(n) for n in names)
+        return not any(kept_unquantized(n) for n in names)
 
     def linear(self, t: torch.Tensor, *names: str, quantize: bool | None = None) -> LinearWeight:
         """The projection `t` (fused from checkpoint tensors `names`, sharded) as the layer holds it: an

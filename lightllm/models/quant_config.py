@@ -20,6 +20,21 @@ SUPPORTED = (
 QUANTIZATION_CHOICES = ("fp8",)
 # the suffix a block-FP8 checkpoint appends to a quantized weight's name for its scale grid
 SCALE_SUFFIX = "_scale_inv"
+# modules Qwen's FP8 releases keep in their dtype, matched against the end of a module's name: embeddings, the LM
+# head, the MoE routers (Kimi-Linear's is `block_sparse_moe.gate`), the shared-expert gate, and GDN's b / a
+# projections (Qwen3-Next's fused `in_proj_ba`, Qwen3.5's `in_proj_b` and `in_proj_a`), which set the recurrent
+# state's write strength and decay. Quantizing at load (`--quantization fp8`) and the offline tool keep the same set.
+KEPT_UNQUANTIZED = (
+    "embed_tokens",
+    "lm_head",
+    "mlp.gate",
+    "block_sparse_moe.gate",
+    "shared_expert_gate",
+    "linear_attn.in_proj_ba",
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
+)
+WEIGHT_SUFFIX = ".weight"
 
 
 class UnsupportedQuantization(ValueError):
@@ -35,6 +50,12 @@ class Fp8Config:
 
     block: tuple[int, int] = (128, 128)
     in_checkpoint: bool = True
+
+
+def kept_unquantized(weight_name: str, kept: tuple[str, ...] = KEPT_UNQUANTIZED) -> bool:
+    """Whether the weight `weight_name` (`....<module>.weight`) belongs to a module in `kept`."""
+    module = weight_name.removesuffix(WEIGHT_SUFFIX)
+    return any(module == m or module.endswith("." + m) for m in kept)
 
 
 def scale_name(weight_name: str) -> str:

@@ -3,8 +3,9 @@
     python -m lightllm.tools.quantize_fp8 --model_dir /path/to/bf16 --out /path/to/fp8 [--block 128 128]
 
 Every 2-D `*.weight` of a linear layer becomes float8_e4m3fn with a `weight_scale_inv` grid beside it (one fp32
-scale per block, partial blocks at the edges); embeddings, lm_head, MoE routers and the shared-expert gate stay
-in their dtype and are listed in `quantization_config.modules_to_not_convert`. Other files are copied unchanged.
+scale per block, partial blocks at the edges); the modules Qwen's releases keep unquantized (embeddings, lm_head,
+MoE routers, the shared-expert gate, GDN's b / a projections) stay in their dtype and are listed in
+`quantization_config.modules_to_not_convert`. Other files are copied unchanged.
 `dequantize_checkpoint` writes the reverse (fp8 · scale in fp32, no quantization_config): the weights an FP8
 model is compared against.
 """
@@ -22,20 +23,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightllm.kernels.fp8 import DEFAULT_BLOCK, dequantize_weight_blocks, quantize_weight_blocks
-from lightllm.models.quant_config import scale_name
-
-# modules Qwen's FP8 releases keep unquantized (matched against the end of a module's name); Kimi-Linear's router
-# is `block_sparse_moe.gate`
-NOT_CONVERTED = ("embed_tokens", "lm_head", "mlp.gate", "block_sparse_moe.gate", "shared_expert_gate")
-WEIGHT_SUFFIX = ".weight"
+from lightllm.models.quant_config import KEPT_UNQUANTIZED, WEIGHT_SUFFIX, kept_unquantized, scale_name
 
 
 def is_converted(name: str, shape: tuple[int, ...], not_converted: tuple[str, ...]) -> bool:
     """Whether `quantize_checkpoint` stores tensor `name` in FP8: a 2-D linear weight outside `not_converted`."""
     if not name.endswith(WEIGHT_SUFFIX) or len(shape) != 2 or ".visual." in name:
         return False
-    module = name[: -len(WEIGHT_SUFFIX)]
-    return not any(module == m or module.endswith("." + m) for m in not_converted)
+    return not kept_unquantized(name, not_converted)
 
 
 def _rewrite(
@@ -71,7 +66,7 @@ def quantize_checkpoint(
     model_dir: str | Path,
     out: str | Path,
     block: tuple[int, int] = DEFAULT_BLOCK,
-    not_converted: tuple[str, ...] = NOT_CONVERTED,
+    not_converted: tuple[str, ...] = KEPT_UNQUANTIZED,
 ) -> Path:
     """Write the block-FP8 copy of the unquantized checkpoint `model_dir` into `out`; returns `out`."""
     skipped: set[str] = set()

@@ -19,10 +19,11 @@ from lightllm.kernels.fp8 import FP8_DTYPE, quantize_weight_blocks
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.layers.quantized_linear import Fp8Weight, stack_experts
 from lightllm.models.loader import load_weights
+from lightllm.models.quant_config import KEPT_UNQUANTIZED
 from lightllm.models.registry import load_model_config
 from lightllm.models.tp import TPInfo
 from lightllm.server.checkpoint_check import check_checkpoint
-from lightllm.tools.quantize_fp8 import NOT_CONVERTED, dequantize_checkpoint, quantize_checkpoint
+from lightllm.tools.quantize_fp8 import dequantize_checkpoint, quantize_checkpoint
 from unit_tests.models.drive import make_runner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -34,6 +35,8 @@ SHARED_DOWN = "model.layers.0.mlp.shared_expert.down_proj.weight"
 GDN_OUT = "model.layers.0.linear_attn.out_proj.weight"
 ATTN_Q = "model.layers.3.self_attn.q_proj.weight"
 ATTN_O = "model.layers.3.self_attn.o_proj.weight"
+# the kept set without GDN's b / a projections: every GDN projection FP8
+QUANTIZES_BA = tuple(m for m in KEPT_UNQUANTIZED if not m.startswith("linear_attn."))
 EXPERT_DOWN = "model.layers.1.mlp.experts.2.down_proj.weight"
 
 
@@ -128,10 +131,11 @@ def test_transposed_non_square_scale_grid_is_refused(fp8_dir, tmp_path):
 
 
 def test_gdn_keeps_in_proj_fp8_when_the_checkpoint_leaves_in_proj_ba_unquantized(bf16_dir, tmp_path):
-    """Qwen's FP8 releases store in_proj_ba unquantized: q|k|v|z stay FP8 in their own GEMM, b|a in the model dtype
-    (one fused GEMM when both parts agree)."""
-    fp8 = quantize_checkpoint(bf16_dir, tmp_path / "ckpt", BLOCK, NOT_CONVERTED + ("in_proj_ba",))
-    for split, fused in zip(load(fp8).layers[:3], load(quantize_checkpoint(bf16_dir, tmp_path / "all", BLOCK)).layers):
+    """Qwen's FP8 releases store in_proj_ba unquantized (the tool's default): q|k|v|z stay FP8 in their own GEMM,
+    b|a in the model dtype (one fused GEMM when both parts agree)."""
+    fp8 = quantize_checkpoint(bf16_dir, tmp_path / "ckpt", BLOCK)
+    all_fp8 = quantize_checkpoint(bf16_dir, tmp_path / "all", BLOCK, QUANTIZES_BA)
+    for split, fused in zip(load(fp8).layers[:3], load(all_fp8).layers):
         assert isinstance(split.mixer.in_proj, Fp8Weight) and split.mixer.ba_proj.dtype == torch.float32
         assert isinstance(fused.mixer.in_proj, Fp8Weight) and fused.mixer.ba_proj is None
         assert split.mixer.in_proj.shape[0] + split.mixer.ba_proj.shape[0] == fused.mixer.in_proj.shape[0]
@@ -198,7 +202,7 @@ def test_fp8_checkpoint_without_its_quantization_config_lists_the_float8_weights
 
 
 def test_unquantized_modules_keep_their_dtype(bf16_dir, tmp_path):
-    fp8 = quantize_checkpoint(bf16_dir, tmp_path / "ckpt", BLOCK, NOT_CONVERTED + ("o_proj",))
+    fp8 = quantize_checkpoint(bf16_dir, tmp_path / "ckpt", BLOCK, KEPT_UNQUANTIZED + ("o_proj",))
     model = load(fp8)
     o_proj, source = module_weight(model, ATTN_O), load_file(bf16_dir / "model.safetensors")[ATTN_O]
     assert isinstance(o_proj, torch.Tensor) and torch.equal(o_proj, source.float())
@@ -231,6 +235,11 @@ def test_quantization_fp8_at_load_matches_the_quantized_checkpoint(bf16_dir, fp8
     assert torch.equal(w.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(w.weight_scale_inv, scale)
     assert all(isinstance(layer.mixer.in_proj, Fp8Weight) for layer in model.layers[:3])
     assert isinstance(model.embed, torch.Tensor) and model.embed.dtype == torch.float32
+    # the same modules stay unquantized as in the offline tool's checkpoint: GDN's b|a among them
+    assert all(layer.mixer.ba_proj.dtype == torch.float32 for layer in model.layers[:3])
+    offline = load(fp8_dir)
+    for (name, at_load), (_, from_file) in zip(model.named_modules(), offline.named_modules(), strict=True):
+        assert isinstance(at_load, Fp8Weight) == isinstance(from_file, Fp8Weight), name
 
 
 def prompt_logits(model_dir, ids: torch.Tensor) -> torch.Tensor:
@@ -252,7 +261,7 @@ MAX_LOGITS_REL = 0.1
 
 @pytest.mark.parametrize(
     "block,not_converted",
-    [((32, 32), NOT_CONVERTED), ((128, 128), NOT_CONVERTED), ((128, 128), NOT_CONVERTED + ("in_proj_ba",))],
+    [((32, 32), QUANTIZES_BA), ((128, 128), QUANTIZES_BA), ((128, 128), KEPT_UNQUANTIZED)],
     ids=["b32", "b128", "b128-ba-unquantized"],
 )
 def test_fp8_logits_follow_the_dequantized_weight_model(bf16_dir, tmp_path, block, not_converted):
