@@ -44,6 +44,23 @@ def test_tuned_buckets_apply_within_one_power_of_two_and_above(table_dir):
     assert get_config(4096, 2048, 4096, (64, 64), CPU) == heuristic_config(4096, (64, 64))
 
 
+def test_an_untuned_n_borrows_the_nearest_tuned_n_of_its_k_and_block(table_dir):
+    """A fused q|k|v (9216 = 8192 + 2 x 512) or a qkvz without its unquantized b|a (12288 beside a tuned 12352)
+    takes the nearest tuned N's entries; N more than 2^0.5 away, another K, another block or N that is not whole
+    blocks keeps the heuristic."""
+    write_entries(table_dir / "cpu.json", shape_key(8192, 2048, BLOCK), {4096: TALL})
+    write_entries(table_dir / "cpu.json", shape_key(12352, 2048, BLOCK), {4096: WIDE})
+    write_entries(table_dir / "cpu.json", shape_key(8192, 4096, BLOCK), {4096: WIDE})
+    assert get_config(4096, 9216, 2048, BLOCK, CPU) == TALL
+    assert get_config(4096, 12288, 2048, BLOCK, CPU) == WIDE
+    # 8192 * 2^0.5 = 11585: 11520 is nearer 12352 (and within its gap), 5632 is beyond 8192's
+    assert get_config(4096, 11520, 2048, BLOCK, CPU) == WIDE
+    assert get_config(4096, 5632, 2048, BLOCK, CPU) == heuristic_config(4096, BLOCK)
+    assert get_config(4096, 9216, 1024, BLOCK, CPU) == heuristic_config(4096, BLOCK)
+    assert get_config(4096, 9216, 2048, (64, 64), CPU) == heuristic_config(4096, (64, 64))
+    assert get_config(4096, 9200, 2048, BLOCK, CPU) == heuristic_config(4096, BLOCK)
+
+
 def test_other_triton_versions_are_ignored(table_dir):
     (table_dir / "cpu.json").write_text(json.dumps({"0.0.0": {shape_key(2048, 4096, BLOCK): {"4096": TALL}}}))
     assert get_config(4096, 2048, 4096, BLOCK, CPU) == heuristic_config(4096, BLOCK)

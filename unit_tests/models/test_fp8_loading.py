@@ -66,12 +66,20 @@ def blockwise_dequantized(q: torch.Tensor, scale: torch.Tensor, block: tuple[int
     return out
 
 
+def query_rows(attn):
+    """The rows of an attention layer's fused q|k|v projection that hold its q_proj shard (queries and gates)."""
+    rows, w = 2 * attn.num_heads * attn.cfg.head_dim, attn.qkv_proj
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.weight[:rows], w.weight_scale_inv[: rows // w.block[0]], w.block)
+    return w[:rows]
+
+
 def module_weight(model: HybridModel, name: str):
     layer = model.layers[int(name.split(".")[2])]
     return {
         SHARED_DOWN: lambda: layer.ffn.shared.down,
         GDN_OUT: lambda: layer.mixer.out_proj,
-        ATTN_Q: lambda: layer.mixer.q_proj,
+        ATTN_Q: lambda: query_rows(layer.mixer),
         ATTN_O: lambda: layer.mixer.o_proj,
         # stacked experts: expert 2 of the [E, H, I] weight
         EXPERT_DOWN: lambda: layer.ffn.down[2],
@@ -221,6 +229,15 @@ def test_tp_shards_keep_whole_blocks(fp8_dir, rank):
     rows = slice(rank * 64, (rank + 1) * 64)
     assert torch.equal(q.weight.view(torch.uint8), tensors[ATTN_Q][rows].view(torch.uint8))
     torch.testing.assert_close(q.weight_scale_inv, tensors[ATTN_Q + "_scale_inv"][rank * 2 : (rank + 1) * 2])
+    # the fused projection stacks this rank's q, k and v shards: k's and v's 16 rows a rank cut the checkpoint's
+    # 32-row blocks, so they are quantized again over the fused weight's tiles (within e4m3's rounding)
+    qkv = model.layers[3].mixer.qkv_proj.dequantize().double()
+    shards = []
+    for n in ("q_proj", "k_proj", "v_proj"):
+        name = ATTN_Q.replace("q_proj", n)
+        shards.append(blockwise_dequantized(tensors[name], tensors[name + "_scale_inv"], BLOCK).chunk(2)[rank])
+    reference = torch.cat(shards)
+    assert qkv.shape == reference.shape and ((qkv - reference).norm() / reference.norm()).item() < 0.03
     cols = slice(rank * 32, (rank + 1) * 32)
     assert torch.equal(o.weight.view(torch.uint8), tensors[ATTN_O][:, cols].view(torch.uint8))
     torch.testing.assert_close(o.weight_scale_inv, tensors[ATTN_O + "_scale_inv"][:, rank : rank + 1])

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightllm.models.hybrid import HybridModel
+from lightllm.models.layers.attention import GatedAttention
 from lightllm.models.layers.gdn import GatedDeltaNet
 from lightllm.models.layers.kda import KimiDeltaAttention
 from lightllm.models.loader import load_weights, normalize_name
@@ -81,6 +82,9 @@ def _parts(module, name: str, tensor: torch.Tensor, dim: int) -> list[torch.Tens
         kd, vd = module.num_k_heads * s.head_k_dim, module.num_v_heads * s.head_v_dim
         sizes = [kd, kd, vd] + ([vd, module.num_v_heads, module.num_v_heads] if name == "in_proj" else [])
         return list(tensor.split(sizes, dim=0))
+    if isinstance(module, GatedAttention) and name in ("qkv_proj", "qkv_bias"):
+        qd, kvd = 2 * module.num_heads * module.cfg.head_dim, module.num_kv_heads * module.cfg.head_dim
+        return list(tensor.split([qd, kvd, kvd], dim=0))
     if isinstance(module, KimiDeltaAttention) and name in ("in_proj", "conv_weight"):
         hd = module.num_heads * module.spec.head_k_dim
         return list(tensor.split([hd, hd, hd] + ([module.num_heads] if name == "in_proj" else []), dim=0))

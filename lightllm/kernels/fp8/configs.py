@@ -3,7 +3,8 @@
 A configuration is `{"BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages", "TMA"}` (the K step is always
 one scale group, `block_k`); `TMA` loads the operand tiles through tensor descriptors (Hopper's bulk copies)
 where the operands' strides allow it. `CUBLAS` instead runs cuBLASLt's block-scaled GEMM (only from a tuned
-table: the tuner checks it on the device). Tables follow `lightllm.kernels.tuned_tables`: one file per device,
+table: the tuner checks it on the device, and a borrowed entry stays within whole weight blocks of the shape the
+tuner checked). Tables follow `lightllm.kernels.tuned_tables`: one file per device,
 entries per Triton version, keyed by `N=..,K=..,block=..x..` and the token count's power-of-two bucket;
 `lightllm/tools/tune_fp8_gemm.py` writes them. A lookup takes the tuned bucket within one power of two of the
 token count (or the largest tuned bucket above all of them: a taller M keeps the tall tile), else the
@@ -13,6 +14,8 @@ heuristic: decode-sized M keeps short tiles that no prefill-tuned entry would gi
 from __future__ import annotations
 
 import functools
+import math
+import re
 from pathlib import Path
 
 import torch
@@ -30,6 +33,9 @@ CUBLAS = {"BACKEND": "cublas"}
 HEURISTIC_ROWS = ((16, 16, 64, 4, 3, False), (64, 64, 128, 4, 3, False), (None, 128, 128, 8, 3, True))
 # the largest token count a start-up warm-up covers (one chunked prefill)
 WARMUP_MAX_TOKENS = 1 << 15
+# an untuned weight shape borrows the entries of the tuned shape with its K and block whose N is nearest, at most
+# this many powers of two away (a projection fused from tuned parts, a checkpoint that leaves one part unquantized)
+MAX_N_LOG2_GAP = 0.5
 
 
 def shape_key(n: int, k: int, block: tuple[int, int]) -> str:
@@ -43,6 +49,20 @@ def config_path(device: str) -> Path:
 @functools.cache
 def _table(device: str) -> dict:
     return read_table(config_path(device))
+
+
+def shape_entries(table: dict, n: int, k: int, block: tuple[int, int]) -> dict:
+    """`{bucket: config}` tuned for `[N, K]` weights in `table`, else those of the nearest tuned N with the same K
+    and block (within `MAX_N_LOG2_GAP`, ties: the smaller N) when N is whole blocks, else {}."""
+    exact = table.get(shape_key(n, k, block))
+    if exact is not None or n % block[0]:
+        return exact or {}
+    pattern = re.compile(rf"N=(\d+),K={k},block={block[0]}x{block[1]}")
+    tuned = [int(m.group(1)) for key in table if (m := pattern.fullmatch(key))]
+    if not tuned:
+        return {}
+    nearest = min(tuned, key=lambda t: (abs(math.log2(t / n)), t))
+    return table[shape_key(nearest, k, block)] if abs(math.log2(nearest / n)) <= MAX_N_LOG2_GAP else {}
 
 
 def check_config(config: dict) -> dict:
@@ -77,9 +97,9 @@ def heuristic_config(m: int, block: tuple[int, int]) -> dict:
 # every FP8 projection of every step asks: cached, so an eager step pays one dict lookup per projection
 @functools.lru_cache(maxsize=4096)
 def get_config(m: int, n: int, k: int, block: tuple[int, int], device: torch.device) -> dict:
-    """The tuned configuration of `[M, K] x [N, K]ᵀ` on this device, else the heuristic one (by M bucket)."""
-    entries = _table(device_name(device)).get(shape_key(n, k, block))
-    tuned = nearest_entry(entries or {}, m, max_log2_gap=1)
+    """The tuned configuration of `[M, K] x [N, K]ᵀ` on this device (`shape_entries`), else the heuristic one (by
+    M bucket)."""
+    tuned = nearest_entry(shape_entries(_table(device_name(device)), n, k, block), m, max_log2_gap=1)
     if tuned is not None:
         return check_config(tuned)
     return heuristic_config(batch_bucket(m), block)

@@ -19,8 +19,9 @@ from lightllm.models.loader import Shapes, WeightLoader
 
 
 class GatedAttention(nn.Module):
-    """Weights (local shards): `q_proj [2·Hq·D, H]` per-head interleaved, `k_proj, v_proj [Hkv·D, H]`,
-    `o_proj [H, Hq·D]`, `q_norm, k_norm [D]`. Output is a TP partial sum."""
+    """Weights (local shards): `qkv_proj [2·Hq·D + 2·Hkv·D, H]`, the checkpoint's `q_proj` (per-head interleaved
+    query and gate), `k_proj` and `v_proj` stacked so one GEMM reads the input once; `o_proj [H, Hq·D]`,
+    `q_norm, k_norm [D]`. Output is a TP partial sum."""
 
     def __init__(self, cfg: AttentionConfig, eps: float, kv_layer: int, rotary: Rotary, tp_size: int = 1):
         super().__init__()
@@ -52,24 +53,28 @@ class GatedAttention(nn.Module):
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         c, prefix = self.cfg, f"{prefix}self_attn."
-        # q/k/v column-parallel (output rows by head), o row-parallel (input columns by head)
-        placement = {"q": (0, c.num_heads), "k": (0, c.num_kv_heads), "v": (0, c.num_kv_heads), "o": (1, c.num_heads)}
-        for n, (dim, heads) in placement.items():
-            name = f"{prefix}{n}_proj.weight"
-            set_weight(self, f"{n}_proj", w.linear(w.get_linear(name, dim, heads), name))
+        # q/k/v column-parallel (output rows by head), each shard stacked on this rank; o row-parallel (input
+        # columns by head)
+        heads = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
+        names = [f"{prefix}{n}_proj.weight" for n in heads]
+        qkv = torch.cat([w.get_linear(name, 0, h) for name, h in zip(names, heads.values())])
+        set_weight(self, "qkv_proj", w.linear(qkv, *names))
+        o_name = f"{prefix}o_proj.weight"
+        set_weight(self, "o_proj", w.linear(w.get_linear(o_name, 1, c.num_heads), o_name))
         self.register_buffer("q_norm", w.get(f"{prefix}q_norm.weight"))
         self.register_buffer("k_norm", w.get(f"{prefix}k_norm.weight"))
-        for n, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
-            bias = w.get(f"{prefix}{n}_proj.bias", 0, heads) if c.bias else None
-            self.register_buffer(f"{n}_bias", bias)
+        bias = [w.get(f"{prefix}{n}_proj.bias", 0, h) for n, h in heads.items()] if c.bias else None
+        self.register_buffer("qkv_bias", torch.cat(bias) if bias else None)
         # row-parallel bias: added once, on rank 0
         self.register_buffer("o_bias", w.get(f"{prefix}o_proj.bias") if c.bias and w.tp.rank == 0 else None)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, d = x.shape[0], self.cfg.head_dim
-        q, gate = linear(x, self.q_proj, self.q_bias).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
-        k = linear(x, self.k_proj, self.k_bias).view(t, self.num_kv_heads, d)
-        v = linear(x, self.v_proj, self.v_bias).view(t, self.num_kv_heads, d)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        # views: the norm + RoPE kernel, the output gate and the KV write read rows at qkv's stride
+        q_gate, k, v = qkv.split([2 * self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, gate = q_gate.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
+        k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
         cos, sin = ctx.shared(("rope", x.dtype), lambda: self.rotary.cos_sin(ctx.positions, x.dtype))
         q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, self.eps, cos, sin)
         ctx.kv.write(self.kv_layer, ctx.write_slots, k, v)
