@@ -24,9 +24,10 @@ def _inputs(t, hq, hk, d, rd, dtype, seed):
     def randn(*shape):
         return (torch.randn(*shape, device="cuda", generator=gen) * 3).to(dtype)
 
-    q = randn(t, hq, 2 * d)[..., :d]
-    gate = randn(t, hq, 2 * d)[..., d:]
-    k = randn(t, hk, d)
+    # the engine's layout: views of one fused q|gate, k, v projection row per token
+    q_gate, k, _ = randn(t, 2 * hq * d + 2 * hk * d).split([2 * hq * d, hk * d, hk * d], dim=-1)
+    q, gate = q_gate.view(t, hq, 2 * d).chunk(2, dim=-1)
+    k = k.view(t, hk, d)
     weights = randn(d) * 0.1, randn(d) * 0.1
     positions = torch.randint(0, 1 << 17, (t,), device="cuda", generator=gen)
     inv_freq = 1.0 / (1e7 ** (torch.arange(0, rd, 2, dtype=torch.float32, device="cuda") / rd))

@@ -20,12 +20,6 @@ from unit_tests.helpers.sm90 import PTXAS, run_lowering_module
 EPS = 1e-6
 
 
-def _heads(t, h, d, dtype, gen, wide=False):
-    """`[t, h, d]` random heads; `wide`: the first half of each `[2d]` row of a projection, as `chunk` gives."""
-    x = torch.randn(t, h, 2 * d if wide else d, generator=gen) * 3
-    return x.to(dtype)[..., :d] if wide else x.to(dtype)
-
-
 def _reference(x, w, positions, inv_freq, factor):
     """float64 from the formulas (but the fp32 angle): zero-centred RMSNorm, then rotate-half RoPE on the leading 2 * len(inv_freq) dims."""
     x = x.double()
@@ -44,8 +38,10 @@ def _reference(x, w, positions, inv_freq, factor):
 
 def _case(t, hq, hk, d, rd, dtype, seed, factor=1.0):
     gen = torch.Generator().manual_seed(seed)
-    q = _heads(t, hq, d, dtype, gen, wide=True)
-    k = _heads(t, hk, d, dtype, gen)
+    # the engine's layout: q and k are views of one fused q|gate, k, v projection row per token
+    qkv = (torch.randn(t, 2 * hq * d + 2 * hk * d, generator=gen) * 3).to(dtype)
+    q_gate, k, _ = qkv.split([2 * hq * d, hk * d, hk * d], dim=-1)
+    q, k = q_gate.view(t, hq, 2 * d)[..., :d], k.view(t, hk, d)
     qw = (torch.randn(d, generator=gen) * 0.3).to(dtype)
     kw = (torch.randn(d, generator=gen) * 0.3).to(dtype)
     positions = torch.randint(0, 40000, (t,), generator=gen)
