@@ -60,11 +60,13 @@ def _layer(dtype) -> LatentAttention:
     def w(*dims):
         return (torch.randn(*dims, generator=gen) * dims[-1] ** -0.5).to(dtype).cuda()
 
-    layer.register_buffer("q_proj", w(h * c.qk_head_dim, HIDDEN))
-    layer.register_buffer("kv_a", w(c.kv_lora_rank + c.qk_rope_head_dim, HIDDEN))
-    layer.register_buffer("kv_norm", torch.ones(c.kv_lora_rank, dtype=dtype, device="cuda"))
-    layer.register_buffer("kv_b", w(h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank))
-    layer.register_buffer("o_proj", w(HIDDEN, h * c.v_head_dim))
+    layer.set_weights(
+        q_proj=w(h * c.qk_head_dim, HIDDEN),
+        kv_a=w(c.kv_lora_rank + c.qk_rope_head_dim, HIDDEN),
+        kv_norm=torch.ones(c.kv_lora_rank, dtype=dtype, device="cuda"),
+        kv_b=w(h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+        o_proj=w(HIDDEN, h * c.v_head_dim),
+    )
     return layer
 
 

@@ -30,7 +30,8 @@ FP8_MODULES = {
 }
 # MLA's projections: 40 x 80 (kv_lora_rank 32 + rope 8 rows) is partial in both dimensions
 MLA_MODULES = {
-    "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": lambda m: m.layers[3].mixer.kv_a,
+    # the rows of the fused query | latent projection after the query heads
+    "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": lambda m: m.layers[3].mixer.q_kv_a[-40:],
     "model.layers.3.self_attn.o_proj.weight": lambda m: m.layers[3].mixer.o_proj,
 }
 

@@ -10,6 +10,7 @@ from lightllm.models.hybrid import HybridModel
 from lightllm.models.layers.attention import GatedAttention
 from lightllm.models.layers.gdn import GatedDeltaNet
 from lightllm.models.layers.kda import KimiDeltaAttention
+from lightllm.models.layers.mla import LatentAttention
 from lightllm.models.loader import load_weights, normalize_name
 from lightllm.models.registry import load_model_config
 from lightllm.models.tp import TPInfo
@@ -73,6 +74,12 @@ def test_dtype_conversion_keeps_gate_parameters_fp32(tiny):
     assert dtypes["in_proj"] == dtypes["embed"] == torch.bfloat16
 
 
+def _replicated_tail(module, name: str) -> int:
+    """How many trailing parts of a fused local weight every rank holds whole: MLA's latent projection, stacked
+    after the rank's query heads."""
+    return 1 if isinstance(module, LatentAttention) and name == "q_kv_a" else 0
+
+
 def _parts(module, name: str, tensor: torch.Tensor, dim: int) -> list[torch.Tensor]:
     """Split a fused local weight into its independently sharded parts."""
     if name.endswith("gate_up"):
@@ -85,6 +92,9 @@ def _parts(module, name: str, tensor: torch.Tensor, dim: int) -> list[torch.Tens
     if isinstance(module, GatedAttention) and name in ("qkv_proj", "qkv_bias"):
         qd, kvd = 2 * module.num_heads * module.cfg.head_dim, module.num_kv_heads * module.cfg.head_dim
         return list(tensor.split([qd, kvd, kvd], dim=0))
+    if isinstance(module, LatentAttention) and name == "q_kv_a":
+        c = module.cfg
+        return list(tensor.split([module.num_heads * c.qk_head_dim, c.kv_lora_rank + c.qk_rope_head_dim], dim=0))
     if isinstance(module, KimiDeltaAttention) and name in ("in_proj", "conv_weight"):
         hd = module.num_heads * module.spec.head_k_dim
         return list(tensor.split([hd, hd, hd] + ([module.num_heads] if name == "in_proj" else []), dim=0))
@@ -108,7 +118,11 @@ def test_tp2_shards_concatenate_to_the_full_weights(tiny, case):
         dim = next(d for d in range(weight.dim()) if a.shape[d] != weight.shape[d])
         owner, _, leaf = name.rpartition(".")
         module = modules[owner]
-        pieces = zip(_parts(module, leaf, a, dim), _parts(module, leaf, b, dim))
-        rebuilt = torch.cat([torch.cat(pair, dim=dim) for pair in pieces], dim=dim)
+        parts_a, parts_b = _parts(module, leaf, a, dim), _parts(module, leaf, b, dim)
+        cut = len(parts_a) - _replicated_tail(module, leaf)
+        for part_a, part_b in zip(parts_a[cut:], parts_b[cut:]):
+            assert torch.equal(part_a, part_b), f"{name}: a part every rank holds whole differs"
+        pieces = [torch.cat(pair, dim=dim) for pair in zip(parts_a[:cut], parts_b[:cut])]
+        rebuilt = torch.cat(pieces + parts_a[cut:], dim=dim)
         assert torch.equal(rebuilt, weight), f"{name}: rank shards do not reassemble the full weight"
     assert num_sharded > 10

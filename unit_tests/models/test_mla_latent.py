@@ -29,11 +29,13 @@ def make_layer(seed: int) -> LatentAttention:
     def w(*shape):
         return torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
 
-    layer.register_buffer("q_proj", w(h * c.qk_head_dim, HIDDEN))
-    layer.register_buffer("kv_a", w(c.kv_lora_rank + c.qk_rope_head_dim, HIDDEN))
-    layer.register_buffer("kv_norm", 1 + 0.1 * torch.randn(c.kv_lora_rank, generator=gen))
-    layer.register_buffer("kv_b", w(h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank))
-    layer.register_buffer("o_proj", w(HIDDEN, h * c.v_head_dim))
+    layer.set_weights(
+        q_proj=w(h * c.qk_head_dim, HIDDEN),
+        kv_a=w(c.kv_lora_rank + c.qk_rope_head_dim, HIDDEN),
+        kv_norm=1 + 0.1 * torch.randn(c.kv_lora_rank, generator=gen),
+        kv_b=w(h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+        o_proj=w(HIDDEN, h * c.v_head_dim),
+    )
     return layer
 
 

@@ -69,16 +69,29 @@ class LatentAttention(nn.Module):
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         p, h = f"{prefix}self_attn.", self.cfg.num_heads
-        self.register_buffer("q_proj", w.get(f"{p}q_proj.weight", 0, h))
-        self.register_buffer("kv_a", w.get(f"{p}kv_a_proj_with_mqa.weight"))
-        self.register_buffer("kv_norm", w.get(f"{p}kv_a_layernorm.weight"))
-        self.register_buffer("kv_b", w.get(f"{p}kv_b_proj.weight", 0, h))
-        self.register_buffer("o_proj", w.get(f"{p}o_proj.weight", 1, h))
+        self.set_weights(
+            q_proj=w.get(f"{p}q_proj.weight", 0, h),
+            kv_a=w.get(f"{p}kv_a_proj_with_mqa.weight"),
+            kv_norm=w.get(f"{p}kv_a_layernorm.weight"),
+            kv_b=w.get(f"{p}kv_b_proj.weight", 0, h),
+            o_proj=w.get(f"{p}o_proj.weight", 1, h),
+        )
+
+    def set_weights(
+        self, q_proj: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, kv_b: torch.Tensor, o_proj: torch.Tensor
+    ) -> None:
+        """Hold this rank's weights, shaped as the checkpoint's tensors (`checkpoint_shapes`, the heads' shards)."""
+        # the query heads (sharded) and the latent projection (replicated) read the same input: one GEMM
+        self.register_buffer("q_kv_a", torch.cat([q_proj, kv_a]))
+        self.register_buffer("kv_norm", kv_norm)
+        self.register_buffer("kv_b", kv_b)
+        self.register_buffer("o_proj", o_proj)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         c, t, h = self.cfg, x.shape[0], self.num_heads
-        q = F.linear(x, self.q_proj).view(t, h, c.qk_head_dim)
-        compressed = F.linear(x, self.kv_a)
+        both = F.linear(x, self.q_kv_a)
+        # views at the fused row stride: the attention kernels and the norm take strided rows
+        q, compressed = both[:, : h * c.qk_head_dim].view(t, h, c.qk_head_dim), both[:, h * c.qk_head_dim :]
         latent = rms_norm(compressed[:, : c.kv_lora_rank], self.kv_norm, LATENT_NORM_EPS, zero_centered=False)
         ctx.kv.write(self.kv_layer, ctx.write_slots, torch.cat([latent, compressed[:, c.kv_lora_rank :]], dim=-1))
 
