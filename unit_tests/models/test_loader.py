@@ -74,31 +74,31 @@ def test_dtype_conversion_keeps_gate_parameters_fp32(tiny):
     assert dtypes["in_proj"] == dtypes["embed"] == torch.bfloat16
 
 
-def _replicated_tail(module, name: str) -> int:
-    """How many trailing parts of a fused local weight every rank holds whole: MLA's latent projection, stacked
-    after the rank's query heads."""
-    return 1 if isinstance(module, LatentAttention) and name == "q_kv_a" else 0
-
-
-def _parts(module, name: str, tensor: torch.Tensor, dim: int) -> list[torch.Tensor]:
-    """Split a fused local weight into its independently sharded parts."""
+def _parts(module, name: str, tensor: torch.Tensor, dim: int) -> list[tuple[torch.Tensor, bool]]:
+    """Split a fused local weight into its parts, in order, each with whether every rank holds it whole (MLA's
+    latent projection after the rank's query heads, KDA's low-rank gate inputs f_a and g_a before its heads);
+    the others are sharded independently."""
     if name.endswith("gate_up"):
-        return list(tensor.chunk(2, dim=dim))
+        return [(p, False) for p in tensor.chunk(2, dim=dim)]
     if isinstance(module, GatedDeltaNet) and name in ("in_proj", "conv_weight"):
         s = module.spec
         kd, vd = module.num_k_heads * s.head_k_dim, module.num_v_heads * s.head_v_dim
         sizes = [kd, kd, vd] + ([vd, module.num_v_heads, module.num_v_heads] if name == "in_proj" else [])
-        return list(tensor.split(sizes, dim=0))
+        return [(p, False) for p in tensor.split(sizes, dim=0)]
     if isinstance(module, GatedAttention) and name in ("qkv_proj", "qkv_bias"):
         qd, kvd = 2 * module.num_heads * module.cfg.head_dim, module.num_kv_heads * module.cfg.head_dim
-        return list(tensor.split([qd, kvd, kvd], dim=0))
+        return [(p, False) for p in tensor.split([qd, kvd, kvd], dim=0)]
     if isinstance(module, LatentAttention) and name == "q_kv_a":
         c = module.cfg
-        return list(tensor.split([module.num_heads * c.qk_head_dim, c.kv_lora_rank + c.qk_rope_head_dim], dim=0))
-    if isinstance(module, KimiDeltaAttention) and name in ("in_proj", "conv_weight"):
+        q, latent = tensor.split([module.num_heads * c.qk_head_dim, c.kv_lora_rank + c.qk_rope_head_dim], dim=0)
+        return [(q, False), (latent, True)]
+    if isinstance(module, KimiDeltaAttention) and name == "in_proj":
         hd = module.num_heads * module.spec.head_k_dim
-        return list(tensor.split([hd, hd, hd] + ([module.num_heads] if name == "in_proj" else []), dim=0))
-    return [tensor]
+        f_a, g_a, *heads = tensor.split(module.split_sizes[:2] + [hd, hd, hd, module.num_heads], dim=0)
+        return [(f_a, True), (g_a, True)] + [(p, False) for p in heads]
+    if isinstance(module, KimiDeltaAttention) and name == "conv_weight":
+        return [(p, False) for p in tensor.chunk(3, dim=0)]
+    return [(tensor, False)]
 
 
 @pytest.mark.parametrize("case", ARCH_CASES)
@@ -118,11 +118,11 @@ def test_tp2_shards_concatenate_to_the_full_weights(tiny, case):
         dim = next(d for d in range(weight.dim()) if a.shape[d] != weight.shape[d])
         owner, _, leaf = name.rpartition(".")
         module = modules[owner]
-        parts_a, parts_b = _parts(module, leaf, a, dim), _parts(module, leaf, b, dim)
-        cut = len(parts_a) - _replicated_tail(module, leaf)
-        for part_a, part_b in zip(parts_a[cut:], parts_b[cut:]):
-            assert torch.equal(part_a, part_b), f"{name}: a part every rank holds whole differs"
-        pieces = [torch.cat(pair, dim=dim) for pair in zip(parts_a[:cut], parts_b[:cut])]
-        rebuilt = torch.cat(pieces + parts_a[cut:], dim=dim)
+        pieces = []
+        for (part_a, whole), (part_b, _) in zip(_parts(module, leaf, a, dim), _parts(module, leaf, b, dim)):
+            if whole:
+                assert torch.equal(part_a, part_b), f"{name}: a part every rank holds whole differs"
+            pieces.append(part_a if whole else torch.cat([part_a, part_b], dim=dim))
+        rebuilt = torch.cat(pieces, dim=dim)
         assert torch.equal(rebuilt, weight), f"{name}: rank shards do not reassemble the full weight"
     assert num_sharded > 10

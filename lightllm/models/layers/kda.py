@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightllm.kernels.split_columns import split_columns
 from lightllm.linear_att import LinearAttSpec
 from lightllm.linear_att.base import LayerParams
 from lightllm.models.context import StepContext
@@ -30,7 +31,8 @@ class KimiDeltaAttention(nn.Module):
         self.linear_layer = linear_layer
         self.num_heads = spec.num_v_heads // tp_size
         d = spec.head_k_dim
-        self.split_sizes = [3 * self.num_heads * d, self.num_heads]
+        # in_proj's output columns: f_a | g_a (the gates' low-rank inputs, whole on every rank) | q k v | b
+        self.split_sizes = [d, d, 3 * self.num_heads * d, self.num_heads]
 
     def checkpoint_shapes(self, prefix: str, hidden: int) -> Shapes:
         s = self.spec
@@ -47,11 +49,12 @@ class KimiDeltaAttention(nn.Module):
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         p, h, d = f"{prefix}self_attn.", self.spec.num_v_heads, self.spec.head_k_dim
-        qkvb = [f"{p}{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "b_proj")]
-        set_weight(self, "in_proj", w.linear(torch.cat([w.get_linear(n, 0, h) for n in qkvb]), *qkvb))
-        # f_a and g_a are replicated low-rank down-projections: one GEMM for both
+        # every projection of the input in one GEMM: the replicated low-rank gate inputs first (head_dim rows each,
+        # whole weight blocks), then this rank's q, k, v and b heads (b's few rows a partial block of their own)
         down = [f"{p}f_a_proj.weight", f"{p}g_a_proj.weight"]
-        set_weight(self, "gate_down", w.linear(torch.cat([w.get_linear(n) for n in down]), *down))
+        qkvb = [f"{p}{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "b_proj")]
+        parts = [w.get_linear(n) for n in down] + [w.get_linear(n, 0, h) for n in qkvb]
+        set_weight(self, "in_proj", w.linear(torch.cat(parts), *down, *qkvb))
         for attr, n in (("f_up", "f_b_proj"), ("g_up", "g_b_proj")):
             set_weight(self, attr, w.linear(w.get_linear(f"{p}{n}.weight", 0, h), f"{p}{n}.weight"))
         conv = torch.cat([w.get(f"{p}{n}_conv1d.weight", 0, h).squeeze(1) for n in "qkv"])
@@ -73,8 +76,7 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.spec.head_k_dim
-        mixed_qkv, braw = (p.contiguous() for p in linear(x, self.in_proj).split(self.split_sizes, dim=-1))
-        f_low, g_low = linear(x, self.gate_down).chunk(2, dim=-1)
+        f_low, g_low, mixed_qkv, braw = split_columns(linear(x, self.in_proj), self.split_sizes)
         graw = linear(f_low, self.f_up).view(t, h, d)
         o = run_linear_state(ctx, self.linear_layer, mixed_qkv, graw, braw, self.params, h, d)
         y = gated_rms_norm_sigmoid(o, linear(g_low, self.g_up).view(t, h, d), self.o_norm, self.eps)
