@@ -24,6 +24,9 @@ SILU_MUL_SHAPES = (
 # its own (unquantized beside FP8) splits the two outputs in two launches
 _KEY, _VALUE, _HV = 16 * 128, 32 * 128, 32
 QWEN35_GDN = (2 * _KEY + _VALUE, _VALUE, _HV, _HV)
+# Kimi-Linear-48B-A3B's KDA in_proj at TP1 (KimiDeltaAttention.split_sizes): f_a and g_a (head_dim 128 each), q|k|v
+# of 32 heads of 128, b one per head
+KIMI_KDA = (128, 128, 3 * 32 * 128, 32)
 # (name, T, sizes, dtype, strided, tiny)
 SPLIT_SHAPES = (
     ("qwen3.5-moe-gdn", 256, QWEN35_GDN, "bfloat16", False, False),
@@ -31,6 +34,8 @@ SPLIT_SHAPES = (
     ("qwen3.5-moe-gdn-qkvz", 256, QWEN35_GDN[:2], "bfloat16", False, False),
     ("qwen3.5-moe-gdn-ba", 256, QWEN35_GDN[2:], "bfloat16", False, False),
     ("qwen3.5-moe-gdn", 1000, QWEN35_GDN, "bfloat16", True, False),  # a prefill chunk
+    ("kimi-linear-kda", 256, KIMI_KDA, "bfloat16", False, False),
+    ("kimi-linear-kda", 1, KIMI_KDA, "bfloat16", False, False),
     ("tiny-split", 37, (72, 48, 3, 3), "float32", True, True),
     ("tiny-split", 3, (1500, 700, 32, 32), "float16", False, True),
     ("tiny-split", 1, (17, 40), "float32", False, True),
