@@ -1,8 +1,9 @@
 """Block-FP8 Kimi-Linear, written by the test from a bf16 tiny checkpoint with `lightllm.tools.quantize_fp8` at
 odd widths (hidden 80 = 2.5 blocks of 32, experts of 40 = 1.25): its router stays unquantized as Qwen's routers do,
-the KDA projections, experts and shared experts load as the checkpoint's blocks and scales, MLA's projections
-(kept in the model dtype for the latent path) load as the checkpoint's blocks times their scales, partial edge
-blocks included, and the FP8 model's logits follow the dequantized-weight model's."""
+the KDA projections, experts, shared experts and MLA's output projection load as the checkpoint's blocks and
+scales, MLA's fused query | latent projection holds the checkpoint's values (its latent rows quantized again over
+the fused weight's tiles), its kv_b_proj (absorbed in latent space) the checkpoint's blocks times their scales,
+partial edge blocks included, and the FP8 model's logits follow the dequantized-weight model's."""
 
 from __future__ import annotations
 
@@ -27,13 +28,10 @@ FP8_MODULES = {
     "model.layers.0.mlp.down_proj.weight": lambda m: m.layers[0].ffn.down,
     "model.layers.1.block_sparse_moe.experts.2.w2.weight": lambda m: m.layers[1].ffn.down[2],
     "model.layers.1.block_sparse_moe.shared_experts.down_proj.weight": lambda m: m.layers[1].ffn.shared.down,
-}
-# MLA's projections: 40 x 80 (kv_lora_rank 32 + rope 8 rows) is partial in both dimensions
-MLA_MODULES = {
-    # the rows of the fused query | latent projection after the query heads
-    "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": lambda m: m.layers[3].mixer.q_kv_a[-40:],
     "model.layers.3.self_attn.o_proj.weight": lambda m: m.layers[3].mixer.o_proj,
 }
+KV_A = "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"
+KV_B = "model.layers.3.self_attn.kv_b_proj.weight"
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +61,7 @@ def test_router_and_its_bias_stay_unquantized(bf16_dir, fp8_dir):
     assert tensors["model.layers.1.block_sparse_moe.experts.0.w1.weight"].dtype == torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize("name", list(FP8_MODULES), ids=["kda-o", "dense-down", "expert-down", "shared-down"])
+@pytest.mark.parametrize("name", list(FP8_MODULES), ids=["kda-o", "dense-down", "expert-down", "shared-down", "mla-o"])
 def test_fp8_weights_are_the_checkpoint_blocks(fp8_dir, fp8_model, name):
     tensors = load_file(fp8_dir / "model.safetensors")
     q, scale = tensors[name], tensors[name + "_scale_inv"]
@@ -74,16 +72,24 @@ def test_fp8_weights_are_the_checkpoint_blocks(fp8_dir, fp8_model, name):
     torch.testing.assert_close(w.dequantize().double(), blockwise_dequantized(q, scale, BLOCK), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("name", list(MLA_MODULES), ids=["kv-a", "o"])
-def test_mla_projections_are_the_dequantized_blocks(fp8_dir, fp8_model, name):
-    tensors = load_file(fp8_dir / "model.safetensors")
-    q, scale = tensors[name], tensors[name + "_scale_inv"]
-    expected = blockwise_dequantized(q, scale, BLOCK)
-    loaded = MLA_MODULES[name](fp8_model)
-    torch.testing.assert_close(loaded.double(), expected, rtol=1e-6, atol=0)
-    # the twin: the scale grid transposed (square for o_proj, reshaped back for kv_a) puts scales on other tiles
-    wrong = blockwise_dequantized(q, scale.T.contiguous().view(scale.shape), BLOCK)
-    assert not torch.allclose(loaded.double(), wrong, rtol=1e-3, atol=0)
+def test_mla_latent_rows_and_kv_b_are_the_checkpoint_values(fp8_dir, fp8_model):
+    """kv_a (40 x 80: kv_lora_rank 32 + rope 8 rows, partial in both dimensions) as the last rows of the FP8 query |
+    latent projection, within e4m3's rounding of the checkpoint's dequantized blocks (its 8-row partial block shares
+    a tile with nothing else only when the query rows are whole blocks); kv_b_proj dequantized exactly. Twins: the
+    scale grids' rows reversed put scales on other tiles."""
+    tensors, mla = load_file(fp8_dir / "model.safetensors"), fp8_model.layers[3].mixer
+    assert isinstance(mla.q_kv_a, Fp8Weight) and isinstance(mla.o_proj, Fp8Weight)
+    kv_a = mla.q_kv_a.dequantize().double()[-40:]
+    expected = blockwise_dequantized(tensors[KV_A], tensors[KV_A + "_scale_inv"], BLOCK)
+    assert ((kv_a - expected).norm() / expected.norm()).item() < 0.03
+    q, scale = tensors[KV_B], tensors[KV_B + "_scale_inv"]
+    assert mla.kv_b.dtype == torch.float32
+    torch.testing.assert_close(mla.kv_b.double(), blockwise_dequantized(q, scale, BLOCK), rtol=1e-6, atol=0)
+    assert scale.shape[0] > 1
+    wrong = blockwise_dequantized(q, scale.flip(0), BLOCK)
+    assert not torch.allclose(mla.kv_b.double(), wrong, rtol=1e-3, atol=0)
+    wrong_kv_a = blockwise_dequantized(tensors[KV_A], tensors[KV_A + "_scale_inv"].flip(0), BLOCK)
+    assert ((kv_a - wrong_kv_a).norm() / wrong_kv_a.norm()).item() > 0.03
 
 
 # W8A8's activation rounding moves the logits of this untrained model about as far as the weights' own rounding

@@ -24,6 +24,7 @@ from lightllm.models.config import AttentionConfig
 from lightllm.models.context import AttentionGroup, StepContext
 from lightllm.models.layers.norms import rms_norm
 from lightllm.models.layers.paged_attention import attend
+from lightllm.models.layers.quantized_linear import LinearWeight, linear, set_weight
 from lightllm.models.loader import Shapes, WeightLoader
 
 # transformers builds kv_a_layernorm with the RMSNorm default eps, not the model's rms_norm_eps
@@ -69,27 +70,32 @@ class LatentAttention(nn.Module):
 
     def load(self, w: WeightLoader, prefix: str) -> None:
         p, h = f"{prefix}self_attn.", self.cfg.num_heads
-        self.set_weights(
-            q_proj=w.get(f"{p}q_proj.weight", 0, h),
-            kv_a=w.get(f"{p}kv_a_proj_with_mqa.weight"),
+        q_name, a_name, o_name = (f"{p}{n}.weight" for n in ("q_proj", "kv_a_proj_with_mqa", "o_proj"))
+        q_kv_a = torch.cat([w.get_linear(q_name, 0, h), w.get_linear(a_name)])
+        self._hold(
+            q_kv_a=w.linear(q_kv_a, q_name, a_name),
             kv_norm=w.get(f"{p}kv_a_layernorm.weight"),
+            # dequantized in an FP8 model too: absorbed into the query and output in latent space
             kv_b=w.get(f"{p}kv_b_proj.weight", 0, h),
-            o_proj=w.get(f"{p}o_proj.weight", 1, h),
+            o_proj=w.linear(w.get_linear(o_name, 1, h), o_name),
         )
 
     def set_weights(
         self, q_proj: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, kv_b: torch.Tensor, o_proj: torch.Tensor
     ) -> None:
-        """Hold this rank's weights, shaped as the checkpoint's tensors (`checkpoint_shapes`, the heads' shards)."""
+        """Hold these weights of this rank (plain tensors shaped as the checkpoint's, the heads' shards)."""
+        self._hold(torch.cat([q_proj, kv_a]), kv_norm, kv_b, o_proj)
+
+    def _hold(self, q_kv_a: LinearWeight, kv_norm: torch.Tensor, kv_b: torch.Tensor, o_proj: LinearWeight) -> None:
         # the query heads (sharded) and the latent projection (replicated) read the same input: one GEMM
-        self.register_buffer("q_kv_a", torch.cat([q_proj, kv_a]))
+        set_weight(self, "q_kv_a", q_kv_a)
         self.register_buffer("kv_norm", kv_norm)
         self.register_buffer("kv_b", kv_b)
-        self.register_buffer("o_proj", o_proj)
+        set_weight(self, "o_proj", o_proj)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         c, t, h = self.cfg, x.shape[0], self.num_heads
-        both = F.linear(x, self.q_kv_a)
+        both = linear(x, self.q_kv_a)
         # views at the fused row stride: the attention kernels and the norm take strided rows
         q, compressed = both[:, : h * c.qk_head_dim].view(t, h, c.qk_head_dim), both[:, h * c.qk_head_dim :]
         latent = rms_norm(compressed[:, : c.kv_lora_rank], self.kv_norm, LATENT_NORM_EPS, zero_centered=False)
@@ -112,7 +118,7 @@ class LatentAttention(nn.Module):
             o = q.new_zeros(t, h, c.v_head_dim)
         for g in in_latent:
             self._attend_latent(q, g, ctx, o)
-        return F.linear(o.reshape(t, h * c.v_head_dim), self.o_proj)
+        return linear(o.reshape(t, h * c.v_head_dim), self.o_proj)
 
     def _in_latent(self, g: AttentionGroup, ctx: StepContext) -> bool:
         """Latent space for narrow groups, and for any group bounded by the cache's whole row (a fixed-buffer
