@@ -138,6 +138,9 @@ def _main(argv: list[str] | None, prestarted: PrestartedEngine, prestarted_http:
         print(f"lightllm: refusing to start: {exc}", file=sys.stderr)
         return 2
     logger.info("serving %s (%s) with %s", args.served_model_name, info.architecture, args)
+    if info.sampling_defaults:
+        taken = ", ".join(f"{k}={v}" for k, v in info.sampling_defaults)
+        logger.info("sampling defaults from the generation config (a request's own values win): %s", taken)
     try:
         if args.run_mode == "pd_master":
             from lightllm.server.pd.master import serve_master

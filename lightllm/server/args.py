@@ -20,6 +20,7 @@ from lightllm.server.dp.balancer import BALANCERS
 from lightllm.server.dp.placement import place_replicas, visible_cuda_devices
 from lightllm.server.model_info import LOAD_FORMATS, ModelInfo, read_model_info
 from lightllm.server.prestart import http_processes_for_host
+from lightllm.server.sampling_defaults import read_sampling_defaults
 
 
 def _flag(default, help: str, choices: tuple | None = None, type=None, shown_default: str | None = None, repr=True):
@@ -241,6 +242,13 @@ class ServerArgs:
         "how reasoning is split from the answer into reasoning_content: think (<think>...</think>), none (left in "
         "the content; what clients that read only content expect), auto (think for every supported model family)",
         ("auto", "none", "think"),
+    )
+    generation_config: str = _flag(
+        "auto",
+        "sampling defaults for the fields a request leaves out: auto (the checkpoint's generation_config.json: its "
+        "temperature, top_p, top_k, min_p and repetition_penalty), none (OpenAI's: temperature 1, no filters), or "
+        "a folder holding a generation_config.json",
+        type=str,
     )
     enable_docs: bool = _flag(False, "serve the OpenAPI schema and the /docs and /redoc pages", type=bool)
     keep_serving_after_engine_exit: bool = _flag(
@@ -584,4 +592,6 @@ def load_server_args(argv: list[str] | None = None, **overrides) -> tuple[Server
         if args.served_model_name is None:
             args = dataclasses.replace(args, served_model_name=demo_name)
     info = read_model_info(model_dir, args.load_format)
+    defaults = read_sampling_defaults(args.generation_config, model_dir)
+    info = dataclasses.replace(info, sampling_defaults=tuple(defaults.items()))
     return resolve(dataclasses.replace(args, model_dir=model_dir), info), info

@@ -57,7 +57,10 @@ class LLM:
     interpreter exiting) releases the engine: device memory, CUDA graphs, and with `tp > 1` the follower
     processes and the process group. Another `LLM` can then start in the same process. While an engine on a GPU
     lives, this process runs torch on one intra-op thread and its garbage collector with higher thresholds (see
-    `lightllm.server.engine_process`); closing puts both back."""
+    `lightllm.server.engine_process`); closing puts both back.
+
+    `generate` and `chat` without SamplingParams sample with `default_sampling_params()`: the checkpoint's
+    generation-config defaults (`--generation_config`), as the HTTP server does for a request that sets nothing."""
 
     def __init__(self, model_dir: str | None = None, *, runner_factory: str = DEFAULT_RUNNER_FACTORY, **flags):
         self.args, self.info = load_server_args([], model_dir=model_dir, **flags)
@@ -72,6 +75,10 @@ class LLM:
         # token chunks of unfinished sequences whose text is built at finish (see `_absorb`)
         self._buffered: dict[str, list[TokenChunk]] = {}
         quiet_garbage_collector()
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams carrying the model's sampling defaults (`--generation_config`), the rest OpenAI's."""
+        return SamplingParams(**dict(self.info.sampling_defaults))
 
     def close(self) -> None:
         """Release the engine (idempotent); `generate` and `chat` refuse to run afterwards."""
@@ -99,7 +106,7 @@ class LLM:
         """`generate`; `checkpoint_hints`: prompt positions worth a prefix-cache checkpoint (every prompt)."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one")
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
         # params may have been changed since they were built: checked again before anything reads them
         params.validate()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

@@ -32,6 +32,9 @@ class ModelInfo:
     num_mtp_layers: int
     # model end-of-sequence ids from config.json and generation_config.json
     eos_token_ids: tuple[int, ...]
+    # (field, value) the requests' sampling defaults to, from the generation config `--generation_config` names
+    # (`lightllm.server.sampling_defaults`); set once the flags are read
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
     @property
     def has_mtp(self) -> bool:

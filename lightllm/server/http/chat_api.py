@@ -143,7 +143,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     fe = _frontend(request)
     fe.check_engine()
     fe.check_model(body.model)
-    params = _params(body)
+    params = _params(body, fe)
     fe.check_capacity(params.n, "n")
     out = ChatOutput(fe, body)
     messages = [m.as_template_input() for m in body.messages]

@@ -101,9 +101,9 @@ async def _guarded(events: AsyncIterator[bytes], stream: AsyncIterator) -> Async
         await stream.aclose()
 
 
-def _params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def _params(body: ChatCompletionRequest | CompletionRequest, fe: Frontend) -> SamplingParams:
     try:
-        return body.to_sampling_params()
+        return body.to_sampling_params(fe.sampling_defaults)
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.field) from None
 
@@ -113,7 +113,7 @@ async def completions(body: CompletionRequest, request: Request):
     fe = _frontend(request)
     fe.check_engine()
     fe.check_model(body.model)
-    params = _params(body)
+    params = _params(body, fe)
     raw = body.prompt
     if not raw:
         raise ApiError(400, "the prompt is empty", "prompt")

@@ -288,10 +288,13 @@ class _SamplingFields(StrictModel):
                     + (f" (got {', '.join(kinds)})" if kinds else ""),
                 )
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises RequestError for combinations the field checks cannot see (seed + n, ...)."""
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, float | int]
+    ) -> SamplingParams:
+        """Raises RequestError for combinations the field checks cannot see (seed + n, ...). `defaults`: the model's
+        values for the sampling knobs the request leaves out (`lightllm.server.sampling_defaults`)."""
         self.check_supported()
-        knobs = {
+        knobs = defaults | {
             k: getattr(self, k)
             for k in (
                 "temperature",
@@ -446,9 +449,9 @@ class ChatCompletionRequest(_SamplingFields):
         """Tools are offered and not switched off: the output is parsed for calls."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, float | int]) -> SamplingParams:
         num_top = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens, num_top)
+        return self.sampling_params(self.max_completion_tokens or self.max_tokens, num_top, defaults)
 
     def field_name(self, params_field: str) -> str:
         if params_field == "logprobs":
@@ -503,5 +506,5 @@ class CompletionRequest(_SamplingFields):
                 "best_of", f"best_of: only best_of equal to n ({self.n}) is supported (every sequence is returned)"
             )
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: dict[str, float | int]) -> SamplingParams:
+        return self.sampling_params(self.max_tokens, self.logprobs, defaults)

@@ -81,6 +81,8 @@ class Frontend:
         # tokenizing and template rendering run here, off the event loop (None: inline, for tests of pure logic)
         self.pool = pool
         self.max_prompt_chars = tokenizer.max_chars(args.max_req_total_len)
+        # the model's values for the sampling knobs a request leaves out
+        self.sampling_defaults = dict(info.sampling_defaults)
         # sequences that HTTP requests hold room for, from their capacity check until their response is over (a
         # stream's sequences are submitted only once its response starts: counting submissions would let every
         # concurrent stream pass the check)

@@ -1,0 +1,44 @@
+"""The sampling defaults a model ships in its `generation_config.json`: what a request gets for a sampling field it
+leaves out (`--generation_config`). A request's own value always wins; fields the file does not set keep OpenAI's
+defaults (temperature 1, no top-p / top-k / min-p filter, no repetition penalty). As in vLLM, only the values are
+read: `do_sample` is not, so a file that sets a temperature gets it sampled with."""
+
+from __future__ import annotations
+
+import os
+
+from lightllm.engine.sampling_params import SamplingParams, SamplingParamsError
+from lightllm.server.checkpoint_check import read_json
+
+# the generation_config.json keys taken, each the SamplingParams field of the same name
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# what `--generation_config` accepts besides a folder
+GENERATION_CONFIG_SOURCES = ("auto", "none")
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_sampling_defaults(source: str, model_dir: str) -> dict[str, float | int]:
+    """The defaults `source` names: `auto` the checkpoint's file (none when it has no file), `none` nothing, else
+    a folder's file (which must exist). ValueError naming the file and field when a value is out of the range a
+    request may ask for."""
+    if source == "none":
+        return {}
+    path = os.path.join(model_dir if source == "auto" else source, GENERATION_CONFIG)
+    if not os.path.isfile(path):
+        if source == "auto":
+            return {}
+        raise ValueError(f"--generation_config {source}: no {GENERATION_CONFIG} in that folder")
+    raw = read_json(path)
+    defaults = {k: raw[k] for k in SAMPLING_DEFAULT_FIELDS if raw.get(k) is not None}
+    for key, value in defaults.items():
+        # a bool is an int to Python, and JSON's true would pass as 1
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{path}: {key} must be a number, found {value!r}; {_WAY_OUT}")
+    try:
+        SamplingParams(**defaults)
+    except SamplingParamsError as exc:
+        raise ValueError(f"{path}: {exc}; {_WAY_OUT}") from None
+    return defaults
+
+
+_WAY_OUT = "fix the file, or start with --generation_config none to ignore it"
