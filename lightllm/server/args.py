@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from lightllm.cache.host_tier.arena import MAX_SHARDS
 from lightllm.linear_att import REPLAY_CAPACITIES
 from lightllm.models.quant_config import QUANTIZATION_CHOICES
+from lightllm.server.chat_template import read_chat_template
 from lightllm.server.demo_checkpoint import demo_model
 from lightllm.server.dp.balancer import BALANCERS
 from lightllm.server.dp.placement import place_replicas, visible_cuda_devices
@@ -242,6 +243,12 @@ class ServerArgs:
         "how reasoning is split from the answer into reasoning_content: think (<think>...</think>), none (left in "
         "the content; what clients that read only content expect), auto (think for every supported model family)",
         ("auto", "none", "think"),
+    )
+    chat_template: str | None = _flag(
+        None,
+        "a Jinja chat template used instead of the checkpoint's: a file, or the template text itself (none: the "
+        "checkpoint's own)",
+        type=str,
     )
     generation_config: str = _flag(
         "auto",
@@ -593,5 +600,6 @@ def load_server_args(argv: list[str] | None = None, **overrides) -> tuple[Server
             args = dataclasses.replace(args, served_model_name=demo_name)
     info = read_model_info(model_dir, args.load_format)
     defaults = read_sampling_defaults(args.generation_config, model_dir)
-    info = dataclasses.replace(info, sampling_defaults=tuple(defaults.items()))
+    template = read_chat_template(args.chat_template) if args.chat_template is not None else None
+    info = dataclasses.replace(info, sampling_defaults=tuple(defaults.items()), chat_template=template)
     return resolve(dataclasses.replace(args, model_dir=model_dir), info), info

@@ -35,6 +35,8 @@ class ModelInfo:
     # (field, value) the requests' sampling defaults to, from the generation config `--generation_config` names
     # (`lightllm.server.sampling_defaults`); set once the flags are read
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    # the chat template `--chat_template` puts in place of the checkpoint's (None: the checkpoint's own)
+    chat_template: str | None = None
 
     @property
     def has_mtp(self) -> bool:

@@ -62,11 +62,14 @@ class Tokenizer:
     same calls.
 
     The chat template comes from `tokenizer_config.json` or `chat_template.jinja`, whichever the checkpoint has
-    (transformers reads both), and is rendered with jinja2 by `apply_chat_template`.
+    (transformers reads both), unless `--chat_template` replaces it (`ModelInfo.chat_template`), and is rendered
+    with jinja2 by `apply_chat_template`.
     """
 
     def __init__(self, info: ModelInfo):
         self.hf = checkpoint_tokenizer(info.model_dir)
+        if info.chat_template is not None:
+            self.hf.chat_template = info.chat_template
         self.eos_token_ids = eos_token_ids(info, self.hf.eos_token_id)
         self.vocab_size = len(self.hf)
         if isinstance(self.hf, TiktokenTokenizer):
