@@ -95,10 +95,23 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text))
 
-    def render_chat(self, messages: list[dict], chat_template: str | None = None, **template_kwargs) -> str:
-        """Prompt text for a conversation, ending with the assistant's turn opened."""
+    def render_chat(
+        self,
+        messages: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **template_kwargs,
+    ) -> str:
+        """Prompt text for a conversation, by default ending with the assistant's turn opened;
+        `continue_final_message` leaves the final (assistant) message open instead."""
         return self.hf.apply_chat_template(
-            messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True, **template_kwargs
+            messages,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **template_kwargs,
         )
 
     def history_len(

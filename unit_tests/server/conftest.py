@@ -6,6 +6,7 @@ import re
 import time
 
 import httpx
+import pytest
 
 
 def scrape(base_url: str, name: str) -> float:
@@ -21,3 +22,19 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition") -> Non
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+@pytest.fixture
+def prompts_sent(monkeypatch) -> list[list[int]]:
+    """The prompt token ids the HTTP front end hands the engine, one list per request."""
+    from lightllm.server.http.serving import Frontend
+
+    sent: list[list[int]] = []
+    generate = Frontend.generate
+
+    def recording(self, prompts, *args, **kwargs):
+        sent.extend(list(p) for p in prompts)
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(Frontend, "generate", recording)
+    return sent

@@ -94,22 +94,6 @@ def test_call_result_answer_flow(server, client):
     assert final.usage.prompt_tokens > _prompt_len(server, messages[:1]) + 8
 
 
-@pytest.fixture
-def prompts_sent(monkeypatch) -> list[list[int]]:
-    """The prompt token ids the HTTP front end hands the engine, one list per request."""
-    from lightllm.server.http.serving import Frontend
-
-    sent: list[list[int]] = []
-    generate = Frontend.generate
-
-    def recording(self, prompts, *args, **kwargs):
-        sent.extend(list(p) for p in prompts)
-        return generate(self, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(Frontend, "generate", recording)
-    return sent
-
-
 def test_history_with_a_call_is_the_prompt_the_engine_gets(server, client, prompts_sent):
     """The ids, not only their count: the engine's prompt is the template's rendering of the call (its arguments, a
     JSON string on the wire, as an object) and of the tool's result."""

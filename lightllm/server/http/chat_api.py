@@ -148,7 +148,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     out = ChatOutput(fe, body)
     messages = [m.as_template_input() for m in body.messages]
     template_kwargs = _template_kwargs(body)
-    prompt_ids = await fe.encode_chat(messages, body.chat_template, template_kwargs)
+    opening = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
+    prompt_ids = await fe.encode_chat(messages, body.chat_template, template_kwargs, **opening)
     fe.check_prompt(prompt_ids, params, "messages")
     out.starts_in_reasoning = _opens_reasoning(fe, prompt_ids)
     params = await _constrain(fe, body, out, params)
@@ -157,7 +158,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     fe.check_capacity(params.n, "n")
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
-    history = await fe.chat_history_len(messages, body.chat_template, template_kwargs, prompt_ids)
+    # the conversation before an opened assistant turn is what the next turn repeats; a prompt that opens none
+    # gets no hint
+    opens_turn = body.add_generation_prompt and not body.continue_final_message
+    history = await fe.chat_history_len(messages, body.chat_template, template_kwargs, prompt_ids) if opens_turn else 0
     stream = fe.generate([prompt_ids], params, request, checkpoint_hints=[history] if history else [])
     if not body.stream:
         seqs = await _collect(stream)

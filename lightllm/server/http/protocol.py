@@ -374,6 +374,12 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object, or json_schema (output constrained to the schema by a grammar)"
     )
+    add_generation_prompt: bool = Field(True, description="open the assistant's turn after the messages (vLLM's)")
+    continue_final_message: bool = Field(
+        False,
+        description="render the final assistant message left open, so that the output continues it (vLLM's); "
+        "with add_generation_prompt false",
+    )
     # the legacy function-calling fields: refused unless they ask for nothing (send tools / tool_choice)
     functions: Any = None
     function_call: Any = None
@@ -404,6 +410,7 @@ class ChatCompletionRequest(_SamplingFields):
                 "structured_outputs",
                 "structured_outputs: cannot be combined with response_format or tool_choice required / a named function",
             )
+        self._check_continuation(fmt)
         for i, message in enumerate(self.messages):
             if message.role == "tool" and message.tool_call_id is None:
                 raise RequestError(
@@ -423,6 +430,26 @@ class ChatCompletionRequest(_SamplingFields):
                     f"chat_template_kwargs.{key}",
                     f"chat_template_kwargs.{key}: reserved (an argument of the template call, not a template variable)",
                 )
+
+    def _check_continuation(self, fmt: ResponseFormat | None) -> None:
+        if not self.continue_final_message:
+            return
+        if self.add_generation_prompt:
+            raise RequestError(
+                "continue_final_message", "continue_final_message: set add_generation_prompt to false with it"
+            )
+        if self.messages[-1].role != "assistant":
+            raise RequestError(
+                "continue_final_message",
+                "continue_final_message: the last message must be the assistant's (the one to continue)",
+            )
+        # a grammar constrains a whole reply, not the rest of one already begun
+        if (fmt is not None and fmt.type != "text") or self.structured_outputs is not None or self.forced_tool_choice:
+            raise RequestError(
+                "continue_final_message",
+                "continue_final_message: cannot be combined with response_format, structured_outputs or tool_choice "
+                "required / a named function",
+            )
 
     def _check_tools(self) -> None:
         names = [t.function.name for t in self.tools or []]

@@ -117,7 +117,11 @@ class Frontend:
         self.check_chars(text, param)
         return await self.offload(self.tokenizer.encode, text)
 
-    async def encode_chat(self, messages: list[dict], chat_template: str | None, template_kwargs: dict) -> list[int]:
+    async def encode_chat(
+        self, messages: list[dict], chat_template: str | None, template_kwargs: dict, **opening
+    ) -> list[int]:
+        """Render and encode a conversation; `opening`: `Tokenizer.render_chat`'s add_generation_prompt /
+        continue_final_message."""
         if chat_template is not None:
             if not self.args.trust_request_chat_template:
                 raise ApiError(
@@ -129,7 +133,9 @@ class Frontend:
         elif not self.tokenizer.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
         try:
-            prompt = await self.offload(self.tokenizer.render_chat, messages, chat_template, **template_kwargs)
+            prompt = await self.offload(
+                self.tokenizer.render_chat, messages, chat_template, **opening, **template_kwargs
+            )
         except jinja2.TemplateError as exc:
             # the template's own complaint (e.g. raise_exception("roles must alternate")) is meant for the client
             raise ApiError(400, f"the chat template could not render these messages: {exc}", "messages") from None
