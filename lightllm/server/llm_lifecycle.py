@@ -30,18 +30,23 @@ class ProcessSettings:
 def release_engine(engine, settings: ProcessSettings) -> None:
     """Close `engine`'s runner (a tensor-parallel runner stops its followers and leaves the process group), then
     collect it. The engine's objects were frozen out of the cyclic collector at start-up (`gc.freeze`), and its
-    step loop holds reference cycles, so without unfreezing they would never be freed."""
-    runner = getattr(engine, "runner", None)
-    close = getattr(runner, "close", None)
+    step loop holds reference cycles, so without unfreezing they would never be freed. Nothing here may hold the
+    runner once the device cache is emptied: memory freed after that stays in the caching allocator."""
     try:
-        if close is not None:
-            close()
+        _close_runner(engine)
     finally:
         engine.__dict__.clear()
         gc.unfreeze()
         settings.restore()
         gc.collect()
         release_device_cache()
+
+
+def _close_runner(engine) -> None:
+    # its own frame: the runner it looks up is no longer referenced once it returns
+    close = getattr(getattr(engine, "runner", None), "close", None)
+    if close is not None:
+        close()
 
 
 def release_device_cache() -> None:

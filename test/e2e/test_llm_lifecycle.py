@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from lightllm import LLM, SamplingParams
+from lightllm.server import llm_lifecycle
 from lightllm.server.engine_process import GIL_SWITCH_S
 from lightllm.tools.make_tiny_model import tiny_model_dir
 from lightllm.worker.runner import ModelRunner
@@ -103,6 +104,18 @@ def test_close_releases_the_runner_and_a_second_llm_matches(expected):
     assert runner() is None
 
 
+def test_the_runner_is_unreachable_when_the_device_cache_is_emptied(monkeypatch):
+    """Memory goes back to the driver (`release_device_cache`: torch.cuda.empty_cache on a GPU) only if the runner
+    is gone by then: a runner still referenced at that moment, freed a moment later, leaves its KV cache and pools
+    in the caching allocator after close(), and the next engine sizes its KV cache from what remains."""
+    llm = LLM(model(), **FLAGS)
+    runner = weakref.ref(llm.engine.runner)
+    alive_when_emptied = []
+    monkeypatch.setattr(llm_lifecycle, "release_device_cache", lambda: alive_when_emptied.append(runner() is not None))
+    llm.close()
+    assert alive_when_emptied == [False] and runner() is None
+
+
 def test_garbage_collection_releases_the_engine():
     llm = LLM(model(), **FLAGS)
     runner = weakref.ref(llm.engine.runner)
@@ -183,6 +196,7 @@ def _run(script: str, timeout: float = 240) -> subprocess.CompletedProcess:
 CHILD_PIDS = f"""
 import os
 from lightllm import LLM, SamplingParams
+from lightllm.server import llm_lifecycle
 from lightllm.server.engine_process import GIL_SWITCH_S
 
 def followers():
