@@ -245,18 +245,12 @@ class ServerArgs:
         ("auto", "none", "think"),
     )
     chat_template: str | None = _flag(
-        None,
-        "a Jinja chat template used instead of the checkpoint's: a file, or the template text itself (none: the "
-        "checkpoint's own)",
-        type=str,
+        None, "a Jinja chat template (a file or its text) instead of the checkpoint's", type=str
     )
     generation_config: str = _flag(
-        "auto",
-        "sampling defaults for the fields a request leaves out: auto (the checkpoint's generation_config.json: its "
-        "temperature, top_p, top_k, min_p and repetition_penalty), none (OpenAI's: temperature 1, no filters), or "
-        "a folder holding a generation_config.json",
-        type=str,
-    )
+        "auto", "sampling defaults for fields a request omits: auto (the checkpoint's generation_config.json), "
+        "none (OpenAI's), or a folder holding a generation_config.json", type=str
+    )  # fmt: skip
     enable_docs: bool = _flag(False, "serve the OpenAPI schema and the /docs and /redoc pages", type=bool)
     keep_serving_after_engine_exit: bool = _flag(
         False,
