@@ -46,6 +46,9 @@
 #                 prefill modules, the API server's and the engine's trees; test/gpu/import_times.py)
 #   moe_full      Qwen3.5-35B-A3B at full size (random weights): replay and native decode at 1 / 64 / 256, with the
 #                 kernels of a replay step at 256
+#   moe_full_variants  the same model's decode at 256, replay and native, with the recurrent state stored in bf16
+#                 (--linear_att_ssm_data_type bfloat16, vLLM's default: half the replay kernel's reads), then with the
+#                 experts quantized to FP8 at load (fp32 state); the kernels of each replay step
 #   kimi_full     Kimi-Linear-48B-A3B at full size (random weights, bf16: ~96 GB, an H200): replay and native decode at
 #                 1 / 64 / 256
 #   kimi_ctx      the same model: replay decode of 64 requests at 8k and 32k context with its kernels (the MLA latent
@@ -228,6 +231,13 @@ for part in $parts; do
                       --modes replay,native --batch_sizes 1,64,256 --input_len 128 --output_len 48 --top_kernels 28
                   awk '/ kernel /{buf = buf $0 "\n"} /^\| (replay|native) /{if ($0 ~ /^\| replay .*\| 256 \|/) printf "%s", buf; buf = ""}' \
                       "$LOG_DIR/moe_full.log" ;;
+        moe_full_variants) python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
+                  for variant in "--linear_att_ssm_data_type bfloat16" "--quantization fp8"; do
+                      name="moe_full_${variant##* }"
+                      run "$name" 270 python -m lightllm.tools.bench_throughput --model_dir /tmp/q35 --load_format dummy \
+                          $variant --modes replay,native --batch_sizes 256 --input_len 128 --output_len 48 --top_kernels 16
+                      grep -E " kernel " "$LOG_DIR/$name.log" | head -16
+                  done ;;
         kimi_full|kimi_fp8|kimi_ctx|kimi_ctx_fp8)
                    python -m lightllm.tools.dummy_model_dir --preset kimi-linear-48b-a3b --out /tmp/kimi > /dev/null
                    # FP8 (an H100): weights ~47 GiB, the state of 256 requests ~20 GiB; 32k contexts at 16 requests
