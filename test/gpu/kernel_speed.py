@@ -59,8 +59,9 @@ MLA_CASES = {"decode b64 @8k": (64, 8192), "decode b64 @32k": (64, 32768)}
 # launch tiles tried (block_heads, max_tile_rows, block_keys, warps, stages): each lowers for sm_90 without register
 # spills with its latent loads multi-buffered (stages - 1 blocks in flight); 32-head tiles hold an SM alone
 # (165-252 registers x 8 warps), 16-head ones of 4 warps fit two or three per SM (and keep 16-row tiles for verify);
-# 16 warps (128 registers each) put twice the warps beside one latent block: more dots in flight while others wait
-# on the softmax's row reductions
+# 16 warps (128 registers each) put twice the warps beside one latent block (more dots in flight while others wait
+# on the softmax's row reductions); their MMA layout spreads the warps over the keys, so 64-key blocks compute each
+# score twice (16 warps x 8 keys) and smaller blocks more often: only the 64-key one is tried
 MLA_TILES = [
     (32, 32, 32, 8, 3),
     (16, 16, 16, 4, 4),
@@ -70,9 +71,6 @@ MLA_TILES = [
     (16, 16, 16, 8, 4),
     (32, 32, 16, 8, 5),
     (32, 32, 64, 8, 3),
-    (32, 32, 32, 16, 3),
-    (32, 32, 32, 16, 4),
-    (32, 32, 16, 16, 5),
     (32, 32, 64, 16, 3),
 ]
 # 64-row tiles (`min_tile_rows`: a 32-head decode tile padded, a two-token verify tile as it is): both dots on
