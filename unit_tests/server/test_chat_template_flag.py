@@ -25,6 +25,17 @@ def test_a_file_or_the_text_is_taken_and_checked(tmp_path):
         read_chat_template(str(path))
 
 
+def test_templates_transformers_renders_are_accepted():
+    """The check parses in transformers' own environment: its loop controls and `{% generation %}` (in templates
+    made for training) are valid there, while a tag no environment knows is still refused."""
+    loop = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}"
+    tracked = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    assert read_chat_template(loop) == loop
+    assert read_chat_template(tracked) == tracked
+    with pytest.raises(ValueError, match=r"--chat_template: the template text, line 1: .*'nonsense'"):
+        read_chat_template("{% for m in messages %}{% nonsense %}{% endfor %}")
+
+
 @pytest.fixture(scope="module", params=[TEMPLATE, None], ids=["flag", "checkpoint"])
 def server(request):
     s = LiveServer(device="cpu", chat_template=request.param, max_running_requests=2, max_total_token_num=1024)
