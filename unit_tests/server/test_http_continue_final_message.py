@@ -5,6 +5,8 @@ field."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -42,6 +44,45 @@ def test_the_final_message_is_continued(server, prompts_sent):
         assert _chat(server, **fields).status_code == 200
         other = tok.render_chat(MESSAGES, **kwargs)
         assert prompts_sent == [tok.encode_rendered(other)] and other != expected
+
+
+@pytest.fixture(scope="module")
+def thinking_server():
+    s = tiny_checkpoint_server("qwen3_5", "think")
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_continued_reasoning_block_stays_reasoning(thinking_server, stream):
+    """A prefilled reply that opened `<think>` and did not close it is continued inside the block: the output up to
+    `</think>` (which this model never writes) is reasoning, as when the template opens the block. The twin: a
+    prefill whose block is closed is continued as the answer."""
+    s = thinking_server
+    opened = [MESSAGES[0], {"role": "assistant", "content": "<think>\nSeven is prime; the next"}]
+    closed = [MESSAGES[0], {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\nSeven, and the next"}]
+    parts = {}
+    for name, messages in (("opened", opened), ("closed", closed)):
+        body = {"model": s.model, "messages": messages, "max_tokens": 8, "stream": stream}
+        body.update(continue_final_message=True, add_generation_prompt=False)
+        r = httpx.post(f"{s.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        parts[name] = _reasoning_and_content(r, stream)
+    assert parts["opened"][0] and not parts["opened"][1]
+    assert parts["closed"][1] and not parts["closed"][0]
+
+
+def _reasoning_and_content(r: httpx.Response, stream: bool) -> tuple[str, str]:
+    if not stream:
+        message = r.json()["choices"][0]["message"]
+        return message.get("reasoning_content") or "", message["content"] or ""
+    reasoning = content = ""
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[len("data: ") :])["choices"]:
+                reasoning += choice["delta"].get("reasoning_content") or ""
+                content += choice["delta"].get("content") or ""
+    return reasoning, content
 
 
 @pytest.mark.parametrize(

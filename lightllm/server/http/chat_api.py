@@ -88,6 +88,15 @@ def _opens_reasoning(fe: Frontend, prompt_ids: list[int]) -> bool:
     return tail.endswith(THINK_OPEN)
 
 
+def _continues_reasoning(body: ChatCompletionRequest) -> bool:
+    """The assistant message being continued opened a `<think>` block and did not close it (a prefilled start of
+    the reasoning): the output begins inside the block, though the prompt does not end with its opening."""
+    if not body.continue_final_message:
+        return False
+    text = body.messages[-1].as_template_input()["content"]
+    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+
+
 def _single_token(fe: Frontend, text: str) -> int | None:
     ids = fe.tokenizer.encode_rendered(text)
     return ids[0] if len(ids) == 1 else None
@@ -151,7 +160,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     opening = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
     prompt_ids = await fe.encode_chat(messages, body.chat_template, template_kwargs, **opening)
     fe.check_prompt(prompt_ids, params, "messages")
-    out.starts_in_reasoning = _opens_reasoning(fe, prompt_ids)
+    out.starts_in_reasoning = _opens_reasoning(fe, prompt_ids) or _continues_reasoning(body)
     params = await _constrain(fe, body, out, params)
     if out.body.uses_tools and out.tool_parser == "kimi" and params.skip_special_tokens:
         # Kimi's tool-call section markers are special tokens: the parser has to see them
