@@ -46,6 +46,24 @@ def test_the_final_message_is_continued(server, prompts_sent):
         assert prompts_sent == [tok.encode_rendered(other)] and other != expected
 
 
+def test_tokenize_renders_messages_as_the_chat_request_does(server, prompts_sent):
+    """/tokenize of messages takes vLLM's add_generation_prompt and continue_final_message too: its ids are the
+    prompt a chat request with the same fields hands the engine; the twin without them opens a new turn."""
+    opening = {"continue_final_message": True, "add_generation_prompt": False}
+    assert _chat(server, **opening).status_code == 200
+    r = httpx.post(f"{server.base_url}/tokenize", json={"messages": MESSAGES, **opening}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert prompts_sent == [r.json()["tokens"]]
+    plain = httpx.post(f"{server.base_url}/tokenize", json={"messages": MESSAGES}, timeout=60).json()["tokens"]
+    assert plain != r.json()["tokens"]
+    assert plain == server.tokenizer.encode_rendered(server.tokenizer.render_chat(MESSAGES))
+    r = httpx.post(f"{server.base_url}/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False})
+    closed = server.tokenizer.render_chat(MESSAGES, add_generation_prompt=False)
+    assert r.json()["tokens"] == server.tokenizer.encode_rendered(closed)
+    bad = httpx.post(f"{server.base_url}/tokenize", json={"messages": MESSAGES, "continue_final_message": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message", bad.text
+
+
 @pytest.fixture(scope="module")
 def thinking_server():
     s = tiny_checkpoint_server("qwen3_5", "think")

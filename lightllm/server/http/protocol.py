@@ -330,6 +330,22 @@ class _SamplingFields(StrictModel):
         return params_field
 
 
+def check_opening(add_generation_prompt: bool, continue_final_message: bool, messages: list[ChatMessage]) -> None:
+    """RequestError naming continue_final_message when the conversation cannot be rendered that way (vLLM's
+    switches; chat requests and /tokenize of messages alike)."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise RequestError(
+            "continue_final_message", "continue_final_message: set add_generation_prompt to false with it"
+        )
+    if messages[-1].role != "assistant":
+        raise RequestError(
+            "continue_final_message",
+            "continue_final_message: the last message must be the assistant's (the one to continue)",
+        )
+
+
 # apply_chat_template's own arguments: as template variables they would change how the prompt is built
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -432,17 +448,9 @@ class ChatCompletionRequest(_SamplingFields):
                 )
 
     def _check_continuation(self, fmt: ResponseFormat | None) -> None:
+        check_opening(self.add_generation_prompt, self.continue_final_message, self.messages)
         if not self.continue_final_message:
             return
-        if self.add_generation_prompt:
-            raise RequestError(
-                "continue_final_message", "continue_final_message: set add_generation_prompt to false with it"
-            )
-        if self.messages[-1].role != "assistant":
-            raise RequestError(
-                "continue_final_message",
-                "continue_final_message: the last message must be the assistant's (the one to continue)",
-            )
         # a grammar constrains a whole reply, not the rest of one already begun
         if (fmt is not None and fmt.type != "text") or self.structured_outputs is not None or self.forced_tool_choice:
             raise RequestError(

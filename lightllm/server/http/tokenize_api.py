@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from lightllm import __version__
-from lightllm.server.http.protocol import ChatMessage, StrictModel, Text
+from lightllm.server.http.protocol import ChatMessage, RequestError, StrictModel, Text, check_opening
 from lightllm.server.http.serving import ApiError, Frontend
 
 router = APIRouter()
@@ -18,6 +18,9 @@ class TokenizeRequest(StrictModel):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
+    # messages: rendered as a chat request with the same fields renders them (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(StrictModel):
@@ -38,7 +41,15 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        ids = await fe.encode_chat([m.as_template_input() for m in body.messages], None, {})
+        try:
+            check_opening(body.add_generation_prompt, body.continue_final_message, body.messages)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), exc.field) from None
+        messages = [m.as_template_input() for m in body.messages]
+        opening = dict(
+            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message
+        )
+        ids = await fe.encode_chat(messages, None, {}, **opening)
     else:
         fe.check_chars(body.prompt, "prompt")
         encode = fe.tokenizer.encode if body.add_special_tokens else fe.tokenizer.encode_rendered
