@@ -10,12 +10,13 @@ import json
 import httpx
 import pytest
 
-from unit_tests.server.live_server import tiny_checkpoint_server
+from unit_tests.server.live_server import LiveServer, tiny_checkpoint_server
 
 MESSAGES = [
     {"role": "user", "content": "Name a prime."},
     {"role": "assistant", "content": "Seven, and the next one is"},
 ]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,27 @@ def _reasoning_and_content(r: httpx.Response, stream: bool) -> tuple[str, str]:
                 reasoning += choice["delta"].get("reasoning_content") or ""
                 content += choice["delta"].get("content") or ""
     return reasoning, content
+
+
+@pytest.fixture(scope="module")
+def rewriting_server():
+    # a template that does not write the assistant's text as sent: no final message of it can be continued
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content | upper }}\n{% endfor %}"
+    s = LiveServer(device="cpu", chat_template=template, max_running_requests=2, max_total_token_num=1024)
+    yield s
+    s.close()
+
+
+def test_a_template_that_rewrites_the_final_message_gets_400_naming_the_field(rewriting_server):
+    s = rewriting_server
+    body = {"model": s.model, "messages": MESSAGES, "max_tokens": 3}
+    r = httpx.post(f"{s.base_url}/v1/chat/completions", json={**body, **CONTINUE}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "continue_final_message"
+    assert "the chat template does not write the final message as sent" in error["message"]
+    # the twin: the same conversation with a new turn opened renders
+    assert httpx.post(f"{s.base_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -139,7 +139,15 @@ class Frontend:
         except jinja2.TemplateError as exc:
             # the template's own complaint (e.g. raise_exception("roles must alternate")) is meant for the client
             raise ApiError(400, f"the chat template could not render these messages: {exc}", "messages") from None
-        except Exception:
+        except Exception as exc:
+            if opening.get("continue_final_message") and "continue_final_message" in str(exc):
+                # transformers found no final message to leave open in the rendering: the client's to fix
+                raise ApiError(
+                    400,
+                    "continue_final_message: the chat template does not write the final message as sent (it rewrites "
+                    "or drops part of it), so it cannot be continued",
+                    "continue_final_message",
+                ) from None
             logger.exception("chat template rendering failed")
             raise ApiError(400, "the chat template could not render these messages", "messages") from None
         self.check_chars(prompt, "messages")
