@@ -6,6 +6,8 @@ logits follow the dequantized-weight model's."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import math
 import shutil
@@ -16,14 +18,19 @@ from safetensors.torch import load_file, save_file
 
 from lightllm.engine.batch import ForwardBatch
 from lightllm.kernels.fp8 import FP8_DTYPE, quantize_weight_blocks
+from lightllm.kernels.fp8.shapes import SERVED_GEMMS
+from lightllm.models import loader
+from lightllm.models.dummy_weights import load_dummy_weights
 from lightllm.models.hybrid import HybridModel
 from lightllm.models.layers.quantized_linear import Fp8Weight, stack_experts
 from lightllm.models.loader import load_weights
-from lightllm.models.quant_config import KEPT_UNQUANTIZED
-from lightllm.models.registry import load_model_config
+from lightllm.models.quant_config import KEPT_UNQUANTIZED, kept_unquantized
+from lightllm.models.registry import load_model_config, model_config_from_dict
 from lightllm.models.tp import TPInfo
 from lightllm.server.checkpoint_check import check_checkpoint
+from lightllm.tools.dummy_model_dir import PRESETS
 from lightllm.tools.quantize_fp8 import dequantize_checkpoint, quantize_checkpoint
+from lightllm.tools.tiny_model.configs import model_config
 from unit_tests.models.drive import make_runner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -320,3 +327,31 @@ def test_stack_experts_equals_a_stack_of_the_parts(fp8):
     mixed = [parts[0], Fp8Weight.quantize(weights[1], BLOCK) if not fp8 else weights[1]]
     with pytest.raises(ValueError, match="mix FP8 and plain"):
         stack_experts(iter(mixed), 2)
+
+
+def served_fp8_shapes(preset: str) -> set[tuple[int, int]]:
+    """The `[N, K]` of every dense FP8 projection a model at the served checkpoint's widths holds after quantizing at
+    load (random weights; two layers, one GDN and one attention, two experts, no MTP: the dense widths are the
+    released model's)."""
+    arch, sizes, _ = PRESETS[preset]
+    sizes = dataclasses.replace(
+        sizes, num_layers=2, full_attention_interval=2, vocab_size=512, num_experts=2, num_experts_per_tok=1
+    )
+    cfg = model_config(arch, dataclasses.replace(sizes, num_mtp_layers=0), "float32", collections.defaultdict(int))
+    model = HybridModel(model_config_from_dict(cfg))
+    load_dummy_weights(model, torch.float32, "cpu", quantization="fp8")
+    return {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Fp8Weight) and m.weight.dim() == 2}
+
+
+@pytest.mark.parametrize("preset", list(SERVED_GEMMS))
+def test_served_gemm_list_names_the_projections_the_engine_runs(preset):
+    """What the tuner and the GEMM benchmarks run (`SERVED_GEMMS`) is every dense FP8 GEMM shape the engine runs for
+    that checkpoint, GDN's b / a unquantized as in Qwen's releases."""
+    assert served_fp8_shapes(preset) == set(SERVED_GEMMS[preset].values())
+
+
+def test_twin_gdn_with_b_a_quantized_runs_another_input_projection(monkeypatch):
+    """Twin: with b / a quantized too, GDN's input GEMM takes their rows (q|k|v|z|b|a): a shape the list lacks."""
+    monkeypatch.setattr(loader, "kept_unquantized", lambda name: kept_unquantized(name, QUANTIZES_BA))
+    shapes = served_fp8_shapes("qwen3.5-35b-a3b")
+    assert (12352, 2048) in shapes and shapes != set(SERVED_GEMMS["qwen3.5-35b-a3b"].values())
