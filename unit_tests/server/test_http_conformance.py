@@ -193,3 +193,34 @@ def test_error_bodies_are_openai_shaped(server):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == 400
     assert "Traceback" not in json.dumps(error)
+
+
+# fields OpenAI's API marks nullable, sent as null by clients that mean "not set"
+NULLED = {"n": None, "stream": None, "stream_options": None, "logprobs": None, "max_tokens": None, "seed": None}
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_null_fields_take_their_defaults(server, route):
+    body = {"model": server.model, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    if route == "chat":
+        url, body["messages"], extra = "chat/completions", [{"role": "user", "content": "nulls"}], {"echo": None}
+        extra |= {"parallel_tool_calls": None, "add_generation_prompt": None, "top_logprobs": None}
+    else:
+        url, body["prompt"], extra = "completions", "nulls", {"echo": None, "suffix": None}
+
+    def text(r: httpx.Response) -> str:
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert len(choices) == 1
+        return choices[0]["message"]["content"] if route == "chat" else choices[0]["text"]
+
+    plain = text(httpx.post(f"{server.base_url}/v1/{url}", json=body))
+    nulled = {**body, **extra, **{k: v for k, v in NULLED.items() if k != "max_tokens"}}
+    assert text(httpx.post(f"{server.base_url}/v1/{url}", json=nulled)) == plain
+    # max_tokens: null is "no limit here" (the context's room), not the 6 above
+    unbounded = httpx.post(f"{server.base_url}/v1/{url}", json={**nulled, "max_tokens": None}).json()
+    assert unbounded["usage"]["completion_tokens"] > 6
+    # twin: a required field's null is still refused, naming it
+    for required in ("model", "messages" if route == "chat" else "prompt"):
+        r = httpx.post(f"{server.base_url}/v1/{url}", json={**body, required: None})
+        assert r.status_code == 400 and r.json()["error"]["param"] == required, (required, r.text)

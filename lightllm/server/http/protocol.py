@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lightllm.engine.sampling_params import (
     MAX_INT,
@@ -53,9 +53,20 @@ Int = Annotated[int, Field(ge=0, le=MAX_INT)]
 
 
 class StrictModel(BaseModel):
-    """Strict types, unknown fields ignored, no NaN or infinity."""
+    """Strict types, unknown fields ignored, no NaN or infinity; an explicit null in an optional field is the field
+    left out."""
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_takes_the_default(cls, data):
+        """OpenAI's API marks the fields that have defaults nullable, and clients send `"n": null` or `"stream":
+        null` for "not set": such a null takes the field's default. A required field's null stays an error."""
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, field in cls.model_fields.items() if not field.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
 class TextPart(StrictModel):
