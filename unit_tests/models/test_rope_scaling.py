@@ -99,11 +99,14 @@ def test_disagreeing_spellings_and_bad_fields_are_refused():
     assert rope_scaling(raw).rope_type == "yarn"
 
 
-def test_kimi_rotary_mla_is_refused(tmp_path):
+def test_kimi_rotary_or_biased_mla_is_refused(tmp_path):
     raw = json.loads((tiny_model_dir("kimi_linear") / "config.json").read_text())
     assert kimi_map_config(raw).attention.rotary_dim == 0
+    assert kimi_map_config({**raw, "attention_bias": False}).attention.bias is False
     with pytest.raises(ValueError, match="mla_use_nope"):
         kimi_map_config({**raw, "mla_use_nope": False})
+    with pytest.raises(ValueError, match="attention_bias"):
+        kimi_map_config({**raw, "attention_bias": True})
 
 
 @pytest.fixture(scope="module")

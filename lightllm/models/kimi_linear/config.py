@@ -48,11 +48,14 @@ def map_config(raw: dict) -> ModelConfig:
         raise ValueError("kimi_linear with mla_use_nope false (rotary MLA) is not supported: only NoPE MLA is")
     if raw.get("q_lora_rank"):
         raise ValueError("kimi_linear with q_lora_rank is not supported (no released checkpoint uses it)")
+    # the latent projection and o_proj would carry biases the latent-space attention does not add
+    if raw.get("attention_bias"):
+        raise ValueError("kimi_linear with attention_bias true is not supported (no released checkpoint uses it)")
     attention = AttentionConfig(
         kind="mla",
         num_heads=num_heads,
         num_kv_heads=num_heads,
-        bias=bool(raw.get("attention_bias", False)),
+        bias=False,
         kv_lora_rank=raw["kv_lora_rank"],
         qk_nope_head_dim=raw["qk_nope_head_dim"],
         qk_rope_head_dim=raw["qk_rope_head_dim"],
