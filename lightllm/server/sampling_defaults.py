@@ -23,6 +23,12 @@ def read_sampling_defaults(source: str, model_dir: str) -> dict[str, float | int
     request may ask for."""
     if source == "none":
         return {}
+    if source != "auto" and not os.path.isdir(source):
+        # vLLM spells "none" as "vllm": a value that is no folder is most likely such a word
+        choices = ", ".join(GENERATION_CONFIG_SOURCES)
+        raise ValueError(
+            f"--generation_config {source}: not a folder; give {choices} or a folder with {GENERATION_CONFIG}"
+        )
     path = os.path.join(model_dir if source == "auto" else source, GENERATION_CONFIG)
     if not os.path.isfile(path):
         if source == "auto":

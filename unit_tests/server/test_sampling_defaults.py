@@ -36,6 +36,10 @@ def test_the_file_values_are_read_and_checked(tmp_path):
     assert read_sampling_defaults("auto", str(tmp_path)) == {}
     with pytest.raises(ValueError, match="no generation_config.json in that folder"):
         read_sampling_defaults(str(tmp_path), demo)
+    # a word that is no folder (vLLM's "vllm") is named as such, with the accepted words
+    for word in ("vllm", str(tmp_path / "absent")):
+        with pytest.raises(ValueError, match=r"not a folder; give auto, none or a folder"):
+            read_sampling_defaults(word, demo)
     folder = _folder(tmp_path, temperature=0.3, min_p=0.05, repetition_penalty=1.1, max_new_tokens=99)
     assert read_sampling_defaults(folder, demo) == {"temperature": 0.3, "min_p": 0.05, "repetition_penalty": 1.1}
     for bad, field in (({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"), ({"top_k": True}, "top_k")):
