@@ -23,7 +23,7 @@ from lightllm.server.engine_process import build_engine
 from lightllm.server.llm_lifecycle import ProcessSettings, release_engine
 from lightllm.server.output import PromptLogprobs, SequenceOutput, prompt_problem
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
-from lightllm.server.tokenizer import Tokenizer
+from lightllm.server.tokenizer import Tokenizer, opening_problem
 
 
 @dataclass
@@ -103,7 +103,7 @@ class LLM:
         return self._generate(prompts, sampling_params)
 
     def _generate(self, prompts, sampling_params: SamplingParams | None, checkpoint_hints: list[int] = ()):
-        """`generate`; `checkpoint_hints`: prompt positions worth a prefix-cache checkpoint (every prompt)."""
+        """`generate`; `checkpoint_hints[p]`: a position of prompt p worth a prefix-cache checkpoint (0: none)."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one")
         params = sampling_params or self.default_sampling_params()
@@ -139,7 +139,7 @@ class LLM:
                             result.prompt_token_ids,
                             sub,
                             list(self.tokenizer.eos_token_ids),
-                            [h for h in checkpoint_hints if h],
+                            [checkpoint_hints[p]] if p < len(checkpoint_hints) and checkpoint_hints[p] else [],
                             # a grammar (SamplingParams.grammar) is matched against this checkpoint's vocabulary
                             tokenizer_dir=self.info.model_dir if sub.grammar is not None else "",
                         )
@@ -159,12 +159,43 @@ class LLM:
                 result.outputs.append(CompletionOutput(j, out.text, out.token_ids, out.finish_reason, logprobs))
         return results
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """Render `messages` with the checkpoint's chat template and generate the assistant's reply."""
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation (one, or a list of them) with the checkpoint's chat template and generate the
+        assistant's reply: one RequestOutput per conversation, as vLLM's `LLM.chat`. `continue_final_message`
+        (with `add_generation_prompt=False`) continues the final assistant message instead of opening a new turn;
+        `chat_template_kwargs` and `tools` reach the template."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one")
-        ids = self.tokenizer.encode_chat(messages)
-        return self._generate([ids], sampling_params, [self.tokenizer.history_len(messages, ids)])[0]
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        kwargs = dict(chat_template_kwargs or {}, **({"tools": tools} if tools else {}))
+        prompts, hints = [], []
+        for conversation in conversations:
+            if not conversation:
+                raise ValueError("messages: a conversation needs at least one message")
+            problem = opening_problem(add_generation_prompt, continue_final_message, conversation[-1].get("role"))
+            if problem is not None:
+                raise ValueError(problem)
+            ids = self.tokenizer.encode_rendered(
+                self.tokenizer.render_chat(
+                    conversation,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **kwargs,
+                )
+            )
+            prompts.append(ids)
+            # the conversation without the opened turn is where the next turn's prompt parts from this one
+            hints.append(self.tokenizer.history_len(conversation, ids, **kwargs) if add_generation_prompt else 0)
+        return self._generate(prompts, sampling_params, hints)
 
     def _absorb(self, outputs, seqs: dict[str, SequenceOutput]) -> None:
         """Feed engine outputs to their sequences. Tokens of a sequence without stop strings are only buffered

@@ -56,6 +56,18 @@ def direct_decoder(hf):
     return None if backend is None or getattr(hf, "clean_up_tokenization_spaces", True) else backend
 
 
+def opening_problem(add_generation_prompt: bool, continue_final_message: bool, last_role: str) -> str | None:
+    """Why a conversation whose last message has `last_role` cannot be rendered with vLLM's two switches (the
+    assistant's turn opened after it, or its final message continued), else None."""
+    if not continue_final_message:
+        return None
+    if add_generation_prompt:
+        return "continue_final_message: set add_generation_prompt to false with it"
+    if last_role != "assistant":
+        return "continue_final_message: the last message must be the assistant's (the one to continue)"
+    return None
+
+
 class Tokenizer:
     """Wraps the tokenizer of a checkpoint folder: its Hugging Face tokenizer, or for a folder with
     `tiktoken.model` and no `tokenizer.json` (Kimi's format) the project's `TiktokenTokenizer`, which takes the

@@ -54,7 +54,7 @@ def test_four_turn_chat_resumes_every_turn_and_equals_the_cold_run(served):
         r = _client(server).chat.completions.create(
             model=server.model, messages=messages, max_tokens=8, temperature=0, logprobs=True
         )
-        want = cold.chat(messages, SamplingParams(temperature=0, max_tokens=8, logprobs=0))
+        (want,) = cold.chat(messages, SamplingParams(temperature=0, max_tokens=8, logprobs=0))
         assert want.num_cached_tokens == 0
         assert r.choices[0].message.content == want.outputs[0].text
         np.testing.assert_allclose(

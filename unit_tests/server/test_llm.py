@@ -68,5 +68,42 @@ def test_params_changed_after_construction_are_checked_again(llm):
 
 
 def test_chat(llm):
-    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    (out,) = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 5
+
+
+def _rendered(llm, messages, **kwargs) -> list[int]:
+    return llm.tokenizer.encode_rendered(llm.tokenizer.render_chat(messages, **kwargs))
+
+
+def test_chat_takes_vllms_switches_and_a_batch_of_conversations(llm):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    asked = [{"role": "user", "content": "Count to five."}]
+    begun = [*asked, {"role": "assistant", "content": "1, 2,"}]
+    (plain,) = llm.chat(asked, params, chat_template_kwargs={"enable_thinking": False})
+    (continued,) = llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)
+    # each conversation rendered as the template renders it with those switches, and decoded from there
+    assert plain.prompt_token_ids == _rendered(llm, asked, enable_thinking=False)
+    assert continued.prompt_token_ids == _rendered(llm, begun, add_generation_prompt=False, continue_final_message=True)
+    assert llm.tokenizer.decode(continued.prompt_token_ids).endswith("assistant\n1, 2,")
+    for out in (plain, continued):
+        assert out.outputs[0].token_ids == FakeRunner(llm.info.vocab_size).greedy(out.prompt_token_ids, 6)
+    # twins: without the switches the prompt differs (thinking left on; the reply closed and a new turn opened)
+    (thinking,) = llm.chat(asked, params)
+    assert thinking.prompt_token_ids == _rendered(llm, asked) != plain.prompt_token_ids
+    (reopened,) = llm.chat(begun, params)
+    assert reopened.prompt_token_ids == _rendered(llm, begun) != continued.prompt_token_ids
+    # a batch gives one output per conversation, each the one a single call gives
+    batch = llm.chat([asked, begun], params)
+    assert [b.prompt_token_ids for b in batch] == [thinking.prompt_token_ids, reopened.prompt_token_ids]
+    assert [b.outputs[0].token_ids for b in batch] == [thinking.outputs[0].token_ids, reopened.outputs[0].token_ids]
+
+
+def test_chat_refuses_a_continuation_it_cannot_render(llm):
+    asked = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="set add_generation_prompt to false"):
+        llm.chat([*asked, {"role": "assistant", "content": "he"}], continue_final_message=True)
+    with pytest.raises(ValueError, match="the last message must be the assistant's"):
+        llm.chat(asked, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="at least one message"):
+        llm.chat([asked, []])

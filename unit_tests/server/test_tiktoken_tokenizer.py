@@ -295,7 +295,7 @@ def test_tiny_kimi_served_with_tiktoken_tokenizer(tmp_path, ranks):
     kept = {by_name["<|im_middle|>"]: b"<|im_middle|>"}
     decoded = b"".join(by_rank.get(i, kept.get(i, b"")) for i in expected)
     assert out.outputs[0].text == decoded.decode("utf-8", errors="replace")
-    chat = llm.chat([{"role": "user", "content": "Hello world"}], params)
+    (chat,) = llm.chat([{"role": "user", "content": "Hello world"}], params)
     rendered = (
         jinja2.Environment()
         .from_string(TEMPLATES["kimi_linear"])

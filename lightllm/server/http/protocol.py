@@ -23,6 +23,7 @@ from lightllm.engine.sampling_params import (
     SamplingParams,
     SamplingParamsError,
 )
+from lightllm.server.tokenizer import opening_problem
 
 # at most this many stop strings / stop token ids per request (each is checked against the stream)
 MAX_STOPS = 64
@@ -342,19 +343,11 @@ class _SamplingFields(StrictModel):
 
 
 def check_opening(add_generation_prompt: bool, continue_final_message: bool, messages: list[ChatMessage]) -> None:
-    """RequestError naming continue_final_message when the conversation cannot be rendered that way (vLLM's
-    switches; chat requests and /tokenize of messages alike)."""
-    if not continue_final_message:
-        return
-    if add_generation_prompt:
-        raise RequestError(
-            "continue_final_message", "continue_final_message: set add_generation_prompt to false with it"
-        )
-    if messages[-1].role != "assistant":
-        raise RequestError(
-            "continue_final_message",
-            "continue_final_message: the last message must be the assistant's (the one to continue)",
-        )
+    """RequestError naming continue_final_message when the conversation cannot be rendered that way (chat
+    requests and /tokenize of messages alike)."""
+    problem = opening_problem(add_generation_prompt, continue_final_message, messages[-1].role)
+    if problem is not None:
+        raise RequestError("continue_final_message", problem)
 
 
 # apply_chat_template's own arguments: as template variables they would change how the prompt is built
