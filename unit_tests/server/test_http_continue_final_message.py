@@ -72,6 +72,39 @@ def thinking_server():
     s.close()
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tokenize_takes_tools_and_template_variables_as_chat_does(thinking_server, prompts_sent):
+    """/tokenize of messages with tools and chat_template_kwargs counts the prompt a chat request with the same
+    fields hands the engine (vLLM's /tokenize takes both); twins: either left out gives another prompt."""
+    s, messages = thinking_server, [MESSAGES[0]]
+    fields = {"tools": [WEATHER_TOOL], "chat_template_kwargs": {"enable_thinking": False}}
+    r = httpx.post(
+        f"{s.base_url}/v1/chat/completions",
+        json={"model": s.model, "messages": messages, "max_tokens": 2, **fields},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    counted = httpx.post(f"{s.base_url}/tokenize", json={"messages": messages, **fields}, timeout=60)
+    assert counted.status_code == 200, counted.text
+    assert prompts_sent == [counted.json()["tokens"]]
+    for left_out in fields:
+        other = {k: v for k, v in fields.items() if k != left_out}
+        r = httpx.post(f"{s.base_url}/tokenize", json={"messages": messages, **other}, timeout=60)
+        assert r.json()["tokens"] != counted.json()["tokens"], left_out
+    bad = {"messages": messages, "chat_template_kwargs": {"tools": []}}
+    r = httpx.post(f"{s.base_url}/tokenize", json=bad, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.tools", r.text
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_a_continued_reasoning_block_stays_reasoning(thinking_server, stream):
     """A prefilled reply that opened `<think>` and did not close it is continued inside the block: the output up to

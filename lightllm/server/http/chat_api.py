@@ -33,7 +33,7 @@ from lightllm.server.http.parsers import (
     reasoning_parser_name,
     tool_parser_name,
 )
-from lightllm.server.http.protocol import ChatCompletionRequest, RequestError
+from lightllm.server.http.protocol import ChatCompletionRequest, RequestError, template_kwargs
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
 from lightllm.server.http.structured import constrained, request_grammar
 
@@ -73,13 +73,6 @@ class ChatOutput:
     def keep_calls(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
         """parallel_tool_calls: false keeps the first call only."""
         return calls if self.body.parallel_tool_calls else [c for c in calls if c.index == 0]
-
-
-def _template_kwargs(body: ChatCompletionRequest) -> dict:
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.uses_tools:
-        kwargs["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools]
-    return kwargs
 
 
 def _opens_reasoning(fe: Frontend, prompt_ids: list[int]) -> bool:
@@ -156,9 +149,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     fe.check_capacity(params.n, "n")
     out = ChatOutput(fe, body)
     messages = [m.as_template_input() for m in body.messages]
-    template_kwargs = _template_kwargs(body)
+    kwargs = template_kwargs(body.chat_template_kwargs, body.tools if body.uses_tools else None)
     opening = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
-    prompt_ids = await fe.encode_chat(messages, body.chat_template, template_kwargs, **opening)
+    prompt_ids = await fe.encode_chat(messages, body.chat_template, kwargs, **opening)
     fe.check_prompt(prompt_ids, params, "messages")
     out.starts_in_reasoning = _opens_reasoning(fe, prompt_ids) or _continues_reasoning(body)
     params = await _constrain(fe, body, out, params)
@@ -170,7 +163,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     # the conversation before an opened assistant turn is what the next turn repeats; a prompt that opens none
     # gets no hint
     opens_turn = body.add_generation_prompt and not body.continue_final_message
-    history = await fe.chat_history_len(messages, body.chat_template, template_kwargs, prompt_ids) if opens_turn else 0
+    history = await fe.chat_history_len(messages, body.chat_template, kwargs, prompt_ids) if opens_turn else 0
     stream = fe.generate([prompt_ids], params, request, checkpoint_hints=[history] if history else [])
     if not body.stream:
         seqs = await _collect(stream)

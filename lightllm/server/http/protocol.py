@@ -371,6 +371,28 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """RequestError naming the key when `chat_template_kwargs` holds an argument of the template call."""
+    for key in kwargs or {}:
+        if key == "chat_template":
+            raise RequestError(
+                "chat_template_kwargs.chat_template", "chat_template_kwargs.chat_template: send it as chat_template"
+            )
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise RequestError(
+                f"chat_template_kwargs.{key}",
+                f"chat_template_kwargs.{key}: reserved (an argument of the template call, not a template variable)",
+            )
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, tools: list[ToolDef] | None) -> dict[str, Any]:
+    """What the chat template renders with beside the messages: the client's variables, and the tools offered."""
+    out = dict(kwargs or {})
+    if tools:
+        out["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in tools]
+    return out
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
@@ -440,16 +462,7 @@ class ChatCompletionRequest(_SamplingFields):
                 raise RequestError(
                     f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: only assistant messages make calls"
                 )
-        for key in self.chat_template_kwargs or {}:
-            if key == "chat_template":
-                raise RequestError(
-                    "chat_template_kwargs.chat_template", "chat_template_kwargs.chat_template: send it as chat_template"
-                )
-            if key in RESERVED_TEMPLATE_KWARGS:
-                raise RequestError(
-                    f"chat_template_kwargs.{key}",
-                    f"chat_template_kwargs.{key}: reserved (an argument of the template call, not a template variable)",
-                )
+        check_template_kwargs(self.chat_template_kwargs)
 
     def _check_continuation(self, fmt: ResponseFormat | None) -> None:
         check_opening(self.add_generation_prompt, self.continue_final_message, self.messages)

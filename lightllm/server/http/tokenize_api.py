@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from pydantic import Field
 
 from lightllm import __version__
-from lightllm.server.http.protocol import ChatMessage, RequestError, StrictModel, Text, check_opening
+from lightllm.server.http.protocol import (
+    MAX_TOOLS,
+    ChatMessage,
+    RequestError,
+    StrictModel,
+    Text,
+    ToolDef,
+    check_opening,
+    check_template_kwargs,
+    template_kwargs,
+)
 from lightllm.server.http.serving import ApiError, Frontend
 
 router = APIRouter()
@@ -21,6 +33,8 @@ class TokenizeRequest(StrictModel):
     # messages: rendered as a chat request with the same fields renders them (vLLM's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
 
 
 class DetokenizeRequest(StrictModel):
@@ -43,13 +57,14 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if body.messages is not None:
         try:
             check_opening(body.add_generation_prompt, body.continue_final_message, body.messages)
+            check_template_kwargs(body.chat_template_kwargs)
         except RequestError as exc:
             raise ApiError(400, str(exc), exc.field) from None
         messages = [m.as_template_input() for m in body.messages]
         opening = dict(
             add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message
         )
-        ids = await fe.encode_chat(messages, None, {}, **opening)
+        ids = await fe.encode_chat(messages, None, template_kwargs(body.chat_template_kwargs, body.tools), **opening)
     else:
         fe.check_chars(body.prompt, "prompt")
         encode = fe.tokenizer.encode if body.add_special_tokens else fe.tokenizer.encode_rendered
