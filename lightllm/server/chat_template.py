@@ -17,8 +17,11 @@ def read_chat_template(value: str) -> str:
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            template, where = f.read(), value
+        try:
+            with open(value, encoding="utf-8") as f:
+                template, where = f.read(), value
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat_template {value}: cannot read it as UTF-8 text ({exc})") from None
     elif "{{" in value or "{%" in value:
         template, where = value, "the template text"
     else:

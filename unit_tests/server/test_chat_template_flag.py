@@ -23,6 +23,10 @@ def test_a_file_or_the_text_is_taken_and_checked(tmp_path):
     path.write_text("line one\n{% for m in messages %}\n{{ m.content }}")
     with pytest.raises(ValueError, match=r"--chat_template: .*t\.jinja, line 3: .*endfor"):
         read_chat_template(str(path))
+    # a file that is not UTF-8 text is named with the flag, not a traceback
+    path.write_bytes(b"{{ messages }}\xff\xfe")
+    with pytest.raises(ValueError, match=r"--chat_template .*t\.jinja: cannot read it as UTF-8 text"):
+        read_chat_template(str(path))
 
 
 def test_templates_transformers_renders_are_accepted():
