@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from lightllm.engine.messages import Finished, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.detokenizer import IncrementalDetokenizer, StopMatcher
@@ -26,6 +28,18 @@ def prompt_problem(
             "max_tokens",
         )
     return params.vocab_problem(vocab_size)
+
+
+def default_length(
+    ids: list[int], params: SamplingParams, default: int | None, max_req_total_len: int
+) -> SamplingParams:
+    """`params` with the model's answer length (`--generation_config`'s max_new_tokens) where they set no
+    max_tokens: clipped to the room the prompt leaves (a default never makes a prompt too long), and never below the
+    request's own min_tokens."""
+    if params.max_tokens is not None or default is None:
+        return params
+    room = max_req_total_len - len(ids)
+    return msgspec.structs.replace(params, max_tokens=max(min(default, room), params.min_tokens, 1))
 
 
 # per prompt token: (logprob, [(alt_id, logprob), ...]) given the tokens before it; None for the first token

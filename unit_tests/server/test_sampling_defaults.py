@@ -10,8 +10,10 @@ import json
 import httpx
 import pytest
 
+from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.llm import LLM
+from lightllm.server.output import default_length
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.server.sampling_defaults import read_sampling_defaults
 from lightllm.tools.demo_model import trained_model_dir
@@ -40,11 +42,31 @@ def test_the_file_values_are_read_and_checked(tmp_path):
     for word in ("vllm", str(tmp_path / "absent")):
         with pytest.raises(ValueError, match=r"not a folder; give auto, none or a folder"):
             read_sampling_defaults(word, demo)
-    folder = _folder(tmp_path, temperature=0.3, min_p=0.05, repetition_penalty=1.1, max_new_tokens=99)
-    assert read_sampling_defaults(folder, demo) == {"temperature": 0.3, "min_p": 0.05, "repetition_penalty": 1.1}
-    for bad, field in (({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"), ({"top_k": True}, "top_k")):
+    folder = _folder(tmp_path, temperature=0.3, min_p=0.05, repetition_penalty=1.1, max_new_tokens=99, num_beams=1)
+    expected = {"temperature": 0.3, "min_p": 0.05, "repetition_penalty": 1.1, "max_tokens": 99}
+    assert read_sampling_defaults(folder, demo) == expected
+    for bad, field in (
+        ({"top_p": 0.0}, "top_p"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": True}, "top_k"),
+        ({"max_new_tokens": 0}, r"max_tokens=0: .* \(from max_new_tokens\)"),
+        ({"max_new_tokens": 2.5}, r"max_tokens=2.5: .* \(from max_new_tokens\)"),
+    ):
         with pytest.raises(ValueError, match=rf"generation_config.json: .*{field}.*--generation_config none"):
             read_sampling_defaults(_folder(tmp_path, **bad), demo)
+
+
+def test_the_default_length_fills_only_an_unset_max_tokens_and_fits_the_context():
+    ids = list(range(10))
+    unset = SamplingParams(max_tokens=None)
+    assert default_length(ids, unset, 30, 100).max_tokens == 30
+    # clipped to the 90 tokens the prompt leaves: a default never refuses a prompt
+    assert default_length(ids, unset, 500, 100).max_tokens == 90
+    # the request's min_tokens wins over a shorter default
+    assert default_length(ids, SamplingParams(max_tokens=None, min_tokens=40), 30, 100).max_tokens == 40
+    # the request's own length, and no default, leave the params as they are
+    assert default_length(ids, SamplingParams(max_tokens=7), 30, 100).max_tokens == 7
+    assert default_length(ids, unset, None, 100).max_tokens is None
 
 
 def test_a_bad_file_refuses_the_start_with_the_way_out(tmp_path):
@@ -53,6 +75,9 @@ def test_a_bad_file_refuses_the_start_with_the_way_out(tmp_path):
         load_server_args([], device="cpu", generation_config=folder)
     _, info = load_server_args([], device="cpu", generation_config="none")
     assert info.sampling_defaults == ()
+    # max_new_tokens reaches the offline LLM's defaults as max_tokens
+    _, info = load_server_args([], device="cpu", generation_config=_folder(tmp_path, max_new_tokens=7))
+    assert dict(info.sampling_defaults) == {"max_tokens": 7}
 
 
 def _text(server: LiveServer, **knobs) -> str:
@@ -92,3 +117,34 @@ def test_the_offline_llm_defaults_to_the_same(source, expected):
     with LLM(device="cpu", generation_config=source, max_running_requests=2, max_total_token_num=512) as llm:
         params = llm.default_sampling_params()
         assert {k: getattr(params, k) for k in expected} == expected
+        # the demo model's file sets no max_new_tokens: SamplingParams' own 16
+        assert params.max_tokens == 16
+
+
+def _completion_tokens(server: LiveServer, path: str, **fields) -> int:
+    body = {"model": server.model, "ignore_eos": True, "temperature": 0, **fields}
+    r = httpx.post(f"{server.base_url}/v1/{path}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("source", ["file", "none"])
+def test_a_chat_answer_without_max_tokens_takes_the_files_length(tmp_path, source):
+    """max_new_tokens 3: a chat request that sets no length gets 3 tokens, one that sets 5 gets 5; a completion
+    request keeps OpenAI's 16; with `none` (the twin) the chat answer runs past 3."""
+    s = LiveServer(
+        runner_factory=DEFAULT_RUNNER_FACTORY,
+        device="cpu",
+        generation_config=_folder(tmp_path, max_new_tokens=3) if source == "file" else "none",
+        max_running_requests=2,
+        max_total_token_num=1024,
+    )
+    try:
+        chat = {"messages": [{"role": "user", "content": "Tell me a story."}]}
+        unset = _completion_tokens(s, "chat/completions", **chat)
+        assert unset == 3 if source == "file" else unset > 3
+        assert _completion_tokens(s, "chat/completions", **chat, max_tokens=5) == 5
+        assert _completion_tokens(s, "chat/completions", **chat, max_completion_tokens=4) == 4
+        assert _completion_tokens(s, "completions", prompt="def parse(") == 16
+    finally:
+        s.close()

@@ -36,6 +36,7 @@ from lightllm.server.http.parsers import (
 from lightllm.server.http.protocol import ChatCompletionRequest, RequestError, template_kwargs
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
 from lightllm.server.http.structured import constrained, request_grammar
+from lightllm.server.output import default_length
 
 router = APIRouter()
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -153,6 +154,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     opening = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
     prompt_ids = await fe.encode_chat(messages, body.chat_template, kwargs, **opening)
     fe.check_prompt(prompt_ids, params, "messages")
+    params = default_length(prompt_ids, params, fe.sampling_defaults.get("max_tokens"), fe.args.max_req_total_len)
     out.starts_in_reasoning = _opens_reasoning(fe, prompt_ids) or _continues_reasoning(body)
     params = await _constrain(fe, body, out, params)
     if out.body.uses_tools and out.tool_parser == "kimi" and params.skip_special_tokens:

@@ -304,9 +304,10 @@ class _SamplingFields(StrictModel):
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, float | int]
     ) -> SamplingParams:
         """Raises RequestError for combinations the field checks cannot see (seed + n, ...). `defaults`: the model's
-        values for the sampling knobs the request leaves out (`lightllm.server.sampling_defaults`)."""
+        values for the sampling knobs the request leaves out (`lightllm.server.sampling_defaults`); their length
+        default applies where the prompt is known (`lightllm.server.output.default_length`)."""
         self.check_supported()
-        knobs = defaults | {
+        knobs = {k: v for k, v in defaults.items() if k != "max_tokens"} | {
             k: getattr(self, k)
             for k in (
                 "temperature",
