@@ -124,6 +124,45 @@ def test_a_continued_reasoning_block_stays_reasoning(thinking_server, stream):
     assert parts["closed"][1] and not parts["closed"][0]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_echo_starts_the_answer_with_the_final_assistant_message(thinking_server, stream):
+    """vLLM's `echo`: the final message, when it is the assistant's, starts the response. A continued one is parsed
+    with the output (its opened `<think>` makes its text and the output's reasoning; a closed block splits it), a
+    finished one precedes the new turn's content verbatim; a final user message echoes nothing. Each is checked
+    against the same request without echo (the engine's output is the same: echo changes no prompt)."""
+    s = thinking_server
+    opened = [MESSAGES[0], {"role": "assistant", "content": "<think>\nSeven is prime; the next"}]
+    closed = [MESSAGES[0], {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\nSeven, and the next"}]
+
+    def ask(messages, echo, **fields):
+        body = {
+            "model": s.model,
+            "messages": messages,
+            "max_tokens": 8,
+            "stream": stream,
+            "echo": echo,
+            "seed": 5,
+            **fields,
+        }
+        r = httpx.post(f"{s.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return _reasoning_and_content(r, stream)
+
+    reasoning, content = ask(opened, True, **CONTINUE)
+    plain_reasoning, plain_content = ask(opened, False, **CONTINUE)
+    assert reasoning.lstrip().startswith("Seven is prime; the next") and reasoning.endswith(plain_reasoning)
+    assert len(reasoning) > len(plain_reasoning) and content == plain_content == ""
+    reasoning, content = ask(closed, True, **CONTINUE)
+    plain_reasoning, plain_content = ask(closed, False, **CONTINUE)
+    assert reasoning.strip() == "Easy." and plain_reasoning == ""
+    assert content.lstrip().startswith("Seven, and the next") and content.endswith(plain_content)
+    assert len(content) > len(plain_content) and "</think>" not in content
+    # a finished assistant message, then a new turn: its text, as sent, before the new content
+    assert ask(MESSAGES, True) == (ask(MESSAGES, False)[0], MESSAGES[1]["content"] + ask(MESSAGES, False)[1])
+    # the twin: a final user message has nothing to echo
+    assert ask(MESSAGES[:1], True) == ask(MESSAGES[:1], False)
+
+
 def _reasoning_and_content(r: httpx.Response, stream: bool) -> tuple[str, str]:
     if not stream:
         message = r.json()["choices"][0]["message"]

@@ -27,6 +27,7 @@ from lightllm.server.http.openai_api import (
 from lightllm.server.http.parsers import (
     OutputParser,
     ParsedDelta,
+    ParsedOutput,
     ReasoningParser,
     ToolCallDelta,
     make_tool_parser,
@@ -56,6 +57,12 @@ class ChatOutput:
                 400, "tools: this model has no tool-call format; start the server with --tool_call_parser", "tools"
             )
         self.starts_in_reasoning = False
+        # `echo`: the final message's text when it is the assistant's, which starts the response's content
+        last = body.messages[-1]
+        self.echo = last.as_template_input()["content"] if body.echo and last.role == "assistant" else ""
+        # a continued message is the start of the output: it is parsed with it (from outside any reasoning block,
+        # which its own text may open); a finished one only precedes it
+        self.echo_parsed = bool(self.echo) and body.continue_final_message
 
     @property
     def parses(self) -> bool:
@@ -66,10 +73,28 @@ class ChatOutput:
         if self.body.uses_tools:
             specs = [t.model_dump(by_alias=True, exclude_none=True) for t in self.body.tools]
             tools = make_tool_parser(self.tool_parser, specs)
+        in_reasoning = self.starts_in_reasoning and not self.echo_parsed
         if self.reasoning:
-            return OutputParser(ReasoningParser(self.starts_in_reasoning), tools)
+            return OutputParser(ReasoningParser(in_reasoning), tools)
         # reasoning stays in content, but a call written while thinking is not a call
-        return OutputParser(ReasoningParser(self.starts_in_reasoning, verbatim=True), tools, reasoning_as_content=True)
+        return OutputParser(ReasoningParser(in_reasoning, verbatim=True), tools, reasoning_as_content=True)
+
+    def parse(self, text: str) -> ParsedOutput:
+        """A whole output's text as the response reports it, the echoed message included."""
+        if not self.parses:
+            return ParsedOutput(content=self.echo + text)
+        parsed = self.parser().parse(self.echo + text if self.echo_parsed else text)
+        if not self.echo_parsed:
+            parsed.content = self.echo + parsed.content
+        return parsed
+
+    def echo_deltas(self, parsers: dict[int, OutputParser]) -> dict[int, ParsedDelta]:
+        """The echoed message as each sequence's first streamed delta (fed to its parser when it is parsed)."""
+        if not self.echo:
+            return {}
+        if self.echo_parsed and self.parses:
+            return {i: parser.feed(self.echo) for i, parser in parsers.items()}
+        return {i: ParsedDelta(content=self.echo) for i in range(self.body.n)}
 
     def keep_calls(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
         """parallel_tool_calls: false keeps the first call only."""
@@ -137,6 +162,17 @@ def _delta_calls(deltas: list[ToolCallDelta]) -> list[dict]:
     return entries
 
 
+def _delta_body(parsed: ParsedDelta) -> dict:
+    body: dict = {}
+    if parsed.reasoning:
+        body["reasoning_content"] = parsed.reasoning
+    if parsed.content:
+        body["content"] = parsed.content
+    if parsed.tool_calls:
+        body["tool_calls"] = _delta_calls(parsed.tool_calls)
+    return body
+
+
 def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if reason == "stop" and has_calls else reason
 
@@ -184,10 +220,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 
 def _choice(fe: Frontend, out: ChatOutput, s: Sequence) -> dict:
-    message: dict = {"role": "assistant", "content": s.output.text}
+    parsed = out.parse(s.output.text)
+    message: dict = {"role": "assistant", "content": parsed.content}
     has_calls = False
     if out.parses:
-        parsed = out.parser().parse(s.output.text)
         calls = parsed.tool_calls if out.body.parallel_tool_calls else parsed.tool_calls[:1]
         has_calls = bool(calls)
         message["content"] = parsed.content if parsed.content or not calls else None
@@ -213,6 +249,11 @@ async def _events(
         )
     parsers = {i: out.parser() for i in range(n)} if out.parses else {}
     has_calls: dict[int, bool] = {}
+    for i, parsed in out.echo_deltas(parsers).items():
+        parsed.tool_calls = out.keep_calls(parsed.tool_calls)
+        has_calls[i] = bool(parsed.tool_calls)
+        if parsed:
+            yield _sse({**head, "choices": [{"index": i, "delta": _delta_body(parsed), "finish_reason": None}]})
     num_tokens = 0
     seen: dict[int, Sequence] = {}
     async for seq, delta in _until_disconnect(stream):
@@ -233,16 +274,9 @@ async def _events(
             has_calls[seq.index] = True
         if not parsed and not delta.finish_reason and not delta.logprobs:
             continue
-        body: dict = {}
-        if parsed.reasoning:
-            body["reasoning_content"] = parsed.reasoning
-        if parsed.content:
-            body["content"] = parsed.content
-        if parsed.tool_calls:
-            body["tool_calls"] = _delta_calls(parsed.tool_calls)
         choice = {
             "index": seq.index,
-            "delta": body,
+            "delta": _delta_body(parsed),
             "logprobs": chat_logprobs(fe.tokenizer, delta.token_ids, delta.logprobs),
             "finish_reason": _finish_reason(delta.finish_reason, has_calls.get(seq.index, False)),
         }

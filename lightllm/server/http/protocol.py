@@ -418,6 +418,11 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="text, json_object, or json_schema (output constrained to the schema by a grammar)"
     )
     add_generation_prompt: bool = Field(True, description="open the assistant's turn after the messages (vLLM's)")
+    echo: bool = Field(
+        False,
+        description="the final message, when it is the assistant's, starts the response's content (vLLM's); with "
+        "continue_final_message it is parsed with the output (reasoning, tool calls)",
+    )
     continue_final_message: bool = Field(
         False,
         description="render the final assistant message left open, so that the output continues it (vLLM's); "
