@@ -96,9 +96,14 @@ class ChatOutput:
             return {i: parser.feed(self.echo) for i, parser in parsers.items()}
         return {i: ParsedDelta(content=self.echo) for i in range(self.body.n)}
 
-    def keep_calls(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
-        """parallel_tool_calls: false keeps the first call only."""
-        return calls if self.body.parallel_tool_calls else [c for c in calls if c.index == 0]
+    def shown(self, parsed: ParsedDelta) -> ParsedDelta:
+        """What a streamed delta shows: the first call only with parallel_tool_calls false, no reasoning with
+        include_reasoning false."""
+        if not self.body.parallel_tool_calls:
+            parsed.tool_calls = [c for c in parsed.tool_calls if c.index == 0]
+        if not self.body.include_reasoning:
+            parsed.reasoning = ""
+        return parsed
 
 
 def _opens_reasoning(fe: Frontend, prompt_ids: list[int]) -> bool:
@@ -188,7 +193,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     messages = [m.as_template_input() for m in body.messages]
     kwargs = template_kwargs(body.chat_template_kwargs, body.tools if body.uses_tools else None)
     opening = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
-    prompt_ids = await fe.encode_chat(messages, body.chat_template, kwargs, **opening)
+    prompt_ids = await fe.encode_chat(messages, body.chat_template, kwargs, body.add_special_tokens, **opening)
     fe.check_prompt(prompt_ids, params, "messages")
     params = default_length(prompt_ids, params, fe.sampling_defaults.get("max_tokens"), fe.args.max_req_total_len)
     out.starts_in_reasoning = _opens_reasoning(fe, prompt_ids) or _continues_reasoning(body)
@@ -227,7 +232,7 @@ def _choice(fe: Frontend, out: ChatOutput, s: Sequence) -> dict:
         calls = parsed.tool_calls if out.body.parallel_tool_calls else parsed.tool_calls[:1]
         has_calls = bool(calls)
         message["content"] = parsed.content if parsed.content or not calls else None
-        if out.reasoning:
+        if out.reasoning and out.body.include_reasoning:
             message["reasoning_content"] = parsed.reasoning or None
         if calls:
             message["tool_calls"] = _tool_call_json(calls)
@@ -250,7 +255,7 @@ async def _events(
     parsers = {i: out.parser() for i in range(n)} if out.parses else {}
     has_calls: dict[int, bool] = {}
     for i, parsed in out.echo_deltas(parsers).items():
-        parsed.tool_calls = out.keep_calls(parsed.tool_calls)
+        parsed = out.shown(parsed)
         has_calls[i] = bool(parsed.tool_calls)
         if parsed:
             yield _sse({**head, "choices": [{"index": i, "delta": _delta_body(parsed), "finish_reason": None}]})
@@ -269,7 +274,7 @@ async def _events(
             parsed = parser.feed(delta.text) if delta.text else ParsedDelta()
             if delta.finish_reason:
                 parsed.extend(parser.finish())
-            parsed.tool_calls = out.keep_calls(parsed.tool_calls)
+            parsed = out.shown(parsed)
         if parsed.tool_calls:
             has_calls[seq.index] = True
         if not parsed and not delta.finish_reason and not delta.logprobs:

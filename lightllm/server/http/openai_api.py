@@ -127,7 +127,7 @@ async def completions(body: CompletionRequest, request: Request):
     if isinstance(raw, str) or isinstance(raw[0], str):
         texts = [raw] if isinstance(raw, str) else list(raw)
         fe.check_capacity(len(texts) * params.n, "prompt")
-        prompts = [await fe.encode(t, "prompt") for t in texts]
+        prompts = [await fe.encode(t, "prompt", body.add_special_tokens) for t in texts]
     else:
         prompts = [raw] if isinstance(raw[0], int) else [list(p) for p in raw]
         fe.check_capacity(len(prompts) * params.n, "prompt")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from lightllm.engine.sampling_params import (
     MAX_INT,
@@ -23,6 +23,7 @@ from lightllm.engine.sampling_params import (
     SamplingParams,
     SamplingParamsError,
 )
+from lightllm.server.http.extra_fields import read_guided, refused_field
 from lightllm.server.tokenizer import opening_problem
 
 # at most this many stop strings / stop token ids per request (each is checked against the stream)
@@ -201,6 +202,8 @@ class StructuredOutputs(StrictModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # vLLM's usage in every chunk: refused when asked for (`check_supported`)
+    continuous_usage_stats: bool = False
 
 
 def _is_id_list(value) -> bool:
@@ -258,6 +261,19 @@ class _SamplingFields(StrictModel):
         },
     )
 
+    # the first field of another API this request sets to something this server does not do (`extra_fields`)
+    _refused: tuple[str, str] | None = PrivateAttr(None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _other_apis_fields(cls, data, handler):
+        """Keys of vLLM's and OpenAI's APIs that the fields below do not hold: vLLM's guided_* become
+        structured_outputs; one that asks for what this server does not do is refused by `check_supported`."""
+        refused = refused_field(data) if isinstance(data, dict) else None
+        model = handler(read_guided(data) if isinstance(data, dict) and refused is None else data)
+        model._refused = refused
+        return model
+
     @field_validator("stop", mode="plain")
     @classmethod
     def _stop(cls, value):
@@ -289,8 +305,13 @@ class _SamplingFields(StrictModel):
 
     def check_supported(self) -> None:
         """Refuse options that parse but that this server would otherwise ignore."""
+        if self._refused is not None:
+            raise RequestError(*self._refused)
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options: only allowed with stream: true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            field = "stream_options.continuous_usage_stats"
+            raise RequestError(field, f"{field}: not supported; include_usage gives the usage in the last chunk")
         if self.structured_outputs is not None:
             kinds = self.structured_outputs.kinds()
             if len(kinds) != 1:
@@ -418,6 +439,10 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="text, json_object, or json_schema (output constrained to the schema by a grammar)"
     )
     add_generation_prompt: bool = Field(True, description="open the assistant's turn after the messages (vLLM's)")
+    add_special_tokens: bool = Field(
+        False, description="add the tokenizer's own markers (a BOS, ...) around the rendered prompt (vLLM's)"
+    )
+    include_reasoning: bool = Field(True, description="false: the reasoning is left out of the response (vLLM's)")
     echo: bool = Field(
         False,
         description="the final message, when it is the assistant's, starts the response's content (vLLM's); with "
@@ -541,6 +566,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: Text | None = None
+    add_special_tokens: bool = Field(
+        True, description="false: a text prompt is encoded without the tokenizer's markers (a BOS, ...) (vLLM's)"
+    )
 
     @field_validator("prompt", mode="plain")
     @classmethod

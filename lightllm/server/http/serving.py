@@ -113,15 +113,25 @@ class Frontend:
                 param,
             )
 
-    async def encode(self, text: str, param: str) -> list[int]:
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s ids; `add_special_tokens`: with the markers the tokenizer adds around a text (a BOS, ...)."""
         self.check_chars(text, param)
-        return await self.offload(self.tokenizer.encode, text)
+        return await self.offload(self._encoder(add_special_tokens), text)
+
+    def _encoder(self, add_special_tokens: bool):
+        return self.tokenizer.encode if add_special_tokens else self.tokenizer.encode_rendered
 
     async def encode_chat(
-        self, messages: list[dict], chat_template: str | None, template_kwargs: dict, **opening
+        self,
+        messages: list[dict],
+        chat_template: str | None,
+        template_kwargs: dict,
+        add_special_tokens: bool = False,
+        **opening,
     ) -> list[int]:
         """Render and encode a conversation; `opening`: `Tokenizer.render_chat`'s add_generation_prompt /
-        continue_final_message."""
+        continue_final_message. The template writes the markers it wants: `add_special_tokens` adds the tokenizer's
+        own around the rendering too (vLLM's field of that name)."""
         if chat_template is not None:
             if not self.args.trust_request_chat_template:
                 raise ApiError(
@@ -151,7 +161,7 @@ class Frontend:
             logger.exception("chat template rendering failed")
             raise ApiError(400, "the chat template could not render these messages", "messages") from None
         self.check_chars(prompt, "messages")
-        return await self.offload(self.tokenizer.encode_rendered, prompt)
+        return await self.offload(self._encoder(add_special_tokens), prompt)
 
     async def chat_history_len(
         self, messages: list[dict], chat_template: str | None, template_kwargs: dict, prompt_ids: list[int]

@@ -29,7 +29,9 @@ class TokenizeRequest(StrictModel):
     # exactly one of prompt (plain text) or messages (rendered with the chat template)
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True
+    # the tokenizer's own markers (a BOS, ...): by default added around a prompt and not around rendered messages,
+    # as the completion and chat requests do
+    add_special_tokens: bool | None = None
     # messages: rendered as a chat request with the same fields renders them (vLLM's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -64,11 +66,10 @@ async def tokenize(body: TokenizeRequest, request: Request):
         opening = dict(
             add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message
         )
-        ids = await fe.encode_chat(messages, None, template_kwargs(body.chat_template_kwargs, body.tools), **opening)
+        kwargs = template_kwargs(body.chat_template_kwargs, body.tools)
+        ids = await fe.encode_chat(messages, None, kwargs, bool(body.add_special_tokens), **opening)
     else:
-        fe.check_chars(body.prompt, "prompt")
-        encode = fe.tokenizer.encode if body.add_special_tokens else fe.tokenizer.encode_rendered
-        ids = await fe.offload(encode, body.prompt)
+        ids = await fe.encode(body.prompt, "prompt", body.add_special_tokens is not False)
     return {"count": len(ids), "max_model_len": fe.args.max_req_total_len, "tokens": ids}
 
 

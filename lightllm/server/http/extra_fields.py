@@ -1,0 +1,63 @@
+"""Request fields of vLLM's and OpenAI's APIs beyond the ones this server implements. The request models ignore
+unknown keys (clients send plenty that change nothing: `user`, `metadata`, `store`, ...), so a field that would change
+the output must not pass unnoticed: each one here is refused with a 400 naming it unless it holds its neutral value,
+and vLLM's older `guided_*` fields are read as the `structured_outputs` they were renamed to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# vLLM's guided_* field: the structured_outputs key it became
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+_LOGIT_BIAS = "ban or force tokens with logit_bias"
+# field: (the values that ask for nothing beside null, why it is refused and what to send instead)
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1, 1.0), "applies to beam search, which is not supported"),
+    "allowed_token_ids": ((), f"not supported; constrain the output with structured_outputs, or {_LOGIT_BIAS}"),
+    "bad_words": (([],), f"not supported; {_LOGIT_BIAS}"),
+    "truncate_prompt_tokens": ((), "not supported; send the part of the prompt to keep"),
+    "prompt_logprobs": ((), "not supported; /v1/completions returns the prompt's with echo and logprobs"),
+    "return_tokens_as_token_ids": ((False,), "not supported"),
+    "spaces_between_special_tokens": ((True,), "not supported: special tokens are decoded as the tokenizer joins them"),
+    "priority": ((0,), "not supported: requests are scheduled in arrival order"),
+    "cache_salt": ((), "not supported: the prefix cache is shared by all of this server's requests"),
+    "guided_whitespace_pattern": ((), "not supported: JSON output allows the whitespace JSON allows"),
+    "logits_processors": (([],), f"not supported; {_LOGIT_BIAS} or constrain the output with structured_outputs"),
+    "kv_transfer_params": ((), "not supported: this server's prefill/decode hand-off is its own (--run_mode)"),
+    "vllm_xargs": (({},), "not supported"),
+    "documents": (([],), "not supported; put the documents in a message"),
+    "mm_processor_kwargs": (({},), "not supported: the models served here take text only"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "audio": ((), "not supported: the models served here take and write text only"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "reasoning_effort": ((), "not supported; switch thinking off with chat_template_kwargs {'enable_thinking': false}"),
+}
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # type-strict: a JSON 0 is no false, a true no 1
+    return value is None or any(type(value) is type(v) and value == v for v in neutral)
+
+
+def refused_field(data: dict) -> tuple[str, str] | None:
+    """(field, message) for the first field of `data` that asks for something this server does not do."""
+    for name, (neutral, why) in REFUSED.items():
+        if name in data and not _neutral(data[name], neutral):
+            return name, f"{name}: {why}"
+    given = [name for name in GUIDED if data.get(name) is not None]
+    if given and data.get("structured_outputs") is not None:
+        return given[0], f"{given[0]}: vLLM's older spelling of structured_outputs; send one of them"
+    if len(given) > 1:
+        return given[1], f"{given[1]}: give one of {', '.join(given)} (or structured_outputs)"
+    return None
+
+
+def read_guided(data: dict) -> dict:
+    """`data` with a guided_* field moved into structured_outputs (after `refused_field` found no conflict)."""
+    given = [name for name in GUIDED if data.get(name) is not None]
+    if len(given) != 1 or data.get("structured_outputs") is not None:
+        return data
+    rest = {k: v for k, v in data.items() if k not in GUIDED}
+    return {**rest, "structured_outputs": {GUIDED[given[0]]: data[given[0]]}}

@@ -1,0 +1,191 @@
+"""Fields of vLLM's and OpenAI's request APIs beyond this server's own: each one that would change the output is
+refused with a 400 naming it unless it asks for nothing; vLLM's guided_* fields constrain the output as the
+structured_outputs they were renamed to; vLLM's add_special_tokens and include_reasoning are honoured."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from lightllm.server.http.extra_fields import REFUSED
+from unit_tests.server.live_server import FAKE_RUNNER, LiveServer, fake_checkpoint, tiny_checkpoint_server
+
+# each refused field: a value that asks for something, and its neutral value (sent by clients that set everything)
+ASKING = {
+    "use_beam_search": (True, False),
+    "length_penalty": (0.5, 1.0),
+    "allowed_token_ids": ([3, 4], None),
+    "bad_words": (["lorem"], []),
+    "truncate_prompt_tokens": (4, None),
+    "prompt_logprobs": (1, None),
+    "return_tokens_as_token_ids": (True, False),
+    "spaces_between_special_tokens": (False, True),
+    "priority": (1, 0),
+    "cache_salt": ("tenant-a", None),
+    "guided_whitespace_pattern": (" ", None),
+    "logits_processors": (["pkg.proc"], []),
+    "kv_transfer_params": ({"do_remote_decode": True}, None),
+    "vllm_xargs": ({"k": 1}, {}),
+    "documents": ([{"text": "a"}], []),
+    "mm_processor_kwargs": ({"fps": 1}, {}),
+    "prediction": ({"type": "content", "content": "x"}, None),
+    "audio": ({"voice": "alloy", "format": "wav"}, None),
+    "modalities": (["text", "audio"], ["text"]),
+    "reasoning_effort": ("low", None),
+}
+MESSAGES = [{"role": "user", "content": "Name a prime."}]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The fake runner behind a tokenizer that adds a BOS (`<|endoftext|>`) around a text it encodes with its
+    special tokens."""
+    model_dir = fake_checkpoint(tmp_path_factory.mktemp("bos"))
+    path = f"{model_dir}/tokenizer.json"
+    with open(path) as f:
+        tokenizer = json.load(f)
+    bos = next(t for t in tokenizer["added_tokens"] if t["content"] == "<|endoftext|>")
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos["content"], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos["content"]: {"id": bos["content"], "ids": [bos["id"]], "tokens": [bos["content"]]}},
+    }
+    with open(path, "w") as f:
+        json.dump(tokenizer, f)
+    s = LiveServer(runner_factory=FAKE_RUNNER, model_dir=model_dir, device="cpu", max_total_token_num=2048)
+    s.bos = bos["id"]
+    yield s
+    s.close()
+
+
+def _post(s: LiveServer, route: str, **fields) -> httpx.Response:
+    body = {"model": s.model, "max_tokens": 4, **fields}
+    if route == "chat/completions":
+        body.setdefault("messages", MESSAGES)
+    else:
+        body.setdefault("prompt", "Name a prime.")
+    return httpx.post(f"{s.base_url}/v1/{route}", json=body, timeout=60)
+
+
+def test_the_table_covers_every_refused_field():
+    assert set(ASKING) == set(REFUSED)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+@pytest.mark.parametrize("name", sorted(ASKING))
+def test_a_field_that_asks_for_what_is_not_done_gets_400_naming_it(server, route, name):
+    asking, neutral = ASKING[name]
+    r = _post(server, route, **{name: asking})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == name and r.json()["error"]["message"].startswith(f"{name}: ")
+    # the twin: its neutral value (and null) asks for nothing
+    for value in (neutral, None):
+        assert _post(server, route, **{name: value}).status_code == 200, (name, value)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_guided_fields_constrain_as_structured_outputs(server, route):
+    """Each guided_* field gives the output its structured_outputs twin gives, from one seed, and that output obeys
+    the constraint; unconstrained, the fake model writes something else."""
+    cases = {
+        "guided_choice": ("choice", ["alpha", "beta"], lambda t: t in ("alpha", "beta")),
+        "guided_regex": ("regex", "[0-9]{3}", lambda t: len(t) == 3 and t.isdigit()),
+        "guided_json": ("json", SCHEMA, None),
+        "guided_grammar": ("grammar", 'start: "x" "y"+', lambda t: t.startswith("xy") and set(t[1:]) == {"y"}),
+    }
+    for name, (key, value, valid) in cases.items():
+        fields = {"seed": 3, "max_tokens": 48, "temperature": 1.0}
+        if route == "chat/completions":
+            # the template's opened reasoning block stays free of the grammar: none is opened
+            fields["chat_template_kwargs"] = {"enable_thinking": False}
+        guided, structured = (
+            _post(server, route, **fields, **{name: value}),
+            _post(server, route, **fields, structured_outputs={key: value}),
+        )
+        assert guided.status_code == 200 and structured.status_code == 200, (guided.text, structured.text)
+        text = _text(guided, route)
+        assert text == _text(structured, route), name
+        if valid is None:
+            assert isinstance(json.loads(text)["a"], bool)
+        else:
+            assert valid(text), (name, text)
+    assert _text(_post(server, route, seed=3, max_tokens=24), route) not in ("alpha", "beta")
+
+
+def test_guided_beside_structured_outputs_or_another_guided_gets_400(server):
+    r = _post(server, "completions", guided_regex="a+", structured_outputs={"regex": "b+"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+    r = _post(server, "chat/completions", guided_regex="a+", guided_choice=["a"])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_choice", r.text
+
+
+def test_continuous_usage_stats_is_refused_naming_it(server):
+    options = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    r = _post(server, "chat/completions", **options)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats", r.text
+    options["stream_options"]["continuous_usage_stats"] = False
+    assert _post(server, "chat/completions", **options).status_code == 200
+
+
+def test_add_special_tokens_as_in_vllm(server, prompts_sent):
+    """Completions add the tokenizer's BOS by default, chat does not (its template writes its markers); each route
+    takes the other when asked, and /tokenize counts what the route would send."""
+    tok = server.tokenizer
+    rendered = tok.render_chat(MESSAGES)
+    cases = [
+        ("completions", {}, tok.encode("Name a prime.")),
+        ("completions", {"add_special_tokens": False}, tok.encode_rendered("Name a prime.")),
+        ("chat/completions", {}, tok.encode_rendered(rendered)),
+        ("chat/completions", {"add_special_tokens": True}, tok.encode(rendered)),
+    ]
+    for route, fields, expected in cases:
+        prompts_sent.clear()
+        assert _post(server, route, **fields).status_code == 200
+        assert prompts_sent == [expected], (route, fields)
+        # the twin: the BOS is there exactly when the tokenizer's markers were asked for
+        assert (expected[0] == server.bos) == (route == "completions") ^ bool(fields), (route, fields)
+        counted = {"prompt": "Name a prime."} if route == "completions" else {"messages": MESSAGES}
+        r = httpx.post(f"{server.base_url}/tokenize", json={**counted, **fields}, timeout=60)
+        assert r.json()["tokens"] == expected, (route, fields)
+
+
+@pytest.fixture(scope="module")
+def thinking_server():
+    s = tiny_checkpoint_server("qwen3_5", "think")
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_include_reasoning_false_leaves_the_reasoning_out(thinking_server, stream):
+    s = thinking_server
+    body = {"model": s.model, "messages": MESSAGES, "max_tokens": 12, "seed": 9, "stream": stream}
+    shown = httpx.post(f"{s.base_url}/v1/chat/completions", json=body, timeout=60)
+    hidden = httpx.post(f"{s.base_url}/v1/chat/completions", json={**body, "include_reasoning": False}, timeout=60)
+    assert shown.status_code == hidden.status_code == 200, (shown.text, hidden.text)
+    reasoning, content = _reasoning_and_content(shown, stream)
+    assert reasoning, "the template opens a reasoning block: the fake model's output is reasoning"
+    assert _reasoning_and_content(hidden, stream) == ("", content)
+    assert "reasoning_content" not in (hidden.text if stream else json.dumps(hidden.json()["choices"][0]["message"]))
+
+
+def _text(r: httpx.Response, route: str) -> str:
+    choice = r.json()["choices"][0]
+    return choice["text"] if route == "completions" else choice["message"]["content"]
+
+
+def _reasoning_and_content(r: httpx.Response, stream: bool) -> tuple[str, str]:
+    if not stream:
+        message = r.json()["choices"][0]["message"]
+        return message.get("reasoning_content") or "", message["content"] or ""
+    reasoning = content = ""
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[len("data: ") :])["choices"]:
+                reasoning += choice["delta"].get("reasoning_content") or ""
+                content += choice["delta"].get("content") or ""
+    return reasoning, content
