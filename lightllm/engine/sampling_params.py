@@ -43,6 +43,24 @@ def _is_float(v, lo: float, hi: float, lo_open: bool = False) -> bool:
     return (lo < v if lo_open else lo <= v) and v <= hi
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True):
+    """vLLM's offline constraint on the output: exactly one of a JSON schema (an object or its JSON text), any JSON
+    object, a regular expression the whole output matches, one of several strings, or a Lark grammar (llguidance's
+    dialect). The offline `LLM` compiles it into `SamplingParams.grammar`."""
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> tuple[str, object] | None:
+        """(kind, value) of the one constraint given; None unless exactly one is."""
+        given = [(k, getattr(self, k)) for k in ("json", "json_object", "regex", "choice", "grammar")]
+        given = [(k, v) for k, v in given if v is not None and v is not False]
+        return given[0] if len(given) == 1 else None
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick each next token and when to stop.
 
@@ -83,6 +101,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     grammar: str | None = None
     # the grammar applies after this token has been generated (a reasoning block's end); None: from the start
     grammar_start_token: int | None = None
+    # vLLM's offline form of a constraint, which the offline `LLM` compiles into `grammar`; the engine never sees it
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -186,6 +206,17 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 "min_tokens",
                 not self.min_tokens or self.grammar is None,
                 "cannot be combined with constrained output (a complete grammar allows only EOS)",
+            ),
+            (
+                "structured_outputs",
+                self.structured_outputs is None
+                or (
+                    isinstance(self.structured_outputs, StructuredOutputsParams)
+                    and self.structured_outputs.constraint() is not None
+                    and self.grammar is None
+                ),
+                "must be a StructuredOutputsParams naming exactly one of json, json_object, regex, choice or "
+                "grammar (and no grammar beside it)",
             ),
             (
                 "grammar_start_token",

@@ -20,6 +20,8 @@ from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.collector import quiet_garbage_collector
 from lightllm.server.engine_process import build_engine
+from lightllm.server.http.protocol import RequestError
+from lightllm.server.http.structured import constrained, offline_grammar, opens_reasoning, reasoning_end
 from lightllm.server.llm_lifecycle import ProcessSettings, release_engine
 from lightllm.server.output import PromptLogprobs, SequenceOutput, prompt_problem
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
@@ -102,13 +104,17 @@ class LLM:
         """One RequestOutput per prompt (text or token ids), each with `params.n` outputs, in prompt order."""
         return self._generate(prompts, sampling_params)
 
-    def _generate(self, prompts, sampling_params: SamplingParams | None, checkpoint_hints: list[int] = ()):
-        """`generate`; `checkpoint_hints[p]`: a position of prompt p worth a prefix-cache checkpoint (0: none)."""
+    def _generate(
+        self, prompts, sampling_params: SamplingParams | None, checkpoint_hints: list[int] = (), chat: bool = False
+    ):
+        """`generate`; `checkpoint_hints[p]`: a position of prompt p worth a prefix-cache checkpoint (0: none);
+        `chat`: the prompts are rendered conversations (a grammar starts after a reasoning block they open)."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one")
         params = sampling_params or self.default_sampling_params()
         # params may have been changed since they were built: checked again before anything reads them
         params.validate()
+        params = self._compile_constraint(params)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         results: list[RequestOutput] = []
@@ -120,6 +126,7 @@ class LLM:
             if problem is not None:
                 raise ValueError(f"{problem[1]}: {problem[0]}")
             results.append(RequestOutput(text, ids))
+        starts = [self._grammar_start(params, r.prompt_token_ids) if chat else None for r in results]
         base = uuid.uuid4().hex
         for p, result in enumerate(results):
             for j in range(params.n):
@@ -129,6 +136,7 @@ class LLM:
                     n=1,
                     seed=None if params.seed is None else params.seed + j,
                     prompt_logprobs=params.prompt_logprobs if j == 0 else None,
+                    grammar_start_token=starts[p] if starts[p] is not None else params.grammar_start_token,
                 )
                 req_id = f"{base}-{p}-{j}"
                 seqs[req_id] = SequenceOutput(self.tokenizer, sub, self.tokenizer.eos_token_ids)
@@ -159,6 +167,26 @@ class LLM:
                 result.outputs.append(CompletionOutput(j, out.text, out.token_ids, out.finish_reason, logprobs))
         return results
 
+    def _compile_constraint(self, params: SamplingParams) -> SamplingParams:
+        """`params.structured_outputs` compiled into the grammar the engine applies (ValueError naming the
+        constraint when it does not compile or cannot apply)."""
+        if params.structured_outputs is None:
+            return params
+        try:
+            grammar = offline_grammar(params.structured_outputs)
+            return constrained(msgspec.structs.replace(params, structured_outputs=None), grammar)
+        except RequestError as exc:
+            raise ValueError(str(exc)) from None
+
+    def _grammar_start(self, params: SamplingParams, prompt_ids: list[int]) -> int | None:
+        """A rendered conversation that opens a reasoning block keeps the block free of the grammar."""
+        if params.grammar is None or not opens_reasoning(self.tokenizer, prompt_ids):
+            return None
+        try:
+            return reasoning_end(self.tokenizer)
+        except RequestError as exc:
+            raise ValueError(str(exc)) from None
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -176,6 +204,9 @@ class LLM:
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        if continue_final_message and sampling_params is not None and sampling_params.structured_outputs is not None:
+            # a grammar constrains a whole reply, not the rest of one already begun
+            raise ValueError("continue_final_message: cannot be combined with structured_outputs")
         kwargs = dict(chat_template_kwargs or {}, **({"tools": tools} if tools else {}))
         prompts, hints = [], []
         for conversation in conversations:
@@ -195,7 +226,7 @@ class LLM:
             prompts.append(ids)
             # the conversation without the opened turn is where the next turn's prompt parts from this one
             hints.append(self.tokenizer.history_len(conversation, ids, **kwargs) if add_generation_prompt else 0)
-        return self._generate(prompts, sampling_params, hints)
+        return self._generate(prompts, sampling_params, hints, chat=True)
 
     def _absorb(self, outputs, seqs: dict[str, SequenceOutput]) -> None:
         """Feed engine outputs to their sequences. Tokens of a sequence without stop strings are only buffered

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from lightllm import LLM, SamplingParams
+from lightllm import LLM, SamplingParams, StructuredOutputsParams
+from lightllm.server.http.structured import constraint_grammar
 from unit_tests.engine.fake_runner import FakeRunner
 from unit_tests.server.live_server import FAKE_RUNNER
 
@@ -107,3 +109,53 @@ def test_chat_refuses_a_continuation_it_cannot_render(llm):
         llm.chat(asked, add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(ValueError, match="at least one message"):
         llm.chat([asked, []])
+
+
+def test_structured_outputs_constrain_offline_as_over_http(llm):
+    """vLLM's `SamplingParams(structured_outputs=StructuredOutputsParams(...))`: each constraint's output obeys it
+    and equals the output of the grammar the HTTP route compiles for it (same seed); the twin without a
+    constraint writes something else."""
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    schema["additionalProperties"] = False
+    cases = {
+        "choice": (["alpha", "beta"], lambda t: t in ("alpha", "beta")),
+        "regex": ("[0-9]{3}", lambda t: len(t) == 3 and t.isdigit()),
+        "json": (schema, lambda t: isinstance(json.loads(t)["a"], bool)),
+        "grammar": ('start: "x" "y"+', lambda t: t.startswith("xy") and set(t[1:]) == {"y"}),
+    }
+    knobs = dict(temperature=1.0, seed=4, max_tokens=40)
+    for kind, (value, valid) in cases.items():
+        params = SamplingParams(**knobs, structured_outputs=StructuredOutputsParams(**{kind: value}))
+        text = llm.generate("Answer:", params)[0].outputs[0].text
+        assert valid(text), (kind, text)
+        explicit = SamplingParams(**knobs, grammar=constraint_grammar(kind, value))
+        assert llm.generate("Answer:", explicit)[0].outputs[0].text == text, kind
+    free = llm.generate("Answer:", SamplingParams(**knobs))[0].outputs[0].text
+    assert free not in ("alpha", "beta")
+
+
+def test_structured_outputs_in_chat_start_after_the_reasoning_block(llm):
+    """A conversation whose template opens `<think>` keeps the block free: the fake model never closes it, so its
+    output is unconstrained; with thinking off the output is constrained from its first token."""
+    asked = [{"role": "user", "content": "Pick one."}]
+    params = SamplingParams(
+        temperature=1.0, seed=2, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
+    (off,) = llm.chat(asked, params, chat_template_kwargs={"enable_thinking": False})
+    assert off.outputs[0].text in ("yes", "no")
+    (on,) = llm.chat(asked, params)
+    assert llm.tokenizer.decode(on.prompt_token_ids, skip_special_tokens=False).rstrip().endswith("<think>")
+    assert on.outputs[0].text not in ("yes", "no") and len(on.outputs[0].token_ids) == 12
+
+
+def test_structured_outputs_refusals_name_the_problem(llm):
+    with pytest.raises(ValueError, match="exactly one of json"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"]))
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        llm.generate("x", SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a")))
+    begun = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}]
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))
+    with pytest.raises(ValueError, match="continue_final_message: cannot be combined with structured_outputs"):
+        llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)

@@ -36,11 +36,18 @@ from lightllm.server.http.parsers import (
 )
 from lightllm.server.http.protocol import ChatCompletionRequest, RequestError, template_kwargs
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
-from lightllm.server.http.structured import constrained, request_grammar
+from lightllm.server.http.structured import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    constrained,
+    opens_reasoning,
+    reasoning_end,
+    request_grammar,
+    single_token,
+)
 from lightllm.server.output import default_length
 
 router = APIRouter()
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class ChatOutput:
@@ -106,12 +113,6 @@ class ChatOutput:
         return parsed
 
 
-def _opens_reasoning(fe: Frontend, prompt_ids: list[int]) -> bool:
-    """The rendered prompt ends inside an opened `<think>` block (the template turned thinking on)."""
-    tail = fe.tokenizer.decode(prompt_ids[-4:], skip_special_tokens=False).rstrip()
-    return tail.endswith(THINK_OPEN)
-
-
 def _continues_reasoning(body: ChatCompletionRequest) -> bool:
     """The assistant message being continued opened a `<think>` block and did not close it (a prefilled start of
     the reasoning): the output begins inside the block, though the prompt does not end with its opening."""
@@ -121,26 +122,16 @@ def _continues_reasoning(body: ChatCompletionRequest) -> bool:
     return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
 
 
-def _single_token(fe: Frontend, text: str) -> int | None:
-    ids = fe.tokenizer.encode_rendered(text)
-    return ids[0] if len(ids) == 1 else None
-
-
 async def _constrain(fe: Frontend, body: ChatCompletionRequest, out: ChatOutput, params):
     """Attach the request's grammar (built off the event loop); a reasoning block opened by the prompt stays free
     until `</think>`."""
     try:
-        grammar = await fe.offload(request_grammar, body, out.tool_parser, lambda text: _single_token(fe, text))
+        grammar = await fe.offload(
+            request_grammar, body, out.tool_parser, lambda text: single_token(fe.tokenizer, text)
+        )
         if grammar is None:
             return params
-        start = None
-        if out.starts_in_reasoning:
-            start = _single_token(fe, THINK_CLOSE)
-            if start is None:
-                raise RequestError(
-                    "messages", "this model's reasoning end is not one token: send enable_thinking: false"
-                )
-        return constrained(params, grammar, start)
+        return constrained(params, grammar, reasoning_end(fe.tokenizer) if out.starts_in_reasoning else None)
     except RequestError as exc:
         raise ApiError(400, str(exc), exc.field) from None
 
@@ -196,7 +187,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     prompt_ids = await fe.encode_chat(messages, body.chat_template, kwargs, body.add_special_tokens, **opening)
     fe.check_prompt(prompt_ids, params, "messages")
     params = default_length(prompt_ids, params, fe.sampling_defaults.get("max_tokens"), fe.args.max_req_total_len)
-    out.starts_in_reasoning = _opens_reasoning(fe, prompt_ids) or _continues_reasoning(body)
+    out.starts_in_reasoning = opens_reasoning(fe.tokenizer, prompt_ids) or _continues_reasoning(body)
     params = await _constrain(fe, body, out, params)
     if out.body.uses_tools and out.tool_parser == "kimi" and params.skip_special_tokens:
         # Kimi's tool-call section markers are special tokens: the parser has to see them

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from lightllm.engine.sampling_params import SamplingParams
+from lightllm.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from lightllm.server.http.parsers.qwen3_xml import schema_types
 from lightllm.server.http.protocol import (
     ChatCompletionRequest,
@@ -23,6 +23,7 @@ from lightllm.server.http.protocol import (
     ToolDef,
 )
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _OBJECT = {"type": "object"}
 # JSON as models (and json.dumps) write it: one space after ':' and ',', no other whitespace; flexible whitespace
 # would let a model pad forever
@@ -164,21 +165,32 @@ def _validated(grammar: str, field: str) -> str:
 def structured_outputs_grammar(so: StructuredOutputs) -> str:
     """The llguidance grammar of a `structured_outputs` constraint (the request checked it names exactly one);
     raises RequestError naming the constraint when it cannot be compiled."""
+    (kind,) = so.kinds()
+    return constraint_grammar(kind, so.json_ if kind == "json" else getattr(so, kind))
+
+
+def offline_grammar(so: StructuredOutputsParams) -> str:
+    """The same for the offline `LLM`'s StructuredOutputsParams (validated to name exactly one constraint)."""
+    return constraint_grammar(*so.constraint())
+
+
+def constraint_grammar(kind: str, value) -> str:
+    """The grammar of one `structured_outputs` constraint: `kind` json (a schema), json_object, regex, choice (a
+    list of strings) or grammar (Lark). RequestError naming `structured_outputs.<kind>` when it cannot compile."""
     from llguidance import LLMatcher
 
-    (kind,) = so.kinds()
     field = f"structured_outputs.{kind}"
     try:
         if kind == "json":
-            grammar = json_schema_grammar(so.json_)
+            grammar = json_schema_grammar(value)
         elif kind == "json_object":
             grammar = json_schema_grammar(_OBJECT)
         elif kind == "regex":
-            grammar = LLMatcher.grammar_from_regex(so.regex)
+            grammar = LLMatcher.grammar_from_regex(value)
         elif kind == "choice":
-            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_str(c) for c in so.choice))
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_str(c) for c in value))
         else:
-            grammar = LLMatcher.grammar_from_lark(so.grammar)
+            grammar = LLMatcher.grammar_from_lark(value)
     except ValueError as exc:
         raise RequestError(field, f"{field}: {exc}") from None
     return _validated(grammar, field)
@@ -213,6 +225,26 @@ def request_grammar(
     else:
         return None
     return _validated(grammar, field)
+
+
+def single_token(tokenizer, text: str) -> int | None:
+    """The id of `text` when the tokenizer writes it as one token."""
+    ids = tokenizer.encode_rendered(text)
+    return ids[0] if len(ids) == 1 else None
+
+
+def opens_reasoning(tokenizer, prompt_ids: list[int]) -> bool:
+    """The rendered prompt ends inside an opened `<think>` block (the template turned thinking on): a grammar then
+    starts at the block's end."""
+    return tokenizer.decode(prompt_ids[-4:], skip_special_tokens=False).rstrip().endswith(THINK_OPEN)
+
+
+def reasoning_end(tokenizer) -> int:
+    """The token a grammar starts after when the output begins inside a reasoning block."""
+    token = single_token(tokenizer, THINK_CLOSE)
+    if token is None:
+        raise RequestError("messages", "this model's reasoning end is not one token: send enable_thinking: false")
+    return token
 
 
 def constrained(params: SamplingParams, grammar: str, start_token: int | None = None) -> SamplingParams:
