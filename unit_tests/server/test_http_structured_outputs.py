@@ -104,6 +104,26 @@ def test_json_schema_and_json_object_outputs_parse(server, client, route, form):
             assert isinstance(json.loads(text), dict)
 
 
+def test_completions_take_response_format_as_chat_does(server, client):
+    """vLLM's /v1/completions takes response_format too: json_schema outputs parse against the schema, json_object
+    outputs open an object; `text` (the twin) leaves the output free, as no response_format does."""
+
+    def texts(fmt: dict | None, max_tokens: int = 64) -> list[tuple[str, str]]:
+        extra = {"response_format": fmt} if fmt is not None else {}
+        out = client.completions.create(
+            model=server.model, prompt="Answer:", max_tokens=max_tokens, n=3, temperature=1.0, seed=5, extra_body=extra
+        )
+        return [(c.text, c.finish_reason) for c in out.choices]
+
+    schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    for text in _finished(texts(schema_format)):
+        value = json.loads(text)
+        assert set(value) == {"name", "n"} and 0 <= value["n"] <= 999
+    assert all(text.startswith("{") for text, _ in texts({"type": "json_object"}))
+    assert texts({"type": "text"}, 8) == texts(None, 8)
+    assert not all(text.startswith("{") for text, _ in texts(None, 8))
+
+
 def test_completions_echo_logprobs_and_stream_beside_a_constraint(server, client):
     """Echo, logprobs and streaming beside structured_outputs: each choice is the prompt, then text the regex
     matches whole, with a log-probability for every prompt and output token; the stream carries the same texts as
@@ -155,6 +175,19 @@ BAD = [
         CHAT,
         {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
         "structured_outputs",
+    ),
+    (
+        "completions",
+        CMPL,
+        {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+        "structured_outputs",
+    ),
+    ("completions", CMPL, {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    (
+        "completions",
+        CMPL,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+        "response_format.json_schema.schema",
     ),
 ]
 

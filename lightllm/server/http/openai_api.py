@@ -21,7 +21,7 @@ from lightllm.server.http.logprobs import (
 )
 from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend, Sequence
-from lightllm.server.http.structured import constrained, structured_outputs_grammar
+from lightllm.server.http.structured import completion_grammar, constrained
 from lightllm.server.output import Delta, PromptLogprobs
 
 logger = logging.getLogger(__name__)
@@ -117,10 +117,12 @@ async def completions(body: CompletionRequest, request: Request):
     raw = body.prompt
     if not raw:
         raise ApiError(400, "the prompt is empty", "prompt")
-    if body.structured_outputs is not None:
+    if body.structured_outputs is not None or body.response_format is not None:
         # compiled after the checks that need no compile; the prompt's own checks read no grammar
         try:
-            params = constrained(params, await fe.offload(structured_outputs_grammar, body.structured_outputs))
+            grammar = await fe.offload(completion_grammar, body)
+            if grammar is not None:
+                params = constrained(params, grammar)
         except RequestError as exc:
             raise ApiError(400, str(exc), exc.field) from None
     texts: list[str] | None = None

@@ -170,6 +170,14 @@ class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+    @property
+    def constrains(self) -> bool:
+        return self.type != "text"
+
+    def check(self) -> None:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise RequestError("response_format.json_schema", "response_format.json_schema: a schema is required")
+
 
 class StructuredOutputs(StrictModel):
     """vLLM's `structured_outputs` (both routes): exactly one constraint on the generated text. Keys it does not
@@ -466,19 +474,13 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError(name, f"{name}: the legacy function-calling fields are not supported; use tools")
         self._check_tools()
         fmt = self.response_format
-        if (
-            fmt is not None
-            and fmt.type == "json_schema"
-            and (fmt.json_schema is None or fmt.json_schema.schema_ is None)
-        ):
-            raise RequestError("response_format.json_schema", "response_format.json_schema: a schema is required")
-        if fmt is not None and fmt.type != "text" and self.forced_tool_choice:
+        if fmt is not None:
+            fmt.check()
+        if fmt is not None and fmt.constrains and self.forced_tool_choice:
             raise RequestError(
                 "response_format", "response_format: cannot be combined with tool_choice required or a named function"
             )
-        if self.structured_outputs is not None and (
-            (fmt is not None and fmt.type != "text") or self.forced_tool_choice
-        ):
+        if self.structured_outputs is not None and ((fmt is not None and fmt.constrains) or self.forced_tool_choice):
             raise RequestError(
                 "structured_outputs",
                 "structured_outputs: cannot be combined with response_format or tool_choice required / a named function",
@@ -500,7 +502,7 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.continue_final_message:
             return
         # a grammar constrains a whole reply, not the rest of one already begun
-        if (fmt is not None and fmt.type != "text") or self.structured_outputs is not None or self.forced_tool_choice:
+        if (fmt is not None and fmt.constrains) or self.structured_outputs is not None or self.forced_tool_choice:
             raise RequestError(
                 "continue_final_message",
                 "continue_final_message: cannot be combined with response_format, structured_outputs or tool_choice "
@@ -569,6 +571,9 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = Field(
         True, description="false: a text prompt is encoded without the tokenizer's markers (a BOS, ...) (vLLM's)"
     )
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object or json_schema: the output constrained as on chat (vLLM's)"
+    )
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -585,6 +590,10 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.response_format is not None:
+            self.response_format.check()
+            if self.response_format.constrains and self.structured_outputs is not None:
+                raise RequestError("structured_outputs", "structured_outputs: cannot be combined with response_format")
         if self.suffix:
             raise RequestError("suffix", "suffix: not supported by this server")
         if self.best_of is not None and self.best_of != self.n:

@@ -17,8 +17,10 @@ from lightllm.engine.sampling_params import SamplingParams, StructuredOutputsPar
 from lightllm.server.http.parsers.qwen3_xml import schema_types
 from lightllm.server.http.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
     NamedToolChoice,
     RequestError,
+    ResponseFormat,
     StructuredOutputs,
     ToolDef,
 )
@@ -206,14 +208,9 @@ def request_grammar(
     if body.structured_outputs is not None:
         return structured_outputs_grammar(body.structured_outputs)
     fmt = body.response_format
-    if fmt is not None and fmt.type != "text":
-        field = "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
-        schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else _OBJECT
-        try:
-            grammar = json_schema_grammar(schema)
-        except ValueError as exc:
-            raise RequestError(field, f"{field}: {exc}") from None
-    elif body.forced_tool_choice and body.tools:
+    if fmt is not None and fmt.constrains:
+        return response_format_grammar(fmt)
+    if body.forced_tool_choice and body.tools:
         if tool_parser is None:
             raise RequestError(
                 "tool_choice", "tool_choice: this model has no tool-call format (see --tool_call_parser)"
@@ -224,6 +221,27 @@ def request_grammar(
         )
     else:
         return None
+    return _validated(grammar, field)
+
+
+def completion_grammar(body: CompletionRequest) -> str | None:
+    """The grammar a completion request's output must follow (structured_outputs or response_format), or None."""
+    if body.structured_outputs is not None:
+        return structured_outputs_grammar(body.structured_outputs)
+    if body.response_format is not None and body.response_format.constrains:
+        return response_format_grammar(body.response_format)
+    return None
+
+
+def response_format_grammar(fmt: ResponseFormat) -> str:
+    """The grammar of a constraining `response_format` (json_object, or json_schema with its schema checked
+    present); RequestError naming the schema when it cannot be compiled."""
+    field = "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
+    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else _OBJECT
+    try:
+        grammar = json_schema_grammar(schema)
+    except ValueError as exc:
+        raise RequestError(field, f"{field}: {exc}") from None
     return _validated(grammar, field)
 
 
