@@ -33,6 +33,20 @@ def fake_checkpoint(folder: Path, **fake_config) -> str:
     return str(model_dir)
 
 
+def reasoning_and_content(r, stream: bool) -> tuple[str, str]:
+    """A chat response's first choice as (reasoning_content, content), from JSON or joined from its SSE deltas."""
+    if not stream:
+        message = r.json()["choices"][0]["message"]
+        return message.get("reasoning_content") or "", message["content"] or ""
+    reasoning = content = ""
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[len("data: ") :])["choices"]:
+                reasoning += choice["delta"].get("reasoning_content") or ""
+                content += choice["delta"].get("content") or ""
+    return reasoning, content
+
+
 def single_threaded_env() -> dict[str, str]:
     """Environment for processes started by tests: one OpenMP thread each. Tests run several torch processes on
     few cores, and OpenMP workers spin-waiting on an oversubscribed CPU slow tiny forwards down a hundredfold."""

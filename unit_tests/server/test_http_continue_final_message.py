@@ -5,12 +5,10 @@ field."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
-from unit_tests.server.live_server import LiveServer, tiny_checkpoint_server
+from unit_tests.server.live_server import LiveServer, reasoning_and_content, tiny_checkpoint_server
 
 MESSAGES = [
     {"role": "user", "content": "Name a prime."},
@@ -119,7 +117,7 @@ def test_a_continued_reasoning_block_stays_reasoning(thinking_server, stream):
         body.update(continue_final_message=True, add_generation_prompt=False)
         r = httpx.post(f"{s.base_url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        parts[name] = _reasoning_and_content(r, stream)
+        parts[name] = reasoning_and_content(r, stream)
     assert parts["opened"][0] and not parts["opened"][1]
     assert parts["closed"][1] and not parts["closed"][0]
 
@@ -146,7 +144,7 @@ def test_echo_starts_the_answer_with_the_final_assistant_message(thinking_server
         }
         r = httpx.post(f"{s.base_url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        return _reasoning_and_content(r, stream)
+        return reasoning_and_content(r, stream)
 
     reasoning, content = ask(opened, True, **CONTINUE)
     plain_reasoning, plain_content = ask(opened, False, **CONTINUE)
@@ -161,19 +159,6 @@ def test_echo_starts_the_answer_with_the_final_assistant_message(thinking_server
     assert ask(MESSAGES, True) == (ask(MESSAGES, False)[0], MESSAGES[1]["content"] + ask(MESSAGES, False)[1])
     # the twin: a final user message has nothing to echo
     assert ask(MESSAGES[:1], True) == ask(MESSAGES[:1], False)
-
-
-def _reasoning_and_content(r: httpx.Response, stream: bool) -> tuple[str, str]:
-    if not stream:
-        message = r.json()["choices"][0]["message"]
-        return message.get("reasoning_content") or "", message["content"] or ""
-    reasoning = content = ""
-    for line in r.text.splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[len("data: ") :])["choices"]:
-                reasoning += choice["delta"].get("reasoning_content") or ""
-                content += choice["delta"].get("content") or ""
-    return reasoning, content
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,13 @@ import httpx
 import pytest
 
 from lightllm.server.http.extra_fields import REFUSED
-from unit_tests.server.live_server import FAKE_RUNNER, LiveServer, fake_checkpoint, tiny_checkpoint_server
+from unit_tests.server.live_server import (
+    FAKE_RUNNER,
+    LiveServer,
+    fake_checkpoint,
+    reasoning_and_content,
+    tiny_checkpoint_server,
+)
 
 # each refused field: a value that asks for something, and its neutral value (sent by clients that set everything)
 ASKING = {
@@ -167,25 +173,12 @@ def test_include_reasoning_false_leaves_the_reasoning_out(thinking_server, strea
     shown = httpx.post(f"{s.base_url}/v1/chat/completions", json=body, timeout=60)
     hidden = httpx.post(f"{s.base_url}/v1/chat/completions", json={**body, "include_reasoning": False}, timeout=60)
     assert shown.status_code == hidden.status_code == 200, (shown.text, hidden.text)
-    reasoning, content = _reasoning_and_content(shown, stream)
+    reasoning, content = reasoning_and_content(shown, stream)
     assert reasoning, "the template opens a reasoning block: the fake model's output is reasoning"
-    assert _reasoning_and_content(hidden, stream) == ("", content)
+    assert reasoning_and_content(hidden, stream) == ("", content)
     assert "reasoning_content" not in (hidden.text if stream else json.dumps(hidden.json()["choices"][0]["message"]))
 
 
 def _text(r: httpx.Response, route: str) -> str:
     choice = r.json()["choices"][0]
     return choice["text"] if route == "completions" else choice["message"]["content"]
-
-
-def _reasoning_and_content(r: httpx.Response, stream: bool) -> tuple[str, str]:
-    if not stream:
-        message = r.json()["choices"][0]["message"]
-        return message.get("reasoning_content") or "", message["content"] or ""
-    reasoning = content = ""
-    for line in r.text.splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[len("data: ") :])["choices"]:
-                reasoning += choice["delta"].get("reasoning_content") or ""
-                content += choice["delta"].get("content") or ""
-    return reasoning, content
