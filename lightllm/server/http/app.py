@@ -25,6 +25,7 @@ from lightllm.server.http.metric_rows import MetricRows
 from lightllm.server.http.metrics import Metrics
 from lightllm.server.http.openai_api import error_response
 from lightllm.server.http.openai_api import router as openai_router
+from lightllm.server.http.responses_api import router as responses_router
 from lightllm.server.http.serving import RETRY_AFTER_S, ApiError, ClientDisconnected, Frontend
 from lightllm.server.http.stats_log import log_stats
 from lightllm.server.http.tokenize_api import router as tokenize_router
@@ -187,6 +188,7 @@ def create_app(
     app.openapi = _openapi_with_400(app)
     app.include_router(chat_router)
     app.include_router(openai_router)
+    app.include_router(responses_router)
     app.include_router(tokenize_router)
     engine.add_routes(app)
     app.add_middleware(

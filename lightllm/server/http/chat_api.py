@@ -6,11 +6,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.http.logprobs import chat_logprobs
 from lightllm.server.http.openai_api import (
     SSE_DONE,
@@ -45,7 +47,7 @@ from lightllm.server.http.structured import (
     request_grammar,
     single_token,
 )
-from lightllm.server.output import default_length
+from lightllm.server.output import Delta, default_length
 
 router = APIRouter()
 
@@ -173,9 +175,40 @@ def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if reason == "stop" and has_calls else reason
 
 
+@dataclass
+class ChatRun:
+    """A chat request's submitted sequences and how their text is parsed."""
+
+    out: ChatOutput
+    params: SamplingParams
+    prompt_ids: list[int]
+    stream: AsyncIterator[tuple[Sequence, Delta]]
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     fe = _frontend(request)
+    run = await start_chat(fe, body, request)
+    out, params, prompt_ids, stream = run.out, run.params, run.prompt_ids, run.stream
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
+    if not body.stream:
+        seqs = await _collect(stream)
+        usage = _usage(len(prompt_ids), sum(len(s.output.token_ids) for s in seqs), _cached_tokens(seqs, params.n))
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [_choice(fe, out, s) for s in seqs],
+            "usage": usage,
+        }
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = _events(fe, out, stream, params.n, len(prompt_ids), include_usage, rid, created, model)
+    return StreamingResponse(_guarded(events, stream), media_type="text/event-stream")
+
+
+async def start_chat(fe: Frontend, body: ChatCompletionRequest, request: Request) -> ChatRun:
+    """Check, render and submit a chat request (ApiError for what cannot be served)."""
     fe.check_engine()
     fe.check_model(body.model)
     params = _params(body, fe)
@@ -193,26 +226,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         # Kimi's tool-call section markers are special tokens: the parser has to see them
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     fe.check_capacity(params.n, "n")
-    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
     # the conversation before an opened assistant turn is what the next turn repeats; a prompt that opens none
     # gets no hint
     opens_turn = body.add_generation_prompt and not body.continue_final_message
     history = await fe.chat_history_len(messages, body.chat_template, kwargs, prompt_ids) if opens_turn else 0
     stream = fe.generate([prompt_ids], params, request, checkpoint_hints=[history] if history else [])
-    if not body.stream:
-        seqs = await _collect(stream)
-        usage = _usage(len(prompt_ids), sum(len(s.output.token_ids) for s in seqs), _cached_tokens(seqs, params.n))
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [_choice(fe, out, s) for s in seqs],
-            "usage": usage,
-        }
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = _events(fe, out, stream, params.n, len(prompt_ids), include_usage, rid, created, model)
-    return StreamingResponse(_guarded(events, stream), media_type="text/event-stream")
+    return ChatRun(out, params, prompt_ids, stream)
 
 
 def _choice(fe: Frontend, out: ChatOutput, s: Sequence) -> dict:

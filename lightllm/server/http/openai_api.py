@@ -87,16 +87,21 @@ def _sse_error(message: str) -> bytes:
     return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": 500}})
 
 
-async def _guarded(events: AsyncIterator[bytes], stream: AsyncIterator) -> AsyncIterator[bytes]:
-    """A stream that always ends well-formed: an unexpected failure becomes an error event (the status line went
-    out long ago), and the engine sequences are closed whatever happens."""
+def _error_end(message: str) -> list[bytes]:
+    """How a chat or completion stream ends on an error: the error event, then the end marker."""
+    return [_sse_error(message), SSE_DONE]
+
+
+async def _guarded(events: AsyncIterator[bytes], stream: AsyncIterator, error_end=_error_end) -> AsyncIterator[bytes]:
+    """A stream that always ends well-formed: an unexpected failure becomes the API's error ending (`error_end`;
+    the status line went out long ago), and the engine sequences are closed whatever happens."""
     try:
         async for event in events:
             yield event
     except Exception:
         logger.exception("streaming response failed")
-        yield _sse_error("internal server error")
-        yield SSE_DONE
+        for event in error_end("internal server error"):
+            yield event
     finally:
         await stream.aclose()
 

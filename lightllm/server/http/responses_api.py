@@ -1,0 +1,253 @@
+"""/v1/responses: OpenAI's Responses API, served as the chat request it translates into
+(`responses_protocol.py`). The output's text goes through the chat route's parsers into output items: the reasoning,
+the assistant's message and its function calls, in the order the model wrote them. A streamed response is the same
+items announced, filled by deltas and closed as OpenAI's typed events; a plain one is the stream's final state."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from lightllm.server.http.chat_api import ChatOutput, ChatRun, start_chat
+from lightllm.server.http.openai_api import _collect, _frontend, _guarded, _sse, _until_disconnect
+from lightllm.server.http.parsers import ParsedDelta
+from lightllm.server.http.protocol import ChatCompletionRequest, RequestError
+from lightllm.server.http.responses_protocol import RESPONSES_FIELD, ResponsesRequest
+from lightllm.server.http.serving import ApiError, Frontend, Sequence
+
+router = APIRouter()
+
+
+def _responses_error(field: str | None, message: str) -> ApiError:
+    """A chat field's error named after the Responses field it comes from."""
+    for chat_field, field_here in RESPONSES_FIELD.items():
+        if field is not None and (field == chat_field or field.startswith((chat_field + ".", chat_field + "["))):
+            renamed = field_here if chat_field == "messages" else field_here + field[len(chat_field) :]
+            message = message.replace(field, renamed, 1) if message.startswith(field) else message
+            return ApiError(400, message, renamed)
+    return ApiError(400, message, field)
+
+
+def _chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(body.chat_request())
+    except RequestError as exc:
+        raise _responses_error(exc.field, str(exc)) from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise _responses_error(field, f"{field}: {first.get('msg')}" if field else first.get("msg")) from None
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request):
+    fe = _frontend(request)
+    chat = _chat_body(body)
+    try:
+        run = await start_chat(fe, chat, request)
+    except ApiError as exc:
+        if exc.status != 400:
+            raise
+        raise _responses_error(exc.param, exc.message) from None
+    built = ResponseBuilder(fe, body, run)
+    if not body.stream:
+        (seq,) = await _collect(run.stream)
+        built.feed(seq.output.text, final=True)
+        return built.response(seq)
+    return StreamingResponse(
+        _guarded(built.events(), run.stream, error_end=built.error_end), media_type="text/event-stream"
+    )
+
+
+class ResponseBuilder:
+    """The response's output items as the parsed text fills them, and the events that tell a stream so."""
+
+    def __init__(self, fe: Frontend, body: ResponsesRequest, run: ChatRun):
+        self.fe, self.body, self.run = fe, body, run
+        self.out: ChatOutput = run.out
+        self.parser = self.out.parser() if self.out.parses else None
+        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.items: list[dict] = []
+        # the item deltas go to (the last of `items`) while it is open, and its kind
+        self.open: str | None = None
+        self.sequence_number = 0
+        self.pending: list[bytes] = []
+
+    # -- events ------------------------------------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields) -> None:
+        self.sequence_number += 1
+        event = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.pending.append(b"event: " + kind.encode() + b"\n" + _sse(event))
+
+    def _take(self) -> list[bytes]:
+        events, self.pending = self.pending, []
+        return events
+
+    def error_end(self, message: str) -> list[bytes]:
+        self._event("error", code="server_error", message=message, param=None)
+        return self._take()
+
+    async def events(self) -> AsyncIterator[bytes]:
+        self._event("response.created", response=self.response(None))
+        self._event("response.in_progress", response=self.response(None))
+        for event in self._take():
+            yield event
+        async for seq, delta in _until_disconnect(self.run.stream):
+            if delta.finish_reason == "error":
+                for event in self.error_end(seq.output.error or "the engine failed this request"):
+                    yield event
+                return
+            self.feed(delta.text, final=bool(delta.finish_reason))
+            if delta.finish_reason:
+                response = self.response(seq)
+                self._event(f"response.{response['status']}", response=response)
+            for event in self._take():
+                yield event
+
+    # -- items -------------------------------------------------------------------------------------------------
+
+    def feed(self, text: str, final: bool) -> None:
+        """Parse more of the output (all of it, for a plain response) into the items."""
+        if self.parser is None:
+            parsed = ParsedDelta(content=text)
+        else:
+            parsed = self.parser.feed(text) if text else ParsedDelta()
+            if final:
+                parsed.extend(self.parser.finish())
+        parsed = self.out.shown(parsed)
+        if parsed.reasoning:
+            self._append("reasoning", parsed.reasoning)
+        if parsed.content:
+            self._append("message", parsed.content)
+        for call in parsed.tool_calls:
+            if call.id is not None:
+                self._open_call(call.id, call.name or "")
+            if call.arguments:
+                self._append("function_call", call.arguments)
+        if final:
+            self._close()
+            if not self.items:
+                # an output with nothing in it is still an (empty) message
+                self._open("message")
+                self._close()
+
+    def _open(self, kind: str) -> dict:
+        self._close()
+        index = len(self.items)
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": []}
+        else:
+            item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "content": []}
+        item["status"] = "in_progress"
+        self.items.append(item)
+        self.open = kind
+        self._event("response.output_item.added", output_index=index, item=dict(item))
+        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _output_text("")
+        item["content"].append(part)
+        self._event("response.content_part.added", **self._where(), part=dict(part))
+        return item
+
+    def _open_call(self, call_id: str, name: str) -> None:
+        self._close()
+        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name}
+        item.update(arguments="", status="in_progress")
+        self.items.append(item)
+        self.open = "function_call"
+        self._event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))
+
+    def _append(self, kind: str, text: str) -> None:
+        if self.open != kind:
+            self._open(kind)
+        item = self.items[-1]
+        if kind == "function_call":
+            item["arguments"] += text
+            self._event("response.function_call_arguments.delta", item_id=item["id"], **self._index(), delta=text)
+            return
+        item["content"][0]["text"] += text
+        name = "reasoning_text" if kind == "reasoning" else "output_text"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        self._event(f"response.{name}.delta", **self._where(), delta=text, **extra)
+
+    def _close(self) -> None:
+        if self.open is None:
+            return
+        item, kind = self.items[-1], self.open
+        self.open = None
+        item["status"] = "completed"
+        if kind == "function_call":
+            args = item["arguments"]
+            self._event("response.function_call_arguments.done", item_id=item["id"], **self._index(), arguments=args)
+        else:
+            part = item["content"][0]
+            name = "reasoning_text" if kind == "reasoning" else "output_text"
+            self._event(f"response.{name}.done", **self._where(), text=part["text"])
+            self._event("response.content_part.done", **self._where(), part=dict(part))
+        self._event("response.output_item.done", **self._index(), item=item)
+
+    def _index(self) -> dict:
+        return {"output_index": len(self.items) - 1}
+
+    def _where(self) -> dict:
+        return {"item_id": self.items[-1]["id"], **self._index(), "content_index": 0}
+
+    # -- the response object -----------------------------------------------------------------------------------
+
+    def response(self, seq: Sequence | None) -> dict:
+        """The response object: in progress (no sequence yet), or finished by `seq`."""
+        body = self.body
+        status, incomplete, usage = "in_progress", None, None
+        if seq is not None:
+            status = "incomplete" if seq.output.finish_reason == "length" else "completed"
+            incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+            usage = self._usage(seq)
+        fmt = body.text.format if body.text is not None and body.text.format is not None else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.fe.args.served_model_name,
+            "output": self.items if seq is not None else [],
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions,
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "tool_choice": _dumped(body.tool_choice) or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "reasoning": _dumped(body.reasoning) or {"effort": None, "summary": None},
+            "temperature": self.run.params.temperature,
+            "top_p": self.run.params.top_p,
+            "max_output_tokens": body.max_output_tokens,
+            "previous_response_id": None,
+            "store": False,
+            "truncation": "disabled",
+            "metadata": body.metadata or {},
+            "usage": usage,
+        }
+
+    def _usage(self, seq: Sequence) -> dict:
+        prompt, output = len(self.run.prompt_ids), len(seq.output.token_ids)
+        reasoning = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
+        reasoning_tokens = len(self.fe.tokenizer.encode_rendered(reasoning)) if reasoning else 0
+        return {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": seq.output.num_cached_tokens},
+            "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output)},
+            "total_tokens": prompt + output,
+        }
+
+
+def _dumped(value):
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
+def _output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": []}

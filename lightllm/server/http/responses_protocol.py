@@ -1,0 +1,225 @@
+"""OpenAI's Responses API request (`POST /v1/responses`) and its translation into the chat request it is served as:
+input items become chat messages (function calls and their outputs as tool calls and tool messages, reasoning as
+the assistant's reasoning_content), `instructions` a system message first, flat function tools the chat form,
+`text.format` the response_format. Nothing is stored, so `previous_response_id` is refused and `store` reported
+false; the rest of what this server cannot do is refused naming the field."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from lightllm.engine.sampling_params import MAX_INT
+from lightllm.server.http.protocol import FUNCTION_NAME, FunctionDef, RequestError, StrictModel, Text
+
+# the Responses field each chat field it becomes is named after (a chat error names the client's field)
+RESPONSES_FIELD = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+class TextPart(StrictModel):
+    # earlier responses' output_text parts come back in assistant messages
+    type: Literal["input_text", "output_text"]
+    text: Text
+
+
+class MessageItem(StrictModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Text | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(StrictModel):
+    type: Literal["function_call"]
+    call_id: Text
+    name: str = Field(pattern=FUNCTION_NAME)
+    arguments: Text
+
+
+class FunctionCallOutputItem(StrictModel):
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Text | list[TextPart]
+
+
+class ReasoningPart(StrictModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class ReasoningItem(StrictModel):
+    type: Literal["reasoning"]
+    content: list[ReasoningPart] | None = None
+    summary: list[ReasoningPart] = []
+
+    def text(self) -> str:
+        # the reasoning itself where the item carries it (this server's items do), else its summary
+        return "".join(p.text for p in (self.content or self.summary))
+
+
+def _item_kind(value: Any) -> str:
+    # an easy input message has no type
+    return value.get("type", "message") if isinstance(value, dict) else "message"
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(FunctionDef):
+    """The flat form of a chat tool: the function's fields beside its type."""
+
+    type: Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, data):
+        # named before the fields a function needs: a web_search tool has no name to miss
+        if isinstance(data, dict) and data.get("type") != "function":
+            raise ValueError(f"only function tools are supported, not {str(data.get('type'))[:40]!r}")
+        return data
+
+
+class NamedFunction(StrictModel):
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class TextFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = Field("response", pattern=FUNCTION_NAME)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(StrictModel):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningOptions(StrictModel):
+    # "none" switches thinking off (the template's enable_thinking); other efforts leave it as the template has it
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # the reasoning is returned whole in each reasoning item's content; no summary is written
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(StrictModel):
+    model: Text
+    input: Text | list[InputItem]
+    instructions: Text | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool = True
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    # nothing is kept: a response is never stored, whatever this says (reported as false)
+    store: bool | None = None
+    # accepted: reasoning items carry their text, never encrypted content
+    include: list[Text] | None = None
+    metadata: dict[str, Text] | None = None
+    previous_response_id: Text | None = None
+    conversation: Any = None
+    background: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    prompt: Any = None
+
+    def check_supported(self) -> None:
+        refused = {
+            "previous_response_id": (
+                self.previous_response_id is not None,
+                "responses are not stored here; send the whole conversation in input",
+            ),
+            "conversation": (self.conversation is not None, "conversations are not stored here; send them in input"),
+            "background": (bool(self.background), "background responses are not supported"),
+            "truncation": (
+                self.truncation == "auto",
+                "only disabled is supported (a prompt that is too long is a 400)",
+            ),
+            "max_tool_calls": (self.max_tool_calls is not None, "not supported; use parallel_tool_calls false"),
+            "top_logprobs": (bool(self.top_logprobs), "not supported; /v1/chat/completions returns logprobs"),
+            "prompt": (self.prompt is not None, "prompt templates are not supported; send input"),
+            "text.verbosity": (
+                self.text is not None and self.text.verbosity is not None,
+                "not supported by the models served here",
+            ),
+        }
+        for field, (asked, why) in refused.items():
+            if asked:
+                raise RequestError(field, f"{field}: {why}")
+
+    def chat_request(self) -> dict:
+        """The chat request body this request is served as."""
+        self.check_supported()
+        chat: dict[str, Any] = {
+            "model": self.model,
+            "messages": self.messages(),
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "stream": self.stream,
+        }
+        optional = {"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        chat.update({k: v for k, v in optional.items() if v is not None})
+        if self.tools:
+            chat["tools"] = [
+                {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools
+            ]
+        if isinstance(self.tool_choice, NamedFunction):
+            chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            chat["tool_choice"] = self.tool_choice
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None:
+            chat["response_format"] = {"type": fmt.type}
+            if fmt.type == "json_schema":
+                schema = fmt.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)
+                chat["response_format"]["json_schema"] = schema
+        if self.reasoning is not None and self.reasoning.effort == "none":
+            chat["chat_template_kwargs"] = {"enable_thinking": False}
+        return chat
+
+    def messages(self) -> list[dict]:
+        """The conversation as chat messages: consecutive function calls join one assistant message (the one
+        before them when it is the assistant's), a reasoning item the next assistant message."""
+        messages: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        reasoning: str | None = None
+        for item in self.input:
+            if isinstance(item, ReasoningItem):
+                reasoning = (reasoning or "") + item.text()
+                continue
+            if isinstance(item, FunctionCallOutputItem):
+                output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+                continue
+            if isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function", "function": {"name": item.name}}
+                call["function"]["arguments"] = item.arguments
+                last = messages[-1] if messages else None
+                if last is None or last["role"] != "assistant" or reasoning is not None:
+                    last = {"role": "assistant", "content": None}
+                    messages.append(last)
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                role = "system" if item.role == "developer" else item.role
+                messages.append({"role": role, "content": item.text()})
+                last = messages[-1]
+            if reasoning is not None and last["role"] == "assistant":
+                last["reasoning_content"] = reasoning
+                reasoning = None
+        return messages
