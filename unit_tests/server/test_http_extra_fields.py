@@ -39,7 +39,6 @@ ASKING = {
     "prediction": ({"type": "content", "content": "x"}, None),
     "audio": ({"voice": "alloy", "format": "wav"}, None),
     "modalities": (["text", "audio"], ["text"]),
-    "reasoning_effort": ("low", None),
 }
 MESSAGES = [{"role": "user", "content": "Name a prime."}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
@@ -182,3 +181,19 @@ def test_include_reasoning_false_leaves_the_reasoning_out(thinking_server, strea
 def _text(r: httpx.Response, route: str) -> str:
     choice = r.json()["choices"][0]
     return choice["text"] if route == "completions" else choice["message"]["content"]
+
+
+def test_reasoning_effort_none_switches_thinking_off(server, prompts_sent):
+    """reasoning_effort none renders the prompt enable_thinking false renders; another effort, or a template
+    variable that sets thinking itself, leaves the prompt as the template has it (the twins)."""
+    cases = [
+        {"reasoning_effort": "none"},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"reasoning_effort": "high"},
+        {},
+        {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+    ]
+    for fields in cases:
+        assert _post(server, "chat/completions", **fields).status_code == 200, fields
+    off, explicit_off, high, default, kept_on = prompts_sent
+    assert off == explicit_off and high == default == kept_on and off != default

@@ -36,7 +36,7 @@ from lightllm.server.http.parsers import (
     reasoning_parser_name,
     tool_parser_name,
 )
-from lightllm.server.http.protocol import ChatCompletionRequest, RequestError, template_kwargs
+from lightllm.server.http.protocol import ChatCompletionRequest, RequestError
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
 from lightllm.server.http.structured import (
     THINK_CLOSE,
@@ -215,7 +215,7 @@ async def start_chat(fe: Frontend, body: ChatCompletionRequest, request: Request
     fe.check_capacity(params.n, "n")
     out = ChatOutput(fe, body)
     messages = [m.as_template_input() for m in body.messages]
-    kwargs = template_kwargs(body.chat_template_kwargs, body.tools if body.uses_tools else None)
+    kwargs = body.template_variables()
     opening = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
     prompt_ids = await fe.encode_chat(messages, body.chat_template, kwargs, body.add_special_tokens, **opening)
     fe.check_prompt(prompt_ids, params, "messages")

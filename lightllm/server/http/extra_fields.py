@@ -32,7 +32,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prediction": ((), "predicted outputs are not supported"),
     "audio": ((), "not supported: the models served here take and write text only"),
     "modalities": ((["text"],), "only text output is supported"),
-    "reasoning_effort": ((), "not supported; switch thinking off with chat_template_kwargs {'enable_thinking': false}"),
 }
 
 

@@ -433,6 +433,11 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="variables for the chat template, e.g. {'enable_thinking': false}"
     )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None,
+        description="none: thinking off (the template's enable_thinking false, unless chat_template_kwargs sets it); "
+        "the other efforts leave thinking as the template has it",
+    )
     tools: list[ToolDef] | None = Field(
         None, max_length=MAX_TOOLS, description="functions the model may call (OpenAI's tools)"
     )
@@ -523,6 +528,14 @@ class ChatCompletionRequest(_SamplingFields):
                 "tool_choice.function.name",
                 f"tool_choice.function.name: {choice.function.name!r} is not one of the tools ({', '.join(names)})",
             )
+
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template renders with beside the messages (`template_kwargs`), thinking switched off by
+        reasoning_effort none where the client's variables leave it."""
+        variables = template_kwargs(self.chat_template_kwargs, self.tools if self.uses_tools else None)
+        if self.reasoning_effort == "none":
+            variables.setdefault("enable_thinking", False)
+        return variables
 
     @property
     def forced_tool_choice(self) -> bool:

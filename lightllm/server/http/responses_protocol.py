@@ -107,7 +107,7 @@ class TextOptions(StrictModel):
 
 
 class ReasoningOptions(StrictModel):
-    # "none" switches thinking off (the template's enable_thinking); other efforts leave it as the template has it
+    # the chat request's reasoning_effort
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # the reasoning is returned whole in each reasoning item's content; no summary is written
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -188,8 +188,8 @@ class ResponsesRequest(StrictModel):
             if fmt.type == "json_schema":
                 schema = fmt.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)
                 chat["response_format"]["json_schema"] = schema
-        if self.reasoning is not None and self.reasoning.effort == "none":
-            chat["chat_template_kwargs"] = {"enable_thinking": False}
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            chat["reasoning_effort"] = self.reasoning.effort
         return chat
 
     def messages(self) -> list[dict]:
