@@ -94,6 +94,7 @@ def mla_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_TABLE_ROWS: tl.constexpr,
+    KEYS_MAJOR: tl.constexpr,
 ):
     i_h, i_ms, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_m, i_s = i_ms // num_splits, i_ms % num_splits
@@ -125,7 +126,10 @@ def mla_attention_kernel(
 
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
-    b_acc = tl.zeros([BM, BC], dtype=tl.float32)
+    if KEYS_MAJOR:
+        b_acc = tl.zeros([BC, BM], dtype=tl.float32)  # transposed: latent dims as the dot's rows
+    else:
+        b_acc = tl.zeros([BM, BC], dtype=tl.float32)
     if HAS_TABLE_ROWS:
         i_row = tl.load(table_rows + i_r64).to(tl.int64)
     else:
@@ -144,12 +148,27 @@ def mla_attention_kernel(
         # row-major like the latent block (each key's rope part is contiguous: vectorised loads), transposed in
         # the dot
         b_kr = tl.load(p_lat[:, None] + C + o_rr[None, :], mask=m_n[:, None] & m_rr[None, :], other=0.0)  # [BN, BR]
-        b_s = tl.dot(b_qc, tl.trans(b_c), input_precision=DOT_PRECISION)
-        b_s = (b_s + tl.dot(b_qr, tl.trans(b_kr), input_precision=DOT_PRECISION)) * qk_scale  # [BM, BN]
+        if KEYS_MAJOR:
+            # both dots transposed, so their rows are the keys and then the latent dims (BN and BC rows, against
+            # BM): the MMA spreads its warps over the latent block, each reading its own part once, where a
+            # heads-major dot of BM rows spreads them over the keys and every warp reads the whole query block
+            b_st = tl.dot(b_c, tl.trans(b_qc), input_precision=DOT_PRECISION)
+            b_st = b_st + tl.dot(b_kr, tl.trans(b_qr), input_precision=DOT_PRECISION)  # [BN, BM]
+            b_s = tl.trans(b_st) * qk_scale
+        else:
+            b_s = tl.dot(b_qc, tl.trans(b_c), input_precision=DOT_PRECISION)
+            b_s = (b_s + tl.dot(b_qr, tl.trans(b_kr), input_precision=DOT_PRECISION)) * qk_scale  # [BM, BN]
         m_vis = (o_n[None, :] <= b_limit[:, None]) & m_n[None, :]
         b_s = tl.where(m_vis, b_s, float("-inf"))
         b_p, b_alpha, b_m, b_l = online_softmax_step(b_s, b_m, b_l)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_c.dtype), b_c, input_precision=DOT_PRECISION)
+        if KEYS_MAJOR:
+            b_pv = tl.dot(tl.trans(b_c), tl.trans(b_p.to(b_c.dtype)), input_precision=DOT_PRECISION)  # [BC, BM]
+            b_acc = b_acc * b_alpha[None, :] + b_pv
+        else:
+            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_c.dtype), b_c, input_precision=DOT_PRECISION)
+
+    if KEYS_MAJOR:
+        b_acc = tl.trans(b_acc)
 
     store_rows(
         o,
@@ -185,7 +204,11 @@ class MLATile:
     programs per SM, one computing while the others wait on memory, at twice the L2 reads. `min_tile_rows` pads a
     tile with rows that compute nothing: at 64 rows both dots of a 32-head decode tile lower to sm_90's
     asynchronous warpgroup MMA instead of `mma.sync` (twice the dot work, issued without stalling the loads; a
-    64-row verify tile of two tokens needs no padding). A tuned table per device (`get_tile`) picks among them."""
+    64-row verify tile of two tokens needs no padding). `keys_major` transposes both dots, so their rows are the
+    latent block's keys and then its latent dims: both lower to the warpgroup MMA without padding, and each warp
+    reads its own share of the latent block where a heads-major tile's warps each reread the whole query block
+    (with 32-key blocks and 8 warps it lowers for sm_90 at 190 registers, 112 KB of shared memory, no spills). A
+    tuned table per device (`get_tile`) picks among them."""
 
     block_heads: int = 32
     max_tile_rows: int = 32
@@ -194,6 +217,8 @@ class MLATile:
     num_stages: int = 3
     waves: int = 2
     min_tile_rows: int = 16
+    # both dots transposed (keys, then latent dims, as the MMA's rows; see the kernel)
+    keys_major: bool = False
 
 
 # tuned tiles: `mla_configs/<device>.json`, `{triton_version: {tile_key: {rows_bucket: MLATile fields}}}` (written
@@ -332,6 +357,7 @@ def mla_attention_triton(
         BR=max(16, triton.next_power_of_2(d - c)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SPLIT=num_splits > 1,
+        KEYS_MAJOR=tile.keys_major,
         num_warps=tile.num_warps,
         # fp32 (parity tests only) latent blocks are twice the bytes: one stage keeps them within shared memory
         num_stages=1 if q.element_size() == 4 else tile.num_stages,

@@ -76,6 +76,15 @@ MLA_TILES = [
 # 64-row tiles (`min_tile_rows`: a 32-head decode tile padded, a two-token verify tile as it is): both dots on
 # sm_90's warpgroup MMA; the shapes that lower without spills
 MLA_PADDED_TILES = [(32, 64, 32, 8, 3), (32, 64, 32, 8, 2), (32, 64, 16, 8, 4), (32, 64, 16, 8, 5)]
+# keys-major tiles (both dots transposed, on sm_90's warpgroup MMA: warps spread over the latent block, not over
+# the keys); the 8-warp shapes that lower for sm_90 within its shared memory without spilling more than 48 bytes
+MLA_KEYS_MAJOR_TILES = [
+    (32, 32, 32, 8, 3),
+    (32, 32, 32, 8, 4),
+    (32, 32, 16, 8, 4),
+    (32, 32, 64, 8, 2),
+    (32, 32, 64, 8, 3),
+]
 # waves of SMs a split launch aims to fill: a tile that fits several programs per SM fills them with more splits
 MLA_WAVES = (2, 4, 8)
 MOE_SHAPES = ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b"]
@@ -97,6 +106,7 @@ DRY_MLA_SHAPE = (4, 32, 8)
 DRY_MLA_CASES = {"decode b3 @70": (3, 70)}
 DRY_MLA_TILES = [(4, 4, 16, 4, 1), (2, 4, 16, 4, 1)]
 DRY_MLA_PADDED_TILES = [(4, 4, 16, 4, 1)]
+DRY_MLA_KEYS_MAJOR_TILES = [(4, 4, 16, 4, 1)]
 DRY_MOE = [MoEShape("tiny-moe", 8, 2, 32, 24)]
 DRY_MOE_GRID = {"BLOCK_M": (16,), "BLOCK_N": (16, 32), "BLOCK_K": (16,), "num_warps": (4,), "num_stages": (1,)}
 
@@ -182,7 +192,7 @@ def mla_case(name, rows, cached, shape, tiles, dtype, device, bandwidth, deadlin
             )
 
         label = f"{tile.block_heads}, {tile.max_tile_rows}, {tile.block_keys}, {tile.num_warps}, "
-        label += f"{tile.num_stages}, {tile.waves}, {tile.min_tile_rows}"
+        label += f"{tile.num_stages}, {tile.waves}, {tile.min_tile_rows}, {tile.keys_major}"
         try:
             out.fill_(float("nan"))
             run()
@@ -218,6 +228,8 @@ def part_mla(args, device: torch.device, out: Path, echo: Report) -> None:
     tiles = [MLATile(*t, waves=w) for t in (DRY_MLA_TILES if dry else MLA_TILES) for w in ((2,) if dry else MLA_WAVES)]
     padded, min_rows = (DRY_MLA_PADDED_TILES, 32) if dry else (MLA_PADDED_TILES, 64)
     tiles += [MLATile(*t, waves=w, min_tile_rows=min_rows) for t in padded for w in ((2,) if dry else MLA_WAVES)]
+    keys_major = DRY_MLA_KEYS_MAJOR_TILES if dry else MLA_KEYS_MAJOR_TILES
+    tiles += [MLATile(*t, waves=w, keys_major=True) for t in keys_major for w in ((2,) if dry else MLA_WAVES)]
     dtype = torch.float32 if dry else torch.bfloat16
     heads, rank, rope = shape
     bandwidth = copy_bandwidth(device) if not dry else 1e12
@@ -227,7 +239,8 @@ def part_mla(args, device: torch.device, out: Path, echo: Report) -> None:
     compile_mla_tiles(shape, tiles, dtype, device)
     echo(f"(compiled the tiles in {time.monotonic() - start:.0f} s)\n")
     echo(
-        "| case | tile (heads, rows, keys, warps, stages, waves, min rows) | splits | us | floor us | us / floor "
+        "| case | tile (heads, rows, keys, warps, stages, waves, min rows, keys major) | splits | us | floor us | "
+        "us / floor "
         "| rel err |"
     )
     echo("|---|---|---|---|---|---|---|")

@@ -26,7 +26,14 @@ SHAPES = {"kimi-linear-tp1": (32, 512, 64), "kimi-linear-tp2": (16, 512, 64)}
 # (shape, tile) pairs lowered: the default tile at both shapes, and a 64-row tile (a 32-head decode tile padded, a
 # two-token verify tile as it is) at TP1
 PADDED = MLATile(max_tile_rows=64, block_keys=32, min_tile_rows=64)
-VARIANTS = [("kimi-linear-tp1", MLATile()), ("kimi-linear-tp2", MLATile()), ("kimi-linear-tp1", PADDED)]
+# both dots transposed: rows of 32 keys and 512 latent dims, so both lower to the warpgroup MMA without padding
+KEYS_MAJOR = MLATile(keys_major=True)
+VARIANTS = [
+    ("kimi-linear-tp1", MLATile()),
+    ("kimi-linear-tp2", MLATile()),
+    ("kimi-linear-tp1", PADDED),
+    ("kimi-linear-tp1", KEYS_MAJOR),
+]
 TYPES = {
     "q": "*bf16",
     "latent": "*bf16",
@@ -63,8 +70,9 @@ def cases(heads: int, rank: int, rope: int, tile: MLATile = MLATile()) -> list[t
                 DOT_PRECISION="tf32",
                 SPLIT=split,
                 HAS_TABLE_ROWS=True,
+                KEYS_MAJOR=tile.keys_major,
             )
-            label = f"mla_attention BH={bh} BT={bt} split={split}"
+            label = f"mla_attention BH={bh} BT={bt} split={split}" + (" keys-major" if tile.keys_major else "")
             out.append((label, mla_attention_kernel, c, tile.num_warps, tile.num_stages))
     combine = dict(SP=MAX_SPLITS, DV=rank, BV=triton.next_power_of_2(rank))
     out.append(("combine", paged_attention_combine_kernel, combine, 4, 1))
@@ -93,7 +101,7 @@ def main() -> int:
                 alloc = allocation(ptx)
                 ok = buffered(kernel, compiled, stages)
                 dots = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "-"
-                wide = kernel is mla_attention_kernel and constexprs["BM"] >= 64
+                wide = kernel is mla_attention_kernel and (constexprs["BM"] >= 64 or constexprs["KEYS_MAJOR"])
                 print(
                     f"| {name} | {label} BM={constexprs.get('BM', '-')} | {warps} | {alloc} | "
                     f"{'yes' if ok else 'NO'} | {dots} |",

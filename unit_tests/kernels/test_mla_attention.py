@@ -112,16 +112,26 @@ def test_split_context_matches_latent_softmax(rows, num_splits):
     assert_rel_close(f"split x{num_splits}", out, expected, 1e-5)
 
 
+TILE_VARIANTS = {
+    # `min_tile_rows` above the tile's real rows (4 heads x 1..2 tokens in 32 rows): the padding rows read no query
+    # and store nothing
+    "padded": MLATile(block_heads=4, max_tile_rows=8, block_keys=16, num_warps=4, num_stages=1, min_tile_rows=32),
+    # both dots transposed (keys, then latent dims, as the dot's rows)
+    "keys-major": MLATile(block_heads=4, max_tile_rows=8, block_keys=16, num_warps=4, num_stages=1, keys_major=True),
+}
+
+
+@pytest.mark.parametrize("variant", TILE_VARIANTS)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("rows", [ROW_SETS["decode"], ROW_SETS["verify-w1to4"]], ids=["decode", "verify-w1to4"])
-def test_a_tile_padded_with_idle_rows_matches_latent_softmax(rows, num_splits):
-    """`min_tile_rows` above the tile's real rows (4 heads x 1..2 tokens in 32 rows): the padding rows read no
-    query and store nothing, the real rows equal the reference, split or not; a changed latent shows (twin)."""
+def test_tile_variants_match_latent_softmax(rows, num_splits, variant):
+    """A padded tile and a keys-major tile give the reference's rows, split or not; a changed latent shows
+    (twin)."""
     from lightllm.kernels.mla_attention import mla_attention_triton
 
     cached, q_lens = rows
     latent, table, table_rows, slots, q = scattered(cached, q_lens, 4, 32, 8, torch.float32, 31 + num_splits)
-    tile = MLATile(block_heads=4, max_tile_rows=8, block_keys=16, num_warps=4, num_stages=1, min_tile_rows=32)
+    tile = TILE_VARIANTS[variant]
     starts = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(torch.int32)
     out = poison_(q.new_empty(q.shape[0], q.shape[1], 32))
     lens, prefix = torch.tensor(q_lens, dtype=torch.int32), torch.tensor(cached, dtype=torch.int32)
