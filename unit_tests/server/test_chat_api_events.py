@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightllm.server.http.chat_api import ChatOutput, _choice, _events
+from lightllm.server.http.openai_api import StreamUsage
 from lightllm.server.http.protocol import ChatCompletionRequest
 from lightllm.server.http.serving import Sequence
 from lightllm.server.output import Delta
@@ -49,7 +50,7 @@ async def _stream(pieces: list[str]):
 def _collect_events(fe, out, pieces: list[str]) -> list[dict]:
     async def run():
         events = []
-        async for event in _events(fe, out, _stream(pieces), 1, 3, False, "id", 0, "m"):
+        async for event in _events(fe, out, _stream(pieces), 1, StreamUsage(None, 3, 1), "id", 0, "m"):
             events.append(event)
         return events
 

@@ -128,12 +128,28 @@ def test_guided_beside_structured_outputs_or_another_guided_gets_400(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_choice", r.text
 
 
-def test_continuous_usage_stats_is_refused_naming_it(server):
-    options = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    r = _post(server, "chat/completions", **options)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats", r.text
-    options["stream_options"]["continuous_usage_stats"] = False
-    assert _post(server, "chat/completions", **options).status_code == 200
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server, route):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (completion tokens never
+    decreasing, the prompt's count throughout), the last chunk's equals the final usage chunk's; without it (the
+    twin) only the final chunk has a usage."""
+
+    def chunks(continuous: bool) -> list[dict]:
+        options = {"include_usage": True, "continuous_usage_stats": continuous}
+        r = _post(server, route, stream=True, max_tokens=6, ignore_eos=True, stream_options=options)
+        assert r.status_code == 200, r.text
+        lines = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: {")]
+        return [json.loads(line) for line in lines]
+
+    events = chunks(True)
+    *streamed, final = events
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
+    counts = [e["usage"]["completion_tokens"] for e in streamed]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(streamed) >= 2
+    assert {e["usage"]["prompt_tokens"] for e in events} == {final["usage"]["prompt_tokens"]}
+    assert streamed[-1]["usage"] == final["usage"]
+    plain = chunks(False)
+    assert [("usage" in e) for e in plain] == [False] * (len(plain) - 1) + [True]
 
 
 def test_add_special_tokens_as_in_vllm(server, prompts_sent):

@@ -16,12 +16,12 @@ from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.http.logprobs import chat_logprobs
 from lightllm.server.http.openai_api import (
     SSE_DONE,
+    StreamUsage,
     _cached_tokens,
     _collect,
     _frontend,
     _guarded,
     _params,
-    _sse,
     _sse_error,
     _until_disconnect,
     _usage,
@@ -202,8 +202,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "choices": [_choice(fe, out, s) for s in seqs],
             "usage": usage,
         }
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = _events(fe, out, stream, params.n, len(prompt_ids), include_usage, rid, created, model)
+    counts = StreamUsage(body.stream_options, len(prompt_ids), params.n)
+    events = _events(fe, out, stream, params.n, counts, rid, created, model)
     return StreamingResponse(_guarded(events, stream), media_type="text/event-stream")
 
 
@@ -255,25 +255,21 @@ def _choice(fe: Frontend, out: ChatOutput, s: Sequence) -> dict:
 
 
 async def _events(
-    fe: Frontend, out: ChatOutput, stream, n: int, num_prompt_tokens: int, include_usage: bool, rid, created, model
+    fe: Frontend, out: ChatOutput, stream, n: int, counts: StreamUsage, rid, created, model
 ) -> AsyncIterator[bytes]:
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     for i in range(n):
-        yield _sse(
-            {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-        )
+        opening = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield counts.chunk({**head, "choices": [opening]})
     parsers = {i: out.parser() for i in range(n)} if out.parses else {}
     has_calls: dict[int, bool] = {}
     for i, parsed in out.echo_deltas(parsers).items():
         parsed = out.shown(parsed)
         has_calls[i] = bool(parsed.tool_calls)
         if parsed:
-            yield _sse({**head, "choices": [{"index": i, "delta": _delta_body(parsed), "finish_reason": None}]})
-    num_tokens = 0
-    seen: dict[int, Sequence] = {}
+            yield counts.chunk({**head, "choices": [{"index": i, "delta": _delta_body(parsed), "finish_reason": None}]})
     async for seq, delta in _until_disconnect(stream):
-        num_tokens += len(delta.token_ids)
-        seen[seq.index] = seq
+        counts.add(seq, delta)
         if delta.finish_reason == "error":
             yield _sse_error(seq.output.error or "the engine failed this request")
             yield SSE_DONE
@@ -295,8 +291,7 @@ async def _events(
             "logprobs": chat_logprobs(fe.tokenizer, delta.token_ids, delta.logprobs),
             "finish_reason": _finish_reason(delta.finish_reason, has_calls.get(seq.index, False)),
         }
-        yield _sse({**head, "choices": [choice]})
-    if include_usage:
-        usage = _usage(num_prompt_tokens, num_tokens, _cached_tokens(seen.values(), n))
-        yield _sse({**head, "choices": [], "usage": usage})
+        yield counts.chunk({**head, "choices": [choice]})
+    for event in counts.last(head):
+        yield event
     yield SSE_DONE

@@ -19,7 +19,7 @@ from lightllm.server.http.logprobs import (
     echoed_prompt_logprobs,
     join_logprobs,
 )
-from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError, StreamOptions
 from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend, Sequence
 from lightllm.server.http.structured import completion_grammar, constrained
 from lightllm.server.output import Delta, PromptLogprobs
@@ -56,6 +56,33 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+class StreamUsage:
+    """The token counts a stream reports: in a last chunk of its own with `stream_options.include_usage`, and in
+    every chunk, as counted so far, with vLLM's `continuous_usage_stats` beside it."""
+
+    def __init__(self, options: StreamOptions | None, num_prompt_tokens: int, n: int):
+        self.final = bool(options and options.include_usage)
+        self.continuous = self.final and options.continuous_usage_stats
+        self.num_prompt_tokens, self.n = num_prompt_tokens, n
+        self.num_tokens = 0
+        self.seen: dict[int, Sequence] = {}
+
+    def add(self, seq: Sequence, delta: Delta) -> None:
+        self.num_tokens += len(delta.token_ids)
+        self.seen[seq.index] = seq
+
+    def usage(self) -> dict:
+        return _usage(self.num_prompt_tokens, self.num_tokens, _cached_tokens(self.seen.values(), self.n))
+
+    def chunk(self, obj: dict) -> bytes:
+        """One chunk's event, with the usage so far when it is continuous."""
+        return _sse({**obj, "usage": self.usage()} if self.continuous else obj)
+
+    def last(self, head: dict) -> list[bytes]:
+        """The usage chunk that ends the stream, when asked for."""
+        return [_sse({**head, "choices": [], "usage": self.usage()})] if self.final else []
 
 
 def _cached_tokens(seqs, n: int) -> int:
@@ -187,7 +214,7 @@ async def completions(body: CompletionRequest, request: Request):
             "usage": usage,
         }
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    counts = StreamUsage(body.stream_options, num_prompt_tokens, params.n)
 
     async def events() -> AsyncIterator[bytes]:
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
@@ -200,7 +227,7 @@ async def completions(body: CompletionRequest, request: Request):
                 {"index": i, "text": prefix, "logprobs": prompt_logprobs, "finish_reason": None}
                 for i in range(p * params.n, (p + 1) * params.n)
             ]
-            return [_sse({**head, "choices": [choice]}) for choice in choices]
+            return [counts.chunk({**head, "choices": [choice]}) for choice in choices]
 
         for i in range(len(prompts) * params.n):
             offsets[i] = TextOffsets(len(echoed(i // params.n)[0]))
@@ -211,11 +238,8 @@ async def completions(body: CompletionRequest, request: Request):
             for p in range(len(prompts)):
                 for event in echo_events(p, None):
                     yield event
-        num_tokens = 0
-        seen: dict[int, Sequence] = {}
         async for seq, delta in _until_disconnect(stream):
-            num_tokens += len(delta.token_ids)
-            seen[seq.index] = seq
+            counts.add(seq, delta)
             if delta.finish_reason == "error":
                 yield _sse_error(seq.output.error or "the engine failed this request")
                 yield SSE_DONE
@@ -228,7 +252,7 @@ async def completions(body: CompletionRequest, request: Request):
                     "logprobs": completion_logprobs(tok, delta.token_ids, delta.logprobs, offsets[seq.index]),
                     "finish_reason": delta.finish_reason,
                 }
-                events_now.append(_sse({**head, "choices": [choice]}))
+                events_now.append(counts.chunk({**head, "choices": [choice]}))
             p = seq.prompt_index
             if p in held:
                 out = seq.output
@@ -238,9 +262,8 @@ async def completions(body: CompletionRequest, request: Request):
                 events_now = [*echo_events(p, out.prompt_logprobs), *held.pop(p), *events_now]
             for event in events_now:
                 yield event
-        if include_usage:
-            usage = _usage(num_prompt_tokens, num_tokens, _cached_tokens(seen.values(), params.n))
-            yield _sse({**head, "choices": [], "usage": usage})
+        for event in counts.last(head):
+            yield event
         yield SSE_DONE
 
     return StreamingResponse(_guarded(events(), stream), media_type="text/event-stream")

@@ -210,7 +210,7 @@ class StructuredOutputs(StrictModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
-    # vLLM's usage in every chunk: refused when asked for (`check_supported`)
+    # vLLM's: with include_usage, every chunk carries the usage so far
     continuous_usage_stats: bool = False
 
 
@@ -317,9 +317,6 @@ class _SamplingFields(StrictModel):
             raise RequestError(*self._refused)
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options: only allowed with stream: true")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            field = "stream_options.continuous_usage_stats"
-            raise RequestError(field, f"{field}: not supported; include_usage gives the usage in the last chunk")
         if self.structured_outputs is not None:
             kinds = self.structured_outputs.kinds()
             if len(kinds) != 1:
