@@ -42,6 +42,16 @@ def default_length(
     return msgspec.structs.replace(params, max_tokens=max(min(default, room), params.min_tokens, 1))
 
 
+def truncated(ids: list[int], keep: int | None, params: SamplingParams, max_req_total_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: as many as leave room for max_tokens,
+    which the request then sets); the prompt as it is without `keep`."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max(1, max_req_total_len - params.max_tokens)
+    return ids[-keep:]
+
+
 # per prompt token: (logprob, [(alt_id, logprob), ...]) given the tokens before it; None for the first token
 PromptLogprobs = list[tuple[float, list[tuple[int, float]]] | None]
 

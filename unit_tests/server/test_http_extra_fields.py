@@ -24,7 +24,6 @@ ASKING = {
     "length_penalty": (0.5, 1.0),
     "allowed_token_ids": ([3, 4], None),
     "bad_words": (["lorem"], []),
-    "truncate_prompt_tokens": (4, None),
     "prompt_logprobs": (1, None),
     "return_tokens_as_token_ids": (True, False),
     "spaces_between_special_tokens": (False, True),
@@ -213,3 +212,35 @@ def test_reasoning_effort_none_switches_thinking_off(server, prompts_sent):
         assert _post(server, "chat/completions", **fields).status_code == 200, fields
     off, explicit_off, high, default, kept_on = prompts_sent
     assert off == explicit_off and high == default == kept_on and off != default
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, prompts_sent):
+    """vLLM's truncate_prompt_tokens: the engine reads the last k prompt tokens (of a text, of token ids, of a
+    rendered chat), -1 as many as leave room for max_tokens; an echo repeats what was read. Twins: a k above the
+    prompt's length keeps it whole; 0, and -1 without max_tokens on chat, are 400s naming the field."""
+    tok = server.tokenizer
+    text = "one two three four five six seven eight nine ten"
+    ids = tok.encode(text)
+    r = _post(server, "completions", prompt=text, truncate_prompt_tokens=4, echo=True)
+    assert r.status_code == 200, r.text
+    assert prompts_sent == [ids[-4:]] and r.json()["usage"]["prompt_tokens"] == 4
+    assert r.json()["choices"][0]["text"].startswith(tok.decode(ids[-4:], skip_special_tokens=False))
+    prompts_sent.clear()
+    assert _post(server, "completions", prompt=[ids, ids[:3]], truncate_prompt_tokens=5).status_code == 200
+    assert prompts_sent == [ids[-5:], ids[:3]]
+    prompts_sent.clear()
+    rendered = tok.encode_rendered(tok.render_chat(MESSAGES))
+    assert _post(server, "chat/completions", truncate_prompt_tokens=6).status_code == 200
+    assert _post(server, "chat/completions", truncate_prompt_tokens=10**6).status_code == 200
+    assert prompts_sent == [rendered[-6:], rendered]
+    prompts_sent.clear()
+    total = server.args.max_req_total_len
+    long_ids = [ids[i % len(ids)] for i in range(total + 50)]
+    assert _post(server, "completions", prompt=long_ids, truncate_prompt_tokens=-1, max_tokens=7).status_code == 200
+    assert prompts_sent == [long_ids[-(total - 7) :]]
+    for route, fields in (
+        ("completions", {"truncate_prompt_tokens": 0}),
+        ("chat/completions", {"truncate_prompt_tokens": -1, "max_tokens": None}),
+    ):
+        r = _post(server, route, **fields)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

@@ -47,7 +47,7 @@ from lightllm.server.http.structured import (
     request_grammar,
     single_token,
 )
-from lightllm.server.output import Delta, default_length
+from lightllm.server.output import Delta, default_length, truncated
 
 router = APIRouter()
 
@@ -218,6 +218,8 @@ async def start_chat(fe: Frontend, body: ChatCompletionRequest, request: Request
     kwargs = body.template_variables()
     opening = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
     prompt_ids = await fe.encode_chat(messages, body.chat_template, kwargs, body.add_special_tokens, **opening)
+    full_len = len(prompt_ids)
+    prompt_ids = truncated(prompt_ids, body.truncate_prompt_tokens, params, fe.args.max_req_total_len)
     fe.check_prompt(prompt_ids, params, "messages")
     params = default_length(prompt_ids, params, fe.sampling_defaults.get("max_tokens"), fe.args.max_req_total_len)
     out.starts_in_reasoning = opens_reasoning(fe.tokenizer, prompt_ids) or _continues_reasoning(body)
@@ -229,7 +231,10 @@ async def start_chat(fe: Frontend, body: ChatCompletionRequest, request: Request
     # the conversation before an opened assistant turn is what the next turn repeats; a prompt that opens none
     # gets no hint
     opens_turn = body.add_generation_prompt and not body.continue_final_message
-    history = await fe.chat_history_len(messages, body.chat_template, kwargs, prompt_ids) if opens_turn else 0
+    history = 0
+    if opens_turn and len(prompt_ids) == full_len:
+        # a truncated prompt no longer starts with the earlier turns: no hint
+        history = await fe.chat_history_len(messages, body.chat_template, kwargs, prompt_ids)
     stream = fe.generate([prompt_ids], params, request, checkpoint_hints=[history] if history else [])
     return ChatRun(out, params, prompt_ids, stream)
 

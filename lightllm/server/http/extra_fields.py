@@ -17,7 +17,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((1, 1.0), "applies to beam search, which is not supported"),
     "allowed_token_ids": ((), f"not supported; constrain the output with structured_outputs, or {_LOGIT_BIAS}"),
     "bad_words": (([],), f"not supported; {_LOGIT_BIAS}"),
-    "truncate_prompt_tokens": ((), "not supported; send the part of the prompt to keep"),
     "prompt_logprobs": ((), "not supported; /v1/completions returns the prompt's with echo and logprobs"),
     "return_tokens_as_token_ids": ((False,), "not supported"),
     "spaces_between_special_tokens": ((True,), "not supported: special tokens are decoded as the tokenizer joins them"),

@@ -22,7 +22,7 @@ from lightllm.server.http.logprobs import (
 from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError, StreamOptions
 from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend, Sequence
 from lightllm.server.http.structured import completion_grammar, constrained
-from lightllm.server.output import Delta, PromptLogprobs
+from lightllm.server.output import Delta, PromptLogprobs, truncated
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -165,6 +165,10 @@ async def completions(body: CompletionRequest, request: Request):
     else:
         prompts = [raw] if isinstance(raw[0], int) else [list(p) for p in raw]
         fe.check_capacity(len(prompts) * params.n, "prompt")
+    if body.truncate_prompt_tokens is not None:
+        prompts = [truncated(p, body.truncate_prompt_tokens, params, fe.args.max_req_total_len) for p in prompts]
+        # an echo repeats the prompt the engine read
+        texts = None
     # token ids are checked before anything decodes them
     for ids in prompts:
         fe.check_prompt(ids, params, "prompt")

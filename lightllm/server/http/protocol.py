@@ -247,6 +247,12 @@ class _SamplingFields(StrictModel):
         0, ge=0, le=MAX_INT, description="no stop token or stop string ends the first this many tokens"
     )
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=-1,
+        le=MAX_INT,
+        description="keep only the prompt's last this many tokens; -1: as many as leave room for max_tokens (vLLM's)",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     structured_outputs: StructuredOutputs | None = Field(
@@ -315,6 +321,9 @@ class _SamplingFields(StrictModel):
         """Refuse options that parse but that this server would otherwise ignore."""
         if self._refused is not None:
             raise RequestError(*self._refused)
+        if self.truncate_prompt_tokens == 0:
+            raise RequestError("truncate_prompt_tokens", "truncate_prompt_tokens: must be -1 or at least 1")
+
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options: only allowed with stream: true")
         if self.structured_outputs is not None:
@@ -333,6 +342,10 @@ class _SamplingFields(StrictModel):
         values for the sampling knobs the request leaves out (`lightllm.server.sampling_defaults`); their length
         default applies where the prompt is known (`lightllm.server.output.default_length`)."""
         self.check_supported()
+        if self.truncate_prompt_tokens == -1 and max_tokens is None:
+            raise RequestError(
+                "truncate_prompt_tokens", "truncate_prompt_tokens: -1 keeps the room for max_tokens; set max_tokens"
+            )
         knobs = {k: v for k, v in defaults.items() if k != "max_tokens"} | {
             k: getattr(self, k)
             for k in (
