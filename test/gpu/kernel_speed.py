@@ -78,13 +78,7 @@ MLA_TILES = [
 MLA_PADDED_TILES = [(32, 64, 32, 8, 3), (32, 64, 32, 8, 2), (32, 64, 16, 8, 4), (32, 64, 16, 8, 5)]
 # keys-major tiles (both dots transposed, on sm_90's warpgroup MMA: warps spread over the latent block, not over
 # the keys); the 8-warp shapes that lower for sm_90 within its shared memory without spilling more than 48 bytes
-MLA_KEYS_MAJOR_TILES = [
-    (32, 32, 32, 8, 3),
-    (32, 32, 32, 8, 4),
-    (32, 32, 16, 8, 4),
-    (32, 32, 64, 8, 2),
-    (32, 32, 64, 8, 3),
-]
+MLA_KEYS_MAJOR_TILES = [(32, 32, keys, 8, stages) for keys, stages in ((32, 3), (32, 4), (16, 4), (64, 2), (64, 3))]
 # waves of SMs a split launch aims to fill: a tile that fits several programs per SM fills them with more splits
 MLA_WAVES = (2, 4, 8)
 MOE_SHAPES = ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b"]
