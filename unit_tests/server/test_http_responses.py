@@ -153,7 +153,7 @@ def test_the_stream_builds_the_plain_responses_items(server, tools):
         event = json.loads(data_line[len("data: ") :])
         assert kind_line == f"event: {event['type']}"
         events.append(event)
-    assert [e["sequence_number"] for e in events] == list(range(1, len(events) + 1))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
     final = events[-1]["response"]
     assert events[-1]["type"] == f"response.{final['status']}" == f"response.{plain['status']}"

@@ -443,7 +443,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="variables for the chat template, e.g. {'enable_thinking': false}"
     )
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(
         None,
         description="none: thinking off (the template's enable_thinking false, unless chat_template_kwargs sets it); "
         "the other efforts leave thinking as the template has it",

@@ -14,11 +14,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from lightllm.server.http.chat_api import ChatOutput, ChatRun, start_chat
-from lightllm.server.http.openai_api import _collect, _frontend, _guarded, _sse, _until_disconnect
+from lightllm.server.http.openai_api import _frontend, _guarded, _sse, _until_disconnect
 from lightllm.server.http.parsers import ParsedDelta
 from lightllm.server.http.protocol import ChatCompletionRequest, RequestError
 from lightllm.server.http.responses_protocol import RESPONSES_FIELD, ResponsesRequest
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
+from lightllm.server.output import Delta
 
 router = APIRouter()
 
@@ -56,9 +57,13 @@ async def responses(body: ResponsesRequest, request: Request):
         raise _responses_error(exc.param, exc.message) from None
     built = ResponseBuilder(fe, body, run)
     if not body.stream:
-        (seq,) = await _collect(run.stream)
-        built.feed(seq.output.text, final=True)
-        return built.response(seq)
+        # the deltas as a stream would take them, so a plain response holds the items a stream would build
+        async for seq, delta in run.stream:
+            if delta.finish_reason == "error":
+                error = seq.output
+                raise ApiError(error.error_status or 500, error.error or "engine error", kind="server_error")
+            built.take(seq, delta)
+        return built.response(built.finished)
     return StreamingResponse(
         _guarded(built.events(), run.stream, error_end=built.error_end), media_type="text/event-stream"
     )
@@ -75,7 +80,10 @@ class ResponseBuilder:
         self.items: list[dict] = []
         # the item deltas go to (the last of `items`) while it is open, and its kind
         self.open: str | None = None
-        self.sequence_number = 0
+        # each tool call's item, by the parser's call index (its argument pieces name only the index)
+        self.calls: dict[int, dict] = {}
+        self.finished: Sequence | None = None
+        self.sequence_number = -1
         self.pending: list[bytes] = []
 
     # -- events ------------------------------------------------------------------------------------------------
@@ -90,7 +98,10 @@ class ResponseBuilder:
         return events
 
     def error_end(self, message: str) -> list[bytes]:
+        """A stream's end on a failure: the error, then the failed response (what clients wait for)."""
         self._event("error", code="server_error", message=message, param=None)
+        failed = {**self.response(None), "status": "failed", "error": {"code": "server_error", "message": message}}
+        self._event("response.failed", response=failed)
         return self._take()
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -103,42 +114,51 @@ class ResponseBuilder:
                 for event in self.error_end(seq.output.error or "the engine failed this request"):
                     yield event
                 return
-            self.feed(delta.text, final=bool(delta.finish_reason))
-            if delta.finish_reason:
-                response = self.response(seq)
+            self.take(seq, delta)
+            if self.finished is not None:
+                response = self.response(self.finished)
                 self._event(f"response.{response['status']}", response=response)
             for event in self._take():
                 yield event
 
     # -- items -------------------------------------------------------------------------------------------------
 
-    def feed(self, text: str, final: bool) -> None:
-        """Parse more of the output (all of it, for a plain response) into the items."""
+    def take(self, seq: Sequence, delta: Delta) -> None:
+        """One delta of the output into the items; the last one finishes them."""
+        final = bool(delta.finish_reason)
         if self.parser is None:
-            parsed = ParsedDelta(content=text)
+            parsed = ParsedDelta(content=delta.text)
         else:
-            parsed = self.parser.feed(text) if text else ParsedDelta()
+            parsed = self.parser.feed(delta.text) if delta.text else ParsedDelta()
             if final:
                 parsed.extend(self.parser.finish())
         parsed = self.out.shown(parsed)
+        # a delta's parts in the order they can have been written: reasoning first, the rest of a call already
+        # open, text after it, then the calls it starts
         if parsed.reasoning:
             self._append("reasoning", parsed.reasoning)
+        known = set(self.calls)
+        for call in parsed.tool_calls:
+            if call.index in known:
+                self._arguments(self.calls[call.index], call.arguments)
         if parsed.content:
             self._append("message", parsed.content)
         for call in parsed.tool_calls:
+            if call.index in known:
+                continue
             if call.id is not None:
-                self._open_call(call.id, call.name or "")
-            if call.arguments:
-                self._append("function_call", call.arguments)
+                self._open_call(call.index, call.id, call.name or "")
+            self._arguments(self.calls[call.index], call.arguments)
         if final:
-            self._close()
+            self._close("incomplete" if delta.finish_reason == "length" else "completed")
             if not self.items:
                 # an output with nothing in it is still an (empty) message
                 self._open("message")
-                self._close()
+                self._close("completed")
+            self.finished = seq
 
     def _open(self, kind: str) -> dict:
-        self._close()
+        self._close("completed")
         index = len(self.items)
         if kind == "reasoning":
             item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": []}
@@ -147,47 +167,56 @@ class ResponseBuilder:
         item["status"] = "in_progress"
         self.items.append(item)
         self.open = kind
-        self._event("response.output_item.added", output_index=index, item=dict(item))
+        self._event("response.output_item.added", output_index=index, item=item)
         part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _output_text("")
         item["content"].append(part)
-        self._event("response.content_part.added", **self._where(), part=dict(part))
+        self._event("response.content_part.added", **self._where(), part=part)
         return item
 
-    def _open_call(self, call_id: str, name: str) -> None:
-        self._close()
+    def _open_call(self, index: int, call_id: str, name: str) -> None:
+        self._close("completed")
         item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name}
         item.update(arguments="", status="in_progress")
         self.items.append(item)
+        self.calls[index] = item
         self.open = "function_call"
-        self._event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))
+        self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+
+    def _arguments(self, item: dict, text: str) -> None:
+        if not text:
+            return
+        item["arguments"] += text
+        if item["status"] == "in_progress":
+            where = {"item_id": item["id"], "output_index": self.items.index(item)}
+            self._event("response.function_call_arguments.delta", **where, delta=text)
 
     def _append(self, kind: str, text: str) -> None:
         if self.open != kind:
             self._open(kind)
-        item = self.items[-1]
-        if kind == "function_call":
-            item["arguments"] += text
-            self._event("response.function_call_arguments.delta", item_id=item["id"], **self._index(), delta=text)
-            return
-        item["content"][0]["text"] += text
+        self.items[-1]["content"][0]["text"] += text
         name = "reasoning_text" if kind == "reasoning" else "output_text"
         extra = {} if kind == "reasoning" else {"logprobs": []}
         self._event(f"response.{name}.delta", **self._where(), delta=text, **extra)
 
-    def _close(self) -> None:
+    def _close(self, status: str) -> None:
         if self.open is None:
             return
         item, kind = self.items[-1], self.open
         self.open = None
-        item["status"] = "completed"
         if kind == "function_call":
+            if not item["arguments"]:
+                # a call written without arguments takes none, as chat reports it
+                self._arguments(item, "{}")
             args = item["arguments"]
-            self._event("response.function_call_arguments.done", item_id=item["id"], **self._index(), arguments=args)
+            where = {"item_id": item["id"], **self._index()}
+            self._event("response.function_call_arguments.done", **where, name=item["name"], arguments=args)
         else:
             part = item["content"][0]
+            extra = {} if kind == "reasoning" else {"logprobs": []}
             name = "reasoning_text" if kind == "reasoning" else "output_text"
-            self._event(f"response.{name}.done", **self._where(), text=part["text"])
-            self._event("response.content_part.done", **self._where(), part=dict(part))
+            self._event(f"response.{name}.done", **self._where(), text=part["text"], **extra)
+            self._event("response.content_part.done", **self._where(), part=part)
+        item["status"] = status
         self._event("response.output_item.done", **self._index(), item=item)
 
     def _index(self) -> dict:
@@ -238,7 +267,7 @@ class ResponseBuilder:
         reasoning_tokens = len(self.fe.tokenizer.encode_rendered(reasoning)) if reasoning else 0
         return {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": seq.output.num_cached_tokens},
+            "input_tokens_details": {"cached_tokens": seq.output.num_cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output,
             "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output)},
             "total_tokens": prompt + output,

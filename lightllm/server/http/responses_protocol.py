@@ -108,9 +108,9 @@ class TextOptions(StrictModel):
 
 class ReasoningOptions(StrictModel):
     # the chat request's reasoning_effort
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # the reasoning is returned whole in each reasoning item's content; no summary is written
-    summary: Literal["auto", "concise", "detailed"] | None = None
+    summary: Literal["none", "auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(StrictModel):
