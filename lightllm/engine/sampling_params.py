@@ -55,10 +55,18 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True):
     grammar: str | None = None
 
     def constraint(self) -> tuple[str, object] | None:
-        """(kind, value) of the one constraint given; None unless exactly one is."""
+        """(kind, value) of the one constraint given; None unless exactly one is, of its kind's type."""
         given = [(k, getattr(self, k)) for k in ("json", "json_object", "regex", "choice", "grammar")]
         given = [(k, v) for k, v in given if v is not None and v is not False]
-        return given[0] if len(given) == 1 else None
+        if len(given) != 1:
+            return None
+        kind, value = given[0]
+        valid = {
+            "json": isinstance(value, dict) or (isinstance(value, str) and value),
+            "json_object": value is True,
+            "choice": isinstance(value, list) and value and all(isinstance(c, str) and c for c in value),
+        }.get(kind, isinstance(value, str) and value)
+        return given[0] if valid else None
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -215,8 +223,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                     and self.structured_outputs.constraint() is not None
                     and self.grammar is None
                 ),
-                "must be a StructuredOutputsParams naming exactly one of json, json_object, regex, choice or "
-                "grammar (and no grammar beside it)",
+                "must be a StructuredOutputsParams naming exactly one of json (a schema: a dict or its text), "
+                "json_object (true), regex (text), choice (a list of non-empty strings) or grammar (text), and no "
+                "grammar beside it",
             ),
             (
                 "grammar_start_token",

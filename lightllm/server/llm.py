@@ -23,7 +23,7 @@ from lightllm.server.engine_process import build_engine
 from lightllm.server.http.protocol import RequestError
 from lightllm.server.http.structured import constrained, offline_grammar, opens_reasoning, reasoning_end
 from lightllm.server.llm_lifecycle import ProcessSettings, release_engine
-from lightllm.server.output import PromptLogprobs, SequenceOutput, prompt_problem
+from lightllm.server.output import PromptLogprobs, SequenceOutput, default_length, prompt_problem
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.server.tokenizer import Tokenizer, opening_problem
 
@@ -112,12 +112,17 @@ class LLM:
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one")
         params = sampling_params or self.default_sampling_params()
+        # the model's answer length, as a default, is clipped to each prompt's room as over HTTP
+        answer_length = dict(self.info.sampling_defaults).get("max_tokens") if sampling_params is None else None
+        if answer_length is not None:
+            params = msgspec.structs.replace(params, max_tokens=None)
         # params may have been changed since they were built: checked again before anything reads them
         params.validate()
         params = self._compile_constraint(params)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         results: list[RequestOutput] = []
+        prompt_params: list[SamplingParams] = []
         seqs: dict[str, SequenceOutput] = {}
         for prompt in prompts:
             text = prompt if isinstance(prompt, str) else None
@@ -126,13 +131,14 @@ class LLM:
             if problem is not None:
                 raise ValueError(f"{problem[1]}: {problem[0]}")
             results.append(RequestOutput(text, ids))
+            prompt_params.append(default_length(ids, params, answer_length, self.args.max_req_total_len))
         starts = [self._grammar_start(params, r.prompt_token_ids) if chat else None for r in results]
         base = uuid.uuid4().hex
         for p, result in enumerate(results):
             for j in range(params.n):
                 # the prompt is scored once, by its first sequence
                 sub = msgspec.structs.replace(
-                    params,
+                    prompt_params[p],
                     n=1,
                     seed=None if params.seed is None else params.seed + j,
                     prompt_logprobs=params.prompt_logprobs if j == 0 else None,

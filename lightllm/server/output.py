@@ -21,12 +21,14 @@ def prompt_problem(
         return f"token ids must be in [0, {vocab_size})", "prompt"
     if len(ids) >= max_req_total_len:
         return f"the prompt has {len(ids)} tokens; max_req_total_len is {max_req_total_len}", "prompt"
-    if params.max_tokens is not None and len(ids) + params.max_tokens > max_req_total_len:
-        return (
-            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_req_total_len "
-            f"({max_req_total_len})",
-            "max_tokens",
-        )
+    for name in ("max_tokens", "min_tokens"):
+        # min_tokens too: an output cut by the context's end could not honour it
+        value = getattr(params, name)
+        if value is not None and len(ids) + value > max_req_total_len:
+            return (
+                f"prompt ({len(ids)} tokens) + {name} ({value}) exceeds max_req_total_len ({max_req_total_len})",
+                name,
+            )
     return params.vocab_problem(vocab_size)
 
 
@@ -42,13 +44,13 @@ def default_length(
     return msgspec.structs.replace(params, max_tokens=max(min(default, room), params.min_tokens, 1))
 
 
-def truncated(ids: list[int], keep: int | None, params: SamplingParams, max_req_total_len: int) -> list[int]:
-    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: as many as leave room for max_tokens,
-    which the request then sets); the prompt as it is without `keep`."""
+def truncated(ids: list[int], keep: int | None, max_tokens: int | None, max_req_total_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: as many as leave room for `max_tokens`,
+    the request's or the model's default, which the caller checked is set); the prompt as it is without `keep`."""
     if keep is None:
         return ids
     if keep == -1:
-        keep = max(1, max_req_total_len - params.max_tokens)
+        keep = max(1, max_req_total_len - max_tokens)
     return ids[-keep:]
 
 

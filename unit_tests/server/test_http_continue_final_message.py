@@ -157,8 +157,13 @@ def test_echo_starts_the_answer_with_the_final_assistant_message(thinking_server
     assert len(content) > len(plain_content) and "</think>" not in content
     # a finished assistant message, then a new turn: its text, as sent, before the new content
     assert ask(MESSAGES, True) == (ask(MESSAGES, False)[0], MESSAGES[1]["content"] + ask(MESSAGES, False)[1])
-    # the twin: a final user message has nothing to echo
+    # the twin: a final user message has nothing to echo when the assistant's turn is opened; without the opened
+    # turn the response's role is the final message's own, and it is echoed (vLLM's rule)
     assert ask(MESSAGES[:1], True) == ask(MESSAGES[:1], False)
+    closed = {"add_generation_prompt": False}
+    reasoning, content = ask(MESSAGES[:1], True, **closed)
+    plain_reasoning, plain_content = ask(MESSAGES[:1], False, **closed)
+    assert (reasoning, content) == (plain_reasoning, MESSAGES[0]["content"] + plain_content)
 
 
 @pytest.fixture(scope="module")

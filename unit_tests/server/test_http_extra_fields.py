@@ -38,6 +38,12 @@ ASKING = {
     "prediction": ({"type": "content", "content": "x"}, None),
     "audio": ({"voice": "alloy", "format": "wav"}, None),
     "modalities": (["text", "audio"], ["text"]),
+    "truncation_side": ("right", "left"),
+    "thinking_token_budget": (64, None),
+    "repetition_detection": ({"max_pattern_size": 4}, None),
+    "logprob_token_ids": ([3], None),
+    "watermarking": (True, False),
+    "structural_tag": ('{"type": "structural_tag"}', None),
 }
 MESSAGES = [{"role": "user", "content": "Name a prime."}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
@@ -128,25 +134,25 @@ def test_guided_beside_structured_outputs_or_another_guided_gets_400(server):
 
 
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
-def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server, route):
-    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (completion tokens never
-    decreasing, the prompt's count throughout), the last chunk's equals the final usage chunk's; without it (the
-    twin) only the final chunk has a usage."""
+def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_its_chunks(server, route):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far (its prompt's
+    tokens, the tokens it has generated, never decreasing), ending at the tokens it generated; the final chunk has
+    the request's. Without it (the twin) only the final chunk has a usage."""
 
     def chunks(continuous: bool) -> list[dict]:
         options = {"include_usage": True, "continuous_usage_stats": continuous}
-        r = _post(server, route, stream=True, max_tokens=6, ignore_eos=True, stream_options=options)
+        r = _post(server, route, stream=True, max_tokens=6, n=2, ignore_eos=True, stream_options=options)
         assert r.status_code == 200, r.text
         lines = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: {")]
         return [json.loads(line) for line in lines]
 
-    events = chunks(True)
-    *streamed, final = events
-    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
-    counts = [e["usage"]["completion_tokens"] for e in streamed]
-    assert counts == sorted(counts) and counts[-1] == 6 and len(streamed) >= 2
-    assert {e["usage"]["prompt_tokens"] for e in events} == {final["usage"]["prompt_tokens"]}
-    assert streamed[-1]["usage"] == final["usage"]
+    *streamed, final = chunks(True)
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 12
+    for index in (0, 1):
+        mine = [e["usage"] for e in streamed if e["choices"][0]["index"] == index]
+        counts = [u["completion_tokens"] for u in mine]
+        assert counts == sorted(counts) and counts[-1] == 6 and len(mine) >= 2
+        assert {u["prompt_tokens"] for u in mine} == {final["usage"]["prompt_tokens"]}
     plain = chunks(False)
     assert [("usage" in e) for e in plain] == [False] * (len(plain) - 1) + [True]
 
@@ -196,6 +202,12 @@ def test_include_reasoning_false_leaves_the_reasoning_out(thinking_server, strea
 def _text(r: httpx.Response, route: str) -> str:
     choice = r.json()["choices"][0]
     return choice["text"] if route == "completions" else choice["message"]["content"]
+
+
+def test_best_of_on_chat_is_one_or_400(server):
+    assert _post(server, "chat/completions", best_of=1).status_code == 200
+    r = _post(server, "chat/completions", best_of=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
 
 
 def test_reasoning_effort_none_switches_thinking_off(server, prompts_sent):

@@ -149,8 +149,9 @@ def test_structured_outputs_in_chat_start_after_the_reasoning_block(llm):
 
 
 def test_structured_outputs_refusals_name_the_problem(llm):
-    with pytest.raises(ValueError, match="exactly one of json"):
-        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"]))
+    for wrong in ({"regex": "a", "choice": ["b"]}, {"choice": "ab"}, {"choice": ["a", 3]}, {"json_object": False}):
+        with pytest.raises(ValueError, match="exactly one of json"):
+            SamplingParams(structured_outputs=StructuredOutputsParams(**wrong))
     with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")))
     with pytest.raises(ValueError, match="ignore_eos"):

@@ -17,7 +17,7 @@ from lightllm.server.output import default_length
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
 from lightllm.server.sampling_defaults import read_sampling_defaults
 from lightllm.tools.demo_model import trained_model_dir
-from unit_tests.server.live_server import LiveServer
+from unit_tests.server.live_server import FAKE_RUNNER, LiveServer
 
 DEMO_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_k": -1, "top_p": 1.0}
@@ -144,7 +144,29 @@ def test_a_chat_answer_without_max_tokens_takes_the_files_length(tmp_path, sourc
         unset = _completion_tokens(s, "chat/completions", **chat)
         assert unset == 3 if source == "file" else unset > 3
         assert _completion_tokens(s, "chat/completions", **chat, max_tokens=5) == 5
+        # truncate_prompt_tokens -1 leaves room for the file's length; with none there is none to leave (the twin)
+        if source == "file":
+            assert _completion_tokens(s, "chat/completions", **chat, truncate_prompt_tokens=-1) == 3
+        else:
+            body = {"model": s.model, "truncate_prompt_tokens": -1, **chat}
+            r = httpx.post(f"{s.base_url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
         assert _completion_tokens(s, "chat/completions", **chat, max_completion_tokens=4) == 4
         assert _completion_tokens(s, "completions", prompt="def parse(") == 16
     finally:
         s.close()
+
+
+def test_the_offline_default_length_is_clipped_to_each_prompts_room(tmp_path):
+    """The file's max_new_tokens as the offline default: a prompt too long for it still runs (clipped to its room,
+    as over HTTP); the same length asked for explicitly is refused (the twin)."""
+    folder = _folder(tmp_path, max_new_tokens=10_000)
+    flags = dict(device="cpu", generation_config=folder, max_running_requests=2, max_total_token_num=512)
+    with LLM(runner_factory=FAKE_RUNNER, max_req_total_len=64, **flags) as llm:
+        prompt = list(range(3, 43))
+        (out,) = llm.generate(prompt)
+        assert 1 <= len(out.outputs[0].token_ids) <= 64 - len(prompt)
+        with pytest.raises(ValueError, match="max_tokens"):
+            llm.generate(prompt, llm.default_sampling_params())
+        with pytest.raises(ValueError, match="min_tokens"):
+            llm.generate(prompt, SamplingParams(max_tokens=None, min_tokens=30))

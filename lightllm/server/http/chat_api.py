@@ -66,9 +66,11 @@ class ChatOutput:
                 400, "tools: this model has no tool-call format; start the server with --tool_call_parser", "tools"
             )
         self.starts_in_reasoning = False
-        # `echo`: the final message's text when it is the assistant's, which starts the response's content
+        # `echo`: the final message's text when its role is the response's (the assistant's when a turn is opened,
+        # else the final message's own, as vLLM has it), which starts the response's content
         last = body.messages[-1]
-        self.echo = last.as_template_input()["content"] if body.echo and last.role == "assistant" else ""
+        role = "assistant" if body.add_generation_prompt else last.role
+        self.echo = last.as_template_input()["content"] if body.echo and last.role == role else ""
         # a continued message is the start of the output: it is parsed with it (from outside any reasoning block,
         # which its own text may open); a finished one only precedes it
         self.echo_parsed = bool(self.echo) and body.continue_final_message
@@ -202,7 +204,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "choices": [_choice(fe, out, s) for s in seqs],
             "usage": usage,
         }
-    counts = StreamUsage(body.stream_options, len(prompt_ids), params.n)
+    counts = StreamUsage(body.stream_options, [len(prompt_ids)], params.n)
     events = _events(fe, out, stream, params.n, counts, rid, created, model)
     return StreamingResponse(_guarded(events, stream), media_type="text/event-stream")
 
@@ -219,7 +221,8 @@ async def start_chat(fe: Frontend, body: ChatCompletionRequest, request: Request
     opening = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
     prompt_ids = await fe.encode_chat(messages, body.chat_template, kwargs, body.add_special_tokens, **opening)
     full_len = len(prompt_ids)
-    prompt_ids = truncated(prompt_ids, body.truncate_prompt_tokens, params, fe.args.max_req_total_len)
+    answer_length = params.max_tokens or fe.sampling_defaults.get("max_tokens")
+    prompt_ids = truncated(prompt_ids, body.truncate_prompt_tokens, answer_length, fe.args.max_req_total_len)
     fe.check_prompt(prompt_ids, params, "messages")
     params = default_length(prompt_ids, params, fe.sampling_defaults.get("max_tokens"), fe.args.max_req_total_len)
     out.starts_in_reasoning = opens_reasoning(fe.tokenizer, prompt_ids) or _continues_reasoning(body)

@@ -59,26 +59,32 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -
 
 
 class StreamUsage:
-    """The token counts a stream reports: in a last chunk of its own with `stream_options.include_usage`, and in
-    every chunk, as counted so far, with vLLM's `continuous_usage_stats` beside it."""
+    """The token counts a stream reports: the request's in a last chunk of its own with
+    `stream_options.include_usage`, and with vLLM's `continuous_usage_stats` beside it, in every chunk its choice's
+    so far (its prompt's tokens and the tokens it has generated, as vLLM counts them)."""
 
-    def __init__(self, options: StreamOptions | None, num_prompt_tokens: int, n: int):
+    def __init__(self, options: StreamOptions | None, prompt_lens: list[int], n: int):
         self.final = bool(options and options.include_usage)
         self.continuous = self.final and options.continuous_usage_stats
-        self.num_prompt_tokens, self.n = num_prompt_tokens, n
-        self.num_tokens = 0
+        self.prompt_lens, self.n = prompt_lens, n
+        self.num_tokens: dict[int, int] = {}
         self.seen: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence, delta: Delta) -> None:
-        self.num_tokens += len(delta.token_ids)
+        self.num_tokens[seq.index] = self.num_tokens.get(seq.index, 0) + len(delta.token_ids)
         self.seen[seq.index] = seq
 
     def usage(self) -> dict:
-        return _usage(self.num_prompt_tokens, self.num_tokens, _cached_tokens(self.seen.values(), self.n))
+        tokens = sum(self.num_tokens.values())
+        return _usage(sum(self.prompt_lens), tokens, _cached_tokens(self.seen.values(), self.n))
 
     def chunk(self, obj: dict) -> bytes:
-        """One chunk's event, with the usage so far when it is continuous."""
-        return _sse({**obj, "usage": self.usage()} if self.continuous else obj)
+        """One chunk's event (of one choice), with its choice's usage so far when it is continuous; stamped as it is
+        sent, so that a stream's counts never go back."""
+        if self.continuous:
+            index = obj["choices"][0]["index"]
+            obj = {**obj, "usage": _usage(self.prompt_lens[index // self.n], self.num_tokens.get(index, 0))}
+        return _sse(obj)
 
     def last(self, head: dict) -> list[bytes]:
         """The usage chunk that ends the stream, when asked for."""
@@ -166,7 +172,8 @@ async def completions(body: CompletionRequest, request: Request):
         prompts = [raw] if isinstance(raw[0], int) else [list(p) for p in raw]
         fe.check_capacity(len(prompts) * params.n, "prompt")
     if body.truncate_prompt_tokens is not None:
-        prompts = [truncated(p, body.truncate_prompt_tokens, params, fe.args.max_req_total_len) for p in prompts]
+        keep, total = body.truncate_prompt_tokens, fe.args.max_req_total_len
+        prompts = [truncated(p, keep, params.max_tokens, total) for p in prompts]
         # an echo repeats the prompt the engine read
         texts = None
     # token ids are checked before anything decodes them
@@ -218,37 +225,37 @@ async def completions(body: CompletionRequest, request: Request):
             "usage": usage,
         }
 
-    counts = StreamUsage(body.stream_options, num_prompt_tokens, params.n)
+    counts = StreamUsage(body.stream_options, [len(p) for p in prompts], params.n)
 
     async def events() -> AsyncIterator[bytes]:
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         offsets: dict[int, TextOffsets] = {}
 
-        def echo_events(p: int, entries: PromptLogprobs | None) -> list[bytes]:
-            """The echo event of each sequence of prompt `p`."""
+        def echo_chunks(p: int, entries: PromptLogprobs | None) -> list[dict]:
+            """The echo chunk of each sequence of prompt `p`."""
             prefix, prompt_logprobs = echoed(p, entries)
             choices = [
                 {"index": i, "text": prefix, "logprobs": prompt_logprobs, "finish_reason": None}
                 for i in range(p * params.n, (p + 1) * params.n)
             ]
-            return [counts.chunk({**head, "choices": [choice]}) for choice in choices]
+            return [{**head, "choices": [choice]} for choice in choices]
 
         for i in range(len(prompts) * params.n):
             offsets[i] = TextOffsets(len(echoed(i // params.n)[0]))
         # a scored prompt's echo waits for its scores (its first sequence's first chunk); the events of its
         # sequences wait behind it here, so each choice still starts with the echo
-        held: dict[int, list[bytes]] = {p: [] for p in range(len(prompts))} if scored else {}
+        held: dict[int, list[dict]] = {p: [] for p in range(len(prompts))} if scored else {}
         if body.echo and not scored:
             for p in range(len(prompts)):
-                for event in echo_events(p, None):
-                    yield event
+                for chunk in echo_chunks(p, None):
+                    yield counts.chunk(chunk)
         async for seq, delta in _until_disconnect(stream):
             counts.add(seq, delta)
             if delta.finish_reason == "error":
                 yield _sse_error(seq.output.error or "the engine failed this request")
                 yield SSE_DONE
                 return
-            events_now: list[bytes] = []
+            chunks: list[dict] = []
             if delta.text or delta.finish_reason or delta.logprobs:
                 choice = {
                     "index": seq.index,
@@ -256,16 +263,16 @@ async def completions(body: CompletionRequest, request: Request):
                     "logprobs": completion_logprobs(tok, delta.token_ids, delta.logprobs, offsets[seq.index]),
                     "finish_reason": delta.finish_reason,
                 }
-                events_now.append(counts.chunk({**head, "choices": [choice]}))
+                chunks.append({**head, "choices": [choice]})
             p = seq.prompt_index
             if p in held:
                 out = seq.output
                 if seq.index % params.n != 0 or (out.prompt_logprobs is None and not out.finished):
-                    held[p] += events_now
+                    held[p] += chunks
                     continue
-                events_now = [*echo_events(p, out.prompt_logprobs), *held.pop(p), *events_now]
-            for event in events_now:
-                yield event
+                chunks = [*echo_chunks(p, out.prompt_logprobs), *held.pop(p), *chunks]
+            for chunk in chunks:
+                yield counts.chunk(chunk)
         for event in counts.last(head):
             yield event
         yield SSE_DONE

@@ -342,9 +342,10 @@ class _SamplingFields(StrictModel):
         values for the sampling knobs the request leaves out (`lightllm.server.sampling_defaults`); their length
         default applies where the prompt is known (`lightllm.server.output.default_length`)."""
         self.check_supported()
-        if self.truncate_prompt_tokens == -1 and max_tokens is None:
+        if self.truncate_prompt_tokens == -1 and max_tokens is None and "max_tokens" not in defaults:
             raise RequestError(
-                "truncate_prompt_tokens", "truncate_prompt_tokens: -1 keeps the room for max_tokens; set max_tokens"
+                "truncate_prompt_tokens",
+                "truncate_prompt_tokens: -1 keeps the room for max_tokens; set max_tokens (this model sets no default)",
             )
         knobs = {k: v for k, v in defaults.items() if k != "max_tokens"} | {
             k: getattr(self, k)
@@ -445,8 +446,8 @@ class ChatCompletionRequest(_SamplingFields):
     )
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(
         None,
-        description="none: thinking off (the template's enable_thinking false, unless chat_template_kwargs sets it); "
-        "the other efforts leave thinking as the template has it",
+        description="the template's enable_thinking (false for none, true otherwise) unless chat_template_kwargs sets "
+        "it; templates that read reasoning_effort get it (vLLM's)",
     )
     tools: list[ToolDef] | None = Field(
         None, max_length=MAX_TOOLS, description="functions the model may call (OpenAI's tools)"
@@ -462,14 +463,17 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="text, json_object, or json_schema (output constrained to the schema by a grammar)"
     )
     add_generation_prompt: bool = Field(True, description="open the assistant's turn after the messages (vLLM's)")
+    # the completions field, sent to chat by some clients: n sequences are returned, never a best one
+    best_of: int | None = Field(None, ge=1, le=1, description="only 1: use n for several sequences")
     add_special_tokens: bool = Field(
         False, description="add the tokenizer's own markers (a BOS, ...) around the rendered prompt (vLLM's)"
     )
     include_reasoning: bool = Field(True, description="false: the reasoning is left out of the response (vLLM's)")
     echo: bool = Field(
         False,
-        description="the final message, when it is the assistant's, starts the response's content (vLLM's); with "
-        "continue_final_message it is parsed with the output (reasoning, tool calls)",
+        description="the final message, when its role is the response's (the assistant's, or any with "
+        "add_generation_prompt false), starts the response's content (vLLM's); with continue_final_message it is "
+        "parsed with the output (reasoning, tool calls)",
     )
     continue_final_message: bool = Field(
         False,
@@ -540,11 +544,13 @@ class ChatCompletionRequest(_SamplingFields):
             )
 
     def template_variables(self) -> dict[str, Any]:
-        """What the chat template renders with beside the messages (`template_kwargs`), thinking switched off by
-        reasoning_effort none where the client's variables leave it."""
+        """What the chat template renders with beside the messages (`template_kwargs`), with reasoning_effort's
+        thinking switch where the client's variables leave it."""
         variables = template_kwargs(self.chat_template_kwargs, self.tools if self.uses_tools else None)
-        if self.reasoning_effort == "none":
-            variables.setdefault("enable_thinking", False)
+        if self.reasoning_effort is not None:
+            # as vLLM: any effort but none asks for thinking, and templates that read the effort see it
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
         return variables
 
     @property
