@@ -198,3 +198,9 @@ def test_what_cannot_be_served_is_400_naming_the_field(server, fields, param):
     assert r.json()["error"]["param"].startswith(param), r.json()
     # the twin: the same request without the field is served
     assert _responses(server, input="Hi").status_code == 200
+
+
+def test_stored_response_routes_say_nothing_is_stored(server):
+    for method, path in (("GET", "resp_1"), ("DELETE", "resp_1"), ("POST", "resp_1/cancel")):
+        r = httpx.request(method, f"{server.base_url}/v1/responses/{path}", timeout=30)
+        assert r.status_code == 404 and "not stored" in r.json()["error"]["message"], (method, r.text)

@@ -69,6 +69,14 @@ async def responses(body: ResponsesRequest, request: Request):
     )
 
 
+@router.get("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}")
+@router.post("/v1/responses/{response_id}/cancel")
+async def stored_response(response_id: str):
+    """OpenAI's routes to a stored response: none is stored here, so each says so."""
+    raise ApiError(404, f"response {response_id[:64]!r} not found: responses are not stored by this server", None)
+
+
 class ResponseBuilder:
     """The response's output items as the parsed text fills them, and the events that tell a stream so."""
 
