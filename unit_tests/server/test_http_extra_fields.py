@@ -126,6 +126,26 @@ def test_guided_fields_constrain_as_structured_outputs(server, route):
     assert _text(_post(server, route, seed=3, max_tokens=24), route) not in ("alpha", "beta")
 
 
+@pytest.mark.parametrize(
+    "route, fields, param",
+    [
+        ("completions", {"guided_choice": []}, "guided_choice"),
+        ("completions", {"guided_regex": "[a-"}, "guided_regex"),
+        ("chat/completions", {"guided_json": 5}, "guided_json"),
+        (
+            "chat/completions",
+            {"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}},
+            "guided_json",
+        ),
+        ("chat/completions", {"guided_grammar": "start: nowhere"}, "guided_grammar"),
+    ],
+)
+def test_a_bad_guided_field_is_named_as_sent(server, route, fields, param):
+    r = _post(server, route, **fields)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(param)
+
+
 def test_guided_beside_structured_outputs_or_another_guided_gets_400(server):
     r = _post(server, "completions", guided_regex="a+", structured_outputs={"regex": "b+"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text

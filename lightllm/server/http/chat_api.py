@@ -137,6 +137,7 @@ async def _constrain(fe: Frontend, body: ChatCompletionRequest, out: ChatOutput,
             return params
         return constrained(params, grammar, reasoning_end(fe.tokenizer) if out.starts_in_reasoning else None)
     except RequestError as exc:
+        exc = body.as_sent(exc)
         raise ApiError(400, str(exc), exc.field) from None
 
 

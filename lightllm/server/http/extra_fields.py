@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 # vLLM's guided_* field: the structured_outputs key it became
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -56,6 +58,23 @@ def refused_field(data: dict) -> tuple[str, str] | None:
     if len(given) > 1:
         return given[1], f"{given[1]}: give one of {', '.join(given)} (or structured_outputs)"
     return None
+
+
+def guided_field(data: dict) -> str | None:
+    """The one guided_* field `read_guided` moves, if any."""
+    given = [name for name in GUIDED if data.get(name) is not None]
+    return given[0] if len(given) == 1 and data.get("structured_outputs") is None else None
+
+
+def renamed_errors(exc: ValidationError, title: str, guided: str) -> ValidationError:
+    """`exc` with its structured_outputs.<key> locations named after the guided_* field they came from."""
+    errors = []
+    for error in exc.errors():
+        loc = error["loc"]
+        if loc[:2] == ("structured_outputs", GUIDED[guided]):
+            loc = (guided, *loc[2:])
+        errors.append({"type": error["type"], "loc": loc, "input": error["input"], "ctx": error.get("ctx", {})})
+    return ValidationError.from_exception_data(title, errors)
 
 
 def read_guided(data: dict) -> dict:

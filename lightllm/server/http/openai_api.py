@@ -143,6 +143,7 @@ def _params(body: ChatCompletionRequest | CompletionRequest, fe: Frontend) -> Sa
     try:
         return body.to_sampling_params(fe.sampling_defaults)
     except RequestError as exc:
+        exc = body.as_sent(exc)
         raise ApiError(400, str(exc), exc.field) from None
 
 
@@ -162,6 +163,7 @@ async def completions(body: CompletionRequest, request: Request):
             if grammar is not None:
                 params = constrained(params, grammar)
         except RequestError as exc:
+            exc = body.as_sent(exc)
             raise ApiError(400, str(exc), exc.field) from None
     texts: list[str] | None = None
     if isinstance(raw, str) or isinstance(raw[0], str):

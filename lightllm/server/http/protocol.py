@@ -10,7 +10,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from lightllm.engine.sampling_params import (
     MAX_INT,
@@ -23,7 +32,7 @@ from lightllm.engine.sampling_params import (
     SamplingParams,
     SamplingParamsError,
 )
-from lightllm.server.http.extra_fields import read_guided, refused_field
+from lightllm.server.http.extra_fields import guided_field, read_guided, refused_field, renamed_errors
 from lightllm.server.tokenizer import opening_problem
 
 # at most this many stop strings / stop token ids per request (each is checked against the stream)
@@ -277,6 +286,8 @@ class _SamplingFields(StrictModel):
 
     # the first field of another API this request sets to something this server does not do (`extra_fields`)
     _refused: tuple[str, str] | None = PrivateAttr(None)
+    # the guided_* field read as structured_outputs (`extra_fields.read_guided`): errors name it
+    _guided: str | None = PrivateAttr(None)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -284,8 +295,16 @@ class _SamplingFields(StrictModel):
         """Keys of vLLM's and OpenAI's APIs that the fields below do not hold: vLLM's guided_* become
         structured_outputs; one that asks for what this server does not do is refused by `check_supported`."""
         refused = refused_field(data) if isinstance(data, dict) else None
-        model = handler(read_guided(data) if isinstance(data, dict) and refused is None else data)
+        guided = guided_field(data) if isinstance(data, dict) and refused is None else None
+        try:
+            model = handler(read_guided(data) if guided is not None else data)
+        except ValidationError as exc:
+            if guided is None:
+                raise
+            # a bad value is named as the client sent it: guided_choice.0, not structured_outputs.choice.0
+            raise renamed_errors(exc, cls.__name__, guided) from None
         model._refused = refused
+        model._guided = guided
         return model
 
     @field_validator("stop", mode="plain")
@@ -379,8 +398,18 @@ class _SamplingFields(StrictModel):
             raise RequestError(self.field_name(exc.field), str(exc)) from None
 
     def field_name(self, params_field: str) -> str:
-        """The request field a SamplingParams field comes from."""
+        """The request field a SamplingParams field (or structured_outputs) comes from."""
+        if self._guided is not None and params_field.split(".")[0] == "structured_outputs":
+            return self._guided
         return params_field
+
+    def as_sent(self, exc: RequestError) -> RequestError:
+        """`exc` naming the field as the client sent it (a guided_* field read as structured_outputs)."""
+        field = self.field_name(exc.field)
+        message = str(exc)
+        if field != exc.field and message.startswith(exc.field):
+            message = field + message[len(exc.field) :]
+        return RequestError(field, message)
 
 
 def check_opening(add_generation_prompt: bool, continue_final_message: bool, messages: list[ChatMessage]) -> None:
@@ -572,7 +601,7 @@ class ChatCompletionRequest(_SamplingFields):
             return "top_logprobs"
         if params_field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return params_field
+        return super().field_name(params_field)
 
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_INT}, "minItems": 1}
