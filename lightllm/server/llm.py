@@ -20,7 +20,7 @@ from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.collector import quiet_garbage_collector
 from lightllm.server.engine_process import build_engine
-from lightllm.server.http.protocol import RequestError
+from lightllm.server.http.schema_base import RequestError
 from lightllm.server.http.structured import constrained, offline_grammar, opens_reasoning, reasoning_end
 from lightllm.server.llm_lifecycle import ProcessSettings, release_engine
 from lightllm.server.output import PromptLogprobs, SequenceOutput, default_length, prompt_problem

@@ -36,7 +36,8 @@ from lightllm.server.http.parsers import (
     reasoning_parser_name,
     tool_parser_name,
 )
-from lightllm.server.http.protocol import ChatCompletionRequest, RequestError
+from lightllm.server.http.protocol import ChatCompletionRequest
+from lightllm.server.http.schema_base import RequestError
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
 from lightllm.server.http.structured import (
     THINK_CLOSE,

@@ -19,7 +19,8 @@ from lightllm.server.http.logprobs import (
     echoed_prompt_logprobs,
     join_logprobs,
 )
-from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError, StreamOptions
+from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from lightllm.server.http.schema_base import RequestError
 from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend, Sequence
 from lightllm.server.http.structured import completion_grammar, constrained
 from lightllm.server.output import Delta, PromptLogprobs, truncated

@@ -7,12 +7,9 @@ the engine can store, so no value a client sends can fail the engine step it is 
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -32,140 +29,23 @@ from lightllm.engine.sampling_params import (
     SamplingParams,
     SamplingParamsError,
 )
+from lightllm.server.http.chat_messages import (
+    FUNCTION_NAME,
+    ChatMessage,
+    NamedToolChoice,
+    ToolDef,
+    check_opening,
+    check_template_kwargs,
+    template_kwargs,
+)
 from lightllm.server.http.extra_fields import guided_field, read_guided, refused_field, renamed_errors
-from lightllm.server.tokenizer import opening_problem
+from lightllm.server.http.schema_base import Int, RequestError, StrictModel, Text, check_text
 
 # at most this many stop strings / stop token ids per request (each is checked against the stream)
 MAX_STOPS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOOLS = 128
 MAX_CHOICES = 256
-
-
-class RequestError(ValueError):
-    """A request that passed the schema but cannot be served; `field` names the offending field."""
-
-    def __init__(self, field: str | None, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-def check_text(value: str) -> str:
-    """JSON may carry a lone UTF-16 surrogate (`"\\ud800"`); it has no UTF-8 form, so no tokenizer can read it."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("contains a lone UTF-16 surrogate (not valid Unicode text)") from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(check_text)]
-Int = Annotated[int, Field(ge=0, le=MAX_INT)]
-
-
-class StrictModel(BaseModel):
-    """Strict types, unknown fields ignored, no NaN or infinity; an explicit null in an optional field is the field
-    left out."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_takes_the_default(cls, data):
-        """OpenAI's API marks the fields that have defaults nullable, and clients send `"n": null` or `"stream":
-        null` for "not set": such a null takes the field's default. A required field's null stays an error."""
-        if not isinstance(data, dict):
-            return data
-        optional = {name for name, field in cls.model_fields.items() if not field.is_required()}
-        return {k: v for k, v in data.items() if v is not None or k not in optional}
-
-
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: Text
-
-
-class FunctionCall(StrictModel):
-    name: Text
-    # JSON text, as OpenAI writes it
-    arguments: Text
-
-
-class ToolCallIn(StrictModel):
-    """An assistant message's earlier tool call, sent back in the conversation history."""
-
-    id: Text
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-def _template_arguments(arguments: str):
-    """Templates iterate the arguments (Qwen3.5 writes one tag per parameter) or dump them: an object's text is
-    handed over as the object; anything else stays text."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return arguments
-    return value if isinstance(value, dict) else arguments
-
-
-class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text | list[TextPart] | None = None
-    # assistant turns: the calls it made; tool turns: which call this is the result of
-    tool_calls: list[ToolCallIn] | None = Field(
-        None, description="assistant messages: the tool calls it made (rendered back through the chat template)"
-    )
-    tool_call_id: Text | None = Field(None, description="tool messages (required there): the call this answers")
-    name: Text | None = None
-    reasoning_content: Text | None = Field(None, description="assistant messages: their reasoning, if any")
-
-    def as_template_input(self) -> dict:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        message: dict = {"role": self.role, "content": content or ""}
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.function.name, "arguments": _template_arguments(call.function.arguments)},
-                }
-                for call in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            message["name"] = self.name
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
-        return message
-
-
-FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
-
-
-class FunctionDef(StrictModel):
-    name: str = Field(pattern=FUNCTION_NAME)
-    description: Text | None = None
-    # a JSON schema of the arguments object
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDef(StrictModel):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionName(StrictModel):
-    name: str = Field(pattern=FUNCTION_NAME)
-
-
-class NamedToolChoice(StrictModel):
-    type: Literal["function"]
-    function: FunctionName
 
 
 class JsonSchemaFormat(StrictModel):
@@ -410,57 +290,6 @@ class _SamplingFields(StrictModel):
         if field != exc.field and message.startswith(exc.field):
             message = field + message[len(exc.field) :]
         return RequestError(field, message)
-
-
-def check_opening(add_generation_prompt: bool, continue_final_message: bool, messages: list[ChatMessage]) -> None:
-    """RequestError naming continue_final_message when the conversation cannot be rendered that way (chat
-    requests and /tokenize of messages alike)."""
-    problem = opening_problem(add_generation_prompt, continue_final_message, messages[-1].role)
-    if problem is not None:
-        raise RequestError("continue_final_message", problem)
-
-
-# apply_chat_template's own arguments: as template variables they would change how the prompt is built
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
-
-
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
-    """RequestError naming the key when `chat_template_kwargs` holds an argument of the template call."""
-    for key in kwargs or {}:
-        if key == "chat_template":
-            raise RequestError(
-                "chat_template_kwargs.chat_template", "chat_template_kwargs.chat_template: send it as chat_template"
-            )
-        if key in RESERVED_TEMPLATE_KWARGS:
-            raise RequestError(
-                f"chat_template_kwargs.{key}",
-                f"chat_template_kwargs.{key}: reserved (an argument of the template call, not a template variable)",
-            )
-
-
-def template_kwargs(kwargs: dict[str, Any] | None, tools: list[ToolDef] | None) -> dict[str, Any]:
-    """What the chat template renders with beside the messages: the client's variables, and the tools offered."""
-    out = dict(kwargs or {})
-    if tools:
-        out["tools"] = [t.model_dump(by_alias=True, exclude_none=True) for t in tools]
-    return out
 
 
 class ChatCompletionRequest(_SamplingFields):

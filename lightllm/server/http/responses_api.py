@@ -16,8 +16,9 @@ from pydantic import ValidationError
 from lightllm.server.http.chat_api import ChatOutput, ChatRun, start_chat
 from lightllm.server.http.openai_api import _frontend, _guarded, _sse, _until_disconnect
 from lightllm.server.http.parsers import ParsedDelta
-from lightllm.server.http.protocol import ChatCompletionRequest, RequestError
+from lightllm.server.http.protocol import ChatCompletionRequest
 from lightllm.server.http.responses_protocol import RESPONSES_FIELD, ResponsesRequest
+from lightllm.server.http.schema_base import RequestError
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
 from lightllm.server.output import Delta
 

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from lightllm.engine.sampling_params import MAX_INT
-from lightllm.server.http.protocol import FUNCTION_NAME, FunctionDef, RequestError, StrictModel, Text
+from lightllm.server.http.chat_messages import FUNCTION_NAME, FunctionDef
+from lightllm.server.http.schema_base import RequestError, StrictModel, Text
 
 # the Responses field each chat field it becomes is named after (a chat error names the client's field)
 RESPONSES_FIELD = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}

@@ -14,16 +14,10 @@ from collections.abc import Callable
 import msgspec
 
 from lightllm.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from lightllm.server.http.chat_messages import NamedToolChoice, ToolDef
 from lightllm.server.http.parsers.qwen3_xml import schema_types
-from lightllm.server.http.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    NamedToolChoice,
-    RequestError,
-    ResponseFormat,
-    StructuredOutputs,
-    ToolDef,
-)
+from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, StructuredOutputs
+from lightllm.server.http.schema_base import RequestError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _OBJECT = {"type": "object"}

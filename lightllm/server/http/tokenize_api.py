@@ -8,17 +8,15 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from lightllm import __version__
-from lightllm.server.http.protocol import (
-    MAX_TOOLS,
+from lightllm.server.http.chat_messages import (
     ChatMessage,
-    RequestError,
-    StrictModel,
-    Text,
     ToolDef,
     check_opening,
     check_template_kwargs,
     template_kwargs,
 )
+from lightllm.server.http.protocol import MAX_TOOLS
+from lightllm.server.http.schema_base import RequestError, StrictModel, Text
 from lightllm.server.http.serving import ApiError, Frontend
 
 router = APIRouter()
