@@ -22,7 +22,8 @@ def test_every_step_and_both_trees_get_a_row(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     rows = dict(re.findall(r"^\| (.+?) \| (.+?) \|$", run.stdout, re.M))
     assert float(rows["import torch"]) > 0.05
-    assert float(rows["fla's prefill modules (the engine's import)"]) > 0.05
+    # timed, not skipped (under the Triton interpreter fla's modules import in ~0.05 s)
+    assert float(rows["fla's prefill modules (the engine's import)"]) > 0.0
     assert "triton and its driver" in rows
     # the API server's own tree is light (torch comes with the flags' resolution, after the engine's spawn); the
     # engine's holds torch
