@@ -21,7 +21,7 @@ from lightllm.engine.messages import EngineOutput, EngineStats, Finished, NewReq
 from lightllm.engine.overlap import OverlapScheduler, chained_plan
 from lightllm.engine.publish_queue import PublishQueue
 from lightllm.engine.request import Request, Status
-from lightllm.engine.sampler import RowContext, Sampler, compute_logprobs
+from lightllm.engine.sampler import RowContext, Sampler, bad_word_bans, compute_logprobs
 from lightllm.engine.scheduler import SchedulePlan, Scheduler
 from lightllm.engine.speculative import create_speculator
 from lightllm.engine.speculative.acceptance import SimulatedAcceptance
@@ -470,8 +470,10 @@ class Engine:
         output = req.output_ids + drafts if req.params.has_penalties else []
         # the position's output count: the kept drafts before it are output by then
         early = len(req.output_ids) + len(drafts) < req.params.min_tokens
-        banned = tuple(sorted(req.stop_ids)) if early else ()
-        return RowContext(req.params, req.prompt_ids, output, req.generator, banned)
+        banned = bad_word_bans(req.params.bad_words_token_ids, req.output_ids, drafts)
+        if early:
+            banned |= req.stop_ids
+        return RowContext(req.params, req.prompt_ids, output, req.generator, tuple(sorted(banned)))
 
     def _record_window(self, num_drafts: int, result: WindowResult) -> None:
         s = self.stats

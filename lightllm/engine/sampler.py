@@ -1,6 +1,7 @@
 """Turn logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded draws, log-probabilities.
 
-Order of operations for a sampled row: logit bias, penalties and bans (stop tokens before min_tokens) on the
+Order of operations for a sampled row: logit bias, penalties, allowed_token_ids and bans (stop tokens before
+min_tokens, bad words' last tokens; a row they would leave no token keeps its logits from before them) on the
 logits → divide by temperature → softmax → keep the
 top_k most likely → keep the smallest prefix whose mass reaches top_p → drop tokens below min_p · max prob →
 renormalise. A greedy row (temperature 0) takes the argmax of the biased, penalised logits and draws no random
@@ -30,8 +31,19 @@ class RowContext:
     output_ids: list[int]
     # the request's own generator when it has a seed, else None (the sampler's shared generator is used)
     generator: torch.Generator | None = None
-    # token ids this position may not take (stop tokens before the request's min_tokens)
+    # token ids this position may not take (stop tokens before the request's min_tokens, bad words' last tokens)
     banned_ids: tuple[int, ...] = ()
+
+
+def bad_word_bans(sequences: list[list[int]], output_ids: list[int], drafts: list[int]) -> set[int]:
+    """The last token of each bad word sequence whose other tokens end the output so far (`output_ids` followed by
+    the window's `drafts` before this position); a one-token sequence is banned everywhere."""
+    if not sequences:
+        return set()
+    longest = max(len(seq) for seq in sequences) - 1
+    # only the output's end is compared: no copy of a long output per position
+    tail = (output_ids[-longest:] + drafts)[-longest:] if longest else []
+    return {seq[-1] for seq in sequences if len(tail) >= len(seq) - 1 and tail[len(tail) - len(seq) + 1 :] == seq[:-1]}
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
@@ -48,6 +60,22 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tens
         device = logits.device
         index = (to_device(rows_i, device), to_device(tokens, device))
         logits.index_put_(index, to_device(values, device).to(logits.dtype), accumulate=True)
+    return logits
+
+
+def apply_allowed(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+    """In place on `logits` [N, V]: -inf outside each row's `allowed_token_ids`, the rows that have them in one
+    masked write."""
+    limited = [(i, row.params.allowed_token_ids) for i, row in enumerate(rows) if row.params.allowed_token_ids]
+    if limited:
+        sizes = [len(ids) for _, ids in limited]
+        local = np.repeat(np.arange(len(limited), dtype=np.int64), sizes)
+        tokens = np.fromiter(chain.from_iterable(ids for _, ids in limited), np.int64, sum(sizes))
+        device = logits.device
+        keep = torch.zeros(len(limited), logits.shape[1], dtype=torch.bool, device=device)
+        keep[to_device(local, device), to_device(tokens, device)] = True
+        index = list_to_device([i for i, _ in limited], torch.long, device)
+        logits[index] = logits[index].masked_fill(~keep, float("-inf"))
     return logits
 
 
@@ -137,7 +165,13 @@ class Sampler:
 
         Batched over rows; only rows that use penalties or top-k/top-p/min-p take a per-row path.
         """
-        logits = apply_bans(apply_penalties(apply_logit_bias(logits.float().clone(), rows), rows), rows)
+        logits = apply_allowed(apply_penalties(apply_logit_bias(logits.float().clone(), rows), rows), rows)
+        if any(row.banned_ids for row in rows):
+            unbanned = logits.clone()
+            logits = apply_bans(logits, rows)
+            # a ban yields where it would leave nothing (a grammar or allowed_token_ids allowing only banned tokens):
+            # a distribution of all -inf has no sample (its softmax is NaN)
+            logits = torch.where(torch.isfinite(logits.amax(dim=-1, keepdim=True)), logits, unbanned)
         device = logits.device
         temps = list_to_device([p.params.temperature or 1.0 for p in rows], torch.float32, device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)

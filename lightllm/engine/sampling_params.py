@@ -23,6 +23,11 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0
 # biased tokens per request (each one an entry added to its row's logits every step)
 MAX_LOGIT_BIAS_TOKENS = 1024
+# allowed_token_ids per request: more than any vocabulary served here holds
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+# bad words per request (each becomes up to two token sequences), and tokens per sequence
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 64
 
 
 class SamplingParamsError(ValueError):
@@ -81,7 +86,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     before a grammar's mask and `logit_bias`). `logit_bias` maps token ids to values added to their logits before
     penalties and temperature, for greedy rows too. `min_tokens` keeps stop tokens (EOS, `stop_token_ids`) from
     being sampled, and stop strings from matching, until that many tokens are out. `grammar` constrains every sampled token, drafts included (see
-    engine/grammar.py).
+    engine/grammar.py). `allowed_token_ids` keeps every other token from being sampled (EOS included: list it to
+    let the output end early). `bad_words` (vLLM's) are words the output never ends with: the front-end tokenizes
+    each, with and without a leading space, into `bad_words_token_ids`, and a sequence's last token is banned
+    wherever the output so far ends with the rest of it. A ban that would leave a position no token at all (a
+    grammar allowing only banned tokens) yields at that position.
     """
 
     n: int = 1
@@ -111,6 +120,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     grammar_start_token: int | None = None
     # vLLM's offline form of a constraint, which the offline `LLM` compiles into `grammar`; the engine never sees it
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    # words as the client sent them; what the engine reads is their tokenization in bad_words_token_ids
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -125,15 +138,22 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def needs_output_history(self) -> bool:
-        """A token's distribution depends on the output before it (penalties count it, min_tokens its length): a
-        step cannot be launched before its predecessor's tokens are on the host."""
-        return self.has_penalties or self.min_tokens > 0
+        """A token's distribution depends on the output before it (penalties count it, min_tokens its length, a
+        bad word of several tokens its end): a step cannot be launched before its predecessor's tokens are on the
+        host."""
+        return self.has_penalties or self.min_tokens > 0 or any(len(s) > 1 for s in self.bad_words_token_ids)
 
     @property
     def takes_raw_argmax(self) -> bool:
         """Each token is the argmax of the model's raw logits: greedy, with nothing added to, scaled in or banned
         from them (the device-side fast paths count on it)."""
-        return self.greedy and not self.needs_output_history and not self.logit_bias
+        return (
+            self.greedy
+            and not self.needs_output_history
+            and not self.logit_bias
+            and self.allowed_token_ids is None
+            and not self.bad_words_token_ids
+        )
 
     def vocab_problem(self, vocab_size: int) -> tuple[str, str] | None:
         """(message, field) when a token id these params name lies outside a vocabulary of `vocab_size`, else None."""
@@ -141,6 +161,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             return f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids"
         if any(t >= vocab_size for t in self.logit_bias):
             return f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias"
+        if any(t >= vocab_size for t in self.allowed_token_ids or ()):
+            return f"allowed_token_ids must be in [0, {vocab_size})", "allowed_token_ids"
+        if any(t >= vocab_size for seq in self.bad_words_token_ids for t in seq):
+            return f"bad_words_token_ids must be in [0, {vocab_size})", "bad_words_token_ids"
         return None
 
     def validate(self) -> None:
@@ -226,6 +250,38 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 "must be a StructuredOutputsParams naming exactly one of json (a schema: a dict or its text), "
                 "json_object (true), regex (text), choice (a list of non-empty strings) or grammar (text), and no "
                 "grammar beside it",
+            ),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids is None
+                or (
+                    isinstance(self.allowed_token_ids, list)
+                    and 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+                    and all(_is_int(t, 0, MAX_INT) for t in self.allowed_token_ids)
+                    and self.grammar is None
+                ),
+                f"must be 1 to {MAX_ALLOWED_TOKEN_IDS} token ids in [0, {MAX_INT}], without constrained output (a "
+                "grammar chooses the tokens itself)",
+            ),
+            (
+                "bad_words",
+                isinstance(self.bad_words, list)
+                and len(self.bad_words) <= MAX_BAD_WORDS
+                and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                f"must be at most {MAX_BAD_WORDS} words, each with a character other than white space",
+            ),
+            (
+                "bad_words_token_ids",
+                isinstance(self.bad_words_token_ids, list)
+                and len(self.bad_words_token_ids) <= 2 * MAX_BAD_WORDS
+                and all(
+                    isinstance(seq, list)
+                    and 0 < len(seq) <= MAX_BAD_WORD_TOKENS
+                    and all(_is_int(t, 0, MAX_INT) for t in seq)
+                    for seq in self.bad_words_token_ids
+                ),
+                f"must be at most {2 * MAX_BAD_WORDS} sequences of 1 to {MAX_BAD_WORD_TOKENS} token ids in "
+                f"[0, {MAX_INT}]",
             ),
             (
                 "grammar_start_token",

@@ -18,6 +18,7 @@ import msgspec
 from lightllm.engine.messages import Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
+from lightllm.server.bad_words import with_bad_words
 from lightllm.server.collector import quiet_garbage_collector
 from lightllm.server.engine_process import build_engine
 from lightllm.server.http.schema_base import RequestError
@@ -118,7 +119,7 @@ class LLM:
             params = msgspec.structs.replace(params, max_tokens=None)
         # params may have been changed since they were built: checked again before anything reads them
         params.validate()
-        params = self._compile_constraint(params)
+        params = with_bad_words(self._compile_constraint(params), self.tokenizer)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         results: list[RequestOutput] = []

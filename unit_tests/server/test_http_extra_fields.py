@@ -22,8 +22,6 @@ from unit_tests.server.live_server import (
 ASKING = {
     "use_beam_search": (True, False),
     "length_penalty": (0.5, 1.0),
-    "allowed_token_ids": ([3, 4], None),
-    "bad_words": (["lorem"], []),
     "prompt_logprobs": (1, None),
     "return_tokens_as_token_ids": (True, False),
     "spaces_between_special_tokens": (False, True),

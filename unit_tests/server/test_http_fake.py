@@ -292,3 +292,77 @@ def test_logprobs_chat_format(server, client):
     content = r.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
     assert json.dumps(r.model_dump())
+
+
+def test_allowed_token_ids_keep_greedy_text_to_them(server, client):
+    """vLLM's allowed_token_ids on completions and chat: the fake model's greedy over the allowed tokens alone
+    (n-gram drafts verified against them); twin: without the field the text leaves the set."""
+    runner = FakeRunner(server.info.vocab_size)
+    ids = [5, 6, 7, 8]
+    plain = runner.greedy(ids, 12)
+    allowed = sorted(set(plain[1:]) | set(range(3, server.info.vocab_size, 7)) - {plain[0]})
+    outside = {t: -1e9 for t in range(server.info.vocab_size) if t not in allowed}
+    expected = runner.greedy(ids, 12, outside)
+    assert expected != plain and set(expected) <= set(allowed)
+    kwargs = dict(model=server.model, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        prompt=ids,
+        extra_body={"ignore_eos": True, "allowed_token_ids": allowed},
+        **{k: v for k, v in kwargs.items() if k != "extra_body"},
+    )
+    assert r.choices[0].text == server.tokenizer.decode(expected)
+    assert client.completions.create(prompt=ids, **kwargs).choices[0].text == server.tokenizer.decode(plain)
+
+
+def _spellings(server, word: str) -> list[list[int]]:
+    return [server.tokenizer.encode_rendered(t) for t in (word, " " + word)]
+
+
+def test_bad_words_never_end_the_output_and_change_only_what_they_ban(server, client):
+    """A word of the greedy continuation, sent as bad_words: the output follows the fake model's greedy with each
+    spelling's last token banned where the output ends with the rest, so the word's tokens never appear; twin:
+    without bad_words they do."""
+    runner = FakeRunner(server.info.vocab_size)
+    ids = [9, 4, 4, 1]
+    plain = runner.greedy(ids, 16)
+    word = server.tokenizer.decode(plain[3:5]).strip()
+    assert word, plain
+    spellings = _spellings(server, word)
+    out: list[int] = []
+    for _ in range(16):
+        bias = {
+            s[-1]: -1e9
+            for s in spellings
+            if len(s) == 1 or (len(out) >= len(s) - 1 and out[len(out) - len(s) + 1 :] == s[:-1])
+        }
+        out.append(runner.greedy(ids + out, 1, bias)[0])
+    assert out != plain
+    kwargs = dict(model=server.model, max_tokens=16, temperature=0)
+    r = client.completions.create(prompt=ids, extra_body={"ignore_eos": True, "bad_words": [word]}, **kwargs)
+    assert r.choices[0].text == server.tokenizer.decode(out)
+    for s in spellings:
+        assert not any(out[i : i + len(s)] == s for i in range(len(out)))
+    free = client.completions.create(prompt=ids, extra_body={"ignore_eos": True}, **kwargs)
+    assert free.choices[0].text == server.tokenizer.decode(plain)
+
+
+@pytest.mark.parametrize(
+    "extra, field, message",
+    [
+        ({"allowed_token_ids": [1, 10**6]}, "allowed_token_ids", "allowed_token_ids must be in [0,"),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1"),
+        ({"bad_words": ["  "]}, "bad_words.0", "pattern"),
+        ({"bad_words": ["ab " * 200]}, "bad_words", "tokens long; at most 64"),
+        (
+            {"allowed_token_ids": [3, 4], "response_format": {"type": "json_object"}},
+            "allowed_token_ids",
+            "cannot be combined with constrained output",
+        ),
+    ],
+)
+def test_bad_token_rules_get_400_naming_the_field(server, extra, field, message):
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 4, **extra}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and message in error["message"], error

@@ -160,3 +160,28 @@ def test_structured_outputs_refusals_name_the_problem(llm):
     params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))
     with pytest.raises(ValueError, match="continue_final_message: cannot be combined with structured_outputs"):
         llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_bad_words_and_allowed_token_ids_offline_as_over_http(llm):
+    """`bad_words` are tokenized by `LLM` as the HTTP front-end does: the output never holds a spelling of the word
+    that its free greedy output holds (twin: the free output); allowed_token_ids keep every token to the set, and
+    with a grammar they are refused."""
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    free = llm.generate("abc", SamplingParams(**params))[0].outputs[0]
+    word = llm.tokenizer.decode(free.token_ids[2:4]).strip()
+    spellings = [llm.tokenizer.encode_rendered(t) for t in (word, " " + word)]
+
+    def holds(ids, seq):
+        return any(ids[i : i + len(seq)] == seq for i in range(len(ids)))
+
+    assert any(holds(free.token_ids, s) for s in spellings)
+    banned = llm.generate("abc", SamplingParams(bad_words=[word], **params))[0].outputs[0]
+    assert not any(holds(banned.token_ids, s) for s in spellings)
+    assert banned.token_ids[:2] == free.token_ids[:2]
+    allowed = sorted(set(range(5, 60, 3)) - set(free.token_ids[:1]))
+    limited = llm.generate("abc", SamplingParams(allowed_token_ids=allowed, **params))[0].outputs[0]
+    assert set(limited.token_ids) <= set(allowed) and limited.token_ids != free.token_ids
+    with pytest.raises(ValueError, match="allowed_token_ids: cannot be combined with constrained output"):
+        llm.generate("x", SamplingParams(allowed_token_ids=[3], structured_outputs=StructuredOutputsParams(regex="a")))
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])

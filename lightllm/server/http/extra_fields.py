@@ -17,8 +17,6 @@ _LOGIT_BIAS = "ban or force tokens with logit_bias"
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "applies to beam search, which is not supported"),
-    "allowed_token_ids": ((), f"not supported; constrain the output with structured_outputs, or {_LOGIT_BIAS}"),
-    "bad_words": (([],), f"not supported; {_LOGIT_BIAS}"),
     "prompt_logprobs": ((), "not supported; /v1/completions returns the prompt's with echo and logprobs"),
     "return_tokens_as_token_ids": ((False,), "not supported"),
     "spaces_between_special_tokens": ((True,), "not supported: special tokens are decoded as the tokenizer joins them"),

@@ -12,7 +12,8 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lightllm.engine.sampling_params import SamplingParams
+from lightllm.engine.sampling_params import SamplingParams, SamplingParamsError
+from lightllm.server.bad_words import with_bad_words
 from lightllm.server.http.logprobs import (
     TextOffsets,
     completion_logprobs,
@@ -142,7 +143,9 @@ async def _guarded(events: AsyncIterator[bytes], stream: AsyncIterator, error_en
 
 def _params(body: ChatCompletionRequest | CompletionRequest, fe: Frontend) -> SamplingParams:
     try:
-        return body.to_sampling_params(fe.sampling_defaults)
+        return with_bad_words(body.to_sampling_params(fe.sampling_defaults), fe.tokenizer)
+    except SamplingParamsError as exc:
+        raise ApiError(400, str(exc), exc.field) from None
     except RequestError as exc:
         exc = body.as_sent(exc)
         raise ApiError(400, str(exc), exc.field) from None

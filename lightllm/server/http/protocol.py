@@ -19,6 +19,8 @@ from pydantic import (
 )
 
 from lightllm.engine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_INT,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -147,6 +149,17 @@ class _SamplingFields(StrictModel):
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM's: one of json (a schema), json_object, regex, choice or grammar constrains the output"
     )
+    allowed_token_ids: list[Int] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_ALLOWED_TOKEN_IDS,
+        description="vLLM's: only these token ids may be generated (list EOS's to let the output end before max_tokens)",
+    )
+    bad_words: list[Annotated[Text, Field(pattern=r"\S")]] | None = Field(
+        None,
+        max_length=MAX_BAD_WORDS,
+        description="vLLM's: words the output never ends with (each banned as written and after a space)",
+    )
     # OpenAI's form: token ids as JSON object keys (strings of digits), each mapped to a number
     logit_bias: Any = Field(
         None,
@@ -272,6 +285,8 @@ class _SamplingFields(StrictModel):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=dict(self.logit_bias or {}),
+                allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+                bad_words=list(self.bad_words or []),
                 **knobs,
             )
         except SamplingParamsError as exc:

@@ -267,4 +267,8 @@ def constrained(params: SamplingParams, grammar: str, start_token: int | None = 
     if params.min_tokens:
         # nor can EOS be banned once the grammar allows nothing else
         raise RequestError("min_tokens", "min_tokens: cannot be combined with constrained output (it ends with EOS)")
+    if params.allowed_token_ids is not None:
+        raise RequestError(
+            "allowed_token_ids", "allowed_token_ids: cannot be combined with constrained output (the grammar chooses)"
+        )
     return msgspec.structs.replace(params, grammar=grammar, grammar_start_token=start_token)
