@@ -60,8 +60,10 @@ def reference():
     return allowed, bad, expected, unrestricted
 
 
-def run(mode: str, mtp_step: int, allowed, bad, graphs: bool = True) -> dict[str, list[int]]:
-    engine = _engine(mode, mtp_step, fixed_buffers=graphs, max_running_requests=3)
+def run(mode: str, mtp_step: int, allowed, bad, graphs: bool = True, device: str = "cpu") -> dict[str, list[int]]:
+    """The three requests' tokens; `graphs`: decode steps through the fixed buffers (CUDA graphs on CUDA) with
+    overlap scheduling, else eager synchronous steps."""
+    engine = _engine(mode, mtp_step, fixed_buffers=graphs, device=device, max_running_requests=3)
     engine.overlap_schedule = graphs
     rules = {
         "limited": (LIMITED, dict(allowed_token_ids=list(allowed))),
