@@ -21,7 +21,7 @@ from lightllm.engine.messages import EngineOutput, EngineStats, Finished, NewReq
 from lightllm.engine.overlap import OverlapScheduler, chained_plan
 from lightllm.engine.publish_queue import PublishQueue
 from lightllm.engine.request import Request, Status
-from lightllm.engine.sampler import RowContext, Sampler, bad_word_bans, compute_logprobs
+from lightllm.engine.sampler import RowContext, Sampler, allowed_mask, bad_word_bans, compute_logprobs
 from lightllm.engine.scheduler import SchedulePlan, Scheduler
 from lightllm.engine.speculative import create_speculator
 from lightllm.engine.speculative.acceptance import SimulatedAcceptance
@@ -473,7 +473,9 @@ class Engine:
         banned = bad_word_bans(req.params.bad_words_token_ids, req.output_ids, drafts)
         if early:
             banned |= req.stop_ids
-        return RowContext(req.params, req.prompt_ids, output, req.generator, tuple(sorted(banned)))
+        if req.params.allowed_token_ids is not None and req.allowed_mask is None:
+            req.allowed_mask = allowed_mask(req.params.allowed_token_ids, self.runner.vocab_size, device)
+        return RowContext(req.params, req.prompt_ids, output, req.generator, tuple(sorted(banned)), req.allowed_mask)
 
     def _record_window(self, num_drafts: int, result: WindowResult) -> None:
         s = self.stats

@@ -64,6 +64,9 @@ class Request:
     generator: torch.Generator | None = None
     # with params.grammar: the matcher every sampled position is masked by (engine/grammar.py)
     grammar: RequestGrammar | None = None
+    # with params.allowed_token_ids: the tokens it may take as a [vocab] bool mask on the device, built at its first
+    # sampled position (`sampler.allowed_mask`)
+    allowed_mask: torch.Tensor | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -33,6 +33,8 @@ class RowContext:
     generator: torch.Generator | None = None
     # token ids this position may not take (stop tokens before the request's min_tokens, bad words' last tokens)
     banned_ids: tuple[int, ...] = ()
+    # with params.allowed_token_ids: [vocab] bool, True where a token may be taken (`allowed_mask`)
+    allowed_mask: torch.Tensor | None = None
 
 
 def bad_word_bans(sequences: list[list[int]], output_ids: list[int], drafts: list[int]) -> set[int]:
@@ -63,18 +65,23 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tens
     return logits
 
 
+def allowed_mask(token_ids: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """[width] bool, True at `token_ids`: built once per request (the engine keeps it on the request), so a step
+    costs no more for a long allowed list than for a short one."""
+    mask = torch.zeros(width, dtype=torch.bool, device=device)
+    mask[to_device(np.asarray(token_ids, dtype=np.int64), device)] = True
+    return mask
+
+
 def apply_allowed(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
-    """In place on `logits` [N, V]: -inf outside each row's `allowed_token_ids`, the rows that have them in one
-    masked write."""
-    limited = [(i, row.params.allowed_token_ids) for i, row in enumerate(rows) if row.params.allowed_token_ids]
+    """In place on `logits` [N, V]: -inf outside each row's `allowed_mask`, the rows that have one in one masked
+    write (columns past a mask's width, padding of the logits, are outside)."""
+    limited = [i for i, row in enumerate(rows) if row.allowed_mask is not None]
     if limited:
-        sizes = [len(ids) for _, ids in limited]
-        local = np.repeat(np.arange(len(limited), dtype=np.int64), sizes)
-        tokens = np.fromiter(chain.from_iterable(ids for _, ids in limited), np.int64, sum(sizes))
-        device = logits.device
-        keep = torch.zeros(len(limited), logits.shape[1], dtype=torch.bool, device=device)
-        keep[to_device(local, device), to_device(tokens, device)] = True
-        index = list_to_device([i for i, _ in limited], torch.long, device)
+        vocab = logits.shape[1]
+        keep = torch.stack([rows[i].allowed_mask[:vocab] for i in limited])
+        keep = torch.nn.functional.pad(keep, (0, vocab - keep.shape[1]), value=False)
+        index = list_to_device(limited, torch.long, logits.device)
         logits[index] = logits[index].masked_fill(~keep, float("-inf"))
     return logits
 

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from lightllm.engine.sampler import RowContext, Sampler, apply_allowed, bad_word_bans
+from lightllm.engine.sampler import RowContext, Sampler, allowed_mask, apply_allowed, bad_word_bans
 from lightllm.engine.sampling_params import SamplingParams
 
 
@@ -38,8 +38,14 @@ def test_bad_word_bans_match_the_rule_over_the_whole_output():
     assert hits > 100, "multi-token words must match often enough to test the tail"
 
 
+def _row(params: SamplingParams, width: int = 50, banned=()) -> RowContext:
+    ids = params.allowed_token_ids
+    mask = None if ids is None else allowed_mask(ids, width, torch.device("cpu"))
+    return RowContext(params, [1, 2], [], banned_ids=tuple(banned), allowed_mask=mask)
+
+
 def _rows(params_list):
-    return [RowContext(p, [1, 2], []) for p in params_list]
+    return [_row(p) for p in params_list]
 
 
 def test_allowed_ids_mask_each_row_alone():
@@ -68,7 +74,7 @@ def test_greedy_rows_take_the_best_allowed_token_and_bans_apply_after():
     best = max(allowed, key=lambda t: logits[0, t])
     runner_up = max(set(allowed) - {best}, key=lambda t: logits[0, t])
     greedy = SamplingParams(temperature=0, allowed_token_ids=allowed)
-    rows = [RowContext(greedy, [], []), RowContext(greedy, [], [], banned_ids=(best,))]
+    rows = [_row(greedy, 40), _row(greedy, 40, banned=(best,))]
     probs = Sampler().target_probs(torch.stack([logits[0], logits[0]]), rows)
     assert probs.argmax(-1).tolist() == [best, runner_up]
     # twin: without the limit the argmax is the unrestricted one
@@ -80,10 +86,24 @@ def test_a_ban_that_leaves_nothing_yields():
     """allowed {3, 8} with both banned: the row samples as if unbanned (no NaN); a neighbour's ban still holds."""
     logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(2))
     params = SamplingParams(temperature=1.0, allowed_token_ids=[3, 8])
-    rows = [RowContext(params, [], [], banned_ids=(3, 8)), RowContext(params, [], [], banned_ids=(3,))]
+    rows = [_row(params, 20, banned=(3, 8)), _row(params, 20, banned=(3,))]
     probs = Sampler().target_probs(logits, rows)
     assert torch.isfinite(probs).all()
     unbanned = torch.softmax(logits[0, [3, 8]], -1)
     torch.testing.assert_close(probs[0, [3, 8]], unbanned)
     assert probs[1, 3] == 0 and probs[1, 8] == 1
     assert probs[0].sum().item() == probs[0, [3, 8]].sum().item()
+
+
+def test_a_mask_narrower_than_the_logits_keeps_the_padding_out():
+    """Logits padded past the vocabulary (a mask of the vocabulary's width): the padded columns are outside."""
+    logits = torch.zeros(1, 12)
+    logits[0, 11] = 5.0
+    row = RowContext(
+        SamplingParams(temperature=0, allowed_token_ids=[2]),
+        [],
+        [],
+        allowed_mask=allowed_mask([2], 10, torch.device("cpu")),
+    )
+    out = apply_allowed(logits.clone(), [row])
+    assert torch.isfinite(out[0]).tolist() == [i == 2 for i in range(12)]
