@@ -164,6 +164,15 @@ def test_models_created_is_the_start_time(server):
     assert first == again and first <= time.time()
 
 
+def test_a_model_is_retrieved_by_its_served_name_and_no_other(server, client):
+    listed = client.models.list().data[0]
+    retrieved = client.models.retrieve(server.model)
+    assert retrieved.model_dump() == listed.model_dump() and retrieved.id == server.model
+    r = httpx.get(f"{server.base_url}/v1/models/{server.model}-not")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert httpx.get(f"{server.base_url}/v1/models/org/{server.model}").status_code == 404
+
+
 @pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
 def test_docs_are_off_by_default(server, path):
     assert httpx.get(f"{server.base_url}{path}").status_code == 404

@@ -236,9 +236,23 @@ def create_app(
     async def metrics():
         return Response(app.state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    card = {
+        "id": args.served_model_name,
+        "object": "model",
+        "created": started,
+        "owned_by": "lightllm",
+        "max_model_len": args.max_req_total_len,
+    }
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": args.served_model_name, "object": "model", "created": started, "owned_by": "lightllm"}
-        return {"object": "list", "data": [{**card, "max_model_len": args.max_req_total_len}]}
+        return {"object": "list", "data": [card]}
+
+    # a served name may hold slashes (`Qwen/Qwen3.5-35B-A3B`)
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != args.served_model_name:
+            raise ApiError(404, f"model {model!r} is not served here; use {args.served_model_name!r}", "model")
+        return card
 
     return app
