@@ -23,7 +23,6 @@ ASKING = {
     "use_beam_search": (True, False),
     "length_penalty": (0.5, 1.0),
     "prompt_logprobs": (1, None),
-    "return_tokens_as_token_ids": (True, False),
     "spaces_between_special_tokens": (False, True),
     "priority": (1, 0),
     "cache_salt": ("tenant-a", None),

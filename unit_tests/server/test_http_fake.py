@@ -366,3 +366,41 @@ def test_bad_token_rules_get_400_naming_the_field(server, extra, field, message)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and message in error["message"], error
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, client):
+    """vLLM's return_tokens_as_token_ids: completion (with echo) and chat logprobs name every token, alternatives
+    included, `token_id:{id}` (the fake model's greedy ids); the text and offsets are unchanged. Twin: without the
+    field the tokens are texts."""
+    runner = FakeRunner(server.info.vocab_size)
+    ids = [5, 6, 7, 8]
+    expected = runner.greedy(ids, 6)
+    kw = dict(model=server.model, prompt=ids, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    plain = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0]
+    named = client.completions.create(extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, **kw)
+    named = named.choices[0]
+    assert named.logprobs.tokens == [f"token_id:{t}" for t in ids + expected]
+    assert named.text == plain.text and named.logprobs.text_offset == plain.logprobs.text_offset
+    assert named.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    assert all(k.startswith("token_id:") for top in named.logprobs.top_logprobs[1:] for k in top)
+    assert plain.logprobs.tokens != named.logprobs.tokens
+    messages = [{"role": "user", "content": "name them"}]
+    chat_ids = runner.greedy(server.tokenizer.encode_chat(messages), 5)
+    for stream in (False, True):
+        r = client.chat.completions.create(
+            model=server.model,
+            messages=messages,
+            max_tokens=5,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=1,
+            stream=stream,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        )
+        content = (
+            r.choices[0].logprobs.content
+            if not stream
+            else [e for c in r if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        )
+        assert [e.token for e in content] == [f"token_id:{t}" for t in chat_ids]
+        assert [bytes(e.bytes) for e in content] == [server.tokenizer.token_bytes(t) for t in chat_ids]

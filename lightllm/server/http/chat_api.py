@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from lightllm.engine.sampling_params import SamplingParams
-from lightllm.server.http.logprobs import chat_logprobs
+from lightllm.server.http.logprobs import chat_logprobs, token_names
 from lightllm.server.http.openai_api import (
     SSE_DONE,
     StreamUsage,
@@ -62,6 +62,8 @@ class ChatOutput:
         self.tool_parser = tool_parser_name(fe.args.tool_call_parser, model_type)
         self.reasoning = reasoning_parser_name(fe.args.reasoning_parser, model_type) is not None
         self.body = body
+        # how the logprobs objects name tokens: their text, or their ids when the client asked so
+        self.token_names = token_names(fe.tokenizer, body.return_tokens_as_token_ids)
         if body.uses_tools and self.tool_parser is None:
             raise ApiError(
                 400, "tools: this model has no tool-call format; start the server with --tool_call_parser", "tools"
@@ -259,7 +261,7 @@ def _choice(fe: Frontend, out: ChatOutput, s: Sequence) -> dict:
     return {
         "index": s.index,
         "message": message,
-        "logprobs": chat_logprobs(fe.tokenizer, s.output.token_ids, s.output.logprobs),
+        "logprobs": chat_logprobs(out.token_names, s.output.token_ids, s.output.logprobs),
         "finish_reason": _finish_reason(s.output.finish_reason, has_calls),
     }
 
@@ -298,7 +300,7 @@ async def _events(
         choice = {
             "index": seq.index,
             "delta": _delta_body(parsed),
-            "logprobs": chat_logprobs(fe.tokenizer, delta.token_ids, delta.logprobs),
+            "logprobs": chat_logprobs(out.token_names, delta.token_ids, delta.logprobs),
             "finish_reason": _finish_reason(delta.finish_reason, has_calls.get(seq.index, False)),
         }
         yield counts.chunk({**head, "choices": [choice]})

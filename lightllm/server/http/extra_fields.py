@@ -18,7 +18,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "applies to beam search, which is not supported"),
     "prompt_logprobs": ((), "not supported; /v1/completions returns the prompt's with echo and logprobs"),
-    "return_tokens_as_token_ids": ((False,), "not supported"),
     "spaces_between_special_tokens": ((True,), "not supported: special tokens are decoded as the tokenizer joins them"),
     "priority": ((0,), "not supported: requests are scheduled in arrival order"),
     "cache_salt": ((), "not supported: the prefix cache is shared by all of this server's requests"),

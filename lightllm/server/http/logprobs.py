@@ -15,6 +15,25 @@ from lightllm.server.tokenizer import Tokenizer
 Entries = list[tuple[float, list[tuple[int, float]]]]
 
 
+class TokenIdNames:
+    """The tokenizer as the logprobs objects read it, each token named `token_id:{id}` (vLLM's
+    `return_tokens_as_token_ids`: ids survive where a token's text does not identify it); its bytes, and the text
+    offsets they give, stay the token's own."""
+
+    def __init__(self, tok: Tokenizer):
+        self._tok = tok
+
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._tok.token_bytes(token_id)
+
+
+def token_names(tok: Tokenizer, as_ids: bool) -> Tokenizer | TokenIdNames:
+    return TokenIdNames(tok) if as_ids else tok
+
+
 def chat_logprobs(tok: Tokenizer, token_ids: list[int], entries: Entries) -> dict | None:
     if not entries:
         return None

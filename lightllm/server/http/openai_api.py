@@ -19,6 +19,7 @@ from lightllm.server.http.logprobs import (
     completion_logprobs,
     echoed_prompt_logprobs,
     join_logprobs,
+    token_names,
 )
 from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from lightllm.server.http.schema_base import RequestError
@@ -191,7 +192,7 @@ async def completions(body: CompletionRequest, request: Request):
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
     # each prompt is counted once, however many sequences it has
     num_prompt_tokens = sum(len(p) for p in prompts)
-    tok, want_logprobs = fe.tokenizer, params.logprobs is not None
+    tok, want_logprobs = token_names(fe.tokenizer, body.return_tokens_as_token_ids), params.logprobs is not None
     # an echoed prompt with logprobs is scored by the engine: the first sequence of each prompt brings the scores
     # with its first tokens (see Frontend.generate)
     scored = body.echo and want_logprobs

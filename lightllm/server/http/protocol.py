@@ -144,6 +144,9 @@ class _SamplingFields(StrictModel):
         le=MAX_INT,
         description="keep only the prompt's last this many tokens; -1: as many as leave room for max_tokens (vLLM's)",
     )
+    return_tokens_as_token_ids: bool = Field(
+        False, description="vLLM's: logprobs name each token `token_id:{id}` instead of its text"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     structured_outputs: StructuredOutputs | None = Field(
