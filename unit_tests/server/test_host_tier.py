@@ -14,7 +14,8 @@ import pytest
 from lightllm.cache.host_tier import HostArena
 from lightllm.cache.host_tier.arena import MAX_SHARDS, SHM_DIR
 from lightllm.server import host_tier
-from lightllm.server.args import check_host_tier_flags, load_server_args
+from lightllm.server.args import load_server_args
+from lightllm.server.args_checks import check_host_tier_flags
 from lightllm.server.host_tier import PREFIX, host_tier_bytes, remove_orphans, start_with_host_tier
 
 
