@@ -17,7 +17,15 @@ import torch
 from lightllm.engine import grammar
 from lightllm.engine.batch import ForwardBatch, ForwardOutput, ModelRunnerProtocol
 from lightllm.engine.logits_check import NONFINITE_LOGITS_ERROR, nonfinite_rows
-from lightllm.engine.messages import EngineOutput, EngineStats, Finished, NewRequest, TokenChunk
+from lightllm.engine.messages import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    EngineOutput,
+    EngineStats,
+    Finished,
+    NewRequest,
+    TokenChunk,
+)
 from lightllm.engine.overlap import OverlapScheduler, chained_plan
 from lightllm.engine.publish_queue import PublishQueue
 from lightllm.engine.request import Request, Status
@@ -132,12 +140,7 @@ class Engine:
         error = self._check(msg)
         if error is not None:
             return [Finished(msg.req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=error)]
-        params = msg.params
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(msg.eos_token_ids))
-        max_new = self.max_req_total_len - len(msg.prompt_ids)
-        if params.max_tokens is not None:
-            max_new = min(max_new, params.max_tokens)
-        req = Request(msg.req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new)
+        req = Request.from_message(msg, self.max_req_total_len)
         error = grammar.attach(self.grammars, req, msg)
         if error is not None:
             return [Finished(msg.req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=error)]
@@ -317,6 +320,8 @@ class Engine:
             return "empty prompt"
         if n >= self.max_req_total_len:
             return f"prompt has {n} tokens; max_req_total_len={self.max_req_total_len} leaves no room to generate"
+        if not (isinstance(msg.priority, int) and MIN_PRIORITY <= msg.priority <= MAX_PRIORITY):
+            return f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]"
         if min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= self.runner.vocab_size:
             return f"prompt token ids must be in [0, {self.runner.vocab_size})"
         try:

@@ -10,6 +10,9 @@ import msgspec
 
 from lightllm.engine.sampling_params import SamplingParams
 
+# a request's priority, as an int32
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+
 
 class NewRequest(msgspec.Struct, tag=True):
     req_id: str
@@ -24,6 +27,8 @@ class NewRequest(msgspec.Struct, tag=True):
     tokenizer_dir: str = ""
     # the HTTP front-end process that submitted it (`--http_workers`): its outputs go back to that process only
     frontend: int = 0
+    # lower runs first (`--scheduling_policy priority`; the front-ends refuse non-zero values otherwise)
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, tag=True):

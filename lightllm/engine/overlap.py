@@ -133,8 +133,9 @@ class OverlapScheduler:
 
     def schedule_ahead(self, inflight: InFlight | SpecInFlight) -> SchedulePlan | None:
         """The next step's plan from the scheduler while `inflight` still runs, or None when it needs the in-flight
-        tokens on the host first (drafts, or too little free KV for the running rows: only a preemption could make
-        room, and a preempted request must not have a token in flight). Rows whose token in flight is their last
+        tokens on the host first (drafts, too little free KV for the running rows, or a waiting request of a better
+        priority than a running one: only a preemption could make room, and a preempted request must not have a
+        token in flight). Rows whose token in flight is their last
         are left out: they finish at the read-back."""
         engine = self.engine
         if isinstance(inflight, SpecInFlight) or engine.speculator.num_drafts or not engine.overlap_schedule:
@@ -143,6 +144,9 @@ class OverlapScheduler:
         if engine.runner.num_free_kv_tokens() < len(sched.running):
             return None
         last = [req for req in inflight.windows if not req.is_finished and req.num_remaining_tokens < 2]
+        if sched.priority_victim(held=last) is not None:
+            # a request of a better priority takes a running one's place: the preempted one's token must be read
+            return None
         return sched.schedule(held=last, may_preempt=False)
 
     def can_chain(self, inflight: InFlight | SpecInFlight) -> bool:
@@ -155,7 +159,7 @@ class OverlapScheduler:
         if not reqs or len(reqs) != len(sched.running):
             return False
         # a request the scheduler could admit now, or a row whose in-flight token may be its last, changes the batch
-        if sched.waiting and len(sched.running) < sched.max_running_requests and runner.num_free_requests():
+        if sched.waiting_would_join():
             return False
         if any(r.num_remaining_tokens < 2 for r in reqs):
             return False

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightllm.engine.messages import NewRequest
 from lightllm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,6 +68,21 @@ class Request:
     # with params.allowed_token_ids: the tokens it may take as a [vocab] bool mask on the device, built at its first
     # sampled position (`sampler.allowed_mask`)
     allowed_mask: torch.Tensor | None = None
+    # lower runs first (the waiting queue's order, and who is preempted for whom: `Scheduler`)
+    priority: int = 0
+    # the scheduler's arrival count, set when it first queues the request (a preempted request keeps it)
+    arrival_seq: int = 0
+
+    @classmethod
+    def from_message(cls, msg: NewRequest, max_req_total_len: int) -> Request:
+        """The engine's request for `msg`: it stops at EOS (unless ignore_eos) or a stop token id, and generates at
+        most max_tokens, clipped to the room the context leaves."""
+        params = msg.params
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(msg.eos_token_ids))
+        max_new = max_req_total_len - len(msg.prompt_ids)
+        if params.max_tokens is not None:
+            max_new = min(max_new, params.max_tokens)
+        return cls(msg.req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new, priority=msg.priority)
 
     @property
     def all_ids(self) -> list[int]:

@@ -16,6 +16,11 @@ A request is admitted only when a linear-state slot is free (`runner.add_request
 prefill on top of what running requests still need. When KV runs out for decode rows, the most recently admitted
 request is preempted: its slot and KV are returned and it later re-prefills its prompt and output (recompute).
 
+The waiting queue is ordered by priority (lower first; every request has 0 unless the server takes priorities),
+then arrival; a preempted request keeps its arrival, so it goes back ahead of later ones. Victims are taken from the
+worst priority first, latest admission first within it, and a waiting request that cannot be admitted as things
+stand takes the place of a running request of a worse priority.
+
 With a prefix cache, admission resumes a request from the deepest cached checkpoint on its tokens' path
 (`runner.add_request(prefix)`) and prefills only the rest. Prefill chunks are cut to end at multiples of
 `checkpoint_interval` when they cross one, so the engine can checkpoint there; a request leaving the batch
@@ -35,6 +40,7 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from lightllm.cache.prefix.cache import PrefixMatch
 from lightllm.engine.batch import ModelRunnerProtocol
 from lightllm.engine.request import Request, Status
 
@@ -115,10 +121,25 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._admit_seq = 0
+        self._arrivals = 0
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._arrivals += 1
+        req.arrival_seq = self._arrivals
+        self._queue(req)
+
+    def _queue(self, req: Request) -> None:
+        """Into the waiting queue by (priority, arrival)."""
+        key = (req.priority, req.arrival_seq)
+        i = len(self.waiting)
+        while i > 0 and (self.waiting[i - 1].priority, self.waiting[i - 1].arrival_seq) > key:
+            i -= 1
+        self.waiting.insert(i, req)
+
+    def _victim(self, among: Collection[Request]) -> Request:
+        """Who is preempted first: the worst priority, the latest admission within it."""
+        return max(among, key=lambda r: (r.priority, r.admit_seq))
 
     def remove(self, req: Request, publish: bool = False, keep_resources: bool = False) -> None:
         """Take a request out of the queues and give its runner resources back (abort or finish); `publish`
@@ -195,11 +216,13 @@ class Scheduler:
         plan = SchedulePlan()
         held = set(held)
         self._prompt_logit_rows_left = self.max_prompt_logit_rows
+        if may_preempt:
+            self._preempt_for_priority(plan, held)
         free_kv = self.runner.num_free_kv_tokens()
         decoding = [r for r in self.running if r not in held and (not r.is_prefilling or self.awaits_last_token(r))]
         # every decode row needs one KV token for its last token; preempt latest admissions until they fit
         while may_preempt and decoding and len(decoding) > free_kv:
-            victim = max(self.running, key=lambda r: r.admit_seq)
+            victim = self._victim(self.running)
             if victim in decoding:
                 decoding.remove(victim)
             free_kv += self._preempt(victim, plan)
@@ -234,24 +257,67 @@ class Scheduler:
         self._admit(plan, budget, free_kv, chunk_limit)
         if plan.is_empty and self.running and may_preempt:
             # nothing could progress (prefills starved of KV): free the latest admission so the rest can move
-            self._preempt(max(self.running, key=lambda r: r.admit_seq), plan)
+            self._preempt(self._victim(self.running), plan)
         return plan
 
+    def _preempt_for_priority(self, plan: SchedulePlan, held: Collection[Request]) -> None:
+        while (victim := self.priority_victim(held)) is not None:
+            self._preempt(victim, plan)
+
+    def priority_victim(self, held: Collection[Request] = ()) -> Request | None:
+        """The running request (not in `held`) the queue's head takes the place of: one of a worse priority, while
+        the head cannot be admitted (no state slot or room under `max_running_requests`, or too little KV for its
+        prefill beside what the running requests still need); None when there is none."""
+        if not self.waiting:
+            return None
+        head = self.waiting[0]
+        worse = [r for r in self.running if r not in held and r.priority > head.priority]
+        if not worse or head.num_tokens + 1 > self.kv_capacity:
+            return None
+        fits = (
+            len(self.running) < self.max_running_requests
+            and self.runner.num_free_requests() > 0
+            and self._admission_kv(head, self._match(head)[1]) + self._committed_kv()
+            <= self.runner.num_free_kv_tokens()
+        )
+        return None if fits else self._victim(worse)
+
+    def waiting_would_join(self) -> bool:
+        """A waiting request could join the running batch now: there is a state slot and room for it under
+        `max_running_requests`, or a running request of a worse priority it takes the place of."""
+        if not self.waiting:
+            return False
+        room = len(self.running) < self.max_running_requests and self.runner.num_free_requests() > 0
+        return room or self.priority_victim() is not None
+
+    def _match(self, req: Request) -> tuple[list[int], PrefixMatch]:
+        """The tokens `req` resumes from the prefix cache by, and the cache's match on them. Prompt
+        log-probabilities need every prompt position computed: such a request resumes nothing."""
+        prefix = [] if req.needs_prompt_logprobs else req.all_ids
+        return prefix, self.runner.match_prefix(prefix)
+
+    @staticmethod
+    def _admission_kv(req: Request, match: PrefixMatch) -> int:
+        """KV tokens admitting `req` takes: its tokens past the match, and the cached ones the match locks (no
+        longer reclaimable)."""
+        return req.num_tokens - match.num_tokens + match.num_pinned
+
+    def _committed_kv(self) -> int:
+        """KV the running prefills will still claim, plus a window of headroom per running request."""
+        prefills = sum(r.num_prefill_tokens - r.num_computed_tokens for r in self.running if r.is_prefilling)
+        return prefills + self.max_width * len(self.running)
+
     def _admit(self, plan: SchedulePlan, budget: int, free_kv: int, chunk_limit: int) -> None:
-        # KV the running prefills will still claim after this step, plus a window of headroom per running request
-        committed = sum(r.num_prefill_tokens - r.num_computed_tokens for r in self.running if r.is_prefilling)
-        committed -= sum(row.num_tokens for row in plan.prefill)
-        committed += self.max_width * len(self.running)
+        # what the running requests claim after this step's prefill rows
+        committed = self._committed_kv() - sum(row.num_tokens for row in plan.prefill)
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
             num_prefill = req.num_tokens
             if num_prefill + 1 > self.kv_capacity:
                 plan.unfittable.append(self.waiting.popleft())
                 continue
-            # prompt log-probabilities need every prompt position computed: such a request resumes nothing
-            prefix = [] if req.needs_prompt_logprobs else req.all_ids
-            match = self.runner.match_prefix(prefix)
-            if num_prefill - match.num_tokens + match.num_pinned + committed > free_kv:
+            prefix, match = self._match(req)
+            if self._admission_kv(req, match) + committed > free_kv:
                 break
             if self.runner.num_free_requests() == 0:
                 break
@@ -286,7 +352,7 @@ class Scheduler:
             committed += num_prefill - req.num_computed_tokens - chunk + self.max_width
 
     def _preempt(self, req: Request, plan: SchedulePlan) -> int:
-        """Send `req` back to the head of the queue; returns the KV tokens this frees."""
+        """Send `req` back to the queue (ahead of later arrivals of its priority); returns the KV tokens this frees."""
         free_before = self.runner.num_free_kv_tokens()
         self.running.remove(req)
         # its committed tokens stay cached (reclaimable), so the re-admission resumes where it stopped
@@ -297,7 +363,7 @@ class Scheduler:
         req.num_prefill_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._queue(req)
         plan.preempted.append(req)
         for rows in (plan.prefill, plan.decode):
             rows[:] = [row for row in rows if row.req is not req]

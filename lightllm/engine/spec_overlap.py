@@ -111,7 +111,7 @@ class SpecOverlap:
         reqs = [row.req for row in inflight.plan.decode if not row.req.is_finished]
         if not reqs or len(reqs) != len(sched.running):
             return False
-        if sched.waiting and len(sched.running) < sched.max_running_requests and runner.num_free_requests():
+        if sched.waiting_would_join():
             return False
         need = inflight.width * len(reqs)
         if sched.token_budget < need or runner.num_free_kv_tokens() < need:

@@ -217,6 +217,12 @@ class ServerArgs:
         "sequences that may wait beyond --max_running_requests; requests past it get 429 with Retry-After",
         type=int,
     )
+    scheduling_policy: str = _flag(
+        "fcfs",
+        "the waiting queue's order: fcfs (arrival), or priority (a request's priority, lower first, then arrival; a "
+        "running request of a worse priority is preempted for it); requests may set priority only under priority",
+        ("fcfs", "priority"),
+    )
     max_sequences_per_request: int = _flag(
         256, "most sequences (prompts x n) one request may ask for; more gets 400", type=int
     )

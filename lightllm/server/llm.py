@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from lightllm.engine.messages import Finished, NewRequest, TokenChunk
+from lightllm.engine.messages import MAX_PRIORITY, MIN_PRIORITY, Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
 from lightllm.server.bad_words import with_bad_words
@@ -100,13 +100,22 @@ class LLM:
         self.close()
 
     def generate(
-        self, prompts: str | list[str] | list[int] | list[list[int]], sampling_params: SamplingParams | None = None
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt (text or token ids), each with `params.n` outputs, in prompt order."""
-        return self._generate(prompts, sampling_params)
+        """One RequestOutput per prompt (text or token ids), each with `params.n` outputs, in prompt order.
+        `priority`: one per prompt, lower admitted first (with `scheduling_policy="priority"`, as vLLM's)."""
+        return self._generate(prompts, sampling_params, priority=priority)
 
     def _generate(
-        self, prompts, sampling_params: SamplingParams | None, checkpoint_hints: list[int] = (), chat: bool = False
+        self,
+        prompts,
+        sampling_params: SamplingParams | None,
+        checkpoint_hints: list[int] = (),
+        chat: bool = False,
+        priority: list[int] | None = None,
     ):
         """`generate`; `checkpoint_hints[p]`: a position of prompt p worth a prefix-cache checkpoint (0: none);
         `chat`: the prompts are rendered conversations (a grammar starts after a reasoning block they open)."""
@@ -122,6 +131,7 @@ class LLM:
         params = with_bad_words(self._compile_constraint(params), self.tokenizer)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        priority = self._priorities(priority, len(prompts))
         results: list[RequestOutput] = []
         prompt_params: list[SamplingParams] = []
         seqs: dict[str, SequenceOutput] = {}
@@ -157,6 +167,7 @@ class LLM:
                             [checkpoint_hints[p]] if p < len(checkpoint_hints) and checkpoint_hints[p] else [],
                             # a grammar (SamplingParams.grammar) is matched against this checkpoint's vocabulary
                             tokenizer_dir=self.info.model_dir if sub.grammar is not None else "",
+                            priority=priority[p],
                         )
                     ),
                     seqs,
@@ -173,6 +184,21 @@ class LLM:
                 logprobs = out.logprobs if params.logprobs is not None else None
                 result.outputs.append(CompletionOutput(j, out.text, out.token_ids, out.finish_reason, logprobs))
         return results
+
+    def _priorities(self, priority: list[int] | None, num_prompts: int) -> list[int]:
+        """One priority per prompt (0 without any); ValueError for a list of another length, or for non-zero
+        priorities when the engine schedules in arrival order."""
+        if priority is None:
+            return [0] * num_prompts
+        if not isinstance(priority, list) or len(priority) != num_prompts:
+            raise ValueError(f"priority: give one integer per prompt ({num_prompts})")
+        if any(not isinstance(v, int) or not MIN_PRIORITY <= v <= MAX_PRIORITY for v in priority):
+            raise ValueError(f"priority: integers in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
+        if any(priority) and self.args.scheduling_policy != "priority":
+            raise ValueError(
+                'priority: this LLM schedules in arrival order; create it with scheduling_policy="priority"'
+            )
+        return priority
 
     def _compile_constraint(self, params: SamplingParams) -> SamplingParams:
         """`params.structured_outputs` compiled into the grammar the engine applies (ValueError naming the

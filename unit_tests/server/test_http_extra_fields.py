@@ -24,7 +24,6 @@ ASKING = {
     "length_penalty": (0.5, 1.0),
     "prompt_logprobs": (1, None),
     "spaces_between_special_tokens": (False, True),
-    "priority": (1, 0),
     "cache_salt": ("tenant-a", None),
     "guided_whitespace_pattern": (" ", None),
     "logits_processors": (["pkg.proc"], []),

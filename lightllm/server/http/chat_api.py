@@ -242,7 +242,9 @@ async def start_chat(fe: Frontend, body: ChatCompletionRequest, request: Request
     if opens_turn and len(prompt_ids) == full_len:
         # a truncated prompt no longer starts with the earlier turns: no hint
         history = await fe.chat_history_len(messages, body.chat_template, kwargs, prompt_ids)
-    stream = fe.generate([prompt_ids], params, request, checkpoint_hints=[history] if history else [])
+    stream = fe.generate(
+        [prompt_ids], params, request, checkpoint_hints=[history] if history else [], priority=body.priority
+    )
     return ChatRun(out, params, prompt_ids, stream)
 
 

@@ -143,6 +143,7 @@ async def _guarded(events: AsyncIterator[bytes], stream: AsyncIterator, error_en
 
 
 def _params(body: ChatCompletionRequest | CompletionRequest, fe: Frontend) -> SamplingParams:
+    fe.check_priority(body.priority)
     try:
         return with_bad_words(body.to_sampling_params(fe.sampling_defaults), fe.tokenizer)
     except SamplingParamsError as exc:
@@ -205,7 +206,7 @@ async def completions(body: CompletionRequest, request: Request):
             return "", None
         return texts[p], echoed_prompt_logprobs(tok, prompts[p], len(texts[p]), entries) if want_logprobs else None
 
-    stream = fe.generate(prompts, params, request)
+    stream = fe.generate(prompts, params, request, priority=body.priority)
     if not body.stream:
         seqs = await _collect(stream)
         scores = {s.prompt_index: s.output.prompt_logprobs for s in seqs if s.index % params.n == 0}

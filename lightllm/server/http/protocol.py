@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from lightllm.engine.messages import MAX_PRIORITY, MIN_PRIORITY
 from lightllm.engine.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
@@ -143,6 +144,12 @@ class _SamplingFields(StrictModel):
         ge=-1,
         le=MAX_INT,
         description="keep only the prompt's last this many tokens; -1: as many as leave room for max_tokens (vLLM's)",
+    )
+    priority: int = Field(
+        0,
+        ge=MIN_PRIORITY,
+        le=MAX_PRIORITY,
+        description="vLLM's: lower runs first (only under --scheduling_policy priority; else it must be 0)",
     )
     return_tokens_as_token_ids: bool = Field(
         False, description="vLLM's: logprobs name each token `token_id:{id}` instead of its text"

@@ -92,6 +92,13 @@ class Frontend:
         if not self.engine_alive():
             raise ApiError(503, "the engine process is not running", kind="server_error")
 
+    def check_priority(self, priority: int) -> None:
+        """A request may set a priority only where the operator lets requests jump the queue."""
+        if priority and self.args.scheduling_policy != "priority":
+            raise ApiError(
+                400, "priority: this server schedules in arrival order (--scheduling_policy fcfs)", "priority"
+            )
+
     def check_model(self, model: str) -> None:
         if model != self.args.served_model_name:
             raise ApiError(400, f"model {model!r} is not served here; use {self.args.served_model_name!r}", "model")
@@ -214,11 +221,16 @@ class Frontend:
             raise ApiError(400, message, param if field == "prompt" else field)
 
     async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, request=None, checkpoint_hints: list[int] = ()
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request=None,
+        checkpoint_hints: list[int] = (),
+        priority: int = 0,
     ) -> AsyncIterator[tuple[Sequence, Delta]]:
         """Run `params.n` sequences per prompt; yields (sequence, delta) as tokens arrive, in arrival order.
         `params.prompt_logprobs` goes to each prompt's first sequence only (sequence index a multiple of n): the
-        prompt is scored once."""
+        prompt is scored once. `priority`: the scheduler's (lower first), checked by `check_priority`."""
         base = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         seqs: dict[str, Sequence] = {}
@@ -248,6 +260,7 @@ class Frontend:
                         list(checkpoint_hints),
                         # a grammar is matched against this checkpoint's vocabulary
                         tokenizer_dir=self.info.model_dir if sub.grammar is not None else "",
+                        priority=priority,
                     )
                     await self.client.submit(msg, queue)
             while pending:

@@ -328,12 +328,7 @@ class DecodeRole:
         except RuntimeError as exc:
             logger.error("import of %s failed: %s", req_id, exc)
             return [Finished(req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=f"import failed: {exc}")]
-        params = msg.params
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(msg.eos_token_ids))
-        max_new = engine.max_req_total_len - len(msg.prompt_ids)
-        if params.max_tokens is not None:
-            max_new = min(max_new, params.max_tokens)
-        req = Request(req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new)
+        req = Request.from_message(msg, engine.max_req_total_len)
         req.output_ids = list(transfer.first_chunk.token_ids)
         # a grammar resumes where the prefill node's first token left it
         problem = (
