@@ -35,6 +35,7 @@ from lightllm.engine.speculative import create_speculator
 from lightllm.engine.speculative.acceptance import SimulatedAcceptance
 from lightllm.engine.speculative.device_drafts import decode_draft_ids, host_drafts
 from lightllm.engine.speculative.verify import WindowResult, verify_greedy_windows, verify_window
+from lightllm.engine.thinking_budget import forced_end_token
 
 logger = logging.getLogger(__name__)
 
@@ -480,7 +481,12 @@ class Engine:
             banned |= req.stop_ids
         if req.params.allowed_token_ids is not None and req.allowed_mask is None:
             req.allowed_mask = allowed_mask(req.params.allowed_token_ids, self.runner.vocab_size, device)
-        return RowContext(req.params, req.prompt_ids, output, req.generator, tuple(sorted(banned)), req.allowed_mask)
+        forced = None
+        if req.thinking is not None:
+            req.thinking, forced = forced_end_token(req.params, req.thinking, req.output_ids, drafts)
+        return RowContext(
+            req.params, req.prompt_ids, output, req.generator, tuple(sorted(banned)), req.allowed_mask, forced
+        )
 
     def _record_window(self, num_drafts: int, result: WindowResult) -> None:
         s = self.stats

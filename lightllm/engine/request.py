@@ -11,6 +11,7 @@ import torch
 
 from lightllm.engine.messages import NewRequest
 from lightllm.engine.sampling_params import SamplingParams
+from lightllm.engine.thinking_budget import ThinkingCount
 
 if TYPE_CHECKING:
     from lightllm.engine.grammar import RequestGrammar
@@ -70,6 +71,8 @@ class Request:
     allowed_mask: torch.Tensor | None = None
     # lower runs first (the waiting queue's order, and who is preempted for whom: `Scheduler`)
     priority: int = 0
+    # with params.thinking_token_budget: where its reasoning block stands over the output so far
+    thinking: ThinkingCount | None = None
     # the scheduler's arrival count, set when it first queues the request (a preempted request keeps it)
     arrival_seq: int = 0
 
@@ -82,7 +85,10 @@ class Request:
         max_new = max_req_total_len - len(msg.prompt_ids)
         if params.max_tokens is not None:
             max_new = min(max_new, params.max_tokens)
-        return cls(msg.req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new, priority=msg.priority)
+        req = cls(msg.req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new, priority=msg.priority)
+        if params.thinking_token_budget is not None:
+            req.thinking = ThinkingCount.of_prompt(params, req.prompt_ids)
+        return req
 
     @property
     def all_ids(self) -> list[int]:

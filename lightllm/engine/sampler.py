@@ -1,8 +1,8 @@
 """Turn logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded draws, log-probabilities.
 
 Order of operations for a sampled row: logit bias, penalties, allowed_token_ids and bans (stop tokens before
-min_tokens, bad words' last tokens; a row they would leave no token keeps its logits from before them) on the
-logits → divide by temperature → softmax → keep the
+min_tokens, bad words' last tokens; a row they would leave no token keeps its logits from before them), then a
+forced token (a spent thinking budget) on the logits → divide by temperature → softmax → keep the
 top_k most likely → keep the smallest prefix whose mass reaches top_p → drop tokens below min_p · max prob →
 renormalise. A greedy row (temperature 0) takes the argmax of the biased, penalised logits and draws no random
 number.
@@ -35,6 +35,8 @@ class RowContext:
     banned_ids: tuple[int, ...] = ()
     # with params.allowed_token_ids: [vocab] bool, True where a token may be taken (`allowed_mask`)
     allowed_mask: torch.Tensor | None = None
+    # the token this position must take (a thinking budget spent: the reasoning block's end), else None
+    forced_id: int | None = None
 
 
 def bad_word_bans(sequences: list[list[int]], output_ids: list[int], drafts: list[int]) -> set[int]:
@@ -83,6 +85,18 @@ def apply_allowed(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
         keep = torch.nn.functional.pad(keep, (0, vocab - keep.shape[1]), value=False)
         index = list_to_device(limited, torch.long, logits.device)
         logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    return logits
+
+
+def apply_forced(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+    """In place on `logits` [N, V]: a row with a forced token keeps that token alone, at a finite logit whatever
+    masked it (the force is the last word on the position)."""
+    forced = [(i, row.forced_id) for i, row in enumerate(rows) if row.forced_id is not None]
+    if forced:
+        index = list_to_device([i for i, _ in forced], torch.long, logits.device)
+        tokens = list_to_device([t for _, t in forced], torch.long, logits.device)
+        logits[index] = float("-inf")
+        logits[index, tokens] = 0.0
     return logits
 
 
@@ -179,6 +193,7 @@ class Sampler:
             # a ban yields where it would leave nothing (a grammar or allowed_token_ids allowing only banned tokens):
             # a distribution of all -inf has no sample (its softmax is NaN)
             logits = torch.where(torch.isfinite(logits.amax(dim=-1, keepdim=True)), logits, unbanned)
+        logits = apply_forced(logits, rows)
         device = logits.device
         temps = list_to_device([p.params.temperature or 1.0 for p in rows], torch.float32, device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)

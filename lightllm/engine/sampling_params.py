@@ -90,7 +90,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     let the output end early). `bad_words` (vLLM's) are words the output never ends with: the front-end tokenizes
     each, with and without a leading space, into `bad_words_token_ids`, and a sequence's last token is banned
     wherever the output so far ends with the rest of it. A ban that would leave a position no token at all (a
-    grammar allowing only banned tokens) yields at that position.
+    grammar allowing only banned tokens) yields at that position. `thinking_token_budget` caps the tokens inside a
+    reasoning block (`think_open_token` ... `think_end_token`, filled by the front-end): once spent, the end token
+    is forced.
     """
 
     n: int = 1
@@ -121,6 +123,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # vLLM's offline form of a constraint, which the offline `LLM` compiles into `grammar`; the engine never sees it
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: at most this many tokens inside a reasoning block, then its end token is forced (engine/thinking_budget.py)
+    thinking_token_budget: int | None = None
+    # the reasoning block's open and end token ids, which the front-end (HTTP, `LLM`) fills beside a budget
+    think_open_token: int | None = None
+    think_end_token: int | None = None
     # words as the client sent them; what the engine reads is their tokenization in bad_words_token_ids
     bad_words: list[str] = msgspec.field(default_factory=list)
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
@@ -139,9 +146,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     @property
     def needs_output_history(self) -> bool:
         """A token's distribution depends on the output before it (penalties count it, min_tokens its length, a
-        bad word of several tokens its end): a step cannot be launched before its predecessor's tokens are on the
+        bad word of several tokens its end, a thinking budget its reasoning): a step cannot be launched before its predecessor's tokens are on the
         host."""
-        return self.has_penalties or self.min_tokens > 0 or any(len(s) > 1 for s in self.bad_words_token_ids)
+        return (
+            self.has_penalties
+            or self.min_tokens > 0
+            or any(len(s) > 1 for s in self.bad_words_token_ids)
+            or self.thinking_token_budget is not None
+        )
 
     @property
     def takes_raw_argmax(self) -> bool:
@@ -165,6 +177,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             return f"allowed_token_ids must be in [0, {vocab_size})", "allowed_token_ids"
         if any(t >= vocab_size for seq in self.bad_words_token_ids for t in seq):
             return f"bad_words_token_ids must be in [0, {vocab_size})", "bad_words_token_ids"
+        if self.thinking_token_budget is not None and not (
+            self.think_end_token is not None and self.think_end_token < vocab_size
+        ):
+            return (
+                "thinking_token_budget: the reasoning block's end token (think_end_token) is not in the vocabulary",
+                ("thinking_token_budget"),
+            )
         return None
 
     def validate(self) -> None:
@@ -282,6 +301,21 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 ),
                 f"must be at most {2 * MAX_BAD_WORDS} sequences of 1 to {MAX_BAD_WORD_TOKENS} token ids in "
                 f"[0, {MAX_INT}]",
+            ),
+            (
+                "thinking_token_budget",
+                self.thinking_token_budget is None or _is_int(self.thinking_token_budget, 0, MAX_INT),
+                f"must be an integer in [0, {MAX_INT}]",
+            ),
+            (
+                "think_open_token",
+                self.think_open_token is None or _is_int(self.think_open_token, 0, MAX_INT),
+                f"must be a token id in [0, {MAX_INT}]",
+            ),
+            (
+                "think_end_token",
+                self.think_end_token is None or _is_int(self.think_end_token, 0, MAX_INT),
+                f"must be a token id in [0, {MAX_INT}]",
             ),
             (
                 "grammar_start_token",

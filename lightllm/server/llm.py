@@ -18,7 +18,6 @@ import msgspec
 from lightllm.engine.messages import MAX_PRIORITY, MIN_PRIORITY, Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
-from lightllm.server.bad_words import with_bad_words
 from lightllm.server.collector import quiet_garbage_collector
 from lightllm.server.engine_process import build_engine
 from lightllm.server.http.schema_base import RequestError
@@ -26,6 +25,7 @@ from lightllm.server.http.structured import constrained, offline_grammar, opens_
 from lightllm.server.llm_lifecycle import ProcessSettings, release_engine
 from lightllm.server.output import PromptLogprobs, SequenceOutput, default_length, prompt_problem
 from lightllm.server.runner_factory import DEFAULT_RUNNER_FACTORY
+from lightllm.server.token_fields import with_token_fields
 from lightllm.server.tokenizer import Tokenizer, opening_problem
 
 
@@ -128,7 +128,7 @@ class LLM:
             params = msgspec.structs.replace(params, max_tokens=None)
         # params may have been changed since they were built: checked again before anything reads them
         params.validate()
-        params = with_bad_words(self._compile_constraint(params), self.tokenizer)
+        params = with_token_fields(self._compile_constraint(params), self.tokenizer)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         priority = self._priorities(priority, len(prompts))

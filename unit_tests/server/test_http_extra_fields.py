@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from lightllm.server.http.extra_fields import REFUSED
+from unit_tests.engine.fake_runner import FakeRunner
 from unit_tests.server.live_server import (
     FAKE_RUNNER,
     LiveServer,
@@ -35,7 +36,6 @@ ASKING = {
     "audio": ({"voice": "alloy", "format": "wav"}, None),
     "modalities": (["text", "audio"], ["text"]),
     "truncation_side": ("right", "left"),
-    "thinking_token_budget": (64, None),
     "repetition_detection": ({"max_pattern_size": 4}, None),
     "logprob_token_ids": ([3], None),
     "watermarking": (True, False),
@@ -213,6 +213,38 @@ def test_include_reasoning_false_leaves_the_reasoning_out(thinking_server, strea
     assert reasoning, "the template opens a reasoning block: the fake model's output is reasoning"
     assert reasoning_and_content(hidden, stream) == ("", content)
     assert "reasoning_content" not in (hidden.text if stream else json.dumps(hidden.json()["choices"][0]["message"]))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_thinking_token_budget_forces_the_reasoning_end(thinking_server, stream):
+    """The template opens a reasoning block: with a budget of 3 the fake model's greedy output has </think> forced
+    as its fourth token and goes on from there (token ids read back through return_tokens_as_token_ids), the
+    reasoning holds three tokens and the rest is content. Twin: without the budget the fourth token is the model's."""
+    s = thinking_server
+    runner = FakeRunner(s.info.vocab_size)
+    prompt = s.tokenizer.encode_chat(MESSAGES, add_generation_prompt=True)
+    end = s.tokenizer.encode_rendered("</think>")
+    assert len(end) == 1
+    forced = runner.greedy(prompt, 3) + end
+    forced += runner.greedy(prompt + forced, 12 - len(forced))
+    plain = runner.greedy(prompt, 12)
+    assert plain[3] != end[0]
+    body = {"model": s.model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body |= {"logprobs": True, "return_tokens_as_token_ids": True, "stream": stream}
+    for budget, expected in ((3, forced), (None, plain)):
+        fields = {} if budget is None else {"thinking_token_budget": budget}
+        r = httpx.post(f"{s.base_url}/v1/chat/completions", json=body | fields, timeout=60)
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            entries = [
+                e for c in chunks for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]
+            ]
+        else:
+            entries = r.json()["choices"][0]["logprobs"]["content"]
+        assert [e["token"] for e in entries] == [f"token_id:{t}" for t in expected]
+    split = httpx.post(f"{s.base_url}/v1/chat/completions", json=body | {"thinking_token_budget": 3}, timeout=60)
+    assert reasoning_and_content(split, stream) == (s.tokenizer.decode(forced[:3]), s.tokenizer.decode(forced[4:]))
 
 
 def _text(r: httpx.Response, route: str) -> str:

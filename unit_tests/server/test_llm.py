@@ -185,3 +185,18 @@ def test_bad_words_and_allowed_token_ids_offline_as_over_http(llm):
         llm.generate("x", SamplingParams(allowed_token_ids=[3], structured_outputs=StructuredOutputsParams(regex="a")))
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=[" "])
+
+
+def test_thinking_token_budget_offline_fills_the_reasoning_tokens(llm):
+    """A prompt ending inside a reasoning block: with a budget of 2 the fake model's greedy output takes the
+    tokenizer's </think> third (twin: without the budget its own third token)."""
+    think, end = llm.tokenizer.encode_rendered("<think>"), llm.tokenizer.encode_rendered("</think>")
+    prompt = [5, 6] + think
+    params = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    runner = FakeRunner(llm.info.vocab_size)
+    expected = runner.greedy(prompt, 2) + end
+    expected += runner.greedy(prompt + expected, 6 - len(expected))
+    out = llm.generate([prompt], SamplingParams(thinking_token_budget=2, **params))[0].outputs[0]
+    assert out.token_ids == expected
+    free = llm.generate([prompt], SamplingParams(**params))[0].outputs[0]
+    assert free.token_ids == runner.greedy(prompt, 6) != expected

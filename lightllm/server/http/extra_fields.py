@@ -30,7 +30,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "audio": ((), "not supported: the models served here take and write text only"),
     "modalities": ((["text"],), "only text output is supported"),
     "truncation_side": (("left",), "only left is supported (truncate_prompt_tokens keeps the prompt's end)"),
-    "thinking_token_budget": ((), "not supported; switch thinking off with reasoning_effort none"),
     "repetition_detection": ((), "not supported; use repetition_penalty"),
     "logprob_token_ids": ((), "not supported; logprobs / top_logprobs return the most likely tokens"),
     "watermarking": ((False,), "not supported"),

@@ -13,7 +13,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from lightllm.engine.sampling_params import SamplingParams, SamplingParamsError
-from lightllm.server.bad_words import with_bad_words
 from lightllm.server.http.logprobs import (
     TextOffsets,
     completion_logprobs,
@@ -26,6 +25,7 @@ from lightllm.server.http.schema_base import RequestError
 from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend, Sequence
 from lightllm.server.http.structured import completion_grammar, constrained
 from lightllm.server.output import Delta, PromptLogprobs, truncated
+from lightllm.server.token_fields import with_token_fields
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -145,7 +145,7 @@ async def _guarded(events: AsyncIterator[bytes], stream: AsyncIterator, error_en
 def _params(body: ChatCompletionRequest | CompletionRequest, fe: Frontend) -> SamplingParams:
     fe.check_priority(body.priority)
     try:
-        return with_bad_words(body.to_sampling_params(fe.sampling_defaults), fe.tokenizer)
+        return with_token_fields(body.to_sampling_params(fe.sampling_defaults), fe.tokenizer)
     except SamplingParamsError as exc:
         raise ApiError(400, str(exc), exc.field) from None
     except RequestError as exc:

@@ -145,6 +145,12 @@ class _SamplingFields(StrictModel):
         le=MAX_INT,
         description="keep only the prompt's last this many tokens; -1: as many as leave room for max_tokens (vLLM's)",
     )
+    thinking_token_budget: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_INT,
+        description="vLLM's: at most this many tokens inside a reasoning block; then the model's </think> is forced",
+    )
     priority: int = Field(
         0,
         ge=MIN_PRIORITY,
@@ -297,6 +303,7 @@ class _SamplingFields(StrictModel):
                 logit_bias=dict(self.logit_bias or {}),
                 allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
                 bad_words=list(self.bad_words or []),
+                thinking_token_budget=self.thinking_token_budget,
                 **knobs,
             )
         except SamplingParamsError as exc:
