@@ -44,14 +44,17 @@ def default_length(
     return msgspec.structs.replace(params, max_tokens=max(min(default, room), params.min_tokens, 1))
 
 
-def truncated(ids: list[int], keep: int | None, max_tokens: int | None, max_req_total_len: int) -> list[int]:
-    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: as many as leave room for `max_tokens`,
-    the request's or the model's default, which the caller checked is set); the prompt as it is without `keep`."""
+def truncated(
+    ids: list[int], keep: int | None, max_tokens: int | None, max_req_total_len: int, side: str = "left"
+) -> list[int]:
+    """The prompt's last `keep` tokens, or its first with `side` "right" (vLLM's truncate_prompt_tokens and
+    truncation_side; -1: as many as leave room for `max_tokens`, the request's or the model's default, which the
+    caller checked is set); the prompt as it is without `keep`."""
     if keep is None:
         return ids
     if keep == -1:
         keep = max(1, max_req_total_len - max_tokens)
-    return ids[-keep:]
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 # per prompt token: (logprob, [(alt_id, logprob), ...]) given the tokens before it; None for the first token

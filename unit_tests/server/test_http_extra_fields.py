@@ -35,7 +35,6 @@ ASKING = {
     "prediction": ({"type": "content", "content": "x"}, None),
     "audio": ({"voice": "alloy", "format": "wav"}, None),
     "modalities": (["text", "audio"], ["text"]),
-    "truncation_side": ("right", "left"),
     "repetition_detection": ({"max_pattern_size": 4}, None),
     "logprob_token_ids": ([3], None),
     "watermarking": (True, False),
@@ -245,6 +244,23 @@ def test_thinking_token_budget_forces_the_reasoning_end(thinking_server, stream)
         assert [e["token"] for e in entries] == [f"token_id:{t}" for t in expected]
     split = httpx.post(f"{s.base_url}/v1/chat/completions", json=body | {"thinking_token_budget": 3}, timeout=60)
     assert reasoning_and_content(split, stream) == (s.tokenizer.decode(forced[:3]), s.tokenizer.decode(forced[4:]))
+
+
+def test_truncation_side_right_keeps_the_prompts_start(server, prompts_sent):
+    """truncation_side right: the engine reads the first k prompt tokens (text, token ids, rendered chat) and an
+    echo repeats them; left (the default) the last k. A side that is neither gets 400 naming it."""
+    tok = server.tokenizer
+    text = "one two three four five six seven eight nine ten"
+    ids = tok.encode(text)
+    r = _post(server, "completions", prompt=text, truncate_prompt_tokens=4, truncation_side="right", echo=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith(tok.decode(ids[:4], skip_special_tokens=False))
+    rendered = tok.encode_rendered(tok.render_chat(MESSAGES))
+    for side in ("right", "left"):
+        assert _post(server, "chat/completions", truncate_prompt_tokens=6, truncation_side=side).status_code == 200
+    assert prompts_sent == [ids[:4], rendered[:6], rendered[-6:]]
+    r = _post(server, "completions", truncate_prompt_tokens=4, truncation_side="middle")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncation_side", r.text
 
 
 def _text(r: httpx.Response, route: str) -> str:

@@ -226,7 +226,9 @@ async def start_chat(fe: Frontend, body: ChatCompletionRequest, request: Request
     prompt_ids = await fe.encode_chat(messages, body.chat_template, kwargs, body.add_special_tokens, **opening)
     full_len = len(prompt_ids)
     answer_length = params.max_tokens or fe.sampling_defaults.get("max_tokens")
-    prompt_ids = truncated(prompt_ids, body.truncate_prompt_tokens, answer_length, fe.args.max_req_total_len)
+    prompt_ids = truncated(
+        prompt_ids, body.truncate_prompt_tokens, answer_length, fe.args.max_req_total_len, body.truncation_side
+    )
     fe.check_prompt(prompt_ids, params, "messages")
     params = default_length(prompt_ids, params, fe.sampling_defaults.get("max_tokens"), fe.args.max_req_total_len)
     out.starts_in_reasoning = opens_reasoning(fe.tokenizer, prompt_ids) or _continues_reasoning(body)

@@ -29,7 +29,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prediction": ((), "predicted outputs are not supported"),
     "audio": ((), "not supported: the models served here take and write text only"),
     "modalities": ((["text"],), "only text output is supported"),
-    "truncation_side": (("left",), "only left is supported (truncate_prompt_tokens keeps the prompt's end)"),
     "repetition_detection": ((), "not supported; use repetition_penalty"),
     "logprob_token_ids": ((), "not supported; logprobs / top_logprobs return the most likely tokens"),
     "watermarking": ((False,), "not supported"),

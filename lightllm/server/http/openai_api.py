@@ -181,7 +181,7 @@ async def completions(body: CompletionRequest, request: Request):
         fe.check_capacity(len(prompts) * params.n, "prompt")
     if body.truncate_prompt_tokens is not None:
         keep, total = body.truncate_prompt_tokens, fe.args.max_req_total_len
-        prompts = [truncated(p, keep, params.max_tokens, total) for p in prompts]
+        prompts = [truncated(p, keep, params.max_tokens, total, body.truncation_side) for p in prompts]
         # an echo repeats the prompt the engine read
         texts = None
     # token ids are checked before anything decodes them

@@ -160,6 +160,9 @@ class _SamplingFields(StrictModel):
     return_tokens_as_token_ids: bool = Field(
         False, description="vLLM's: logprobs name each token `token_id:{id}` instead of its text"
     )
+    truncation_side: Literal["left", "right"] = Field(
+        "left", description="vLLM's: truncate_prompt_tokens keeps the prompt's end (left) or its start (right)"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     structured_outputs: StructuredOutputs | None = Field(
