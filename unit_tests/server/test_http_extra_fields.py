@@ -246,6 +246,28 @@ def test_thinking_token_budget_forces_the_reasoning_end(thinking_server, stream)
     assert reasoning_and_content(split, stream) == (s.tokenizer.decode(forced[:3]), s.tokenizer.decode(forced[4:]))
 
 
+def test_thinking_budget_then_a_grammar(thinking_server):
+    """A budget of 2 with a JSON schema: two reasoning tokens, the forced </think>, then output the schema parses
+    (the grammar starts at the forced end, as at the model's own)."""
+    s = thinking_server
+    schema = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 2, 3]}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    body = {"model": s.model, "messages": MESSAGES, "max_tokens": 48, "seed": 3, "thinking_token_budget": 2}
+    body |= {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}
+    body |= {"logprobs": True, "return_tokens_as_token_ids": True}
+    r = httpx.post(f"{s.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    tokens = [int(e["token"].split(":")[1]) for e in choice["logprobs"]["content"]]
+    assert tokens[2] == s.tokenizer.encode_rendered("</think>")[0]
+    assert choice["message"]["reasoning_content"] == s.tokenizer.decode(tokens[:2])
+    assert json.loads(choice["message"]["content"])["n"] in (1, 2, 3) and choice["finish_reason"] == "stop"
+
+
 def test_truncation_side_right_keeps_the_prompts_start(server, prompts_sent):
     """truncation_side right: the engine reads the first k prompt tokens (text, token ids, rendered chat) and an
     echo repeats them; left (the default) the last k. A side that is neither gets 400 naming it."""
