@@ -24,7 +24,6 @@ ASKING = {
     "use_beam_search": (True, False),
     "length_penalty": (0.5, 1.0),
     "prompt_logprobs": (1, None),
-    "spaces_between_special_tokens": (False, True),
     "cache_salt": ("tenant-a", None),
     "guided_whitespace_pattern": (" ", None),
     "logits_processors": (["pkg.proc"], []),
@@ -244,6 +243,25 @@ def test_thinking_token_budget_forces_the_reasoning_end(thinking_server, stream)
         assert [e["token"] for e in entries] == [f"token_id:{t}" for t in expected]
     split = httpx.post(f"{s.base_url}/v1/chat/completions", json=body | {"thinking_token_budget": 3}, timeout=60)
     assert reasoning_and_content(split, stream) == (s.tokenizer.decode(forced[:3]), s.tokenizer.decode(forced[4:]))
+
+
+def test_spaces_between_special_tokens_is_accepted_either_way(server):
+    """Both values give the same text (the fast tokenizer joins special tokens as they are); a non-boolean is 400."""
+    texts = []
+    for value in (True, False):
+        r = _post(
+            server,
+            "completions",
+            prompt="Name a prime.",
+            seed=4,
+            skip_special_tokens=False,
+            spaces_between_special_tokens=value,
+        )
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]
+    r = _post(server, "completions", spaces_between_special_tokens="no")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spaces_between_special_tokens"
 
 
 def test_thinking_budget_then_a_grammar(thinking_server):

@@ -139,6 +139,8 @@ class _SamplingFields(StrictModel):
         0, ge=0, le=MAX_INT, description="no stop token or stop string ends the first this many tokens"
     )
     skip_special_tokens: bool = True
+    # vLLM's; a no-op there too for the fast tokenizers served here, which join special tokens without spaces
+    spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(
         None,
         ge=-1,
