@@ -30,6 +30,9 @@ MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 64
 
 
+TOKEN_ID_RANGE = f"must be a token id in [0, {MAX_INT}]"
+
+
 class SamplingParamsError(ValueError):
     """A field out of range or of the wrong type; `field` names it."""
 
@@ -307,20 +310,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 self.thinking_token_budget is None or _is_int(self.thinking_token_budget, 0, MAX_INT),
                 f"must be an integer in [0, {MAX_INT}]",
             ),
-            (
-                "think_open_token",
-                self.think_open_token is None or _is_int(self.think_open_token, 0, MAX_INT),
-                f"must be a token id in [0, {MAX_INT}]",
-            ),
-            (
-                "think_end_token",
-                self.think_end_token is None or _is_int(self.think_end_token, 0, MAX_INT),
-                f"must be a token id in [0, {MAX_INT}]",
-            ),
-            (
-                "grammar_start_token",
-                self.grammar_start_token is None or _is_int(self.grammar_start_token, 0, MAX_INT),
-                f"must be a token id in [0, {MAX_INT}]",
+            *(
+                (name, getattr(self, name) is None or _is_int(getattr(self, name), 0, MAX_INT), TOKEN_ID_RANGE)
+                for name in ("think_open_token", "think_end_token", "grammar_start_token")
             ),
         ]
         for name, ok, reason in checks:

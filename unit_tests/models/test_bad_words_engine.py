@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lightllm.engine import sampler
-from lightllm.engine.messages import NewRequest, TokenChunk
+from lightllm.engine.messages import NewRequest
 from lightllm.engine.sampling_params import SamplingParams
 from unit_tests.models.conftest import case_oracle
-from unit_tests.models.test_device_drafts_engine import _engine
+from unit_tests.models.test_device_drafts_engine import _engine, engine_tokens
 
 CASE = "qwen3_5-hv2"
 LIMITED, BANNED, PLAIN = [5, 6, 7, 8, 9], [4, 4, 2, 8, 1], [3, 1, 4, 1, 5, 9, 2, 6]
@@ -70,15 +70,13 @@ def run(mode: str, mtp_step: int, allowed, bad, graphs: bool = True, device: str
         "banned": (BANNED, dict(bad_words_token_ids=[list(s) for s in bad])),
         "plain": (PLAIN, {}),
     }
-    for rid, (prompt, extra) in rules.items():
-        params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, **extra)
-        assert engine.add_request(NewRequest(rid, prompt, params)) == []
-    out = {rid: [] for rid in rules}
-    while engine.has_work():
-        for o in engine.step():
-            if isinstance(o, TokenChunk):
-                out[o.req_id] += o.token_ids
-    return out
+    return engine_tokens(
+        engine,
+        {
+            rid: (prompt, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, **extra))
+            for rid, (prompt, extra) in rules.items()
+        },
+    )
 
 
 # compact differs from native only under speculation (the server refuses it without)
@@ -109,10 +107,7 @@ def test_sampled_rows_draw_only_allowed_tokens():
         engine = _engine("replay", 0, fixed_buffers=True)
         engine.overlap_schedule = True
         params = SamplingParams(temperature=1.5, seed=7, max_tokens=24, ignore_eos=True, **extra)
-        assert engine.add_request(NewRequest(name, LIMITED, params)) == []
-        tokens[name] = []
-        while engine.has_work():
-            tokens[name] += [t for o in engine.step() if isinstance(o, TokenChunk) for t in o.token_ids]
+        tokens |= engine_tokens(engine, {name: (LIMITED, params)})
     assert len(tokens["limited"]) == 24 and set(tokens["limited"]) <= set(allowed)
     assert len(set(tokens["limited"])) > 1, "sampled, not pinned to one token"
     assert not set(tokens["free"]) <= set(allowed)

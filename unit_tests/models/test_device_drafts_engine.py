@@ -125,6 +125,18 @@ def drive(engine, stop_ids: dict[str, list[int]], abort: bool = True, requests=R
     return tokens, logprobs, {rid: (f.reason, f.num_output_tokens) for rid, f in finished.items()}, chunks
 
 
+def engine_tokens(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """Submit `requests` (id: prompt, params), each accepted, and step the engine until idle: each one's tokens."""
+    for rid, (prompt, params) in requests.items():
+        assert engine.add_request(NewRequest(rid, prompt, params)) == []
+    out = {rid: [] for rid in requests}
+    while engine.has_work():
+        for o in engine.step():
+            if isinstance(o, TokenChunk):
+                out[o.req_id] += o.token_ids
+    return out
+
+
 def greedy_continuations(
     device: str = "cpu", requests=REQUESTS, num_tokens: int = NUM_REFERENCE_TOKENS, stop_at: int = STOP_AT
 ):

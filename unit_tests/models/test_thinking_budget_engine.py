@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from lightllm.engine import sampler
-from lightllm.engine.messages import NewRequest, TokenChunk
+from lightllm.engine.messages import NewRequest
 from lightllm.engine.sampling_params import SamplingParams
 from unit_tests.models.conftest import case_oracle
-from unit_tests.models.test_device_drafts_engine import _engine
+from unit_tests.models.test_device_drafts_engine import _engine, engine_tokens
 
 CASE = "qwen3_5-hv2"
 OPEN = 11
@@ -38,22 +38,15 @@ def reference():
 def run(mode: str, mtp_step: int, prompts, end: int, graphs: bool = True, device: str = "cpu"):
     engine = _engine(mode, mtp_step, fixed_buffers=graphs, device=device)
     engine.overlap_schedule = graphs
-    for rid, prompt in prompts.items():
-        params = SamplingParams(
-            temperature=0,
-            max_tokens=NUM_TOKENS,
-            ignore_eos=True,
-            thinking_token_budget=BUDGET,
-            think_open_token=OPEN,
-            think_end_token=end,
-        )
-        assert engine.add_request(NewRequest(rid, prompt, params)) == []
-    out = {rid: [] for rid in prompts}
-    while engine.has_work():
-        for o in engine.step():
-            if isinstance(o, TokenChunk):
-                out[o.req_id] += o.token_ids
-    return out
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=NUM_TOKENS,
+        ignore_eos=True,
+        thinking_token_budget=BUDGET,
+        think_open_token=OPEN,
+        think_end_token=end,
+    )
+    return engine_tokens(engine, {rid: (prompt, params) for rid, prompt in prompts.items()})
 
 
 @pytest.mark.parametrize("mode, mtp_step", [("native", 0), ("replay", 0), ("native", 2), ("compact", 2), ("replay", 2)])

@@ -33,6 +33,12 @@ def fake_checkpoint(folder: Path, **fake_config) -> str:
     return str(model_dir)
 
 
+def slow_server(folder: Path, **flags) -> LiveServer:
+    """The fake runner on the CPU with every step slowed to 20 ms, so requests stay in flight long enough for a test
+    to act on them (fill the queue, send another request beside them)."""
+    return LiveServer(model_dir=fake_checkpoint(folder, fake_step_delay_s=0.02), device="cpu", **flags)
+
+
 def reasoning_and_content(r, stream: bool) -> tuple[str, str]:
     """A chat response's first choice as (reasoning_content, content), from JSON or joined from its SSE deltas."""
     if not stream:

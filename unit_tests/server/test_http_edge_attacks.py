@@ -20,7 +20,7 @@ import pytest
 
 from lightllm.server.http.edge import json_items
 from lightllm.server.http.protocol import CompletionRequest
-from unit_tests.server.live_server import LiveServer, fake_checkpoint
+from unit_tests.server.live_server import LiveServer, slow_server
 
 KEY = "edge-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -33,10 +33,8 @@ HEALTH_P90_S, HEALTH_MAX_S = 0.05, 0.2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = fake_checkpoint(tmp_path_factory.mktemp("slow"), fake_step_delay_s=0.02)
-    s = LiveServer(
-        model_dir=model_dir,
-        device="cpu",
+    s = slow_server(
+        tmp_path_factory.mktemp("slow"),
         max_running_requests=MAX_RUNNING,
         max_queue_len=MAX_QUEUE,
         max_total_token_num=2048,

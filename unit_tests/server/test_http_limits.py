@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from unit_tests.server.conftest import scrape, wait_for
-from unit_tests.server.live_server import LiveServer, fake_checkpoint
+from unit_tests.server.live_server import slow_server
 
 KEY = "test-key-123"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -21,10 +21,8 @@ BODY_CAP = 4096
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # slow steps keep requests in flight long enough to fill the queue
-    model_dir = fake_checkpoint(tmp_path_factory.mktemp("slow"), fake_step_delay_s=0.02)
-    s = LiveServer(
-        model_dir=model_dir,
-        device="cpu",
+    s = slow_server(
+        tmp_path_factory.mktemp("slow"),
         max_running_requests=2,
         max_total_token_num=1024,
         max_queue_len=1,

@@ -14,20 +14,15 @@ import pytest
 
 from lightllm import LLM, SamplingParams
 from unit_tests.engine.fake_runner import FakeRunner
-from unit_tests.server.live_server import FAKE_RUNNER, LiveServer, fake_checkpoint
+from unit_tests.server.live_server import FAKE_RUNNER, LiveServer, slow_server
 
 LONG, SHORT = 80, 4
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = fake_checkpoint(tmp_path_factory.mktemp("slow"), fake_step_delay_s=0.02)
-    s = LiveServer(
-        model_dir=model_dir,
-        device="cpu",
-        max_running_requests=1,
-        max_total_token_num=1024,
-        scheduling_policy="priority",
+    s = slow_server(
+        tmp_path_factory.mktemp("slow"), max_running_requests=1, max_total_token_num=1024, scheduling_policy="priority"
     )
     yield s
     s.close()
