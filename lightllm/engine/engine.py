@@ -29,7 +29,14 @@ from lightllm.engine.messages import (
 from lightllm.engine.overlap import OverlapScheduler, chained_plan
 from lightllm.engine.publish_queue import PublishQueue
 from lightllm.engine.request import Request, Status
-from lightllm.engine.sampler import RowContext, Sampler, allowed_mask, bad_word_bans, compute_logprobs
+from lightllm.engine.sampler import (
+    RowContext,
+    Sampler,
+    allowed_mask,
+    bad_word_bans,
+    compute_logprobs,
+    token_ranks,
+)
 from lightllm.engine.scheduler import SchedulePlan, Scheduler
 from lightllm.engine.speculative import create_speculator
 from lightllm.engine.speculative.acceptance import SimulatedAcceptance
@@ -419,15 +426,16 @@ class Engine:
             # positions the runner never computed here (resumed, not prefilled) stay unscored: null entries
             req.prompt_logprobs += [None] * (start - done)
             req.prompt_top_logprobs += [None] * (start - done)
+            req.prompt_ranks += [None] * (start - done)
             done = start
         end = min(start + logits.shape[0], len(req.prompt_ids) - 1)
         if end <= done:
             return
-        lps, tops = compute_logprobs(
-            logits[done - start : end - start], req.prompt_ids[done + 1 : end + 1], req.params.prompt_logprobs
-        )
+        rows, scored = logits[done - start : end - start], req.prompt_ids[done + 1 : end + 1]
+        lps, tops = compute_logprobs(rows, scored, req.params.prompt_logprobs)
         req.prompt_logprobs += lps
         req.prompt_top_logprobs += tops
+        req.prompt_ranks += token_ranks(rows, scored)
 
     def _verify(
         self, windows: list[tuple[Request, int, int, list[int]]], logits: torch.Tensor
@@ -539,7 +547,8 @@ class Engine:
             missing = [None] * (len(req.prompt_ids) - 1 - len(req.prompt_logprobs))
             chunk.prompt_logprobs = [None, *req.prompt_logprobs, *missing]
             chunk.prompt_top_logprobs = [None, *req.prompt_top_logprobs, *missing]
-            req.prompt_logprobs, req.prompt_top_logprobs = [], []
+            chunk.prompt_ranks = [None, *req.prompt_ranks, *missing]
+            req.prompt_logprobs, req.prompt_top_logprobs, req.prompt_ranks = [], [], []
         outputs: list[EngineOutput] = [chunk]
         if grammar_error is not None:
             return outputs + self.finish(req, "error", error=grammar_error)

@@ -48,6 +48,8 @@ class TokenChunk(msgspec.Struct, tag=True):
     # tokens before it, and the most likely alternatives there (both None for the first prompt token)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # and each prompt token's rank among the vocabulary there (1: the most likely)
+    prompt_ranks: list[int | None] | None = None
     # on a request's first chunk only: prompt tokens resumed from the prefix cache (not recomputed)
     num_cached_tokens: int | None = None
 

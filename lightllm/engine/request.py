@@ -41,6 +41,8 @@ class Request:
     # (and dropped) with the first token
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    # and each scored prompt token's rank (`sampler.token_ranks`)
+    prompt_ranks: list[int | None] = field(default_factory=list)
     # runner handle while RUNNING (state slot + KV row), None otherwise
     handle: int | None = None
     # tokens of `all_ids` already in the runner's KV cache / linear state

@@ -268,3 +268,11 @@ def compute_logprobs(
         values, indices = torch.topk(logp, num_top, dim=-1)
         tops = [list(zip(idx.tolist(), val.tolist())) for idx, val in zip(indices, values)]
     return chosen.tolist(), tops
+
+
+def token_ranks(logits: torch.Tensor, token_ids: list[int]) -> list[int]:
+    """Each of `token_ids`' rank in its row of `logits` [N, V] (vLLM's: 1 for the most likely; tokens as likely as
+    it count ahead of it). Read on the logits: log_softmax keeps a row's order."""
+    rows = logits.float()
+    chosen = rows[torch.arange(len(token_ids), device=rows.device), list_to_device(token_ids, torch.long, rows.device)]
+    return (rows >= chosen[:, None]).sum(dim=-1).tolist()

@@ -50,6 +50,8 @@ class RequestOutput:
     # when SamplingParams.prompt_logprobs was set: per prompt token (logprob, [(token_id, logprob), ...]) given the
     # tokens before it; None for the first token
     prompt_logprobs: PromptLogprobs | None = None
+    # and each prompt token's rank among the vocabulary there (1: the most likely; None for the first token)
+    prompt_ranks: list[int | None] | None = None
 
 
 class LLM:
@@ -179,6 +181,7 @@ class LLM:
             result.num_cached_tokens = seqs[f"{base}-{p}-0"].num_cached_tokens
             if params.prompt_logprobs is not None:
                 result.prompt_logprobs = seqs[f"{base}-{p}-0"].prompt_logprobs
+                result.prompt_ranks = seqs[f"{base}-{p}-0"].prompt_ranks
             for j in range(params.n):
                 out = seqs[f"{base}-{p}-{j}"]
                 logprobs = out.logprobs if params.logprobs is not None else None

@@ -86,6 +86,8 @@ class SequenceOutput:
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         # set by the first chunk when params.prompt_logprobs was asked for
         self.prompt_logprobs: PromptLogprobs | None = None
+        # and each prompt token's rank among the vocabulary given the tokens before it (None for the first)
+        self.prompt_ranks: list[int | None] | None = None
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         # prompt tokens the engine resumed from its prefix cache (from the first chunk)
@@ -109,6 +111,7 @@ class SequenceOutput:
             self.prompt_logprobs = [
                 None if lp is None else (lp, top or []) for lp, top in zip(chunk.prompt_logprobs, tops)
             ]
+            self.prompt_ranks = chunk.prompt_ranks or [None] * len(chunk.prompt_logprobs)
         if self.finished:
             return Delta()
         delta = Delta()

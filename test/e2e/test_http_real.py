@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightllm.tools.make_tiny_model import tiny_model_dir
+from unit_tests.helpers.asserts import ranks_match
 from unit_tests.server.conftest import scrape, wait_for
 from unit_tests.server.live_server import LiveServer
 from unit_tests.server.test_http_tools import NO_THINKING, TOOLS
@@ -103,11 +104,23 @@ def test_echo_logprobs_score_the_prompt_like_transformers(served):
     ids = server.tokenizer.encode(prompt)
     assert len(ids) > 16, "the prompt must span several prefill chunks (chunked_prefill_size=16)"
     r = _client(server).completions.create(
-        model=server.model, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=3
+        model=server.model,
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=3,
+        extra_body={"prompt_logprobs": 1},
     )
     lp = r.choices[0].logprobs
     logp = torch.log_softmax(oracle.prefill_logits(ids)[0], dim=-1)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    # vLLM's prompt_logprobs beside the echo: each token's rank there, and the most likely token ranked 1
+    ranked = r.choices[0].model_extra["prompt_logprobs"]
+    assert ranked[0] is None and len(ranked) == len(ids)
+    ranks = [None] + [entry[str(t)]["rank"] for entry, t in zip(ranked[1:], ids[1:])]
+    assert ranks_match(ranks, ids, logp) and not ranks_match(ranks, ids, logp, shift=1)
+    assert all(entry[str(int(row.argmax()))]["rank"] == 1 for entry, row in zip(ranked[1:], logp))
 
     def error(shift: int) -> float:
         rows = logp[torch.arange(len(ids) - 1) + shift]

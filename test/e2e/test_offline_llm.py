@@ -6,6 +6,7 @@ import torch
 
 from lightllm import LLM, SamplingParams
 from lightllm.tools.make_tiny_model import tiny_model_dir
+from unit_tests.helpers.asserts import ranks_match
 
 
 def test_llm_generate_matches_transformers(hf_oracle):
@@ -89,5 +90,7 @@ def test_llm_prompt_logprobs_match_transformers(hf_oracle):
         assert _prompt_logprob_error(out.prompt_logprobs, prompt, logp, 4) < 1e-4
         # twin: the same entries against the logits one position later
         assert _prompt_logprob_error(out.prompt_logprobs, prompt, logp, 4, shift=1) > 1e-2
+        assert ranks_match(out.prompt_ranks, prompt, logp)
+        assert not ranks_match(out.prompt_ranks, prompt, logp, shift=1)
         assert out.outputs[0].token_ids == out.outputs[1].token_ids == oracle.greedy(prompt, 3)
     assert first.prompt_logprobs is None

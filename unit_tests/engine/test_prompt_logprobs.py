@@ -16,25 +16,29 @@ from unit_tests.engine.helpers import make_engine
 NUM_TOP = 3
 
 
-def _reference(prompt: list[int], shift: int = 0) -> list[tuple[float, list[int]] | None]:
-    """Per prompt position p >= 1: log_softmax of the fake model's logits after prompt[:p] at prompt[p], and the
-    top NUM_TOP ids there; `shift` scores token p with the logits after prompt[:p + shift] instead."""
+def _reference(prompt: list[int], shift: int = 0) -> list[tuple[float, list[int], int] | None]:
+    """Per prompt position p >= 1: log_softmax of the fake model's logits after prompt[:p] at prompt[p], the top
+    NUM_TOP ids there and prompt[p]'s place in the descending sort (1-based); `shift` scores token p with the logits
+    after prompt[:p + shift] instead."""
     ref = FakeRunner()
-    entries: list[tuple[float, list[int]] | None] = [None]
+    entries: list[tuple[float, list[int], int] | None] = [None]
     for p in range(1, len(prompt)):
         logp = torch.log_softmax(ref.next_logits(prompt[: min(p + shift, len(prompt))]), dim=-1)
-        entries.append((float(logp[prompt[p]]), torch.topk(logp, NUM_TOP).indices.tolist()))
+        rank = torch.argsort(logp, descending=True).tolist().index(prompt[p]) + 1
+        entries.append((float(logp[prompt[p]]), torch.topk(logp, NUM_TOP).indices.tolist(), rank))
     return entries
 
 
 def _max_error(chunk: TokenChunk, prompt: list[int], shift: int = 0) -> float:
-    """Largest gap between the chunk's prompt log-probabilities and the reference; inf if the top ids differ."""
+    """Largest gap between the chunk's prompt log-probabilities and the reference; inf if the top ids or a rank
+    differ."""
     worst = 0.0
-    for lp, top, expected in zip(chunk.prompt_logprobs, chunk.prompt_top_logprobs, _reference(prompt, shift)):
+    scored = zip(chunk.prompt_logprobs, chunk.prompt_top_logprobs, chunk.prompt_ranks, _reference(prompt, shift))
+    for lp, top, rank, expected in scored:
         if expected is None:
-            assert lp is None and top is None
+            assert lp is None and top is None and rank is None
             continue
-        if [t for t, _ in top] != expected[1]:
+        if [t for t, _ in top] != expected[1] or rank != expected[2]:
             return float("inf")
         worst = max(worst, abs(lp - expected[0]))
     return worst

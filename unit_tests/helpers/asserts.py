@@ -28,3 +28,17 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         return t.fill_(float("nan"))
     return t.fill_(torch.iinfo(t.dtype).min)
+
+
+def ranks_match(ranks, prompt: list[int], logp: torch.Tensor, shift: int = 0, tol: float = 1e-4) -> bool:
+    """Whether `ranks` (vLLM's prompt ranks: None, then 1 for the most likely) give each prompt token p's place
+    among `logp`'s row of position p - 1 + shift ([T, V] log-probabilities of a reference forward), up to the
+    tokens within `tol` of it (two forwards round apart)."""
+    if ranks[0] is not None or len(ranks) != len(prompt):
+        return False
+    for p in range(1, len(prompt)):
+        row = logp[min(p - 1 + shift, len(prompt) - 1)]
+        mine = row[prompt[p]]
+        if not int((row > mine + tol).sum()) + 1 <= ranks[p] <= int((row >= mine - tol).sum()):
+            return False
+    return True

@@ -148,6 +148,78 @@ def test_echo_with_logprobs_scores_the_prompt(server, client):
     assert plain.token_logprobs == lp.token_logprobs[n:]
 
 
+def _ranked_reference(server, ids: list[int], num_top: int, shift: int = 0) -> list[dict | None]:
+    """vLLM's prompt_logprobs for `ids` under the fake model (the logits one position later with `shift`): the rank is
+    the token's place in the descending sort."""
+    ref, tok = FakeRunner(server.info.vocab_size), server.tokenizer
+    out: list[dict | None] = [None]
+    for p in range(1, len(ids)):
+        logp = torch.log_softmax(ref.next_logits(ids[: min(p + shift, len(ids))]), dim=-1)
+        order = torch.argsort(logp, descending=True).tolist()
+        entry = {str(ids[p]): (float(logp[ids[p]]), order.index(ids[p]) + 1, tok.token_text(ids[p]))}
+        entry.update((str(t), (float(logp[t]), r + 1, tok.token_text(t))) for r, t in enumerate(order[:num_top]))
+        out.append(entry)
+    return out
+
+
+def _ranked_match(got: list, expected: list) -> bool:
+    if len(got) != len(expected):
+        return False
+    for g, e in zip(got, expected):
+        if (g is None) != (e is None):
+            return False
+        if e is None:
+            continue
+        if list(g) != list(e):
+            return False
+        for key, (logprob, rank, text) in e.items():
+            item = g[key]
+            if abs(item["logprob"] - logprob) > 1e-5 or item["rank"] != rank or item["decoded_token"] != text:
+                return False
+    return True
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server):
+    """`prompt_logprobs: k` on both routes: per prompt token its log-probability, rank and decoded text, and the k
+    most likely tokens ranked 1..k, against the fake model; an echo with fewer logprobs keeps its own count; with
+    stream it is refused."""
+    url, tok = f"{server.base_url}/v1", server.tokenizer
+    prompts = ["score every token of this", "and of this one"]
+    kw = dict(model=server.model, max_tokens=3, temperature=0, ignore_eos=True)
+    r = httpx.post(f"{url}/completions", json={**kw, "prompt": prompts, "n": 2, "prompt_logprobs": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 4
+    for choice in choices:
+        ids = tok.encode(prompts[choice["index"] // 2])
+        assert _ranked_match(choice["prompt_logprobs"], _ranked_reference(server, ids, 3))
+        # twin: the logits one position later
+        assert not _ranked_match(choice["prompt_logprobs"], _ranked_reference(server, ids, 3, shift=1))
+    # at least one prompt token is not its position's most likely: the ranks are read, not assumed
+    assert any(e[str(t)]["rank"] > 1 for e, t in zip(choices[0]["prompt_logprobs"][1:], tok.encode(prompts[0])[1:]))
+    # an echo with one alternative beside three ranked ones: each keeps its own count
+    echo = httpx.post(
+        f"{url}/completions",
+        json={**kw, "prompt": prompts[0], "echo": True, "logprobs": 1, "prompt_logprobs": 3},
+        timeout=60,
+    ).json()["choices"][0]
+    ids = tok.encode(prompts[0])
+    assert [len(t) for t in echo["logprobs"]["top_logprobs"][1 : len(ids)]] == [1] * (len(ids) - 1)
+    assert _ranked_match(echo["prompt_logprobs"], _ranked_reference(server, ids, 3))
+    messages = [{"role": "user", "content": "rank my prompt"}]
+    chat = httpx.post(f"{url}/chat/completions", json={**kw, "messages": messages, "prompt_logprobs": 0}, timeout=60)
+    assert chat.status_code == 200, chat.text
+    ids = tok.encode_chat(messages)
+    assert _ranked_match(chat.json()["prompt_logprobs"], _ranked_reference(server, ids, 0))
+    # without the field, no key
+    assert "prompt_logprobs" not in httpx.post(f"{url}/chat/completions", json={**kw, "messages": messages}).json()
+    for route, body in (("completions", {"prompt": "x"}), ("chat/completions", {"messages": messages})):
+        bad = httpx.post(f"{url}/{route}", json={**kw, **body, "prompt_logprobs": 2, "stream": True}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs", bad.text
+        too_many = httpx.post(f"{url}/{route}", json={**kw, **body, "prompt_logprobs": 21}, timeout=60)
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_echo_without_logprobs_streams_the_prompt_first(server, client):
     prompt = "echo this prompt back"
     kw = dict(model=server.model, prompt=prompt, max_tokens=3, temperature=0, echo=True)

@@ -25,6 +25,7 @@ from lightllm.server.http.openai_api import (
     _sse_error,
     _until_disconnect,
     _usage,
+    ranked_prompt,
 )
 from lightllm.server.http.parsers import (
     OutputParser,
@@ -200,7 +201,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if not body.stream:
         seqs = await _collect(stream)
         usage = _usage(len(prompt_ids), sum(len(s.output.token_ids) for s in seqs), _cached_tokens(seqs, params.n))
-        return {
+        response = {
             "id": rid,
             "object": "chat.completion",
             "created": created,
@@ -208,6 +209,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "choices": [_choice(fe, out, s) for s in seqs],
             "usage": usage,
         }
+        if body.prompt_logprobs is not None:
+            # the first sequence scored the prompt
+            response["prompt_logprobs"] = ranked_prompt(fe, prompt_ids, seqs[0].output, body.prompt_logprobs)
+        return response
     counts = StreamUsage(body.stream_options, [len(prompt_ids)], params.n)
     events = _events(fe, out, stream, params.n, counts, rid, created, model)
     return StreamingResponse(_guarded(events, stream), media_type="text/event-stream")

@@ -11,6 +11,8 @@ import codecs
 from lightllm.server.output import PromptLogprobs
 from lightllm.server.tokenizer import Tokenizer
 
+# the least log-probability a response carries (JSON has no -inf)
+MIN_LOGPROB = -9999.0
 # per token: (logprob, [(alt_id, logprob), ...])
 Entries = list[tuple[float, list[tuple[int, float]]]]
 
@@ -77,11 +79,11 @@ def completion_logprobs(tok: Tokenizer, token_ids: list[int], entries: Entries, 
 
 
 def echoed_prompt_logprobs(
-    tok: Tokenizer, prompt_ids: list[int], prompt_chars: int, entries: PromptLogprobs | None
+    tok: Tokenizer, prompt_ids: list[int], prompt_chars: int, entries: PromptLogprobs | None, num_top: int
 ) -> dict:
-    """Entries for an echoed prompt: each token's log-probability given the tokens before it and its alternatives
-    (keyed like a completion's); null for the first token, which has nothing before it, and for every token when
-    the engine sent no scores (`entries` None).
+    """Entries for an echoed prompt: each token's log-probability given the tokens before it and its `num_top` most
+    likely alternatives (keyed like a completion's); null for the first token, which has nothing before it, and for
+    every token when the engine sent no scores (`entries` None).
 
     Offsets follow the prompt's tokens and never pass the echoed text's length (a tokenizer may add a BOS token that
     the echoed text does not hold)."""
@@ -90,9 +92,32 @@ def echoed_prompt_logprobs(
     return {
         "tokens": [tok.token_text(t) for t in prompt_ids],
         "token_logprobs": [None if e is None else e[0] for e in entries],
-        "top_logprobs": [None if e is None else {tok.token_text(a): alp for a, alp in e[1]} for e in entries],
+        "top_logprobs": [None if e is None else {tok.token_text(a): alp for a, alp in e[1][:num_top]} for e in entries],
         "text_offset": offsets,
     }
+
+
+def ranked_prompt_logprobs(
+    tok: Tokenizer, prompt_ids: list[int], entries: PromptLogprobs, ranks: list[int | None], num_top: int
+) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first, which has nothing before it) or, keyed by token
+    id, `{logprob, rank, decoded_token}` for the token itself and the `num_top` most likely tokens there (ranks
+    1..num_top; the token keeps its place first when it is one of them)."""
+
+    def scored(token_id: int, logprob: float, rank: int) -> dict:
+        # JSON has no -inf; vLLM's floor
+        return {"logprob": max(logprob, MIN_LOGPROB), "rank": rank, "decoded_token": tok.token_text(token_id)}
+
+    out: list[dict | None] = []
+    for token, entry, rank in zip(prompt_ids, entries, ranks):
+        if entry is None:
+            out.append(None)
+            continue
+        logprob, top = entry
+        item = {str(token): scored(token, logprob, rank)}
+        item.update((str(alt), scored(alt, alt_logprob, r)) for r, (alt, alt_logprob) in enumerate(top[:num_top], 1))
+        out.append(item)
+    return out
 
 
 def join_logprobs(first: dict | None, second: dict | None) -> dict | None:

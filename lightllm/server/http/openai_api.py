@@ -18,13 +18,14 @@ from lightllm.server.http.logprobs import (
     completion_logprobs,
     echoed_prompt_logprobs,
     join_logprobs,
+    ranked_prompt_logprobs,
     token_names,
 )
 from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from lightllm.server.http.schema_base import RequestError
 from lightllm.server.http.serving import ApiError, ClientDisconnected, Frontend, Sequence
 from lightllm.server.http.structured import completion_grammar, constrained
-from lightllm.server.output import Delta, PromptLogprobs, truncated
+from lightllm.server.output import Delta, PromptLogprobs, SequenceOutput, truncated
 from lightllm.server.token_fields import with_token_fields
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,14 @@ def _sse(obj) -> bytes:
     for raw, escaped in _LINE_BREAKS:
         data = data.replace(raw, escaped)
     return b"data: " + data + b"\n\n"
+
+
+def ranked_prompt(fe: Frontend, prompt_ids: list[int], first: SequenceOutput, num_top: int) -> list[dict | None] | None:
+    """A response's `prompt_logprobs` from the scores its prompt's first sequence brought (None when it brought none:
+    it failed before its first token)."""
+    if first.prompt_logprobs is None:
+        return None
+    return ranked_prompt_logprobs(fe.tokenizer, prompt_ids, first.prompt_logprobs, first.prompt_ranks, num_top)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -198,31 +207,36 @@ async def completions(body: CompletionRequest, request: Request):
     # with its first tokens (see Frontend.generate)
     scored = body.echo and want_logprobs
     if scored:
-        params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
+        params = msgspec.structs.replace(params, prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
 
     def echoed(p: int, entries: PromptLogprobs | None = None) -> tuple[str, dict | None]:
         """The echoed prompt text and, with logprobs, its entries (`entries`: the engine's prompt scores)."""
         if not body.echo:
             return "", None
-        return texts[p], echoed_prompt_logprobs(tok, prompts[p], len(texts[p]), entries) if want_logprobs else None
+        if not want_logprobs:
+            return texts[p], None
+        return texts[p], echoed_prompt_logprobs(tok, prompts[p], len(texts[p]), entries, body.logprobs)
 
     stream = fe.generate(prompts, params, request, priority=body.priority)
     if not body.stream:
         seqs = await _collect(stream)
-        scores = {s.prompt_index: s.output.prompt_logprobs for s in seqs if s.index % params.n == 0}
+        # each prompt's scores come with its first sequence
+        scored_by = {s.prompt_index: s.output for s in seqs if s.index % params.n == 0}
         choices = []
         for s in seqs:
-            prefix, prompt_logprobs = echoed(s.prompt_index, scores[s.prompt_index])
+            first = scored_by[s.prompt_index]
+            prefix, prompt_logprobs = echoed(s.prompt_index, first.prompt_logprobs)
             offsets = TextOffsets(len(prefix))
             logprobs = completion_logprobs(tok, s.output.token_ids, s.output.logprobs, offsets)
-            choices.append(
-                {
-                    "index": s.index,
-                    "text": prefix + s.output.text,
-                    "logprobs": join_logprobs(prompt_logprobs, logprobs),
-                    "finish_reason": s.output.finish_reason,
-                }
-            )
+            choice = {
+                "index": s.index,
+                "text": prefix + s.output.text,
+                "logprobs": join_logprobs(prompt_logprobs, logprobs),
+                "finish_reason": s.output.finish_reason,
+            }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = ranked_prompt(fe, prompts[s.prompt_index], first, body.prompt_logprobs)
+            choices.append(choice)
         usage = _usage(num_prompt_tokens, sum(len(s.output.token_ids) for s in seqs), _cached_tokens(seqs, params.n))
         return {
             "id": rid,

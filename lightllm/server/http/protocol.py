@@ -165,6 +165,13 @@ class _SamplingFields(StrictModel):
     truncation_side: Literal["left", "right"] = Field(
         "left", description="vLLM's: truncate_prompt_tokens keeps the prompt's end (left) or its start (right)"
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="vLLM's: each prompt token's log-probability and rank given the tokens before it, with this many "
+        "most likely alternatives (not with stream)",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     structured_outputs: StructuredOutputs | None = Field(
@@ -259,6 +266,9 @@ class _SamplingFields(StrictModel):
 
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options: only allowed with stream: true")
+        if self.prompt_logprobs is not None and self.stream:
+            # vLLM's rule too: the scores come with the whole response
+            raise RequestError("prompt_logprobs", "prompt_logprobs: not available with stream: true")
         if self.structured_outputs is not None:
             kinds = self.structured_outputs.kinds()
             if len(kinds) != 1:
@@ -304,6 +314,7 @@ class _SamplingFields(StrictModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=dict(self.logit_bias or {}),
                 allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
