@@ -15,6 +15,7 @@ import torch
 
 from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.prefix.cache import PrefixMatch
+from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE
 
 
 @dataclass
@@ -75,9 +76,10 @@ class ModelRunnerProtocol(Protocol):
     # number of MTP draft steps the checkpoint supports (0 = none)
     mtp_step: int
 
-    def add_request(self, prefix: list[int] | None = None) -> int:
+    def add_request(self, prefix: list[int] | None = None, namespace: bytes = DEFAULT_NAMESPACE) -> int:
         """Reserve a linear-state slot and a KV slot table row; returns the request handle. With `prefix` (the
-        request's tokens) a runner with a prefix cache resumes it from the longest cached checkpoint on them."""
+        request's tokens) a runner with a prefix cache resumes it from the longest cached checkpoint on them in
+        `namespace`, which its publishes go to as well (`lightllm.cache.prefix.namespace`)."""
 
     def free_request(self, handle: int) -> None:
         """Release every KV token and the state slot of a request (tokens shared with the prefix cache stay)."""
@@ -85,8 +87,8 @@ class ModelRunnerProtocol(Protocol):
     def num_tokens(self, handle: int) -> int:
         """Tokens of the request already committed (after `add_request`: those resumed from the prefix cache)."""
 
-    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
-        """What `add_request(token_ids)` would resume from the prefix cache; changes nothing."""
+    def match_prefix(self, token_ids: list[int], namespace: bytes = DEFAULT_NAMESPACE) -> PrefixMatch:
+        """What `add_request(token_ids, namespace)` would resume from the prefix cache; changes nothing."""
 
     def publish(self, handle: int, token_ids: list[int]) -> None:
         """Offer the request's committed tokens (all `num_tokens(handle)` of them, `token_ids`) to the prefix
@@ -115,10 +117,12 @@ class ModelRunnerProtocol(Protocol):
         """The committed state of request `handle` (between steps only) with every rank's heads, its tensors packed
         by `pack` (None: host copies). Prefill/decode disaggregation sends it to another engine."""
 
-    def import_request(self, state: RequestState, region: torch.Tensor | None = None) -> int:
-        """A new request holding `state` (laid out by global head) in a fresh state slot and KV row; returns its
-        handle. Blobs whose bytes lie in a device region are read from `region`. Raises RuntimeError when no slot
-        or not enough KV is free (nothing is kept then)."""
+    def import_request(
+        self, state: RequestState, region: torch.Tensor | None = None, namespace: bytes = DEFAULT_NAMESPACE
+    ) -> int:
+        """A new request holding `state` (laid out by global head) in a fresh state slot and KV row, publishing to
+        `namespace`; returns its handle. Blobs whose bytes lie in a device region are read from `region`. Raises
+        RuntimeError when no slot or not enough KV is free (nothing is kept then)."""
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Allocate KV slots for the new tokens, run the model, return logits (KV of all new tokens is kept).

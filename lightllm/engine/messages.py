@@ -29,6 +29,8 @@ class NewRequest(msgspec.Struct, tag=True):
     frontend: int = 0
     # lower runs first (`--scheduling_policy priority`; the front-ends refuse non-zero values otherwise)
     priority: int = 0
+    # vLLM's cache_salt: only requests with the same salt share cached prefixes (`lightllm.cache.prefix.namespace`)
+    cache_salt: str | None = None
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE, salt_namespace
 from lightllm.engine.messages import NewRequest
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.engine.thinking_budget import ThinkingCount
@@ -77,6 +78,8 @@ class Request:
     thinking: ThinkingCount | None = None
     # the scheduler's arrival count, set when it first queues the request (a preempted request keeps it)
     arrival_seq: int = 0
+    # the prefix-cache namespace it resumes from and publishes to (its cache_salt's; `lightllm.cache.prefix.namespace`)
+    cache_namespace: bytes = DEFAULT_NAMESPACE
 
     @classmethod
     def from_message(cls, msg: NewRequest, max_req_total_len: int) -> Request:
@@ -88,6 +91,7 @@ class Request:
         if params.max_tokens is not None:
             max_new = min(max_new, params.max_tokens)
         req = cls(msg.req_id, list(msg.prompt_ids), params, frozenset(stop_ids), max_new, priority=msg.priority)
+        req.cache_namespace = salt_namespace(msg.cache_salt)
         if params.thinking_token_budget is not None:
             req.thinking = ThinkingCount.of_prompt(params, req.prompt_ids)
         return req

@@ -294,7 +294,7 @@ class Scheduler:
         """The tokens `req` resumes from the prefix cache by, and the cache's match on them. Prompt
         log-probabilities need every prompt position computed: such a request resumes nothing."""
         prefix = [] if req.needs_prompt_logprobs else req.all_ids
-        return prefix, self.runner.match_prefix(prefix)
+        return prefix, self.runner.match_prefix(prefix, req.cache_namespace)
 
     @staticmethod
     def _admission_kv(req: Request, match: PrefixMatch) -> int:
@@ -323,7 +323,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             free_before = self.runner.num_free_kv_tokens()
-            req.handle = self.runner.add_request(prefix)
+            req.handle = self.runner.add_request(prefix, namespace=req.cache_namespace)
             # cached tokens the hit locked are no longer reclaimable
             free_kv -= free_before - self.runner.num_free_kv_tokens()
             req.status = Status.RUNNING

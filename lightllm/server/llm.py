@@ -106,10 +106,12 @@ class LLM:
         prompts: str | list[str] | list[int] | list[list[int]],
         sampling_params: SamplingParams | None = None,
         priority: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt (text or token ids), each with `params.n` outputs, in prompt order.
-        `priority`: one per prompt, lower admitted first (with `scheduling_policy="priority"`, as vLLM's)."""
-        return self._generate(prompts, sampling_params, priority=priority)
+        `priority`: one per prompt, lower admitted first (with `scheduling_policy="priority"`, as vLLM's).
+        `cache_salt`: these prompts share cached prefixes only with requests of the same salt (vLLM's)."""
+        return self._generate(prompts, sampling_params, priority=priority, cache_salt=cache_salt)
 
     def _generate(
         self,
@@ -118,6 +120,7 @@ class LLM:
         checkpoint_hints: list[int] = (),
         chat: bool = False,
         priority: list[int] | None = None,
+        cache_salt: str | None = None,
     ):
         """`generate`; `checkpoint_hints[p]`: a position of prompt p worth a prefix-cache checkpoint (0: none);
         `chat`: the prompts are rendered conversations (a grammar starts after a reasoning block they open)."""
@@ -134,6 +137,8 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         priority = self._priorities(priority, len(prompts))
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: a non-empty string")
         results: list[RequestOutput] = []
         prompt_params: list[SamplingParams] = []
         seqs: dict[str, SequenceOutput] = {}
@@ -170,6 +175,7 @@ class LLM:
                             # a grammar (SamplingParams.grammar) is matched against this checkpoint's vocabulary
                             tokenizer_dir=self.info.model_dir if sub.grammar is not None else "",
                             priority=priority[p],
+                            cache_salt=cache_salt,
                         )
                     ),
                     seqs,
@@ -232,11 +238,12 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation (one, or a list of them) with the checkpoint's chat template and generate the
         assistant's reply: one RequestOutput per conversation, as vLLM's `LLM.chat`. `continue_final_message`
         (with `add_generation_prompt=False`) continues the final assistant message instead of opening a new turn;
-        `chat_template_kwargs` and `tools` reach the template."""
+        `chat_template_kwargs` and `tools` reach the template; `cache_salt` as in `generate`."""
         if self.closed:
             raise RuntimeError("this LLM is closed; create a new one")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -262,7 +269,7 @@ class LLM:
             prompts.append(ids)
             # the conversation without the opened turn is where the next turn's prompt parts from this one
             hints.append(self.tokenizer.history_len(conversation, ids, **kwargs) if add_generation_prompt else 0)
-        return self._generate(prompts, sampling_params, hints, chat=True)
+        return self._generate(prompts, sampling_params, hints, chat=True, cache_salt=cache_salt)
 
     def _absorb(self, outputs, seqs: dict[str, SequenceOutput]) -> None:
         """Feed engine outputs to their sequences. Tokens of a sequence without stop strings are only buffered

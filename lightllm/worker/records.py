@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE
 from lightllm.linear_att.base import DecodeRows
 
 
@@ -27,6 +28,8 @@ class RequestRecord:
     mtp_last_hidden: tuple[torch.Tensor, int] | None = None
     # the last step accepted on the device that `settle` counted for this request (see device_accept.py)
     settled_step: object | None = None
+    # the prefix-cache namespace it resumes from and publishes to (`lightllm.cache.prefix.namespace`)
+    namespace: bytes = DEFAULT_NAMESPACE
 
 
 @dataclass

@@ -20,6 +20,7 @@ from lightllm.cache.device_copy import list_to_device, to_device
 from lightllm.cache.kv_cache import KVCache
 from lightllm.cache.payload import RequestState, TensorBlob
 from lightllm.cache.prefix import PrefixMatch
+from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
 from lightllm.engine.speculative.device_drafts import write_window_drafts
 from lightllm.linear_att import StateConfig, StateMode, create_state
@@ -218,15 +219,18 @@ class ModelRunner(DeviceAcceptance):
         return ((max(a.num_kv_heads // tp_size, 1), a.head_dim),) * 2
 
     # requests and memory ---------------------------------------------------------------------------------
-    def add_request(self, prefix: list[int] | None = None, host_tokens: int | None = None) -> int:
+    def add_request(
+        self, prefix: list[int] | None = None, host_tokens: int | None = None, namespace: bytes = DEFAULT_NAMESPACE
+    ) -> int:
         """Reserve a state slot and a KV row; the handle is the KV row index. With `prefix` (the request's
         tokens) the request resumes from the prefix cache or its host tier (`host_tokens`: see
-        `RunnerPrefixCache.resume`): `num_tokens(handle)` tells how many are committed."""
+        `RunnerPrefixCache.resume`): `num_tokens(handle)` tells how many are committed. `namespace`: the prefix-cache
+        namespace it resumes from and publishes to."""
         self._flush_checkpoints()
         if self.kv.num_free_rows() == 0 or self.state.num_free_slots() == 0:
             raise RuntimeError("no free request slot")
         handle = self.kv.alloc_row()
-        req = self._requests[handle] = RequestRecord(handle, self.state.alloc())
+        req = self._requests[handle] = RequestRecord(handle, self.state.alloc(), namespace=namespace)
         if self.drafter is not None:
             self.drafter.kv.alloc_row()
         if prefix is not None and self.prefix_cache is not None:
@@ -255,9 +259,9 @@ class ModelRunner(DeviceAcceptance):
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
 
-    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
-        """What `add_request(token_ids)` would resume from the prefix cache; changes nothing."""
-        return self.prefix_cache.match(token_ids) if self.prefix_cache is not None else PrefixMatch()
+    def match_prefix(self, token_ids: list[int], namespace: bytes = DEFAULT_NAMESPACE) -> PrefixMatch:
+        """What `add_request(token_ids, namespace=namespace)` would resume from the prefix cache; changes nothing."""
+        return self.prefix_cache.match(token_ids, namespace) if self.prefix_cache is not None else PrefixMatch()
 
     def publish(self, handle: int, token_ids: list[int]) -> None:
         """Offer the request's committed tokens (`token_ids`, exactly `num_tokens(handle)` of them) to the prefix
@@ -351,9 +355,11 @@ class ModelRunner(DeviceAcceptance):
         return export_request(self, self._requests[handle], pack or host_blobs)
 
     @torch.inference_mode()
-    def import_request(self, state: RequestState, region: torch.Tensor | None = None) -> int:
+    def import_request(
+        self, state: RequestState, region: torch.Tensor | None = None, namespace: bytes = DEFAULT_NAMESPACE
+    ) -> int:
         """See `ModelRunnerProtocol.import_request`."""
-        handle = self.add_request(None)
+        handle = self.add_request(None, namespace=namespace)
         try:
             import_request(self, self._requests[handle], state, region)
         except Exception:

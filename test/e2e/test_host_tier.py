@@ -15,6 +15,7 @@ import pytest
 
 from lightllm.cache.host_tier import HostArena
 from lightllm.cache.host_tier.arena import READY
+from lightllm.cache.host_tier.tier import head_bytes
 from lightllm.worker.transfer import section_writer
 from lightllm.worker.transfer.section_writer import SectionWriter
 from unit_tests.helpers.prefix_scenario import Result, drain, fresh, make_engine, submit
@@ -52,9 +53,9 @@ def single_arena():
     a.unlink()
 
 
-def _run(engine, req_id: str, prompt: list[int]) -> Result:
+def _run(engine, req_id: str, prompt: list[int], cache_salt: str | None = None) -> Result:
     res = {req_id: Result()}
-    submit(engine, req_id, prompt, MAX_TOKENS)
+    submit(engine, req_id, prompt, MAX_TOKENS, cache_salt)
     drain(engine, res)
     return res[req_id]
 
@@ -88,6 +89,24 @@ def test_resume_from_another_engines_entry(arena, writer, reader, spec):
     assert stats["host_hit_tokens"] == hot.cached
 
 
+def test_another_salts_engine_finds_no_entry(arena):
+    """Entries keep their request's cache salt: another engine resumes a salted turn only for the same salt (with
+    the cold run's tokens); another salt and no salt find nothing in the tier."""
+    first, new = _conversation(3)
+    a = make_engine("qwen3_5", "native", {}, host_tier_name=arena.name)
+    answer = _run(a, "a1", first, "tenant-a").tokens
+    second = _second_turn(first, answer, new)
+    cold = _run(make_engine("qwen3_5", "native", {}, cache=False), "c2", second)
+    for salt in ("tenant-b", None):
+        b = make_engine("qwen3_5", "native", {}, host_tier_name=arena.name)
+        miss = _run(b, "b2", second, salt)
+        assert miss.cached == 0 and b.runner.prefix_cache_stats()["host_hit_tokens"] == 0
+        assert miss.tokens == cold.tokens
+    c = make_engine("qwen3_5", "native", {}, host_tier_name=arena.name)
+    hit = _run(c, "c2", second, "tenant-a")
+    assert hit.cached == len(first) + MAX_TOKENS - 1 and hit.tokens == cold.tokens
+
+
 def test_zeroed_entry_changes_the_output(arena):
     first, new = _conversation(2)
     a = make_engine("qwen3_5", "native", {}, host_tier_name=arena.name)
@@ -110,7 +129,7 @@ def _sections(arena: HostArena):
     """Each READY entry's (one) section: a writable view of shared memory."""
     for index in np.flatnonzero(arena.entries["state"] == READY):
         record = arena.entries[index]
-        start = int(record["first_block"]) * arena.block_bytes + -(-8 * int(record["num_tokens"]) // 64) * 64
+        start = int(record["first_block"]) * arena.block_bytes + head_bytes(int(record["num_tokens"]))
         yield arena.data[start : start + int(record["shard_bytes"])]
 
 

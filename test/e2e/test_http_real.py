@@ -135,6 +135,41 @@ def test_echo_logprobs_score_the_prompt_like_transformers(served):
     assert error(1) > 1e-2
 
 
+def test_cache_salt_keeps_cached_prefixes_to_its_own_requests(served):
+    """A prompt cached under one cache_salt is recomputed for another salt and without a salt (no cached tokens
+    reported), and resumed under its own, on completions, chat and responses alike; the text is the same."""
+    server, _ = served
+    url, salt = f"{server.base_url}/v1", f"salt-{server.args.ssm_state_mode}"
+    prompt = "A salted prompt long enough to span several prefill chunks of sixteen tokens, and then some more."
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+
+    def cached(**extra) -> tuple[int, str]:
+        r = httpx.post(f"{url}/completions", json={**body, **extra}, timeout=120).json()
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"], r["choices"][0]["text"]
+
+    first = cached(cache_salt=salt)
+    other, plain = cached(cache_salt=salt + "-other"), cached()
+    assert first[0] == other[0] == plain[0] == 0
+    if cached()[0] == 0:
+        pytest.skip("this server's checkpoint pool holds no checkpoint (prefix cache off)")
+    again = cached(cache_salt=salt)
+    assert again[0] > 0 and first[1] == other[1] == plain[1] == again[1]
+    messages = [{"role": "user", "content": prompt}]
+    chat = {"model": server.model, "messages": messages, "max_tokens": 2, "temperature": 0, **NO_THINKING}
+    httpx.post(f"{url}/chat/completions", json={**chat, "cache_salt": salt}, timeout=120).raise_for_status()
+    r = httpx.post(f"{url}/chat/completions", json={**chat, "cache_salt": salt}, timeout=120).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    r = httpx.post(f"{url}/chat/completions", json={**chat, "cache_salt": salt + "-chat"}, timeout=120).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    responses = {"model": server.model, "input": prompt, "max_output_tokens": 2, "reasoning": {"effort": "none"}}
+    r = httpx.post(f"{url}/responses", json={**responses, "cache_salt": salt + "-responses"}, timeout=120).json()
+    assert r["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    r = httpx.post(f"{url}/responses", json={**responses, "cache_salt": salt + "-responses"}, timeout=120).json()
+    assert r["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    bad = httpx.post(f"{url}/completions", json={**body, "cache_salt": ""}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
 def test_tool_call_flow_with_the_real_model(served):
     """The agent flow through the real runner: a forced call (its grammar masks the model's own logits, drafts
     included), the tool's result sent back, and a greedy answer equal to transformers' greedy continuation of the

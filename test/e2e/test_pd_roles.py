@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import torch
 
+from lightllm.cache.prefix.namespace import salt_namespace
 from lightllm.engine.messages import Abort, Finished, NewRequest, TokenChunk
 from lightllm.engine.sampling_params import SamplingParams
 from lightllm.server.args import load_server_args
@@ -110,7 +111,7 @@ class Pair:
 
             reader.pull = recording_pull
 
-    def run(self, prompts, params=PARAMS, between=None, prefix="r"):
+    def run(self, prompts, params=PARAMS, between=None, prefix="r", cache_salt=None):
         tokens: dict[str, list[tuple[int, float]]] = {}
         finished: dict[str, Finished] = {}
 
@@ -123,7 +124,8 @@ class Pair:
                     finished[out.req_id] = out
 
         for k, prompt in enumerate(prompts):
-            absorb(self.p.on_message(PdPrefill(NewRequest(f"{prefix}{k}", prompt, params), "D", self.reads)))
+            request = NewRequest(f"{prefix}{k}", prompt, params, cache_salt=cache_salt)
+            absorb(self.p.on_message(PdPrefill(request, "D", self.reads)))
         for _ in range(500):
             if len(finished) == len(prompts):
                 break
@@ -281,6 +283,28 @@ def test_prefix_cache_resume_and_a_zeroed_state():
     zeroed = {f"r{k[1:]}": v for k, v in zeroed.items()}
     assert any([t for t, _ in zeroed[k]] != [t for t, _ in expected[k]] for k in expected)
     assert max(abs(a - b) for k in expected for (_, a), (_, b) in zip(zeroed[k], expected[k])) > 1e-2
+
+
+def test_a_salted_request_keeps_its_namespace_on_both_nodes():
+    """A salted request's prefill node publishes under its salt, and the decode node publishes what it imported
+    under it too: another salt resumes nothing on the prefill node, the same salt resumes the prompts' ends; every
+    run gives the monolithic tokens."""
+    arch, mode = "qwen3_5", "replay"
+    expected = _monolithic(arch, mode, PROMPTS)
+    pair = Pair(arch, mode, mode, 0)
+    salted = salt_namespace("tenant-a")
+    _assert_close(expected, pair.run(PROMPTS, cache_salt="tenant-a")[0])
+    pair.decode.step()
+    trees = [engine.runner.prefix_cache.cache.tree for engine in (pair.prefill, pair.decode)]
+    for tree in trees:
+        assert tree.nodes() and {tree.namespace(node) for node in tree.nodes()} == {salted}
+    other, _ = pair.run(PROMPTS, prefix="b", cache_salt="tenant-b")
+    _assert_close(expected, {f"r{k[1:]}": v for k, v in other.items()})
+    assert pair.prefill.runner.prefix_cache_stats()["num_hit_tokens"] == 0
+    again, _ = pair.run(PROMPTS, prefix="a", cache_salt="tenant-a")
+    _assert_close(expected, {f"r{k[1:]}": v for k, v in again.items()})
+    assert pair.prefill.runner.prefix_cache_stats()["num_hit_tokens"] == (20 - 1) + (5 - 1)
+    pair.assert_pools_empty()
 
 
 def test_foreign_header_is_refused_and_the_prefill_slot_freed():

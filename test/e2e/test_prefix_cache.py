@@ -222,6 +222,26 @@ def test_next_turn_resumes_at_the_finished_request_end(overlap):
     assert_same(got, run_one_by_one(make_engine("qwen3_5", "native", {}, cache=False), [follow], 5))
 
 
+def test_cache_salt_shares_prefixes_only_within_a_salt():
+    """A prompt cached under one cache salt is computed again under another salt and without one (nothing cached),
+    and resumed under its own salt as far as an unsalted server resumes it; every run gives the cold run's tokens
+    and logprobs. Evicting everything leaves the tree one namespace."""
+    rng = random.Random(23)
+    first = fresh(rng, 30)
+    follow = first + fresh(rng, 5)
+    prompts, salts = [first, follow, follow, follow], ["tenant-a", "tenant-b", None, "tenant-a"]
+    hot = make_engine("qwen3_5", "replay", {"spec_ngram": 2})
+    got = run_one_by_one(hot, prompts, 6, salts)
+    plain = run_one_by_one(make_engine("qwen3_5", "replay", {"spec_ngram": 2}), [first, follow], 6)
+    assert plain[1].cached > 0
+    assert [r.cached for r in got] == [0, 0, 0, plain[1].cached]
+    assert_same(got, run_one_by_one(make_engine("qwen3_5", "replay", {"spec_ngram": 2}, cache=False), prompts, 6))
+    tree = hot.runner.prefix_cache.cache.tree
+    assert tree.num_namespaces() == 3
+    hot.runner.evict_prefix_cache()
+    assert tree.num_namespaces() == 1 and tree.num_tokens == 0
+
+
 @pytest.mark.parametrize("abort_after", [1, 3], ids=["mid-prefill", "mid-decode"])
 def test_abort_leaves_only_the_committed_prefix(abort_after):
     rng = random.Random(9)

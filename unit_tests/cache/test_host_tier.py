@@ -14,6 +14,7 @@ import pytest
 
 from lightllm.cache.host_tier import HostArena, HostTier, host_key
 from lightllm.cache.host_tier.arena import READY, WRITING
+from lightllm.cache.prefix.namespace import salt_namespace
 
 LAYOUT = b"test-layout"
 BLOCK = 4096
@@ -26,8 +27,8 @@ def arena():
     a.unlink()
 
 
-def _write(tier: HostTier, tokens, payload: np.ndarray) -> bool:
-    ticket = tier.begin_write(tokens, payload.nbytes)
+def _write(tier: HostTier, tokens, payload: np.ndarray, namespace: bytes = b"") -> bool:
+    ticket = tier.begin_write(tokens, payload.nbytes, namespace)
     if ticket is None:
         return False
     tier.section(ticket)[: payload.nbytes] = payload
@@ -154,6 +155,33 @@ def test_forged_colliding_key_is_refused(arena):
     # twin: without the forgery the same entry answers `a` (here: restore the digest)
     record["digest"] = np.frombuffer(host_key(a).digest, dtype=np.uint8)
     assert tier.lookup(a) is not None
+
+
+def test_namespaces_keep_their_entries_apart(arena):
+    """An entry written in a cache salt's namespace is found only there: not by the default namespace nor by
+    another salt's, even for a key forged to match (the stored head holds the namespace); the default namespace's
+    entry of the same tokens is a separate one."""
+    rng = np.random.default_rng(7)
+    tier = HostTier(arena, LAYOUT)
+    a, b = salt_namespace("tenant-a"), salt_namespace("tenant-b")
+    tokens = rng.integers(0, 1000, 10).tolist()
+    payload = _payload(rng)
+    assert _write(tier, tokens, payload, a)
+    assert tier.lookup(tokens + [1]) is None and tier.lookup(tokens + [1], namespace=b) is None
+    ticket = tier.lookup(tokens + [1], namespace=a)
+    assert ticket is not None and ticket.num_tokens == len(tokens)
+    np.testing.assert_array_equal(tier.section(ticket)[: payload.nbytes], payload)
+    # forged: the entry now claims b's key for the same tokens; b's lookup compares the stored namespace
+    record = arena.entries[ticket.index]
+    record["digest"] = np.frombuffer(host_key(tokens, b).digest, dtype=np.uint8)
+    assert tier.lookup(tokens, namespace=b) is None and tier.stats.num_collisions == 1
+    record["digest"] = np.frombuffer(host_key(tokens, a).digest, dtype=np.uint8)
+    # the default namespace writes its own entry of these tokens, with its own bytes
+    other = _payload(rng)
+    assert _write(tier, tokens, other)
+    assert tier.num_entries() == 2
+    np.testing.assert_array_equal(tier.section(tier.lookup(tokens))[: other.nbytes], other)
+    np.testing.assert_array_equal(tier.section(tier.lookup(tokens, namespace=a))[: payload.nbytes], payload)
 
 
 def test_lru_eviction_under_pressure(arena):

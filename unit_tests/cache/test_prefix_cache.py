@@ -12,6 +12,7 @@ import torch
 
 from lightllm.cache.kv_cache import KVCache
 from lightllm.cache.prefix import CheckpointPool, PrefixCache, RadixTree
+from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE, salt_namespace
 from lightllm.linear_att.base import Checkpoint
 
 
@@ -63,6 +64,54 @@ def test_tree_insert_split_and_match_exact_values():
     assert (tree.num_locked_tokens, tree.num_evictable_tokens) == (6, 0)
     tree.unlock(node)
     assert (tree.num_locked_tokens, tree.num_evictable_tokens) == (0, 6)
+
+
+def test_tree_namespaces_find_only_their_own_paths():
+    """One token path in two namespaces: each is found only from its own root (twin: the default namespace's own
+    insert is found there), and a namespace's root goes with its last path."""
+    tree = RadixTree(1)
+    a, b = salt_namespace("a"), salt_namespace("b")
+    tokens = np.array([4, 5, 6, 7])
+    node, existing = tree.insert(tokens, np.arange(4, dtype=np.int64)[:, None], a)
+    assert existing == 0 and tree.num_namespaces() == 2 and tree.namespace(node) == a
+    for other in (DEFAULT_NAMESPACE, b):
+        assert tree.deepest(tokens, lambda n: True, other)[1] == 0 and tree.match_len(tokens, other) == 0
+    assert tree.deepest(tokens, lambda n: True, a) == (node, 4) and tree.match_len(tokens, a) == 4
+    plain, existing = tree.insert(tokens[:2], np.full((2, 1), 9), DEFAULT_NAMESPACE)
+    assert existing == 0 and tree.deepest(tokens, lambda n: True) == (plain, 2)
+    assert tree.path_values(node)[:, 0].tolist() == [0, 1, 2, 3] and tree.namespace(plain) == DEFAULT_NAMESPACE
+    removed = []
+    tree.evict(lambda: False, removed.append)
+    assert {id(n) for n in removed} == {id(node), id(plain)} and tree.num_tokens == 0
+    assert tree.num_namespaces() == 1 and tree.match_len(tokens, a) == 0
+
+
+def test_salted_requests_share_prefixes_only_within_their_salt():
+    """A prefix published under one salt is resumed by that salt's requests only; the same tokens published by
+    another salt take slots of their own."""
+    cache = make_cache(num_checkpoints=3, capacity=32, rows=4)
+    kv = cache.caches[0]
+    a, b = salt_namespace("a"), salt_namespace("b")
+    prompt = [3, 1, 4, 1, 5, 9]
+    writer = kv.alloc_row()
+    compute(cache, writer, prompt, 0)
+    assert cache.publish(writer, prompt, marker(1.0), a) is not None
+    # the match and the resume look only in the request's namespace
+    assert cache.match(prompt, b).num_tokens == 0 and cache.match(prompt).num_tokens == 0
+    reader = kv.alloc_row()
+    assert cache.resume(reader, prompt, 7, b) is None and cache.resume(reader, prompt, 7) is None
+    hit = cache.resume(reader, prompt, 7, a)
+    assert hit is not None and hit.num_tokens == 6 and float(hit.checkpoint.conv.flatten()[0]) == 1.0
+    assert kv.slots(reader).tolist() == kv.slots(writer).tolist()
+    # b computes and publishes the same tokens: its own slots and checkpoint, a's untouched
+    other = kv.alloc_row()
+    compute(cache, other, prompt, 0)
+    assert cache.publish(other, prompt, marker(2.0), b) is not None
+    assert set(kv.slots(other).tolist()).isdisjoint(kv.slots(writer).tolist())
+    late = kv.alloc_row()
+    hit = cache.resume(late, prompt, 7, b)
+    assert hit.num_tokens == 6 and float(hit.checkpoint.conv.flatten()[0]) == 2.0
+    assert kv.slots(late).tolist() == kv.slots(other).tolist()
 
 
 def test_share_dedup_and_checkpoint_lru_with_exact_slots():

@@ -73,7 +73,7 @@ class FakeRunner:
         return ids[len(prompt) :]
 
     # -- ModelRunnerProtocol ---------------------------------------------------------------------------------------
-    def add_request(self, prefix: list[int] | None = None) -> int:
+    def add_request(self, prefix: list[int] | None = None, namespace: bytes = b"") -> int:
         assert self._free_handles, "add_request without a free slot"
         handle = self._free_handles.pop()
         self.cache[handle] = []
@@ -82,7 +82,7 @@ class FakeRunner:
     def num_tokens(self, handle: int) -> int:
         return len(self.cache[handle])
 
-    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+    def match_prefix(self, token_ids: list[int], namespace: bytes = b"") -> PrefixMatch:
         return PrefixMatch()
 
     def publish(self, handle: int, token_ids: list[int]) -> None:
@@ -122,7 +122,7 @@ class FakeRunner:
     def export_request(self, handle: int, pack=None):
         raise NotImplementedError("the fake runner has no state to hand off")
 
-    def import_request(self, state, region=None) -> int:
+    def import_request(self, state, region=None, namespace: bytes = b"") -> int:
         raise NotImplementedError("the fake runner has no state to take over")
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:

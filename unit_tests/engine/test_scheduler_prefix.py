@@ -22,11 +22,11 @@ class CachingFakeRunner(FakeRunner):
         self.hits = hits or {}
         self.published: list[tuple[int, int]] = []
 
-    def match_prefix(self, token_ids):
+    def match_prefix(self, token_ids, namespace=b""):
         resumed, matched = self.hits.get(tuple(token_ids[: self._key_len(token_ids)]), (0, 0))
         return PrefixMatch(resumed, 0, matched)
 
-    def add_request(self, prefix=None):
+    def add_request(self, prefix=None, namespace=b""):
         handle = super().add_request(prefix)
         if prefix:
             # a hit resumes the cached tokens: the fake's "KV" is the history itself

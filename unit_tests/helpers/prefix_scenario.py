@@ -46,9 +46,9 @@ class Result:
         self.reason: str | None = None
 
 
-def submit(engine, req_id: str, prompt: list[int], max_tokens: int) -> None:
+def submit(engine, req_id: str, prompt: list[int], max_tokens: int, cache_salt: str | None = None) -> None:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    assert engine.add_request(NewRequest(req_id, prompt, params)) == []
+    assert engine.add_request(NewRequest(req_id, prompt, params, cache_salt=cache_salt)) == []
 
 
 def drain(engine, results: dict[str, Result], abort_after: dict[str, int] | None = None) -> None:
@@ -103,12 +103,15 @@ def run_preempting(engine, prompts: list[list[int]]) -> list[Result]:
     return [res[f"p{i}"] for i in range(len(prompts))]
 
 
-def run_one_by_one(engine, prompts: list[list[int]], max_tokens: int) -> list[Result]:
-    """Each request runs alone to its end before the next arrives, so it sees everything earlier ones cached."""
+def run_one_by_one(
+    engine, prompts: list[list[int]], max_tokens: int, cache_salts: list[str | None] | None = None
+) -> list[Result]:
+    """Each request runs alone to its end before the next arrives, so it sees everything earlier ones cached (of
+    its cache salt: `cache_salts[i]` for prompt i)."""
     out = []
     for i, prompt in enumerate(prompts):
         res = {f"q{i}": Result()}
-        submit(engine, f"q{i}", prompt, max_tokens)
+        submit(engine, f"q{i}", prompt, max_tokens, cache_salts[i] if cache_salts else None)
         drain(engine, res)
         out.append(res[f"q{i}"])
     return out

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from lightllm.cache.prefix.namespace import salt_namespace
 from lightllm.server.dp.balancer import (
     CacheAwareBalancer,
     LeastLoadedBalancer,
@@ -74,6 +75,21 @@ def test_cache_aware_follows_the_longest_prefix_and_falls_back_to_least_loaded()
     assert b.choose(_prompt(4, 9), [2, 1, 0], alive) == 2
     # a prompt shorter than one block has no prefix to follow
     assert b.choose([1, 2, 3], [0, 5, 5], alive) == 0
+
+
+def test_cache_aware_follows_a_prefix_only_within_its_cache_salt():
+    """A salted prompt's blocks are keyed in its namespace: the same tokens under another salt (or none) are a prefix
+    nobody has seen; under the same salt they follow their replica."""
+    b = CacheAwareBalancer(BLOCK)
+    alive = [True, True, True]
+    system, a, other = _prompt(5, 8), salt_namespace("tenant-a"), salt_namespace("tenant-b")
+    assert prefix_block_keys(system, BLOCK, a) != prefix_block_keys(system, BLOCK)
+    assert b.choose(system + [1], [1, 0, 1], alive, a) == 1
+    # another salt, and no salt: the least loaded replica, not the salted prompt's
+    assert b.choose(system + [2], [1, 1, 0], alive, other) == 2
+    assert b.choose(system + [3], [0, 1, 1], alive) == 0
+    # twin: the same salt follows its prefix to replica 1
+    assert b.choose(system + [4], [0, 1, 0], alive, a) == 1
 
 
 def test_cache_aware_leaves_a_replica_much_busier_than_the_least_loaded():

@@ -23,7 +23,6 @@ from unit_tests.server.live_server import (
 ASKING = {
     "use_beam_search": (True, False),
     "length_penalty": (0.5, 1.0),
-    "cache_salt": ("tenant-a", None),
     "guided_whitespace_pattern": (" ", None),
     "logits_processors": (["pkg.proc"], []),
     "kv_transfer_params": ({"do_remote_decode": True}, None),

@@ -1,17 +1,18 @@
 """The host tier's protocol: entries written by every tensor-parallel shard, READY once all have, read only whole.
 
-An entry holds the state of one token prefix: its token ids, then one section per shard (what that shard's
-runner wrote: its heads of the state and KV). Writing:
+An entry holds the state of one token prefix in one prefix-cache namespace: its head (the namespace's name and the
+token ids, `key.entry_head`), then one section per shard (what that shard's runner wrote: its heads of the state
+and KV). Writing:
 
 1. `begin_write` (under the lock) finds the entry of the key or claims a record and a block run for it (state
-   WRITING, generation bumped, this shard's writer pid registered); the first writer also copies the token ids.
+   WRITING, generation bumped, this shard's writer pid registered); the first writer also copies the head.
 2. The shard copies its section outside the lock (`section`).
 3. `commit` (under the lock) sets the shard's bit if the record still has the ticket's generation; the bit that
    completes the mask flips the entry to READY. READY is thus published last: a writer killed before its commit
    leaves the entry WRITING forever, and it is reclaimed once every registered writer is dead.
 
-Reading: `lookup` (under the lock) finds the longest READY entry whose key is a prefix of the tokens and whose
-stored token ids equal them, leases it for `lease_s` (not evicted meanwhile) and returns a ticket with its
+Reading: `lookup` (under the lock) finds the longest READY entry of the namespace whose key is a prefix of the
+tokens and whose stored head equals theirs, leases it for `lease_s` (not evicted meanwhile) and returns a ticket with its
 generation; the reader copies its section outside the lock and then asks `valid`, which checks that the record is
 still READY with that generation. A copy that overlapped an eviction is thus detected, never used.
 """
@@ -25,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightllm.cache.host_tier.arena import LAYOUT_BYTES, MAX_SHARDS, READY, WRITING, HostArena
-from lightllm.cache.host_tier.key import HostKey, digest_of, prefix_keys, token_bytes
+from lightllm.cache.host_tier.key import HostKey, digest_of, entry_head, namespace_field, prefix_keys
 from lightllm.cache.host_tier.slots import allocate, blocks_for, free_record, is_evictable
+from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE, NAMESPACE_BYTES
 
 # seconds a looked-up entry stays safe from eviction (a reader copies it well within this)
 LEASE_S = 30.0
@@ -43,7 +45,7 @@ class Ticket:
     first_block: int
     shard_bytes: int
     shard: int
-    # whether this writer claimed the entry (and copies its token ids)
+    # whether this writer claimed the entry (and copies its head)
     creator: bool = False
 
 
@@ -55,7 +57,7 @@ class HostTierStats:
     num_writes: int = 0
     num_written_bytes: int = 0
     num_evicted: int = 0
-    # keys that matched while the stored token ids did not
+    # keys that matched while the stored head (namespace and token ids) did not
     num_collisions: int = 0
     num_full: int = 0
 
@@ -63,6 +65,11 @@ class HostTierStats:
 def aligned(n: int) -> int:
     """`n` bytes rounded up to `ALIGN`: where a section and each tensor in it start."""
     return -(-n // ALIGN) * ALIGN
+
+
+def head_bytes(num_tokens: int) -> int:
+    """The bytes an entry's head (`key.entry_head`) takes before its sections."""
+    return aligned(NAMESPACE_BYTES + 8 * num_tokens)
 
 
 class HostTier:
@@ -79,11 +86,11 @@ class HostTier:
         self._pid = os.getpid()
 
     # writing ---------------------------------------------------------------------------------------------
-    def begin_write(self, token_ids, shard_bytes: int) -> Ticket | None:
-        """This shard's ticket to write its `shard_bytes`-byte section of the entry of `token_ids`; None when the
-        entry is READY already, this shard wrote (or is writing) it, or the tier cannot make room."""
-        # the ids as the entry stores them, converted once (the key hashes the same bytes)
-        raw = token_bytes(token_ids)
+    def begin_write(self, token_ids, shard_bytes: int, namespace: bytes = DEFAULT_NAMESPACE) -> Ticket | None:
+        """This shard's ticket to write its `shard_bytes`-byte section of the entry of `token_ids` in `namespace`;
+        None when the entry is READY already, this shard wrote (or is writing) it, or the tier cannot make room."""
+        # the head as the entry stores it, built once (the key hashes the same bytes)
+        raw = entry_head(token_ids, namespace)
         key, arena = HostKey(len(token_ids), digest_of(raw)), self.arena
         shard_bytes = aligned(shard_bytes)
         with arena.locked():
@@ -99,7 +106,7 @@ class HostTier:
                     record["writer_pids"][self.shard] = self._pid
                     return self._ticket(index)
                 free_record(arena, index)
-            num_blocks = blocks_for(arena, self._tokens_bytes(key.num_tokens) + self.num_shards * shard_bytes)
+            num_blocks = blocks_for(arena, head_bytes(key.num_tokens) + self.num_shards * shard_bytes)
             found = allocate(arena, num_blocks, time.time(), self._count_eviction)
             if found is None:
                 self.stats.num_full += 1
@@ -133,9 +140,9 @@ class HostTier:
         return True
 
     # reading ---------------------------------------------------------------------------------------------
-    def lookup(self, token_ids, min_tokens: int = 0) -> Ticket | None:
-        """The longest READY entry whose tokens are a prefix of `token_ids`, longer than `min_tokens`, leased for
-        `lease_s` seconds; None on a miss."""
+    def lookup(self, token_ids, min_tokens: int = 0, namespace: bytes = DEFAULT_NAMESPACE) -> Ticket | None:
+        """The longest READY entry of `namespace` whose tokens are a prefix of `token_ids`, longer than
+        `min_tokens`, leased for `lease_s` seconds; None on a miss."""
         self.stats.num_lookups += 1
         tokens = np.asarray(token_ids, dtype=np.int64)
         arena = self.arena
@@ -144,11 +151,15 @@ class HostTier:
             ok = (table["state"] == READY) & (table["num_tokens"] > min_tokens) & (table["num_tokens"] <= len(tokens))
             ok = self._of_layout(ok)
             lengths = sorted({int(n) for n in table["num_tokens"][ok]})
-            for key in reversed(prefix_keys(tokens, lengths)):
+            field = np.frombuffer(namespace_field(namespace), dtype=np.uint8)
+            for key in reversed(prefix_keys(tokens, lengths, namespace)):
                 for index in self._matches(key, ok):
                     record = table[index]
-                    stored = arena.region(int(record["first_block"]), 8 * key.num_tokens).view("<i8")
-                    if not np.array_equal(stored, tokens[: key.num_tokens]):
+                    stored = arena.region(int(record["first_block"]), NAMESPACE_BYTES + 8 * key.num_tokens)
+                    same = np.array_equal(stored[:NAMESPACE_BYTES], field) and np.array_equal(
+                        stored[NAMESPACE_BYTES:].view("<i8"), tokens[: key.num_tokens]
+                    )
+                    if not same:
                         self.stats.num_collisions += 1
                         continue
                     record["lease_until"] = max(float(record["lease_until"]), time.time() + self.lease_s)
@@ -167,7 +178,7 @@ class HostTier:
     # both ------------------------------------------------------------------------------------------------
     def section(self, ticket: Ticket) -> np.ndarray:
         """The ticket's shard section: a writable uint8 view of shared memory."""
-        offset = self._tokens_bytes(ticket.num_tokens) + ticket.shard * ticket.shard_bytes
+        offset = head_bytes(ticket.num_tokens) + ticket.shard * ticket.shard_bytes
         return self.arena.region(ticket.first_block, ticket.shard_bytes, offset)
 
     def num_entries(self) -> int:
@@ -206,10 +217,6 @@ class HostTier:
             self.shard,
             creator,
         )
-
-    @staticmethod
-    def _tokens_bytes(num_tokens: int) -> int:
-        return aligned(8 * num_tokens)
 
     def _count_eviction(self) -> None:
         self.stats.num_evicted += 1

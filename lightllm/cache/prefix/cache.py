@@ -25,6 +25,7 @@ import torch
 
 from lightllm.cache.kv_cache import KVCache
 from lightllm.cache.prefix.checkpoint_pool import CheckpointPool
+from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE
 from lightllm.cache.prefix.radix_tree import RadixTree, TreeNode
 from lightllm.linear_att.base import Checkpoint
 
@@ -81,15 +82,15 @@ class PrefixCache:
             cache.reclaim = self._reclaimer(index)
 
     # queries ---------------------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int]) -> PrefixMatch:
-        """What resuming a request for `tokens` would give; changes nothing."""
+    def match(self, tokens: Sequence[int], namespace: bytes = DEFAULT_NAMESPACE) -> PrefixMatch:
+        """What resuming a request for `tokens` in `namespace` would give; changes nothing."""
         tokens = np.asarray(tokens, dtype=np.int64)
-        node, depth = self.tree.deepest(tokens, _has_checkpoint)
+        node, depth = self.tree.deepest(tokens, _has_checkpoint, namespace)
         num_pinned = 0
-        while node is not self.tree.root:
+        while not node.is_root:
             num_pinned += node.num_tokens if node.lock_ref == 0 else 0
             node = node.parent
-        return PrefixMatch(depth, num_pinned, self.tree.match_len(tokens))
+        return PrefixMatch(depth, num_pinned, self.tree.match_len(tokens, namespace))
 
     def num_evictable_tokens(self) -> int:
         return self.tree.num_evictable_tokens
@@ -98,11 +99,13 @@ class PrefixCache:
         return len(self._owners)
 
     # requests --------------------------------------------------------------------------------------------
-    def resume(self, row: int, tokens: Sequence[int], num_queried: int) -> Hit | None:
-        """Start the empty row `row` from the deepest checkpoint on the path of `tokens`: share its KV, lock it.
-        `num_queried` (the request's length) only feeds the statistics. None on a miss."""
+    def resume(
+        self, row: int, tokens: Sequence[int], num_queried: int, namespace: bytes = DEFAULT_NAMESPACE
+    ) -> Hit | None:
+        """Start the empty row `row` from the deepest checkpoint on the path of `tokens` in `namespace`: share its
+        KV, lock it. `num_queried` (the request's length) only feeds the statistics. None on a miss."""
         self.stats.num_queried_tokens += num_queried
-        node, depth = self.tree.deepest(np.asarray(tokens, dtype=np.int64), _has_checkpoint)
+        node, depth = self.tree.deepest(np.asarray(tokens, dtype=np.int64), _has_checkpoint, namespace)
         if depth == 0:
             return None
         values = self.tree.path_values(node)
@@ -116,8 +119,11 @@ class PrefixCache:
         ckpt, hidden = self.pool.read(node.checkpoint)
         return Hit(depth, ckpt, hidden)
 
-    def publish(self, row: int, tokens: Sequence[int], export: Exporter | None) -> TreeNode | None:
-        """Insert the row's first `len(tokens)` committed tokens (`tokens`) with a checkpoint at their end.
+    def publish(
+        self, row: int, tokens: Sequence[int], export: Exporter | None, namespace: bytes = DEFAULT_NAMESPACE
+    ) -> TreeNode | None:
+        """Insert the row's first `len(tokens)` committed tokens (`tokens`) into `namespace` with a checkpoint at
+        their end. A row shares KV of one namespace only: it resumed from there, or nothing.
 
         The tree adopts the row's slots for the tokens it lacks; where it already holds a token, the row's own
         duplicate slot is freed and the row points at the tree's. The row then shares (and locks) the whole
@@ -136,7 +142,7 @@ class PrefixCache:
             mtp = self.caches[1]
             assert mtp.length(row) >= n - 1, f"MTP row {row} holds {mtp.length(row)} pairs, {n - 1} needed"
             values[1:, 1] = mtp.table_cpu[row, : n - 1]
-        node, num_existing = self.tree.insert(np.asarray(tokens, dtype=np.int64), values)
+        node, num_existing = self.tree.insert(np.asarray(tokens, dtype=np.int64), values, namespace)
         if num_existing > shared:
             tree_values = self.tree.path_values(node)
             kv.replace(row, shared, tree_values[shared:num_existing, 0])

@@ -1,8 +1,9 @@
 """Which data-parallel replica takes a new request (`--dp_balancer`).
 
 A choice is a hint for speed only: every replica serves every request correctly, so a wrong guess costs a prefix
-recomputation, never a wrong token. Each balancer sees the prompt's token ids, every replica's load (sequences in
-flight) and which replicas are alive, and returns an alive replica's index.
+recomputation, never a wrong token. Each balancer sees the prompt's token ids and prefix-cache namespace (its
+cache_salt's), every replica's load (sequences in flight) and which replicas are alive, and returns an alive
+replica's index.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE
 
 # `cache_aware` follows a prefix to its replica unless that replica is this much busier than the least loaded one:
 # more than LOAD_RATIO times its load and LOAD_SLACK sequences more
@@ -39,7 +42,13 @@ class RoundRobinBalancer:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, token_ids: Sequence[int], loads: Sequence[int], alive: Sequence[bool]) -> int:
+    def choose(
+        self,
+        token_ids: Sequence[int],
+        loads: Sequence[int],
+        alive: Sequence[bool],
+        namespace: bytes = DEFAULT_NAMESPACE,
+    ) -> int:
         up = _alive_indices(alive)
         n = len(alive)
         for step in range(n):
@@ -54,17 +63,24 @@ class RoundRobinBalancer:
 
 
 class LeastLoadedBalancer:
-    def choose(self, token_ids: Sequence[int], loads: Sequence[int], alive: Sequence[bool]) -> int:
+    def choose(
+        self,
+        token_ids: Sequence[int],
+        loads: Sequence[int],
+        alive: Sequence[bool],
+        namespace: bytes = DEFAULT_NAMESPACE,
+    ) -> int:
         return least_loaded(loads, alive)
 
     def forget_replica(self, replica: int) -> None:
         """Load alone decides: nothing is remembered."""
 
 
-def prefix_block_keys(token_ids: Sequence[int], block_tokens: int) -> list[bytes]:
-    """One key per whole block of the prompt: key k names the first (k + 1) * block_tokens tokens (a running
-    BLAKE2b over the tokens, with the length in the key, so two prefixes share a key only if they are equal)."""
-    digest = hashlib.blake2b(digest_size=16)
+def prefix_block_keys(token_ids: Sequence[int], block_tokens: int, namespace: bytes = DEFAULT_NAMESPACE) -> list[bytes]:
+    """One key per whole block of the prompt: key k names the first (k + 1) * block_tokens tokens in `namespace` (a
+    running BLAKE2b over the namespace's name and the tokens, with the length in the key, so two prefixes share a
+    key only if they are equal and of one namespace)."""
+    digest = hashlib.blake2b(namespace, digest_size=16)
     keys = []
     for end in range(block_tokens, len(token_ids) + 1, block_tokens):
         digest.update(b"".join(t.to_bytes(4, "little") for t in token_ids[end - block_tokens : end]))
@@ -86,8 +102,14 @@ class CacheAwareBalancer:
         self.max_blocks = max_blocks
         self._owner: OrderedDict[bytes, int] = OrderedDict()
 
-    def choose(self, token_ids: Sequence[int], loads: Sequence[int], alive: Sequence[bool]) -> int:
-        keys = prefix_block_keys(token_ids, self.block_tokens)
+    def choose(
+        self,
+        token_ids: Sequence[int],
+        loads: Sequence[int],
+        alive: Sequence[bool],
+        namespace: bytes = DEFAULT_NAMESPACE,
+    ) -> int:
+        keys = prefix_block_keys(token_ids, self.block_tokens, namespace)
         least = least_loaded(loads, alive)
         chosen = least
         for key in reversed(keys):

@@ -16,6 +16,7 @@ import logging
 
 import msgspec
 
+from lightllm.cache.prefix.namespace import salt_namespace
 from lightllm.engine.messages import EngineStats, Finished, NewRequest
 from lightllm.server.args import ServerArgs
 from lightllm.server.dp.balancer import NoReplicaAlive, create_balancer
@@ -247,7 +248,7 @@ class ReplicaClient:
         # a death the watch has not seen yet must not take this request too
         self._notice_deaths()
         try:
-            replica = self.balancer.choose(req.prompt_ids, self.loads(), self.alive)
+            replica = self.balancer.choose(req.prompt_ids, self.loads(), self.alive, salt_namespace(req.cache_salt))
         except NoReplicaAlive:
             queue.put_nowait(Finished(req.req_id, "error", error="no data-parallel replica is running"))
             return

@@ -250,7 +250,12 @@ async def start_chat(fe: Frontend, body: ChatCompletionRequest, request: Request
         # a truncated prompt no longer starts with the earlier turns: no hint
         history = await fe.chat_history_len(messages, body.chat_template, kwargs, prompt_ids)
     stream = fe.generate(
-        [prompt_ids], params, request, checkpoint_hints=[history] if history else [], priority=body.priority
+        [prompt_ids],
+        params,
+        request,
+        checkpoint_hints=[history] if history else [],
+        priority=body.priority,
+        cache_salt=body.cache_salt,
     )
     return ChatRun(out, params, prompt_ids, stream)
 

@@ -17,7 +17,6 @@ _LOGIT_BIAS = "ban or force tokens with logit_bias"
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "applies to beam search, which is not supported"),
-    "cache_salt": ((), "not supported: the prefix cache is shared by all of this server's requests"),
     "guided_whitespace_pattern": ((), "not supported: JSON output allows the whitespace JSON allows"),
     "logits_processors": (([],), f"not supported; {_LOGIT_BIAS} or constrain the output with structured_outputs"),
     "kv_transfer_params": ((), "not supported: this server's prefill/decode hand-off is its own (--run_mode)"),

@@ -217,7 +217,7 @@ async def completions(body: CompletionRequest, request: Request):
             return texts[p], None
         return texts[p], echoed_prompt_logprobs(tok, prompts[p], len(texts[p]), entries, body.logprobs)
 
-    stream = fe.generate(prompts, params, request, priority=body.priority)
+    stream = fe.generate(prompts, params, request, priority=body.priority, cache_salt=body.cache_salt)
     if not body.stream:
         seqs = await _collect(stream)
         # each prompt's scores come with its first sequence

@@ -42,7 +42,7 @@ from lightllm.server.http.chat_messages import (
     template_kwargs,
 )
 from lightllm.server.http.extra_fields import guided_field, read_guided, refused_field, renamed_errors
-from lightllm.server.http.schema_base import Int, RequestError, StrictModel, Text, check_text
+from lightllm.server.http.schema_base import CacheSalt, Int, RequestError, StrictModel, Text, check_text
 
 # at most this many stop strings / stop token ids per request (each is checked against the stream)
 MAX_STOPS = 64
@@ -165,6 +165,7 @@ class _SamplingFields(StrictModel):
     truncation_side: Literal["left", "right"] = Field(
         "left", description="vLLM's: truncate_prompt_tokens keeps the prompt's end (left) or its start (right)"
     )
+    cache_salt: CacheSalt | None = None
     prompt_logprobs: int | None = Field(
         None,
         ge=0,

@@ -12,7 +12,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from lightllm.engine.sampling_params import MAX_INT
 from lightllm.server.http.chat_messages import FUNCTION_NAME, FunctionDef
-from lightllm.server.http.schema_base import RequestError, StrictModel, Text
+from lightllm.server.http.schema_base import CacheSalt, RequestError, StrictModel, Text
 
 # the Responses field each chat field it becomes is named after (a chat error names the client's field)
 RESPONSES_FIELD = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -139,6 +139,7 @@ class ResponsesRequest(StrictModel):
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
     prompt: Any = None
+    cache_salt: CacheSalt | None = None
 
     def check_supported(self) -> None:
         refused = {
@@ -173,7 +174,12 @@ class ResponsesRequest(StrictModel):
             "parallel_tool_calls": self.parallel_tool_calls,
             "stream": self.stream,
         }
-        optional = {"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        optional = {
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "cache_salt": self.cache_salt,
+        }
         chat.update({k: v for k, v in optional.items() if v is not None})
         if self.tools:
             chat["tools"] = [

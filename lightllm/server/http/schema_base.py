@@ -29,6 +29,16 @@ def check_text(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(check_text)]
 Int = Annotated[int, Field(ge=0, le=MAX_INT)]
+# vLLM's cache_salt: a secret a tenant's requests share (`lightllm.cache.prefix.namespace`); a 256-bit one in base64
+# is 43 characters
+CacheSalt = Annotated[
+    Text,
+    Field(
+        min_length=1,
+        max_length=1024,
+        description="vLLM's: only requests with the same salt share cached prefixes (keep it secret and unguessable)",
+    ),
+]
 
 
 class StrictModel(BaseModel):

@@ -227,10 +227,12 @@ class Frontend:
         request=None,
         checkpoint_hints: list[int] = (),
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[tuple[Sequence, Delta]]:
         """Run `params.n` sequences per prompt; yields (sequence, delta) as tokens arrive, in arrival order.
         `params.prompt_logprobs` goes to each prompt's first sequence only (sequence index a multiple of n): the
-        prompt is scored once. `priority`: the scheduler's (lower first), checked by `check_priority`."""
+        prompt is scored once. `priority`: the scheduler's (lower first), checked by `check_priority`. `cache_salt`:
+        the prefix-cache namespace's (`NewRequest.cache_salt`)."""
         base = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         seqs: dict[str, Sequence] = {}
@@ -261,6 +263,7 @@ class Frontend:
                         # a grammar is matched against this checkpoint's vocabulary
                         tokenizer_dir=self.info.model_dir if sub.grammar is not None else "",
                         priority=priority,
+                        cache_salt=cache_salt,
                     )
                     await self.client.submit(msg, queue)
             while pending:

@@ -323,12 +323,15 @@ class DecodeRole:
     def _import(self, transfer: PdTransfer) -> list[EngineOutput]:
         engine, msg = self.engine, transfer.request
         req_id = msg.req_id
+        req = Request.from_message(msg, engine.max_req_total_len)
         try:
-            handle = engine.runner.import_request(transfer.state, self._take_region(req_id))
+            # its publishes here go to its namespace, as they would on a monolithic server
+            handle = engine.runner.import_request(
+                transfer.state, self._take_region(req_id), namespace=req.cache_namespace
+            )
         except RuntimeError as exc:
             logger.error("import of %s failed: %s", req_id, exc)
             return [Finished(req_id, "error", num_prompt_tokens=len(msg.prompt_ids), error=f"import failed: {exc}")]
-        req = Request.from_message(msg, engine.max_req_total_len)
         req.output_ids = list(transfer.first_chunk.token_ids)
         # a grammar resumes where the prefill node's first token left it
         problem = (

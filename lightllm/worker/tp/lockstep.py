@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from lightllm.cache.payload import RequestState, TensorBlob
+from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE
 from lightllm.linear_att.base import Checkpoint
 from lightllm.worker.tp.group import Plan, broadcast_plan, gather_to_rank0
 from lightllm.worker.tp.layout import merge_checkpoints, merge_request_states, split_checkpoint, split_request_state
@@ -140,8 +141,8 @@ def _export_request(runner, control, handle: int) -> RequestState | None:
     return None if parts is None else merge_request_states(parts, runner)
 
 
-def _import_request(runner, control, state: RequestState) -> int:
-    return runner.import_request(split_request_state(state, runner))
+def _import_request(runner, control, state: RequestState, namespace: bytes = DEFAULT_NAMESPACE) -> int:
+    return runner.import_request(split_request_state(state, runner), namespace=namespace)
 
 
 GLOBAL_LAYOUT_CALLS: dict[str, Callable] = {
@@ -196,12 +197,12 @@ class LockstepRunner:
             dist.broadcast(t, src=0)
         return run_plan(self.runner, plan, self.group.control)
 
-    def add_request(self, prefix: list[int] | None = None) -> int:
+    def add_request(self, prefix: list[int] | None = None, namespace: bytes = DEFAULT_NAMESPACE) -> int:
         """A new request on every rank. Rank 0 chooses the host-tier entry it resumes from (if any), so that
         every rank imports its shard of the same entry."""
         cache = self.runner.prefix_cache
-        host = cache.host_match(prefix) if prefix and cache is not None else 0
-        return self._everywhere(Plan("add_request", (prefix,), {"host_tokens": host}))
+        host = cache.host_match(prefix, namespace) if prefix and cache is not None else 0
+        return self._everywhere(Plan("add_request", (prefix,), {"host_tokens": host, "namespace": namespace}))
 
     def export_request(self, handle: int, pack: Callable | None = None) -> RequestState:
         """Prefill/decode disaggregation: the request's committed state with every rank's heads, in global order
@@ -209,12 +210,14 @@ class LockstepRunner:
         state = self._everywhere(Plan("export_request", (handle,)))
         return state if pack is None else _repack(state, pack, self.runner.device)
 
-    def import_request(self, state: RequestState, region: torch.Tensor | None = None) -> int:
+    def import_request(
+        self, state: RequestState, region: torch.Tensor | None = None, namespace: bytes = DEFAULT_NAMESPACE
+    ) -> int:
         """A new request on every rank holding its heads of `state` (laid out by global head); returns the handle.
         Blobs in a device `region` are read on rank 0 and sent to the followers with the plan."""
         if region is not None:
             state = _map_blobs(state, lambda b: TensorBlob.of(b.view_in(region)) if b.offset is not None else b)
-        return self._everywhere(Plan("import_request", (state,)))
+        return self._everywhere(Plan("import_request", (state,), {"namespace": namespace}))
 
     def close(self) -> None:
         """Drop this runner on every rank; the group stays, ready to build another, unless this runner owns it."""

@@ -122,7 +122,7 @@ class RunnerHostTier:
         or no room, or the writer's copies were behind). A node without a checkpoint has nothing to resume from.
         In the background mode the copy may still be running on return (`flush` waits for it)."""
         cache = self.runner.prefix_cache.cache
-        tokens = cache.tree.path_tokens(node)
+        tokens, namespace = cache.tree.path_tokens(node), cache.tree.namespace(node)
         if node.checkpoint is None or len(tokens) == 0:
             return False
         tensors, state = self._node_state(node)
@@ -136,7 +136,7 @@ class RunnerHostTier:
         # claimed by the writer (on its worker in the background mode): nothing is copied when the tier holds the
         # entry already, another writer is at it, or no room can be made
         return self.writer.write(
-            lambda: self.tier.begin_write(tokens, nbytes),
+            lambda: self.tier.begin_write(tokens, nbytes, namespace),
             _DESC_LEN.pack(len(desc)) + desc,
             _data_start(len(desc)),
             tensors,
@@ -167,28 +167,28 @@ class RunnerHostTier:
         return tensors, state
 
     # reading ---------------------------------------------------------------------------------------------
-    def match_len(self, prefix: list[int], longer_than: int, num_tokens: int | None = None) -> int:
-        """The length of the entry a new request for `prefix` would resume from (at most all but its last
-        token), longer than `longer_than` (0: none); leases it."""
-        ticket = self._lookup(prefix, longer_than, num_tokens)
+    def match_len(self, prefix: list[int], longer_than: int, namespace: bytes) -> int:
+        """The length of the entry in `namespace` a new request for `prefix` would resume from (at most all but
+        its last token), longer than `longer_than` (0: none); leases it."""
+        ticket = self._lookup(prefix, longer_than, None, namespace)
         return 0 if ticket is None else ticket.num_tokens
 
-    def _lookup(self, prefix: list[int], longer_than: int, num_tokens: int | None) -> Ticket | None:
+    def _lookup(self, prefix: list[int], longer_than: int, num_tokens: int | None, namespace: bytes) -> Ticket | None:
         """With `num_tokens`, only an entry of exactly that length (rank 0 chose it for every rank)."""
         if len(prefix) < 2:
             return None
         tokens = prefix[:-1]
         if num_tokens is None:
-            return self.tier.lookup(tokens, longer_than)
+            return self.tier.lookup(tokens, longer_than, namespace)
         if num_tokens <= longer_than or num_tokens > len(tokens):
             return None
-        return self.tier.lookup(tokens[:num_tokens], num_tokens - 1)
+        return self.tier.lookup(tokens[:num_tokens], num_tokens - 1, namespace)
 
     def resume(self, req, prefix: list[int], longer_than: int, num_tokens: int | None = None) -> bool:
-        """Start the fresh request `req` from the longest entry for `prefix` longer than `longer_than` (or the
-        one of `num_tokens` tokens); False, with nothing imported, on a miss or when the entry changed while it
-        was copied out."""
-        ticket = self._lookup(prefix, longer_than, num_tokens)
+        """Start the fresh request `req` from the longest entry of its namespace for `prefix` longer than
+        `longer_than` (or the one of `num_tokens` tokens); False, with nothing imported, on a miss or when the entry
+        changed while it was copied out."""
+        ticket = self._lookup(prefix, longer_than, num_tokens, req.namespace)
         if ticket is None:
             return False
         section = self.tier.section(ticket)

@@ -21,6 +21,7 @@ import torch
 from lightllm.cache.device_copy import to_device
 from lightllm.cache.kv_cache import KVCache
 from lightllm.cache.prefix import CheckpointPool, PrefixCache, PrefixMatch
+from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE
 from lightllm.cache.prefix.radix_tree import TreeNode
 from lightllm.linear_att.base import Checkpoint, LinearAttState
 from lightllm.worker.transfer.host_tier import RunnerHostTier
@@ -108,34 +109,36 @@ class RunnerPrefixCache:
     def pool(self) -> CheckpointPool:
         return self.cache.pool
 
-    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """A lookup for a new request for `token_ids`: at most all but the last token (it needs logits). A longer
-        host-tier entry wins; its tokens count as pinned (they take fresh KV slots)."""
-        match = self.cache.match(token_ids[:-1]) if len(token_ids) > 1 else PrefixMatch()
-        host = self.host_match(token_ids, match.num_tokens)
+    def match(self, token_ids: Sequence[int], namespace: bytes = DEFAULT_NAMESPACE) -> PrefixMatch:
+        """A lookup for a new request for `token_ids` in `namespace`: at most all but the last token (it needs
+        logits). A longer host-tier entry wins; its tokens count as pinned (they take fresh KV slots)."""
+        match = self.cache.match(token_ids[:-1], namespace) if len(token_ids) > 1 else PrefixMatch()
+        host = self.host_match(token_ids, namespace, match.num_tokens)
         if host:
             return PrefixMatch(num_tokens=host, num_pinned=host, num_matched=match.num_matched)
         return match
 
-    def host_match(self, token_ids: Sequence[int], longer_than: int | None = None) -> int:
-        """The length of the host-tier entry a new request for `token_ids` would resume from: one longer than the
-        device's hit (0: none)."""
+    def host_match(self, token_ids: Sequence[int], namespace: bytes, longer_than: int | None = None) -> int:
+        """The length of the host-tier entry in `namespace` a new request for `token_ids` would resume from: one
+        longer than the device's hit (0: none)."""
         if self.host is None or len(token_ids) < 2:
             return 0
         if longer_than is None:
-            longer_than = self.cache.match(token_ids[:-1]).num_tokens
-        return self.host.match_len(list(token_ids), longer_than)
+            longer_than = self.cache.match(token_ids[:-1], namespace).num_tokens
+        return self.host.match_len(list(token_ids), longer_than, namespace)
 
     def resume(self, handle: int, req, token_ids: Sequence[int], host_tokens: int | None = None) -> None:
-        """Start the new request `handle` from the deepest checkpoint on its tokens' path, or from the host tier
-        when it holds a longer prefix (a miss leaves it empty). `host_tokens`: the host entry's length chosen on
-        rank 0 for every tensor-parallel rank (0: none); None: the longest."""
+        """Start the new request `handle` from the deepest checkpoint on its tokens' path in its namespace
+        (`req.namespace`), or from the host tier when it holds a longer prefix (a miss leaves it empty).
+        `host_tokens`: the host entry's length chosen on rank 0 for every tensor-parallel rank (0: none); None: the
+        longest."""
+        namespace = req.namespace
         if self.host is not None and host_tokens != 0 and len(token_ids) > 1:
-            device = self.cache.match(token_ids[:-1]).num_tokens
+            device = self.cache.match(token_ids[:-1], namespace).num_tokens
             if self.host.resume(req, list(token_ids), device, host_tokens):
                 self.cache.stats.num_queried_tokens += len(token_ids)
                 return
-        hit = self.cache.resume(handle, token_ids[:-1], len(token_ids)) if len(token_ids) > 1 else None
+        hit = self.cache.resume(handle, token_ids[:-1], len(token_ids), namespace) if len(token_ids) > 1 else None
         if hit is None:
             return
         self.state.import_checkpoint(self._slots(req), hit.checkpoint)
@@ -171,13 +174,13 @@ class RunnerPrefixCache:
         if held is None and (self.host is None or not self.host.write_through):
             # exported with the other publishes before the state or the pool is next read or written (`flush`):
             # one export and one pool write for all the checkpoints of a step instead of one each
-            node = self.cache.publish(handle, token_ids, None)
+            node = self.cache.publish(handle, token_ids, None, req.namespace)
             if node is not None:
                 hidden = self._last_hidden(req) if self.drafter is not None else None
                 self._unwritten.append((node.checkpoint, node, req.state_slot, hidden))
             return
         node = self.cache.publish(
-            handle, token_ids, (lambda: held) if held is not None else (lambda: self._export(req))
+            handle, token_ids, (lambda: held) if held is not None else (lambda: self._export(req)), req.namespace
         )
         if node is not None and self.host is not None and self.host.write_through:
             self.host.save(node)
