@@ -12,6 +12,7 @@ from lightllm.server.dp.balancer import (
     LeastLoadedBalancer,
     NoReplicaAlive,
     RoundRobinBalancer,
+    RoutedPrompt,
     create_balancer,
     prefix_block_keys,
 )
@@ -27,20 +28,20 @@ def _prompt(seed: int, n: int) -> list[int]:
 def test_round_robin_cycles_over_alive_replicas():
     b = RoundRobinBalancer()
     alive = [True, True, True]
-    assert [b.choose([], [0, 0, 0], alive) for _ in range(4)] == [0, 1, 2, 0]
+    assert [b.choose(RoutedPrompt([]), [0, 0, 0], alive) for _ in range(4)] == [0, 1, 2, 0]
     alive[2] = False
-    assert [b.choose([], [0, 0, 0], alive) for _ in range(3)] == [1, 0, 1]
+    assert [b.choose(RoutedPrompt([]), [0, 0, 0], alive) for _ in range(3)] == [1, 0, 1]
 
 
 def test_least_loaded_takes_the_lowest_index_among_equals():
     b = LeastLoadedBalancer()
-    assert b.choose([], [3, 1, 1], [True] * 3) == 1
-    assert b.choose([], [3, 1, 0], [True, True, False]) == 1
+    assert b.choose(RoutedPrompt([]), [3, 1, 1], [True] * 3) == 1
+    assert b.choose(RoutedPrompt([]), [3, 1, 0], [True, True, False]) == 1
 
 
 def test_no_alive_replica_is_refused():
     with pytest.raises(NoReplicaAlive):
-        LeastLoadedBalancer().choose([], [0, 0], [False, False])
+        LeastLoadedBalancer().choose(RoutedPrompt([]), [0, 0], [False, False])
 
 
 def test_block_keys_name_whole_blocks_and_differ_for_different_prefixes():
@@ -68,13 +69,13 @@ def test_cache_aware_follows_the_longest_prefix_and_falls_back_to_least_loaded()
     alive = [True, True, True]
     system = _prompt(3, 8)
     # nobody has seen it: the least loaded replica
-    assert b.choose(system + [1, 2], [2, 0, 1], alive) == 1
+    assert b.choose(RoutedPrompt(system + [1, 2]), [2, 0, 1], alive) == 1
     # the next turn carries the same prefix: replica 1 again, although replica 2 is now less loaded
-    assert b.choose(system + [1, 2, 3, 4, 5], [2, 1, 0], alive) == 1
+    assert b.choose(RoutedPrompt(system + [1, 2, 3, 4, 5]), [2, 1, 0], alive) == 1
     # a different prompt goes to the least loaded
-    assert b.choose(_prompt(4, 9), [2, 1, 0], alive) == 2
+    assert b.choose(RoutedPrompt(_prompt(4, 9)), [2, 1, 0], alive) == 2
     # a prompt shorter than one block has no prefix to follow
-    assert b.choose([1, 2, 3], [0, 5, 5], alive) == 0
+    assert b.choose(RoutedPrompt([1, 2, 3]), [0, 5, 5], alive) == 0
 
 
 def test_cache_aware_follows_a_prefix_only_within_its_cache_salt():
@@ -84,51 +85,51 @@ def test_cache_aware_follows_a_prefix_only_within_its_cache_salt():
     alive = [True, True, True]
     system, a, other = _prompt(5, 8), salt_namespace("tenant-a"), salt_namespace("tenant-b")
     assert prefix_block_keys(system, BLOCK, a) != prefix_block_keys(system, BLOCK)
-    assert b.choose(system + [1], [1, 0, 1], alive, a) == 1
+    assert b.choose(RoutedPrompt(system + [1], a), [1, 0, 1], alive) == 1
     # another salt, and no salt: the least loaded replica, not the salted prompt's
-    assert b.choose(system + [2], [1, 1, 0], alive, other) == 2
-    assert b.choose(system + [3], [0, 1, 1], alive) == 0
+    assert b.choose(RoutedPrompt(system + [2], other), [1, 1, 0], alive) == 2
+    assert b.choose(RoutedPrompt(system + [3]), [0, 1, 1], alive) == 0
     # twin: the same salt follows its prefix to replica 1
-    assert b.choose(system + [4], [0, 1, 0], alive, a) == 1
+    assert b.choose(RoutedPrompt(system + [4], a), [0, 1, 0], alive) == 1
 
 
 def test_cache_aware_leaves_a_replica_much_busier_than_the_least_loaded():
     b = CacheAwareBalancer(BLOCK)
     alive = [True, True]
     prompt = _prompt(5, 12)
-    assert b.choose(prompt, [0, 0], alive) == 0
+    assert b.choose(RoutedPrompt(prompt), [0, 0], alive) == 0
     # 4 more than the least loaded (0) is within the slack: stays
-    assert b.choose(prompt, [4, 0], alive) == 0
+    assert b.choose(RoutedPrompt(prompt), [4, 0], alive) == 0
     # 5 more: too busy, the least loaded takes it and the prefix moves there
-    assert b.choose(prompt, [5, 0], alive) == 1
-    assert b.choose(prompt, [5, 3], alive) == 1
+    assert b.choose(RoutedPrompt(prompt), [5, 0], alive) == 1
+    assert b.choose(RoutedPrompt(prompt), [5, 3], alive) == 1
     # with both busy the ratio decides: 15 <= 1.5 * 10 stays, 16 does not
-    assert b.choose(prompt, [10, 15], alive) == 1
-    assert b.choose(prompt, [10, 16], alive) == 0
+    assert b.choose(RoutedPrompt(prompt), [10, 15], alive) == 1
+    assert b.choose(RoutedPrompt(prompt), [10, 16], alive) == 0
 
 
 def test_cache_aware_skips_a_dead_owner_and_forgets_it():
     b = CacheAwareBalancer(BLOCK)
     prompt = _prompt(6, 8)
-    assert b.choose(prompt, [0, 1], [True, True]) == 0
-    assert b.choose(prompt, [0, 1], [False, True]) == 1
+    assert b.choose(RoutedPrompt(prompt), [0, 1], [True, True]) == 0
+    assert b.choose(RoutedPrompt(prompt), [0, 1], [False, True]) == 1
     b.forget_replica(1)
-    assert b.choose(prompt, [1, 0], [True, True]) == 1
+    assert b.choose(RoutedPrompt(prompt), [1, 0], [True, True]) == 1
 
 
 def test_cache_aware_memory_is_bounded_least_recent_first():
     b = CacheAwareBalancer(BLOCK, max_blocks=2)
     first, second = _prompt(7, 4), _prompt(8, 8)
-    assert b.choose(first, [0, 0], [True, True]) == 0
+    assert b.choose(RoutedPrompt(first), [0, 0], [True, True]) == 0
     # two more blocks: the first prompt's block is forgotten
-    assert b.choose(second, [1, 0], [True, True]) == 1
-    assert b.choose(first, [1, 0], [True, True]) == 1
+    assert b.choose(RoutedPrompt(second), [1, 0], [True, True]) == 1
+    assert b.choose(RoutedPrompt(first), [1, 0], [True, True]) == 1
 
 
 def test_teeth_a_balancer_without_memory_loses_the_conversation():
     """The cache-aware choice above is not what load alone gives."""
     system = _prompt(3, 8)
-    assert LeastLoadedBalancer().choose(system + [1, 2, 3, 4, 5], [2, 1, 0], [True] * 3) == 2
+    assert LeastLoadedBalancer().choose(RoutedPrompt(system + [1, 2, 3, 4, 5]), [2, 1, 0], [True] * 3) == 2
 
 
 def test_create_balancer_names():
@@ -144,38 +145,38 @@ def test_cache_aware_takes_the_longest_prefix_among_owners():
     b = CacheAwareBalancer(BLOCK)
     alive = [True, True, True]
     base = _prompt(9, 3 * BLOCK)
-    assert b.choose(base, [1, 0, 0], alive) == 1
+    assert b.choose(RoutedPrompt(base), [1, 0, 0], alive) == 1
     # replica 1 is too busy for a prompt of the first block: replica 0 takes it (and now owns that block)
-    assert b.choose(base[:BLOCK] + [1], [0, 9, 9], alive) == 0
+    assert b.choose(RoutedPrompt(base[:BLOCK] + [1]), [0, 9, 9], alive) == 0
     diverged_in_second = base[: BLOCK + 3] + [base[BLOCK + 3] + 1] + base[BLOCK + 4 :]
-    assert b.choose(diverged_in_second, [1, 1, 0], alive) == 0
+    assert b.choose(RoutedPrompt(diverged_in_second), [1, 1, 0], alive) == 0
     diverged_in_first = [base[0] + 1] + base[1:]
-    assert b.choose(diverged_in_first, [1, 1, 0], alive) == 2
-    assert b.choose(base + [5, 6], [1, 1, 0], alive) == 1
+    assert b.choose(RoutedPrompt(diverged_in_first), [1, 1, 0], alive) == 2
+    assert b.choose(RoutedPrompt(base + [5, 6]), [1, 1, 0], alive) == 1
 
 
 def test_cache_aware_falls_back_to_a_shorter_prefix_of_an_alive_replica():
     b = CacheAwareBalancer(BLOCK)
     base = _prompt(10, 2 * BLOCK)
-    assert b.choose(base, [1, 0, 0], [True] * 3) == 1
-    assert b.choose(base[:BLOCK], [0, 9, 9], [True] * 3) == 0
+    assert b.choose(RoutedPrompt(base), [1, 0, 0], [True] * 3) == 1
+    assert b.choose(RoutedPrompt(base[:BLOCK]), [0, 9, 9], [True] * 3) == 0
     # the longest prefix's replica is dead: the shorter one's replica takes it, not the idle replica 2
-    assert b.choose(base, [1, 0, 0], [True, False, True]) == 0
+    assert b.choose(RoutedPrompt(base), [1, 0, 0], [True, False, True]) == 0
 
 
 def test_cache_aware_sends_new_prefixes_to_idle_replicas_first():
     b = CacheAwareBalancer(BLOCK)
     loads = [3, 1, 0, 0]
-    assert b.choose(_prompt(20, 2 * BLOCK), loads, [True] * 4) == 2
+    assert b.choose(RoutedPrompt(_prompt(20, 2 * BLOCK)), loads, [True] * 4) == 2
     # the lowest-index idle replica among equals; a dead idle replica is skipped
-    assert b.choose(_prompt(30, 2 * BLOCK), [3, 1, 0, 0], [True, True, False, True]) == 3
-    assert b.choose(_prompt(31, 2 * BLOCK), [2, 2, 1, 1], [True] * 4) == 2
+    assert b.choose(RoutedPrompt(_prompt(30, 2 * BLOCK)), [3, 1, 0, 0], [True, True, False, True]) == 3
+    assert b.choose(RoutedPrompt(_prompt(31, 2 * BLOCK)), [2, 2, 1, 1], [True] * 4) == 2
 
 
 def test_cache_aware_bound_is_against_the_least_loaded_alive_replica():
     """A dead replica's (stale) zero load does not make the owner look busy."""
     b = CacheAwareBalancer(BLOCK)
     prompt = _prompt(11, 2 * BLOCK)
-    assert b.choose(prompt, [0, 0, 0], [True] * 3) == 0
-    assert b.choose(prompt, [6, 0, 3], [True, False, True]) == 0
-    assert b.choose(prompt, [6, 1, 1], [True, True, True]) == 1
+    assert b.choose(RoutedPrompt(prompt), [0, 0, 0], [True] * 3) == 0
+    assert b.choose(RoutedPrompt(prompt), [6, 0, 3], [True, False, True]) == 0
+    assert b.choose(RoutedPrompt(prompt), [6, 1, 1], [True, True, True]) == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE
 
@@ -24,6 +25,14 @@ MAX_REMEMBERED_BLOCKS = 1 << 20
 
 class NoReplicaAlive(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class RoutedPrompt:
+    """What a balancer routes by: the prompt's token ids and its prefix-cache namespace (its cache_salt's)."""
+
+    token_ids: Sequence[int]
+    namespace: bytes = DEFAULT_NAMESPACE
 
 
 def _alive_indices(alive: Sequence[bool]) -> list[int]:
@@ -42,13 +51,7 @@ class RoundRobinBalancer:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(
-        self,
-        token_ids: Sequence[int],
-        loads: Sequence[int],
-        alive: Sequence[bool],
-        namespace: bytes = DEFAULT_NAMESPACE,
-    ) -> int:
+    def choose(self, prompt: RoutedPrompt, loads: Sequence[int], alive: Sequence[bool]) -> int:
         up = _alive_indices(alive)
         n = len(alive)
         for step in range(n):
@@ -63,13 +66,7 @@ class RoundRobinBalancer:
 
 
 class LeastLoadedBalancer:
-    def choose(
-        self,
-        token_ids: Sequence[int],
-        loads: Sequence[int],
-        alive: Sequence[bool],
-        namespace: bytes = DEFAULT_NAMESPACE,
-    ) -> int:
+    def choose(self, prompt: RoutedPrompt, loads: Sequence[int], alive: Sequence[bool]) -> int:
         return least_loaded(loads, alive)
 
     def forget_replica(self, replica: int) -> None:
@@ -102,14 +99,8 @@ class CacheAwareBalancer:
         self.max_blocks = max_blocks
         self._owner: OrderedDict[bytes, int] = OrderedDict()
 
-    def choose(
-        self,
-        token_ids: Sequence[int],
-        loads: Sequence[int],
-        alive: Sequence[bool],
-        namespace: bytes = DEFAULT_NAMESPACE,
-    ) -> int:
-        keys = prefix_block_keys(token_ids, self.block_tokens, namespace)
+    def choose(self, prompt: RoutedPrompt, loads: Sequence[int], alive: Sequence[bool]) -> int:
+        keys = prefix_block_keys(prompt.token_ids, self.block_tokens, prompt.namespace)
         least = least_loaded(loads, alive)
         chosen = least
         for key in reversed(keys):

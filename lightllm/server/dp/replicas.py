@@ -19,7 +19,7 @@ import msgspec
 from lightllm.cache.prefix.namespace import salt_namespace
 from lightllm.engine.messages import EngineStats, Finished, NewRequest
 from lightllm.server.args import ServerArgs
-from lightllm.server.dp.balancer import NoReplicaAlive, create_balancer
+from lightllm.server.dp.balancer import NoReplicaAlive, RoutedPrompt, create_balancer
 from lightllm.server.dp.placement import Placement, place_replicas, visible_cuda_devices
 from lightllm.server.dp.replica_metrics import ReplicaCollector, replica_rows
 from lightllm.server.dp.restart import ReplicaRestarter, RestartPolicy
@@ -248,7 +248,8 @@ class ReplicaClient:
         # a death the watch has not seen yet must not take this request too
         self._notice_deaths()
         try:
-            replica = self.balancer.choose(req.prompt_ids, self.loads(), self.alive, salt_namespace(req.cache_salt))
+            prompt = RoutedPrompt(req.prompt_ids, salt_namespace(req.cache_salt))
+            replica = self.balancer.choose(prompt, self.loads(), self.alive)
         except NoReplicaAlive:
             queue.put_nowait(Finished(req.req_id, "error", error="no data-parallel replica is running"))
             return
