@@ -53,24 +53,27 @@ def _is_float(v, lo: float, hi: float, lo_open: bool = False) -> bool:
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True):
     """vLLM's offline constraint on the output: exactly one of a JSON schema (an object or its JSON text), any JSON
-    object, a regular expression the whole output matches, one of several strings, or a Lark grammar (llguidance's
-    dialect). The offline `LLM` compiles it into `SamplingParams.grammar`."""
+    object, a regular expression the whole output matches, one of several strings, a Lark grammar (llguidance's
+    dialect) or a structural tag (`{type: structural_tag, structures: [{begin, schema, end}], triggers: [...]}`, an
+    object or its JSON text). The offline `LLM` compiles it into `SamplingParams.grammar`."""
 
     json: dict | str | None = None
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict | str | None = None
 
     def constraint(self) -> tuple[str, object] | None:
         """(kind, value) of the one constraint given; None unless exactly one is, of its kind's type."""
-        given = [(k, getattr(self, k)) for k in ("json", "json_object", "regex", "choice", "grammar")]
-        given = [(k, v) for k, v in given if v is not None and v is not False]
+        kinds = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+        given = [(k, v) for k in kinds if (v := getattr(self, k)) is not None and v is not False]
         if len(given) != 1:
             return None
         kind, value = given[0]
         valid = {
             "json": isinstance(value, dict) or (isinstance(value, str) and value),
+            "structural_tag": isinstance(value, dict) or (isinstance(value, str) and value),
             "json_object": value is True,
             "choice": isinstance(value, list) and value and all(isinstance(c, str) and c for c in value),
         }.get(kind, isinstance(value, str) and value)
@@ -270,8 +273,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                     and self.grammar is None
                 ),
                 "must be a StructuredOutputsParams naming exactly one of json (a schema: a dict or its text), "
-                "json_object (true), regex (text), choice (a list of non-empty strings) or grammar (text), and no "
-                "grammar beside it",
+                "json_object (true), regex (text), choice (a list of non-empty strings), grammar (text) or "
+                "structural_tag (a dict or its text), and no grammar beside it",
             ),
             (
                 "allowed_token_ids",

@@ -215,7 +215,7 @@ class LLM:
         if params.structured_outputs is None:
             return params
         try:
-            grammar = offline_grammar(params.structured_outputs)
+            grammar = offline_grammar(params.structured_outputs, self.tokenizer.whole_tokens)
             return constrained(msgspec.structs.replace(params, structured_outputs=None), grammar)
         except RequestError as exc:
             raise ValueError(str(exc)) from None

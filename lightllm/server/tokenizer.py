@@ -86,10 +86,13 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         if isinstance(self.hf, TiktokenTokenizer):
             self._bytes = self.hf.token_bytes()
+            # texts the tokenizer reads as one token wherever they occur: a grammar names them as tokens
+            self.whole_tokens: dict[str, int] = dict(self.hf.special.ids)
         else:
             decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
             self._byte_decoder = _byte_level_decoder() if type(decoder).__name__ == "ByteLevel" else None
             self._added = {i: t.content for i, t in self.hf.added_tokens_decoder.items()}
+            self.whole_tokens = {text: i for i, text in self._added.items()}
             pieces = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
             self._bytes = [self._raw_bytes(i, piece) for i, piece in enumerate(pieces)]
         # no token spans more bytes than this, and a character is at least one byte

@@ -27,7 +27,7 @@ def _setup(parallel: bool = True):
     fe = SimpleNamespace(
         args=SimpleNamespace(tool_call_parser="auto", reasoning_parser="auto"),
         info=SimpleNamespace(model_type="qwen3_5"),
-        tokenizer=None,
+        tokenizer=SimpleNamespace(whole_tokens={}),
     )
     body = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "parallel_tool_calls": parallel}
@@ -126,7 +126,12 @@ def test_openapi_schema_describes_the_agent_fields():
     for name in ("tools", "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs"):
         assert request[name].get("description"), name
     assert {"tool_calls", "tool_call_id", "reasoning_content"} <= set(schemas["ChatMessage"]["properties"])
-    assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
+    assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == {
+        "text",
+        "json_object",
+        "json_schema",
+        "structural_tag",
+    }
     assert "schema" in schemas["JsonSchemaFormat"]["properties"]
     assert schemas["FunctionDef"]["properties"]["name"]["pattern"]
 
@@ -174,11 +179,13 @@ def test_structured_outputs_start_after_a_reasoning_block_the_prompt_opened(open
     think_close = 77
     fe, out = _setup()
     fe.offload = offload
-    fe.tokenizer = SimpleNamespace(encode_rendered=lambda text: [think_close] if text == "</think>" else [1, 2])
+    fe.tokenizer = SimpleNamespace(
+        encode_rendered=lambda text: [think_close] if text == "</think>" else [1, 2], whole_tokens={}
+    )
     body = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "[0-9]{2}"}}
     )
     out.starts_in_reasoning = opened
     params = asyncio.run(_constrain(fe, body, out, SamplingParams()))
-    assert params.grammar == structured_outputs_grammar(body.structured_outputs)
+    assert params.grammar == structured_outputs_grammar(body.structured_outputs, {})
     assert params.grammar_start_token == (think_close if opened else None)

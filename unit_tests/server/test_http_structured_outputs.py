@@ -104,6 +104,61 @@ def test_json_schema_and_json_object_outputs_parse(server, client, route, form):
             assert isinstance(json.loads(text), dict)
 
 
+CALL_HEAD, CALL_END = '<tool_call>\n{"name": "lookup", "arguments": ', "}\n</tool_call>"
+TOOL_TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": CALL_HEAD, "schema": SCHEMA, "end": CALL_END}],
+    "triggers": ["<tool_call>"],
+}
+
+
+def _calls(text: str) -> list[str]:
+    """The complete calls of `text`, which must be nothing but calls (the last one may be cut by the length limit),
+    each checked against the structure; returns their arguments' texts."""
+    parts = text.split("<tool_call>")
+    assert parts[0] == "" and len(parts) > 2, text
+    arguments = []
+    for part in parts[1:-1]:
+        call = "<tool_call>" + part
+        assert call.startswith(CALL_HEAD) and call.endswith(CALL_END), call
+        arguments.append(call[len(CALL_HEAD) : -len(CALL_END)])
+    return arguments
+
+
+@pytest.mark.parametrize("form", ["structured_outputs", "structured_outputs_text", "response_format"])
+def test_structural_tag_constrains_each_call_the_trigger_starts(server, client, form):
+    """vLLM's structural tag, with the `<tool_call>` token forced wherever the text is free (logit_bias): every call
+    that follows it is the structure's head, arguments valid for the schema and its end. Twin: the same biased
+    request without the tag writes calls whose arguments are not the schema's."""
+    tool_call = server.tokenizer.encode_rendered("<tool_call>")
+    assert len(tool_call) == 1
+    constraint = {
+        "structured_outputs": {"structured_outputs": {"structural_tag": TOOL_TAG}},
+        "structured_outputs_text": {"structured_outputs": {"structural_tag": json.dumps(TOOL_TAG)}},
+        "response_format": {"response_format": TOOL_TAG},
+    }[form]
+
+    def texts(extra: dict) -> list[str]:
+        out = client.completions.create(
+            model=server.model,
+            prompt="Call:",
+            max_tokens=120,
+            n=3,
+            temperature=1.0,
+            seed=3,
+            logit_bias={str(tool_call[0]): 100},
+            extra_body=extra,
+        )
+        return [c.text for c in out.choices]
+
+    for text in texts(constraint):
+        for arguments in _calls(text):
+            value = json.loads(arguments)
+            assert set(value) == {"name", "n"} and 0 <= value["n"] <= 999 and len(value["name"]) <= 8
+    free = [t.split("<tool_call>") for t in texts({})]
+    assert not any(part.startswith(CALL_HEAD[len("<tool_call>") :]) for parts in free for part in parts[1:])
+
+
 def test_completions_take_response_format_as_chat_does(server, client):
     """vLLM's /v1/completions takes response_format too: json_schema outputs parse against the schema, json_object
     outputs open an object; `text` (the twin) leaves the output free, as no response_format does."""
@@ -183,6 +238,21 @@ BAD = [
         "structured_outputs",
     ),
     ("completions", CMPL, {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("completions", CMPL, {"response_format": {"type": "structural_tag"}}, "response_format"),
+    (
+        "completions",
+        CMPL,
+        {"structured_outputs": {"structural_tag": {**TOOL_TAG, "triggers": ["<function="]}}},
+        "structured_outputs.structural_tag",
+    ),
+    (
+        "completions",
+        CMPL,
+        {"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": {"type": "any_text"}}}},
+        "structured_outputs.structural_tag",
+    ),
+    ("completions", CMPL, {"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag"),
+    ("completions", CMPL, {"structural_tag": json.dumps(TOOL_TAG)}, "structural_tag"),
     (
         "completions",
         CMPL,

@@ -128,7 +128,7 @@ def test_structured_outputs_constrain_offline_as_over_http(llm):
         params = SamplingParams(**knobs, structured_outputs=StructuredOutputsParams(**{kind: value}))
         text = llm.generate("Answer:", params)[0].outputs[0].text
         assert valid(text), (kind, text)
-        explicit = SamplingParams(**knobs, grammar=constraint_grammar(kind, value))
+        explicit = SamplingParams(**knobs, grammar=constraint_grammar(kind, value, llm.tokenizer.whole_tokens))
         assert llm.generate("Answer:", explicit)[0].outputs[0].text == text, kind
     free = llm.generate("Answer:", SamplingParams(**knobs))[0].outputs[0].text
     assert free not in ("alpha", "beta")

@@ -57,7 +57,7 @@ def setup():
         ids = tok.encode_rendered(text)
         return ids[0] if len(ids) == 1 else None
 
-    return tok, vocabulary, request_grammar(body, "qwen3_xml", token_of)
+    return tok, vocabulary, request_grammar(body, "qwen3_xml", token_of, tok.whole_tokens)
 
 
 def _accepts(setup, text: str) -> bool:

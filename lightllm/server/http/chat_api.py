@@ -135,7 +135,11 @@ async def _constrain(fe: Frontend, body: ChatCompletionRequest, out: ChatOutput,
     until `</think>`."""
     try:
         grammar = await fe.offload(
-            request_grammar, body, out.tool_parser, lambda text: single_token(fe.tokenizer, text)
+            request_grammar,
+            body,
+            out.tool_parser,
+            lambda text: single_token(fe.tokenizer, text),
+            fe.tokenizer.whole_tokens,
         )
         if grammar is None:
             return params

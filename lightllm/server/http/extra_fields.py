@@ -29,7 +29,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "repetition_detection": ((), "not supported; use repetition_penalty"),
     "logprob_token_ids": ((), "not supported; logprobs / top_logprobs return the most likely tokens"),
     "watermarking": ((False,), "not supported"),
-    "structural_tag": ((), "not supported; constrain the output with structured_outputs"),
+    "structural_tag": ((), "send it as structured_outputs.structural_tag or a response_format of that type"),
 }
 
 

@@ -174,7 +174,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.structured_outputs is not None or body.response_format is not None:
         # compiled after the checks that need no compile; the prompt's own checks read no grammar
         try:
-            grammar = await fe.offload(completion_grammar, body)
+            grammar = await fe.offload(completion_grammar, body, fe.tokenizer.whole_tokens)
             if grammar is not None:
                 params = constrained(params, grammar)
         except RequestError as exc:

@@ -58,9 +58,35 @@ class JsonSchemaFormat(StrictModel):
     strict: bool | None = None
 
 
+class TagStructure(StrictModel):
+    model_config = ConfigDict(extra="forbid")
+
+    begin: Text = Field(min_length=1)
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: Text
+
+
+# a trigger: text (or a special token, written as its name) that starts a structure
+Trigger = Annotated[Text, Field(min_length=1)]
+
+
+class StructuralTag(StrictModel):
+    """vLLM's structural tag: free text in which a structure, once the text reaches one of the triggers its begin
+    starts with, is written as its begin, a JSON value of its schema and its end (tool calls inside prose)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["structural_tag"] = "structural_tag"
+    structures: list[TagStructure] = Field(min_length=1, max_length=MAX_TOOLS)
+    triggers: list[Trigger] = Field(min_length=1, max_length=MAX_TOOLS)
+
+
 class ResponseFormat(StrictModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # with type structural_tag (vLLM's)
+    structures: list[TagStructure] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    triggers: list[Trigger] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
 
     @property
     def constrains(self) -> bool:
@@ -69,6 +95,11 @@ class ResponseFormat(StrictModel):
     def check(self) -> None:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
             raise RequestError("response_format.json_schema", "response_format.json_schema: a schema is required")
+        if self.type == "structural_tag" and (self.structures is None or self.triggers is None):
+            raise RequestError("response_format", "response_format: a structural_tag needs structures and triggers")
+
+    def structural_tag(self) -> StructuralTag:
+        return StructuralTag(structures=self.structures, triggers=self.triggers)
 
 
 class StructuredOutputs(StrictModel):
@@ -87,6 +118,11 @@ class StructuredOutputs(StrictModel):
         None, min_length=1, max_length=MAX_CHOICES, description="the output is exactly one of these strings"
     )
     grammar: Text | None = Field(None, min_length=1, description="a Lark grammar (llguidance's dialect)")
+    structural_tag: dict[str, Any] | Text | None = Field(
+        None,
+        description="vLLM's: {type: structural_tag, structures: [{begin, schema, end}], triggers: [...]} (an object, or "
+        "its JSON text): free text whose structures are constrained once a trigger starts them",
+    )
 
     def kinds(self) -> list[str]:
         """The constraints given (their wire names)."""
@@ -96,6 +132,7 @@ class StructuredOutputs(StrictModel):
             "regex": self.regex is not None,
             "choice": self.choice is not None,
             "grammar": self.grammar is not None,
+            "structural_tag": self.structural_tag is not None,
         }
         return [k for k, v in given.items() if v]
 
@@ -176,7 +213,9 @@ class _SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     structured_outputs: StructuredOutputs | None = Field(
-        None, description="vLLM's: one of json (a schema), json_object, regex, choice or grammar constrains the output"
+        None,
+        description="vLLM's: one of json (a schema), json_object, regex, choice, grammar or structural_tag constrains "
+        "the output",
     )
     allowed_token_ids: list[Int] | None = Field(
         None,
@@ -275,7 +314,7 @@ class _SamplingFields(StrictModel):
             if len(kinds) != 1:
                 raise RequestError(
                     "structured_outputs",
-                    "structured_outputs: give exactly one of json, json_object, regex, choice, grammar"
+                    "structured_outputs: give exactly one of json, json_object, regex, choice, grammar, structural_tag"
                     + (f" (got {', '.join(kinds)})" if kinds else ""),
                 )
 

@@ -1,6 +1,6 @@
 """Grammars for constrained decoding (llguidance): `response_format` (json_object, json_schema), a tool call
 forced by `tool_choice` (required, or a named function), written in the model family's tool-call format, and
-vLLM's `structured_outputs` (json, json_object, regex, choice, grammar) on both routes.
+vLLM's `structured_outputs` (json, json_object, regex, choice, grammar, structural_tag) on both routes.
 
 Building and validating a grammar is CPU work on a client's schema: the route runs it in the front-end's pool.
 A schema the compiler refuses is a 400 naming the problem.
@@ -9,18 +9,29 @@ A schema the compiler refuses is a 400 naming the problem.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 
 import msgspec
+from pydantic import ValidationError
 
 from lightllm.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from lightllm.server.http.chat_messages import NamedToolChoice, ToolDef
 from lightllm.server.http.parsers.qwen3_xml import schema_types
-from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, StructuredOutputs
+from lightllm.server.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+    StructuralTag,
+    StructuredOutputs,
+)
 from lightllm.server.http.schema_base import RequestError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _OBJECT = {"type": "object"}
+# the texts a tokenizer reads as one token wherever they occur (its added and special tokens) -> their ids: a
+# grammar names them as tokens, never as text the model could spell from pieces
+WholeTokens = Mapping[str, int]
 # JSON as models (and json.dumps) write it: one space after ':' and ',', no other whitespace; flexible whitespace
 # would let a model pad forever
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -158,24 +169,27 @@ def _validated(grammar: str, field: str) -> str:
     return grammar
 
 
-def structured_outputs_grammar(so: StructuredOutputs) -> str:
+def structured_outputs_grammar(so: StructuredOutputs, whole_tokens: WholeTokens) -> str:
     """The llguidance grammar of a `structured_outputs` constraint (the request checked it names exactly one);
     raises RequestError naming the constraint when it cannot be compiled."""
     (kind,) = so.kinds()
-    return constraint_grammar(kind, so.json_ if kind == "json" else getattr(so, kind))
+    return constraint_grammar(kind, so.json_ if kind == "json" else getattr(so, kind), whole_tokens)
 
 
-def offline_grammar(so: StructuredOutputsParams) -> str:
+def offline_grammar(so: StructuredOutputsParams, whole_tokens: WholeTokens) -> str:
     """The same for the offline `LLM`'s StructuredOutputsParams (validated to name exactly one constraint)."""
-    return constraint_grammar(*so.constraint())
+    return constraint_grammar(*so.constraint(), whole_tokens)
 
 
-def constraint_grammar(kind: str, value) -> str:
+def constraint_grammar(kind: str, value, whole_tokens: WholeTokens) -> str:
     """The grammar of one `structured_outputs` constraint: `kind` json (a schema), json_object, regex, choice (a
-    list of strings) or grammar (Lark). RequestError naming `structured_outputs.<kind>` when it cannot compile."""
+    list of strings), grammar (Lark) or structural_tag (an object or its JSON text; `whole_tokens` names its
+    tokens). RequestError naming `structured_outputs.<kind>` when it cannot compile."""
     from llguidance import LLMatcher
 
     field = f"structured_outputs.{kind}"
+    if kind == "structural_tag":
+        return structural_tag_grammar(_parsed_tag(value, field), field, whole_tokens)
     try:
         if kind == "json":
             grammar = json_schema_grammar(value)
@@ -193,17 +207,20 @@ def constraint_grammar(kind: str, value) -> str:
 
 
 def request_grammar(
-    body: ChatCompletionRequest, tool_parser: str | None, token_of: Callable[[str], int | None]
+    body: ChatCompletionRequest,
+    tool_parser: str | None,
+    token_of: Callable[[str], int | None],
+    whole_tokens: WholeTokens,
 ) -> str | None:
     """The llguidance grammar the chat request's output must follow, or None (`token_of`: a marker's token id when
     it is one token). Raises RequestError naming the field whose schema or combination cannot be compiled."""
     from llguidance import LLMatcher
 
     if body.structured_outputs is not None:
-        return structured_outputs_grammar(body.structured_outputs)
+        return structured_outputs_grammar(body.structured_outputs, whole_tokens)
     fmt = body.response_format
     if fmt is not None and fmt.constrains:
-        return response_format_grammar(fmt)
+        return response_format_grammar(fmt, whole_tokens)
     if body.forced_tool_choice and body.tools:
         if tool_parser is None:
             raise RequestError(
@@ -218,18 +235,79 @@ def request_grammar(
     return _validated(grammar, field)
 
 
-def completion_grammar(body: CompletionRequest) -> str | None:
+def completion_grammar(body: CompletionRequest, whole_tokens: WholeTokens) -> str | None:
     """The grammar a completion request's output must follow (structured_outputs or response_format), or None."""
     if body.structured_outputs is not None:
-        return structured_outputs_grammar(body.structured_outputs)
+        return structured_outputs_grammar(body.structured_outputs, whole_tokens)
     if body.response_format is not None and body.response_format.constrains:
-        return response_format_grammar(body.response_format)
+        return response_format_grammar(body.response_format, whole_tokens)
     return None
 
 
-def response_format_grammar(fmt: ResponseFormat) -> str:
-    """The grammar of a constraining `response_format` (json_object, or json_schema with its schema checked
-    present); RequestError naming the schema when it cannot be compiled."""
+def _parsed_tag(value: dict | str, field: str) -> StructuralTag:
+    """`structured_outputs.structural_tag` as given (an object, or its JSON text), checked."""
+    try:
+        tag = json.loads(value) if isinstance(value, str) else value
+    except ValueError as exc:
+        raise RequestError(field, f"{field}: not JSON: {exc}") from None
+    if isinstance(tag, dict) and "format" in tag:
+        raise RequestError(field, f"{field}: only the form with structures and triggers is supported (not format)")
+    try:
+        return StructuralTag.model_validate(tag)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise RequestError(field, f"{field}{'.' + where if where else ''}: {first.get('msg')}") from None
+
+
+def _literal(text: str, whole_tokens: WholeTokens) -> str:
+    """`text` as a Lark sequence: its pieces quoted, each whole token it holds as that token (`<[id]>`)."""
+    names = sorted((t for t in whole_tokens if t and t in text), key=len, reverse=True)
+    if not names:
+        return _lark_str(text) if text else ""
+    parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text)
+    return " ".join(f"<[{whole_tokens[p]}]>" if k % 2 else _lark_str(p) for k, p in enumerate(parts) if p)
+
+
+def structural_tag_grammar(tag: StructuralTag, field: str, whole_tokens: WholeTokens) -> str:
+    """Free text in which each structure, once the text reaches a trigger its begin starts with, is its begin, a JSON
+    value of its schema (laid out as `JSON_OPTIONS` says) and its end: llguidance's structural tags (a lazy rule
+    ends the free text at a text trigger; a trigger that is a whole token is that token), with every whole token
+    in the tag's texts named as the token. Written out here rather than by llguidance's `StructTag`, which quotes
+    them as text: a forced text that spells a whole token would then let the mask offer the token that the matcher
+    refuses."""
+    from llguidance import LLMatcher
+
+    rules = []
+    for i, s in enumerate(tag.structures):
+        trigger = next((t for t in tag.triggers if s.begin.startswith(t)), None)
+        if trigger is None:
+            raise RequestError(field, f"{field}.structures.{i}.begin: starts with none of the triggers")
+        parts = (_literal(s.begin[len(trigger) :], whole_tokens), _lark_json(s.schema_), _literal(s.end, whole_tokens))
+        body = " ".join(p for p in parts if p)
+        if trigger in whole_tokens:
+            rules.append(f"tag_{i}: TAG_TEXT <[{whole_tokens[trigger]}]> {body}")
+        else:
+            rules += [
+                f"tag_{i}_trigger[lazy]: TAG_TEXT {_literal(trigger, whole_tokens)}",
+                f"tag_{i}: tag_{i}_trigger {body}",
+            ]
+    tags = " | ".join(f"tag_{i}" for i in range(len(tag.structures)))
+    lark = "\n".join(
+        ["%llguidance {}", f"start: ({tags})* tag_end", "tag_end: TAG_TEXT", r"TAG_TEXT: /(.|\n)*/", *rules]
+    )
+    try:
+        grammar = LLMatcher.grammar_from_lark(lark)
+    except ValueError as exc:
+        raise RequestError(field, f"{field}: {exc}") from None
+    return _validated(grammar, field)
+
+
+def response_format_grammar(fmt: ResponseFormat, whole_tokens: WholeTokens) -> str:
+    """The grammar of a constraining `response_format` (json_object, json_schema with its schema checked present,
+    or structural_tag); RequestError naming the schema when it cannot be compiled."""
+    if fmt.type == "structural_tag":
+        return structural_tag_grammar(fmt.structural_tag(), "response_format", whole_tokens)
     field = "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
     schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else _OBJECT
     try:
