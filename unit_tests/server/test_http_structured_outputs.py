@@ -82,6 +82,24 @@ def test_choice_outputs_are_one_of_the_choices(server, client, route):
     assert not all(t in CHOICES for t, _ in ROUTES[route](server, client, None, max_tokens=4))
 
 
+def test_a_choice_spelling_an_added_token_is_written_with_it(server, client):
+    """A choice whose text holds `</tool_call>` (one of the vocabulary's added tokens): once "a" is written the rest
+    is forced, and the forced text is written with that token, which the grammar accepts (a quoted text would let
+    the mask offer the token and the matcher refuse it: a 500)."""
+    a = server.tokenizer.encode_rendered("a")
+    out = client.completions.create(
+        model=server.model,
+        prompt="Answer:",
+        max_tokens=16,
+        n=2,
+        temperature=1.0,
+        seed=2,
+        logit_bias={str(a[0]): 100},
+        extra_body={"structured_outputs": {"choice": ["a</tool_call>b", "c"]}},
+    )
+    assert [c.text for c in out.choices] == ["a</tool_call>b"] * 2
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_lark_grammar_outputs_are_in_its_language(server, client, route):
     outputs = ROUTES[route](server, client, {"grammar": LARK}, max_tokens=64)

@@ -198,7 +198,7 @@ def constraint_grammar(kind: str, value, whole_tokens: WholeTokens) -> str:
         elif kind == "regex":
             grammar = LLMatcher.grammar_from_regex(value)
         elif kind == "choice":
-            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_str(c) for c in value))
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(_literal(c, whole_tokens) for c in value))
         else:
             grammar = LLMatcher.grammar_from_lark(value)
     except ValueError as exc:
