@@ -50,7 +50,7 @@ async def _stream(pieces: list[str]):
 def _collect_events(fe, out, pieces: list[str]) -> list[dict]:
     async def run():
         events = []
-        async for event in _events(fe, out, _stream(pieces), 1, StreamUsage(None, [3], 1), "id", 0, "m"):
+        async for event in _events(fe, out, _stream(pieces), 1, StreamUsage(None, [3], 1), "id", 0, "m", [1, 2, 3]):
             events.append(event)
         return events
 

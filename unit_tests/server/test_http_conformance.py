@@ -220,6 +220,45 @@ def test_prompt_logprobs_as_vllm_returns_them(server):
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
 
 
+def _sse_chunks(server, route: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.base_url}/v1/{route}", json={**body, "stream": True}, timeout=60) as r:
+        lines = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_return_token_ids_as_vllm_returns_them(server):
+    """`return_token_ids`: the prompt's ids (per completion choice; at the top of a chat response) and each choice's
+    generated ids, the fake model's greedy tokens; streamed, the prompt's ids in the first chunk only and each
+    chunk's own tokens, which add up to the plain response's. Twin: without the field, no ids."""
+    url, tok, ref = f"{server.base_url}/v1", server.tokenizer, FakeRunner(server.info.vocab_size)
+    prompts = ["give me tokens", "and more of them"]
+    body = {"model": server.model, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    plain = httpx.post(f"{url}/completions", json={**body, "prompt": prompts, "n": 2}, timeout=60).json()["choices"]
+    for choice in plain:
+        ids = tok.encode(prompts[choice["index"] // 2])
+        assert choice["prompt_token_ids"] == ids and choice["token_ids"] == ref.greedy(ids, 6)
+        assert choice["text"] == tok.decode(choice["token_ids"])
+    chunks = _sse_chunks(server, "completions", {**body, "prompt": prompts, "n": 2})
+    for choice in plain:
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == choice["index"]]
+        assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+    messages = [{"role": "user", "content": "ids please"}]
+    chat_body = {**body, "messages": messages}
+    chat = httpx.post(f"{url}/chat/completions", json=chat_body, timeout=60).json()
+    ids = tok.encode_chat(messages)
+    assert chat["prompt_token_ids"] == ids and chat["choices"][0]["token_ids"] == ref.greedy(ids, 6)
+    chunks = _sse_chunks(server, "chat/completions", chat_body)
+    assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids", [])]
+    assert streamed == chat["choices"][0]["token_ids"]
+    off = {**body, "return_token_ids": False}
+    assert "token_ids" not in httpx.post(f"{url}/completions", json={**off, "prompt": "x"}).json()["choices"][0]
+    assert "prompt_token_ids" not in httpx.post(f"{url}/chat/completions", json={**off, "messages": messages}).json()
+
+
 def test_echo_without_logprobs_streams_the_prompt_first(server, client):
     prompt = "echo this prompt back"
     kw = dict(model=server.model, prompt=prompt, max_tokens=3, temperature=0, echo=True)

@@ -213,12 +213,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "choices": [_choice(fe, out, s) for s in seqs],
             "usage": usage,
         }
+        if body.return_token_ids:
+            response["prompt_token_ids"] = prompt_ids
         if body.prompt_logprobs is not None:
             # the first sequence scored the prompt
             response["prompt_logprobs"] = ranked_prompt(fe, prompt_ids, seqs[0].output, body.prompt_logprobs)
         return response
     counts = StreamUsage(body.stream_options, [len(prompt_ids)], params.n)
-    events = _events(fe, out, stream, params.n, counts, rid, created, model)
+    events = _events(fe, out, stream, params.n, counts, rid, created, model, prompt_ids)
     return StreamingResponse(_guarded(events, stream), media_type="text/event-stream")
 
 
@@ -276,21 +278,27 @@ def _choice(fe: Frontend, out: ChatOutput, s: Sequence) -> dict:
             message["reasoning_content"] = parsed.reasoning or None
         if calls:
             message["tool_calls"] = _tool_call_json(calls)
-    return {
+    choice = {
         "index": s.index,
         "message": message,
         "logprobs": chat_logprobs(out.token_names, s.output.token_ids, s.output.logprobs),
         "finish_reason": _finish_reason(s.output.finish_reason, has_calls),
     }
+    if out.body.return_token_ids:
+        choice["token_ids"] = s.output.token_ids
+    return choice
 
 
 async def _events(
-    fe: Frontend, out: ChatOutput, stream, n: int, counts: StreamUsage, rid, created, model
+    fe: Frontend, out: ChatOutput, stream, n: int, counts: StreamUsage, rid, created, model, prompt_ids: list[int]
 ) -> AsyncIterator[bytes]:
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    token_ids = out.body.return_token_ids
     for i in range(n):
         opening = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        yield counts.chunk({**head, "choices": [opening]})
+        # return_token_ids: the prompt's ids in the stream's first chunk (vLLM's)
+        first = {"prompt_token_ids": prompt_ids} if token_ids and i == 0 else {}
+        yield counts.chunk({**head, **first, "choices": [opening]})
     parsers = {i: out.parser() for i in range(n)} if out.parses else {}
     has_calls: dict[int, bool] = {}
     for i, parsed in out.echo_deltas(parsers).items():
@@ -313,7 +321,7 @@ async def _events(
             parsed = out.shown(parsed)
         if parsed.tool_calls:
             has_calls[seq.index] = True
-        if not parsed and not delta.finish_reason and not delta.logprobs:
+        if not parsed and not delta.finish_reason and not delta.logprobs and not (token_ids and delta.token_ids):
             continue
         choice = {
             "index": seq.index,
@@ -321,6 +329,8 @@ async def _events(
             "logprobs": chat_logprobs(out.token_names, delta.token_ids, delta.logprobs),
             "finish_reason": _finish_reason(delta.finish_reason, has_calls.get(seq.index, False)),
         }
+        if token_ids:
+            choice["token_ids"] = delta.token_ids
         yield counts.chunk({**head, "choices": [choice]})
     for event in counts.last(head):
         yield event

@@ -236,6 +236,8 @@ async def completions(body: CompletionRequest, request: Request):
             }
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = ranked_prompt(fe, prompts[s.prompt_index], first, body.prompt_logprobs)
+            if body.return_token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = prompts[s.prompt_index], s.output.token_ids
             choices.append(choice)
         usage = _usage(num_prompt_tokens, sum(len(s.output.token_ids) for s in seqs), _cached_tokens(seqs, params.n))
         return {
@@ -264,13 +266,24 @@ async def completions(body: CompletionRequest, request: Request):
 
         for i in range(len(prompts) * params.n):
             offsets[i] = TextOffsets(len(echoed(i // params.n)[0]))
+        # with return_token_ids: the choices whose prompt ids went out (in their first chunk)
+        ids_sent: set[int] = set()
+
+        def with_prompt_ids(chunk: dict) -> dict:
+            """`chunk` (one choice) with its prompt's token ids when it is the choice's first (return_token_ids)."""
+            choice = chunk["choices"][0]
+            if body.return_token_ids and choice["index"] not in ids_sent:
+                ids_sent.add(choice["index"])
+                choice["prompt_token_ids"] = prompts[choice["index"] // params.n]
+            return chunk
+
         # a scored prompt's echo waits for its scores (its first sequence's first chunk); the events of its
         # sequences wait behind it here, so each choice still starts with the echo
         held: dict[int, list[dict]] = {p: [] for p in range(len(prompts))} if scored else {}
         if body.echo and not scored:
             for p in range(len(prompts)):
                 for chunk in echo_chunks(p, None):
-                    yield counts.chunk(chunk)
+                    yield counts.chunk(with_prompt_ids(chunk))
         async for seq, delta in _until_disconnect(stream):
             counts.add(seq, delta)
             if delta.finish_reason == "error":
@@ -278,13 +291,15 @@ async def completions(body: CompletionRequest, request: Request):
                 yield SSE_DONE
                 return
             chunks: list[dict] = []
-            if delta.text or delta.finish_reason or delta.logprobs:
+            if delta.text or delta.finish_reason or delta.logprobs or (body.return_token_ids and delta.token_ids):
                 choice = {
                     "index": seq.index,
                     "text": delta.text,
                     "logprobs": completion_logprobs(tok, delta.token_ids, delta.logprobs, offsets[seq.index]),
                     "finish_reason": delta.finish_reason,
                 }
+                if body.return_token_ids:
+                    choice["token_ids"] = delta.token_ids
                 chunks.append({**head, "choices": [choice]})
             p = seq.prompt_index
             if p in held:
@@ -294,7 +309,7 @@ async def completions(body: CompletionRequest, request: Request):
                     continue
                 chunks = [*echo_chunks(p, out.prompt_logprobs), *held.pop(p), *chunks]
             for chunk in chunks:
-                yield counts.chunk(chunk)
+                yield counts.chunk(with_prompt_ids(chunk))
         for event in counts.last(head):
             yield event
         yield SSE_DONE

@@ -196,6 +196,11 @@ class _SamplingFields(StrictModel):
         le=MAX_PRIORITY,
         description="vLLM's: lower runs first (only under --scheduling_policy priority; else it must be 0)",
     )
+    return_token_ids: bool = Field(
+        False,
+        description="vLLM's: the response carries the prompt's token ids and each choice's generated ones (streamed: "
+        "the prompt's in the first chunk, each chunk's own tokens)",
+    )
     return_tokens_as_token_ids: bool = Field(
         False, description="vLLM's: logprobs name each token `token_id:{id}` instead of its text"
     )
