@@ -16,6 +16,8 @@ import lightllm
 from unit_tests.engine.fake_runner import FakeRunner
 from unit_tests.server.live_server import LiveServer
 
+MESSAGES = [{"role": "user", "content": "name the request"}]
+
 
 @pytest.fixture(scope="module")
 def server():
@@ -257,6 +259,19 @@ def test_return_token_ids_as_vllm_returns_them(server):
     off = {**body, "return_token_ids": False}
     assert "token_ids" not in httpx.post(f"{url}/completions", json={**off, "prompt": "x"}).json()["choices"][0]
     assert "prompt_token_ids" not in httpx.post(f"{url}/chat/completions", json={**off, "messages": messages}).json()
+
+
+def test_request_id_names_the_response(server, client):
+    """vLLM's `request_id` makes the response's id (every chunk's too); without it each response gets a fresh one."""
+    kw = dict(model=server.model, max_tokens=2, temperature=0)
+    r = client.completions.create(prompt="x", extra_body={"request_id": "job-7"}, **kw)
+    assert r.id == "cmpl-job-7"
+    chunks = list(
+        client.chat.completions.create(messages=MESSAGES, stream=True, extra_body={"request_id": "job-8"}, **kw)
+    )
+    assert {c.id for c in chunks} == {"chatcmpl-job-8"}
+    ids = {client.completions.create(prompt="x", **kw).id for _ in range(2)}
+    assert len(ids) == 2 and all(i.startswith("cmpl-") and "job" not in i for i in ids)
 
 
 def test_echo_without_logprobs_streams_the_prompt_first(server, client):

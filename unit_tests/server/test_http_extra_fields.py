@@ -30,6 +30,8 @@ ASKING = {
     "documents": ([{"text": "a"}], []),
     "mm_processor_kwargs": ({"fps": 1}, {}),
     "prediction": ({"type": "content", "content": "x"}, None),
+    "prompt_embeds": ("AAAA", None),
+    "web_search_options": ({"search_context_size": "low"}, None),
     "audio": ({"voice": "alloy", "format": "wav"}, None),
     "modalities": (["text", "audio"], ["text"]),
     "repetition_detection": ({"max_pattern_size": 4}, None),

@@ -4,7 +4,6 @@ SSE, each sequence's text split into reasoning, content and tool calls by the mo
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -201,7 +200,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     fe = _frontend(request)
     run = await start_chat(fe, body, request)
     out, params, prompt_ids, stream = run.out, run.params, run.prompt_ids, run.stream
-    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
+    rid, created, model = body.response_id("chatcmpl"), int(time.time()), fe.args.served_model_name
     if not body.stream:
         seqs = await _collect(stream)
         usage = _usage(len(prompt_ids), sum(len(s.output.token_ids) for s in seqs), _cached_tokens(seqs, params.n))

@@ -24,6 +24,8 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": (([],), "not supported; put the documents in a message"),
     "mm_processor_kwargs": (({},), "not supported: the models served here take text only"),
     "prediction": ((), "predicted outputs are not supported"),
+    "prompt_embeds": ((), "not supported: a prompt is text or token ids"),
+    "web_search_options": ((), "web search is not supported"),
     "audio": ((), "not supported: the models served here take and write text only"),
     "modalities": ((["text"],), "only text output is supported"),
     "repetition_detection": ((), "not supported; use repetition_penalty"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -199,7 +198,7 @@ async def completions(body: CompletionRequest, request: Request):
     if texts is None and body.echo:
         texts = [await fe.offload(fe.tokenizer.decode, p, skip_special_tokens=False) for p in prompts]
     fe.check_capacity(len(prompts) * params.n, "prompt")
-    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), fe.args.served_model_name
+    rid, created, model = body.response_id("cmpl"), int(time.time()), fe.args.served_model_name
     # each prompt is counted once, however many sequences it has
     num_prompt_tokens = sum(len(p) for p in prompts)
     tok, want_logprobs = token_names(fe.tokenizer, body.return_tokens_as_token_ids), params.logprobs is not None

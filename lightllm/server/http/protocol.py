@@ -7,6 +7,7 @@ the engine can store, so no value a client sends can fail the engine step it is 
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -196,6 +197,9 @@ class _SamplingFields(StrictModel):
         le=MAX_PRIORITY,
         description="vLLM's: lower runs first (only under --scheduling_policy priority; else it must be 0)",
     )
+    request_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="vLLM's: the response's id is built from it (cmpl-<request_id>, chatcmpl-<request_id>)"
+    )
     return_token_ids: bool = Field(
         False,
         description="vLLM's: the response carries the prompt's token ids and each choice's generated ones (streamed: "
@@ -369,6 +373,10 @@ class _SamplingFields(StrictModel):
             )
         except SamplingParamsError as exc:
             raise RequestError(self.field_name(exc.field), str(exc)) from None
+
+    def response_id(self, prefix: str) -> str:
+        """The response's id: `prefix-` and the client's request_id, or a fresh one."""
+        return f"{prefix}-{self.request_id if self.request_id is not None else uuid.uuid4().hex}"
 
     def field_name(self, params_field: str) -> str:
         """The request field a SamplingParams field (or structured_outputs) comes from."""
