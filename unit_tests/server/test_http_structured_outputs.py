@@ -82,22 +82,29 @@ def test_choice_outputs_are_one_of_the_choices(server, client, route):
     assert not all(t in CHOICES for t, _ in ROUTES[route](server, client, None, max_tokens=4))
 
 
+def _favouring(server, client, token: int, extra: dict, max_tokens: int, n: int) -> list[str]:
+    """Completions sampled at temperature 1 with `token` forced (logit_bias) wherever the constraint in `extra`
+    allows it."""
+    out = client.completions.create(
+        model=server.model,
+        prompt="Answer:",
+        max_tokens=max_tokens,
+        n=n,
+        temperature=1.0,
+        seed=3,
+        logit_bias={str(token): 100},
+        extra_body=extra,
+    )
+    return [c.text for c in out.choices]
+
+
 def test_a_choice_spelling_an_added_token_is_written_with_it(server, client):
     """A choice whose text holds `</tool_call>` (one of the vocabulary's added tokens): once "a" is written the rest
     is forced, and the forced text is written with that token, which the grammar accepts (a quoted text would let
     the mask offer the token and the matcher refuse it: a 500)."""
-    a = server.tokenizer.encode_rendered("a")
-    out = client.completions.create(
-        model=server.model,
-        prompt="Answer:",
-        max_tokens=16,
-        n=2,
-        temperature=1.0,
-        seed=2,
-        logit_bias={str(a[0]): 100},
-        extra_body={"structured_outputs": {"choice": ["a</tool_call>b", "c"]}},
-    )
-    assert [c.text for c in out.choices] == ["a</tool_call>b"] * 2
+    (a,) = server.tokenizer.encode_rendered("a")
+    texts = _favouring(server, client, a, {"structured_outputs": {"choice": ["a</tool_call>b", "c"]}}, 16, n=2)
+    assert texts == ["a</tool_call>b"] * 2
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -157,17 +164,7 @@ def test_structural_tag_constrains_each_call_the_trigger_starts(server, client, 
     }[form]
 
     def texts(extra: dict) -> list[str]:
-        out = client.completions.create(
-            model=server.model,
-            prompt="Call:",
-            max_tokens=120,
-            n=3,
-            temperature=1.0,
-            seed=3,
-            logit_bias={str(tool_call[0]): 100},
-            extra_body=extra,
-        )
-        return [c.text for c in out.choices]
+        return _favouring(server, client, tool_call[0], extra, 120, n=3)
 
     for text in texts(constraint):
         for arguments in _calls(text):

@@ -17,14 +17,9 @@ from pydantic import ValidationError
 
 from lightllm.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from lightllm.server.http.chat_messages import NamedToolChoice, ToolDef
+from lightllm.server.http.output_formats import ResponseFormat, StructuralTag, StructuredOutputs
 from lightllm.server.http.parsers.qwen3_xml import schema_types
-from lightllm.server.http.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ResponseFormat,
-    StructuralTag,
-    StructuredOutputs,
-)
+from lightllm.server.http.protocol import ChatCompletionRequest, CompletionRequest
 from lightllm.server.http.schema_base import RequestError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
