@@ -106,10 +106,10 @@ def _args(model_dir: str, mode: str, spec: dict, tp: int):
     return args, info
 
 
-def _run(engine, prompts, tag: str) -> list[list[int]]:
+def _run(engine, prompts, tag: str, cache_salt: str | None = None) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     for i, p in enumerate(prompts):
-        assert engine.add_request(NewRequest(f"{tag}{i}", p, params)) == []
+        assert engine.add_request(NewRequest(f"{tag}{i}", p, params, cache_salt=cache_salt)) == []
     out = {f"{tag}{i}": [] for i in range(len(prompts))}
     while engine.has_work():
         for o in engine.step():
@@ -147,6 +147,30 @@ def test_tp2_greedy_equals_tp1(tp2, arch, combo):
     mode, spec = combo
     expected = _single(model_dir, mode, spec)
     assert _sharded(tp2, model_dir, mode, spec) == expected
+
+
+def _salted(engine) -> list[list[int]]:
+    """FIRST under one salt, SECOND under another (which resumes nothing), then SECOND under the first salt (which
+    resumes what FIRST cached)."""
+    tokens = _run(engine, FIRST, "a", "tenant-a") + _run(engine, SECOND, "b", "tenant-b")
+    assert engine.runner.prefix_cache_stats()["num_hit_tokens"] == 0
+    tokens += _run(engine, SECOND, "c", "tenant-a")
+    assert engine.runner.prefix_cache_stats()["num_hit_tokens"] > 0
+    return tokens
+
+
+def test_tp2_cache_salts_keep_every_ranks_cache_in_step(tp2):
+    """Every rank resumes from its own tree in the request's namespace: a run that misses one salt's cache and hits
+    another's gives TP1's tokens."""
+    model_dir = str(tiny_model_dir("qwen3_5"))
+    args, info = _args(model_dir, "replay", {"spec_ngram": 2}, 1)
+    expected = _salted(engine_for_runner(args, build_rank_runner(args, info)))
+    args, info = _args(model_dir, "replay", {"spec_ngram": 2}, 2)
+    runner = create_tp_runner(args, info, tp2)
+    try:
+        assert _salted(engine_for_runner(args, runner)) == expected
+    finally:
+        runner.close()
 
 
 def test_tp2_with_a_wrong_shard_differs(tp2):
