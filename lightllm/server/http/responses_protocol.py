@@ -140,6 +140,8 @@ class ResponsesRequest(StrictModel):
     top_logprobs: int | None = None
     prompt: Any = None
     cache_salt: CacheSalt | None = None
+    # vLLM's: lower runs first, under --scheduling_policy priority (checked as on chat)
+    priority: int | None = None
 
     def check_supported(self) -> None:
         refused = {
@@ -179,6 +181,7 @@ class ResponsesRequest(StrictModel):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "cache_salt": self.cache_salt,
+            "priority": self.priority,
         }
         chat.update({k: v for k, v in optional.items() if v is not None})
         if self.tools:
