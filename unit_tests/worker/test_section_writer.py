@@ -15,6 +15,7 @@ import torch
 
 from lightllm.cache.host_tier import HostArena, HostTier
 from lightllm.cache.host_tier.arena import READY, WRITING
+from lightllm.cache.host_tier.tier import head_bytes
 from lightllm.worker.transfer import section_writer
 from lightllm.worker.transfer.section_writer import SectionWriter
 
@@ -76,7 +77,7 @@ def _stored(tier: HostTier, index: int, like: list[torch.Tensor], offsets) -> li
     section = tier.arena.region(
         int(record["first_block"]),
         int(record["shard_bytes"]),
-        8 * int(record["num_tokens"]) + (-(8 * int(record["num_tokens"])) % 64),
+        head_bytes(int(record["num_tokens"])),
     )
     assert section[: len(HEAD)].tobytes() == HEAD
     data = section[DATA_START:]
