@@ -11,20 +11,18 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lightllm.cache.device_copy import list_to_device, to_device
+from lightllm.cache.device_copy import to_device
 from lightllm.cache.kv_cache import KVCache
 from lightllm.cache.payload import RequestState, TensorBlob
-from lightllm.cache.prefix import PrefixMatch
 from lightllm.cache.prefix.namespace import DEFAULT_NAMESPACE
 from lightllm.engine.batch import ForwardBatch, ForwardOutput
 from lightllm.engine.speculative.device_drafts import write_window_drafts
 from lightllm.linear_att import StateConfig, StateMode, create_state
-from lightllm.linear_att.base import Checkpoint, DecodeRows
+from lightllm.linear_att.base import DecodeRows
 from lightllm.models.context import build_context, padded_decode_width, padded_token_index
 from lightllm.models.dummy_weights import load_dummy_weights
 from lightllm.models.hybrid import HybridModel
@@ -32,6 +30,7 @@ from lightllm.models.loader import load_weights
 from lightllm.models.registry import load_model_config
 from lightllm.models.tp import TPInfo
 from lightllm.worker.config import RunnerConfig
+from lightllm.worker.counter_copy import CounterCopy
 from lightllm.worker.device_accept import DeviceAcceptance, HeldCheckpoint, UnsettledStep
 from lightllm.worker.drafting import MtpDrafter, drop_last_rows
 from lightllm.worker.graphs.decode import DecodeGraphs
@@ -39,6 +38,7 @@ from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.worker.graphs.prefill import PrefillGraphs
 from lightllm.worker.graphs.spec_step import SpecStepGraphs
 from lightllm.worker.kv_sizing import MemoryProbe, kv_row_lengths, mtp_extra_tokens, runner_kv_tokens
+from lightllm.worker.prefix_calls import PrefixCacheCalls
 from lightllm.worker.records import PendingVerify, RequestRecord
 from lightllm.worker.startup_phases import StartupPhases
 from lightllm.worker.transfer.host_tier import RunnerHostTier
@@ -53,16 +53,7 @@ logger = logging.getLogger(__name__)
 GRAPHED_PREFILL_ROWS = 4
 
 
-@dataclass
-class _CounterCopy:
-    """A device counter's last value read back without a sync: `host` (pinned) is filled after `ready`."""
-
-    host: torch.Tensor
-    ready: torch.cuda.Event | None = None
-    value: int = 0
-
-
-class ModelRunner(DeviceAcceptance):
+class ModelRunner(DeviceAcceptance, PrefixCacheCalls):
     """Weights, linear-attention state and KV cache of one model (one TP rank), allocated in that order.
 
     With `config.max_total_token_num=None` the KV cache is sized after weights and state are in memory: from
@@ -167,7 +158,7 @@ class ModelRunner(DeviceAcceptance):
         self._unsettled: list[UnsettledStep] = []
         # checkpoints taken before a step changed rows that may have reached their limit (device_accept.py)
         self._held: dict[int, HeldCheckpoint] = {}
-        self._folds_copy: _CounterCopy | None = None
+        self._folds_copy = CounterCopy()
         self.decode_graphs: DecodeGraphs | None = None
         # overlapped MTP steps over the decode and draft buffers (device_accept.py)
         self.spec_step_graphs: SpecStepGraphs | None = None
@@ -253,55 +244,6 @@ class ModelRunner(DeviceAcceptance):
         if self.prefix_cache is not None and self.prefix_cache.host is not None:
             self.prefix_cache.host.writer.close()
 
-    def _flush_checkpoints(self) -> None:
-        """Write the prefix-cache checkpoints published since the last call (one export for all of them) before a
-        state slot or the checkpoint pool is read or written again."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.flush()
-
-    def match_prefix(self, token_ids: list[int], namespace: bytes = DEFAULT_NAMESPACE) -> PrefixMatch:
-        """What `add_request(token_ids, namespace=namespace)` would resume from the prefix cache; changes nothing."""
-        return self.prefix_cache.match(token_ids, namespace) if self.prefix_cache is not None else PrefixMatch()
-
-    def publish(self, handle: int, token_ids: list[int]) -> None:
-        """Offer the request's committed tokens (`token_ids`, exactly `num_tokens(handle)` of them) to the prefix
-        cache with a checkpoint of its state there. Only between steps, never between forward and accept."""
-        self.publish_many([(handle, token_ids)])
-
-    @torch.inference_mode()
-    def publish_many(self, entries: list[tuple[int, list[int]]]) -> None:
-        """`publish` for many requests (handle, token ids) at once: with MTP one pass of the head commits what
-        their prefills left pending, and their checkpoints are exported together before the next forward."""
-        if self.prefix_cache is None:
-            return
-        if self._pending is not None:
-            raise RuntimeError("publish() between forward and accept: the state is not committed")
-        ready = []
-        for handle, token_ids in entries:
-            record = self._requests[handle]
-            held = None
-            if self._is_unsettled(record):
-                # the state holds tokens whose count the host has not read, unless a checkpoint was held at the
-                # committed length (a request that reached its limit while a later step of it was launched)
-                held = self._held_checkpoint(handle)
-                if held is None:
-                    continue
-                held = (held.checkpoint, held.hidden)
-            ready.append((handle, record, token_ids, held))
-        self.prefix_cache.publish_many(ready)
-
-    def evict_prefix_cache(self) -> None:
-        """Drop every prefix-cache entry no running request uses (tests, memory pressure); what they spill to
-        the host tier is there on return."""
-        self._flush_checkpoints()
-        if self.prefix_cache is not None:
-            self.prefix_cache.cache.evict()
-            if self.prefix_cache.host is not None:
-                self.prefix_cache.host.flush()
-
-    def prefix_cache_stats(self) -> dict[str, int] | None:
-        return self.prefix_cache.stats() if self.prefix_cache is not None else None
-
     def num_free_requests(self) -> int:
         return min(self.kv.num_free_rows(), self.state.num_free_slots())
 
@@ -314,21 +256,7 @@ class ModelRunner(DeviceAcceptance):
         """Counters for the metrics endpoint. On a GPU the value is the one copied at the previous call (the copy
         is made without waiting for the device, so a step in flight is never stalled for a metric)."""
         folds = self.state.counters().get("num_folds")
-        if folds is None:
-            return {"num_folds": None}
-        if folds.device.type != "cuda":
-            return {"num_folds": int(folds)}
-        copy = self._folds_copy
-        if copy is None:
-            copy = self._folds_copy = _CounterCopy(torch.empty((), dtype=folds.dtype, pin_memory=True))
-        if copy.ready is not None and copy.ready.query():
-            copy.value = int(copy.host)
-            copy.ready = None
-        if copy.ready is None:
-            copy.host.copy_(folds, non_blocking=True)
-            copy.ready = torch.cuda.Event()
-            copy.ready.record()
-        return {"num_folds": copy.value}
+        return {"num_folds": None if folds is None else self._folds_copy.read(folds)}
 
     def bytes_per_request(self) -> int:
         """Linear-attention state bytes of one request slot (all layers, this state mode)."""
@@ -590,16 +518,3 @@ class ModelRunner(DeviceAcceptance):
         launches = warm_attention_kernels(self.model, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
         return launches
-
-    # checkpoints (prefix cache, PD) ----------------------------------------------------------------------
-    def export_checkpoint(self, handles: list[int]) -> Checkpoint:
-        self._flush_checkpoints()
-        return self.state.export_checkpoint(self._state_slots(handles))
-
-    def import_checkpoint(self, handles: list[int], checkpoint: Checkpoint) -> None:
-        self._flush_checkpoints()
-        self.state.import_checkpoint(self._state_slots(handles), checkpoint)
-
-    def _state_slots(self, handles: list[int]) -> torch.Tensor:
-        slots = [self._requests[h].state_slot for h in handles]
-        return list_to_device(slots, torch.int32, self.device)
