@@ -9,10 +9,13 @@ ENGINE_EXITED (non-zero, so a supervisor restarts it) unless --keep_serving_afte
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -51,7 +54,7 @@ def serve(
 
     exit_code = 0
     server, engine = None, None
-    workers, rows_path, rows, sockets = None, None, None, None
+    workers, rows_path, rows, sockets, responses_dir = None, None, None, None, None
 
     def stop_serving(code: int, why: str) -> None:
         nonlocal exit_code
@@ -76,6 +79,10 @@ def serve(
             sockets = [listen_socket(args.host, args.port, first=True)]
             rows_path = MetricRows.create_file(Metrics.WIDTH, args.http_workers)
             rows = MetricRows(Metrics.WIDTH, args.http_workers, 0, rows_path)
+            if args.responses_store_mb and args.responses_store_dir is None:
+                # one folder of stored responses for every HTTP process: a continuation may reach any of them
+                responses_dir = tempfile.mkdtemp(prefix="lightllm-responses-")
+                args = dataclasses.replace(args, responses_store_dir=responses_dir)
             # the other HTTP processes import and load the tokenizer while the engine starts (seconds each)
             workers = Workers(args, info, rows_path, prestarted_http)
         if prestarted_http is not None:
@@ -109,6 +116,8 @@ def serve(
             engine.stop()
         if rows_path is not None:
             os.remove(rows_path)
+        if responses_dir is not None:
+            shutil.rmtree(responses_dir, ignore_errors=True)
     return exit_code
 
 

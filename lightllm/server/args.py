@@ -257,6 +257,17 @@ class ServerArgs:
         "auto", "sampling defaults for fields a request omits: auto (the checkpoint's generation_config.json), "
         "none (OpenAI's), or a folder holding a generation_config.json", type=str
     )  # fmt: skip
+    responses_store_mb: float = _flag(
+        512.0,
+        "MiB of Responses API responses kept for previous_response_id and GET /v1/responses/{id} (a request's store: "
+        "false keeps nothing; past the bound the oldest go first; 0: none kept)",
+        type=float,
+    )
+    responses_store_dir: str | None = _flag(
+        None,
+        "folder of the stored responses, which outlive the server there (auto: a temporary folder removed at exit)",
+        type=str,
+    )
     enable_docs: bool = _flag(False, "serve the OpenAPI schema and the /docs and /redoc pages", type=bool)
     keep_serving_after_engine_exit: bool = _flag(
         False,

@@ -33,6 +33,8 @@ def validate(args: ServerArgs, info: ModelInfo) -> None:
 
         if nixl_module_name() is None:
             raise ValueError("--pd_transport nixl: no NIXL package is installed (pip install nixl-cu13); or use auto")
+    if not args.responses_store_mb >= 0:
+        raise ValueError(f"--responses_store_mb must be >= 0, got {args.responses_store_mb}")
     if args.mtp_step < 0 or args.spec_ngram < 0:
         raise ValueError("--mtp_step and --spec_ngram must be >= 0")
     if args.mtp_step and args.spec_ngram:

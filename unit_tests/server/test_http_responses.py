@@ -63,7 +63,7 @@ def test_text_and_reasoning_equal_the_chat_answer(server, prompts_sent):
     assert _text(response, "reasoning") == (message.get("reasoning_content") or "")
     assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert response["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] == len(prompts_sent[0])
-    assert response["usage"]["output_tokens"] == 16 and response["store"] is False
+    assert response["usage"]["output_tokens"] == 16 and response["store"] is True
     other = _responses(server, input="Name a composite.", temperature=0.0).json()
     assert (_text(other, "message"), _text(other, "reasoning")) != (
         _text(response, "message"),
@@ -181,7 +181,7 @@ def test_the_openai_client_reads_it(server):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
         ({"temperature": 5.0}, "temperature"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -201,9 +201,3 @@ def test_what_cannot_be_served_is_400_naming_the_field(server, fields, param):
     assert r.json()["error"]["param"].startswith(param), r.json()
     # the twin: the same request without the field is served
     assert _responses(server, input="Hi").status_code == 200
-
-
-def test_stored_response_routes_say_nothing_is_stored(server):
-    for method, path in (("GET", "resp_1"), ("DELETE", "resp_1"), ("POST", "resp_1/cancel")):
-        r = httpx.request(method, f"{server.base_url}/v1/responses/{path}", timeout=30)
-        assert r.status_code == 404 and "not stored" in r.json()["error"]["message"], (method, r.text)

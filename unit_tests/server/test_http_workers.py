@@ -149,9 +149,28 @@ def test_two_processes_serve_like_the_engine_and_count_together(two_process_serv
         assert sum(v for k, v in values.items() if k.startswith("lightllm_requests_total")) == 24
         per_process = [values[f'lightllm_http_worker_requests_total{{worker="{i}"}}'] for i in range(2)]
         assert sum(per_process) == 24 and min(per_process) > 0, per_process
+    _continue_across_processes(url, model)
     # a process that dies stops the server with its own exit code
     os.kill(pids[1], signal.SIGKILL)
     assert proc.wait(60) == 4, log.read_text()[-3000:]
+
+
+def _continue_across_processes(url: str, model: str) -> None:
+    """A chain of Responses API continuations, each on a fresh connection (the kernel hands it to either process):
+    every process finds the responses the other kept, and the last one answered the whole chain."""
+    previous = None
+    for turn in range(8):
+        body = {"model": model, "input": f"turn {turn}", "max_output_tokens": 3, "temperature": 0}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        with httpx.Client(headers={"connection": "close"}) as c:
+            r = c.post(f"{url}/v1/responses", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        previous = r.json()["id"]
+    with httpx.Client(headers={"connection": "close"}) as c:
+        items = c.get(f"{url}/v1/responses/{previous}/input_items", params={"order": "asc", "limit": 100}).json()
+    users = [i["content"] for i in items["data"] if i.get("role") == "user"]
+    assert users == [f"turn {t}" for t in range(8)]
 
 
 def test_sigterm_stops_every_process_cleanly(two_process_server):

@@ -40,7 +40,7 @@ def _builder(stream, max_output_tokens: int | None = None) -> ResponseBuilder:
     out = ChatOutput(fe, ChatCompletionRequest.model_validate(body.chat_request()))
     out.starts_in_reasoning = True
     params = SimpleNamespace(temperature=1.0, top_p=1.0)
-    return ResponseBuilder(fe, body, ChatRun(out, params, [1, 2, 3], stream))
+    return ResponseBuilder(fe, body, ChatRun(out, params, [1, 2, 3], stream), None, [])
 
 
 def _sequence(text: str, reason: str | None) -> Sequence:

@@ -25,9 +25,11 @@ from lightllm.server.http.metric_rows import MetricRows
 from lightllm.server.http.metrics import Metrics
 from lightllm.server.http.openai_api import error_response
 from lightllm.server.http.openai_api import router as openai_router
+from lightllm.server.http.response_store import ResponseStore
 from lightllm.server.http.responses_api import router as responses_router
 from lightllm.server.http.serving import RETRY_AFTER_S, ApiError, ClientDisconnected, Frontend
 from lightllm.server.http.stats_log import log_stats
+from lightllm.server.http.stored_responses_api import router as stored_responses_router
 from lightllm.server.http.tokenize_api import router as tokenize_router
 from lightllm.server.http.watchdog import ProgressWatchdog
 from lightllm.server.launcher import EngineHandle
@@ -163,6 +165,7 @@ def create_app(
         watchdog = ProgressWatchdog(args.progress_timeout_s, metrics.in_flight, lambda: client.stats, metrics.registry)
         client.observers.append(watchdog.observe)
         app.state.watchdog = watchdog
+        app.state.responses = ResponseStore(args.responses_store_dir, int(args.responses_store_mb * 2**20))
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(_watch_engine(engine, client, on_engine_exit)), loop.create_task(_watch(watchdog))]
         if args.log_stats_interval > 0:
@@ -175,6 +178,7 @@ def create_app(
         for task in tasks:
             task.cancel()
         pool.shutdown(wait=False, cancel_futures=True)
+        app.state.responses.close()
         await client.close()
 
     docs = args.enable_docs
@@ -189,6 +193,7 @@ def create_app(
     app.include_router(chat_router)
     app.include_router(openai_router)
     app.include_router(responses_router)
+    app.include_router(stored_responses_router)
     app.include_router(tokenize_router)
     engine.add_routes(app)
     app.add_middleware(

@@ -1,10 +1,14 @@
 """/v1/responses: OpenAI's Responses API, served as the chat request it translates into
 (`responses_protocol.py`). The output's text goes through the chat route's parsers into output items: the reasoning,
 the assistant's message and its function calls, in the order the model wrote them. A streamed response is the same
-items announced, filled by deltas and closed as OpenAI's typed events; a plain one is the stream's final state."""
+items announced, filled by deltas and closed as OpenAI's typed events; a plain one is the stream's final state.
+A finished response is kept (`response_store.py`) unless the request says `store: false`, for its continuations
+(`previous_response_id`) and OpenAI's routes that read, list the input of and delete a stored response."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,12 +21,15 @@ from lightllm.server.http.chat_api import ChatOutput, ChatRun, start_chat
 from lightllm.server.http.openai_api import _frontend, _guarded, _sse, _until_disconnect
 from lightllm.server.http.parsers import ParsedDelta
 from lightllm.server.http.protocol import ChatCompletionRequest
-from lightllm.server.http.responses_protocol import RESPONSES_FIELD, ResponsesRequest
+from lightllm.server.http.response_store import ResponseStore, StoredResponse, new_response_id
+from lightllm.server.http.responses_protocol import INPUT_ITEMS, RESPONSES_FIELD, InputItem, ResponsesRequest
 from lightllm.server.http.schema_base import RequestError
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
+from lightllm.server.http.stored_responses_api import stored_conversation, with_ids
 from lightllm.server.output import Delta
 
 router = APIRouter()
+logger = logging.getLogger(__name__)
 
 
 def _responses_error(field: str | None, message: str) -> ApiError:
@@ -35,9 +42,9 @@ def _responses_error(field: str | None, message: str) -> ApiError:
     return ApiError(400, message, field)
 
 
-def _chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
+def _chat_body(body: ResponsesRequest, history: list[InputItem]) -> ChatCompletionRequest:
     try:
-        return ChatCompletionRequest.model_validate(body.chat_request())
+        return ChatCompletionRequest.model_validate(body.chat_request(history))
     except RequestError as exc:
         raise _responses_error(exc.field, str(exc)) from None
     except ValidationError as exc:
@@ -49,14 +56,17 @@ def _chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request):
     fe = _frontend(request)
-    chat = _chat_body(body)
+    store: ResponseStore = request.app.state.responses
+    history = await stored_conversation(store, body.previous_response_id)
+    chat = _chat_body(body, INPUT_ITEMS.validate_python(history))
     try:
         run = await start_chat(fe, chat, request)
     except ApiError as exc:
         if exc.status != 400:
             raise
         raise _responses_error(exc.param, exc.message) from None
-    built = ResponseBuilder(fe, body, run)
+    kept = store if store.enabled and body.store is not False else None
+    built = ResponseBuilder(fe, body, run, kept, [*history, *with_ids(body.input_items())])
     if not body.stream:
         # the deltas as a stream would take them, so a plain response holds the items a stream would build
         async for seq, delta in run.stream:
@@ -64,28 +74,25 @@ async def responses(body: ResponsesRequest, request: Request):
                 error = seq.output
                 raise ApiError(error.error_status or 500, error.error or "engine error", kind="server_error")
             built.take(seq, delta)
-        return built.response(built.finished)
+        return await built.final()
     return StreamingResponse(
         _guarded(built.events(), run.stream, error_end=built.error_end), media_type="text/event-stream"
     )
 
 
-@router.get("/v1/responses/{response_id}")
-@router.delete("/v1/responses/{response_id}")
-@router.post("/v1/responses/{response_id}/cancel")
-async def stored_response(response_id: str):
-    """OpenAI's routes to a stored response: none is stored here, so each says so."""
-    raise ApiError(404, f"response {response_id[:64]!r} not found: responses are not stored by this server", None)
-
-
 class ResponseBuilder:
     """The response's output items as the parsed text fills them, and the events that tell a stream so."""
 
-    def __init__(self, fe: Frontend, body: ResponsesRequest, run: ChatRun):
+    def __init__(
+        self, fe: Frontend, body: ResponsesRequest, run: ChatRun, store: ResponseStore | None, conversation: list[dict]
+    ):
+        """`store`: where the finished response is kept (None: not kept), with `conversation` (the input items it
+        answers, earlier turns' included)."""
         self.fe, self.body, self.run = fe, body, run
+        self.store, self.conversation = store, conversation
         self.out: ChatOutput = run.out
         self.parser = self.out.parser() if self.out.parses else None
-        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.id, self.created = new_response_id(), int(time.time())
         self.items: list[dict] = []
         # the item deltas go to (the last of `items`) while it is open, and its kind
         self.open: str | None = None
@@ -125,7 +132,8 @@ class ResponseBuilder:
                 return
             self.take(seq, delta)
             if self.finished is not None:
-                response = self.response(self.finished)
+                # kept before the client hears it is done: a continuation may follow at once
+                response = await self.final()
                 self._event(f"response.{response['status']}", response=response)
             for event in self._take():
                 yield event
@@ -236,6 +244,21 @@ class ResponseBuilder:
 
     # -- the response object -----------------------------------------------------------------------------------
 
+    async def final(self) -> dict:
+        """The finished response, kept in the store first where it is to be (reported `store: false` where it
+        could not be: larger than the whole store, or the folder failing)."""
+        response = self.response(self.finished)
+        if self.store is None:
+            return response
+        try:
+            kept = await asyncio.to_thread(self.store.put, StoredResponse(response, self.conversation))
+        except OSError as exc:
+            logger.warning("response %s not stored: %s", self.id, exc)
+            kept = False
+        if not kept:
+            response["store"] = False
+        return response
+
     def response(self, seq: Sequence | None) -> dict:
         """The response object: in progress (no sequence yet), or finished by `seq`."""
         body = self.body
@@ -263,8 +286,8 @@ class ResponseBuilder:
             "temperature": self.run.params.temperature,
             "top_p": self.run.params.top_p,
             "max_output_tokens": body.max_output_tokens,
-            "previous_response_id": None,
-            "store": False,
+            "previous_response_id": body.previous_response_id,
+            "store": self.store is not None,
             "truncation": "disabled",
             "metadata": body.metadata or {},
             "usage": usage,

@@ -1,14 +1,14 @@
 """OpenAI's Responses API request (`POST /v1/responses`) and its translation into the chat request it is served as:
 input items become chat messages (function calls and their outputs as tool calls and tool messages, reasoning as
 the assistant's reasoning_content), `instructions` a system message first, flat function tools the chat form,
-`text.format` the response_format. Nothing is stored, so `previous_response_id` is refused and `store` reported
-false; the rest of what this server cannot do is refused naming the field."""
+`text.format` the response_format. A continuation (`previous_response_id`) is served with the stored conversation
+before its own input (`history`); what this server cannot do is refused naming the field."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from lightllm.engine.sampling_params import MAX_INT
 from lightllm.server.http.chat_messages import FUNCTION_NAME, FunctionDef
@@ -73,6 +73,7 @@ InputItem = Annotated[
     | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
+INPUT_ITEMS = TypeAdapter(list[InputItem])
 
 
 class FunctionTool(FunctionDef):
@@ -127,7 +128,7 @@ class ResponsesRequest(StrictModel):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
-    # nothing is kept: a response is never stored, whatever this says (reported as false)
+    # kept for previous_response_id and GET /v1/responses/{id} unless false (or the server keeps none)
     store: bool | None = None
     # accepted: reasoning items carry their text, never encrypted content
     include: list[Text] | None = None
@@ -145,10 +146,6 @@ class ResponsesRequest(StrictModel):
 
     def check_supported(self) -> None:
         refused = {
-            "previous_response_id": (
-                self.previous_response_id is not None,
-                "responses are not stored here; send the whole conversation in input",
-            ),
             "conversation": (self.conversation is not None, "conversations are not stored here; send them in input"),
             "background": (bool(self.background), "background responses are not supported"),
             "truncation": (
@@ -167,12 +164,13 @@ class ResponsesRequest(StrictModel):
             if asked:
                 raise RequestError(field, f"{field}: {why}")
 
-    def chat_request(self) -> dict:
-        """The chat request body this request is served as."""
+    def chat_request(self, history: list[InputItem] = ()) -> dict:
+        """The chat request body this request is served as, after the input items of `history` (a stored
+        conversation it continues)."""
         self.check_supported()
         chat: dict[str, Any] = {
             "model": self.model,
-            "messages": self.messages(),
+            "messages": self.messages(history),
             "parallel_tool_calls": self.parallel_tool_calls,
             "stream": self.stream,
         }
@@ -202,18 +200,32 @@ class ResponsesRequest(StrictModel):
             chat["reasoning_effort"] = self.reasoning.effort
         return chat
 
-    def messages(self) -> list[dict]:
-        """The conversation as chat messages: consecutive function calls join one assistant message (the one
-        before them when it is the assistant's), a reasoning item the next assistant message."""
-        messages: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+    def input_items(self) -> list[InputItem]:
+        """The input as items (a string is one user message)."""
         if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def messages(self, history: list[InputItem] = ()) -> list[dict]:
+        """The conversation (`history`, then the input) as chat messages: consecutive function calls join one
+        assistant message (the one before them when it is the assistant's), a reasoning item the next assistant
+        message; a reasoning item that no assistant message follows (an answer cut short while it reasoned) is an
+        assistant turn of its own, so that the turn is not lost."""
+        messages: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         reasoning: str | None = None
-        for item in self.input:
+
+        def unanswered() -> None:
+            nonlocal reasoning
+            if reasoning is not None:
+                messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+                reasoning = None
+
+        for item in [*history, *self.input_items()]:
             if isinstance(item, ReasoningItem):
                 reasoning = (reasoning or "") + item.text()
                 continue
             if isinstance(item, FunctionCallOutputItem):
+                unanswered()
                 output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
                 continue
@@ -225,11 +237,15 @@ class ResponsesRequest(StrictModel):
                     last = {"role": "assistant", "content": None}
                     messages.append(last)
                 last.setdefault("tool_calls", []).append(call)
+            elif item.role != "assistant":
+                unanswered()
+                messages.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
+                continue
             else:
-                role = "system" if item.role == "developer" else item.role
-                messages.append({"role": role, "content": item.text()})
+                messages.append({"role": "assistant", "content": item.text()})
                 last = messages[-1]
-            if reasoning is not None and last["role"] == "assistant":
+            if reasoning is not None:
                 last["reasoning_content"] = reasoning
                 reasoning = None
+        unanswered()
         return messages

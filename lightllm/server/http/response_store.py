@@ -1,0 +1,141 @@
+"""Stored Responses API responses: what `store` keeps, `previous_response_id` continues and `GET` / `DELETE
+/v1/responses/{id}` read and remove.
+
+One JSON file per response in a folder that every HTTP process of the server shares (`--http_workers`: a
+continuation may reach another process than the response it continues), written whole under a temporary name and
+renamed, so a reader sees a response entirely or not at all. The folder is bounded in bytes
+(`--responses_store_mb`): past the bound the least recently written responses are removed first. By default it is a
+temporary folder removed when the server stops; `--responses_store_dir` names one that outlives the server.
+
+A stored record holds the response object as it was returned and the conversation it answered: the input items of
+the responses it continued, their outputs, then its own input (instructions are not part of it: a continuation
+sends its own, as OpenAI's API specifies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+# the ids this server gives responses; anything else is no stored response (and never a path)
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
+# a process rescans the folder once it has written this share of the bound since its last scan
+_SCAN_SHARE = 8
+# what eviction leaves of the bound, so that the next writes do not evict one response each
+_EVICT_TO = 0.9
+
+
+def new_response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+@dataclass
+class StoredResponse:
+    response: dict
+    # the conversation the response answered, as input items (earlier turns' outputs among them)
+    input: list[dict]
+
+    def conversation(self) -> list[dict]:
+        """The input items a continuation of this response starts from: its input, then its output."""
+        return [*self.input, *self.response.get("output", [])]
+
+
+class ResponseStore:
+    """Responses stored in `directory` (None: a temporary folder of this store's own, removed by `close`), at most
+    `max_bytes` of them; `max_bytes` 0 stores nothing (`enabled` false)."""
+
+    def __init__(self, directory: str | None, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.enabled = max_bytes > 0
+        self._owned = self.enabled and directory is None
+        self.directory: Path | None = None
+        if self.enabled:
+            self.directory = Path(directory or tempfile.mkdtemp(prefix="lightllm-responses-"))
+            self.directory.mkdir(parents=True, exist_ok=True)
+        # bytes this process wrote since it last summed the folder (starts full: the first write scans)
+        self._unscanned = max_bytes
+
+    def _path(self, response_id: str) -> Path | None:
+        if not self.enabled or not RESPONSE_ID.fullmatch(response_id):
+            return None
+        return self.directory / f"{response_id}.json"
+
+    def put(self, record: StoredResponse) -> bool:
+        """Store `record` under its response's id; False (nothing stored) when it alone exceeds the bound."""
+        path = self._path(record.response["id"])
+        if path is None:
+            raise ValueError(f"not a response id of this server: {record.response['id']!r}")
+        data = json.dumps({"response": record.response, "input": record.input}, ensure_ascii=False).encode()
+        if len(data) > self.max_bytes:
+            return False
+        fd, scratch = tempfile.mkstemp(prefix=".", suffix=".part", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(scratch, path)
+        except BaseException:
+            Path(scratch).unlink(missing_ok=True)
+            raise
+        self._unscanned += len(data)
+        if self._unscanned * _SCAN_SHARE >= self.max_bytes:
+            self._evict()
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        path = self._path(response_id)
+        if path is None:
+            return None
+        try:
+            data = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        return StoredResponse(data["response"], data["input"])
+
+    def delete(self, response_id: str) -> bool:
+        path = self._path(response_id)
+        if path is None:
+            return False
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def num_bytes(self) -> int:
+        return sum(size for _, size, _ in self._entries())
+
+    def _entries(self) -> list[tuple[float, int, Path]]:
+        """(written, bytes, path) of every stored response; one another process removes meanwhile is left out."""
+        entries = []
+        for entry in os.scandir(self.directory):
+            if not entry.name.endswith(".json"):
+                continue
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime_ns, st.st_size, Path(entry.path)))
+        return entries
+
+    def _evict(self) -> None:
+        self._unscanned = 0
+        entries = self._entries()
+        total = sum(size for _, size, _ in entries)
+        if total <= self.max_bytes:
+            return
+        for _, size, path in sorted(entries):
+            path.unlink(missing_ok=True)
+            total -= size
+            if total <= self.max_bytes * _EVICT_TO:
+                return
+
+    def close(self) -> None:
+        """Remove the folder if it is this store's own temporary one."""
+        if self._owned and self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)

@@ -1,0 +1,96 @@
+"""OpenAI's routes to stored Responses API responses (`response_store.py`): read one, list the input items it
+answered, delete one, cancel one (only background responses can be, and none run here); and the stored conversation
+a continuation (`previous_response_id`) starts from."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
+
+from lightllm.server.http.response_store import ResponseStore, StoredResponse
+from lightllm.server.http.responses_protocol import InputItem
+from lightllm.server.http.serving import ApiError
+
+router = APIRouter()
+
+
+async def stored_conversation(store: ResponseStore, response_id: str | None) -> list[dict]:
+    """The input items a continuation of `response_id` starts from (none without one): 400 where nothing is
+    kept, 404 where that response is not."""
+    if response_id is None:
+        return []
+    if not store.enabled:
+        raise ApiError(
+            400,
+            "previous_response_id: this server keeps no responses (--responses_store_mb 0); send the whole "
+            "conversation in input",
+            "previous_response_id",
+        )
+    stored = await asyncio.to_thread(store.get, response_id)
+    if stored is None:
+        raise ApiError(404, f"previous_response_id: no stored response {response_id[:64]!r}", "previous_response_id")
+    return stored.conversation()
+
+
+async def _stored(request: Request, response_id: str) -> StoredResponse:
+    stored = await asyncio.to_thread(request.app.state.responses.get, response_id)
+    if stored is None:
+        raise ApiError(404, f"no stored response {response_id[:64]!r}", None)
+    return stored
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    return (await _stored(request, response_id)).response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    if not await asyncio.to_thread(request.app.state.responses.delete, response_id):
+        raise ApiError(404, f"no stored response {response_id[:64]!r}", None)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def input_items(
+    response_id: str,
+    request: Request,
+    order: Literal["asc", "desc"] = "desc",
+    limit: int = Query(20, ge=1, le=100),
+    after: str | None = None,
+):
+    """The conversation a stored response answered, as items (OpenAI's list: newest first by default)."""
+    items = (await _stored(request, response_id)).input
+    items = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise ApiError(400, f"after: no input item {after[:64]!r} in response {response_id[:64]!r}", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    return {"object": "list", "data": page, "first_id": first, "last_id": last, "has_more": len(items) > limit}
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request):
+    """Only a background response can be cancelled, and this server runs none."""
+    await _stored(request, response_id)
+    raise ApiError(400, "only a background response can be cancelled; this response was not one", None)
+
+
+# the id prefix of an input item of each type, as OpenAI's lists show them
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def with_ids(items: list[InputItem]) -> list[dict]:
+    """A request's input items as stored, each with an id of its own (as OpenAI lists input items)."""
+    dumped = []
+    for item in items:
+        data = item.model_dump(exclude_none=True)
+        data["id"] = f"{_ITEM_ID_PREFIX[data['type']]}_{uuid.uuid4().hex}"
+        dumped.append(data)
+    return dumped

@@ -1,0 +1,163 @@
+"""Stored Responses API responses over HTTP (the fake runner behind a tiny checkpoint's tokenizer and template): a
+continuation (`previous_response_id`) is served exactly as the same conversation sent whole; GET returns the
+response as it was returned, plain or streamed; input_items lists the conversation in OpenAI's pages; DELETE and
+`store: false` leave nothing to continue; a server that keeps no responses refuses continuations by name."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from unit_tests.server.live_server import LiveServer, tiny_checkpoint_server
+
+
+@pytest.fixture(scope="module", params=[("qwen3_5", "think"), ("kimi_linear", "none")])
+def server(request):
+    s = tiny_checkpoint_server(*request.param)
+    yield s
+    s.close()
+
+
+def _post(server, **fields) -> dict:
+    body = {"model": server.model, "max_output_tokens": 12, "temperature": 0.0, **fields}
+    r = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _get(server, path: str, **params) -> httpx.Response:
+    return httpx.get(f"{server.base_url}/v1/responses/{path}", params=params, timeout=30)
+
+
+def _as_input(output: list[dict]) -> list[dict]:
+    # what a client sends back of an output, as OpenAI's SDKs do: the items whole, ids and statuses included
+    return [dict(item) for item in output]
+
+
+def test_a_continuation_is_the_conversation_sent_whole(server, prompts_sent):
+    """Two continuations in a chain give the prompt (and greedy answer) of the three turns sent as one input,
+    without the first turn's instructions; the twin continues another response and sees another prompt."""
+    first = _post(server, input="Name a prime.", instructions="Answer briefly.")
+    second = _post(server, input="And a larger one?", previous_response_id=first["id"])
+    third = _post(server, input="Their sum?", previous_response_id=second["id"])
+    assert second["previous_response_id"] == first["id"] and third["store"] is True
+    whole = [
+        {"role": "user", "content": "Name a prime."},
+        *_as_input(first["output"]),
+        {"role": "user", "content": "And a larger one?"},
+        *_as_input(second["output"]),
+        {"role": "user", "content": "Their sum?"},
+    ]
+    explicit = _post(server, input=whole, store=False)
+    assert prompts_sent[2] == prompts_sent[3]
+    assert explicit["output"][-1]["content"] == third["output"][-1]["content"]
+    assert third["usage"]["input_tokens"] == explicit["usage"]["input_tokens"] == len(prompts_sent[3])
+    # the first turn's instructions are its own: sent whole with them, the prompt differs
+    _post(server, input=whole, instructions="Answer briefly.", store=False)
+    assert prompts_sent[4] != prompts_sent[2]
+    # the twin: continuing the first response instead of the second drops a turn
+    _post(server, input="Their sum?", previous_response_id=first["id"])
+    assert prompts_sent[5] != prompts_sent[2] and len(prompts_sent[5]) < len(prompts_sent[2])
+
+
+def test_get_returns_the_response_as_returned_plain_and_streamed(server):
+    plain = _post(server, input="Hello there.")
+    r = _get(server, plain["id"])
+    assert r.status_code == 200 and r.json() == plain
+    body = {"model": server.model, "input": "Hello again.", "max_output_tokens": 12, "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json=body, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    done = events[-1]["response"]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete") and done["store"] is True
+    assert _get(server, done["id"]).json() == done
+    # the twin: another response's id gives another response
+    assert _get(server, plain["id"]).json() != done
+
+
+def test_input_items_list_the_conversation_in_pages(server):
+    first = _post(server, input=[{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "Hi."}])
+    second = _post(server, input="Bye.", previous_response_id=first["id"])
+    page = _get(server, f"{second['id']}/input_items", order="asc").json()
+    items = page["data"]
+    assert page["object"] == "list" and page["has_more"] is False
+    assert [i["type"] for i in items[:2]] == ["message", "message"] and items[1]["content"] == "Hi."
+    assert items[2 : 2 + len(first["output"])] == first["output"]
+    assert items[-1]["content"] == "Bye." and items[-1]["role"] == "user"
+    ids = [i["id"] for i in items]
+    assert len(set(ids)) == len(ids) and (page["first_id"], page["last_id"]) == (ids[0], ids[-1])
+    # newest first by default; pages of two follow `after`
+    newest = _get(server, f"{second['id']}/input_items").json()["data"]
+    assert [i["id"] for i in newest] == ids[::-1]
+    paged, after = [], None
+    while True:
+        params = {"order": "asc", "limit": 2, **({"after": after} if after else {})}
+        page = _get(server, f"{second['id']}/input_items", **params).json()
+        paged += [i["id"] for i in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert paged == ids
+    r = _get(server, f"{second['id']}/input_items", after="msg_nowhere")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "after"
+
+
+def test_delete_and_store_false_leave_nothing_to_continue(server):
+    kept = _post(server, input="Keep this.")
+    unkept = _post(server, input="Forget this.", store=False)
+    assert unkept["store"] is False and _get(server, unkept["id"]).status_code == 404
+    r = httpx.delete(f"{server.base_url}/v1/responses/{kept['id']}", timeout=30)
+    assert r.status_code == 200 and r.json() == {"id": kept["id"], "object": "response", "deleted": True}
+    assert _get(server, kept["id"]).status_code == 404
+    assert httpx.delete(f"{server.base_url}/v1/responses/{kept['id']}", timeout=30).status_code == 404
+    for gone in (kept["id"], unkept["id"], "resp_../../etc/passwd"):
+        body = {"model": server.model, "input": "More.", "previous_response_id": gone}
+        r = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+    # the twin: a response still stored is continued
+    assert _post(server, input="More.", previous_response_id=_post(server, input="Again.")["id"])["store"] is True
+
+
+def test_cancel_names_what_can_be_cancelled(server):
+    stored = _post(server, input="Hi.")
+    r = httpx.post(f"{server.base_url}/v1/responses/{stored['id']}/cancel", timeout=30)
+    assert r.status_code == 400 and "background" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.base_url}/v1/responses/resp_{'0' * 32}/cancel", timeout=30)
+    assert r.status_code == 404
+
+
+def test_the_openai_client_continues_and_reads_back(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    first = client.responses.create(model=server.model, input="Hi", max_output_tokens=8, temperature=0)
+    second = client.responses.create(
+        model=server.model, input="Go on", previous_response_id=first.id, max_output_tokens=8, temperature=0
+    )
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [item.type for item in listed.data][-1] == "message" and len(listed.data) == 2 + len(first.output)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
+def test_a_server_that_keeps_nothing_refuses_continuations_by_name():
+    from lightllm.tools.make_tiny_model import tiny_model_dir
+
+    s = LiveServer(
+        model_dir=str(tiny_model_dir("qwen3_5")),
+        device="cpu",
+        max_running_requests=2,
+        max_total_token_num=1024,
+        responses_store_mb=0,
+    )
+    try:
+        response = _post(s, input="Hi.")
+        assert response["store"] is False and _get(s, response["id"]).status_code == 404
+        body = {"model": s.model, "input": "More.", "previous_response_id": response["id"]}
+        r = httpx.post(f"{s.base_url}/v1/responses", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+        assert "--responses_store_mb" in r.json()["error"]["message"]
+    finally:
+        s.close()

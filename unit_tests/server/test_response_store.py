@@ -1,0 +1,86 @@
+"""The folder of stored responses: shared by stores on one folder (as the HTTP processes of a server share it),
+bounded in bytes with the least recently written removed first, no id that is not this server's read as a path, and
+a temporary folder removed with its store."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from lightllm.server.http.response_store import ResponseStore, StoredResponse, new_response_id
+
+
+def _record(size: int, rng: random.Random) -> StoredResponse:
+    text = "".join(rng.choice("abcdefgh") for _ in range(size))
+    response = {"id": new_response_id(), "object": "response", "output": [{"type": "message", "content": text}]}
+    return StoredResponse(response, [{"type": "message", "role": "user", "content": text[::-1], "id": "msg_1"}])
+
+
+def test_two_stores_on_one_folder_see_each_others_responses(tmp_path):
+    rng = random.Random(7)
+    a, b = ResponseStore(str(tmp_path), 2**20), ResponseStore(str(tmp_path), 2**20)
+    record = _record(300, rng)
+    assert a.put(record)
+    read = b.get(record.response["id"])
+    assert read == record and read.conversation() == [*record.input, *record.response["output"]]
+    # the twin: an id nobody stored
+    assert b.get(new_response_id()) is None
+    assert b.delete(record.response["id"]) and a.get(record.response["id"]) is None
+    assert not a.delete(record.response["id"])
+
+
+def test_the_folder_stays_within_its_bound_dropping_the_oldest(tmp_path):
+    rng = random.Random(11)
+    bound = 64 * 1024
+    stores = [ResponseStore(str(tmp_path), bound) for _ in range(2)]
+    written = []
+    for i in range(120):
+        record = _record(rng.randrange(500, 3000), rng)
+        assert stores[i % 2].put(record)
+        written.append(record.response["id"])
+        # distinct write times, so that "oldest" is well defined
+        path = tmp_path / f"{written[-1]}.json"
+        os.utime(path, ns=(time.time_ns(), 10**18 + i * 10**6))
+    # each store rescans once it wrote an eighth of the bound: the folder may exceed it by what the two stores
+    # wrote since their last scans (each less than an eighth plus one record)
+    assert stores[0].num_bytes() <= bound + 2 * (bound // 8 + 7000)
+    present = [stores[0].get(i) is not None for i in written]
+    # what is left is a suffix of the writes: the newest kept, every older one before the first kept gone
+    first_kept = present.index(True)
+    assert all(present[first_kept:]) and not any(present[:first_kept]) and first_kept > 0
+
+
+def test_a_response_larger_than_the_whole_store_is_not_kept(tmp_path):
+    store = ResponseStore(str(tmp_path), 4096)
+    big = _record(5000, random.Random(3))
+    assert not store.put(big) and store.get(big.response["id"]) is None
+    small = _record(100, random.Random(4))
+    assert store.put(small) and store.get(small.response["id"]) == small
+
+
+@pytest.mark.parametrize("response_id", ["../x", "resp_" + "0" * 31 + "/", "resp_" + "A" * 32, "", "resp_x.json"])
+def test_ids_that_are_not_this_servers_are_never_paths(tmp_path, response_id):
+    outside = tmp_path / "x.json"
+    outside.write_text('{"response": {}, "input": []}')
+    store = ResponseStore(str(tmp_path / "store"), 2**20)
+    assert store.get(response_id) is None and not store.delete(response_id)
+    assert outside.exists()
+    with pytest.raises(ValueError, match="not a response id"):
+        store.put(StoredResponse({"id": response_id}, []))
+
+
+def test_a_temporary_folder_goes_with_its_store_and_a_given_one_stays(tmp_path):
+    own = ResponseStore(None, 2**20)
+    assert own.put(_record(10, random.Random(1))) and own.directory.is_dir()
+    own.close()
+    assert not own.directory.exists()
+    given = ResponseStore(str(tmp_path / "kept"), 2**20)
+    given.put(_record(10, random.Random(2)))
+    given.close()
+    assert len(list((tmp_path / "kept").glob("*.json"))) == 1
+    # a store that keeps nothing makes no folder
+    off = ResponseStore(None, 0)
+    assert not off.enabled and off.directory is None and off.get(new_response_id()) is None
