@@ -289,7 +289,7 @@ for part in $parts; do
                      --output_len 48 ;;
         structured_q35|structured_q35_fp8)
                         python -m lightllm.tools.dummy_model_dir --preset qwen3.5-35b-a3b --out /tmp/q35 > /dev/null
-                        run "$part" 400 python test/benchmark/bench_structured_output.py --batch 64 \
+                        run "$part" 540 python test/benchmark/bench_structured_output.py --batch 64 \
                             --model_dir /tmp/q35 --load_format dummy --synthetic_vocab 248000 --phases \
                             $([ "$part" = structured_q35_fp8 ] && echo "--quantization fp8") ;;
         moe_prefill) run moe_prefill 240 python test/benchmark/bench_fused_moe.py --batches 1024,4096,16384 --largest_tuned \

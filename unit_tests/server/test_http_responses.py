@@ -188,7 +188,6 @@ def test_the_openai_client_reads_it(server):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.json_schema"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"truncation": "auto"}, "truncation"),
         # vLLM's priority reaches the scheduler as on chat: this server schedules in arrival order
         ({"priority": 3}, "priority"),
         ({"cache_salt": ""}, "cache_salt"),

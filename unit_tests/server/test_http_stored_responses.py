@@ -161,3 +161,36 @@ def test_a_server_that_keeps_nothing_refuses_continuations_by_name():
         assert "--responses_store_mb" in r.json()["error"]["message"]
     finally:
         s.close()
+
+
+def test_truncation_auto_serves_the_turns_that_fit(server, prompts_sent):
+    """A conversation longer than the context: refused as it is; with truncation auto, served exactly as its latest
+    turns sent alone (the earliest cut that fits beside max_output_tokens); the twin with a longer answer budget
+    keeps fewer turns."""
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    turns = []
+    for t in range(24):
+        text = " ".join(words[(t + i) % len(words)] for i in range(40))
+        turns += [{"role": "user", "content": f"{t}: {text}"}, {"role": "assistant", "content": text[::-1]}]
+    turns.append({"role": "user", "content": "Sum it up."})
+    body = {"model": server.model, "input": turns, "max_output_tokens": 8, "temperature": 0.0, "store": False}
+    r = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, "the conversation must be too long for this test"
+    prompts_sent.clear()
+    truncated = _post(server, **{**body, "truncation": "auto"})
+    assert truncated["truncation"] == "auto"
+    prompt = prompts_sent[-1]
+    assert len(prompt) + 8 <= server.args.max_req_total_len
+    # the same prompt as the tail sent alone, from one of the user turns
+    starts = [i for i, item in enumerate(turns) if item["role"] == "user"]
+    tails = {}
+    for cut in starts[::-1]:
+        r = httpx.post(f"{server.base_url}/v1/responses", json={**body, "input": turns[cut:]}, timeout=60)
+        if r.status_code != 200:
+            break
+        tails[cut] = prompts_sent[-1]
+    earliest = min(tails)
+    assert prompt == tails[earliest] and earliest > 0
+    # the twin: room for a longer answer leaves fewer turns
+    _post(server, **{**body, "truncation": "auto", "max_output_tokens": 400})
+    assert len(prompts_sent[-1]) < len(prompt)

@@ -1,6 +1,6 @@
-"""Responses input items as chat messages, without a server: a stored conversation goes before the input; a
-reasoning item joins the assistant message after it, and one that no assistant message follows (an answer cut short
-while it reasoned) is an assistant turn of its own rather than being lost or joining a later turn."""
+"""Responses input items as chat messages, without a server: a stored conversation reads as items before the
+input; a reasoning item joins the assistant message after it, and one that no assistant message follows (an answer
+cut short while it reasoned) is an assistant turn of its own rather than being lost or joining a later turn."""
 
 from __future__ import annotations
 
@@ -43,12 +43,13 @@ def test_reasoning_before_a_tool_output_and_at_the_end_stays_in_its_turn():
     }
 
 
-def test_history_goes_before_the_input_and_instructions_are_the_requests_own():
+def test_a_stored_conversation_reads_as_items_and_instructions_are_the_requests_own():
     history = INPUT_ITEMS.validate_python(
         [{"type": "message", "role": "user", "content": "first", "id": "msg_1"}, _reasoning("r")]
     )
     request = ResponsesRequest.model_validate({"model": "m", "input": "second"})
-    assert request.messages(history) == [
+    continued = request.model_copy(update={"input": [*history, *request.input_items()]})
+    assert continued.messages() == [
         {"role": "user", "content": "first"},
         {"role": "assistant", "content": "", "reasoning_content": "r"},
         {"role": "user", "content": "second"},

@@ -230,10 +230,8 @@ async def start_chat(fe: Frontend, body: ChatCompletionRequest, request: Request
     params = _params(body, fe)
     fe.check_capacity(params.n, "n")
     out = ChatOutput(fe, body)
-    messages = [m.as_template_input() for m in body.messages]
-    kwargs = body.template_variables()
-    opening = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
-    prompt_ids = await fe.encode_chat(messages, body.chat_template, kwargs, body.add_special_tokens, **opening)
+    messages, kwargs = _template_input(body)
+    prompt_ids = await render_chat(fe, body)
     full_len = len(prompt_ids)
     answer_length = params.max_tokens or fe.sampling_defaults.get("max_tokens")
     prompt_ids = truncated(
@@ -263,6 +261,17 @@ async def start_chat(fe: Frontend, body: ChatCompletionRequest, request: Request
         cache_salt=body.cache_salt,
     )
     return ChatRun(out, params, prompt_ids, stream)
+
+
+def _template_input(body: ChatCompletionRequest) -> tuple[list[dict], dict]:
+    return [m.as_template_input() for m in body.messages], body.template_variables()
+
+
+async def render_chat(fe: Frontend, body: ChatCompletionRequest) -> list[int]:
+    """The prompt ids of the request's conversation as its template renders them (ApiError where it cannot)."""
+    messages, kwargs = _template_input(body)
+    opening = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
+    return await fe.encode_chat(messages, body.chat_template, kwargs, body.add_special_tokens, **opening)
 
 
 def _choice(fe: Frontend, out: ChatOutput, s: Sequence) -> dict:

@@ -8,6 +8,7 @@ A finished response is kept (`response_store.py`) unless the request says `store
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -17,12 +18,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from lightllm.server.http.chat_api import ChatOutput, ChatRun, start_chat
+from lightllm.server.http.chat_api import ChatOutput, ChatRun, render_chat, start_chat
 from lightllm.server.http.openai_api import _frontend, _guarded, _sse, _until_disconnect
 from lightllm.server.http.parsers import ParsedDelta
 from lightllm.server.http.protocol import ChatCompletionRequest
 from lightllm.server.http.response_store import ResponseStore, StoredResponse, new_response_id
 from lightllm.server.http.responses_protocol import INPUT_ITEMS, RESPONSES_FIELD, InputItem, ResponsesRequest
+from lightllm.server.http.responses_truncation import fitting_turns, rendered_len
 from lightllm.server.http.schema_base import RequestError
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
 from lightllm.server.http.stored_responses_api import stored_conversation, with_ids
@@ -42,9 +44,9 @@ def _responses_error(field: str | None, message: str) -> ApiError:
     return ApiError(400, message, field)
 
 
-def _chat_body(body: ResponsesRequest, history: list[InputItem]) -> ChatCompletionRequest:
+def _chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
     try:
-        return ChatCompletionRequest.model_validate(body.chat_request(history))
+        return ChatCompletionRequest.model_validate(body.chat_request())
     except RequestError as exc:
         raise _responses_error(exc.field, str(exc)) from None
     except ValidationError as exc:
@@ -58,7 +60,10 @@ async def responses(body: ResponsesRequest, request: Request):
     fe = _frontend(request)
     store: ResponseStore = request.app.state.responses
     history = await stored_conversation(store, body.previous_response_id)
-    chat = _chat_body(body, INPUT_ITEMS.validate_python(history))
+    items = [*INPUT_ITEMS.validate_python(history), *body.input_items()]
+    if body.truncation == "auto":
+        items = await _fitting(fe, body, items)
+    chat = _chat_body(body.model_copy(update={"input": items}))
     try:
         run = await start_chat(fe, chat, request)
     except ApiError as exc:
@@ -78,6 +83,17 @@ async def responses(body: ResponsesRequest, request: Request):
     return StreamingResponse(
         _guarded(built.events(), run.stream, error_end=built.error_end), media_type="text/event-stream"
     )
+
+
+async def _fitting(fe: Frontend, body: ResponsesRequest, items: list[InputItem]) -> list[InputItem]:
+    """`items` without the oldest turns the context cannot hold beside the answer (`responses_truncation.py`)."""
+
+    async def render(tail: list[InputItem]) -> list[int]:
+        return await render_chat(fe, _chat_body(body.model_copy(update={"input": tail})))
+
+    # a prompt must leave room for the answer: max_output_tokens, else at least one token
+    room = fe.args.max_req_total_len - (body.max_output_tokens or 1)
+    return await fitting_turns(items, functools.partial(rendered_len, render), room)
 
 
 class ResponseBuilder:
@@ -288,7 +304,7 @@ class ResponseBuilder:
             "max_output_tokens": body.max_output_tokens,
             "previous_response_id": body.previous_response_id,
             "store": self.store is not None,
-            "truncation": "disabled",
+            "truncation": body.truncation or "disabled",
             "metadata": body.metadata or {},
             "usage": usage,
         }

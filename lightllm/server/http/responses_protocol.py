@@ -1,8 +1,8 @@
 """OpenAI's Responses API request (`POST /v1/responses`) and its translation into the chat request it is served as:
 input items become chat messages (function calls and their outputs as tool calls and tool messages, reasoning as
 the assistant's reasoning_content), `instructions` a system message first, flat function tools the chat form,
-`text.format` the response_format. A continuation (`previous_response_id`) is served with the stored conversation
-before its own input (`history`); what this server cannot do is refused naming the field."""
+`text.format` the response_format. A continuation (`previous_response_id`) is served as a request whose input is
+the stored conversation followed by its own; what this server cannot do is refused naming the field."""
 
 from __future__ import annotations
 
@@ -148,10 +148,6 @@ class ResponsesRequest(StrictModel):
         refused = {
             "conversation": (self.conversation is not None, "conversations are not stored here; send them in input"),
             "background": (bool(self.background), "background responses are not supported"),
-            "truncation": (
-                self.truncation == "auto",
-                "only disabled is supported (a prompt that is too long is a 400)",
-            ),
             "max_tool_calls": (self.max_tool_calls is not None, "not supported; use parallel_tool_calls false"),
             "top_logprobs": (bool(self.top_logprobs), "not supported; /v1/chat/completions returns logprobs"),
             "prompt": (self.prompt is not None, "prompt templates are not supported; send input"),
@@ -164,13 +160,12 @@ class ResponsesRequest(StrictModel):
             if asked:
                 raise RequestError(field, f"{field}: {why}")
 
-    def chat_request(self, history: list[InputItem] = ()) -> dict:
-        """The chat request body this request is served as, after the input items of `history` (a stored
-        conversation it continues)."""
+    def chat_request(self) -> dict:
+        """The chat request body this request is served as."""
         self.check_supported()
         chat: dict[str, Any] = {
             "model": self.model,
-            "messages": self.messages(history),
+            "messages": self.messages(),
             "parallel_tool_calls": self.parallel_tool_calls,
             "stream": self.stream,
         }
@@ -206,8 +201,8 @@ class ResponsesRequest(StrictModel):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
 
-    def messages(self, history: list[InputItem] = ()) -> list[dict]:
-        """The conversation (`history`, then the input) as chat messages: consecutive function calls join one
+    def messages(self) -> list[dict]:
+        """The conversation as chat messages: consecutive function calls join one
         assistant message (the one before them when it is the assistant's), a reasoning item the next assistant
         message; a reasoning item that no assistant message follows (an answer cut short while it reasoned) is an
         assistant turn of its own, so that the turn is not lost."""
@@ -220,7 +215,7 @@ class ResponsesRequest(StrictModel):
                 messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
                 reasoning = None
 
-        for item in [*history, *self.input_items()]:
+        for item in self.input_items():
             if isinstance(item, ReasoningItem):
                 reasoning = (reasoning or "") + item.text()
                 continue

@@ -65,6 +65,10 @@ class Sequence:
     output: SequenceOutput
 
 
+class PromptTooLong(ApiError):
+    """A prompt with more characters than `max_req_total_len` tokens can hold (known before tokenizing it)."""
+
+
 class Frontend:
     def __init__(
         self,
@@ -113,7 +117,7 @@ class Frontend:
 
     def check_chars(self, text: str, param: str) -> None:
         if len(text) > self.max_prompt_chars:
-            raise ApiError(
+            raise PromptTooLong(
                 400,
                 f"the prompt has {len(text)} characters; no more than {self.max_prompt_chars} can fit in "
                 f"max_req_total_len ({self.args.max_req_total_len}) tokens",
