@@ -155,7 +155,10 @@ class ServerArgs:
     mtp_step: int = _flag(0, "MTP draft tokens per step (needs a checkpoint with mtp.* weights)", type=int)
     spec_ngram: int = _flag(0, "n-gram prompt-lookup draft tokens per step", type=int)
     max_running_requests: int | None = _flag(
-        None, "most requests running at once = linear-state slots (auto: 256 on cuda, 16 on cpu)", type=int
+        None,
+        "most requests running at once = linear-state slots (auto: 256 on cuda, 16 on cpu; on cuda, fewer where "
+        "their state does not fit beside the weights, with a warning)",
+        type=int,
     )
     max_total_token_num: int | None = _flag(
         None,

@@ -97,7 +97,8 @@ def quiet_host_threads(device: str) -> None:
 def engine_for_runner(args: ServerArgs, runner, acceptance: SimulatedAcceptance | None = None) -> Engine:
     return Engine(
         runner,
-        max_running_requests=args.max_running_requests,
+        # the runner holds fewer request slots where their linear state does not fit the device
+        max_running_requests=min(args.max_running_requests, runner.num_free_requests()),
         chunked_prefill_size=args.chunked_prefill_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,

@@ -1,7 +1,9 @@
 """KV-cache sizing: how many token slots the full-attention layers get when `max_total_token_num` is not given.
 
-The runner loads the weights and allocates the linear-attention state first, then asks `kv_tokens_for_memory`
-for the KV size, so the sizing sees exactly what is left. On CUDA the answer comes from a memory probe (free,
+The runner loads the weights, fits its request slots to what they leave (`fitted_request_slots`: a
+--max_running_requests whose linear state cannot fit is lowered, with a warning, rather than failing the start),
+allocates the linear-attention state, then asks `kv_tokens_for_memory` for the KV size, so the sizing sees exactly
+what is left. On CUDA the answer comes from a memory probe (free,
 total and this process's bytes of the device); on CPU there is no device memory to size from, so every request
 slot gets a full-length request's worth of tokens, capped.
 """
@@ -49,6 +51,33 @@ def cuda_memory_probe(device: torch.device) -> MemoryProbe:
         return DeviceMemory(int(free), int(total), int(torch.cuda.memory_reserved(device)))
 
     return probe
+
+
+# the most of what the weights leave (after the activation reserve and one longest request's KV) that the request
+# slots' linear state may take when --max_running_requests asks for more than fits: the rest is the KV cache's
+STATE_SHARE = 0.8
+
+
+def fitted_request_slots(
+    memory: DeviceMemory,
+    *,
+    requested: int,
+    mem_fraction: float,
+    state_bytes_per_request: int,
+    kv_bytes_per_token: int,
+    max_req_total_len: int,
+    reserve_bytes: int = ACTIVATION_RESERVE_BYTES,
+) -> int:
+    """Request slots to allocate: `requested` where their linear state fits what this process's share leaves after
+    the weights (`memory.own`), the activation reserve and the KV of one `max_req_total_len`-token request; else as
+    many as fit in `STATE_SHARE` of that room (at least one), so the KV cache keeps the rest."""
+    room = min(int(memory.total * mem_fraction) - memory.own, memory.free) - reserve_bytes
+    room -= kv_bytes_per_token * max_req_total_len
+    if room < 0 or state_bytes_per_request * requested <= room:
+        # (room < 0: not even one request's KV fits, which the KV sizing refuses, naming the flags)
+        return requested
+    # at least one: where even its state does not fit, the KV sizing after it refuses the start, naming the flags
+    return max(int(room * STATE_SHARE) // state_bytes_per_request, 1)
 
 
 def cpu_kv_tokens(max_running_requests: int, max_req_total_len: int) -> int:
@@ -122,12 +151,10 @@ def runner_kv_tokens(runner, shapes: tuple[tuple[int, ...], ...], probe: MemoryP
     c = runner.config
     if c.max_total_token_num is not None:
         return c.max_total_token_num
-    if probe is None and runner.device.type == "cpu":
-        return cpu_kv_tokens(c.max_running_requests, c.max_req_total_len)
+    probe = memory_probe_of(runner.device, probe)
     if probe is None:
-        probe = cuda_memory_probe(runner.device)
-    itemsize = torch.empty((), dtype=runner.dtype).element_size()
-    per_layer = sum(math.prod(s) for s in shapes) * itemsize
+        return cpu_kv_tokens(c.max_running_requests, c.max_req_total_len)
+    per_layer = _kv_layer_bytes(shapes, runner.dtype)
     num_layers, mtp = len(runner.model_config.full_layer_ids), 1 if runner.mtp_step else 0
     # per layer: the hold slot (and on the MTP head its extra slots); per cache: an int64 slot table
     fixed = per_layer * (num_layers + mtp * (1 + mtp_extra_tokens(c, runner.mtp_step)))
@@ -147,3 +174,19 @@ def runner_kv_tokens(runner, shapes: tuple[tuple[int, ...], ...], probe: MemoryP
         fixed_bytes=fixed,
         max_req_total_len=c.max_req_total_len,
     )
+
+
+def memory_probe_of(device: torch.device, probe: MemoryProbe | None) -> MemoryProbe | None:
+    """`probe` where given, else the device's (None on CPU: no device memory to size from)."""
+    if probe is not None or device.type == "cpu":
+        return probe
+    return cuda_memory_probe(device)
+
+
+def _kv_layer_bytes(shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype) -> int:
+    return sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_token(shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, num_layers: int) -> int:
+    """One token's KV over `num_layers` attention layers (`shapes`: one token's KV tensors per layer)."""
+    return _kv_layer_bytes(shapes, dtype) * num_layers

@@ -37,7 +37,15 @@ from lightllm.worker.graphs.decode import DecodeGraphs
 from lightllm.worker.graphs.draft import DraftGraphs
 from lightllm.worker.graphs.prefill import PrefillGraphs
 from lightllm.worker.graphs.spec_step import SpecStepGraphs
-from lightllm.worker.kv_sizing import MemoryProbe, kv_row_lengths, mtp_extra_tokens, runner_kv_tokens
+from lightllm.worker.kv_sizing import (
+    MemoryProbe,
+    fitted_request_slots,
+    kv_bytes_per_token,
+    kv_row_lengths,
+    memory_probe_of,
+    mtp_extra_tokens,
+    runner_kv_tokens,
+)
 from lightllm.worker.prefix_calls import PrefixCacheCalls
 from lightllm.worker.records import PendingVerify, RequestRecord
 from lightllm.worker.startup_phases import StartupPhases
@@ -96,22 +104,24 @@ class ModelRunner(DeviceAcceptance, PrefixCacheCalls):
             cfg.linear, num_k_heads=cfg.linear.num_k_heads // tp.size, num_v_heads=cfg.linear.num_v_heads // tp.size
         )
         self.linear_spec = spec
-        self.state = create_state(
-            spec,
-            StateConfig(
-                mode=mode,
-                max_requests=config.max_running_requests,
-                max_width=self.max_width,
-                state_dtype=config.state_dtype(),
-                act_dtype=self.dtype,
-                replay_capacity=config.replay_capacity,
-                projection=config.replay_projection_mode if mode is StateMode.REPLAY else "inline",
-                device=self.device,
-                backend=config.state_backend,
-            ),
+        state_config = StateConfig(
+            mode=mode,
+            max_requests=config.max_running_requests,
+            max_width=self.max_width,
+            state_dtype=config.state_dtype(),
+            act_dtype=self.dtype,
+            replay_capacity=config.replay_capacity,
+            projection=config.replay_projection_mode if mode is StateMode.REPLAY else "inline",
+            device=self.device,
+            backend=config.state_backend,
         )
-        self.startup.mark("linear state")
         shapes = self._kv_token_shapes(tp.size)
+        slots = self._fitted_slots(state_config, shapes, tp, memory_probe)
+        if slots != config.max_running_requests:
+            self.config = config = dataclasses.replace(config, max_running_requests=slots)
+            state_config = dataclasses.replace(state_config, max_requests=slots)
+        self.state = create_state(spec, state_config)
+        self.startup.mark("linear state")
         # every rank allocates the same KV slots (free memory differs a little between devices)
         self.kv_tokens = tp.min_over_ranks(runner_kv_tokens(self, shapes, memory_probe), self.device)
         self.kv = KVCache(
@@ -202,6 +212,41 @@ class ModelRunner(DeviceAcceptance, PrefixCacheCalls):
         tokens = min(self.config.prefill_graph_max_tokens, self.config.max_req_total_len)
         model_bound = self.model.fixed_buffer_prefill_tokens()
         return tokens if model_bound is None else min(tokens, model_bound)
+
+    def _fitted_slots(
+        self, state_config: StateConfig, shapes: tuple[tuple[int, ...], ...], tp: TPInfo, probe: MemoryProbe | None
+    ) -> int:
+        """`max_running_requests`, lowered (with a warning) where their linear state cannot fit beside the weights
+        (`kv_sizing.fitted_request_slots`); every TP rank takes the smallest rank's count."""
+        c = self.config
+        probe = memory_probe_of(self.device, probe)
+        if probe is None or c.max_total_token_num is not None:
+            return c.max_running_requests
+        meta = dataclasses.replace(state_config, max_requests=1, device=torch.device("meta"))
+        state_bytes = create_state(self.linear_spec, meta).bytes_per_request()
+        num_layers = len(self.model_config.full_layer_ids) + (1 if self.mtp_step else 0)
+        slots = fitted_request_slots(
+            probe(),
+            requested=c.max_running_requests,
+            mem_fraction=c.mem_fraction,
+            state_bytes_per_request=state_bytes,
+            kv_bytes_per_token=kv_bytes_per_token(shapes, self.dtype, num_layers),
+            max_req_total_len=c.max_req_total_len,
+        )
+        slots = tp.min_over_ranks(slots, self.device)
+        if slots < c.max_running_requests:
+            logger.warning(
+                "--max_running_requests %d: the %s linear state of that many requests (%.2f GiB, %.1f MiB each) does "
+                "not fit beside the weights; running at most %d requests at once (lower --max_running_requests to "
+                "silence this, or raise --mem_fraction, or use --ssm_state_mode replay / "
+                "--linear_att_ssm_data_type bfloat16 for a smaller state)",
+                c.max_running_requests,
+                state_config.mode.value,
+                state_bytes * c.max_running_requests / 2**30,
+                state_bytes / 2**20,
+                slots,
+            )
+        return slots
 
     def _kv_token_shapes(self, tp_size: int) -> tuple[tuple[int, ...], ...]:
         a = self.model_config.attention

@@ -1,5 +1,6 @@
 """KV-cache sizing: the arithmetic of `lightllm.worker.kv_sizing` and the runner sizing its KV cache after weights and
-state are loaded (one load), with a fake memory probe standing in for the device."""
+state are loaded (one load), with a fake memory probe standing in for the device; request slots lowered where their
+linear state does not fit beside the weights, never a failed start while one fits."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from lightllm.worker.config import RunnerConfig
 from lightllm.worker.kv_sizing import (
     ACTIVATION_RESERVE_BYTES,
     CPU_MAX_KV_TOKENS,
+    STATE_SHARE,
     DeviceMemory,
     cpu_kv_tokens,
+    fitted_request_slots,
     kv_tokens_for_memory,
 )
 from lightllm.worker.runner import ModelRunner
@@ -141,7 +144,8 @@ def test_runner_sizes_kv_from_what_is_left_after_weights_and_state(mtp_step, per
     used = GIB - fixed - 1000 * per_token - 100
     probe = FakeProbe(total - used, total)
     runner = ModelRunner(_auto_config(mtp_step), memory_probe=probe)
-    assert probe.calls == 1
+    # once to fit the request slots before the state is allocated, once to size the KV cache after it
+    assert probe.calls == 2
     assert runner.kv_tokens == runner.kv.capacity == 1000
     assert runner.kv_bytes_per_token() == per_token
     allocated = _kv_bytes(runner.kv)
@@ -172,9 +176,10 @@ def test_checkpoint_pool_comes_out_of_the_same_budget(flags):
 
 
 def test_runner_refuses_when_one_request_does_not_fit():
-    # room for 511 tokens: 1 GiB - fixed - 511 x 256 in use
-    probe = FakeProbe(4 * GIB - (GIB - (256 + 4 * 512 * 8) - 511 * 256), 4 * GIB)
-    with pytest.raises(ValueError, match=r"room for 511 KV tokens, fewer than one 512-token request: raise --mem"):
+    # room for 500 tokens beside the fixed bytes of one request slot (4 do not fit beside one request's KV, so the
+    # runner first lowers its slots to one): 1 GiB - fixed - 500 x 256 in use
+    probe = FakeProbe(4 * GIB - (GIB - (256 + 1 * 512 * 8) - 500 * 256), 4 * GIB)
+    with pytest.raises(ValueError, match=r"room for 500 KV tokens, fewer than one 512-token request: raise --mem"):
         ModelRunner(_auto_config(), memory_probe=probe)
 
 
@@ -197,3 +202,59 @@ def test_create_runner_leaves_auto_kv_size_to_the_runner():
     assert args.max_total_token_num is None
     runner = create_runner(args, info)
     assert runner.kv.capacity == 3 * 256
+
+
+def _slots(room: int, requested: int, state: int, per_token: int = 100, max_len: int = 10) -> int:
+    """`fitted_request_slots` with `room` bytes left beside the reserve and one request's KV."""
+    total = 8 * GIB
+    own = total // 2 - ACTIVATION_RESERVE_BYTES - per_token * max_len - room
+    memory = DeviceMemory(total - own, total, own)
+    return fitted_request_slots(
+        memory,
+        requested=requested,
+        mem_fraction=0.5,
+        state_bytes_per_request=state,
+        kv_bytes_per_token=per_token,
+        max_req_total_len=max_len,
+    )
+
+
+def test_request_slots_are_kept_where_their_state_fits_and_lowered_where_not():
+    state = 3_000_000
+    assert _slots(256 * state, 256, state) == 256
+    # one byte short: the state may then take STATE_SHARE of the room, the KV cache the rest
+    assert _slots(256 * state - 1, 256, state) == int((256 * state - 1) * STATE_SHARE) // state == 204
+    assert _slots(10 * state, 256, state) == 8
+    # no room for one request's KV, or for one slot's state beside it: one slot (or what was asked), and the KV
+    # sizing after the state refuses the start, naming the flags (test_runner_refuses_when_one_request_does_not_fit)
+    assert _slots(-1, 256, state) == 256
+    assert _slots(state, 4, state) == 1
+
+
+def test_runner_lowers_the_slots_its_state_cannot_hold_and_the_engine_follows(caplog):
+    """4 requested, room for the state of 3 at STATE_SHARE: the runner holds 3 slots (state allocated for 3), warns
+    naming the flag, sizes its KV from what is left, and the engine built on it admits at most 3; the twin with room
+    for all 4 keeps 4."""
+    from lightllm.server.engine_process import engine_for_runner
+
+    state = ModelRunner(_auto_config(), memory_probe=FakeProbe(4 * GIB - (1 << 20), 4 * GIB)).bytes_per_request()
+    total, per_token, max_len = 4 * GIB, 256, 512
+
+    def probe_with_room(room: int) -> FakeProbe:
+        own = total // 2 - ACTIVATION_RESERVE_BYTES - per_token * max_len - room
+        return FakeProbe(total - own, total)
+
+    room = int(3.9 * state)  # 4 do not fit; STATE_SHARE of it holds 3.12
+    with caplog.at_level("WARNING", logger="lightllm.worker.runner"):
+        runner = ModelRunner(_auto_config(), memory_probe=probe_with_room(room))
+    assert runner.num_free_requests() == runner.config.max_running_requests == 3
+    assert runner.state.num_free_slots() == 3 and runner.kv.num_free_rows() == 3
+    assert "--max_running_requests 4" in caplog.text and "at most 3 requests" in caplog.text
+    assert runner.kv_tokens >= max_len
+    flags = dict(model_dir=case_dir("qwen3_next-hv2"), device="cpu", max_running_requests=4, max_req_total_len=512)
+    args, _ = load_server_args([], **flags)
+    assert engine_for_runner(args, runner).scheduler.max_running_requests == 3
+    # the twin: room for all four
+    caplog.clear()
+    runner = ModelRunner(_auto_config(), memory_probe=probe_with_room(4 * state))
+    assert runner.num_free_requests() == 4 and "at most" not in caplog.text
