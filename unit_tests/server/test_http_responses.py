@@ -64,6 +64,9 @@ def test_text_and_reasoning_equal_the_chat_answer(server, prompts_sent):
     assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert response["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] == len(prompts_sent[0])
     assert response["usage"]["output_tokens"] == 16 and response["store"] is True
+    # a bound on OpenAI's built-in tools, none of which run here: accepted, echoed, changes nothing
+    bounded = _responses(server, input="Name a prime.", temperature=0.0, max_tool_calls=0).json()
+    assert bounded["max_tool_calls"] == 0 and bounded["output"][0]["content"] == response["output"][0]["content"]
     other = _responses(server, input="Name a composite.", temperature=0.0).json()
     assert (_text(other, "message"), _text(other, "reasoning")) != (
         _text(response, "message"),
@@ -182,6 +185,7 @@ def test_the_openai_client_reads_it(server):
     "fields, param",
     [
         ({"conversation": "conv_1"}, "conversation"),
+        ({"max_tool_calls": -1}, "max_tool_calls"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
         ({"temperature": 5.0}, "temperature"),
         ({"max_output_tokens": 0}, "max_output_tokens"),

@@ -302,6 +302,7 @@ class ResponseBuilder:
             "temperature": self.run.params.temperature,
             "top_p": self.run.params.top_p,
             "max_output_tokens": body.max_output_tokens,
+            "max_tool_calls": body.max_tool_calls,
             "previous_response_id": body.previous_response_id,
             "store": self.store is not None,
             "truncation": body.truncation or "disabled",

@@ -137,7 +137,8 @@ class ResponsesRequest(StrictModel):
     conversation: Any = None
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    max_tool_calls: int | None = None
+    # OpenAI's bound on calls to its built-in tools (web search, ...): none run here, so any bound holds
+    max_tool_calls: int | None = Field(None, ge=0, le=MAX_INT)
     top_logprobs: int | None = None
     prompt: Any = None
     cache_salt: CacheSalt | None = None
@@ -148,7 +149,6 @@ class ResponsesRequest(StrictModel):
         refused = {
             "conversation": (self.conversation is not None, "conversations are not stored here; send them in input"),
             "background": (bool(self.background), "background responses are not supported"),
-            "max_tool_calls": (self.max_tool_calls is not None, "not supported; use parallel_tool_calls false"),
             "top_logprobs": (bool(self.top_logprobs), "not supported; /v1/chat/completions returns logprobs"),
             "prompt": (self.prompt is not None, "prompt templates are not supported; send input"),
             "text.verbosity": (
