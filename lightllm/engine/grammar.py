@@ -61,12 +61,21 @@ def mask_threads() -> int:
 
 class RequestGrammar:
     """One request's matcher. `start_token`: the grammar applies after this token (a reasoning block's end);
-    until it is generated the output is free. `matcher` may be given as a future of a compile still running in the
+    until it is generated the output is free but for its stop tokens (`stop_ids`): an output that ended inside the
+    reasoning would never reach its grammar. `matcher` may be given as a future of a compile still running in the
     background (it is first needed at the request's first sampled token, after its prefill)."""
 
-    def __init__(self, matcher, start_token: int | None, executor, host_masks: HostBitmasks | None = None):
+    def __init__(
+        self,
+        matcher,
+        start_token: int | None,
+        executor,
+        host_masks: HostBitmasks | None = None,
+        stop_ids: tuple[int, ...] = (),
+    ):
         self._matcher = matcher
         self.start_token = start_token
+        self.stop_ids = tuple(stop_ids)
         # llguidance's thread pool and the step's bitmask buffers, shared by the backend's matchers
         self.executor = executor
         self.host_masks = host_masks if host_masks is not None else HostBitmasks()
@@ -110,6 +119,8 @@ class RequestGrammar:
             if active:
                 row = bitmask[first_row + j]
                 self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            else:
+                self.hold_stop(bitmask, first_row + j, 1)
             if j == len(drafts):
                 break
             if not active:
@@ -120,6 +131,16 @@ class RequestGrammar:
                 break
         if consumed:
             self.matcher.rollback(consumed)
+
+    def hold_stop(self, bitmask: torch.Tensor, first_row: int, rows: int) -> None:
+        """Clear the stop tokens' bits in `rows` rows of `bitmask` from `first_row` (positions before the grammar
+        starts: the output may not end there)."""
+        for token in self.stop_ids:
+            word, bit = divmod(token, 32)
+            if word < bitmask.shape[1]:
+                # ~(1 << bit) as an int32 (bit 31 is the sign)
+                keep = ~(1 << bit) if bit < 31 else (1 << 31) - 1
+                bitmask[first_row : first_row + rows, word] &= keep
 
     def advance(self, token_ids: list[int]) -> str | None:
         """Consume the emitted tokens; an error message if the grammar refuses one (a masking bug)."""
@@ -207,7 +228,7 @@ class GrammarBackend:
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         matcher = self._compiler.submit(_compile, tokenizer, grammar)
-        return RequestGrammar(matcher, start_token, self._executor_pool(), self._host_masks)
+        return RequestGrammar(matcher, start_token, self._executor_pool(), self._host_masks, tuple(eos_ids))
 
 
 def _compile(tokenizer, grammar: str):

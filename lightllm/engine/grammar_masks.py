@@ -146,6 +146,9 @@ def _fill_windows(windows: list[Window], bitmask: torch.Tensor) -> None:
             grammar.fill_window(bitmask, start, drafts)
         elif grammar.active:
             (drafted if drafts else plain).append((grammar.matcher, start, *([drafts] if drafts else [])))
+        else:
+            # a reasoning block the grammar waits behind: free, but it may not end the output
+            grammar.hold_stop(bitmask, start, len(drafts) + 1)
     fill_parallel(constrained[0][0].executor, bitmask, plain, drafted)
 
 

@@ -134,6 +134,25 @@ def test_grammar_after_a_start_token_with_overlap_equals_without(mode):
     assert valid(text_of(tok, [ids[len(head) :]], set(tok.eos_token_ids)))
 
 
+@pytest.mark.parametrize("mode, flags", [("native", {}), ("replay", {"mtp_step": 2})], ids=["native", "replay-mtp2"])
+def test_an_output_cannot_stop_before_its_grammar_starts(mode, flags):
+    """The model's favourite token is the stop token, its second the reasoning block's end: the output may not
+    stop inside the block (it closes it, then writes valid JSON, then stops); the twin without a grammar stops at
+    once, as the model wants."""
+    engine, info, tok = make_engine("qwen3_5", mode, **flags)
+    (eos, *_), start = tok.eos_token_ids, 11
+    bias = {eos: 100.0, start: 50.0}
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, grammar=GRAMMAR, grammar_start_token=start, logit_bias=bias
+    )
+    free = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias=bias)
+    out = staggered(engine, info, tok, [(0, "r", PROMPTS[1], constrained), (0, "free", PROMPTS[1], free)])
+    ids, reason = out["r"]
+    assert ids[0] == start and reason == "stop"
+    assert valid(text_of(tok, [ids[1:]], set(tok.eos_token_ids)))
+    assert out["free"] == ([eos], "stop")
+
+
 def _chained_verify_run(mode: str, overlap: bool):
     """Two greedy free rows decoding with MTP through the fixed step buffers (eager on the CPU), so that with
     overlap on their verify steps chain in flight; constrained greedy requests arrive mid-chain. Each request's

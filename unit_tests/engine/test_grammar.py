@@ -108,13 +108,33 @@ def test_grammar_starts_after_its_token(setup):
     # a window whose drafts close the reasoning: free up to and including the token, constrained after it
     drafts = [free_tokens[0], think_end, text[0]]
     kept = _masked(req, drafts)
-    assert kept[0].all() and kept[1].all()
+    # free but for the stop token: an output that ended in its reasoning would never reach the grammar
+    for j in (0, 1):
+        assert kept[j].sum() == VOCAB - 1 and not kept[j][hf.eos_token_id], j
     assert torch.equal(kept[2], _reference_mask(backend, model_dir, hf, []))
     assert torch.equal(kept[3], _reference_mask(backend, model_dir, hf, text[:1]))
     assert not req.grammar.active
+    # a window of the reasoning that does not close it: every position free but for the stop token
+    kept = _masked(req, free_tokens)
+    assert (kept.sum(dim=1) == VOCAB - 1).all() and not kept[:, hf.eos_token_id].any()
     # the emitted tokens switch it on; from then on every position is constrained
     assert req.grammar.advance([free_tokens[0], think_end]) is None and req.grammar.active
     assert torch.equal(_masked(req, [])[0], _reference_mask(backend, model_dir, hf, []))
+
+
+@pytest.mark.parametrize("stops", [(0,), (31,), (32, 63), (VOCAB - 1,)], ids=str)
+def test_holding_the_stop_clears_exactly_its_bits(setup, stops):
+    """Bits 0 and 31 of a word (31 is the int32 sign), two words, the last token: only those bits are cleared, in
+    only the rows asked for."""
+    backend, model_dir, hf = setup
+    grammar = backend.matcher(json_schema_grammar(SCHEMA), 5, model_dir, list(stops))
+    words = (VOCAB + 31) // 32
+    bitmask = torch.full((4, words), -1, dtype=torch.int32)
+    grammar.hold_stop(bitmask, 1, 2)
+    bits = [[bool(int(bitmask[r, t // 32]) >> (t % 32) & 1) for t in range(VOCAB)] for r in range(4)]
+    for r in range(4):
+        cleared = [t for t in range(VOCAB) if not bits[r][t]]
+        assert cleared == (sorted(stops) if r in (1, 2) else []), r
 
 
 def test_preloaded_vocabulary_is_the_one_requests_use(setup):
