@@ -6,6 +6,7 @@ response as it was returned, plain or streamed; input_items lists the conversati
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -194,3 +195,79 @@ def test_truncation_auto_serves_the_turns_that_fit(server, prompts_sent):
     # the twin: room for a longer answer leaves fewer turns
     _post(server, **{**body, "truncation": "auto", "max_output_tokens": 400})
     assert len(prompts_sent[-1]) < len(prompt)
+
+
+def _poll(server, response_id: str, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = _get(server, response_id).json()
+        if response["status"] not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        time.sleep(0.05)
+
+
+def _running(server) -> float:
+    for line in httpx.get(f"{server.base_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("lightllm_num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no lightllm_num_requests_running in /metrics")
+
+
+def test_a_background_response_is_polled_to_the_answer_a_foreground_one_gives(server):
+    queued = _post(server, input="Name a prime.", background=True)
+    assert queued["status"] == "queued" and queued["background"] is True and queued["output"] == []
+    done = _poll(server, queued["id"])
+    foreground = _post(server, input="Name a prime.", store=False)
+    assert done["status"] == foreground["status"] != "queued"
+    assert [i["content"] for i in done["output"]] == [i["content"] for i in foreground["output"]]
+    assert done["usage"] == foreground["usage"]
+    # the twin: another question's background answer differs
+    other = _poll(server, _post(server, input="Name a composite.", background=True)["id"])
+    assert [i["content"] for i in other["output"]] != [i["content"] for i in done["output"]]
+    # a finished background response is continued like any other
+    assert _post(server, input="Another?", previous_response_id=done["id"])["store"] is True
+
+
+# an answer that cannot end before max_output_tokens: a JSON string of at least 1000 characters, no reasoning first
+LONG = {
+    "text": {
+        "format": {
+            "type": "json_schema",
+            "name": "long",
+            "schema": {"type": "object", "properties": {"a": {"type": "string", "minLength": 1000}}, "required": ["a"]},
+        }
+    },
+    "reasoning": {"effort": "none"},
+}
+
+
+def test_cancel_stops_a_background_response_and_its_sequences(server):
+    body = {"input": "Count slowly.", "background": True, "max_output_tokens": 1500, **LONG}
+    queued = _post(server, **body)
+    r = httpx.post(f"{server.base_url}/v1/responses/{queued['id']}/cancel", timeout=30)
+    assert r.status_code == 200, r.text
+    cancelled = r.json()
+    assert cancelled["status"] == "cancelled" and _get(server, queued["id"]).json() == cancelled
+    written = sum(len(part["text"]) for item in cancelled["output"] for part in item.get("content", []))
+    # the engine stopped it: nothing left running, and far fewer tokens than asked for
+    deadline = time.monotonic() + 10
+    while _running(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(server) == 0 and written < 1500
+    # cancelling what has ended answers with it as it is
+    again = httpx.post(f"{server.base_url}/v1/responses/{queued['id']}/cancel", timeout=30).json()
+    assert again == cancelled
+    # the twin: the same request left alone runs to its end
+    finished = _poll(server, _post(server, **{**body, "max_output_tokens": 40})["id"])
+    assert finished["status"] == "incomplete" and finished["usage"]["output_tokens"] == 40
+    # only background responses can be cancelled
+    foreground = _post(server, input="Hi.")
+    r = httpx.post(f"{server.base_url}/v1/responses/{foreground['id']}/cancel", timeout=30)
+    assert r.status_code == 400 and "background" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("fields", [{"store": False}, {"stream": True}], ids=["unstored", "streamed"])
+def test_background_needs_a_stored_unstreamed_response(server, fields):
+    body = {"model": server.model, "input": "Hi.", "background": True, **fields}
+    r = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text

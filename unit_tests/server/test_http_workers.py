@@ -157,7 +157,8 @@ def test_two_processes_serve_like_the_engine_and_count_together(two_process_serv
 
 def _continue_across_processes(url: str, model: str) -> None:
     """A chain of Responses API continuations, each on a fresh connection (the kernel hands it to either process):
-    every process finds the responses the other kept, and the last one answered the whole chain."""
+    every process finds the responses the other kept, and the last one answered the whole chain; background
+    responses are cancelled through either process."""
     previous = None
     for turn in range(8):
         body = {"model": model, "input": f"turn {turn}", "max_output_tokens": 3, "temperature": 0}
@@ -171,6 +172,17 @@ def _continue_across_processes(url: str, model: str) -> None:
         items = c.get(f"{url}/v1/responses/{previous}/input_items", params={"order": "asc", "limit": 100}).json()
     users = [i["content"] for i in items["data"] if i.get("role") == "user"]
     assert users == [f"turn {t}" for t in range(8)]
+    # background responses polled and cancelled on fresh connections: whichever process runs one, another may be
+    # asked about it
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 100000}}, "required": ["a"]}
+    text = {"format": {"type": "json_schema", "name": "long", "schema": schema}}
+    body = {"model": model, "input": "go", "max_output_tokens": 3000, "background": True, "text": text}
+    for _ in range(3):
+        with httpx.Client(headers={"connection": "close"}) as c:
+            queued = c.post(f"{url}/v1/responses", json=body, timeout=120).json()
+        with httpx.Client(headers={"connection": "close"}) as c:
+            cancelled = c.post(f"{url}/v1/responses/{queued['id']}/cancel", timeout=60).json()
+        assert cancelled["status"] == "cancelled", (cancelled["usage"], str(cancelled["output"])[:600])
 
 
 def test_sigterm_stops_every_process_cleanly(two_process_server):

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightllm.server.args import ServerArgs
+from lightllm.server.http.background_responses import BackgroundResponses
 from lightllm.server.http.chat_api import router as chat_router
 from lightllm.server.http.edge import EdgeMiddleware
 from lightllm.server.http.engine_client import EngineClient
@@ -166,6 +167,7 @@ def create_app(
         client.observers.append(watchdog.observe)
         app.state.watchdog = watchdog
         app.state.responses = ResponseStore(args.responses_store_dir, int(args.responses_store_mb * 2**20))
+        app.state.background = BackgroundResponses(app.state.responses)
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(_watch_engine(engine, client, on_engine_exit)), loop.create_task(_watch(watchdog))]
         if args.log_stats_interval > 0:
@@ -177,6 +179,7 @@ def create_app(
         yield
         for task in tasks:
             task.cancel()
+        await app.state.background.close()
         pool.shutdown(wait=False, cancel_futures=True)
         app.state.responses.close()
         await client.close()

@@ -7,6 +7,9 @@ renamed, so a reader sees a response entirely or not at all. The folder is bound
 (`--responses_store_mb`): past the bound the least recently written responses are removed first. By default it is a
 temporary folder removed when the server stops; `--responses_store_dir` names one that outlives the server.
 
+A background response is stored as soon as it is queued and again when it ends; a `.cancel` mark beside it asks
+the process that runs it (whichever received the cancel) to stop it.
+
 A stored record holds the response object as it was returned and the conversation it answered: the input items of
 the responses it continued, their outputs, then its own input (instructions are not part of it: a continuation
 sends its own, as OpenAI's API specifies).
@@ -101,11 +104,27 @@ class ResponseStore:
         path = self._path(response_id)
         if path is None:
             return False
+        path.with_suffix(".cancel").unlink(missing_ok=True)
         try:
             path.unlink()
         except FileNotFoundError:
             return False
         return True
+
+    def request_cancel(self, response_id: str) -> None:
+        """Leave a mark that asks the process running this background response to stop it."""
+        path = self._path(response_id)
+        if path is not None:
+            path.with_suffix(".cancel").touch()
+
+    def cancel_requested(self, response_id: str) -> bool:
+        path = self._path(response_id)
+        return path is not None and path.with_suffix(".cancel").exists()
+
+    def clear_cancel(self, response_id: str) -> None:
+        path = self._path(response_id)
+        if path is not None:
+            path.with_suffix(".cancel").unlink(missing_ok=True)
 
     def num_bytes(self) -> int:
         return sum(size for _, size, _ in self._entries())

@@ -64,14 +64,19 @@ async def responses(body: ResponsesRequest, request: Request):
     if body.truncation == "auto":
         items = await _fitting(fe, body, items)
     chat = _chat_body(body.model_copy(update={"input": items}))
+    kept = store if store.enabled and body.store is not False else None
+    if body.background:
+        _check_background(body, kept)
     try:
-        run = await start_chat(fe, chat, request)
+        # a background response outlives its request's connection
+        run = await start_chat(fe, chat, None if body.background else request)
     except ApiError as exc:
         if exc.status != 400:
             raise
         raise _responses_error(exc.param, exc.message) from None
-    kept = store if store.enabled and body.store is not False else None
     built = ResponseBuilder(fe, body, run, kept, [*history, *with_ids(body.input_items())])
+    if body.background:
+        return await request.app.state.background.start(built)
     if not body.stream:
         # the deltas as a stream would take them, so a plain response holds the items a stream would build
         async for seq, delta in run.stream:
@@ -83,6 +88,22 @@ async def responses(body: ResponsesRequest, request: Request):
     return StreamingResponse(
         _guarded(built.events(), run.stream, error_end=built.error_end), media_type="text/event-stream"
     )
+
+
+def _check_background(body: ResponsesRequest, kept: ResponseStore | None) -> None:
+    if kept is None:
+        raise ApiError(
+            400,
+            "background: a background response is read back from the store: it needs store true, on a server that "
+            "keeps responses (--responses_store_mb > 0)",
+            "background",
+        )
+    if body.stream:
+        raise ApiError(
+            400,
+            "background: streamed background responses are not supported; poll GET /v1/responses/{id}",
+            "background",
+        )
 
 
 async def _fitting(fe: Frontend, body: ResponsesRequest, items: list[InputItem]) -> list[InputItem]:
@@ -132,9 +153,16 @@ class ResponseBuilder:
     def error_end(self, message: str) -> list[bytes]:
         """A stream's end on a failure: the error, then the failed response (what clients wait for)."""
         self._event("error", code="server_error", message=message, param=None)
-        failed = {**self.response(None), "status": "failed", "error": {"code": "server_error", "message": message}}
-        self._event("response.failed", response=failed)
+        self._event("response.failed", response=self.failed(message))
         return self._take()
+
+    def failed(self, message: str) -> dict:
+        return {**self.response(None), "status": "failed", "error": {"code": "server_error", "message": message}}
+
+    def partial(self, status: str) -> dict:
+        """The response as far as it got, ended with `status` (a cancelled background response)."""
+        self._close("incomplete")
+        return {**self.response(None), "status": status, "output": self.items}
 
     async def events(self) -> AsyncIterator[bytes]:
         self._event("response.created", response=self.response(None))
@@ -303,6 +331,7 @@ class ResponseBuilder:
             "top_p": self.run.params.top_p,
             "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": body.max_tool_calls,
+            "background": bool(body.background),
             "previous_response_id": body.previous_response_id,
             "store": self.store is not None,
             "truncation": body.truncation or "disabled",

@@ -148,7 +148,6 @@ class ResponsesRequest(StrictModel):
     def check_supported(self) -> None:
         refused = {
             "conversation": (self.conversation is not None, "conversations are not stored here; send them in input"),
-            "background": (bool(self.background), "background responses are not supported"),
             "top_logprobs": (bool(self.top_logprobs), "not supported; /v1/chat/completions returns logprobs"),
             "prompt": (self.prompt is not None, "prompt templates are not supported; send input"),
             "text.verbosity": (

@@ -1,6 +1,6 @@
 """OpenAI's routes to stored Responses API responses (`response_store.py`): read one, list the input items it
-answered, delete one, cancel one (only background responses can be, and none run here); and the stored conversation
-a continuation (`previous_response_id`) starts from."""
+answered, delete one, cancel a background one (`background_responses.py`); and the stored conversation a
+continuation (`previous_response_id`) starts from."""
 
 from __future__ import annotations
 
@@ -77,9 +77,15 @@ async def input_items(
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: str, request: Request):
-    """Only a background response can be cancelled, and this server runs none."""
-    await _stored(request, response_id)
-    raise ApiError(400, "only a background response can be cancelled; this response was not one", None)
+    """Stop a background response (whichever HTTP process runs it): the response once it has stopped, as it is
+    where it had already ended."""
+    stored = await _stored(request, response_id)
+    if not stored.response.get("background"):
+        raise ApiError(400, "only a background response can be cancelled; this response was not one", None)
+    response = await request.app.state.background.cancel(response_id)
+    if response is None:
+        raise ApiError(404, f"no stored response {response_id[:64]!r}", None)
+    return response
 
 
 # the id prefix of an input item of each type, as OpenAI's lists show them
