@@ -4,12 +4,15 @@ shutdown on SIGTERM / SIGINT that takes the engine process with it."""
 from __future__ import annotations
 
 import glob
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -92,6 +95,12 @@ def test_cli_refuses_bad_flags(flags, message):
     assert "refusing to start" in proc.stderr and message in proc.stderr
 
 
+def _readme_request_body() -> dict:
+    """The JSON body of the README's example request."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return json.loads(re.search(r"-d '(\{.*?\})'", readme).group(1))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_cli_serves_demo_model_and_shuts_down(sig, tmp_path):
     port = _free_port()
@@ -107,6 +116,10 @@ def test_cli_serves_demo_model_and_shuts_down(sig, tmp_path):
         body = {"model": "tiny-qwen3_5", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        # the README's request, as a newcomer sends it: an answer with text in it, each time
+        for _ in range(3):
+            r = httpx.post(f"{base}/v1/chat/completions", json=_readme_request_body(), timeout=60)
+            assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["content"] or "") > 10, r.text
         engines = _children(proc.pid)
         assert engines, "the engine process should be a child of the server"
         proc.send_signal(sig)
