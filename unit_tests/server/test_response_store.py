@@ -74,7 +74,11 @@ def test_ids_that_are_not_this_servers_are_never_paths(tmp_path, response_id):
 
 def test_a_temporary_folder_goes_with_its_store_and_a_given_one_stays(tmp_path):
     own = ResponseStore(None, 2**20)
-    assert own.put(_record(10, random.Random(1))) and own.directory.is_dir()
+    record = _record(10, random.Random(1))
+    assert own.put(record) and own.directory.is_dir()
+    # conversations on disk: readable by the server's user only
+    assert own.directory.stat().st_mode & 0o777 == 0o700
+    assert (own.directory / f"{record.response['id']}.json").stat().st_mode & 0o777 == 0o600
     own.close()
     assert not own.directory.exists()
     given = ResponseStore(str(tmp_path / "kept"), 2**20)
