@@ -271,3 +271,28 @@ def test_background_needs_a_stored_unstreamed_response(server, fields):
     body = {"model": server.model, "input": "Hi.", "background": True, **fields}
     r = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+
+
+def test_a_store_that_outlives_the_server_keeps_no_running_response(tmp_path):
+    """--responses_store_dir: the responses are there after the server stops, and one still running when it
+    stopped is marked failed, not left in progress; a finished one is as it was."""
+    from lightllm.server.http.response_store import ResponseStore
+    from lightllm.tools.make_tiny_model import tiny_model_dir
+
+    s = LiveServer(
+        model_dir=str(tiny_model_dir("kimi_linear")),
+        device="cpu",
+        max_running_requests=2,
+        max_total_token_num=4096,
+        responses_store_dir=str(tmp_path),
+    )
+    try:
+        finished = _post(s, input="Hi.")
+        running = _post(s, input="Count.", background=True, max_output_tokens=1500, **LONG)
+        assert _get(s, running["id"]).json()["status"] in ("queued", "in_progress")
+    finally:
+        s.close()
+    store = ResponseStore(str(tmp_path), 2**30)
+    assert store.get(finished["id"]).response == finished
+    stopped = store.get(running["id"]).response
+    assert stopped["status"] == "failed" and "stopped" in stopped["error"]["message"]

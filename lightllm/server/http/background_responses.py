@@ -55,7 +55,9 @@ class BackgroundResponses:
             await built.final()
         except asyncio.CancelledError:
             if not self.store.cancel_requested(built.id):
-                raise  # the server is stopping
+                # the server is stopping: a store that outlives it must not show the response running forever
+                await self._put(built, built.failed("the server stopped before the response was finished"))
+                raise
             await built.run.stream.aclose()  # the engine's sequences aborted before it says cancelled
             await self._put(built, built.partial("cancelled"))
         except Exception:
