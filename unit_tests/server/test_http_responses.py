@@ -204,3 +204,29 @@ def test_what_cannot_be_served_is_400_naming_the_field(server, fields, param):
     assert r.json()["error"]["param"].startswith(param), r.json()
     # the twin: the same request without the field is served
     assert _responses(server, input="Hi").status_code == 200
+
+
+def test_output_text_logprobs_are_the_chat_answers(server):
+    """top_logprobs: the message part's tokens with their logprobs and alternatives, as the same greedy chat answer
+    reports them (without a final stop token, which writes no text); a stream's deltas carry the same; without it,
+    none."""
+    # no reasoning first (the chat logprobs would cover it too)
+    fields = {"input": "Name a prime.", "temperature": 0.0, "top_logprobs": 2, "reasoning": {"effort": "none"}}
+    response = _responses(server, **fields).json()
+    part = response["output"][-1]["content"][0]
+    question = [{"role": "user", "content": "Name a prime."}]
+    chat = _chat(server, messages=question, temperature=0.0, logprobs=True, top_logprobs=2, reasoning_effort="none")
+    expected = chat["choices"][0]["logprobs"]["content"]
+    if chat["choices"][0]["finish_reason"] == "stop":
+        expected = expected[:-1]
+    assert part["text"] == chat["choices"][0]["message"]["content"]
+    assert expected and part["logprobs"] == expected and all(len(e["top_logprobs"]) == 2 for e in expected)
+    body = {"model": server.model, "max_output_tokens": 16, "stream": True, **fields}
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json=body, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    streamed = [e for ev in events if ev["type"] == "response.output_text.delta" for e in ev["logprobs"]]
+    assert streamed == expected
+    # the twin: not asked for, not there
+    plain = _responses(server, **{k: v for k, v in fields.items() if k != "top_logprobs"}).json()
+    plain = plain["output"][-1]["content"][0]
+    assert "logprobs" not in plain and plain["text"] == part["text"]

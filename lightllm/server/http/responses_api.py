@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from lightllm.server.http.chat_api import ChatOutput, ChatRun, render_chat, start_chat
+from lightllm.server.http.logprobs import chat_logprobs
 from lightllm.server.http.openai_api import _frontend, _guarded, _sse, _until_disconnect
 from lightllm.server.http.parsers import ParsedDelta
 from lightllm.server.http.protocol import ChatCompletionRequest
@@ -136,6 +137,9 @@ class ResponseBuilder:
         # each tool call's item, by the parser's call index (its argument pieces name only the index)
         self.calls: dict[int, dict] = {}
         self.finished: Sequence | None = None
+        self.logprobs = body.wants_logprobs()
+        # logprobs of tokens whose text is not out yet (a character's first bytes)
+        self._unwritten: list[dict] = []
         self.sequence_number = -1
         self.pending: list[bytes] = []
 
@@ -203,7 +207,9 @@ class ResponseBuilder:
             if call.index in known:
                 self._arguments(self.calls[call.index], call.arguments)
         if parsed.content:
-            self._append("message", parsed.content)
+            self._append("message", parsed.content, self._message_logprobs(delta, parsed))
+        else:
+            self._message_logprobs(delta, parsed)
         for call in parsed.tool_calls:
             if call.index in known:
                 continue
@@ -218,6 +224,20 @@ class ResponseBuilder:
                 self._close("completed")
             self.finished = seq
 
+    def _message_logprobs(self, delta: Delta, parsed: ParsedDelta) -> list[dict]:
+        """The logprobs of the tokens that wrote this delta's message text: its own (all of them where it also
+        wrote reasoning or a call: a delta's text is not split by token) and those of deltas before it that wrote
+        nothing yet (a character's first bytes)."""
+        if not self.logprobs:
+            return []
+        entries = chat_logprobs(self.out.token_names, delta.token_ids, delta.logprobs)
+        entries = entries["content"] if entries else []
+        if not (parsed.content or parsed.reasoning or parsed.tool_calls):
+            self._unwritten.extend(entries)
+            return []
+        entries, self._unwritten = [*self._unwritten, *entries], []
+        return entries if parsed.content else []
+
     def _open(self, kind: str) -> dict:
         self._close("completed")
         index = len(self.items)
@@ -230,6 +250,8 @@ class ResponseBuilder:
         self.open = kind
         self._event("response.output_item.added", output_index=index, item=item)
         part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _output_text("")
+        if kind == "message" and self.logprobs:
+            part["logprobs"] = []
         item["content"].append(part)
         self._event("response.content_part.added", **self._where(), part=part)
         return item
@@ -251,12 +273,15 @@ class ResponseBuilder:
             where = {"item_id": item["id"], "output_index": self.items.index(item)}
             self._event("response.function_call_arguments.delta", **where, delta=text)
 
-    def _append(self, kind: str, text: str) -> None:
+    def _append(self, kind: str, text: str, logprobs: list[dict] = ()) -> None:
         if self.open != kind:
             self._open(kind)
-        self.items[-1]["content"][0]["text"] += text
+        part = self.items[-1]["content"][0]
+        part["text"] += text
+        if "logprobs" in part:
+            part["logprobs"].extend(logprobs)
         name = "reasoning_text" if kind == "reasoning" else "output_text"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {} if kind == "reasoning" else {"logprobs": list(logprobs)}
         self._event(f"response.{name}.delta", **self._where(), delta=text, **extra)
 
     def _close(self, status: str) -> None:
@@ -273,7 +298,7 @@ class ResponseBuilder:
             self._event("response.function_call_arguments.done", **where, name=item["name"], arguments=args)
         else:
             part = item["content"][0]
-            extra = {} if kind == "reasoning" else {"logprobs": []}
+            extra = {} if kind == "reasoning" else {"logprobs": part.get("logprobs", [])}
             name = "reasoning_text" if kind == "reasoning" else "output_text"
             self._event(f"response.{name}.done", **self._where(), text=part["text"], **extra)
             self._event("response.content_part.done", **self._where(), part=part)

@@ -130,7 +130,8 @@ class ResponsesRequest(StrictModel):
     stream: bool = False
     # kept for previous_response_id and GET /v1/responses/{id} unless false (or the server keeps none)
     store: bool | None = None
-    # accepted: reasoning items carry their text, never encrypted content
+    # "message.output_text.logprobs" asks for logprobs; the rest add nothing (reasoning items carry their text,
+    # never encrypted content)
     include: list[Text] | None = None
     metadata: dict[str, Text] | None = None
     previous_response_id: Text | None = None
@@ -139,7 +140,8 @@ class ResponsesRequest(StrictModel):
     truncation: Literal["auto", "disabled"] | None = None
     # OpenAI's bound on calls to its built-in tools (web search, ...): none run here, so any bound holds
     max_tool_calls: int | None = Field(None, ge=0, le=MAX_INT)
-    top_logprobs: int | None = None
+    # the message's output_text parts carry their tokens' logprobs with this many alternatives each
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     prompt: Any = None
     cache_salt: CacheSalt | None = None
     # vLLM's: lower runs first, under --scheduling_policy priority (checked as on chat)
@@ -148,7 +150,6 @@ class ResponsesRequest(StrictModel):
     def check_supported(self) -> None:
         refused = {
             "conversation": (self.conversation is not None, "conversations are not stored here; send them in input"),
-            "top_logprobs": (bool(self.top_logprobs), "not supported; /v1/chat/completions returns logprobs"),
             "prompt": (self.prompt is not None, "prompt templates are not supported; send input"),
             "text.verbosity": (
                 self.text is not None and self.text.verbosity is not None,
@@ -158,6 +159,10 @@ class ResponsesRequest(StrictModel):
         for field, (asked, why) in refused.items():
             if asked:
                 raise RequestError(field, f"{field}: {why}")
+
+    def wants_logprobs(self) -> bool:
+        """The output_text parts' logprobs: asked by `top_logprobs` or by including them."""
+        return self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or ())
 
     def chat_request(self) -> dict:
         """The chat request body this request is served as."""
@@ -176,6 +181,8 @@ class ResponsesRequest(StrictModel):
             "priority": self.priority,
         }
         chat.update({k: v for k, v in optional.items() if v is not None})
+        if self.wants_logprobs():
+            chat.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
             chat["tools"] = [
                 {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools
