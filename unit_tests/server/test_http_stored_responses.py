@@ -244,6 +244,10 @@ LONG = {
 def test_cancel_stops_a_background_response_and_its_sequences(server):
     body = {"input": "Count slowly.", "background": True, "max_output_tokens": 1500, **LONG}
     queued = _post(server, **body)
+    # a response still running cannot be continued yet
+    more = {"model": server.model, "input": "More.", "previous_response_id": queued["id"]}
+    r = httpx.post(f"{server.base_url}/v1/responses", json=more, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
     r = httpx.post(f"{server.base_url}/v1/responses/{queued['id']}/cancel", timeout=30)
     assert r.status_code == 200, r.text
     cancelled = r.json()

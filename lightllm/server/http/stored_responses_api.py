@@ -10,6 +10,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 
+from lightllm.server.http.background_responses import UNFINISHED
 from lightllm.server.http.response_store import ResponseStore, StoredResponse
 from lightllm.server.http.responses_protocol import InputItem
 from lightllm.server.http.serving import ApiError
@@ -19,7 +20,7 @@ router = APIRouter()
 
 async def stored_conversation(store: ResponseStore, response_id: str | None) -> list[dict]:
     """The input items a continuation of `response_id` starts from (none without one): 400 where nothing is
-    kept, 404 where that response is not."""
+    kept or the response is still running (a background one), 404 where that response is not."""
     if response_id is None:
         return []
     if not store.enabled:
@@ -32,6 +33,13 @@ async def stored_conversation(store: ResponseStore, response_id: str | None) -> 
     stored = await asyncio.to_thread(store.get, response_id)
     if stored is None:
         raise ApiError(404, f"previous_response_id: no stored response {response_id[:64]!r}", "previous_response_id")
+    status = stored.response["status"]
+    if status in UNFINISHED:
+        raise ApiError(
+            400,
+            f"previous_response_id: response {response_id[:64]!r} is {status}; continue it once it has ended",
+            "previous_response_id",
+        )
     return stored.conversation()
 
 
