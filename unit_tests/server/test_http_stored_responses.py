@@ -84,9 +84,10 @@ def test_input_items_list_the_conversation_in_pages(server):
     page = _get(server, f"{second['id']}/input_items", order="asc").json()
     items = page["data"]
     assert page["object"] == "list" and page["has_more"] is False
-    assert [i["type"] for i in items[:2]] == ["message", "message"] and items[1]["content"] == "Hi."
+    assert [i["type"] for i in items[:2]] == ["message", "message"]
+    assert items[1]["content"] == [{"type": "input_text", "text": "Hi."}]
     assert items[2 : 2 + len(first["output"])] == first["output"]
-    assert items[-1]["content"] == "Bye." and items[-1]["role"] == "user"
+    assert items[-1]["content"] == [{"type": "input_text", "text": "Bye."}] and items[-1]["role"] == "user"
     ids = [i["id"] for i in items]
     assert len(set(ids)) == len(ids) and (page["first_id"], page["last_id"]) == (ids[0], ids[-1])
     # newest first by default; pages of two follow `after`

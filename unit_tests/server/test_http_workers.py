@@ -170,7 +170,7 @@ def _continue_across_processes(url: str, model: str) -> None:
         previous = r.json()["id"]
     with httpx.Client(headers={"connection": "close"}) as c:
         items = c.get(f"{url}/v1/responses/{previous}/input_items", params={"order": "asc", "limit": 100}).json()
-    users = [i["content"] for i in items["data"] if i.get("role") == "user"]
+    users = [i["content"][0]["text"] for i in items["data"] if i.get("role") == "user"]
     assert users == [f"turn {t}" for t in range(8)]
     # background responses polled and cancelled on fresh connections: whichever process runs one, another may be
     # asked about it

@@ -101,10 +101,14 @@ _ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_outpu
 
 
 def with_ids(items: list[InputItem]) -> list[dict]:
-    """A request's input items as stored, each with an id of its own (as OpenAI lists input items)."""
+    """A request's input items as stored, in the form OpenAI lists input items: each with an id of its own, a
+    message's text as a list of parts (`input_text`, or `output_text` for the assistant's)."""
     dumped = []
     for item in items:
         data = item.model_dump(exclude_none=True)
         data["id"] = f"{_ITEM_ID_PREFIX[data['type']]}_{uuid.uuid4().hex}"
+        if data["type"] == "message" and isinstance(data["content"], str):
+            kind = "output_text" if data["role"] == "assistant" else "input_text"
+            data["content"] = [{"type": kind, "text": data["content"]}]
         dumped.append(data)
     return dumped
