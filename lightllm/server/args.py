@@ -262,8 +262,8 @@ class ServerArgs:
     )  # fmt: skip
     responses_store_mb: float = _flag(
         512.0,
-        "MiB of Responses API responses kept for previous_response_id and GET /v1/responses/{id} (a request's store: "
-        "false keeps nothing; past the bound the oldest go first; 0: none kept)",
+        "MiB of Responses API responses (and background responses' streams) kept for previous_response_id and GET "
+        "/v1/responses/{id} (a request's store: false keeps nothing; past the bound the oldest go first; 0: none kept)",
         type=float,
     )
     responses_store_dir: str | None = _flag(

@@ -5,6 +5,7 @@ whichever process answers, and the server stops when one of its processes dies."
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import multiprocessing as mp
 import os
 import re
@@ -28,6 +29,7 @@ from lightllm.server.http.workers import Workers
 from lightllm.server.launcher import EngineStartError
 from lightllm.server.prestart import PrestartedHttpProcesses
 from unit_tests.server.live_server import single_threaded_env
+from unit_tests.server.responses_stream import stream_events
 
 
 def test_routes_send_each_request_to_its_process_and_stats_to_all():
@@ -183,6 +185,24 @@ def _continue_across_processes(url: str, model: str) -> None:
         with httpx.Client(headers={"connection": "close"}) as c:
             cancelled = c.post(f"{url}/v1/responses/{queued['id']}/cancel", timeout=60).json()
         assert cancelled["status"] == "cancelled", (cancelled["usage"], str(cancelled["output"])[:600])
+    _stream_across_processes(url, {**body, "max_output_tokens": 120, "stream": True})
+
+
+def _stream_across_processes(url: str, body: dict) -> None:
+    """A streamed background response read a few events at a time, each time on a fresh connection resuming
+    after the last event seen: whichever process runs it, the pieces join into the whole stream."""
+    with httpx.Client(headers={"connection": "close"}) as c, c.stream("POST", f"{url}/v1/responses", json=body) as s:
+        seen = list(itertools.islice(stream_events(s.iter_lines()), 3))
+    response_id = seen[0][1]["response"]["id"]
+    while seen[-1][0] not in ("response.completed", "response.incomplete"):
+        params = {"stream": "true", "starting_after": seen[-1][1]["sequence_number"]}
+        with httpx.Client(headers={"connection": "close"}) as c:
+            with c.stream("GET", f"{url}/v1/responses/{response_id}", params=params, timeout=60) as s:
+                seen.extend(itertools.islice(stream_events(s.iter_lines()), 40))
+    with httpx.Client(headers={"connection": "close"}) as c:
+        with c.stream("GET", f"{url}/v1/responses/{response_id}", params={"stream": "true"}, timeout=60) as s:
+            whole = list(stream_events(s.iter_lines()))
+    assert seen == whole and whole[-1][1]["response"]["usage"]["output_tokens"] == 120
 
 
 def test_sigterm_stops_every_process_cleanly(two_process_server):

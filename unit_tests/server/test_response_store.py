@@ -88,3 +88,57 @@ def test_a_temporary_folder_goes_with_its_store_and_a_given_one_stays(tmp_path):
     # a store that keeps nothing makes no folder
     off = ResponseStore(None, 0)
     assert not off.enabled and off.directory is None and off.get(new_response_id()) is None
+
+
+def test_an_event_log_is_read_from_any_offset_by_another_store(tmp_path):
+    writer, reader = ResponseStore(str(tmp_path), 2**20), ResponseStore(str(tmp_path), 2**20)
+    response_id = new_response_id()
+    assert reader.read_events(response_id, 0) is None
+    rng = random.Random(9)
+    lines = [f'{{"n":{i},"t":"{"x" * rng.randrange(1, 50)}"}}'.encode() for i in range(20)]
+    writer.append_events(response_id, lines[:7])
+    writer.append_events(response_id, lines[7:])
+    read, end = reader.read_events(response_id, 0)
+    assert read == lines and reader.read_events(response_id, end) == ([], end)
+    # from the offset after the first k lines: the rest
+    offset = sum(len(line) + 1 for line in lines[:5])
+    assert reader.read_events(response_id, offset) == (lines[5:], end)
+    # a line still being written is not read until it is whole
+    with open(tmp_path / f"{response_id}.events", "ab") as f:
+        f.write(b'{"n":20,')
+    assert reader.read_events(response_id, end) == ([], end)
+    with open(tmp_path / f"{response_id}.events", "ab") as f:
+        f.write(b'"t":"y"}\n')
+    assert reader.read_events(response_id, end)[0] == [b'{"n":20,"t":"y"}']
+    assert (tmp_path / f"{response_id}.events").stat().st_mode & 0o777 == 0o600
+    # it goes with its response
+    assert reader.delete(response_id) is False and reader.read_events(response_id, 0) is None
+
+
+def test_a_responses_event_log_counts_towards_the_bound_and_goes_with_it(tmp_path):
+    rng = random.Random(13)
+    bound = 64 * 1024
+    store = ResponseStore(str(tmp_path), bound)
+    logged = _record(200, rng)
+    assert store.put(logged)
+    logged_id = logged.response["id"]
+    store.append_events(logged_id, [b"x" * 1000] * 20)
+    assert store.num_bytes() > 20_000
+    os.utime(tmp_path / f"{logged_id}.json", ns=(time.time_ns(), 10**18))
+    os.utime(tmp_path / f"{logged_id}.events", ns=(time.time_ns(), 10**18))
+    # newer responses past the bound: the oldest, its log with it, is the first to go
+    for i in range(40):
+        record = _record(1500, rng)
+        store.put(record)
+        os.utime(tmp_path / f"{record.response['id']}.json", ns=(time.time_ns(), 10**18 + (i + 1) * 10**6))
+    assert store.get(logged_id) is None and store.read_events(logged_id, 0) is None
+    assert store.num_bytes() <= bound + bound // 8 + 2000
+    # the twin: a log written last keeps its response though the response itself is the oldest
+    kept = _record(200, rng)
+    store.put(kept)
+    os.utime(tmp_path / f"{kept.response['id']}.json", ns=(time.time_ns(), 10**18))
+    for _ in range(10):
+        store.append_events(kept.response["id"], [b"y" * 100])
+        record = _record(1500, rng)
+        store.put(record)
+    assert store.get(kept.response["id"]) == kept

@@ -43,13 +43,23 @@ SSE_DONE = b"data: [DONE]\n\n"
 _LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
 
 
-def _sse(obj) -> bytes:
-    """One server-sent event. msgspec writes UTF-8 JSON at a fraction of `json.dumps`'s cost (one event per
-    streamed delta); a non-finite float, which JSON cannot carry, becomes null."""
+def json_line(obj) -> bytes:
+    """`obj` as JSON on one line for every reader. msgspec writes UTF-8 JSON at a fraction of `json.dumps`'s cost
+    (one event per streamed delta); a non-finite float, which JSON cannot carry, becomes null."""
     data = _JSON.encode(obj)
     for raw, escaped in _LINE_BREAKS:
         data = data.replace(raw, escaped)
-    return b"data: " + data + b"\n\n"
+    return data
+
+
+def _sse(obj) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json_line(obj) + b"\n\n"
+
+
+def named_sse(name: str, line: bytes) -> bytes:
+    """One server-sent event named `name` (`line`: its data, one JSON line)."""
+    return b"event: " + name.encode() + b"\ndata: " + line + b"\n\n"
 
 
 def ranked_prompt(fe: Frontend, prompt_ids: list[int], first: SequenceOutput, num_top: int) -> list[dict | None] | None:

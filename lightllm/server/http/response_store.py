@@ -8,7 +8,9 @@ renamed, so a reader sees a response entirely or not at all. The folder is bound
 temporary folder removed when the server stops; `--responses_store_dir` names one that outlives the server.
 
 A background response is stored as soon as it is queued and again when it ends; a `.cancel` mark beside it asks
-the process that runs it (whichever received the cancel) to stop it.
+the process that runs it (whichever received the cancel) to stop it. Its stream's events are appended, one JSON
+line each, to an event log beside it (`.events`), which any process reads from an offset to stream them again; a
+response's log counts towards the bound with it and goes with it.
 
 A stored record holds the response object as it was returned and the conversation it answered: the input items of
 the responses it continued, their outputs, then its own input (instructions are not part of it: a continuation
@@ -100,11 +102,42 @@ class ResponseStore:
             return None
         return StoredResponse(data["response"], data["input"])
 
+    def append_events(self, response_id: str, lines: list[bytes]) -> None:
+        """Append `lines` (each one line, without its end) to the response's event log, creating it."""
+        path = self._path(response_id)
+        if path is None:
+            raise ValueError(f"not a response id of this server: {response_id!r}")
+        data = b"".join(line + b"\n" for line in lines)
+        # one write of an append-only file: a reader sees whole lines, and at worst the start of the last one;
+        # readable by the server's user only, as the responses are
+        fd = os.open(path.with_suffix(".events"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "ab") as f:
+            f.write(data)
+        self._unscanned += len(data)
+        if self._unscanned * _SCAN_SHARE >= self.max_bytes:
+            self._evict()
+
+    def read_events(self, response_id: str, offset: int) -> tuple[list[bytes], int] | None:
+        """The whole lines of the response's event log from byte `offset` on, and the offset after them; None
+        where it has no log."""
+        path = self._path(response_id)
+        if path is None:
+            return None
+        try:
+            with open(path.with_suffix(".events"), "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        whole = data[: data.rfind(b"\n") + 1]
+        return whole.splitlines(), offset + len(whole)
+
     def delete(self, response_id: str) -> bool:
         path = self._path(response_id)
         if path is None:
             return False
         path.with_suffix(".cancel").unlink(missing_ok=True)
+        path.with_suffix(".events").unlink(missing_ok=True)
         try:
             path.unlink()
         except FileNotFoundError:
@@ -129,18 +162,21 @@ class ResponseStore:
     def num_bytes(self) -> int:
         return sum(size for _, size, _ in self._entries())
 
-    def _entries(self) -> list[tuple[float, int, Path]]:
-        """(written, bytes, path) of every stored response; one another process removes meanwhile is left out."""
-        entries = []
+    def _entries(self) -> list[tuple[int, int, list[Path]]]:
+        """(last written, bytes, files) of every stored response, its event log included; a file another process
+        removes meanwhile is left out."""
+        entries: dict[str, tuple[int, int, list[Path]]] = {}
         for entry in os.scandir(self.directory):
-            if not entry.name.endswith(".json"):
+            stem, _, suffix = entry.name.rpartition(".")
+            if suffix not in ("json", "events"):
                 continue
             try:
                 st = entry.stat()
             except FileNotFoundError:
                 continue
-            entries.append((st.st_mtime_ns, st.st_size, Path(entry.path)))
-        return entries
+            written, size, files = entries.get(stem, (0, 0, []))
+            entries[stem] = (max(written, st.st_mtime_ns), size + st.st_size, [*files, Path(entry.path)])
+        return list(entries.values())
 
     def _evict(self) -> None:
         self._unscanned = 0
@@ -148,8 +184,9 @@ class ResponseStore:
         total = sum(size for _, size, _ in entries)
         if total <= self.max_bytes:
             return
-        for _, size, path in sorted(entries):
-            path.unlink(missing_ok=True)
+        for _, size, files in sorted(entries):
+            for path in files:
+                path.unlink(missing_ok=True)
             total -= size
             if total <= self.max_bytes * _EVICT_TO:
                 return

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from lightllm.server.http.chat_api import ChatOutput, ChatRun, render_chat, start_chat
 from lightllm.server.http.logprobs import chat_logprobs
-from lightllm.server.http.openai_api import _frontend, _guarded, _sse, _until_disconnect
+from lightllm.server.http.openai_api import _frontend, _guarded, _until_disconnect, json_line, named_sse
 from lightllm.server.http.parsers import ParsedDelta
 from lightllm.server.http.protocol import ChatCompletionRequest
 from lightllm.server.http.response_store import ResponseStore, StoredResponse, new_response_id
@@ -28,7 +28,7 @@ from lightllm.server.http.responses_protocol import INPUT_ITEMS, RESPONSES_FIELD
 from lightllm.server.http.responses_truncation import fitting_turns, rendered_len
 from lightllm.server.http.schema_base import RequestError
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
-from lightllm.server.http.stored_responses_api import stored_conversation, with_ids
+from lightllm.server.http.stored_responses_api import event_stream, stored_conversation, with_ids
 from lightllm.server.output import Delta
 
 router = APIRouter()
@@ -67,7 +67,7 @@ async def responses(body: ResponsesRequest, request: Request):
     chat = _chat_body(body.model_copy(update={"input": items}))
     kept = store if store.enabled and body.store is not False else None
     if body.background:
-        _check_background(body, kept)
+        _check_background(kept)
     try:
         # a background response outlives its request's connection
         run = await start_chat(fe, chat, None if body.background else request)
@@ -77,7 +77,11 @@ async def responses(body: ResponsesRequest, request: Request):
         raise _responses_error(exc.param, exc.message) from None
     built = ResponseBuilder(fe, body, run, kept, [*history, *with_ids(body.input_items())])
     if body.background:
-        return await request.app.state.background.start(built)
+        queued = await request.app.state.background.start(built)
+        if not body.stream:
+            return queued
+        # the response's stream as any reader of its event log sees it, from its start
+        return StreamingResponse(event_stream(request, built.id, -1), media_type="text/event-stream")
     if not body.stream:
         # the deltas as a stream would take them, so a plain response holds the items a stream would build
         async for seq, delta in run.stream:
@@ -91,18 +95,12 @@ async def responses(body: ResponsesRequest, request: Request):
     )
 
 
-def _check_background(body: ResponsesRequest, kept: ResponseStore | None) -> None:
+def _check_background(kept: ResponseStore | None) -> None:
     if kept is None:
         raise ApiError(
             400,
             "background: a background response is read back from the store: it needs store true, on a server that "
             "keeps responses (--responses_store_mb > 0)",
-            "background",
-        )
-    if body.stream:
-        raise ApiError(
-            400,
-            "background: streamed background responses are not supported; poll GET /v1/responses/{id}",
             "background",
         )
 
@@ -141,24 +139,34 @@ class ResponseBuilder:
         # logprobs of tokens whose text is not out yet (a character's first bytes)
         self._unwritten: list[dict] = []
         self.sequence_number = -1
-        self.pending: list[bytes] = []
+        # events not sent yet: (type, the event as one JSON line), encoded when made (the items they show change)
+        self.pending: list[tuple[str, bytes]] = []
 
     # -- events ------------------------------------------------------------------------------------------------
 
-    def _event(self, kind: str, **fields) -> None:
+    def event(self, kind: str, **fields) -> None:
+        """The next event of the response's stream."""
         self.sequence_number += 1
-        event = {"type": kind, "sequence_number": self.sequence_number, **fields}
-        self.pending.append(b"event: " + kind.encode() + b"\n" + _sse(event))
+        self.pending.append((kind, json_line({"type": kind, "sequence_number": self.sequence_number, **fields})))
+
+    def take_lines(self) -> list[bytes]:
+        """The events made since the last take, as JSON lines."""
+        events, self.pending = self.pending, []
+        return [line for _, line in events]
 
     def _take(self) -> list[bytes]:
+        """The events made since the last take, as server-sent events."""
         events, self.pending = self.pending, []
-        return events
+        return [named_sse(kind, line) for kind, line in events]
 
     def error_end(self, message: str) -> list[bytes]:
         """A stream's end on a failure: the error, then the failed response (what clients wait for)."""
-        self._event("error", code="server_error", message=message, param=None)
-        self._event("response.failed", response=self.failed(message))
+        self.failed_events(message)
         return self._take()
+
+    def failed_events(self, message: str) -> None:
+        self.event("error", code="server_error", message=message, param=None)
+        self.event("response.failed", response=self.failed(message))
 
     def failed(self, message: str) -> dict:
         return {**self.response(None), "status": "failed", "error": {"code": "server_error", "message": message}}
@@ -169,8 +177,8 @@ class ResponseBuilder:
         return {**self.response(None), "status": status, "output": self.items}
 
     async def events(self) -> AsyncIterator[bytes]:
-        self._event("response.created", response=self.response(None))
-        self._event("response.in_progress", response=self.response(None))
+        self.event("response.created", response=self.response(None))
+        self.event("response.in_progress", response=self.response(None))
         for event in self._take():
             yield event
         async for seq, delta in _until_disconnect(self.run.stream):
@@ -182,7 +190,7 @@ class ResponseBuilder:
             if self.finished is not None:
                 # kept before the client hears it is done: a continuation may follow at once
                 response = await self.final()
-                self._event(f"response.{response['status']}", response=response)
+                self.event(f"response.{response['status']}", response=response)
             for event in self._take():
                 yield event
 
@@ -248,12 +256,12 @@ class ResponseBuilder:
         item["status"] = "in_progress"
         self.items.append(item)
         self.open = kind
-        self._event("response.output_item.added", output_index=index, item=item)
+        self.event("response.output_item.added", output_index=index, item=item)
         part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _output_text("")
         if kind == "message" and self.logprobs:
             part["logprobs"] = []
         item["content"].append(part)
-        self._event("response.content_part.added", **self._where(), part=part)
+        self.event("response.content_part.added", **self._where(), part=part)
         return item
 
     def _open_call(self, index: int, call_id: str, name: str) -> None:
@@ -263,7 +271,7 @@ class ResponseBuilder:
         self.items.append(item)
         self.calls[index] = item
         self.open = "function_call"
-        self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
 
     def _arguments(self, item: dict, text: str) -> None:
         if not text:
@@ -271,7 +279,7 @@ class ResponseBuilder:
         item["arguments"] += text
         if item["status"] == "in_progress":
             where = {"item_id": item["id"], "output_index": self.items.index(item)}
-            self._event("response.function_call_arguments.delta", **where, delta=text)
+            self.event("response.function_call_arguments.delta", **where, delta=text)
 
     def _append(self, kind: str, text: str, logprobs: list[dict] = ()) -> None:
         if self.open != kind:
@@ -282,7 +290,7 @@ class ResponseBuilder:
             part["logprobs"].extend(logprobs)
         name = "reasoning_text" if kind == "reasoning" else "output_text"
         extra = {} if kind == "reasoning" else {"logprobs": list(logprobs)}
-        self._event(f"response.{name}.delta", **self._where(), delta=text, **extra)
+        self.event(f"response.{name}.delta", **self._where(), delta=text, **extra)
 
     def _close(self, status: str) -> None:
         if self.open is None:
@@ -295,15 +303,15 @@ class ResponseBuilder:
                 self._arguments(item, "{}")
             args = item["arguments"]
             where = {"item_id": item["id"], **self._index()}
-            self._event("response.function_call_arguments.done", **where, name=item["name"], arguments=args)
+            self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=args)
         else:
             part = item["content"][0]
             extra = {} if kind == "reasoning" else {"logprobs": part.get("logprobs", [])}
             name = "reasoning_text" if kind == "reasoning" else "output_text"
-            self._event(f"response.{name}.done", **self._where(), text=part["text"], **extra)
-            self._event("response.content_part.done", **self._where(), part=part)
+            self.event(f"response.{name}.done", **self._where(), text=part["text"], **extra)
+            self.event("response.content_part.done", **self._where(), part=part)
         item["status"] = status
-        self._event("response.output_item.done", **self._index(), item=item)
+        self.event("response.output_item.done", **self._index(), item=item)
 
     def _index(self) -> dict:
         return {"output_index": len(self.items) - 1}

@@ -1,16 +1,19 @@
-"""OpenAI's routes to stored Responses API responses (`response_store.py`): read one, list the input items it
-answered, delete one, cancel a background one (`background_responses.py`); and the stored conversation a
-continuation (`previous_response_id`) starts from."""
+"""OpenAI's routes to stored Responses API responses (`response_store.py`): read one (or a background one's
+stream, resumed after any event), list the input items it answered, delete one, cancel a background one
+(`background_responses.py`); and the stored conversation a continuation (`previous_response_id`) starts from."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
 
 from lightllm.server.http.background_responses import UNFINISHED
+from lightllm.server.http.openai_api import named_sse
 from lightllm.server.http.response_store import ResponseStore, StoredResponse
 from lightllm.server.http.responses_protocol import InputItem
 from lightllm.server.http.serving import ApiError
@@ -51,8 +54,35 @@ async def _stored(request: Request, response_id: str) -> StoredResponse:
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request):
-    return (await _stored(request, response_id)).response
+async def get_response(
+    response_id: str, request: Request, stream: bool = False, starting_after: int | None = Query(None, ge=-1)
+):
+    """The stored response; with `stream`, a background response's stream: its events numbered after
+    `starting_after` (all of them without it), then each as it is made until the response ends."""
+    stored = await _stored(request, response_id)
+    if not stream:
+        if starting_after is not None:
+            raise ApiError(
+                400, "starting_after: only a stream starts after an event; send stream=true", "starting_after"
+            )
+        return stored.response
+    if not stored.response.get("background"):
+        raise ApiError(
+            400,
+            f"stream: response {response_id[:64]!r} did not run in the background, and only a background response's "
+            "stream is kept; GET it without stream",
+            "stream",
+        )
+    if await asyncio.to_thread(request.app.state.responses.read_events, response_id, 0) is None:
+        raise ApiError(404, f"stream: the events of response {response_id[:64]!r} are no longer kept", "stream")
+    after = -1 if starting_after is None else starting_after
+    return StreamingResponse(event_stream(request, response_id, after), media_type="text/event-stream")
+
+
+async def event_stream(request: Request, response_id: str, starting_after: int) -> AsyncIterator[bytes]:
+    """A background response's events after `starting_after` as server-sent events (`background_responses.py`)."""
+    async for kind, line in request.app.state.background.events(response_id, starting_after):
+        yield named_sse(kind, line)
 
 
 @router.delete("/v1/responses/{response_id}")
