@@ -184,7 +184,8 @@ def test_the_openai_client_reads_it(server):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"max_tool_calls": -1}, "max_tool_calls"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
         ({"temperature": 5.0}, "temperature"),

@@ -186,6 +186,33 @@ def _continue_across_processes(url: str, model: str) -> None:
             cancelled = c.post(f"{url}/v1/responses/{queued['id']}/cancel", timeout=60).json()
         assert cancelled["status"] == "cancelled", (cancelled["usage"], str(cancelled["output"])[:600])
     _stream_across_processes(url, {**body, "max_output_tokens": 120, "stream": True})
+    _conversation_across_processes(url)
+
+
+def _conversation_across_processes(url: str) -> None:
+    """Items added to one conversation at once, each on a fresh connection (either process): none is lost."""
+
+    def post(path: str, body: dict) -> dict:
+        with httpx.Client(headers={"connection": "close"}) as c:
+            r = c.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    conversation = post("/v1/conversations", {"items": [{"role": "user", "content": "start"}]})
+    words = [f"word {i}" for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(
+            pool.map(
+                lambda w: post(
+                    f"/v1/conversations/{conversation['id']}/items", {"items": [{"role": "user", "content": w}]}
+                ),
+                words,
+            )
+        )
+    with httpx.Client(headers={"connection": "close"}) as c:
+        r = c.get(f"{url}/v1/conversations/{conversation['id']}/items", params={"order": "asc", "limit": 100})
+    texts = [item["content"][0]["text"] for item in r.json()["data"]]
+    assert texts[0] == "start" and sorted(texts[1:]) == sorted(words)
 
 
 def _stream_across_processes(url: str, body: dict) -> None:

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lightllm.server.args import ServerArgs
 from lightllm.server.http.background_responses import BackgroundResponses
 from lightllm.server.http.chat_api import router as chat_router
+from lightllm.server.http.conversations_api import router as conversations_router
 from lightllm.server.http.edge import EdgeMiddleware
 from lightllm.server.http.engine_client import EngineClient
 from lightllm.server.http.metric_rows import MetricRows
@@ -197,6 +198,7 @@ def create_app(
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(stored_responses_router)
+    app.include_router(conversations_router)
     app.include_router(tokenize_router)
     engine.add_routes(app)
     app.add_middleware(

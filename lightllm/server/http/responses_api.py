@@ -3,7 +3,8 @@
 the assistant's message and its function calls, in the order the model wrote them. A streamed response is the same
 items announced, filled by deltas and closed as OpenAI's typed events; a plain one is the stream's final state.
 A finished response is kept (`response_store.py`) unless the request says `store: false`, for its continuations
-(`previous_response_id`) and OpenAI's routes that read, list the input of and delete a stored response."""
+(`previous_response_id`) and OpenAI's routes that read, list the input of and delete a stored response; one that
+names a stored `conversation` (`conversations.py`) starts from its items and adds its turn to it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from lightllm.server.http.chat_api import ChatOutput, ChatRun, render_chat, start_chat
+from lightllm.server.http.conversations import ConversationTurn
+from lightllm.server.http.conversations_api import stored_items
 from lightllm.server.http.logprobs import chat_logprobs
 from lightllm.server.http.openai_api import _frontend, _guarded, _until_disconnect, json_line, named_sse
 from lightllm.server.http.parsers import ParsedDelta
@@ -60,7 +63,7 @@ def _chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
 async def responses(body: ResponsesRequest, request: Request):
     fe = _frontend(request)
     store: ResponseStore = request.app.state.responses
-    history = await stored_conversation(store, body.previous_response_id)
+    history = await _history(store, body)
     items = [*INPUT_ITEMS.validate_python(history), *body.input_items()]
     if body.truncation == "auto":
         items = await _fitting(fe, body, items)
@@ -75,7 +78,10 @@ async def responses(body: ResponsesRequest, request: Request):
         if exc.status != 400:
             raise
         raise _responses_error(exc.param, exc.message) from None
-    built = ResponseBuilder(fe, body, run, kept, [*history, *with_ids(body.input_items())])
+    new_items = with_ids(body.input_items())
+    conversation_id = body.conversation_id()
+    turn = None if conversation_id is None else ConversationTurn(store, conversation_id, new_items)
+    built = ResponseBuilder(fe, body, run, kept, [*history, *new_items], turn)
     if body.background:
         queued = await request.app.state.background.start(built)
         if not body.stream:
@@ -93,6 +99,18 @@ async def responses(body: ResponsesRequest, request: Request):
     return StreamingResponse(
         _guarded(built.events(), run.stream, error_end=built.error_end), media_type="text/event-stream"
     )
+
+
+async def _history(store: ResponseStore, body: ResponsesRequest) -> list[dict]:
+    """The stored items the request starts from: its conversation's, or those of the response it continues."""
+    conversation_id = body.conversation_id()
+    if conversation_id is None:
+        return await stored_conversation(store, body.previous_response_id)
+    if body.previous_response_id is not None:
+        raise ApiError(
+            400, "conversation: a request continues a conversation or a previous response, not both", "conversation"
+        )
+    return await stored_items(store, conversation_id)
 
 
 def _check_background(kept: ResponseStore | None) -> None:
@@ -120,12 +138,18 @@ class ResponseBuilder:
     """The response's output items as the parsed text fills them, and the events that tell a stream so."""
 
     def __init__(
-        self, fe: Frontend, body: ResponsesRequest, run: ChatRun, store: ResponseStore | None, conversation: list[dict]
+        self,
+        fe: Frontend,
+        body: ResponsesRequest,
+        run: ChatRun,
+        store: ResponseStore | None,
+        conversation: list[dict],
+        turn: ConversationTurn | None = None,
     ):
         """`store`: where the finished response is kept (None: not kept), with `conversation` (the input items it
-        answers, earlier turns' included)."""
+        answers, earlier turns' included); `turn`: its turn in a stored conversation, added once it has ended."""
         self.fe, self.body, self.run = fe, body, run
-        self.store, self.conversation = store, conversation
+        self.store, self.conversation, self.turn = store, conversation, turn
         self.out: ChatOutput = run.out
         self.parser = self.out.parser() if self.out.parses else None
         self.id, self.created = new_response_id(), int(time.time())
@@ -325,6 +349,9 @@ class ResponseBuilder:
         """The finished response, kept in the store first where it is to be (reported `store: false` where it
         could not be: larger than the whole store, or the folder failing)."""
         response = self.response(self.finished)
+        if self.turn is not None:
+            # added before the client hears it is done: its next turn may follow at once
+            await self.turn.add(response["output"])
         if self.store is None:
             return response
         try:
@@ -366,6 +393,7 @@ class ResponseBuilder:
             "max_tool_calls": body.max_tool_calls,
             "background": bool(body.background),
             "previous_response_id": body.previous_response_id,
+            "conversation": None if self.turn is None else {"id": self.turn.conversation_id},
             "store": self.store is not None,
             "truncation": body.truncation or "disabled",
             "metadata": body.metadata or {},

@@ -1,8 +1,8 @@
 """OpenAI's Responses API request (`POST /v1/responses`) and its translation into the chat request it is served as:
 input items become chat messages (function calls and their outputs as tool calls and tool messages, reasoning as
 the assistant's reasoning_content), `instructions` a system message first, flat function tools the chat form,
-`text.format` the response_format. A continuation (`previous_response_id`) is served as a request whose input is
-the stored conversation followed by its own; what this server cannot do is refused naming the field."""
+`text.format` the response_format. A continuation (`previous_response_id`, or a stored `conversation`) is served as
+a request whose input is the stored conversation followed by its own; what this server cannot do is refused naming the field."""
 
 from __future__ import annotations
 
@@ -115,6 +115,10 @@ class ReasoningOptions(StrictModel):
     summary: Literal["none", "auto", "concise", "detailed"] | None = None
 
 
+class ConversationRef(StrictModel):
+    id: Text
+
+
 class ResponsesRequest(StrictModel):
     model: Text
     input: Text | list[InputItem]
@@ -135,7 +139,8 @@ class ResponsesRequest(StrictModel):
     include: list[Text] | None = None
     metadata: dict[str, Text] | None = None
     previous_response_id: Text | None = None
-    conversation: Any = None
+    # a stored conversation (its id, or {"id": ...}): its items come first, and this turn is added to it
+    conversation: Text | ConversationRef | None = None
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # OpenAI's bound on calls to its built-in tools (web search, ...): none run here, so any bound holds
@@ -149,7 +154,6 @@ class ResponsesRequest(StrictModel):
 
     def check_supported(self) -> None:
         refused = {
-            "conversation": (self.conversation is not None, "conversations are not stored here; send them in input"),
             "prompt": (self.prompt is not None, "prompt templates are not supported; send input"),
             "text.verbosity": (
                 self.text is not None and self.text.verbosity is not None,
@@ -159,6 +163,9 @@ class ResponsesRequest(StrictModel):
         for field, (asked, why) in refused.items():
             if asked:
                 raise RequestError(field, f"{field}: {why}")
+
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
     def wants_logprobs(self) -> bool:
         """The output_text parts' logprobs: asked by `top_logprobs` or by including them."""

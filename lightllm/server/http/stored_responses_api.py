@@ -102,11 +102,17 @@ async def input_items(
 ):
     """The conversation a stored response answered, as items (OpenAI's list: newest first by default)."""
     items = (await _stored(request, response_id)).input
+    return item_page(items, order, limit, after, f"response {response_id[:64]!r}")
+
+
+def item_page(items: list[dict], order: str, limit: int, after: str | None, owner: str) -> dict:
+    """One page of `items` (oldest first) in OpenAI's list form: in `order`, at most `limit`, those after the item
+    `after` (400 naming it where `owner`, the list's owner in words, has no such item)."""
     items = items if order == "asc" else items[::-1]
     if after is not None:
         ids = [item.get("id") for item in items]
         if after not in ids:
-            raise ApiError(400, f"after: no input item {after[:64]!r} in response {response_id[:64]!r}", "after")
+            raise ApiError(400, f"after: no item {after[:64]!r} in {owner}", "after")
         items = items[ids.index(after) + 1 :]
     page = items[:limit]
     first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
@@ -131,12 +137,13 @@ _ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_outpu
 
 
 def with_ids(items: list[InputItem]) -> list[dict]:
-    """A request's input items as stored, in the form OpenAI lists input items: each with an id of its own, a
-    message's text as a list of parts (`input_text`, or `output_text` for the assistant's)."""
+    """A request's input items as stored, in the form OpenAI lists input items: each with an id of its own and
+    status `completed`, a message's text as a list of parts (`input_text`, or `output_text` for the assistant's)."""
     dumped = []
     for item in items:
         data = item.model_dump(exclude_none=True)
         data["id"] = f"{_ITEM_ID_PREFIX[data['type']]}_{uuid.uuid4().hex}"
+        data["status"] = "completed"
         if data["type"] == "message" and isinstance(data["content"], str):
             kind = "output_text" if data["role"] == "assistant" else "input_text"
             data["content"] = [{"type": kind, "text": data["content"]}]
