@@ -301,3 +301,26 @@ def test_a_store_that_outlives_the_server_keeps_no_running_response(tmp_path):
     assert store.get(finished["id"]).response == finished
     stopped = store.get(running["id"]).response
     assert stopped["status"] == "failed" and "stopped" in stopped["error"]["message"]
+
+
+def test_input_tokens_counts_the_prompt_a_request_is_served_with(server, prompts_sent):
+    """POST /v1/responses/input_tokens (the openai SDK's responses.input_tokens.count): the length of the prompt
+    the same request is served with, a continuation's stored conversation included."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    fields = {"input": "Weather in Oslo?", "instructions": "Be brief.", "tools": tools}
+    counted = client.responses.input_tokens.count(model=server.model, **fields)
+    assert counted.object == "response.input_tokens"
+    first = _post(server, **fields)
+    assert counted.input_tokens == len(prompts_sent[-1])
+    more = {"input": "And in Paris?", "previous_response_id": first["id"]}
+    counted_more = client.responses.input_tokens.count(**more)
+    _post(server, **more)
+    assert counted_more.input_tokens == len(prompts_sent[-1])
+    # the twin: without the tools the prompt is shorter
+    assert (
+        client.responses.input_tokens.count(input=fields["input"], instructions="Be brief.").input_tokens
+        < counted.input_tokens
+    )
+    r = httpx.post(f"{server.base_url}/v1/responses/input_tokens", json={"model": "other", "input": "Hi."}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text

@@ -29,7 +29,7 @@ from lightllm.server.http.protocol import ChatCompletionRequest
 from lightllm.server.http.response_store import ResponseStore, StoredResponse, new_response_id
 from lightllm.server.http.responses_protocol import INPUT_ITEMS, RESPONSES_FIELD, InputItem, ResponsesRequest
 from lightllm.server.http.responses_truncation import fitting_turns, rendered_len
-from lightllm.server.http.schema_base import RequestError
+from lightllm.server.http.schema_base import RequestError, Text
 from lightllm.server.http.serving import ApiError, Frontend, Sequence
 from lightllm.server.http.stored_responses_api import event_stream, stored_conversation, with_ids
 from lightllm.server.output import Delta
@@ -99,6 +99,33 @@ async def responses(body: ResponsesRequest, request: Request):
     return StreamingResponse(
         _guarded(built.events(), run.stream, error_end=built.error_end), media_type="text/event-stream"
     )
+
+
+class InputTokensRequest(ResponsesRequest):
+    """What `POST /v1/responses/input_tokens` counts: a Responses request whose model and input may be left out."""
+
+    model: Text | None = None
+    input: Text | list[InputItem] = []
+
+
+@router.post("/v1/responses/input_tokens")
+async def input_tokens(body: InputTokensRequest, request: Request):
+    """The prompt tokens the request would be served with: its stored conversation, template and truncation
+    applied (OpenAI's input token count)."""
+    fe = _frontend(request)
+    if body.model is not None:
+        fe.check_model(body.model)
+    items = [*INPUT_ITEMS.validate_python(await _history(request.app.state.responses, body)), *body.input_items()]
+    if body.truncation == "auto":
+        items = await _fitting(fe, body, items)
+    chat = _chat_body(body.model_copy(update={"input": items, "model": fe.args.served_model_name}))
+    try:
+        prompt = await render_chat(fe, chat)
+    except ApiError as exc:
+        if exc.status != 400:
+            raise
+        raise _responses_error(exc.param, exc.message) from None
+    return {"object": "response.input_tokens", "input_tokens": len(prompt)}
 
 
 async def _history(store: ResponseStore, body: ResponsesRequest) -> list[dict]:
