@@ -5,9 +5,9 @@ a response that names a conversation starts from."""
 from __future__ import annotations
 
 import asyncio
-from typing import Literal
+from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import Field
 
 from lightllm.server.http import conversations
@@ -16,7 +16,7 @@ from lightllm.server.http.response_store import ResponseStore
 from lightllm.server.http.responses_protocol import InputItem
 from lightllm.server.http.schema_base import StrictModel, Text
 from lightllm.server.http.serving import ApiError
-from lightllm.server.http.stored_responses_api import item_page, with_ids
+from lightllm.server.http.stored_responses_api import PageQuery, with_ids
 
 router = APIRouter()
 
@@ -123,16 +123,10 @@ async def add_items(conversation_id: str, body: ItemsCreate, request: Request):
 
 
 @router.get("/v1/conversations/{conversation_id}/items")
-async def list_items(
-    conversation_id: str,
-    request: Request,
-    order: Literal["asc", "desc"] = "desc",
-    limit: int = Query(20, ge=1, le=100),
-    after: str | None = None,
-):
+async def list_items(conversation_id: str, request: Request, query: Annotated[PageQuery, Depends()]):
     """The conversation's items (OpenAI's list: newest first by default)."""
     _, found = await _conversation(request, conversation_id)
-    return item_page(found.items, order, limit, after, f"conversation {conversation_id[:64]!r}")
+    return query.page(found.items, f"conversation {conversation_id[:64]!r}")
 
 
 def _item(found: Conversation, item_id: str) -> dict:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
 from lightllm.server.http.background_responses import UNFINISHED
@@ -92,31 +93,32 @@ async def delete_response(response_id: str, request: Request):
     return {"id": response_id, "object": "response", "deleted": True}
 
 
+@dataclass
+class PageQuery:
+    """OpenAI's paging of item lists: newest first by default, at most `limit`, those after the item `after`."""
+
+    order: Literal["asc", "desc"] = "desc"
+    limit: int = Query(20, ge=1, le=100)
+    after: str | None = None
+
+    def page(self, items: list[dict], owner: str) -> dict:
+        """One page of `items` (oldest first) in OpenAI's list form (400 naming `after` where `owner`, the list's
+        owner in words, has no such item)."""
+        items = items if self.order == "asc" else items[::-1]
+        if self.after is not None:
+            ids = [item.get("id") for item in items]
+            if self.after not in ids:
+                raise ApiError(400, f"after: no item {self.after[:64]!r} in {owner}", "after")
+            items = items[ids.index(self.after) + 1 :]
+        page = items[: self.limit]
+        first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+        return {"object": "list", "data": page, "first_id": first, "last_id": last, "has_more": len(items) > self.limit}
+
+
 @router.get("/v1/responses/{response_id}/input_items")
-async def input_items(
-    response_id: str,
-    request: Request,
-    order: Literal["asc", "desc"] = "desc",
-    limit: int = Query(20, ge=1, le=100),
-    after: str | None = None,
-):
+async def input_items(response_id: str, request: Request, query: Annotated[PageQuery, Depends()]):
     """The conversation a stored response answered, as items (OpenAI's list: newest first by default)."""
-    items = (await _stored(request, response_id)).input
-    return item_page(items, order, limit, after, f"response {response_id[:64]!r}")
-
-
-def item_page(items: list[dict], order: str, limit: int, after: str | None, owner: str) -> dict:
-    """One page of `items` (oldest first) in OpenAI's list form: in `order`, at most `limit`, those after the item
-    `after` (400 naming it where `owner`, the list's owner in words, has no such item)."""
-    items = items if order == "asc" else items[::-1]
-    if after is not None:
-        ids = [item.get("id") for item in items]
-        if after not in ids:
-            raise ApiError(400, f"after: no item {after[:64]!r} in {owner}", "after")
-        items = items[ids.index(after) + 1 :]
-    page = items[:limit]
-    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
-    return {"object": "list", "data": page, "first_id": first, "last_id": last, "has_more": len(items) > limit}
+    return query.page((await _stored(request, response_id)).input, f"response {response_id[:64]!r}")
 
 
 @router.post("/v1/responses/{response_id}/cancel")
