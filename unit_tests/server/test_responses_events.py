@@ -2,7 +2,8 @@
 delivers several tokens at once): every event and the final response validate against the openai SDK's types;
 the deltas join into the items the closing events carry; reasoning, text, calls and text after a call come out
 as their own items whatever the cuts, a call's argument pieces stay with it; a cut-short output marks its last
-item incomplete; a failure ends with `response.failed`. No server: the builder over a scripted stream."""
+item incomplete; a failure ends with `response.failed`; a background response's event log holds the same stream, and
+one whose engine stream stops unfinished is failed. No server: the builder over a scripted stream."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from lightllm.server.http.background_responses import BackgroundResponses
 from lightllm.server.http.chat_api import ChatOutput, ChatRun
 from lightllm.server.http.protocol import ChatCompletionRequest
+from lightllm.server.http.response_store import ResponseStore
 from lightllm.server.http.responses_api import ResponseBuilder
 from lightllm.server.http.responses_protocol import ResponsesRequest
 from lightllm.server.http.serving import Sequence
@@ -28,7 +31,7 @@ TEXT = "Look it up.</think>\n\nChecking." + CALL.format(city="Paris") + "\nDone.
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
-def _builder(stream, max_output_tokens: int | None = None) -> ResponseBuilder:
+def _builder(stream, max_output_tokens: int | None = None, store: ResponseStore | None = None) -> ResponseBuilder:
     fe = SimpleNamespace(
         args=SimpleNamespace(tool_call_parser="auto", reasoning_parser="auto", served_model_name="m"),
         info=SimpleNamespace(model_type="qwen3_5"),
@@ -40,7 +43,7 @@ def _builder(stream, max_output_tokens: int | None = None) -> ResponseBuilder:
     out = ChatOutput(fe, ChatCompletionRequest.model_validate(body.chat_request()))
     out.starts_in_reasoning = True
     params = SimpleNamespace(temperature=1.0, top_p=1.0)
-    return ResponseBuilder(fe, body, ChatRun(out, params, [1, 2, 3], stream), None, [])
+    return ResponseBuilder(fe, body, ChatRun(out, params, [1, 2, 3], stream), store, [])
 
 
 def _sequence(text: str, reason: str | None) -> Sequence:
@@ -128,3 +131,48 @@ def test_a_failure_ends_with_the_failed_response():
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] == "boom"
+
+
+def _background(pieces: list[str], tmp_path, finishes: bool = True) -> tuple[list[dict], dict]:
+    """The events a reader of a background response's log gets, read while it runs, and the stored response; the
+    engine's stream ends without a finish unless `finishes`."""
+    store = ResponseStore(str(tmp_path), 2**20)
+
+    async def stream():
+        async for seq, delta in _stream(pieces, "stop"):
+            if delta.finish_reason and not finishes:
+                return
+            yield seq, delta
+
+    async def run():
+        background = BackgroundResponses(store)
+        builder = _builder(stream(), store=store)
+        await background.start(builder)
+        events = [json.loads(line) async for _, line in background.events(builder.id, -1)]
+        await background.close()
+        return events, store.get(builder.id).response
+
+    events, stored = asyncio.run(run())
+    for event in events:
+        EVENTS.validate_python(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events, stored
+
+
+def test_a_background_responses_log_holds_the_foreground_stream(tmp_path):
+    pieces = _cuts(TEXT, random.Random(21), 6)
+    events, stored = _background(pieces, tmp_path)
+    foreground = _events(pieces)
+    assert [e["type"] for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert [e["type"] for e in events[3:]] == [e["type"] for e in foreground[2:]]
+    assert events[-1]["response"] == stored and stored["status"] == "completed"
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == "".join(e["delta"] for e in foreground if e["type"] == "response.output_text.delta") != ""
+
+
+def test_a_background_response_whose_stream_stops_unfinished_is_failed(tmp_path):
+    events, stored = _background(_cuts(TEXT, random.Random(22), 6), tmp_path, finishes=False)
+    assert stored["status"] == "failed" and "without finishing" in stored["error"]["message"]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    # the twin: the same stream with its finish completes
+    assert _background(_cuts(TEXT, random.Random(22), 6), tmp_path / "twin")[1]["status"] == "completed"

@@ -91,6 +91,8 @@ class BackgroundResponses:
                     response = await built.final()
                     built.event(f"response.{response['status']}", response=response)
                 await self._log(built)
+            if built.finished is None:
+                await self._fail(built, "the engine ended the request without finishing it")
         except asyncio.CancelledError:
             if not self.store.cancel_requested(built.id):
                 # the server is stopping: a store that outlives it must not show the response running forever
