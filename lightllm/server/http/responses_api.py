@@ -63,11 +63,7 @@ def _chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
 async def responses(body: ResponsesRequest, request: Request):
     fe = _frontend(request)
     store: ResponseStore = request.app.state.responses
-    history = await _history(store, body)
-    items = [*INPUT_ITEMS.validate_python(history), *body.input_items()]
-    if body.truncation == "auto":
-        items = await _fitting(fe, body, items)
-    chat = _chat_body(body.model_copy(update={"input": items}))
+    history, chat = await _served_chat(fe, store, body)
     kept = store if store.enabled and body.store is not False else None
     if body.background:
         _check_background(kept)
@@ -115,10 +111,8 @@ async def input_tokens(body: InputTokensRequest, request: Request):
     fe = _frontend(request)
     if body.model is not None:
         fe.check_model(body.model)
-    items = [*INPUT_ITEMS.validate_python(await _history(request.app.state.responses, body)), *body.input_items()]
-    if body.truncation == "auto":
-        items = await _fitting(fe, body, items)
-    chat = _chat_body(body.model_copy(update={"input": items, "model": fe.args.served_model_name}))
+    body = body.model_copy(update={"model": fe.args.served_model_name})
+    _, chat = await _served_chat(fe, request.app.state.responses, body)
     try:
         prompt = await render_chat(fe, chat)
     except ApiError as exc:
@@ -126,6 +120,17 @@ async def input_tokens(body: InputTokensRequest, request: Request):
             raise
         raise _responses_error(exc.param, exc.message) from None
     return {"object": "response.input_tokens", "input_tokens": len(prompt)}
+
+
+async def _served_chat(
+    fe: Frontend, store: ResponseStore, body: ResponsesRequest
+) -> tuple[list[dict], ChatCompletionRequest]:
+    """The stored items the request starts from, and the chat request it is served as."""
+    history = await _history(store, body)
+    items = [*INPUT_ITEMS.validate_python(history), *body.input_items()]
+    if body.truncation == "auto":
+        items = await _fitting(fe, body, items)
+    return history, _chat_body(body.model_copy(update={"input": items}))
 
 
 async def _history(store: ResponseStore, body: ResponsesRequest) -> list[dict]:
