@@ -25,7 +25,7 @@ def client(server):
 
 
 def _respond(client, server, **fields):
-    return client.responses.create(model=server.model, max_output_tokens=12, temperature=0.0, **fields)
+    return client.responses.create(**{"model": server.model, "max_output_tokens": 12, "temperature": 0.0, **fields})
 
 
 def _items(client, conversation_id: str) -> list[dict]:
@@ -155,3 +155,25 @@ def test_a_server_that_keeps_nothing_refuses_conversations_by_name():
         assert r.status_code == 400 and r.json()["error"]["param"] == "conversation", r.text
     finally:
         s.close()
+
+
+def test_a_background_response_adds_its_turn_when_it_ends(client, server):
+    conversation = client.conversations.create(items=[{"role": "user", "content": "Hi."}])
+    fields = {"reasoning": {"effort": "none"}, "background": True, "conversation": conversation.id}
+    queued = _respond(client, server, input="Count.", **fields)
+    assert queued.status == "queued" and queued.conversation.id == conversation.id
+    done = client.responses.retrieve(queued.id)
+    for _ in range(600):
+        if done.status not in ("queued", "in_progress"):
+            break
+        done = client.responses.retrieve(queued.id)
+    assert done.status in ("completed", "incomplete")
+    texts = [part.get("text") for item in _items(client, conversation.id) for part in item.get("content", [])]
+    assert texts[:2] == ["Hi.", "Count."] and texts[2:] == [part.text for item in done.output for part in item.content]
+    # the twin: a cancelled one adds nothing
+    long = {
+        "text": {"format": {"type": "json_schema", "name": "long", "schema": {"type": "string", "minLength": 5000}}}
+    }
+    queued = _respond(client, server, input="More.", **{**fields, "max_output_tokens": 1500}, **long)
+    client.responses.cancel(queued.id)
+    assert len(_items(client, conversation.id)) == 2 + len(done.output)
