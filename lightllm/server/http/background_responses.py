@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 # how often a running background response looks for a cancel mark
 CANCEL_POLL_S = 0.2
 # how long a cancel waits for the running process to stop the response before answering with what is stored
-CANCEL_WAIT_S = 5.0
+CANCEL_WAIT_S = 15.0
 # how often a reader looks for new events of a response another process runs
 EVENTS_POLL_S = 0.05
 # how often a reader that sees no new event checks that the response is still running
